@@ -1,0 +1,1 @@
+"""Task and query sources, their normalised schema, decontamination and Parquet I/O."""

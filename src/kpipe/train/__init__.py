@@ -1,0 +1,1 @@
+"""kpipe.train"""
