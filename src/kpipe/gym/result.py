@@ -1,0 +1,75 @@
+"""The result of one KernelGym evaluation: one row of the `evals` table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+# Every status an evaluation can end in. The GPU fault subclasses refine `runtime_error`
+# where the CUDA error says what happened, so feedback and statistics can tell them apart.
+STATUSES = (
+    "pass",
+    "mismatch",
+    "runtime_error",
+    "compilation_error",
+    "timeout",
+    "crashed",  # killed by a signal, or exited without a result (os._exit, sys.exit, killpg)
+    "oom",  # host or device out of memory
+    "format_error",  # no ModelNew / no @triton.jit kernel / not a Python module
+    "hacked",
+    "illegal_memory_access",
+    "misaligned_address",
+    "illegal_instruction",
+    "device_assert",
+)
+GPU_FAULTS = ("illegal_memory_access", "misaligned_address", "illegal_instruction", "device_assert")
+
+
+@dataclass
+class EvalResult:
+    """Fields are exactly the columns of ``kpipe.data.schemas.EVALS`` (a test checks it)."""
+
+    key: str
+    reference_hash: str
+    candidate_hash: str
+    status: str
+    correct: bool = False
+    hacked: bool = False
+    hack_reasons: list[str] = field(default_factory=list)
+    findings: list[str] = field(default_factory=list)
+    diagnostic: str = ""
+    feedback: str = ""
+    candidate_ms: float | None = None
+    candidate_ms_iqr: float | None = None
+    eager_ms: float | None = None
+    eager_ms_iqr: float | None = None
+    compile_ms: float | None = None
+    compile_ms_iqr: float | None = None
+    speedup_eager: float | None = None
+    speedup_compile: float | None = None
+    pr: float | None = None
+    launched_kernels: list[str] = field(default_factory=list)
+    timing_kind: str = "cpu"
+    device: str = ""
+    torch_version: str = ""
+    triton_version: str = ""
+    protocol_version: str = ""
+    protocol: str = ""
+    wall_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown status {self.status!r}")
+
+    def to_row(self) -> dict[str, Any]:
+        """A dict row for ``kpipe.data.io.write_table(rows, path, "evals")``."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_row(), sort_keys=True)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> EvalResult:
+        return cls(**row)

@@ -1,0 +1,61 @@
+"""What every Snakemake script does first: log to the rule's log file and lease its GPUs.
+
+Scripts under ``workflow/scripts`` stay thin: ``with snakemake_job(snakemake) as job:`` and
+then one call into the library. The lease is taken before anything imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from kpipe.gpu import gpu_lease
+
+log = logging.getLogger("kpipe")
+
+
+class _Tee:
+    """Write to the rule's log file and to the terminal, so progress stays visible."""
+
+    def __init__(self, *streams: TextIO) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+            stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def snakemake_job(smk: Any) -> Iterator[Any]:
+    """Run a Snakemake script body with logging to ``log[0]`` and a GPU lease of ``resources.gpu``."""
+    log_path = Path(smk.log[0]) if smk.log else None
+    stack = contextlib.ExitStack()
+    with stack:
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = stack.enter_context(open(log_path, "w"))
+            stack.enter_context(contextlib.redirect_stdout(_Tee(log_file, sys.__stdout__)))
+            stack.enter_context(contextlib.redirect_stderr(_Tee(log_file, sys.__stderr__)))
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True)
+        gpus = int(getattr(smk.resources, "gpu", 0) or 0)
+        leased = stack.enter_context(gpu_lease(gpus))
+        log.info("rule %s: %d GPU(s) leased %s", smk.rule, gpus, leased)
+        try:
+            yield smk
+        except Exception:
+            traceback.print_exc()
+            raise

@@ -1,0 +1,150 @@
+"""Hugging Face transformers generation for small or offline models (and RL rollouts on CPU).
+
+Batched with left padding (decoder-only models continue from the right edge). Per-token
+log-probabilities are those of the sampled tokens under the *sampling* distribution,
+log_softmax(logits / temperature), which is what the trainer recomputes for the
+mismatch ratio π_train/π_rollout (MRS); top-p truncation is not folded in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from itertools import groupby
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from kpipe.llm.types import ChatRequest, Completion, Message, ResultCallback, Usage
+
+PLAIN_CHAT_ROLE = "<|{role}|>\n"  # used only when a tokenizer has no chat template
+
+
+def plain_chat_prompt(messages: list[Message]) -> str:
+    """A role-tagged transcript for tokenizers without a chat template (tiny local models)."""
+    parts = [PLAIN_CHAT_ROLE.format(role=m["role"]) + m["content"] + "\n" for m in messages]
+    return "".join(parts) + PLAIN_CHAT_ROLE.format(role="assistant")
+
+
+def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature); logits (B, T, V), tokens (B, T) -> (B, T)."""
+    scaled = logits.float() / temperature if temperature > 0 else logits.float()
+    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def batch_seed(requests: list[ChatRequest], base_seed: int) -> int:
+    """One torch seed per batch, derived from its requests' seeds: same batch, same samples."""
+    text = f"{base_seed}:" + ",".join(str(r.seed) for r in requests)
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16)
+
+
+class HFEngine:
+    """Generation from an in-memory HF causal LM (the RL trainer passes its live policy)."""
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, batch_size: int = 8, seed: int = 0,
+                 progress: bool = True) -> None:
+        self.hf_model = model
+        self.tokenizer = tokenizer
+        self.model = name
+        self.batch_size = batch_size
+        self.seed = seed
+        self.progress = progress
+        self.usage = Usage()
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: str | None = None, dtype: str = "auto", **kwargs: Any) -> HFEngine:
+        """Load a local checkpoint (no network: `local_files_only`)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        return cls(model.eval(), tokenizer, name=kwargs.pop("name", str(path)), **kwargs)
+
+    def prompt_text(self, messages: list[Message]) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return plain_chat_prompt(messages)
+
+    def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
+        results: list[Completion | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc=f"generate {self.model}", disable=not self.progress, leave=False) as bar:
+            for indices in self._batches(requests):
+                batch = [requests[i] for i in indices]
+                for index, completion in zip(indices, self._generate_batch(batch), strict=True):
+                    results[index] = completion
+                    self.usage.add(completion)
+                    if on_result is not None:
+                        on_result(index, completion)
+                bar.update(len(indices))
+        return results  # type: ignore[return-value]
+
+    def _batches(self, requests: list[ChatRequest]) -> Iterator[list[int]]:
+        """Index batches of requests sharing sampling parameters (one `generate` call each)."""
+        def params(i: int) -> tuple:
+            r = requests[i]
+            return (r.temperature, r.top_p, r.max_tokens, r.logprobs)
+
+        for _, group in groupby(sorted(range(len(requests)), key=params), key=params):
+            group = list(group)
+            for start in range(0, len(group), self.batch_size):
+                yield group[start : start + self.batch_size]
+
+    @torch.no_grad()
+    def _generate_batch(self, batch: list[ChatRequest]) -> list[Completion]:
+        first = batch[0]
+        device = next(self.hf_model.parameters()).device
+        encoded = self.tokenizer([self.prompt_text(r.messages) for r in batch], return_tensors="pt", padding=True,
+                                 add_special_tokens=False).to(device)
+        sampling = first.temperature > 0
+        torch.manual_seed(batch_seed(batch, self.seed))
+        started = time.perf_counter()
+        out = self.hf_model.generate(
+            **encoded,
+            do_sample=sampling,
+            temperature=first.temperature if sampling else None,
+            top_p=first.top_p if sampling else None,
+            top_k=None,
+            max_new_tokens=first.max_tokens,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            return_dict_in_generate=True,
+            output_logits=first.logprobs,
+        )
+        latency = (time.perf_counter() - started) / len(batch)
+        prompt_len = encoded["input_ids"].shape[1]
+        new_tokens = out.sequences[:, prompt_len:]
+        logprobs = None
+        if first.logprobs:
+            logits = torch.stack(out.logits, dim=1)
+            logprobs = sampled_token_logprobs(logits, new_tokens, first.temperature)
+        completions = []
+        for row in range(len(batch)):
+            ids = new_tokens[row].tolist()
+            n, finish = self._response_length(ids)
+            completions.append(
+                Completion(
+                    text=self.tokenizer.decode(ids[:n], skip_special_tokens=True),
+                    finish_reason=finish,
+                    prompt_tokens=int(encoded["attention_mask"][row].sum()),
+                    completion_tokens=n,
+                    token_ids=ids[:n],
+                    logprobs=logprobs[row, :n].tolist() if logprobs is not None else None,
+                    latency_s=latency,
+                )
+            )
+        return completions
+
+    def _response_length(self, ids: list[int]) -> tuple[int, str]:
+        """Tokens up to and including the first EOS ("stop"), else all of them ("length")."""
+        eos = self.tokenizer.eos_token_id
+        eos_ids = set(eos) if isinstance(eos, list) else {eos}
+        for position, token in enumerate(ids):
+            if token in eos_ids:
+                return position + 1, "stop"
+        return len(ids), "length"

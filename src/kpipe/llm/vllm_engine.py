@@ -1,0 +1,70 @@
+"""vLLM in process, for RL rollouts and evaluation at scale (GPU machines only).
+
+Thin on purpose: vLLM cannot be installed on CPU-only machines, so nothing here is tested
+in CI. Written against vLLM >= 0.11's offline API: `LLM.chat(list_of_conversations,
+sampling_params)` returns one `RequestOutput` per conversation, whose `outputs[0]` carries
+`text`, `token_ids`, `finish_reason` and, with `SamplingParams(logprobs=0)`, `logprobs` =
+one {token_id: Logprob} dict per generated token holding the sampled token.
+Rollout log-probabilities for MRS should come from the sampling distribution: start the
+engine with `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so they include temperature.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kpipe.llm.types import ChatRequest, Completion, ResultCallback, Usage
+
+
+def _require_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as error:
+        raise RuntimeError("the vllm engine needs vLLM: pip install 'kpipe[vllm]' on a GPU machine") from error
+    return vllm
+
+
+class VLLMEngine:
+    """One `vllm.LLM` held for the life of the engine; `llm_kwargs` go to its constructor."""
+
+    def __init__(self, model_path: str, name: str | None = None, seed: int = 0, **llm_kwargs: Any) -> None:
+        vllm = _require_vllm()
+        self._vllm = vllm
+        self.model = name or model_path
+        self.seed = seed
+        self.usage = Usage()
+        self.llm = vllm.LLM(model=model_path, seed=seed, **llm_kwargs)
+
+    def sampling_params(self, request: ChatRequest) -> Any:
+        return self._vllm.SamplingParams(
+            n=1,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_tokens,
+            seed=request.seed,
+            logprobs=0 if request.logprobs else None,
+        )
+
+    def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
+        outputs = self.llm.chat(
+            [r.messages for r in requests], [self.sampling_params(r) for r in requests], use_tqdm=True
+        )
+        completions = []
+        for index, (request, output) in enumerate(zip(requests, outputs, strict=True)):
+            sample = output.outputs[0]
+            logprobs = None
+            if request.logprobs and sample.logprobs is not None:
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+            completion = Completion(
+                text=sample.text,
+                finish_reason=sample.finish_reason or "stop",
+                prompt_tokens=len(output.prompt_token_ids or []),
+                completion_tokens=len(sample.token_ids),
+                token_ids=list(sample.token_ids),
+                logprobs=logprobs,
+            )
+            self.usage.add(completion)
+            if on_result is not None:
+                on_result(index, completion)
+            completions.append(completion)
+        return completions

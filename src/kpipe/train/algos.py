@@ -1,0 +1,558 @@
+"""The RL math of Dr. Kernel, as small pure functions (cf. verl's ``core_algos.py``).
+
+Equation numbers refer to the Dr. Kernel paper (``papers/dr-kernel.md``). Where the
+authors' released code (hkust-nlp/KernelGYM on a patched verl) differs from the paper,
+both are here and the paper is the default; the docstring says which is which.
+
+Row layout: the trainer works on flat rows, one per (trajectory, turn). Group-wise
+functions take per-row values plus per-row keys (prompt id, trajectory id, turn); keys
+are any hashables (tuples included) or an integer tensor (fast path, used for large
+batches). Invalid rows (a turn that was never reached, a row rejected by a filter) are
+excluded from every baseline and get advantage 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable, Sequence
+from typing import Literal
+
+import torch
+
+GroupKeys = Sequence[Hashable] | torch.Tensor
+Singleton = Literal["zero", "return"]
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
+SPEEDUP_CAP = 3.0  # paper §4.2: speedups above 3x are mostly timing artefacts
+KEVIN_GAMMA = 0.4  # Kevin §4.3: discount of the sum over later turns' scores
+KEVIN_CORRECTNESS_WEIGHT = 0.3  # Kevin App. B.2
+RELEASED_CODE_WEIGHT = 0.5  # released code: every term of the reward weighted by 0.5
+MRS_DELTA = 1e-3  # Eq. 6: keep w in [1 - delta, 1 + delta]
+MRS_TOKEN_VETO = 1e-4  # Eq. 6: reject a sequence if any token ratio is below this
+PRS_TAU = 0.3  # Eq. 9 cutoff
+PRS_SOFTNESS = 0.1  # Eq. 9 softness s
+ZERO_VARIANCE_MIN_STD = 1e-3  # released code: groups whose last-turn rewards barely differ teach nothing
+
+
+# ---------------------------------------------------------------------------------------
+# Per-turn rewards (Eq. 1, Eq. 8, the released code's weighting, Kevin's score)
+# ---------------------------------------------------------------------------------------
+
+
+def clipped_speedup(speedup: float | None, cap: float = SPEEDUP_CAP) -> float:
+    """min(T_ref / T_kernel, cap): the speedup term of Eq. 1, robust to timing artefacts."""
+    if speedup is None or not math.isfinite(speedup) or speedup < 0:
+        raise ValueError(f"a correct kernel needs a finite, non-negative speedup, got {speedup!r}")
+    return min(speedup, cap)
+
+
+def _checked_pr(pr: float | None) -> float:
+    """PR (Eq. 7) is a time fraction; anything outside [0, 1] is a profiling bug."""
+    if pr is None or not math.isfinite(pr) or not 0.0 <= pr <= 1.0:
+        raise ValueError(f"the PR term needs a profiling ratio in [0, 1], got {pr!r}")
+    return pr
+
+
+def earns_reward(correct: bool, hacked: bool) -> bool:
+    """C(y) of Eq. 1: only a correct, non-hacked kernel scores (failed, timed-out, hacked: 0)."""
+    return bool(correct) and not bool(hacked)
+
+
+def reward_paper(
+    correct: bool,
+    hacked: bool,
+    speedup: float | None,
+    pr: float | None = None,
+    use_pr: bool = False,
+    speedup_cap: float = SPEEDUP_CAP,
+) -> float:
+    """Eq. 1 (R = C + C·min(speedup, 3)), plus C·PR with `use_pr` (Eq. 8)."""
+    if not earns_reward(correct, hacked):
+        return 0.0
+    reward = 1.0 + clipped_speedup(speedup, speedup_cap)
+    if use_pr:
+        reward += _checked_pr(pr)
+    return reward
+
+
+def reward_released_code(
+    correct: bool,
+    hacked: bool,
+    speedup: float | None,
+    pr: float | None = None,
+    use_pr: bool = False,
+    speedup_cap: float = SPEEDUP_CAP,
+) -> float:
+    """The released code's weighting: 0.5·C + 0.5·min(speedup, 3) [+ 0.5·PR·C]; 0 unless correct."""
+    if not earns_reward(correct, hacked):
+        return 0.0
+    reward = RELEASED_CODE_WEIGHT * (1.0 + clipped_speedup(speedup, speedup_cap))
+    if use_pr:
+        reward += RELEASED_CODE_WEIGHT * _checked_pr(pr)
+    return reward
+
+
+def reward_kevin(
+    correct: bool,
+    hacked: bool,
+    speedup: float | None,
+    pr: float | None = None,
+    use_pr: bool = False,
+    speedup_cap: float = SPEEDUP_CAP,
+) -> float:
+    """Kevin's score 0.3·correct + speedup (speedup only for correct kernels).
+
+    Kevin itself does not clip the speedup; pass ``speedup_cap=math.inf`` for its exact
+    score. The cap defaults to the paper's 3 so the reward ablations differ in one thing.
+    """
+    if use_pr:
+        raise ValueError("Kevin's reward has no profiling (PR) term")
+    if not earns_reward(correct, hacked):
+        return 0.0
+    return KEVIN_CORRECTNESS_WEIGHT + clipped_speedup(speedup, speedup_cap)
+
+
+RewardFn = Callable[..., float]
+REWARDS: dict[str, RewardFn] = {
+    "paper": reward_paper,
+    "released_code": reward_released_code,
+    "kevin": reward_kevin,
+}
+
+
+def reward_fn(name: str) -> RewardFn:
+    """The reward function registered as `name` (config key ``rl.reward``)."""
+    if name not in REWARDS:
+        raise KeyError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+    return REWARDS[name]
+
+
+# ---------------------------------------------------------------------------------------
+# Returns (Eq. 2, Kevin's discounted aggregation)
+# ---------------------------------------------------------------------------------------
+
+
+def _as_float_tensor(values: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    tensor = torch.as_tensor(values)
+    return tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
+
+
+def _check_gamma(gamma: float) -> None:
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"discount gamma must be in [0, 1], got {gamma}")
+
+
+def reward_to_go(rewards: torch.Tensor | Sequence[float], gamma: float = 1.0) -> torch.Tensor:
+    """Eq. 2: G_t = sum_{t' >= t} gamma^(t'-t) R_t' along the last (turn) dimension.
+
+    Trailing zero padding of shorter trajectories leaves every G_t unchanged.
+    """
+    _check_gamma(gamma)
+    rewards = _as_float_tensor(rewards)
+    returns = torch.empty_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for turn in reversed(range(rewards.shape[-1])):
+        running = rewards[..., turn] + gamma * running
+        returns[..., turn] = running
+    return returns
+
+
+def discounted_max_return(rewards: torch.Tensor | Sequence[float], gamma: float = KEVIN_GAMMA) -> torch.Tensor:
+    """Kevin's "max" aggregation: G_t = max_{t' >= t} gamma^(t'-t) R_t' (rewards one high kernel)."""
+    _check_gamma(gamma)
+    rewards = _as_float_tensor(rewards)
+    returns = torch.empty_like(rewards)
+    running = torch.full_like(rewards[..., 0], -math.inf)
+    for turn in reversed(range(rewards.shape[-1])):
+        running = torch.maximum(rewards[..., turn], gamma * running)
+        returns[..., turn] = running
+    return returns
+
+
+def kevin_return(rewards: torch.Tensor | Sequence[float], gamma: float = KEVIN_GAMMA) -> torch.Tensor:
+    """Kevin's final recipe: the discounted sum of the current and later turns' scores, gamma = 0.4."""
+    return reward_to_go(rewards, gamma)
+
+
+def returns_by_trajectory(
+    rewards: torch.Tensor | Sequence[float],
+    trajectory_ids: Sequence[Hashable],
+    turns: Sequence[int],
+    gamma: float = 1.0,
+    aggregate: Literal["sum", "max"] = "sum",
+) -> torch.Tensor:
+    """Eq. 2 on flat rows: each row's return over the later turns of its own trajectory."""
+    rewards = _as_float_tensor(rewards)
+    _check_same_length(rewards, trajectory_ids=trajectory_ids, turns=turns)
+    rows_of: dict[Hashable, list[int]] = {}
+    for row, key in enumerate(trajectory_ids):
+        rows_of.setdefault(key, []).append(row)
+    to_go = reward_to_go if aggregate == "sum" else discounted_max_return
+    returns = torch.empty_like(rewards)
+    for key, rows in rows_of.items():
+        rows.sort(key=lambda row: int(turns[row]))
+        if len({int(turns[row]) for row in rows}) != len(rows):
+            raise ValueError(f"trajectory {key!r} has a repeated turn")
+        index = torch.tensor(rows)
+        returns[index] = to_go(rewards[index], gamma)
+    return returns
+
+
+# ---------------------------------------------------------------------------------------
+# Advantages (Eq. 3, Eq. 5, trajectory RLOO)
+# ---------------------------------------------------------------------------------------
+
+
+def _check_same_length(values: torch.Tensor, **others: Sequence | torch.Tensor) -> None:
+    for name, other in others.items():
+        if len(other) != len(values):
+            raise ValueError(f"{name} has {len(other)} rows, expected {len(values)}")
+
+
+def group_index(keys: GroupKeys) -> tuple[torch.Tensor, int]:
+    """Dense group ids 0..G-1 for per-row keys; an int tensor [n] or [n, k] takes the fast path."""
+    if isinstance(keys, torch.Tensor):
+        if keys.dim() not in (1, 2) or keys.is_floating_point():
+            raise ValueError("tensor group keys must be integers of shape [n] or [n, k]")
+        unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+        return inverse, len(unique)
+    ids: dict[Hashable, int] = {}
+    index = [ids.setdefault(key, len(ids)) for key in keys]
+    return torch.tensor(index, dtype=torch.long), len(ids)
+
+
+def prompt_turn_keys(prompt_ids: Sequence[Hashable], turns: Sequence[int]) -> list[tuple[Hashable, int]]:
+    """The paper's advantage groups: rollouts of the same prompt at the same turn."""
+    if len(prompt_ids) != len(turns):
+        raise ValueError(f"{len(prompt_ids)} prompt ids but {len(turns)} turns")
+    return [(prompt, int(turn)) for prompt, turn in zip(prompt_ids, turns)]
+
+
+def _group_sum(values: torch.Tensor, index: torch.Tensor, n_groups: int) -> torch.Tensor:
+    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, index, values)
+
+
+def _valid_mask(valid: torch.Tensor | Sequence[bool] | None, like: torch.Tensor) -> torch.Tensor:
+    if valid is None:
+        return torch.ones_like(like, dtype=torch.bool)
+    valid = torch.as_tensor(valid, dtype=torch.bool, device=like.device)
+    _check_same_length(like, valid=valid)
+    return valid
+
+
+def grpo_advantages(
+    returns: torch.Tensor | Sequence[float],
+    group_keys: GroupKeys,
+    valid: torch.Tensor | Sequence[bool] | None = None,
+    normalize_std: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Eq. 3: A = G - mean of the valid group, self included (so E[A·score] shrinks by 1 - 1/N).
+
+    With `normalize_std`, divide by the group's standard deviation (Bessel-corrected, as
+    verl's GRPO does) plus `eps`: the original GRPO. A group of one gets 0.
+    """
+    returns = _as_float_tensor(returns)
+    _check_same_length(returns, group_keys=group_keys)
+    valid = _valid_mask(valid, returns)
+    index, n_groups = group_index(group_keys)
+    weight = valid.to(returns.dtype)
+    count = _group_sum(weight, index, n_groups)
+    mean = _group_sum(returns * weight, index, n_groups) / count.clamp(min=1)
+    advantages = returns - mean[index]
+    if normalize_std:
+        squares = _group_sum(weight * advantages.square(), index, n_groups)
+        std = (squares / (count - 1).clamp(min=1)).sqrt()
+        advantages = advantages / (std[index] + eps)
+    return torch.where(valid, advantages, torch.zeros_like(advantages))
+
+
+def leave_one_out_advantages(
+    values: torch.Tensor | Sequence[float],
+    group_keys: GroupKeys,
+    valid: torch.Tensor | Sequence[bool] | None = None,
+    singleton: Singleton = "zero",
+) -> torch.Tensor:
+    """A_i = V_i - mean_{j != i} V_j over the valid members of i's group (RLOO's baseline).
+
+    A group with one valid member has no baseline: its advantage is 0 (the paper's Eq. 5
+    needs N > 1) or, with ``singleton="return"``, the value itself (the released code).
+    """
+    values = _as_float_tensor(values)
+    _check_same_length(values, group_keys=group_keys)
+    valid = _valid_mask(valid, values)
+    index, n_groups = group_index(group_keys)
+    weight = valid.to(values.dtype)
+    count = _group_sum(weight, index, n_groups)[index]
+    total = _group_sum(values * weight, index, n_groups)[index]
+    others_mean = (total - values * weight) / (count - 1).clamp(min=1)
+    advantages = values - others_mean
+    if singleton == "zero":
+        advantages = torch.where(count > 1, advantages, torch.zeros_like(advantages))
+    elif singleton != "return":
+        raise ValueError(f"singleton must be 'zero' or 'return', got {singleton!r}")
+    return torch.where(valid, advantages, torch.zeros_like(advantages))
+
+
+def trloo_advantages(
+    returns: torch.Tensor | Sequence[float],
+    group_keys: GroupKeys,
+    valid: torch.Tensor | Sequence[bool] | None = None,
+    singleton: Singleton = "zero",
+) -> torch.Tensor:
+    """Eq. 5 (TRLOO): A_{i,t} = G_{i,t} - mean of the other valid returns of (prompt, turn).
+
+    Equals N/(N-1)·(G - mean) and is unbiased (Appendix A). Paper: `valid` = rollouts that
+    reached the turn and were not rejected, singleton groups get 0. Released code: pass
+    `valid` = every row that exists (filter-rejected rows still count in the baseline)
+    and ``singleton="return"`` (a group of one gets A = G).
+    """
+    return leave_one_out_advantages(returns, group_keys, valid, singleton)
+
+
+def rloo_trajectory_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    prompt_ids: Sequence[Hashable],
+    trajectory_ids: Sequence[Hashable],
+    valid: torch.Tensor | Sequence[bool] | None = None,
+    singleton: Singleton = "zero",
+) -> torch.Tensor:
+    """Trajectory-level RLOO: each trajectory's summed (valid) rewards, leave-one-out across the
+    trajectories of its prompt; every turn row gets its trajectory's advantage."""
+    rewards = _as_float_tensor(rewards)
+    _check_same_length(rewards, prompt_ids=prompt_ids, trajectory_ids=trajectory_ids)
+    valid = _valid_mask(valid, rewards)
+    trajectory, n_trajectories = group_index(list(trajectory_ids))
+    prompt_of_trajectory: list[Hashable] = [None] * n_trajectories
+    for row, traj in enumerate(trajectory.tolist()):
+        prompt = prompt_ids[row]
+        if prompt_of_trajectory[traj] is not None and prompt_of_trajectory[traj] != prompt:
+            raise ValueError(f"trajectory {trajectory_ids[row]!r} spans two prompts")
+        prompt_of_trajectory[traj] = prompt
+    weight = valid.to(rewards.dtype)
+    trajectory_return = _group_sum(rewards * weight, trajectory, n_trajectories)
+    trajectory_valid = _group_sum(weight, trajectory, n_trajectories) > 0
+    advantages = leave_one_out_advantages(trajectory_return, prompt_of_trajectory, trajectory_valid, singleton)
+    return torch.where(valid, advantages[trajectory], torch.zeros_like(rewards))
+
+
+# ---------------------------------------------------------------------------------------
+# Sample filters (Eq. 6, Eq. 9, the released code's masks). True = keep.
+# ---------------------------------------------------------------------------------------
+
+
+def log_geometric_mean_ratio(
+    train_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """log w of Eq. 6 per sequence: the mean over response tokens of log pi_train - log pi_rollout."""
+    mask = mask.to(torch.float64)
+    log_ratio = (train_logp.to(torch.float64) - rollout_logp.to(torch.float64)) * mask
+    return log_ratio.sum(-1) / mask.sum(-1)
+
+
+def mrs_mask(
+    train_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    mask: torch.Tensor,
+    delta: float = MRS_DELTA,
+    token_veto: float = MRS_TOKEN_VETO,
+) -> torch.Tensor:
+    """Eq. 6 (MRS): keep a sequence iff its geometric-mean ratio w is in [1-delta, 1+delta] and
+    no token's ratio pi_train/pi_rollout is below `token_veto`. Empty sequences are rejected."""
+    mask = mask.to(torch.bool)
+    log_w = log_geometric_mean_ratio(train_logp, rollout_logp, mask)
+    in_band = (log_w >= math.log1p(-delta)) & (log_w <= math.log1p(delta))
+    token_log_ratio = train_logp.to(torch.float64) - rollout_logp.to(torch.float64)
+    vetoed = ((token_log_ratio < math.log(token_veto)) & mask).any(-1)
+    return in_band & ~vetoed & mask.any(-1)
+
+
+def _prs_inputs(
+    pr: torch.Tensor | Sequence[float | None],
+    correct: torch.Tensor | Sequence[bool],
+    hacked: torch.Tensor | Sequence[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PR with missing values as 0 (no profile: no generated-kernel time), and C(y) per row."""
+    pr = torch.tensor([math.nan if v is None else float(v) for v in pr]) if not isinstance(pr, torch.Tensor) else pr
+    pr = torch.nan_to_num(pr.to(torch.float64), nan=0.0)
+    eligible = torch.as_tensor(correct, dtype=torch.bool) & ~torch.as_tensor(hacked, dtype=torch.bool)
+    _check_same_length(pr, eligible=eligible)
+    return pr, eligible
+
+
+def prs_keep_probability(
+    pr: torch.Tensor | Sequence[float | None],
+    correct: torch.Tensor | Sequence[bool],
+    hacked: torch.Tensor | Sequence[bool],
+    tau: float = PRS_TAU,
+    softness: float = PRS_SOFTNESS,
+    correct_only: bool = True,
+) -> torch.Tensor:
+    """Eq. 9 (PRS): p = clip((PR - tau) / s, 0, 1).
+
+    PR exists only for correct kernels (Eq. 8), so by default PRS filters correct,
+    non-hacked turns and keeps the others (p = 1), as the released code does. With
+    ``correct_only=False`` every row is filtered by its PR, a missing PR counting as 0.
+    """
+    if softness <= 0:
+        raise ValueError(f"PRS softness s must be > 0, got {softness} (use prs_hard_keep for a hard cut)")
+    pr, eligible = _prs_inputs(pr, correct, hacked)
+    probability = ((pr - tau) / softness).clamp(0.0, 1.0)
+    return torch.where(eligible, probability, torch.ones_like(probability)) if correct_only else probability
+
+
+def prs_hard_keep(
+    pr: torch.Tensor | Sequence[float | None],
+    correct: torch.Tensor | Sequence[bool],
+    hacked: torch.Tensor | Sequence[bool],
+    tau: float = PRS_TAU,
+    correct_only: bool = True,
+) -> torch.Tensor:
+    """Appendix D ablation "w/o s": keep iff PR >= tau (same scope as `prs_keep_probability`)."""
+    pr, eligible = _prs_inputs(pr, correct, hacked)
+    keep = pr >= tau
+    return torch.where(eligible, keep, torch.ones_like(keep)) if correct_only else keep
+
+
+def bernoulli_keep(probability: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw keep/drop per row with the given keep probabilities (PRS's sampling step)."""
+    return torch.rand(probability.shape, generator=generator, dtype=torch.float64) < probability
+
+
+def _rows_by(keys: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    rows_of: dict[Hashable, list[int]] = {}
+    for row, key in enumerate(keys):
+        rows_of.setdefault(key, []).append(row)
+    return rows_of
+
+
+def zero_variance_group_mask(
+    rewards: torch.Tensor | Sequence[float],
+    prompt_ids: Sequence[Hashable],
+    trajectory_ids: Sequence[Hashable],
+    turns: Sequence[int],
+    min_std: float = ZERO_VARIANCE_MIN_STD,
+) -> torch.Tensor:
+    """Released code: drop every row of a prompt whose trajectories' last-turn rewards have
+    (population) std < `min_std` — all advantages there are ~0, so it only adds noise."""
+    rewards = _as_float_tensor(rewards)
+    _check_same_length(rewards, prompt_ids=prompt_ids, trajectory_ids=trajectory_ids, turns=turns)
+    last_reward: dict[Hashable, tuple[int, float]] = {}
+    prompt_of: dict[Hashable, Hashable] = {}
+    for row, (traj, turn) in enumerate(zip(trajectory_ids, turns)):
+        if traj not in last_reward or int(turn) > last_reward[traj][0]:
+            last_reward[traj] = (int(turn), float(rewards[row]))
+        prompt_of[traj] = prompt_ids[row]
+    finals: dict[Hashable, list[float]] = {}
+    for traj, (_, reward) in last_reward.items():
+        finals.setdefault(prompt_of[traj], []).append(reward)
+    keep_prompt = {prompt: torch.tensor(values, dtype=torch.float64).std(correction=0).item() >= min_std
+                   for prompt, values in finals.items()}
+    return torch.tensor([keep_prompt[prompt] for prompt in prompt_ids], dtype=torch.bool)
+
+
+def regression_mask(
+    rewards: torch.Tensor | Sequence[float],
+    trajectory_ids: Sequence[Hashable],
+    turns: Sequence[int],
+) -> torch.Tensor:
+    """Released code: drop a turn that scores 0 after an earlier turn of its trajectory scored > 0
+    (a regression is usually a risky rewrite of a working kernel; not punished)."""
+    rewards = _as_float_tensor(rewards)
+    _check_same_length(rewards, trajectory_ids=trajectory_ids, turns=turns)
+    keep = torch.ones(len(rewards), dtype=torch.bool)
+    for rows in _rows_by(trajectory_ids).values():
+        scored_before = False
+        for row in sorted(rows, key=lambda r: int(turns[r])):
+            if scored_before and rewards[row] <= 0:
+                keep[row] = False
+            scored_before = scored_before or bool(rewards[row] > 0)
+    return keep
+
+
+# ---------------------------------------------------------------------------------------
+# Policy loss and monitored quantities
+# ---------------------------------------------------------------------------------------
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of `values` where `mask` is set; 0 where nothing is (a fully rejected batch adds no gradient)."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def aggregate_loss(loss_per_token: torch.Tensor, mask: torch.Tensor, agg_mode: AggMode) -> torch.Tensor:
+    """Reduce a [batch, tokens] loss to a scalar.
+
+    token-mean: every token weighs the same (long responses dominate);
+    seq-mean-token-sum: sum within a sequence, mean over sequences (the released code's);
+    seq-mean-token-mean: mean within a sequence, mean over sequences (original GRPO).
+    Sequence means are over sequences with at least one unmasked token, so rows a filter
+    rejected do not dilute the loss (verl averages over every row of the micro-batch).
+    """
+    mask = mask.to(loss_per_token.dtype)
+    if agg_mode == "token-mean":
+        return masked_mean(loss_per_token, mask)
+    if agg_mode == "seq-mean-token-sum":
+        per_sequence = (loss_per_token * mask).sum(-1)
+    elif agg_mode == "seq-mean-token-mean":
+        per_sequence = masked_mean(loss_per_token, mask, dim=-1)
+    else:
+        raise ValueError(f"unknown loss aggregation {agg_mode!r}")
+    return masked_mean(per_sequence, mask.sum(-1) > 0)
+
+
+def ppo_clip_policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = 3.0,
+    agg_mode: AggMode = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate per token, with decoupled clip range [1-eps_low, 1+eps_high]
+    (DAPO's clip-higher) and dual clip (negative advantages: loss at most -A·dual_clip).
+
+    `advantages` is per token [batch, tokens] or per sequence [batch]. Returns the scalar
+    loss to minimise and stats: clip_frac (tokens where the clip is active), dual_clip_frac
+    (tokens where the dual clip binds), approx_kl (mean old_logp - logp).
+    """
+    if advantages.dim() == logp.dim() - 1:
+        advantages = advantages.unsqueeze(-1)
+    mask = mask.to(torch.bool)
+    log_ratio = (logp - old_logp).clamp(-20.0, 20.0)
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    stats = {"clip_frac": masked_mean((clipped > unclipped).to(logp.dtype), mask).item()}
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        bound = -advantages * dual_clip
+        dual_bound = (advantages < 0) & (loss > bound)
+        loss = torch.where(advantages < 0, torch.minimum(loss, bound), loss)
+        stats["dual_clip_frac"] = masked_mean(dual_bound.to(logp.dtype), mask).item()
+    stats["approx_kl"] = masked_mean(-log_ratio, mask).item()
+    return aggregate_loss(loss, mask, agg_mode), stats
+
+
+def log_probs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """log pi(token) per position: logits [..., vocab], token_ids [...]."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax per position: logsumexp(z) - sum softmax(z)·z."""
+    logits = logits.float()
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+
+
+def perplexity(logp: torch.Tensor, mask: torch.Tensor) -> float:
+    """exp(-mean token log-prob) over the masked tokens: the rollout (vLLM) and trainer (FSDP)
+    perplexities the paper monitors (Figure 7) are this on each engine's log-probs."""
+    return math.exp(-masked_mean(logp.to(torch.float64), mask).item())

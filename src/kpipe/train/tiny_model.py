@@ -1,0 +1,128 @@
+"""A tiny Qwen3-architecture policy built locally, for runs with no model download.
+
+The offline pipeline must exercise the same code paths as the paper's run (chat template,
+assistant-only loss, HF checkpoints, generation), only smaller. So the tiny model is a real
+``Qwen3ForCausalLM`` with random weights and a byte-level tokenizer (token id = byte value,
+plus ChatML special tokens): it round-trips any UTF-8 text and needs no training corpus,
+which keeps it deterministic given a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+
+# Qwen's ChatML layout; every turn ends with <|im_end|>, which is also the end-of-generation token.
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Architecture presets. "qwen3-0.6b" mirrors Qwen/Qwen3-0.6B's config (for GPU throughput checks);
+# the others are scaled down for CPU runs.
+SIZE_PRESETS: dict[str, dict[str, Any]] = {
+    "nano": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, intermediate_size=192),
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, intermediate_size=768),
+    "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                  head_dim=64, intermediate_size=1536),
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960),
+}
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what ByteLevel tokenizers use)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shift)
+            shift += 1
+    return chars
+
+
+def build_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (id = byte value, no merges) with ChatML special tokens and template."""
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=ENDOFTEXT)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(size: str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen3Config:
+    """The Qwen3Config of a size preset.
+
+    The embedding has exactly one row per token unless the preset fixes it: padding rows would
+    let a sampling policy emit ids the tokenizer cannot decode. RoPE keeps the library default so
+    transformers 4.x (``rope_theta``) and 5.x (``rope_parameters``) read the same config.
+    """
+    if size not in SIZE_PRESETS:
+        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZE_PRESETS)}")
+    arch = {"vocab_size": vocab_size, "max_position_embeddings": 32768, **SIZE_PRESETS[size]}
+    return Qwen3Config(
+        **arch,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+
+
+def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """Build a random-weight Qwen3 model + byte tokenizer and save both in HF format to `out_dir`.
+
+    Written to a temporary sibling directory and renamed into place, so a killed build never
+    leaves a half-saved model that a later stage would load.
+    """
+    out_dir = Path(out_dir)
+    tokenizer = build_byte_tokenizer()
+    config = tiny_config(size, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _portable_tokenizer_class(tmp / "tokenizer_config.json")
+        (tmp / "kpipe_model.json").write_text(json.dumps({"builder": "kpipe.train.tiny_model", "size": size,
+                                                          "seed": seed, "parameters": model.num_parameters()}))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _portable_tokenizer_class(config_path: Path) -> None:
+    """Name the tokenizer class that transformers 4.x (vLLM's pin) and 5.x both resolve."""
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2))

@@ -1,0 +1,74 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kpipe.config import ConfigError, deep_merge, load_config, load_schema, validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def schema():
+    return load_schema()
+
+
+def default_config():
+    return yaml.safe_load((ROOT / "config" / "config.yaml").read_text())
+
+
+def test_default_and_paper_configs_validate(schema):
+    for name in ["config.yaml", "paper.yaml"]:
+        cfg = yaml.safe_load((ROOT / "config" / name).read_text())
+        validate_config(cfg, schema)
+
+
+def test_defaults_are_filled(schema):
+    cfg = {"queries": {"sources": [{"name": "kb", "kind": "kernelbench"}]}}
+    validate_config(cfg, schema)
+    assert cfg["run"] == "default"
+    assert cfg["kernelbench"]["version"] == "main"
+    assert cfg["queries"]["decontamination"] == {"mode": "drop", "threshold": 0.8}
+    assert cfg["queries"]["sources"][0]["levels"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        ({"kernelbench": {"versoin": "main"}}, "config error: kernelbench.versoin: unknown key"),
+        ({"kernelbench": {"levels": [4]}}, "config error: kernelbench.levels.0: 4 is not one of [1, 2, 3]"),
+        ({"device": "gpu"}, "config error: device: 'gpu' is not one of"),
+        ({"queries": {"decontamination": {"threshold": "high"}}}, "config error: queries.decontamination.threshold: 'high' is not of type 'number'"),
+        ({"bogus": 1}, "config error: bogus: unknown key"),
+    ],
+)
+def test_bad_config_gives_one_line_naming_the_key(schema, patch, expected):
+    cfg = deep_merge(default_config(), patch)
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg, schema)
+    message = str(info.value)
+    assert message.startswith(expected), message
+    assert "\n" not in message
+
+
+def test_missing_source_kind_is_named(schema):
+    cfg = default_config()
+    del cfg["queries"]["sources"][0]["kind"]
+    with pytest.raises(ConfigError, match=r"queries.sources.0: 'kind' is a required property"):
+        validate_config(cfg, schema)
+
+
+def test_overlays_merge_deeply(tmp_path, schema):
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text("kernelbench:\n  size_cap: 32\n")
+    cfg = load_config(ROOT / "config" / "config.yaml", overlay, schema=schema)
+    assert cfg["kernelbench"]["size_cap"] == 32
+    assert cfg["kernelbench"]["ids"] == default_config()["kernelbench"]["ids"]
+
+
+def test_deep_merge_does_not_alias():
+    base = {"a": {"b": [1]}}
+    merged = deep_merge(base, {"a": {"c": 2}})
+    merged["a"]["b"].append(2)
+    assert base == {"a": {"b": [1]}}
+    assert merged == {"a": {"b": [1, 2], "c": 2}}

@@ -1,0 +1,45 @@
+import pytest
+
+from kpipe import gpu
+from kpipe.gpu import GPULeaseError, gpu_lease
+
+
+@pytest.fixture
+def four_gpus(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu, "visible_gpus", lambda: ["0", "1", "2", "3"])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return tmp_path / "locks"
+
+
+def test_lease_sets_visible_devices_and_restores(four_gpus):
+    import os
+
+    with gpu_lease(2, lock_dir=four_gpus) as held:
+        assert held == ["0", "1"]
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+        with gpu_lease(2, lock_dir=four_gpus) as other:
+            assert other == ["2", "3"]
+        with pytest.raises(GPULeaseError, match="only 2 of 3"):
+            with gpu_lease(3, lock_dir=four_gpus, wait=False):
+                pass
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_asking_for_more_than_exist_fails_fast(four_gpus):
+    with pytest.raises(GPULeaseError, match="asks for 5 GPU"):
+        with gpu_lease(5, lock_dir=four_gpus):
+            pass
+
+
+def test_zero_gpus_hides_all(four_gpus):
+    import os
+
+    with gpu_lease(0, lock_dir=four_gpus):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_cluster_preset_is_honoured(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert gpu.visible_gpus() == ["3", "5"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu.visible_gpus() == []

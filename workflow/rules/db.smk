@@ -1,0 +1,18 @@
+# The DuckDB database: views over every table's Parquet files, plus workflow/sql/views.sql.
+
+
+rule build_db:
+    input:
+        f"{RESULTS}/tasks/tasks.parquet",
+        f"{RESULTS}/queries/queries.parquet",
+        views=workflow.source_path("../sql/views.sql"),
+    output:
+        f"{RESULTS}/kpipe.duckdb",
+    params:
+        code=code_version("db.py", "data/schemas.py"),
+    log:
+        f"{LOGS}/build_db.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/build_db.py"

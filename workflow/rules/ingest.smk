@@ -1,0 +1,50 @@
+# Ingest: evaluation tasks from the vendored KernelBench sets, training queries from their
+# sources, then decontamination of the queries against the evaluation tasks.
+
+
+rule ingest_tasks:
+    output:
+        f"{RESULTS}/tasks/tasks.parquet",
+    params:
+        kernelbench=config["kernelbench"],
+        code=code_version("data"),
+    log:
+        f"{LOGS}/ingest_tasks.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/ingest_tasks.py"
+
+
+rule ingest_queries:
+    output:
+        f"{RESULTS}/queries_raw/source={{source}}/part-0.parquet",
+    params:
+        source=lambda wildcards: query_sources()[wildcards.source],
+        code=code_version("data"),
+    log:
+        f"{LOGS}/ingest_queries/{{source}}.log",
+    wildcard_constraints:
+        source="[A-Za-z0-9_-]+",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/ingest_queries.py"
+
+
+rule decontaminate:
+    input:
+        tasks=f"{RESULTS}/tasks/tasks.parquet",
+        queries=expand(f"{RESULTS}/queries_raw/source={{source}}/part-0.parquet", source=query_sources()),
+    output:
+        queries=f"{RESULTS}/queries/queries.parquet",
+        counts=f"{RESULTS}/reports/decontamination.json",
+    params:
+        decontamination=config["queries"]["decontamination"],
+        code=code_version("data"),
+    log:
+        f"{LOGS}/decontaminate.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/decontaminate.py"
