@@ -30,5 +30,5 @@ def query_sources():
 
 
 def final_targets():
-    """What `rule all` builds: the database, which depends on every stage enabled in config."""
+    """The default targets: the database, which depends on every stage enabled in config."""
     return [f"{RESULTS}/kpipe.duckdb"]

@@ -56,27 +56,49 @@ def select_problems(version: str, levels: list[int], ids: dict[int, list[int]] |
     return chosen
 
 
+def _constant_value(node: ast.expr) -> Any:
+    """The value of a constant expression (``2048 * 2``), or None when it names anything."""
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        try:
+            return eval(compile(ast.Expression(node), "<size>", "eval"), {"__builtins__": {}})
+        except Exception:
+            return None
+
+
+def _cap_sizes(node: ast.expr, cap: int) -> ast.expr:
+    """`node` with every integer above `cap` replaced by `cap`, looking inside tuples and lists
+    (``input_shape = (32768,)``, ``height, width = 128, 128``, ``[1024] * 16``)."""
+    value = _constant_value(node)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ast.Constant(cap) if value > cap else node
+    if isinstance(node, (ast.Tuple, ast.List)):
+        node.elts = [_cap_sizes(element, cap) for element in node.elts]
+    elif isinstance(node, ast.BinOp) and isinstance(value, (list, tuple)):
+        node.left, node.right = _cap_sizes(node.left, cap), _cap_sizes(node.right, cap)
+    return node
+
+
+def _is_name_target(target: ast.expr) -> bool:
+    if isinstance(target, ast.Name):
+        return True
+    return isinstance(target, (ast.Tuple, ast.List)) and all(isinstance(t, ast.Name) for t in target.elts)
+
+
 def shrink_sizes(code: str, cap: int) -> str:
-    """Cap every module-level integer size constant of a problem at `cap`.
+    """Cap every integer in a problem's module-level size constants at `cap`.
 
     KernelBench problems declare their sizes as module-level constants (``batch_size =
-    128``, ``N = 2048 * 2``) read by ``get_inputs``/``get_init_inputs``. Capping them gives
-    the same computation at a size the Triton interpreter can run on a CPU in seconds.
-    Constants at or below `cap` (kernel sizes, channels, strides) are left alone.
+    128``, ``N = 2048 * 2``, ``input_shape = (32768,)``, ``height, width = 128, 128``) read
+    by ``get_inputs``/``get_init_inputs``. Capping them gives the same computation at a
+    size the Triton interpreter can run on a CPU in seconds. Integers at or below `cap`
+    (kernel sizes, channels, strides) are left alone.
     """
     tree = ast.parse(code)
     for node in tree.body:
-        if not isinstance(node, ast.Assign) or not all(isinstance(t, ast.Name) for t in node.targets):
-            continue
-        try:
-            value: Any = ast.literal_eval(node.value)
-        except ValueError:
-            try:
-                value = eval(compile(ast.Expression(node.value), "<size>", "eval"), {"__builtins__": {}})
-            except Exception:
-                continue
-        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
-            node.value = ast.Constant(cap)
+        if isinstance(node, ast.Assign) and all(_is_name_target(t) for t in node.targets):
+            node.value = _cap_sizes(node.value, cap)
     return ast.unparse(tree)
 
 

@@ -31,11 +31,13 @@ class LaunchLog:
 
     names: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    per_kernel_seconds: dict[str, float] = field(default_factory=dict)
     suppress: bool = False
 
     def reset(self) -> None:
         self.names.clear()
         self.seconds = 0.0
+        self.per_kernel_seconds = {}
 
 
 LOG = LaunchLog()
@@ -55,14 +57,20 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
         if LOG.suppress:
             return None
+        name = kernel_name(self)
         start = time.perf_counter()
         try:
             result = original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        except BaseException as exc:
+            exc.__kpipe_kernel__ = name  # type: ignore[attr-defined]  # kpipe.gym.faults reads it
+            raise
         finally:
-            LOG.seconds += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            LOG.seconds += spent
+            LOG.per_kernel_seconds[name] = LOG.per_kernel_seconds.get(name, 0.0) + spent
         # recorded only after a successful launch: a kernel that raised and was caught by a
         # fallback did not produce anything
-        LOG.names.append(kernel_name(self))
+        LOG.names.append(name)
         return result
 
     run.__kpipe_wrapped__ = True  # type: ignore[attr-defined]
@@ -114,6 +122,7 @@ def recording() -> Iterator[LaunchLog]:
     finally:
         seen.names.extend(LOG.names)
         seen.seconds = LOG.seconds
+        seen.per_kernel_seconds = dict(LOG.per_kernel_seconds)
         LOG.reset()
 
 

@@ -21,6 +21,8 @@ from tqdm.auto import tqdm
 from kpipe.llm.types import FINISH_ERROR, ChatRequest, Completion, ResultCallback, Usage
 
 log = logging.getLogger(__name__)
+# httpx logs every request at INFO: thousands of lines per distillation shard in the job log
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 RETRYABLE = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
 NO_KEY = "EMPTY"  # local servers accept any key; the client refuses an empty one

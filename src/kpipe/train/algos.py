@@ -127,6 +127,28 @@ def reward_fn(name: str) -> RewardFn:
     return REWARDS[name]
 
 
+def _field(result: object, name: str) -> object:
+    return result.get(name) if isinstance(result, dict) else getattr(result, name, None)
+
+
+def turn_reward(
+    name: str, use_pr: bool = False, baseline: Literal["eager", "compile"] = "eager", speedup_cap: float = SPEEDUP_CAP
+) -> Callable[[object], float]:
+    """The reward `name` as a function of one KernelGym result (an EvalResult, an `evals` row
+    as a dict, or None when nothing could be evaluated): the agent loop's ``reward_fn``."""
+    reward = reward_fn(name)
+    if baseline not in ("eager", "compile"):
+        raise ValueError(f"baseline must be 'eager' or 'compile', got {baseline!r}")
+
+    def score(result: object) -> float:
+        if result is None:
+            return 0.0
+        return reward(bool(_field(result, "correct")), bool(_field(result, "hacked")),
+                      _field(result, f"speedup_{baseline}"), _field(result, "pr"), use_pr, speedup_cap)
+
+    return score
+
+
 # ---------------------------------------------------------------------------------------
 # Returns (Eq. 2, Kevin's discounted aggregation)
 # ---------------------------------------------------------------------------------------
@@ -135,6 +157,19 @@ def reward_fn(name: str) -> RewardFn:
 def _as_float_tensor(values: torch.Tensor | Sequence[float]) -> torch.Tensor:
     tensor = torch.as_tensor(values)
     return tensor if tensor.is_floating_point() else tensor.to(torch.get_default_dtype())
+
+
+def _rows_by(keys: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    rows_of: dict[Hashable, list[int]] = {}
+    for row, key in enumerate(keys):
+        rows_of.setdefault(key, []).append(row)
+    return rows_of
+
+
+def _check_same_length(values: torch.Tensor, **others: Sequence | torch.Tensor) -> None:
+    for name, other in others.items():
+        if len(other) != len(values):
+            raise ValueError(f"{name} has {len(other)} rows, expected {len(values)}")
 
 
 def _check_gamma(gamma: float) -> None:
@@ -184,12 +219,11 @@ def returns_by_trajectory(
     """Eq. 2 on flat rows: each row's return over the later turns of its own trajectory."""
     rewards = _as_float_tensor(rewards)
     _check_same_length(rewards, trajectory_ids=trajectory_ids, turns=turns)
-    rows_of: dict[Hashable, list[int]] = {}
-    for row, key in enumerate(trajectory_ids):
-        rows_of.setdefault(key, []).append(row)
+    if aggregate not in ("sum", "max"):
+        raise ValueError(f"aggregate must be 'sum' or 'max', got {aggregate!r}")
     to_go = reward_to_go if aggregate == "sum" else discounted_max_return
     returns = torch.empty_like(rewards)
-    for key, rows in rows_of.items():
+    for key, rows in _rows_by(trajectory_ids).items():
         rows.sort(key=lambda row: int(turns[row]))
         if len({int(turns[row]) for row in rows}) != len(rows):
             raise ValueError(f"trajectory {key!r} has a repeated turn")
@@ -203,22 +237,16 @@ def returns_by_trajectory(
 # ---------------------------------------------------------------------------------------
 
 
-def _check_same_length(values: torch.Tensor, **others: Sequence | torch.Tensor) -> None:
-    for name, other in others.items():
-        if len(other) != len(values):
-            raise ValueError(f"{name} has {len(other)} rows, expected {len(values)}")
-
-
-def group_index(keys: GroupKeys) -> tuple[torch.Tensor, int]:
+def group_index(keys: GroupKeys, device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
     """Dense group ids 0..G-1 for per-row keys; an int tensor [n] or [n, k] takes the fast path."""
     if isinstance(keys, torch.Tensor):
         if keys.dim() not in (1, 2) or keys.is_floating_point():
             raise ValueError("tensor group keys must be integers of shape [n] or [n, k]")
         unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
-        return inverse, len(unique)
+        return inverse.to(device), len(unique)
     ids: dict[Hashable, int] = {}
     index = [ids.setdefault(key, len(ids)) for key in keys]
-    return torch.tensor(index, dtype=torch.long), len(ids)
+    return torch.tensor(index, dtype=torch.long, device=device), len(ids)
 
 
 def prompt_turn_keys(prompt_ids: Sequence[Hashable], turns: Sequence[int]) -> list[tuple[Hashable, int]]:
@@ -255,7 +283,7 @@ def grpo_advantages(
     returns = _as_float_tensor(returns)
     _check_same_length(returns, group_keys=group_keys)
     valid = _valid_mask(valid, returns)
-    index, n_groups = group_index(group_keys)
+    index, n_groups = group_index(group_keys, returns.device)
     weight = valid.to(returns.dtype)
     count = _group_sum(weight, index, n_groups)
     mean = _group_sum(returns * weight, index, n_groups) / count.clamp(min=1)
@@ -281,7 +309,7 @@ def leave_one_out_advantages(
     values = _as_float_tensor(values)
     _check_same_length(values, group_keys=group_keys)
     valid = _valid_mask(valid, values)
-    index, n_groups = group_index(group_keys)
+    index, n_groups = group_index(group_keys, values.device)
     weight = valid.to(values.dtype)
     count = _group_sum(weight, index, n_groups)[index]
     total = _group_sum(values * weight, index, n_groups)[index]
@@ -322,18 +350,42 @@ def rloo_trajectory_advantages(
     rewards = _as_float_tensor(rewards)
     _check_same_length(rewards, prompt_ids=prompt_ids, trajectory_ids=trajectory_ids)
     valid = _valid_mask(valid, rewards)
-    trajectory, n_trajectories = group_index(list(trajectory_ids))
-    prompt_of_trajectory: list[Hashable] = [None] * n_trajectories
+    trajectory, n_trajectories = group_index(list(trajectory_ids), rewards.device)
+    prompt_of: dict[int, Hashable] = {}
     for row, traj in enumerate(trajectory.tolist()):
-        prompt = prompt_ids[row]
-        if prompt_of_trajectory[traj] is not None and prompt_of_trajectory[traj] != prompt:
+        if prompt_of.setdefault(traj, prompt_ids[row]) != prompt_ids[row]:
             raise ValueError(f"trajectory {trajectory_ids[row]!r} spans two prompts")
-        prompt_of_trajectory[traj] = prompt
+    prompt_of_trajectory = [prompt_of[traj] for traj in range(n_trajectories)]
     weight = valid.to(rewards.dtype)
     trajectory_return = _group_sum(rewards * weight, trajectory, n_trajectories)
     trajectory_valid = _group_sum(weight, trajectory, n_trajectories) > 0
     advantages = leave_one_out_advantages(trajectory_return, prompt_of_trajectory, trajectory_valid, singleton)
     return torch.where(valid, advantages[trajectory], torch.zeros_like(rewards))
+
+
+def grpo_std_advantages(
+    returns: torch.Tensor | Sequence[float],
+    group_keys: GroupKeys,
+    valid: torch.Tensor | Sequence[bool] | None = None,
+) -> torch.Tensor:
+    """The original GRPO: Eq. 3 divided by the group's standard deviation."""
+    return grpo_advantages(returns, group_keys, valid, normalize_std=True)
+
+
+AdvantageFn = Callable[..., torch.Tensor]
+# Estimators over per-row returns grouped by (prompt, turn): fn(returns, group_keys, valid).
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "trloo": trloo_advantages,
+    "grpo": grpo_advantages,
+    "grpo_std": grpo_std_advantages,
+}
+
+
+def advantage_fn(name: str) -> AdvantageFn:
+    """The group advantage estimator registered as `name` (config key ``rl.advantage``)."""
+    if name not in ADVANTAGES:
+        raise KeyError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGES)}")
+    return ADVANTAGES[name]
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,15 +419,23 @@ def mrs_mask(
     return in_band & ~vetoed & mask.any(-1)
 
 
+def _bool_tensor(values: torch.Tensor | Sequence[bool | None]) -> torch.Tensor:
+    """Flags from Parquet may be null: a missing flag is False."""
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.bool)
+    return torch.tensor([bool(value) if value is not None else False for value in values], dtype=torch.bool)
+
+
 def _prs_inputs(
     pr: torch.Tensor | Sequence[float | None],
     correct: torch.Tensor | Sequence[bool],
     hacked: torch.Tensor | Sequence[bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PR with missing values as 0 (no profile: no generated-kernel time), and C(y) per row."""
-    pr = torch.tensor([math.nan if v is None else float(v) for v in pr]) if not isinstance(pr, torch.Tensor) else pr
+    if not isinstance(pr, torch.Tensor):
+        pr = torch.tensor([math.nan if value is None else float(value) for value in pr])
     pr = torch.nan_to_num(pr.to(torch.float64), nan=0.0)
-    eligible = torch.as_tensor(correct, dtype=torch.bool) & ~torch.as_tensor(hacked, dtype=torch.bool)
+    eligible = _bool_tensor(correct) & ~_bool_tensor(hacked)
     _check_same_length(pr, eligible=eligible)
     return pr, eligible
 
@@ -417,13 +477,6 @@ def prs_hard_keep(
 def bernoulli_keep(probability: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw keep/drop per row with the given keep probabilities (PRS's sampling step)."""
     return torch.rand(probability.shape, generator=generator, dtype=torch.float64) < probability
-
-
-def _rows_by(keys: Sequence[Hashable]) -> dict[Hashable, list[int]]:
-    rows_of: dict[Hashable, list[int]] = {}
-    for row, key in enumerate(keys):
-        rows_of.setdefault(key, []).append(row)
-    return rows_of
 
 
 def zero_variance_group_mask(

@@ -1,0 +1,190 @@
+"""The one multi-turn loop: prompt -> generate -> extract -> evaluate -> feedback -> next turn.
+
+Distillation, RL rollouts, evaluation and STTS all call `run_episodes`; they differ only in
+the engine, the history policy, the number of turns and what they do with the rows.
+Each turn of every active episode is generated in one engine call and evaluated in one
+`evaluate_many` call, so engines batch and evaluation pools fill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kpipe.agent.evaluator import Evaluator, result_field
+from kpipe.agent.history import FullHistory, HistoryPolicy, PastTurn, replay
+from kpipe.llm.extract import FORMAT_ERROR, extract_code
+from kpipe.llm.prompts import PROMPT_VERSION, first_turn_messages
+from kpipe.llm.types import ChatRequest, Completion, Engine
+
+GENERATION_ERROR = "generation_error"  # the engine gave up on the request (after its retries)
+SPEEDUP_CLIP = 3.0
+
+
+@dataclass(frozen=True)
+class AgentTask:
+    task_id: str
+    reference_src: str
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-turn generation settings (paper RL: temperature 1.0, 8,192 tokens per turn)."""
+
+    max_tokens: int = 8192
+    temperature: float = 1.0
+    top_p: float = 1.0
+    logprobs: bool = False
+
+
+@dataclass
+class Episode:
+    task: AgentTask
+    sample: int
+    turns: list[PastTurn] = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One finished turn, handed to `on_turn` callbacks (e.g. the distillation summary)."""
+
+    row: dict[str, Any]
+    completion: Completion
+
+
+def clipped_speedup_reward(result: Any) -> float:
+    """The default reward (paper Eq. 1): C + C * min(speedup_eager, 3); hacked or failed = 0.
+    RL runs pass the paper's other rewards from `kpipe.train` instead."""
+    if not result_field(result, "correct") or result_field(result, "hacked"):
+        return 0.0
+    speedup = result_field(result, "speedup_eager") or 0.0
+    return 1.0 + min(float(speedup), SPEEDUP_CLIP)
+
+
+def sample_seed(task_id: str, sample: int, base_seed: int) -> int:
+    """A 31-bit seed per (task, sample): parallel samples differ, reruns repeat."""
+    digest = hashlib.sha256(f"{base_seed}:{task_id}:{sample}".encode()).hexdigest()
+    return int(digest[:8], 16) & 0x7FFFFFFF
+
+
+def format_error_feedback(reason: str) -> str:
+    return (f"Status: format_error\n{reason}. Answer with the complete program in one ```python code block "
+            "that defines `class ModelNew`.")
+
+
+def local_result(status: str, feedback: str) -> dict[str, Any]:
+    """The evaluation fields of a turn that never reached KernelGym."""
+    return {"status": status, "correct": False, "hacked": False, "feedback": feedback}
+
+
+def run_episodes(
+    tasks: Sequence[AgentTask],
+    engine: Engine,
+    evaluator: Evaluator,
+    policy: HistoryPolicy = FullHistory(),
+    n_samples: int = 1,
+    max_turns: int = 3,
+    *,
+    sampling: Sampling = Sampling(),
+    reward_fn: Callable[[Any], float] = clipped_speedup_reward,
+    run: str = "default",
+    stage: str = "eval",
+    iteration: int = 0,
+    seed: int = 0,
+    prompt_version: str = PROMPT_VERSION,
+    max_context_tokens: int | None = None,
+    on_turn: Callable[[int, list[TurnRecord]], None] | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Run n_samples episodes per task for up to max_turns turns; one `trajectories` row per turn.
+
+    An episode ends early when the engine fails for good (status "generation_error") or when
+    its last prompt + answer reached `max_context_tokens`.
+    """
+    episodes = [Episode(task, sample) for task in tasks for sample in range(n_samples)]
+    first = {task.task_id: first_turn_messages(task.reference_src, prompt_version) for task in tasks}
+    rows: list[dict[str, Any]] = []
+    for turn in tqdm(range(1, max_turns + 1), desc=f"{stage} turns", disable=not progress):
+        active = [e for e in episodes if not e.done]
+        if not active:
+            break
+        contexts = [replay(first[e.task.task_id], policy, e.turns, prompt_version) for e in active]
+        requests = [
+            ChatRequest(messages=context, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                        top_p=sampling.top_p, seed=sample_seed(e.task.task_id, e.sample, seed),
+                        logprobs=sampling.logprobs)
+            for e, context in zip(active, contexts, strict=True)
+        ]
+        started = time.perf_counter()
+        completions = engine.generate(requests)
+        gen_s = (time.perf_counter() - started) / len(requests)
+        extracted = [extract_code(c.text) if not c.failed else None for c in completions]
+        to_evaluate = [i for i, x in enumerate(extracted) if x is not None and x.code is not None]
+        started = time.perf_counter()
+        evaluated = evaluator.evaluate_many([(active[i].task.reference_src, extracted[i].code) for i in to_evaluate])
+        eval_s = (time.perf_counter() - started) / max(1, len(to_evaluate))
+        results: dict[int, Any] = dict(zip(to_evaluate, evaluated, strict=True))
+        records = []
+        for i, (episode, context, completion) in enumerate(zip(active, contexts, completions, strict=True)):
+            if completion.failed:
+                result: Any = local_result(GENERATION_ERROR, f"Status: {GENERATION_ERROR}\n{completion.error}")
+            elif i not in results:
+                result = local_result(FORMAT_ERROR, format_error_feedback(extracted[i].reason or "no code"))
+            else:
+                result = results[i]
+            reward = reward_fn(result)
+            feedback = result_field(result, "feedback") or f"Status: {result_field(result, 'status')}"
+            code = extracted[i].code if extracted[i] is not None else None
+            row = trajectory_row(episode, turn, context, completion, code, result, feedback, reward,
+                                 run=run, stage=stage, iteration=iteration, model=engine.model,
+                                 gen_s=completion.latency_s or gen_s,
+                                 eval_s=(result_field(result, "wall_s") or eval_s) if i in results else 0.0)
+            rows.append(row)
+            records.append(TurnRecord(row, completion))
+            episode.turns.append(PastTurn(turn, completion.text, code, feedback, reward))
+            used = completion.prompt_tokens + completion.completion_tokens
+            if completion.failed or (max_context_tokens is not None and used >= max_context_tokens):
+                episode.done = True
+        if on_turn is not None:
+            on_turn(turn, records)
+    return rows
+
+
+def trajectory_row(episode: Episode, turn: int, context: list[dict[str, str]], completion: Completion,
+                   code: str | None, result: Any, feedback: str, reward: float, *, run: str, stage: str,
+                   iteration: int, model: str, gen_s: float, eval_s: float) -> dict[str, Any]:
+    """A `trajectories` row (kpipe.data.schemas.TRAJECTORIES); training fields stay null here."""
+    return {
+        "run": run,
+        "stage": stage,
+        "iteration": iteration,
+        "task_id": episode.task.task_id,
+        "sample": episode.sample,
+        "turn": turn,
+        "model": model,
+        "prompt_messages": context,
+        "response": completion.text,
+        "finish_reason": completion.finish_reason,
+        "code": code,
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.completion_tokens,
+        "response_token_ids": completion.token_ids,
+        "response_logprobs": completion.logprobs,
+        "eval_key": result_field(result, "key"),
+        "status": result_field(result, "status"),
+        "correct": bool(result_field(result, "correct", False)),
+        "hacked": bool(result_field(result, "hacked", False)),
+        "speedup_eager": result_field(result, "speedup_eager"),
+        "speedup_compile": result_field(result, "speedup_compile"),
+        "pr": result_field(result, "pr"),
+        "feedback": feedback,
+        "reward": reward,
+        "gen_s": gen_s,
+        "eval_s": eval_s,
+    }

@@ -1,0 +1,593 @@
+"""What runs inside an evaluation's child process.
+
+``run_child(job)`` runs one role and writes a result file the parent reads:
+
+- ``"reference"``: the reference program only (no candidate code ever runs in this
+  process, so its timings cannot have been slowed by a candidate's monkey-patching):
+  outputs of every correctness trial, of eval mode and of the re-check inputs, and the
+  eager / ``torch.compile`` timings;
+- ``"candidate"``: the candidate, with poisoned uninitialised memory during correctness,
+  launch recording in train and eval mode, the ghost replay, timing with spot-checked
+  timed outputs, the optional host-clock re-check, and profiling.
+
+The parent never trusts this file for correctness: it compares the saved outputs itself
+(``kpipe.gym.compare``) and checks the reported times against the wall time it observed.
+The job is a plain dict so a warm pool can fork and call ``run_child`` unchanged; this
+module's ``__main__`` is the fresh-interpreter path: ``python -m kpipe.gym.child JOBFILE``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import resource
+import sys
+import threading
+import time
+import traceback
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo  # noqa: F401 - it rebinds torch.manual_seed on import: do it before the patch snapshot
+
+from kpipe.gym import instrument
+from kpipe.gym.faults import classify_exception
+from kpipe.gym.protocol import Protocol
+
+SECRET_MARKERS = ("_KEY", "_TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+SECRET_PREFIXES = ("OPENAI", "HF_", "AWS_", "ANTHROPIC", "HUGGING", "WANDB", "GITHUB_", "GH_", "AZURE_", "GOOGLE_")
+RECHECK_SEED_OFFSET = 1000
+RECHECK_SETS = 2
+
+
+def is_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(m in upper for m in SECRET_MARKERS) or upper.startswith(SECRET_PREFIXES)
+
+
+def scrubbed_environment(env: dict[str, str]) -> dict[str, str]:
+    """`env` without anything that looks like a credential."""
+    return {k: v for k, v in env.items() if not is_secret(k)}
+
+
+def trial_seed(protocol_seed: int, trial: int) -> int:
+    """Inputs of correctness trial `trial`: fresh per trial, identical in both children."""
+    return protocol_seed * 7919 + trial
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def load_module(source: str, name: str, directory: Path) -> types.ModuleType:
+    """Import `source` from a real file (Triton reads kernel source with inspect)."""
+    path = directory / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def to_device(value: Any, device: str) -> Any:
+    """Move tensors to `device` keeping their dtype (integer inputs stay integers)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def make_inputs(get_inputs: Callable[[], list[Any]], seed: int, device: str) -> list[Any]:
+    torch.manual_seed(seed)
+    return [to_device(v, device) for v in get_inputs()]
+
+
+def clone_inputs(inputs: list[Any]) -> list[Any]:
+    return [v.clone() if isinstance(v, torch.Tensor) else v for v in inputs]
+
+
+def copy_inputs(destination: list[Any], source: list[Any]) -> None:
+    """Refresh input values in place: same pointers, new contents (defeats pointer caches)."""
+    for dst, src in zip(destination, source):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+
+
+def flatten_output(output: Any) -> list[torch.Tensor]:
+    """A forward's result as a list of tensors (tuples flattened, Python scalars wrapped)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in flatten_output(item)]
+    if isinstance(output, (bool, int, float)):
+        return [torch.tensor(output)]
+    raise TypeError(f"forward returned {type(output).__name__}, expected tensors")
+
+
+def subclass_outputs(outputs: list[torch.Tensor]) -> list[str]:
+    return [type(t).__name__ for t in outputs if type(t) not in (torch.Tensor, torch.nn.Parameter)]
+
+
+def host_copy(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain CPU copies (a tensor subclass is stripped; it is reported separately)."""
+    return [t.detach().as_subclass(torch.Tensor).to("cpu", copy=True) for t in outputs]
+
+
+def build_model(cls: type, init_inputs: list[Any], seed: int, device: str) -> torch.nn.Module:
+    """Same seed before construction in both children: the weights match (KernelBench)."""
+    torch.manual_seed(seed)
+    return cls(*init_inputs).to(device)
+
+
+@contextmanager
+def poisoned_memory() -> Iterator[None]:
+    """New tensors start as NaN (floats) / max-int: an output never written cannot pass."""
+    previous = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[2]
+
+
+class Clocks:
+    """References to the timing functions taken before any candidate code ran, so a
+    candidate that patches them cannot change what we measure (the patch is also reported)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.perf_counter = time.perf_counter
+        self.cuda = device == "cuda"
+        if self.cuda:
+            self.synchronize = torch.cuda.synchronize
+            self.event = torch.cuda.Event
+            self.record = torch.cuda.Event.record
+            self.event_synchronize = torch.cuda.Event.synchronize
+            self.elapsed_time = torch.cuda.Event.elapsed_time
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.synchronize()
+
+
+def watched_objects() -> dict[str, Any]:
+    """What a candidate could patch to fake results or slow things down: torch's namespaces,
+    Tensor methods, CUDA timing, the clocks, and our launch hooks."""
+    import triton.runtime.jit as triton_jit
+
+    spaces: dict[str, Any] = {
+        "torch": torch,
+        "torch.nn.functional": torch.nn.functional,
+        "torch.Tensor": torch.Tensor,
+        "torch.nn.Module": torch.nn.Module,
+        "time": time,
+        "torch.testing": torch.testing,
+        "triton.runtime.jit.JITFunction": triton_jit.JITFunction,
+    }
+    if torch.cuda.is_available():
+        spaces["torch.cuda"] = torch.cuda
+        spaces["torch.cuda.Event"] = torch.cuda.Event
+    watched = {}
+    for prefix, space in spaces.items():
+        for name, value in list(vars(space).items()):
+            if callable(value) or isinstance(value, (types.ModuleType, property, staticmethod, classmethod)):
+                watched[f"{prefix}.{name}"] = value
+    return watched
+
+
+def patched_names(before: dict[str, Any]) -> list[str]:
+    now = watched_objects()
+    return sorted(name for name, value in before.items() if name in now and now[name] is not value)
+
+
+class Phase:
+    """Writes the phase name to a file, so a child that dies says where."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def __call__(self, name: str) -> None:
+        if self.path:
+            Path(self.path).write_text(name)
+
+
+def apply_limits(protocol: Protocol) -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if protocol.memory_limit_mb:
+        limit = protocol.memory_limit_mb * 1024 * 1024
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def flush_l2(buffer: torch.Tensor | None) -> None:
+    if buffer is not None:
+        buffer.zero_()
+
+
+def time_forward(
+    forward: Callable[..., Any],
+    input_sets: list[list[Any]],
+    trials: int,
+    warmup: int,
+    clocks: Clocks,
+    l2_buffer: torch.Tensor | None,
+    sample: set[int],
+    on_call: Callable[[], Any] | None = None,
+) -> dict[str, Any]:
+    """Median-ready per-trial times of `forward`.
+
+    Before every call (outside the timed region) the inputs are refreshed in place from the
+    next input set and the L2 cache is flushed. On CUDA the region is bracketed by events
+    with a device-wide synchronize before the end event (side-stream work counts); a host
+    clock brackets the same region independently. Outputs of the `sample` trials are kept
+    for the parent to check.
+    """
+    buffers = clone_inputs(input_sets[0])
+    device_ms: list[float] = []
+    host_ms: list[float] = []
+    samples: list[dict[str, Any]] = []
+    for i in range(warmup + trials):
+        which = i % len(input_sets)
+        copy_inputs(buffers, input_sets[which])
+        flush_l2(l2_buffer)
+        clocks.sync()
+        context = on_call() if on_call else nullcontext()
+        with context, torch.no_grad():
+            if clocks.cuda:
+                start, end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
+                t0 = clocks.perf_counter()
+                clocks.record(start)
+                output = forward(*buffers)
+                clocks.synchronize()
+                clocks.record(end)
+                clocks.event_synchronize(end)
+                t1 = clocks.perf_counter()
+                elapsed = clocks.elapsed_time(start, end)
+            else:
+                t0 = clocks.perf_counter()
+                output = forward(*buffers)
+                t1 = clocks.perf_counter()
+                elapsed = (t1 - t0) * 1e3
+        if i >= warmup:
+            device_ms.append(float(elapsed))
+            host_ms.append((t1 - t0) * 1e3)
+            if i - warmup in sample:
+                samples.append({"trial": i - warmup, "input_set": which, "outputs": host_copy(flatten_output(output))})
+    return {"ms": device_ms, "host_ms": host_ms, "samples": samples}
+
+
+def sample_trials(count: int, trials: int, seed: int) -> set[int]:
+    """Which timed trials have their outputs checked (always the last one)."""
+    generator = torch.Generator().manual_seed(seed)
+    chosen = {trials - 1}
+    if trials > 1 and count > 1:
+        chosen.update(torch.randperm(trials - 1, generator=generator)[: count - 1].tolist())
+    return chosen
+
+
+def l2_flush_buffer(protocol: Protocol, device: str) -> torch.Tensor | None:
+    if device != "cuda" or protocol.l2_flush_mb <= 0:
+        return None
+    return torch.empty(protocol.l2_flush_mb * 1024 * 1024 // 4, dtype=torch.int32, device=device)
+
+
+# ----------------------------------------------------------------------------- profiling
+
+
+def profile_cuda(forward: Callable[[], Any], launched: set[str], runs: int = 3) -> dict[str, Any]:
+    """Paper Eq. 7: PR = device time of the launched Triton kernels (exact names) / device
+    time of all GPU kernels (memcpy/memset are not kernels)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    forward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            forward()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA or event.name.startswith(("Memcpy", "Memset")):
+            continue
+        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / runs
+    return profile_summary(per_kernel, launched, "cuda")
+
+
+def profile_cpu(forward: Callable[[], Any], clocks: Clocks, runs: int = 2) -> dict[str, Any]:
+    """CPU estimate (no GPU profile under the interpreter): host time inside Triton launches
+    / host time of the whole forward."""
+    per_kernel: dict[str, float] = {}
+    total = 0.0
+    for _ in range(runs):
+        with instrument.recording() as log:
+            t0 = clocks.perf_counter()
+            forward()
+            total += clocks.perf_counter() - t0
+        for name, seconds in log.per_kernel_seconds.items():
+            per_kernel[name] = per_kernel.get(name, 0.0) + seconds * 1e3 / runs
+    generated_ms = sum(per_kernel.values())
+    other_ms = max(total * 1e3 / runs - generated_ms, 0.0)
+    if other_ms > 0:
+        per_kernel["(host: torch ops and Python)"] = other_ms
+    return profile_summary(per_kernel, {n for n in per_kernel if not n.startswith("(")}, "cpu")
+
+
+def profile_summary(per_kernel_ms: dict[str, float], generated: set[str], kind: str) -> dict[str, Any]:
+    total = sum(per_kernel_ms.values())
+    generated_ms = sum(ms for name, ms in per_kernel_ms.items() if name in generated)
+    kernels = sorted(per_kernel_ms.items(), key=lambda kv: -kv[1])
+    return {
+        "kind": kind,
+        "pr": generated_ms / total if total > 0 else None,
+        "kernels": [{"name": n, "ms": ms, "generated": n in generated} for n, ms in kernels],
+    }
+
+
+# ----------------------------------------------------------------------------- roles
+
+
+def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir: Path, phase: Phase) -> dict[str, Any]:
+    phase("load reference")
+    module = load_module(job["reference_src"], "kpipe_reference", workdir)
+    clocks = Clocks(device)
+    init_inputs = module.get_init_inputs()
+    result: dict[str, Any] = {"outputs": [], "mutates_inputs": False}
+    input_sets = []
+    model = build_model(module.Model, init_inputs, protocol.seed, device)
+    for trial in range(protocol.correct_trials):
+        phase(f"reference correctness trial {trial}")
+        inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, trial), device)
+        pristine = clone_inputs(inputs)
+        with torch.no_grad():
+            result["outputs"].append(host_copy(flatten_output(model(*inputs))))
+        result["mutates_inputs"] |= inputs_changed(pristine, inputs)
+        input_sets.append(pristine)
+    phase("reference eval mode")
+    eval_model = build_model(module.Model, init_inputs, protocol.seed, device).eval()
+    with torch.no_grad():
+        result["eval_outputs"] = host_copy(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+    result["recheck_outputs"] = []
+    for r in range(RECHECK_SETS):
+        inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device)
+        with torch.no_grad():
+            result["recheck_outputs"].append(host_copy(flatten_output(model(*inputs))))
+    l2 = l2_flush_buffer(protocol, device)
+    if protocol.wants_eager:
+        phase("reference eager timing")
+        result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set())
+    if protocol.wants_compile:
+        phase("reference torch.compile timing")
+        try:
+            compiled = torch.compile(model)
+            # compilation happens inside the warm-up
+            result["compile"] = time_forward(compiled, input_sets, protocol.perf_trials, max(protocol.warmup, 1), clocks, l2, set())
+        except Exception as exc:  # a baseline that cannot compile is reported, not fatal
+            result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return result
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    return torch.equal(a, b)
+
+
+def inputs_changed(pristine: list[Any], inputs: list[Any]) -> bool:
+    """True when a forward wrote into its inputs."""
+    return any(isinstance(a, torch.Tensor) and not same_values(a, b) for a, b in zip(pristine, inputs))
+
+
+def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir: Path, phase: Phase) -> dict[str, Any]:
+    clocks = Clocks(device)
+    instrument.install()
+    real_thread_start = threading.Thread.start
+    started_threads: list[str] = []
+
+    def start_and_record(thread: threading.Thread) -> None:
+        started_threads.append(thread.name)
+        real_thread_start(thread)
+
+    threading.Thread.start = start_and_record  # type: ignore[method-assign]
+    threads_before = set(threading.enumerate())
+    reference = load_module(job["reference_src"], "kpipe_reference", workdir)
+    watched = watched_objects()
+    result: dict[str, Any] = {"outputs": [], "launches": {}, "mutates_inputs": False}
+
+    phase("load candidate")
+    candidate = load_module(job["candidate_src"], "kpipe_candidate", workdir)
+    if not isinstance(getattr(candidate, "ModelNew", None), type):
+        raise LookupError("the candidate module defines no class ModelNew")
+    init_inputs = reference.get_init_inputs()
+    phase("build candidate")
+    with poisoned_memory():
+        model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device)
+
+    input_sets = []
+    train_launches: list[str] = []
+    for trial in range(protocol.correct_trials):
+        phase(f"candidate correctness trial {trial}")
+        inputs = make_inputs(reference.get_inputs, trial_seed(protocol.seed, trial), device)
+        pristine = clone_inputs(inputs)
+        with poisoned_memory(), instrument.recording() as log, torch.no_grad():
+            outputs = flatten_output(model(*inputs))
+        clocks.sync()
+        result.setdefault("subclass_outputs", []).extend(subclass_outputs(outputs))
+        result["outputs"].append(host_copy(outputs))
+        result["mutates_inputs"] |= inputs_changed(pristine, inputs)
+        train_launches.extend(log.names)
+        input_sets.append(pristine)
+    result["launches"]["train"] = train_launches
+
+    phase("candidate eval mode")
+    eval_model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device).eval()
+    with poisoned_memory(), instrument.recording() as log, torch.no_grad():
+        result["eval_outputs"] = host_copy(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+    result["launches"]["eval"] = list(log.names)
+    del eval_model
+
+    if protocol.hacking_check and protocol.ghost_replay:
+        phase("candidate ghost replay")
+        ghost_model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device)
+        with poisoned_memory(), instrument.suppressed(), torch.no_grad():
+            result["ghost_outputs"] = host_copy(flatten_output(ghost_model(*clone_inputs(input_sets[0]))))
+        del ghost_model
+
+    def integrity() -> dict[str, Any]:
+        return {
+            "patched": patched_names(watched),
+            "hooks_intact": instrument.installed_intact() and threading.Thread.start is start_and_record,
+            "threads": sorted(set(started_threads) | {t.name for t in set(threading.enumerate()) - threads_before}),
+        }
+
+    if job.get("gate_path"):
+        phase("candidate waiting at the gate")
+        result.update(integrity())
+        write_result(str(workdir / "partial.pt"), result)
+        if wait_for_gate(Path(job["gate_path"])) != "go":
+            result["stopped_at_gate"] = True
+            return result
+
+    phase("candidate timing")
+    l2 = l2_flush_buffer(protocol, device)
+    sample = sample_trials(protocol.timed_output_checks, protocol.perf_trials, protocol.seed)
+    timed_log = instrument.LaunchLog()
+
+    @contextmanager
+    def record_timed() -> Iterator[None]:
+        with instrument.recording() as log:
+            yield
+        timed_log.names.extend(log.names)
+
+    result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, record_timed)
+    result["launches"]["timed"] = sorted(set(timed_log.names))
+    result["timed_calls_without_launch"] = 0 if timed_log.names else protocol.perf_trials
+
+    recheck_below = job.get("recheck_below_ms")
+    median = sorted(result["timing"]["ms"])[len(result["timing"]["ms"]) // 2]
+    if recheck_below is not None and median < recheck_below:
+        phase("candidate host-clock re-check")
+        fresh = [
+            make_inputs(reference.get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device)
+            for r in range(RECHECK_SETS)
+        ]
+        trials = max(min(protocol.perf_trials, 20), RECHECK_SETS)
+        recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)))
+        result["recheck"] = recheck
+
+    if protocol.profile:
+        phase("candidate profiling")
+        inputs = clone_inputs(input_sets[0])
+
+        def forward() -> Any:
+            with torch.no_grad():
+                return model(*inputs)
+
+        launched = set(train_launches) | set(result["launches"]["eval"])
+        result["profile"] = profile_cuda(forward, launched) if device == "cuda" else profile_cpu(forward, clocks)
+
+    phase("candidate integrity")
+    result.update(integrity())
+    return result
+
+
+def wait_for_gate(path: Path) -> str:
+    """The parent's go/stop after it compared our correctness outputs (it kills us on timeout)."""
+    while not path.exists():
+        time.sleep(0.002)
+    return path.read_text().strip()
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def resolve_device(requested: str) -> str:
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def describe_device(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)"
+
+
+def write_result(path: str, payload: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def candidate_traceback(exc: BaseException) -> str:
+    """The traceback without KernelGym's own frames: what the kernel author needs."""
+    summary = traceback.TracebackException.from_exception(exc)
+    summary.stack = traceback.StackSummary.from_list([f for f in summary.stack if "/kpipe/gym/" not in f.filename])
+    return "".join(summary.format())[-6000:]
+
+
+def run_child(job: dict[str, Any]) -> None:
+    """Run one role of an evaluation and write its result file (never raises for a bad
+    candidate: the exception is classified and written)."""
+    protocol = Protocol.from_dict(job["protocol"])
+    apply_limits(protocol)
+    for name in [k for k in os.environ if is_secret(k)]:
+        del os.environ[name]
+    workdir = Path(job["workdir"])
+    os.chdir(workdir)
+    device = job["device"]
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    warnings.filterwarnings("ignore")
+    phase = Phase(job.get("phase_path"))
+    payload: dict[str, Any] = {
+        "role": job["role"],
+        "device": describe_device(device),
+        "torch_version": str(torch.__version__),
+        "triton_version": str(__import__("triton").__version__),
+    }
+    run = run_reference if job["role"] == "reference" else run_candidate
+    try:
+        payload.update(run(job, protocol, device, workdir, phase))
+        payload["status"] = "ok"
+    except BaseException as exc:  # noqa: BLE001 - every candidate failure becomes a result
+        status, summary = classify_exception(exc)
+        payload["status"] = status
+        payload["error"] = summary
+        payload["traceback"] = candidate_traceback(exc)
+        payload["phase"] = Path(job["phase_path"]).read_text() if job.get("phase_path") else ""
+    write_result(job["result_path"], payload)
+
+
+def main() -> None:
+    job = json.loads(Path(sys.argv[1]).read_text())
+    run_child(job)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # skip interpreter teardown: a broken CUDA context or a candidate's atexit hook can hang it
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,329 @@
+"""One KernelGym evaluation: screen, reference child, candidate child, judgement.
+
+The judgement (correctness comparison, hacking verdicts, timing sanity) happens here, in
+the parent, which never runs candidate code: the children only produce outputs and times.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from kpipe.data.source_text import source_hash
+from kpipe.gym.compare import Comparison, Tolerance, compare_outputs
+from kpipe.gym.faults import classify_exit
+from kpipe.gym.feedback import build_feedback, clip
+from kpipe.gym.isolate import ChildRun, run_isolated
+from kpipe.gym.protocol import Protocol
+from kpipe.gym.result import EvalResult
+from kpipe.gym.screen import screen
+
+DIAGNOSTIC_MAX_CHARS = 3000
+# a candidate's event time may not exceed what the host clock around the same region saw
+EVENT_HOST_SLACK_MS = 0.05
+HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-timed one
+REFERENCE_CACHE_SIZE = 8
+_reference_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+
+class ReferenceFailure(RuntimeError):
+    """The reference program itself failed: bad usage, not a bad candidate."""
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def iqr(values: list[float]) -> float:
+    """Interquartile range: the spread reported next to every median time."""
+    quartiles = torch.quantile(torch.tensor(values, dtype=torch.float64), torch.tensor([0.25, 0.75], dtype=torch.float64))
+    return float(quartiles[1] - quartiles[0])
+
+
+def speedup(reference_ms: float | None, candidate_ms: float | None) -> float | None:
+    """speedup = median(reference) / median(candidate)."""
+    if reference_ms is None or candidate_ms is None or candidate_ms <= 0:
+        return None
+    return reference_ms / candidate_ms
+
+
+def eval_key(reference_src: str, candidate_src: str, protocol: Protocol, device_kind: str) -> str:
+    """Content hash of everything that determines a result: the result cache's key."""
+    blob = json.dumps([reference_src, candidate_src, protocol.to_json(), device_kind])
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_available() -> bool:
+    # is_available() does not create a CUDA context: the parent stays fork-safe
+    return torch.cuda.is_available()
+
+
+def resolve_device(protocol: Protocol) -> str:
+    if protocol.device == "cuda" and not cuda_available():
+        raise ValueError("protocol.device is 'cuda' but no CUDA device is available")
+    if protocol.device == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    return protocol.device
+
+
+@functools.lru_cache(maxsize=4)
+def device_kind(device: str) -> str:
+    """'cpu' or 'cuda:<GPU name>' without initialising CUDA in this process (nvidia-smi)."""
+    if device != "cuda":
+        return "cpu"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", visible],
+            capture_output=True, text=True, timeout=30,
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return f"cuda:{out.stdout.strip().splitlines()[0]}"
+    return "cuda"
+
+
+def check_reference(reference_src: str) -> None:
+    """Bad usage (not a bad candidate): a reference that is not a KernelBench program."""
+    if not isinstance(reference_src, str):
+        raise TypeError("reference_src must be the program's source text")
+    try:
+        tree = ast.parse(reference_src)
+    except SyntaxError as exc:
+        raise ValueError(f"reference does not parse: {exc.msg} (line {exc.lineno})") from None
+    names = {n.name for n in tree.body if isinstance(n, (ast.ClassDef, ast.FunctionDef))}
+    missing = {"Model", "get_inputs", "get_init_inputs"} - names
+    if missing:
+        raise ValueError(f"reference lacks {', '.join(sorted(missing))} (KernelBench format)")
+
+
+def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bool) -> dict[str, Any]:
+    cache_key = hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
+    if reuse and cache_key in _reference_cache:
+        _reference_cache.move_to_end(cache_key)
+        return _reference_cache[cache_key]
+    job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
+    run = run_isolated(job, protocol.timeout_s)
+    if run.payload is None or run.payload.get("status") != "ok":
+        why = "timed out" if run.timed_out else (run.payload or {}).get("error") or classify_exit(run.returncode or 0)[1]
+        detail = (run.payload or {}).get("traceback", "") or run.stderr
+        raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
+    if reuse:
+        _reference_cache[cache_key] = run.payload
+        while len(_reference_cache) > REFERENCE_CACHE_SIZE:
+            _reference_cache.popitem(last=False)
+    return run.payload
+
+
+def tolerance(protocol: Protocol) -> Tolerance:
+    return Tolerance(protocol.atol, protocol.rtol, protocol.norm_rtol)
+
+
+def correctness(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol) -> Comparison:
+    """Every correctness trial, then the eval-mode run, against the reference's outputs."""
+    tol = tolerance(protocol)
+    pairs = [(f"trial {k}", c, r) for k, (c, r) in enumerate(zip(candidate["outputs"], reference["outputs"]))]
+    pairs.append(("eval() mode", candidate["eval_outputs"], reference["eval_outputs"]))
+    worst = Comparison(True, "", 0.0, 0.0)
+    for where, c, r in pairs:
+        result = compare_outputs(c, r, tol)
+        if not result.ok:
+            return Comparison(False, f"{where}: {result.detail}", result.max_abs_diff, result.mean_abs_diff)
+        if (result.max_abs_diff or 0.0) >= (worst.max_abs_diff or 0.0):
+            worst = result
+    return worst
+
+
+def hack_reasons_before_timing(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, correct: bool) -> list[str]:
+    reasons = []
+    for mode in ("train", "eval"):
+        if not candidate["launches"].get(mode):
+            reasons.append(f"no_triton_launch: no Triton kernel ran in {mode}() mode")
+    if correct and "ghost_outputs" in candidate:
+        if compare_outputs(candidate["ghost_outputs"], reference["outputs"][0], tolerance(protocol)).ok:
+            reasons.append("ghost_replay: output still correct with every Triton launch suppressed")
+    reasons.extend(integrity_reasons(candidate))
+    if candidate.get("subclass_outputs"):
+        reasons.append(f"tensor_subclass: forward returned {sorted(set(candidate['subclass_outputs']))}")
+    if candidate.get("mutates_inputs") and not reference.get("mutates_inputs"):
+        reasons.append("input_mutation: forward wrote into its inputs (the reference does not)")
+    return reasons
+
+
+def integrity_reasons(candidate: dict[str, Any]) -> list[str]:
+    reasons = []
+    if candidate.get("patched"):
+        reasons.append(f"monkey_patch: replaced {', '.join(candidate['patched'][:6])}")
+    if candidate.get("hooks_intact") is False:
+        reasons.append("monkey_patch: replaced KernelGym's launch or thread hooks")
+    if candidate.get("threads"):
+        reasons.append(f"side_thread: started thread(s) {', '.join(candidate['threads'][:4])}")
+    return reasons
+
+
+def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, wall_s: float, ref_ms: float | None) -> list[str]:
+    reasons = []
+    timing = candidate["timing"]
+    if not candidate["launches"].get("timed"):
+        reasons.append("no_triton_launch: the timed calls launched no Triton kernel")
+    tol = tolerance(protocol)
+    for sample in timing["samples"]:
+        check = compare_outputs(sample["outputs"], reference["outputs"][sample["input_set"]], tol)
+        if not check.ok:
+            reasons.append(f"timed_output_mismatch: timed trial {sample['trial']} returned a wrong output ({check.detail})")
+            break
+    if sum(timing["ms"]) > wall_s * 1e3 or any(ms < 0 for ms in timing["ms"]):
+        reasons.append("timing_inconsistent: reported times exceed the wall time observed by the parent")
+    if median(timing["ms"]) > median(timing["host_ms"]) + EVENT_HOST_SLACK_MS:
+        reasons.append("timing_inconsistent: device time exceeds the host time around it")
+    recheck = candidate.get("recheck")
+    if recheck is not None and ref_ms is not None:
+        for sample in recheck["samples"]:
+            if not compare_outputs(sample["outputs"], reference["recheck_outputs"][sample["input_set"]], tol).ok:
+                reasons.append("recheck_output_mismatch: wrong output on fresh inputs during the speedup re-check")
+                break
+        event_speedup = speedup(ref_ms, median(timing["ms"]))
+        host_speedup = speedup(ref_ms, median(recheck["host_ms"]))
+        if event_speedup and host_speedup is not None and host_speedup < HOST_RECHECK_MIN_RATIO * event_speedup:
+            reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {host_speedup:.3g}x by the host clock on fresh inputs")
+    return reasons
+
+
+def failure_diagnostic(run: ChildRun, payload: dict[str, Any] | None) -> str:
+    where = f" (during {run.phase})" if run.phase else ""
+    if payload is not None:
+        tail = payload.get("traceback", "")
+        return clip(f"{payload.get('error', '')}{where}\n{tail}".strip(), DIAGNOSTIC_MAX_CHARS)
+    stderr = run.stderr.strip()
+    return clip(f"{classify_exit(run.returncode or 0)[1]}{where}\n{stderr[-1500:]}".strip(), DIAGNOSTIC_MAX_CHARS)
+
+
+def evaluate(
+    reference_src: str,
+    candidate_src: str,
+    protocol: Protocol | None = None,
+    *,
+    reuse_reference: bool = False,
+) -> EvalResult:
+    """Evaluate `candidate_src` (``ModelNew`` + Triton kernels) against `reference_src`.
+
+    Never raises for a bad candidate (its failure is the result); raises ValueError /
+    TypeError / ReferenceFailure for bad usage. `reuse_reference` reuses this process's
+    cached reference run (outputs and baseline timings) for an identical reference and
+    protocol: cheaper, but the baseline is then not timed close to the candidate.
+    """
+    protocol = protocol or Protocol()
+    check_reference(reference_src)
+    if not isinstance(candidate_src, str):
+        raise TypeError("candidate_src must be the program's source text")
+    started = time.monotonic()
+    device = resolve_device(protocol)
+    kind = device_kind(device)
+    base = {
+        "key": eval_key(reference_src, candidate_src, protocol, kind),
+        "reference_hash": source_hash(reference_src),
+        "candidate_hash": source_hash(candidate_src),
+        "timing_kind": "cuda" if device == "cuda" else "cpu",
+        "device": kind,
+        "torch_version": str(torch.__version__),
+        "triton_version": __import__("triton").__version__,
+        "protocol_version": protocol.version,
+        "protocol": protocol.to_json(),
+    }
+
+    def finish(status: str, profile: dict[str, Any] | None = None, **fields: Any) -> EvalResult:
+        result = EvalResult(status=status, **base, **fields)
+        result.correct = status == "pass"
+        result.hacked = status == "hacked"
+        result.wall_s = time.monotonic() - started
+        result.feedback = build_feedback(result, profile, protocol.feedback_max_chars)
+        return result
+
+    screened = screen(candidate_src)
+    findings = screened.findings
+    if screened.status is not None:
+        return finish(screened.status, diagnostic=screened.diagnostic, findings=findings)
+    rejected = [f for f in findings if f.split(":", 1)[0] in protocol.reject_findings]
+    if rejected and protocol.hacking_check:
+        return finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=findings)
+
+    reference = run_reference(reference_src, protocol, device, reuse_reference)
+    base.update(device=reference["device"] if device == "cpu" else kind, torch_version=reference["torch_version"],
+                triton_version=reference["triton_version"])
+    ref_eager = median(reference["eager"]["ms"]) if "eager" in reference else None
+    ref_compile = median(reference["compile"]["ms"]) if "compile" in reference else None
+    ref_for_recheck = ref_eager if ref_eager is not None else ref_compile
+
+    verdict: dict[str, Any] = {}
+
+    def gate(partial: dict[str, Any]) -> bool:
+        check = correctness(partial, reference, protocol)
+        reasons = hack_reasons_before_timing(partial, reference, protocol, check.ok) if protocol.hacking_check else []
+        verdict.update(check=check, reasons=reasons)
+        return check.ok and not reasons
+
+    job = {
+        "role": "candidate",
+        "reference_src": reference_src,
+        "candidate_src": candidate_src,
+        "protocol": protocol.to_dict(),
+        "device": device,
+        "recheck_below_ms": ref_for_recheck / protocol.recheck_speedup_above if ref_for_recheck else None,
+    }
+    run = run_isolated(job, protocol.timeout_s, gate=gate)
+    payload = run.payload
+    common = {"findings": findings}
+    if run.timed_out:
+        return finish("timeout", diagnostic=f"no result within {protocol.timeout_s:g} s (during {run.phase or 'start-up'})", **common)
+    if payload is None or payload.get("status") != "ok":
+        status = payload["status"] if payload else classify_exit(run.returncode or 0)[0]
+        if payload is None and run.partial is not None and "check" in verdict and not verdict["check"].ok:
+            status = "mismatch"  # it failed correctness, then died when told to stop
+        return finish(status, diagnostic=failure_diagnostic(run, payload), **common)
+    if "check" not in verdict:  # the child skipped the gate: treat as tampering
+        return finish("hacked", hack_reasons=["integrity: the candidate process bypassed the correctness gate"], **common)
+    check: Comparison = verdict["check"]
+    reasons: list[str] = list(verdict["reasons"])
+    launched = sorted(set(payload["launches"].get("train", [])) | set(payload["launches"].get("eval", [])))
+    common["launched_kernels"] = launched
+    if reasons:
+        return finish("hacked", hack_reasons=reasons, diagnostic=check.detail, **common)
+    if not check.ok:
+        return finish("mismatch", diagnostic=check.detail, **common)
+
+    timing = payload["timing"]
+    cand_ms = median(timing["ms"])
+    if protocol.hacking_check:
+        reasons = timing_reasons(payload, reference, protocol, run.wall_s, ref_for_recheck) + integrity_reasons(payload)
+        reasons = sorted(set(reasons), key=reasons.index)
+        if reasons:
+            return finish("hacked", hack_reasons=reasons, **common)
+    profile = payload.get("profile")
+    notes = [reference["compile_error"]] if reference.get("compile_error") else []
+    return finish(
+        "pass",
+        profile=profile,
+        diagnostic="; ".join(f"torch.compile baseline failed: {n}" for n in notes),
+        candidate_ms=cand_ms,
+        candidate_ms_iqr=iqr(timing["ms"]),
+        eager_ms=ref_eager,
+        eager_ms_iqr=iqr(reference["eager"]["ms"]) if "eager" in reference else None,
+        compile_ms=ref_compile,
+        compile_ms_iqr=iqr(reference["compile"]["ms"]) if "compile" in reference else None,
+        speedup_eager=speedup(ref_eager, cand_ms),
+        speedup_compile=speedup(ref_compile, cand_ms),
+        pr=profile.get("pr") if profile else None,
+        **common,
+    )

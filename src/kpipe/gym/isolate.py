@@ -1,0 +1,180 @@
+"""Running one child in isolation: a fresh interpreter in its own session and scratch
+directory, with secrets scrubbed, a wall-clock timeout that kills its whole process group,
+bounded capture of stdout/stderr (kept for diagnostics, never parsed for results), and an
+optional gate between its correctness and timing stages."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from kpipe.gym.child import scrubbed_environment
+
+HEAD_BYTES = 2048
+TAIL_BYTES = 8192
+GATE_POLL_S = 0.005
+
+
+class BoundedCapture(threading.Thread):
+    """Drains a pipe, keeping only its head and tail: a candidate printing gigabytes costs
+    the parent nothing but the read."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        super().__init__(daemon=True)
+        self.stream = stream
+        self.head = b""
+        self.tail = b""
+        self.total = 0
+
+    def run(self) -> None:
+        while chunk := self.stream.read1(65536):  # type: ignore[attr-defined]
+            self.total += len(chunk)
+            if len(self.head) < HEAD_BYTES:
+                self.head += chunk[: HEAD_BYTES - len(self.head)]
+            self.tail = (self.tail + chunk)[-TAIL_BYTES:]
+
+    def text(self) -> str:
+        if self.total <= HEAD_BYTES + TAIL_BYTES:  # nothing lost: head, then the rest from the tail
+            rest = self.tail[len(self.tail) - (self.total - len(self.head)) :]
+            return (self.head + rest).decode(errors="replace")
+        skipped = self.total - len(self.head) - len(self.tail)
+        return (self.head.decode(errors="replace") + f"\n[... {skipped} bytes omitted ...]\n" + self.tail.decode(errors="replace"))
+
+
+@dataclass
+class ChildRun:
+    payload: dict[str, Any] | None  # the child's result file; None if it died without one
+    partial: dict[str, Any] | None  # what it wrote at the gate, if it got there
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    stdout: str
+    stderr: str
+    output_bytes: int
+    phase: str
+
+
+def child_environment(device: str) -> dict[str, str]:
+    env = scrubbed_environment(dict(os.environ))
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def load_payload(path: Path) -> dict[str, Any] | None:
+    """Read a child's result file. weights_only=True: a forged pickle cannot run code here."""
+    if not path.exists():
+        return None
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        return {"status": "crashed", "error": f"unreadable result file ({type(exc).__name__}: {str(exc)[:200]})"}
+    if not isinstance(payload, dict):
+        return {"status": "crashed", "error": "the result file holds no result"}
+    return payload
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_isolated(
+    job: dict[str, Any],
+    timeout_s: float,
+    gate: Callable[[dict[str, Any]], bool] | None = None,
+) -> ChildRun:
+    """Run ``kpipe.gym.child`` on `job` in a fresh process; never raises for what the child does.
+
+    With `gate`, the child stops after its correctness stage and writes a partial result;
+    `gate(partial)` (run here, in the parent) decides whether it goes on to timing.
+    """
+    scratch = Path(tempfile.mkdtemp(prefix=f"kgym-{job['role']}-"))
+    try:
+        job = {
+            **job,
+            "workdir": str(scratch),
+            "result_path": str(scratch / "result.pt"),
+            "phase_path": str(scratch / "phase"),
+            "gate_path": str(scratch / "gate") if gate else None,
+        }
+        job_file = scratch / "job.json"
+        job_file.write_text(json.dumps(job))
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kpipe.gym.child", str(job_file)],
+            cwd=scratch,
+            env=child_environment(job["device"]),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: the timeout kills everything it started
+        )
+        captures = [BoundedCapture(proc.stdout), BoundedCapture(proc.stderr)]  # type: ignore[arg-type]
+        for capture in captures:
+            capture.start()
+        partial = None
+        timed_out = False
+        deadline = start + timeout_s
+        try:
+            if gate is not None:
+                partial = wait_at_gate(proc, scratch, deadline, gate)
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            kill_group(proc)  # also reaps anything the child left behind in its group
+            proc.wait()
+        wall_s = time.monotonic() - start
+        for capture in captures:
+            capture.join(timeout=5)
+        phase_file = scratch / "phase"
+        return ChildRun(
+            payload=None if timed_out else load_payload(scratch / "result.pt"),
+            partial=partial,
+            returncode=proc.returncode,
+            timed_out=timed_out,
+            wall_s=wall_s,
+            stdout=captures[0].text(),
+            stderr=captures[1].text(),
+            output_bytes=captures[0].total + captures[1].total,
+            phase=phase_file.read_text() if phase_file.exists() else "",
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def wait_at_gate(
+    proc: subprocess.Popen[bytes], scratch: Path, deadline: float, gate: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any] | None:
+    """Wait for the child's partial result (or its exit), then answer go/stop."""
+    partial_path = scratch / "partial.pt"
+    while not partial_path.exists():
+        if proc.poll() is not None:
+            return None
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        time.sleep(GATE_POLL_S)
+    partial = load_payload(partial_path)
+    go = partial is not None and gate(partial)
+    decision = scratch / "gate"
+    tmp = scratch / "gate.tmp"
+    tmp.write_text("go" if go else "stop")
+    os.replace(tmp, decision)
+    return partial

@@ -1,0 +1,109 @@
+"""Training checkpoints: HF-format model + tokenizer, plus the full training state to resume.
+
+Layout of one checkpoint, ``<ckpt_root>/step-000120/``:
+
+- ``model/``  the model in Hugging Face format with its tokenizer (loadable by vLLM and
+  ``AutoModelForCausalLM``, the thing later stages consume);
+- ``state/``  ``accelerator.save_state``: model, optimizer, scheduler, every process's RNG
+  (sharded under FSDP);
+- ``trainer_state.json``  step and the run's fingerprint, written last.
+
+A checkpoint is written into ``.tmp-step-000120`` and renamed into place only once complete,
+so a kill during a save leaves the previous checkpoint as the latest one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STEP_PREFIX = "step-"
+TRAINER_STATE = "trainer_state.json"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    fingerprint: str
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.path / "state"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:06d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Checkpoint]:
+    """Complete checkpoints under `root` (those whose trainer_state.json exists), oldest first."""
+    root = Path(root)
+    found = []
+    for path in root.glob(f"{STEP_PREFIX}*") if root.exists() else []:
+        state_file = path / TRAINER_STATE
+        if path.is_dir() and state_file.exists():
+            state = json.loads(state_file.read_text())
+            found.append(Checkpoint(path, int(state["step"]), state["fingerprint"]))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(root: str | Path) -> Checkpoint | None:
+    checkpoints = list_checkpoints(root)
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(accelerator: Any, model: Any, tokenizer: Any, root: str | Path, step: int,
+                    fingerprint: str, keep_last: int) -> Path:
+    """Write a complete checkpoint for `step` (all processes call this), then prune to `keep_last`."""
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / "state"))
+    export_hf(accelerator, model, tokenizer, tmp / "model")
+    if accelerator.is_main_process:
+        (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, "fingerprint": fingerprint}))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        prune_checkpoints(root, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def export_hf(accelerator: Any, model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Save the (possibly FSDP-sharded) model as one HF-format directory with its tokenizer."""
+    out_dir = Path(out_dir)
+    state_dict = accelerator.get_state_dict(model)
+    accelerator.unwrap_model(model).save_pretrained(
+        out_dir, state_dict=state_dict, is_main_process=accelerator.is_main_process, save_function=accelerator.save
+    )
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def prune_checkpoints(root: str | Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints, and any leftover partial saves."""
+    root = Path(root)
+    for stale in root.glob(f".tmp-{STEP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    checkpoints = list_checkpoints(root)
+    for old in checkpoints[: max(0, len(checkpoints) - keep_last)]:
+        shutil.rmtree(old.path, ignore_errors=True)
+
+
+def remove_checkpoints(root: str | Path) -> None:
+    """Drop every checkpoint under `root` (they belong to another configuration)."""
+    for checkpoint in list_checkpoints(root):
+        shutil.rmtree(checkpoint.path, ignore_errors=True)

@@ -1,0 +1,85 @@
+"""``kpipe train``: build the tiny offline model, run SFT.
+
+Many GPUs: ``accelerate launch --config_file fsdp.yaml -m kpipe.cli train sft ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import click
+import yaml
+
+
+@click.group()
+def train() -> None:
+    """Training: the tiny offline model and supervised fine-tuning."""
+
+
+@train.command("tiny-model")
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--size", default="tiny", show_default=True, help="nano | tiny | small | qwen3-0.6b")
+@click.option("--seed", default=0, show_default=True, type=int)
+def tiny_model_command(out_dir: Path, size: str, seed: int) -> None:
+    """Build a random-weight Qwen3 model with a byte tokenizer in HF format at OUT_DIR."""
+    from kpipe.train.tiny_model import build_tiny_model
+
+    path = build_tiny_model(out_dir, seed=seed, size=size)
+    click.echo(f"tiny model ({size}, seed {seed}) -> {path}")
+
+
+def trajectory_files(paths: tuple[Path, ...]) -> list[Path]:
+    """Parquet files named directly or found under directories (hive layouts)."""
+    files = []
+    for path in paths:
+        files.extend(sorted(path.rglob("*.parquet")) if path.is_dir() else [path])
+    if not files:
+        raise click.UsageError("no trajectory Parquet files found")
+    return files
+
+
+def parse_overrides(pairs: tuple[str, ...]) -> dict:
+    """`key=value` pairs, values parsed as YAML (numbers, booleans, lists)."""
+    values = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise click.BadParameter(f"expected key=value, got {pair!r}", param_hint="--set")
+        values[key.strip()] = yaml.safe_load(value)
+    return values
+
+
+@train.command("sft")
+@click.option("--trajectories", "-t", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
+              help="trajectories Parquet file or directory (repeatable)")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="run directory: checkpoints/, model/, sft_summary.json")
+@click.option("--metrics", "metrics_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="train_metrics Parquet file to write")
+@click.option("--preset", type=click.Choice(["paper", "code", "offline"]), default=None,
+              help="start from a documented preset")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="YAML with an `sft:` section (or a bare mapping) overriding the preset")
+@click.option("--set", "overrides", multiple=True, help="key=value override, e.g. --set lr=1e-5 (repeatable)")
+def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Path, preset: str | None,
+                config_file: Path | None, overrides: tuple[str, ...]) -> None:
+    """Fine-tune a causal LM on trajectory turns; rerunning resumes from the last checkpoint."""
+    from kpipe.train.samples import load_trajectory_rows
+    from kpipe.train.sft import SFTConfig, train_sft
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    values = {}
+    if config_file is not None:
+        loaded = yaml.safe_load(config_file.read_text()) or {}
+        values = loaded.get("sft", loaded)
+    values.update(parse_overrides(overrides))
+    try:
+        cfg = SFTConfig.from_dict(values, preset=preset)
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
+    rows = load_trajectory_rows(trajectory_files(trajectories))
+    result = train_sft(cfg, rows, out_dir, metrics_path)
+    click.echo(json.dumps({"model": str(result.model_dir), "steps": result.steps, "resumed_from": result.resumed_from,
+                           "final_loss": result.final_loss, "samples": result.samples.as_dict()}, indent=2))

@@ -1,0 +1,431 @@
+"""Supervised fine-tuning on cold-start trajectories, readable top to bottom.
+
+One optimizer step = one global batch of `batch_size` samples. Which samples form the batch
+of step `s` is a pure function of (seed, s), so a resumed run sees exactly the data an
+uninterrupted one would. Each process takes a share of the batch and runs it as
+length-grouped, padded micro-batches of at most `micro_batch_tokens` padded tokens; the loss
+is the sum of token losses divided by the number of labelled tokens in the whole global
+batch, so gradient accumulation and any number of processes give the same gradient as one
+big batch (token-mean, not mean-of-micro-batch-means).
+
+Runs on the CPU (fp32), one GPU (bf16 autocast over fp32 master weights) or many GPUs with
+FSDP/DDP when started through ``accelerate launch --config_file ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kpipe.train.checkpoint import export_hf, latest_checkpoint, remove_checkpoints, save_checkpoint
+from kpipe.train.metrics_log import MetricsLog
+from kpipe.train.samples import IGNORE_INDEX, OUTCOME_FILTERS, OVERLONG, UNITS, Sample, SampleReport, build_samples
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("cosine", "constant")
+PRECISIONS = ("auto", "bf16", "fp16", "no")
+
+
+@dataclass
+class SFTConfig:
+    """SFT hyper-parameters; `PRESETS` holds the paper's, the released code's and the offline default."""
+
+    base_model: str = ""  # hub id or local path of a causal LM
+    run: str = "sft"
+    epochs: float = 4.0
+    max_steps: int | None = None  # cap on optimizer steps; None = as many as `epochs` take
+    lr: float = 1e-6
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of `lr`
+    schedule: str = "cosine"
+    warmup_ratio: float = 0.1  # fraction of all steps spent warming up linearly
+    batch_size: int = 256  # samples per optimizer step, over all processes
+    micro_batch_tokens: int = 16384  # padded tokens per forward pass per process
+    max_length: int = 32768
+    overlong: str = "drop"  # drop | truncate
+    keep: str = "all"  # outcome filter: all | passed_turns | passed_trajectories
+    unit: str = "turn"  # turn | trajectory (see kpipe.train.samples)
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still logged)
+    seed: int = 0
+    gradient_checkpointing: bool = False
+    mixed_precision: str = "auto"  # auto = bf16 on GPU, fp32 on CPU (or the accelerate config's)
+    attn_implementation: str = "sdpa"
+    compile: bool = False  # torch.compile the repeated decoder blocks (regional compilation)
+    chat_template: str | None = None  # "chatml": impose ChatML on a base tokenizer that has no template
+    save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    keep_last: int = 2
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        for item in fields(self):
+            value, expected = getattr(self, item.name), accepted_types(item.type)
+            if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+                raise ValueError(f"SFTConfig: {item.name} must be {item.type}, got {value!r}")
+        checks = [
+            (self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}"),
+            (self.mixed_precision in PRECISIONS, f"mixed_precision must be one of {PRECISIONS}"),
+            (self.overlong in OVERLONG, f"overlong must be one of {OVERLONG}"),
+            (self.keep in OUTCOME_FILTERS, f"keep must be one of {OUTCOME_FILTERS}"),
+            (self.unit in UNITS, f"unit must be one of {UNITS}"),
+            (self.chat_template in (None, "chatml"), "chat_template must be null or 'chatml'"),
+            (self.batch_size >= 1 and self.micro_batch_tokens >= 1, "batch_size and micro_batch_tokens must be >= 1"),
+            (self.epochs > 0 and self.lr > 0, "epochs and lr must be positive"),
+            (0 <= self.warmup_ratio < 1 and 0 <= self.min_lr_ratio <= 1, "warmup_ratio in [0, 1), min_lr_ratio in [0, 1]"),
+            (self.keep_last >= 1, "keep_last must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"SFTConfig: {message}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], preset: str | None = None) -> SFTConfig:
+        """A config from a preset overridden by `values`; unknown keys are an error.
+
+        The preset comes from the `preset` argument or a ``preset`` key in `values` (as in config YAML).
+        """
+        values = dict(values)
+        preset = values.pop("preset", None) or preset
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"SFTConfig: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        base = PRESETS[preset] if preset else cls()
+        known = set(asdict(base))
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"SFTConfig: unknown key(s) {sorted(unknown)}")
+        return replace(base, **values)
+
+
+def accepted_types(annotation: str) -> tuple[type, ...]:
+    """Python types a config field accepts, from its annotation string (ints are fine as floats)."""
+    names = {"float": (int, float), "int": (int,), "str": (str,), "bool": (bool,), "None": (type(None),)}
+    accepted: tuple[type, ...] = ()
+    for part in annotation.split("|"):
+        part = part.strip()
+        accepted += (tuple,) if part.startswith("tuple") else names[part]
+    return accepted
+
+
+PRESETS: dict[str, SFTConfig] = {
+    # Paper §6.1: Qwen3-8B-Base, lr 1e-6, batch 256, 4 epochs, 8K five-turn trajectories.
+    # Not stated there, taken from verl's SFT trainer defaults (the authors' stack): AdamW betas
+    # (0.9, 0.95), weight decay 0.01, 10% warm-up, cosine to 0, grad clip 1.0. Max length: the
+    # paper's 32,768-token context.
+    "paper": SFTConfig(base_model="Qwen/Qwen3-8B-Base", lr=1e-6, batch_size=256, epochs=4, max_length=32768,
+                       unit="turn", notes="Dr. Kernel paper §6.1"),
+    # Released code (hkust-nlp/KernelGYM recipe on verl): lr 2e-5, batch 64, 4 epochs, max length
+    # 18,432, loss on every assistant turn of the whole conversation.
+    "code": SFTConfig(base_model="Qwen/Qwen3-8B-Base", lr=2e-5, batch_size=64, epochs=4, max_length=18432,
+                      unit="trajectory", notes="released KernelGYM/verl SFT recipe"),
+    # Offline default: the tiny local model on a CPU; lr high enough that the loss visibly falls
+    # within a few epochs over a handful of trajectories.
+    "offline": SFTConfig(lr=1e-3, batch_size=8, epochs=3, max_length=8192, micro_batch_tokens=8192,
+                         warmup_ratio=0.1, min_lr_ratio=0.1, save_every=10, notes="tiny model, CPU"),
+}
+
+
+@dataclass
+class SFTResult:
+    model_dir: Path
+    steps: int
+    resumed_from: int | None
+    samples: SampleReport
+    final_loss: float | None
+
+
+# ---------------------------------------------------------------- pure helpers (tested directly)
+
+
+def steps_per_epoch(n_samples: int, batch_size: int) -> int:
+    return math.ceil(n_samples / batch_size)
+
+
+def total_steps(cfg: SFTConfig, n_samples: int) -> int:
+    """Optimizer steps of the whole run: `epochs` passes (a partial last batch counts), capped by max_steps."""
+    steps = math.ceil(cfg.epochs * steps_per_epoch(n_samples, cfg.batch_size))
+    return min(steps, cfg.max_steps) if cfg.max_steps else steps
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up, then cosine or constant."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def batch_indices(n_samples: int, batch_size: int, seed: int, step: int) -> list[int]:
+    """Sample indices of the global batch of optimizer step `step`: a fresh permutation per epoch."""
+    per_epoch = steps_per_epoch(n_samples, batch_size)
+    epoch, position = divmod(step, per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(n_samples)
+    return order[position * batch_size:(position + 1) * batch_size].tolist()
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Group indices into micro-batches of similar length whose padded size (count × longest) fits the budget.
+
+    Sorting by length first keeps padding small; a sample longer than the budget runs alone.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for index in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    return groups
+
+
+def shard_for_process(indices: Sequence[int], lengths: Sequence[int], rank: int, world: int) -> list[int]:
+    """This process's share of a global batch: length-sorted round robin, so token loads stay balanced."""
+    by_length = sorted(indices, key=lambda i: -lengths[i])
+    return by_length[rank::world]
+
+
+def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids / attention_mask / labels tensors of a micro-batch."""
+    width = max(len(s.input_ids) for s in samples)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = len(sample.input_ids)
+        input_ids[row, :n] = torch.tensor(sample.input_ids)
+        labels[row, :n] = torch.tensor(sample.labels)
+        attention_mask[row, :n] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def predicted_tokens(samples: Sequence[Sample]) -> int:
+    """Tokens that carry a loss after the causal shift (a label at position 0 predicts nothing)."""
+    return sum(sum(label != IGNORE_INDEX for label in s.labels[1:]) for s in samples)
+
+
+def run_fingerprint(cfg: SFTConfig, samples: Sequence[Sample]) -> str:
+    """Identity of a run (training settings + data) that a checkpoint must match to be resumed."""
+    resume_irrelevant = {"save_every", "keep_last", "notes", "max_steps"}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in resume_irrelevant}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    for sample in samples:
+        digest.update(sample.key.encode())
+        digest.update(np.asarray(sample.input_ids, dtype=np.int64).tobytes())
+        digest.update(np.asarray(sample.labels, dtype=np.int64).tobytes())
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- model, tokenizer, accelerator
+
+
+def resolve_precision(requested: str) -> str | None:
+    """'auto' means bf16 on GPU and fp32 on CPU, unless an accelerate config already chose."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        return None  # let Accelerator read the launcher's choice
+    return "bf16" if torch.cuda.is_available() else "no"
+
+
+def load_tokenizer(cfg: SFTConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    from kpipe.train.tiny_model import CHATML_TEMPLATE
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
+    if cfg.chat_template == "chatml":
+        tokenizer.chat_template = CHATML_TEMPLATE
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg: SFTConfig) -> Any:
+    """The base model in fp32 (master weights; autocast gives bf16 compute on GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=torch.float32,
+                                                 attn_implementation=cfg.attn_implementation)
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile:
+        compile_blocks(model)
+    return model
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile each repeated decoder block in place; returns how many.
+
+    Regional compilation: the blocks share one compiled graph (seconds, not minutes), the
+    top-level HF code stays eager, `dynamic` avoids a recompile per sequence length, and
+    in-place ``Module.compile`` keeps the state-dict keys, so checkpoints stay plain HF.
+    """
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError(f"compile: no repeated blocks found in {type(model).__name__} (no _no_split_modules)")
+    for block in blocks:
+        block.compile(dynamic=True)
+    return len(blocks)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: SFTConfig) -> torch.optim.Optimizer:
+    """AdamW over all parameters (as verl's SFT trainer), fused on GPU."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                             fused=torch.cuda.is_available())
+
+
+def micro_batch_loss(model: Any, batch: dict[str, torch.Tensor], global_label_tokens: int,
+                     world: int) -> torch.Tensor:
+    """Sum of this micro-batch's token losses over the global batch's labelled tokens.
+
+    Multiplied by `world` because DDP/FSDP average gradients over processes.
+    """
+    output = model(**batch, num_items_in_batch=global_label_tokens)
+    return output.loss * world
+
+
+def train_step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, samples: Sequence[Sample],
+               batch_ids: Sequence[int], micro_batch_tokens: int, grad_clip: float, pad_id: int) -> dict[str, float]:
+    """One optimizer step on the global batch `batch_ids`; returns its metrics.
+
+    Every process plans the same global batch and takes its share. All processes must run the
+    same number of forward passes (FSDP gathers parameters in each one), so a process with fewer
+    micro-batches runs extra ones whose loss is multiplied by zero.
+    """
+    started = time.perf_counter()
+    world, rank = accelerator.num_processes, accelerator.process_index
+    lengths = [len(s.input_ids) for s in samples]
+    global_label_tokens = predicted_tokens([samples[i] for i in batch_ids])
+    mine = shard_for_process(batch_ids, lengths, rank, world)
+    plan = [[mine[j] for j in group] for group in plan_micro_batches([lengths[i] for i in mine], micro_batch_tokens)]
+    n_micro = int(accelerator.gather(torch.tensor([len(plan)], device=accelerator.device)).max())
+    filler = plan[-1] if plan else list(batch_ids[:1])
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for k in range(n_micro):
+        group, weight = (plan[k], 1.0) if k < len(plan) else (filler, 0.0)
+        batch = {name: t.to(accelerator.device, non_blocking=True)
+                 for name, t in collate([samples[i] for i in group], pad_id).items()}
+        # Gradients are all-reduced only on the last micro-batch of the step.
+        sync = contextlib.nullcontext() if k == n_micro - 1 else accelerator.no_sync(model)
+        with sync:
+            loss = micro_batch_loss(model, batch, global_label_tokens, world) * weight
+            accelerator.backward(loss)
+        loss_sum += loss.detach() / world
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_value = float(accelerator.reduce(loss_sum, "sum"))  # synchronises: the timing below is honest
+    step_tokens = sum(lengths[i] for i in batch_ids)
+    elapsed = time.perf_counter() - started
+    return {"loss": loss_value, "lr": lr, "grad_norm": float(grad_norm), "tokens": step_tokens,
+            "label_tokens": global_label_tokens, "tokens_per_s": step_tokens / elapsed, "step_s": elapsed}
+
+
+# ---------------------------------------------------------------- the training loop
+
+
+def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Path, metrics_path: str | Path,
+              on_step_end: Callable[[int, dict[str, float]], None] | None = None) -> SFTResult:
+    """Fine-tune `cfg.base_model` on trajectory `rows`; resumes from `out_dir`'s last checkpoint.
+
+    Writes checkpoints to ``out_dir/checkpoints``, the final HF model to ``out_dir/model``,
+    a summary to ``out_dir/sft_summary.json`` and per-step metrics to `metrics_path`.
+    `on_step_end(step, metrics)` is called after every optimizer step (e.g. to stop early).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    if not cfg.base_model:
+        raise ValueError("SFTConfig.base_model is empty: give a hub id or a local model path")
+    out_dir = Path(out_dir)
+    ckpt_root = out_dir / "checkpoints"
+    accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
+    set_seed(cfg.seed)
+
+    # --- data
+    tokenizer = load_tokenizer(cfg)
+    samples, report = build_samples(rows, tokenizer, cfg.max_length, cfg.overlong, cfg.keep, cfg.unit)
+    if not samples:
+        raise ValueError(f"no SFT samples left after filtering: {report.as_dict()}")
+    n_steps = total_steps(cfg, len(samples))
+    warmup = int(cfg.warmup_ratio * n_steps)
+    fingerprint = run_fingerprint(cfg, samples)
+    if accelerator.is_main_process:
+        log.info("SFT samples: %s", report.as_dict())
+
+    # --- model, optimizer, schedule
+    model = accelerator.prepare(load_model(cfg))
+    optimizer = accelerator.prepare(build_optimizer(model, cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, n_steps, warmup, cfg.schedule, cfg.min_lr_ratio))
+    accelerator.register_for_checkpointing(scheduler)
+
+    # --- resume
+    metrics = MetricsLog(metrics_path, run=cfg.run, stage="sft")
+    start_step, resumed_from = 0, None
+    checkpoint = latest_checkpoint(ckpt_root)
+    if checkpoint is not None and checkpoint.fingerprint != fingerprint:
+        log.warning("checkpoints in %s belong to another config or dataset: starting over", ckpt_root)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            remove_checkpoints(ckpt_root)
+        checkpoint = None
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint.state_dir))
+        start_step = resumed_from = checkpoint.step
+    metrics.resume(start_step)
+
+    # --- loop
+    model.train()
+    progress = tqdm(total=n_steps, initial=start_step, desc=f"sft {cfg.run}", unit="step",
+                    disable=not accelerator.is_main_process)
+    last_loss = None
+    for step in range(start_step, n_steps):
+        batch_ids = batch_indices(len(samples), cfg.batch_size, cfg.seed, step)
+        values = train_step(accelerator, model, optimizer, scheduler, samples, batch_ids, cfg.micro_batch_tokens,
+                            cfg.grad_clip, tokenizer.pad_token_id)
+        values["epoch"] = (step + 1) / steps_per_epoch(len(samples), cfg.batch_size)
+        metrics.log(step + 1, values)
+        last_loss = values["loss"]
+        progress.update(1)
+        progress.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{values['tokens_per_s']:.0f}")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < n_steps:
+            # Metrics first: a kill during the save leaves extra rows, which the resume drops.
+            if accelerator.is_main_process:
+                metrics.flush()
+            save_checkpoint(accelerator, model, tokenizer, ckpt_root, step + 1, fingerprint, cfg.keep_last)
+        if on_step_end is not None:
+            on_step_end(step + 1, values)
+    progress.close()
+
+    # --- final checkpoint, HF export, metrics, summary
+    if resumed_from != n_steps:
+        save_checkpoint(accelerator, model, tokenizer, ckpt_root, n_steps, fingerprint, cfg.keep_last)
+    model_dir = export_hf(accelerator, model, tokenizer, out_dir / "model")
+    if accelerator.is_main_process:
+        metrics.flush()
+        summary = {"config": asdict(cfg), "steps": n_steps, "resumed_from": resumed_from,
+                   "samples": report.as_dict(), "final_loss": last_loss, "fingerprint": fingerprint}
+        (out_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    accelerator.wait_for_everyone()
+    return SFTResult(model_dir, n_steps, resumed_from, report, last_loss)

@@ -1,0 +1,282 @@
+"""Each RL formula pinned to the paper's equations on cases computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kpipe.train import algos
+
+
+def close(actual, expected, tol=1e-6):
+    return torch.allclose(torch.as_tensor(actual, dtype=torch.float64),
+                          torch.as_tensor(expected, dtype=torch.float64), atol=tol, rtol=0)
+
+
+# --- rewards -----------------------------------------------------------------------------
+
+
+def test_reward_paper_eq1_and_eq8():
+    assert algos.reward_paper(True, False, 2.0) == 3.0  # 1 + 2
+    assert algos.reward_paper(True, False, 5.0) == 4.0  # speedup clipped at 3
+    assert algos.reward_paper(True, False, 0.5) == 1.5  # slower but correct still earns C
+    assert algos.reward_paper(True, False, 5.0, pr=0.5, use_pr=True) == 4.5  # Eq. 8: + C·PR
+    assert algos.reward_paper(True, False, 2.0, pr=0.9) == 3.0  # PR ignored unless use_pr
+
+
+def test_rewards_are_zero_when_hacked_or_failed():
+    for name, reward in algos.REWARDS.items():
+        assert reward(True, True, 2.5) == 0.0, name  # hacked counts as incorrect
+        assert reward(False, False, None) == 0.0, name  # failed / timed out: no speedup at all
+        assert reward(False, False, 2.5) == 0.0, name
+
+
+def test_reward_released_code_weighting():
+    assert algos.reward_released_code(True, False, 2.0, pr=0.4, use_pr=True) == pytest.approx(0.5 + 1.0 + 0.2)
+    assert algos.reward_released_code(True, False, 4.0) == pytest.approx(0.5 + 1.5)
+
+
+def test_reward_kevin():
+    assert algos.reward_kevin(True, False, 2.0) == pytest.approx(2.3)
+    assert algos.reward_kevin(True, False, 5.0) == pytest.approx(3.3)
+    assert algos.reward_kevin(True, False, 5.0, speedup_cap=math.inf) == pytest.approx(5.3)
+    with pytest.raises(ValueError, match="no profiling"):
+        algos.reward_kevin(True, False, 1.0, pr=0.5, use_pr=True)
+
+
+def test_reward_rejects_bad_inputs():
+    with pytest.raises(ValueError, match="speedup"):
+        algos.reward_paper(True, False, None)
+    with pytest.raises(ValueError, match="speedup"):
+        algos.reward_paper(True, False, float("nan"))
+    with pytest.raises(ValueError, match="profiling ratio"):
+        algos.reward_paper(True, False, 1.0, pr=1.5, use_pr=True)
+    with pytest.raises(ValueError, match="profiling ratio"):
+        algos.reward_paper(True, False, 1.0, pr=None, use_pr=True)
+    with pytest.raises(KeyError, match="known: paper"):
+        algos.reward_fn("nope")
+    assert algos.reward_fn("kevin") is algos.reward_kevin
+
+
+# --- returns -----------------------------------------------------------------------------
+
+
+def test_reward_to_go_eq2():
+    assert close(algos.reward_to_go([1.0, 2.0, 3.0], 1.0), [6.0, 5.0, 3.0])
+    assert close(algos.reward_to_go([1.0, 2.0, 3.0], 0.5), [2.75, 3.5, 3.0])
+    assert close(algos.reward_to_go([1.0, 2.0, 3.0], 0.0), [1.0, 2.0, 3.0])  # the gamma = 0 ablation
+    # batched, with a shorter trajectory padded by zeros
+    assert close(algos.reward_to_go(torch.tensor([[1.0, 2.0, 0.0], [1.0, 1.0, 1.0]])), [[3, 2, 0], [3, 2, 1]])
+    with pytest.raises(ValueError, match="gamma"):
+        algos.reward_to_go([1.0], 1.5)
+
+
+def test_kevin_returns():
+    assert close(algos.kevin_return([1.0, 0.0, 2.0]), [1.32, 0.8, 2.0])  # sum, gamma = 0.4
+    assert close(algos.discounted_max_return([1.0, 0.0, 2.0]), [1.0, 0.8, 2.0])  # max, gamma = 0.4
+
+
+def test_returns_by_trajectory_on_shuffled_rows():
+    rewards = [3.0, 1.0, 5.0, 2.0, 0.0]
+    trajectories = ["a", "a", "b", "a", "b"]
+    turns = [3, 1, 1, 2, 2]
+    assert close(algos.returns_by_trajectory(rewards, trajectories, turns), [3.0, 6.0, 5.0, 5.0, 0.0])
+    assert close(algos.returns_by_trajectory(rewards, trajectories, turns, 0.4, "max"), [3.0, 1.0, 5.0, 2.0, 0.0])
+    with pytest.raises(ValueError, match="repeated turn"):
+        algos.returns_by_trajectory([1.0, 2.0], ["a", "a"], [1, 1])
+
+
+# --- advantages --------------------------------------------------------------------------
+
+RETURNS = [1.0, 2.0, 3.0, 6.0]
+GROUP = [("p", 1)] * 4
+
+
+def test_grpo_eq3():
+    assert close(algos.grpo_advantages(RETURNS, GROUP), [-2.0, -1.0, 0.0, 3.0])  # mean 3
+    std = math.sqrt((4 + 1 + 0 + 9) / 3)
+    assert close(algos.grpo_advantages(RETURNS, GROUP, normalize_std=True, eps=0.0),
+                 [-2 / std, -1 / std, 0.0, 3 / std])
+
+
+def test_trloo_eq5_and_its_closed_form():
+    expected = [1 - 11 / 3, 2 - 10 / 3, 3 - 9 / 3, 6 - 6 / 3]  # G_i - mean of the other three
+    assert close(algos.trloo_advantages(RETURNS, GROUP), expected)
+    assert close(expected, [4 / 3 * a for a in (-2.0, -1.0, 0.0, 3.0)])  # N/(N-1)·(G - mean)
+
+
+def test_invalid_rows_are_left_out_of_the_baseline():
+    returns = RETURNS + [100.0]
+    group = GROUP + [("p", 1)]
+    valid = [True, True, True, True, False]
+    assert close(algos.trloo_advantages(returns, group, valid), [-8 / 3, -4 / 3, 0.0, 4.0, 0.0])
+    assert close(algos.grpo_advantages(returns, group, valid), [-2.0, -1.0, 0.0, 3.0, 0.0])
+
+
+def test_trloo_paper_vs_released_code_variants():
+    # the row with return 6 was rejected by a filter
+    paper = algos.trloo_advantages(RETURNS, GROUP, valid=[True, True, True, False])
+    assert close(paper, [1 - 2.5, 0.0, 3 - 1.5, 0.0])
+    released = algos.trloo_advantages(RETURNS, GROUP, singleton="return")  # rejected row still in the baseline
+    assert close(released, [-8 / 3, -4 / 3, 0.0, 4.0])
+    # singleton groups: no baseline in the paper (A = 0), A = G in the released code
+    assert close(algos.trloo_advantages([5.0], [("q", 2)]), [0.0])
+    assert close(algos.trloo_advantages([5.0], [("q", 2)], singleton="return"), [5.0])
+    assert close(algos.grpo_advantages([5.0], [("q", 2)], normalize_std=True), [0.0])
+    with pytest.raises(ValueError, match="singleton"):
+        algos.trloo_advantages([5.0], [("q", 2)], singleton="one")
+
+
+def test_groups_are_keyed_by_prompt_and_turn():
+    prompts = ["p", "p", "p", "p", "q", "q"]
+    turns = [1, 1, 2, 2, 1, 1]
+    returns = [1.0, 3.0, 10.0, 20.0, 4.0, 4.0]
+    keys = algos.prompt_turn_keys(prompts, turns)
+    expected = [-2.0, 2.0, -10.0, 10.0, 0.0, 0.0]
+    assert close(algos.trloo_advantages(returns, keys), expected)
+    tensor_keys = torch.tensor([[0, 1], [0, 1], [0, 2], [0, 2], [1, 1], [1, 1]])
+    assert close(algos.trloo_advantages(returns, tensor_keys), expected)  # fast path agrees
+    with pytest.raises(ValueError, match="rows"):
+        algos.trloo_advantages(returns, keys[:-1])
+
+
+def test_rloo_trajectory_advantages():
+    rewards = [1.0, 2.0, 0.0, 0.0, 3.0, 7.0]
+    prompts = ["A", "A", "A", "A", "A", "B"]
+    trajectories = ["a1", "a1", "a2", "a2", "a3", "b1"]
+    # trajectory returns a1 = 3, a2 = 0, a3 = 3; b1 is alone
+    advantages = algos.rloo_trajectory_advantages(rewards, prompts, trajectories)
+    assert close(advantages, [1.5, 1.5, -3.0, -3.0, 1.5, 0.0])
+    with pytest.raises(ValueError, match="spans two prompts"):
+        algos.rloo_trajectory_advantages([1.0, 1.0], ["A", "B"], ["t", "t"])
+
+
+# --- filters -----------------------------------------------------------------------------
+
+
+def test_mrs_eq6():
+    rollout = torch.full((6, 2), -1.0)
+    log_ratio = torch.tensor([
+        [0.0, 0.0],  # identical engines: keep
+        [0.002, 0.002],  # w = e^0.002 > 1.001: reject
+        [0.0005, -0.0005],  # w = 1: keep
+        [math.log(1e-5), -math.log(1e-5)],  # w = 1 but one token ratio < 1e-4: vetoed
+        [math.log(0.9995), math.log(1e-9)],  # the vetoing token is masked out: keep (w = 0.9995)
+        [0.0, 0.0],  # no response tokens: reject
+    ])
+    mask = torch.tensor([[1, 1], [1, 1], [1, 1], [1, 1], [1, 0], [0, 0]])
+    keep = algos.mrs_mask(rollout + log_ratio, rollout, mask)
+    assert keep.tolist() == [True, False, True, False, True, False]
+    w = algos.log_geometric_mean_ratio(rollout + log_ratio, rollout, mask)[:5].exp()
+    assert close(w, [1.0, math.exp(0.002), 1.0, 1.0, 0.9995])
+
+
+def test_prs_eq9_soft_and_hard():
+    pr = [0.2, 0.3, 0.35, 0.4, 0.9, None, 0.0, 0.9]
+    correct = [True] * 6 + [False, True]
+    hacked = [False] * 6 + [None, True]  # a null flag (Parquet) is False
+    p = algos.prs_keep_probability(pr, correct, hacked)
+    assert close(p, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])  # incorrect / hacked rows kept (code)
+    p_all = algos.prs_keep_probability(pr, correct, hacked, correct_only=False)
+    assert close(p_all, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.0, 1.0])
+    hard = algos.prs_hard_keep(pr, correct, hacked)
+    assert hard.tolist() == [False, True, True, True, True, False, True, True]
+    with pytest.raises(ValueError, match="softness"):
+        algos.prs_keep_probability(pr, correct, hacked, softness=0.0)
+
+
+def test_bernoulli_keep_frequency():
+    generator = torch.Generator().manual_seed(0)
+    assert algos.bernoulli_keep(torch.tensor([0.0, 1.0]), generator).tolist() == [False, True]
+    draws = algos.bernoulli_keep(torch.full((20000,), 0.25), generator).double()
+    assert abs(draws.mean().item() - 0.25) < 4 * math.sqrt(0.25 * 0.75 / 20000)
+
+
+def test_zero_variance_group_mask():
+    rewards = [0.0, 2.0, 1.0, 2.0, 0.0, 1.0]
+    prompts = ["A", "A", "A", "A", "B", "B"]
+    trajectories = ["a1", "a1", "a2", "a2", "b1", "b2"]
+    turns = [1, 2, 1, 2, 1, 1]
+    # A's last-turn rewards are 2 and 2 (std 0): dropped although earlier turns differ
+    keep = algos.zero_variance_group_mask(rewards, prompts, trajectories, turns)
+    assert keep.tolist() == [False, False, False, False, True, True]
+
+
+def test_regression_mask():
+    rewards = [0.0, 2.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    trajectories = ["a"] * 5 + ["b"] * 2
+    turns = [1, 2, 3, 4, 5, 1, 2]
+    assert algos.regression_mask(rewards, trajectories, turns).tolist() == [True, True, False, True, False, True, True]
+
+
+# --- policy loss -------------------------------------------------------------------------
+
+
+def test_ppo_clip_dual_clip_by_hand():
+    ratio = torch.tensor([[1.5, 0.5, 0.5, 5.0, 1.0]])
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0, -1.0]])
+    old = torch.zeros(1, 5)
+    # per token: max(-A r, -A clip(r, 0.8, 1.28)), then min(., 3) where A < 0
+    expected = torch.tensor([-1.28, -0.5, 0.8, 3.0, 1.0])
+    loss, stats = algos.ppo_clip_policy_loss(ratio.log(), old, advantages, torch.ones(1, 5))
+    assert loss.item() == pytest.approx(expected.mean().item())
+    assert stats["clip_frac"] == pytest.approx(2 / 5)
+    assert stats["dual_clip_frac"] == pytest.approx(1 / 5)
+    loss_no_dual, _ = algos.ppo_clip_policy_loss(ratio.log(), old, advantages, torch.ones(1, 5), dual_clip=None)
+    assert loss_no_dual.item() == pytest.approx((expected.sum().item() - 3.0 + 5.0) / 5)
+
+
+def test_loss_aggregation_modes():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])  # third row rejected by a filter
+    assert algos.aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert algos.aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert algos.aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    # at ratio 1 the policy loss is -A per token: the same reductions apply
+    logp = torch.zeros(3, 3)
+    pg, _ = algos.ppo_clip_policy_loss(logp, logp, -loss, mask, agg_mode="seq-mean-token-sum")
+    assert pg.item() == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="aggregation"):
+        algos.aggregate_loss(loss, mask, "sum")
+
+
+def test_policy_gradient_at_ratio_one_is_minus_advantage():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], requires_grad=True)
+    advantages = torch.tensor([2.0, -1.0])  # per sequence
+    loss, _ = algos.ppo_clip_policy_loss(logp, logp.detach(), advantages, torch.ones(2, 2))
+    loss.backward()
+    assert close(logp.grad, [[-0.5, -0.5], [0.25, 0.25]])  # -A / number of tokens
+
+
+def test_entropy_logprobs_perplexity():
+    assert algos.entropy_from_logits(torch.zeros(4)).item() == pytest.approx(math.log(4))
+    two = torch.tensor([0.0, math.log(3.0)])  # probabilities 0.25, 0.75
+    assert algos.entropy_from_logits(two).item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    logp = algos.log_probs_from_logits(two.expand(2, 2), torch.tensor([0, 1]))
+    assert close(logp, [math.log(0.25), math.log(0.75)])
+    token_logp = torch.tensor([[math.log(0.5), math.log(0.25), -50.0]])
+    assert algos.perplexity(token_logp, torch.tensor([[1, 1, 0]])) == pytest.approx(1 / math.sqrt(0.125))
+    assert algos.masked_mean(torch.ones(3), torch.zeros(3)).item() == 0.0
+
+
+def test_advantage_registry():
+    assert close(algos.advantage_fn("grpo_std")(RETURNS, GROUP),
+                 algos.grpo_advantages(RETURNS, GROUP, normalize_std=True))
+    assert algos.advantage_fn("trloo") is algos.trloo_advantages
+    with pytest.raises(KeyError, match="known: trloo"):
+        algos.advantage_fn("ppo")
+
+
+def test_turn_reward_reads_kernelgym_results():
+    from types import SimpleNamespace as EvalResult  # attribute access, like kpipe.gym's EvalResult
+
+    result = EvalResult(status="pass", correct=True, hacked=False, speedup_eager=2.0, speedup_compile=0.5, pr=0.25)
+    assert algos.turn_reward("paper")(result) == 3.0
+    assert algos.turn_reward("paper", use_pr=True, baseline="compile")(result) == 1.75
+    assert algos.turn_reward("released_code", use_pr=True)({"correct": True, "hacked": False, "speedup_eager": 4.0,
+                                                            "pr": 0.5}) == pytest.approx(0.5 + 1.5 + 0.25)
+    assert algos.turn_reward("kevin")(None) == 0.0  # nothing to evaluate (format error)
+    hacked = EvalResult(status="hacked", correct=True, hacked=True, speedup_eager=9.0, pr=None)
+    assert algos.turn_reward("paper")(hacked) == 0.0

@@ -1,0 +1,201 @@
+"""KernelGym pieces that need no child process: protocol, result schema, screen, comparison,
+fault classification, feedback, launch instrumentation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from kpipe.data.schemas import EVALS
+from kpipe.gym.compare import Tolerance, compare_outputs, compare_tensor
+from kpipe.gym.faults import classify_exception, classify_exit
+from kpipe.gym.feedback import build_feedback
+from kpipe.gym.protocol import Protocol
+from kpipe.gym.result import EvalResult
+from kpipe.gym.screen import screen
+
+TOL = Tolerance(atol=1e-2, rtol=1e-2, norm_rtol=0.05)
+
+
+def test_evalresult_fields_are_exactly_the_evals_columns():
+    assert [f.name for f in dataclasses.fields(EvalResult)] == EVALS.names
+
+
+def test_evalresult_row_writes_as_an_evals_table(tmp_path):
+    from kpipe.data.io import read_table, write_table
+
+    result = EvalResult(key="k", reference_hash="r", candidate_hash="c", status="pass", hack_reasons=["x"], pr=0.5)
+    write_table([result.to_row()], tmp_path / "e.parquet", "evals")
+    assert read_table(tmp_path / "e.parquet", "evals").to_pylist()[0]["pr"] == 0.5
+
+
+def test_evalresult_rejects_unknown_status():
+    with pytest.raises(ValueError, match="unknown status"):
+        EvalResult(key="k", reference_hash="r", candidate_hash="c", status="fine")
+
+
+def test_protocol_json_round_trip_and_unknown_keys():
+    protocol = Protocol(correct_trials=3, baseline="eager", reject_findings=("thread",))
+    assert Protocol.from_json(protocol.to_json()) == protocol
+    with pytest.raises(ValueError, match="unknown protocol key"):
+        Protocol.from_dict({"correct_trials": 3, "trials": 4})
+    with pytest.raises(ValueError, match="baseline"):
+        Protocol(baseline="jit")
+
+
+def test_eval_key_depends_on_every_part():
+    from kpipe.gym import eval_key
+
+    base = eval_key("ref", "cand", Protocol(), "cpu")
+    assert base == eval_key("ref", "cand", Protocol(), "cpu")
+    others = {
+        eval_key("ref2", "cand", Protocol(), "cpu"),
+        eval_key("ref", "cand2", Protocol(), "cpu"),
+        eval_key("ref", "cand", Protocol(perf_trials=10), "cpu"),
+        eval_key("ref", "cand", Protocol(), "cuda:NVIDIA H100"),
+    }
+    assert base not in others and len(others) == 4
+
+
+KERNEL = """
+import torch, triton
+import triton.language as tl
+
+@triton.jit
+def k(x):
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    ("snippet", "code"),
+    [
+        ("class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        try:\n            return x\n        except Exception:\n            return x", "try_except"),
+        ("class Model(torch.nn.Module):\n    pass\nclass ModelNew(Model):\n    pass", "inherits_model"),
+        ("import threading\nclass ModelNew: pass", "thread"),
+        ("torch.matmul = None\nclass ModelNew: pass", "monkey_patch"),
+        ("import time\nsetattr(time, 'perf_counter', None)\nclass ModelNew: pass", "monkey_patch"),
+        ("class Lazy(torch.Tensor): pass\nclass ModelNew: pass", "tensor_subclass"),
+        ("import gc\nclass ModelNew: pass", "introspection"),
+        ("import os\nkey = os.environ['OPENAI_API_KEY']\nclass ModelNew: pass", "env_access"),
+        ("import subprocess\nclass ModelNew: pass", "subprocess"),
+        ("s = torch.cuda.Stream()\nclass ModelNew: pass", "cuda_stream"),
+        ("class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)", "torch_op_in_forward"),
+    ],
+)
+def test_screen_findings(snippet, code):
+    result = screen(KERNEL + snippet)
+    assert code in result.codes()
+    assert result.status is None
+
+
+def test_screen_leaves_a_clean_candidate_alone():
+    clean = KERNEL + "class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        out = torch.empty_like(x)\n        k[(1,)](x)\n        return out"
+    result = screen(clean)
+    assert result.status is None and result.findings == [] and result.kernels == ["k"]
+
+
+def test_screen_format_and_syntax():
+    assert screen("def f(:\n").status == "compilation_error"
+    assert screen(KERNEL).status == "format_error"
+    assert screen("import torch\nclass ModelNew(torch.nn.Module): pass").status == "format_error"
+
+
+def test_compare_catches_zeros_on_tiny_outputs():
+    reference = torch.rand(32, 32) * 1e-4
+    assert torch.allclose(torch.zeros_like(reference), reference, atol=1e-2, rtol=1e-2)  # why the guard exists
+    result = compare_tensor(torch.zeros_like(reference), reference, TOL)
+    assert not result.ok and "relative error norm" in result.detail
+
+
+def test_compare_nan_shape_dtype_and_integers():
+    reference = torch.rand(4, 4)
+    poisoned = reference.clone()
+    poisoned[0, 0] = float("nan")
+    assert "NaN" in compare_tensor(poisoned, reference, TOL).detail
+    assert "shape" in compare_tensor(reference[:2], reference, TOL).detail
+    assert "dtype" in compare_tensor(reference.half(), reference, TOL).detail
+    integers = torch.arange(10)
+    assert compare_tensor(integers.clone(), integers, TOL).ok
+    assert not compare_tensor(integers + 1, integers, TOL).ok
+    assert compare_outputs([reference + 1e-6], [reference], TOL).ok
+    assert "2 output tensors" in compare_outputs([reference, reference], [reference], TOL).detail
+
+
+def test_classify_exceptions():
+    assert classify_exception(RuntimeError("CUDA error: an illegal memory access was encountered"))[0] == "illegal_memory_access"
+    assert classify_exception(RuntimeError("CUDA error: device-side assert triggered"))[0] == "device_assert"
+    assert classify_exception(RuntimeError("CUDA error: misaligned address"))[0] == "misaligned_address"
+    assert classify_exception(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate"))[0] == "oom"
+    assert classify_exception(MemoryError())[0] == "oom"
+    assert classify_exception(SystemExit(2)) == ("crashed", "the candidate called sys.exit(2)")
+    assert classify_exception(ValueError("bad"))[0] == "runtime_error"
+    tagged = AttributeError("module has no attribute no_such_function")
+    tagged.__kpipe_kernel__ = "my_kernel"
+    status, summary = classify_exception(tagged)
+    assert status == "compilation_error" and "my_kernel" in summary
+    from triton.compiler.errors import CompilationError
+
+    assert classify_exception(CompilationError("src", None, "bad"))[0] == "compilation_error"
+    assert classify_exit(-11) == ("crashed", "killed by SIGSEGV")
+    assert classify_exit(3)[0] == "crashed"
+
+
+def test_feedback_is_bounded_and_never_mentions_reward():
+    result = EvalResult(key="k", reference_hash="r", candidate_hash="c", status="runtime_error", diagnostic="x" * 50_000)
+    text = build_feedback(result, None, 1000)
+    assert len(text) <= 1000 + 100 and "omitted" in text and "reward" not in text.lower()
+
+
+def test_feedback_of_a_correct_kernel_has_runtimes_and_profile():
+    result = EvalResult(key="k", reference_hash="r", candidate_hash="c", status="pass", correct=True,
+                        candidate_ms=1.0, candidate_ms_iqr=0.01, eager_ms=2.0, eager_ms_iqr=0.02, speedup_eager=2.0,
+                        timing_kind="cuda")
+    profile = {"kind": "cuda", "pr": 0.8, "kernels": [{"name": "relu_kernel", "ms": 0.8, "generated": True},
+                                                      {"name": "sgemm", "ms": 0.2, "generated": False}]}
+    text = build_feedback(result, profile, 4000)
+    assert "speedup 2x" in text and "* relu_kernel" in text and "80.0%" in text
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def test_instrument_records_and_suppresses_interpreter_launches(interpreter):
+    import triton
+    import triton.language as tl
+
+    from kpipe.gym import instrument
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 1, mask=mask)
+
+    @triton.autotune(configs=[triton.Config({"BLOCK": 64})], key=["n"])
+    @triton.jit
+    def add_two(x_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) + 2, mask=mask)
+
+    x = torch.zeros(100)
+    try:
+        with instrument.recording() as log:
+            add_one[(4,)](x, 100, BLOCK=32)
+            add_two[lambda meta: (triton.cdiv(100, meta["BLOCK"]),)](x, 100)
+        assert log.names == ["add_one", "add_two"] and log.seconds > 0
+        assert torch.all(x == 3)
+        with instrument.suppressed():
+            add_one[(4,)](x, 100, BLOCK=32)
+        assert torch.all(x == 3)
+        assert instrument.installed_intact()
+    finally:
+        instrument.uninstall()
+    assert os.environ["TRITON_INTERPRET"] == "1"

@@ -1,0 +1,108 @@
+"""The OpenAI-compatible engine against `kpipe serve`'s app with injected faults."""
+
+import random
+
+import httpx
+import pytest
+
+from kpipe.llm import make_engine
+from kpipe.llm.openai_engine import OpenAIConfig, OpenAIEngine, Price, backoff_delay
+from kpipe.llm.server import BackgroundServer, FaultConfig, make_app
+from kpipe.llm.types import FINISH_ERROR, ChatRequest, Completion
+
+
+class Echo:
+    """Answers with the last user message, deterministic."""
+
+    def respond(self, request: ChatRequest) -> Completion:
+        text = f"echo: {request.messages[-1]['content']}"
+        return Completion(text, "stop", prompt_tokens=7, completion_tokens=3)
+
+
+def requests(n: int) -> list[ChatRequest]:
+    return [ChatRequest([{"role": "user", "content": f"q{i}"}], max_tokens=64, seed=i) for i in range(n)]
+
+
+def engine_for(server: BackgroundServer, **overrides) -> OpenAIEngine:
+    settings = dict(model="echo", base_url=server.base_url, api_key_env=None, concurrency=4, max_retries=8,
+                    timeout_s=5.0, backoff_base_s=0.01, backoff_max_s=0.05, progress=False)
+    settings.update(overrides)
+    return OpenAIEngine(OpenAIConfig(**settings))
+
+
+def stats(server: BackgroundServer) -> dict:
+    return httpx.get(server.base_url.removesuffix("/v1") + "/stats").json()
+
+
+def test_answers_in_order_with_token_and_cost_accounting():
+    with BackgroundServer(make_app(Echo(), "echo")) as server:
+        engine = engine_for(server, prices={"echo": Price(input_per_m=1e6, output_per_m=2e6)})
+        seen = []
+        out = engine.generate(requests(6), on_result=lambda i, c: seen.append(i))
+    assert [c.text for c in out] == [f"echo: q{i}" for i in range(6)]
+    assert sorted(seen) == list(range(6))
+    assert engine.usage.requests == 6 and engine.usage.prompt_tokens == 42 and engine.usage.completion_tokens == 18
+    assert out[0].cost_usd == pytest.approx(7 * 1.0 + 3 * 2.0)
+
+
+def test_retries_through_429_500_and_timeouts():
+    faults = FaultConfig(rate_429=0.3, rate_500=0.2, rate_delay=0.1, delay_s=1.0, seed=3)
+    with BackgroundServer(make_app(Echo(), "echo", faults)) as server:
+        engine = engine_for(server, timeout_s=0.4)
+        out = engine.generate(requests(20))
+        seen = stats(server)
+    assert [c.text for c in out] == [f"echo: q{i}" for i in range(20)]  # nothing lost, nothing swapped
+    assert not any(c.failed for c in out)
+    injected = sum(seen["faults"].values())
+    assert injected > 0 and engine.usage.retries == injected  # every fault cost exactly one retry
+    assert seen["faults"].get("delay", 0) > 0
+
+
+def test_gives_up_after_max_retries_with_a_recorded_error():
+    with BackgroundServer(make_app(Echo(), "echo", FaultConfig(rate_429=1.0))) as server:
+        out = engine_for(server, max_retries=2).generate(requests(2))
+        assert stats(server)["requests"] == 2 * 3
+    assert all(c.finish_reason == FINISH_ERROR and c.attempts == 3 for c in out)
+    assert "RateLimitError" in out[0].error
+
+
+def test_client_errors_are_not_retried():
+    bad = [ChatRequest([], max_tokens=8)]  # the server rejects empty messages with 400
+    with BackgroundServer(make_app(Echo(), "echo")) as server:
+        out = engine_for(server).generate(bad)
+        assert stats(server)["requests"] == 0  # refused before it was counted
+    assert out[0].failed and out[0].attempts == 1 and "BadRequestError" in out[0].error
+
+
+def test_truncated_and_codeless_answers_come_back_as_answers():
+    faults = FaultConfig(rate_truncate=0.5, rate_codeless=0.5, seed=1)
+    with BackgroundServer(make_app(Echo(), "echo", faults)) as server:
+        out = engine_for(server).generate(requests(10))
+    reasons = {c.finish_reason for c in out}
+    assert reasons <= {"length", "stop"} and "length" in reasons
+    assert any("echo" not in c.text for c in out if c.finish_reason == "stop")
+
+
+def test_api_key_comes_from_the_named_variable_and_is_never_shown(monkeypatch):
+    monkeypatch.delenv("KPIPE_TEST_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="KPIPE_TEST_KEY is not set"):
+        OpenAIEngine(OpenAIConfig(model="m", api_key_env="KPIPE_TEST_KEY"))
+    monkeypatch.setenv("KPIPE_TEST_KEY", "sk-very-secret")
+    engine = make_engine({"kind": "openai", "model": "m", "api_key_env": "KPIPE_TEST_KEY",
+                          "prices": {"m": {"input_per_m": 1, "output_per_m": 2}}})
+    assert "sk-very-secret" not in repr(engine) and "sk-very-secret" not in repr(engine.config)
+
+
+def test_backoff_grows_and_is_capped():
+    rng = random.Random(0)
+    draws = [max(backoff_delay(a, 1.0, 8.0, rng) for _ in range(200)) for a in range(6)]
+    assert draws[0] <= 1.0 and draws[2] <= 4.0 and draws[2] > 2.0
+    assert all(d <= 8.0 for d in draws)
+
+
+def test_fault_spec_parsing():
+    assert FaultConfig.parse("429=0.1, 500=0.2").rate_500 == 0.2
+    with pytest.raises(ValueError, match="unknown fault"):
+        FaultConfig.parse("503=0.1")
+    with pytest.raises(ValueError, match="sum"):
+        FaultConfig.parse("429=0.8,500=0.5")

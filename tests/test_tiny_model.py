@@ -1,0 +1,85 @@
+"""The tiny offline model: a real Qwen3 checkpoint with a byte tokenizer, deterministic per seed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kpipe.train.tiny_model import build_byte_tokenizer, build_tiny_model, tiny_config
+
+
+@pytest.fixture(scope="module")
+def nano_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "nano", seed=3, size="nano")
+
+
+def test_saved_model_and_tokenizer_load_with_auto_classes(nano_dir):
+    model = AutoModelForCausalLM.from_pretrained(nano_dir)
+    tokenizer = AutoTokenizer.from_pretrained(nano_dir)
+    assert model.config.model_type == "qwen3"
+    assert model.config.vocab_size == len(tokenizer)
+    assert model.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert json.loads((nano_dir / "kpipe_model.json").read_text())["seed"] == 3
+
+
+def test_tokenizer_round_trips_any_utf8_code():
+    tokenizer = build_byte_tokenizer()
+    text = 'def k(x):\n\t"""é 中文 🙂"""\r\n    return x  # ∑\x00\x7f'
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == list(text.encode("utf-8"))  # token id = byte value
+    assert tokenizer.decode(ids) == text
+
+
+def test_chat_template_is_chatml_and_special_tokens_are_single_ids(nano_dir):
+    tokenizer = AutoTokenizer.from_pretrained(nano_dir)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nok<|im_end|>\n"
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 2
+    assert tokenizer.decode(ids) == text
+
+
+def test_generation_stops_within_the_tokenizer_vocab(nano_dir):
+    model = AutoModelForCausalLM.from_pretrained(nano_dir)
+    tokenizer = AutoTokenizer.from_pretrained(nano_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    torch.manual_seed(0)
+    out = model.generate(**prompt, max_new_tokens=20, do_sample=True)
+    assert int(out.max()) < len(tokenizer)
+    tokenizer.decode(out[0])
+
+
+def test_same_seed_same_weights_other_seed_differs(tmp_path, nano_dir):
+    again = load_file(build_tiny_model(tmp_path / "a", seed=3, size="nano") / "model.safetensors")
+    other = load_file(build_tiny_model(tmp_path / "b", seed=4, size="nano") / "model.safetensors")
+    first = load_file(nano_dir / "model.safetensors")
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+def test_tiny_preset_has_a_few_million_parameters():
+    config = tiny_config("tiny", vocab_size=259, eos_token_id=258, pad_token_id=256)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert 1_000_000 < model.num_parameters() < 10_000_000
+
+
+def test_qwen3_06b_preset_matches_the_real_model_size():
+    config = tiny_config("qwen3-0.6b", vocab_size=259, eos_token_id=258, pad_token_id=256)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert config.vocab_size == 151936
+    assert 590e6 < model.num_parameters() < 610e6  # Qwen3-0.6B: 596M with tied embeddings
+
+
+def test_unknown_size_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown model size"):
+        tiny_config("huge", 259, 258, 256)
