@@ -72,3 +72,9 @@ def test_deep_merge_does_not_alias():
     merged["a"]["b"].append(2)
     assert base == {"a": {"b": [1]}}
     assert merged == {"a": {"b": [1, 2], "c": 2}}
+
+
+def test_key_order_does_not_matter(schema):
+    a = validate_config({"queries": {"sources": [{"name": "kb", "kind": "kernelbench"}]}, "kernelbench": {"version": "v0", "levels": [1]}}, schema)
+    b = validate_config({"kernelbench": {"levels": [1], "version": "v0"}, "queries": {"sources": [{"kind": "kernelbench", "name": "kb"}]}}, schema)
+    assert repr(a) == repr(b)

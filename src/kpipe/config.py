@@ -60,14 +60,30 @@ def load_schema(path: Path = DEFAULT_SCHEMA) -> dict[str, Any]:
     return yaml.safe_load(Path(path).read_text())
 
 
+def canonical(value: Any) -> Any:
+    """`value` with every mapping's keys sorted, recursively.
+
+    Snakemake compares rule params by their text, so key order must not depend on how the
+    YAML file happened to be written.
+    """
+    if isinstance(value, Mapping):
+        return {key: canonical(value[key]) for key in sorted(value, key=str)}
+    if isinstance(value, list):
+        return [canonical(item) for item in value]
+    return value
+
+
 def validate_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Validate `config` in place, filling defaults; raise ConfigError with one line otherwise."""
+    """Validate `config` in place, filling defaults and sorting keys; raise ConfigError with one line otherwise."""
     schema = schema if schema is not None else load_schema()
     validator = _Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: (len(e.absolute_path), e.path))
     if errors:
         deepest = jsonschema.exceptions.best_match(errors)
         raise ConfigError(describe(deepest))
+    ordered = canonical(config)
+    config.clear()
+    config.update(ordered)
     return config
 
 
