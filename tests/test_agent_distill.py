@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -60,6 +61,14 @@ class CodeEvaluator:
         ]
 
 
+class NoisyEvaluator(CodeEvaluator):
+    """Like a real gym: the feedback carries a measured time that differs on every evaluation."""
+
+    def evaluate_many(self, jobs):
+        results = super().evaluate_many(jobs)
+        return [{**r, "feedback": f"{r['feedback']}\nruntime {random.uniform(1, 2):.6f} ms"} for r in results]
+
+
 def tasks(n):
     return [AgentTask(f"q{i}", REFERENCE) for i in range(n)]
 
@@ -94,13 +103,13 @@ def test_distillation_survives_faults_and_records_every_query(tmp_path):
 SHARD_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})
-from test_agent_distill import CodeEvaluator, tasks
+from test_agent_distill import NoisyEvaluator, tasks
 from kpipe.agent.distill import distill_shard
 from kpipe.llm.openai_engine import OpenAIConfig, OpenAIEngine
 
 engine = OpenAIEngine(OpenAIConfig(model="teacher", base_url={url!r}, api_key_env=None, concurrency=2,
                                    progress=False))
-distill_shard(tasks(6), engine, CodeEvaluator(), {out!r}, {cache!r}, n_turns=5, progress=False)
+distill_shard(tasks(6), engine, NoisyEvaluator(), {out!r}, {cache!r}, n_turns=5, progress=False)
 """
 
 
@@ -153,3 +162,45 @@ def test_released_coldstart_data_becomes_trajectories(tmp_path):
     pq.write_table(table.drop(["best_round"]), tmp_path / "bad.parquet")
     with pytest.raises(ValueError, match="best_round"):
         released_coldstart_rows(tmp_path / "bad.parquet")
+
+
+def test_cached_evaluator_replays_results_per_namespace(tmp_path):
+    from kpipe.agent.evaluator import CachedEvaluator
+
+    class Counting(NoisyEvaluator):
+        calls = 0
+
+        def evaluate_many(self, jobs):
+            Counting.calls += len(jobs)
+            return super().evaluate_many(jobs)
+
+    path = tmp_path / "evals.jsonl"
+    jobs = [("ref", "class ModelNew:\n    variant = 'legit'\n"), ("ref", "bad"), ("ref", "bad")]
+    first = CachedEvaluator(Counting(), path, "p1").evaluate_many(jobs)
+    assert Counting.calls == 2 and first[1] == first[2]  # identical jobs in a batch: evaluated once
+    again = CachedEvaluator(Counting(), path, "p1").evaluate_many(jobs)
+    assert again == first and Counting.calls == 2  # replayed from disk, noise and all
+    CachedEvaluator(Counting(), path, "p2").evaluate_many(jobs[:1])
+    assert Counting.calls == 3  # another protocol is another evaluation
+
+
+def test_distill_job_with_the_offline_teacher_and_kernelgym(tmp_path):
+    """The default pipeline's path: `kpipe serve teacher` in a subprocess, the real evaluator on the CPU."""
+    from kpipe.agent.distill import distill_job
+    from kpipe.data.io import write_table
+    from kpipe.data.kernelbench import load_problems, shrink_sizes
+
+    relu = next(p for p in load_problems("main") if (p.level, p.problem_id) == (1, 19))
+    code = shrink_sizes(relu.code, 40)
+    write_table([{"query_id": "kernelbench-relu", "source": "kernelbench", "source_id": "relu", "level": 1,
+                  "name": relu.name, "reference_src": code, "reference_hash": "x", "contaminated": False}],
+                tmp_path / "queries.parquet", "queries")
+    settings = {"teacher": "offline", "turns": 2, "reuse_reference": True, "offline": {"p_first_legit": 1.0}}
+    protocol = {"correct_trials": 1, "perf_trials": 2, "warmup": 0, "device": "cpu", "baseline": "eager",
+                "profile": False}
+    summary = distill_job(tmp_path / "queries.parquet", tmp_path / "part-0.parquet", tmp_path / "cache.jsonl",
+                          settings, protocol=protocol, progress=False)
+    rows = read_table(tmp_path / "part-0.parquet", "trajectories").to_pylist()
+    assert [r["status"] for r in rows] == ["pass", "pass"]  # the bank's legit ReLU passes KernelGym
+    assert rows[0]["model"] == "kpipe-teacher" and rows[0]["eval_key"]
+    assert [t.requests for t in summary] == [1, 1]

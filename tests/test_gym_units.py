@@ -199,3 +199,47 @@ def test_instrument_records_and_suppresses_interpreter_launches(interpreter):
     finally:
         instrument.uninstall()
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+def _timed_payload(ms: list[float], host_ms: list[float], sample_value: float = 1.0) -> dict:
+    return {
+        "launches": {"timed": ["k"]},
+        "timing": {"ms": ms, "host_ms": host_ms, "samples": [{"trial": 0, "input_set": 0, "outputs": [torch.full((4,), sample_value)]}]},
+    }
+
+
+def test_timing_sanity_checks_in_the_parent():
+    from kpipe.gym.evaluation import timing_reasons
+
+    reference = {"outputs": [[torch.ones(4)]], "recheck_outputs": [[torch.ones(4)]]}
+    honest = _timed_payload([1.0, 1.1, 1.0], [1.05, 1.15, 1.05])
+    assert timing_reasons(honest, reference, Protocol(), wall_s=10.0, ref_ms=2.0) == []
+    # a cached (stale) output on a timed trial
+    stale = _timed_payload([1.0, 1.1, 1.0], [1.05, 1.15, 1.05], sample_value=0.0)
+    assert timing_reasons(stale, reference, Protocol(), 10.0, 2.0)[0].startswith("timed_output_mismatch")
+    # more time reported than the parent saw the child live
+    assert any(r.startswith("timing_inconsistent") for r in timing_reasons(honest, reference, Protocol(), 0.001, 2.0))
+    # a speedup the host clock on fresh inputs does not reproduce
+    fast = _timed_payload([0.01] * 3, [0.02] * 3)
+    fast["recheck"] = {"host_ms": [1.0, 1.0], "samples": [{"trial": 0, "input_set": 0, "outputs": [torch.ones(4)]}]}
+    reasons = timing_reasons(fast, reference, Protocol(), 10.0, 2.0)
+    assert any(r.startswith("speedup_not_reproduced") for r in reasons)
+    # no launch in the timed path
+    silent = _timed_payload([1.0], [1.1])
+    silent["launches"]["timed"] = []
+    assert timing_reasons(silent, reference, Protocol(), 10.0, 2.0)[0].startswith("no_triton_launch")
+
+
+def test_huge_outputs_are_compared_on_a_sample_including_the_tail():
+    from kpipe.gym.child import digest
+    from kpipe.gym.compare import compare_output
+
+    reference = torch.rand(1000, 100)
+    wrong_tail = reference.clone()
+    wrong_tail.view(-1)[-10:] = 5.0  # a missing tail mask
+    ref_digest, cand_digest = digest([reference], 4096, seed=1), digest([wrong_tail], 4096, seed=1)
+    assert "sample" in ref_digest[0] and ref_digest[0]["sample"].numel() == 4096
+    assert compare_output(digest([reference.clone()], 4096, 1)[0], ref_digest[0], TOL).ok
+    assert "sampled" in compare_output(cand_digest[0], ref_digest[0], TOL).detail
+    assert "shape" in compare_output(digest([reference.T.contiguous()], 4096, 1)[0], ref_digest[0], TOL).detail
+    assert compare_output(digest([torch.rand(10)], 4096, 1)[0]["full"], digest([torch.rand(10)], 4096, 1)[0], TOL).ok is False

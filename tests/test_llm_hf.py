@@ -68,3 +68,27 @@ def test_stops_at_eos_and_counts_it(engine):
 def test_plain_prompt_ends_with_assistant_tag():
     text = plain_chat_prompt([{"role": "user", "content": "hi"}])
     assert text == "<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_served_over_the_openai_api_like_in_process(engine):
+    from kpipe.llm.cli import EngineResponder
+    from kpipe.llm.openai_engine import OpenAIConfig, OpenAIEngine
+    from kpipe.llm.server import BackgroundServer, make_app
+
+    with BackgroundServer(make_app(EngineResponder(engine), "tiny")) as server:
+        client = OpenAIEngine(OpenAIConfig(model="tiny", base_url=server.base_url, api_key_env=None, progress=False))
+        remote = client.generate(requests(0.0))
+    local = engine.generate(requests(0.0))
+    assert [c.text for c in remote] == [c.text for c in local]
+    assert [c.completion_tokens for c in remote] == [c.completion_tokens for c in local]
+
+
+def test_vllm_engine_says_how_to_get_vllm():
+    import importlib.util
+
+    from kpipe.llm import make_engine
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(RuntimeError, match="pip install 'kpipe\\[vllm\\]'"):
+        make_engine({"kind": "vllm", "path": "/nonexistent"})

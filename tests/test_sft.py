@@ -111,6 +111,10 @@ def test_bad_config_is_a_clear_error(nano):
         SFTConfig.from_dict({"learning_rate": 1e-3})
     with pytest.raises(ValueError, match="schedule"):
         config(nano, schedule="linear")
+    with pytest.raises(ValueError, match="lr must be float"):
+        SFTConfig.from_dict({"lr": "fast"})
+    with pytest.raises(ValueError, match="unknown preset"):
+        SFTConfig.from_dict({"preset": "best"})
 
 
 # ---------------------------------------------------------------- the loop
@@ -181,3 +185,21 @@ def test_checkpoints_of_another_config_are_not_resumed(nano, tmp_path):
     again = train_sft(config(nano, epochs=1, save_every=1, lr=1e-3), synthetic_rows(), tmp_path / "out",
                       tmp_path / "m.parquet")
     assert again.resumed_from is None
+
+
+def test_cli_builds_the_tiny_model_and_runs_sft_from_parquet(tmp_path):
+    from click.testing import CliRunner
+
+    from kpipe.cli import main
+    from kpipe.data.io import write_table
+
+    write_table(synthetic_rows(2), tmp_path / "traj" / "stage=coldstart" / "part-0.parquet", "trajectories")
+    runner = CliRunner()
+    built = runner.invoke(main, ["train", "tiny-model", str(tmp_path / "base"), "--size", "nano"])
+    assert built.exit_code == 0, built.output
+    trained = runner.invoke(main, ["train", "sft", "-t", str(tmp_path / "traj"), "--out", str(tmp_path / "out"),
+                                   "--metrics", str(tmp_path / "m.parquet"), "--preset", "offline",
+                                   "--set", f"base_model={tmp_path / 'base'}", "--set", "epochs=1"])
+    assert trained.exit_code == 0, trained.output
+    assert json.loads(trained.stdout[trained.stdout.index("{"):])["samples"]["samples"] == 4
+    assert [s for s, _ in loss_series(tmp_path / "m.parquet")] == [1]

@@ -3,8 +3,7 @@
 
 rule build_db:
     input:
-        f"{RESULTS}/tasks/tasks.parquet",
-        f"{RESULTS}/queries/queries.parquet",
+        table_inputs(),
         views=workflow.source_path("../sql/views.sql"),
     output:
         f"{RESULTS}/kpipe.duckdb",

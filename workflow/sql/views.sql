@@ -13,3 +13,92 @@ CREATE OR REPLACE VIEW metric_series AS
 SELECT run, stage, iteration, step, name, value
 FROM train_metrics
 ORDER BY run, stage, iteration, step, name;
+
+-- ---------------------------------------------------------------------------------------
+-- Evaluation views (the paper's tables: workflow/sql/table*.sql, stts_curves.sql, ...).
+-- Conventions, the same as kpipe.metrics (tests/test_fastp_definition.py checks it):
+-- * a hacked sample is incorrect, whatever its correctness check said;
+-- * Fast@p counts a sample iff it is correct and speedup >= p (KernelBench's fastp: > p);
+-- * the denominator at turn t is every (task, sample) trajectory of the group
+--   (run, stage, iteration, model): a turn a trajectory never reached counts as incorrect;
+-- * a NaN speedup is no speedup.
+-- ---------------------------------------------------------------------------------------
+
+-- Every trajectory of the eval and stts stages x every turn 1..last_turn of its group.
+CREATE OR REPLACE VIEW sample_turns AS
+WITH evaluated AS (
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, status, correct, hacked,
+           speedup_eager, speedup_compile
+    FROM turns
+    WHERE stage IN ('eval', 'stts')
+),
+horizon AS (
+    SELECT run, stage, iteration, model, max(turn) AS last_turn
+    FROM evaluated
+    GROUP BY run, stage, iteration, model
+),
+trajectory AS (
+    SELECT DISTINCT run, stage, iteration, model, level, task_id, sample FROM evaluated
+),
+grid AS (
+    SELECT t.*, h.last_turn, unnest(range(1, h.last_turn + 1)) AS turn
+    FROM trajectory t JOIN horizon h USING (run, stage, iteration, model)
+)
+SELECT g.run, g.stage, g.iteration, g.model, g.level, g.task_id, g.sample, g.turn, g.last_turn,
+       e.turn IS NOT NULL AS reached,
+       e.status,
+       coalesce(e.hacked, false) AS hacked,
+       coalesce(e.correct, false) AND NOT coalesce(e.hacked, false) AS correct,
+       CASE WHEN coalesce(e.correct, false) AND NOT coalesce(e.hacked, false) AND NOT isnan(e.speedup_eager)
+            THEN e.speedup_eager END AS speedup_eager,
+       CASE WHEN coalesce(e.correct, false) AND NOT coalesce(e.hacked, false) AND NOT isnan(e.speedup_compile)
+            THEN e.speedup_compile END AS speedup_compile
+FROM grid g
+LEFT JOIN evaluated e USING (run, stage, iteration, model, task_id, sample, turn);
+
+-- One row per (trajectory, turn, baseline, history): whether it counts toward Fast@p.
+-- history = 'last': the kernel of that turn; 'best': the best correct kernel of turns 1..turn
+-- (the paper's † rows, Figure 6 right). source_turn: the turn whose kernel the row stands for.
+CREATE OR REPLACE VIEW fastp_samples AS
+WITH running AS (
+    SELECT *,
+           bool_or(correct) OVER history AS best_correct,
+           max(speedup_eager) OVER history AS best_eager,
+           max(speedup_compile) OVER history AS best_compile,
+           arg_max(turn, speedup_eager) OVER history AS best_eager_turn,
+           arg_max(turn, speedup_compile) OVER history AS best_compile_turn,
+           max(CASE WHEN correct THEN turn END) OVER history AS last_correct_turn
+    FROM sample_turns
+    WINDOW history AS (PARTITION BY run, stage, iteration, model, task_id, sample ORDER BY turn
+                       ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
+),
+cells AS (
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn,
+           'eager' AS baseline, 'last' AS history, correct, speedup_eager AS speedup, turn AS source_turn
+    FROM running
+    UNION ALL
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn,
+           'compile', 'last', correct, speedup_compile, turn
+    FROM running
+    UNION ALL
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn,
+           'eager', 'best', best_correct, best_eager, coalesce(best_eager_turn, last_correct_turn)
+    FROM running
+    UNION ALL
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn,
+           'compile', 'best', best_correct, best_compile, coalesce(best_compile_turn, last_correct_turn)
+    FROM running
+)
+SELECT *,
+       correct AND coalesce(speedup >= 1.0, false) AS fast_1,
+       correct AND coalesce(speedup >= 1.2, false) AS fast_1_2,
+       correct AND coalesce(speedup >= 1.5, false) AS fast_1_5,
+       correct AND coalesce(speedup >= 2.0, false) AS fast_2
+FROM cells;
+
+-- STTS rows with their history strategy split off the model label "<model>@<strategy>"
+-- (kpipe.stts.stts_model_label).
+CREATE OR REPLACE VIEW stts_samples AS
+SELECT split_part(model, '@', 1) AS base_model, split_part(model, '@', 2) AS strategy, *
+FROM fastp_samples
+WHERE stage = 'stts';

@@ -1,10 +1,11 @@
 """Cold-start distillation (paper §4.1): a teacher model refines kernels over 5 turns with
 KernelGym feedback; every turn becomes a `trajectories` row with stage="coldstart".
 
-Resumable: answers are cached by request hash as they arrive, and the output Parquet is
-written once, atomically, at the end. A rerun after a kill replays the cached answers
-(sending none of them again), evaluates them again (the gym's result cache makes that
-cheap) and writes the one file: no request is paid twice, no row is duplicated.
+Resumable: answers are cached by request hash as they arrive, evaluation results by
+(protocol, reference, candidate), and the output Parquet is written once, atomically, at
+the end. A rerun after a kill replays the cached answers and evaluations — so it rebuilds
+exactly the prompts the killed run sent, and sends none of them again — and writes the one
+file: no request is paid twice, no row is duplicated.
 
 Also: `released_coldstart_rows`, to start from the authors' released 5-turn trajectories
 (`hkust-nlp/drkernel-coldstart-8k`) instead of paying for distillation.
@@ -24,7 +25,7 @@ from typing import Any
 import pyarrow.parquet as pq
 from tabulate import tabulate
 
-from kpipe.agent.evaluator import Evaluator
+from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.history import FullHistory, HistoryPolicy
 from kpipe.agent.loop import AgentTask, Sampling, TurnRecord, clipped_speedup_reward, run_episodes
 from kpipe.data.io import write_table
@@ -93,10 +94,15 @@ def distill_shard(
     sampling: Sampling = Sampling(),
     reward_fn: Callable[[Any], float] = clipped_speedup_reward,
     seed: int = 0,
+    eval_namespace: str = "",
     progress: bool = True,
 ) -> list[TurnSummary]:
-    """Distill `tasks` into `out_path` (trajectories Parquet) and `<out_path>.summary.json`."""
+    """Distill `tasks` into `out_path` (trajectories Parquet) and `<out_path>.summary.json`.
+
+    `cache_path` holds the answers; `<cache_path>.evals.jsonl` the evaluations (namespaced by
+    `eval_namespace`, e.g. the protocol's JSON)."""
     cached_engine = CachedEngine(engine, ResponseCache(cache_path))
+    evaluator = CachedEvaluator(evaluator, f"{cache_path}.evals.jsonl", eval_namespace)
     summaries: dict[int, TurnSummary] = {}
 
     def on_turn(turn: int, records: list[TurnRecord]) -> None:
@@ -190,12 +196,14 @@ def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, ca
     from kpipe.llm.server import served_in_subprocess
 
     tasks = shard_tasks(queries_path, shard, num_shards, settings.get("max_queries"))
-    evaluator = LocalEvaluator(Protocol.from_dict(dict(protocol or {})), progress=progress,
+    gym_protocol = Protocol.from_dict(dict(protocol or {}))
+    evaluator = LocalEvaluator(gym_protocol, progress=progress,
                                reuse_reference=bool(settings.get("reuse_reference", False)))
     common = dict(
         run=run, n_turns=int(settings.get("turns", 5)), n_samples=int(settings.get("samples", 1)),
         policy=make_policy(settings.get("history", "full"), int(settings.get("window", 4))),
         sampling=Sampling(**settings.get("sampling", {})), seed=int(settings.get("seed", 0)), progress=progress,
+        eval_namespace=gym_protocol.to_json(),
     )
     engine_spec = {"kind": "openai", "progress": progress, **settings.get("engine", {})}
     teacher = settings.get("teacher", "offline")

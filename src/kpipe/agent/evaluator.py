@@ -9,7 +9,12 @@ same method.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 from tqdm.auto import tqdm
@@ -59,3 +64,56 @@ class LocalEvaluator:
             self.evaluate_one(reference, candidate)
             for reference, candidate in tqdm(jobs, desc="evaluate", disable=not self.progress, leave=False)
         ]
+
+
+def result_record(result: Any) -> dict[str, Any]:
+    """A JSON-able copy of an evaluation result."""
+    if isinstance(result, Mapping):
+        return dict(result)
+    if dataclasses.is_dataclass(result):
+        return dataclasses.asdict(result)
+    return dict(vars(result))
+
+
+class CachedEvaluator:
+    """An evaluator whose results are persisted per (namespace, reference, candidate).
+
+    Resuming a multi-turn job needs it: the next turn's prompt embeds the feedback, and
+    feedback carries measured times that differ between two evaluations of the same code.
+    Replaying the first evaluation makes the resumed prompts identical to the original
+    ones, so their answers come from the response cache instead of being paid for again.
+    `namespace` (the protocol as JSON) keeps results of different protocols apart.
+    """
+
+    def __init__(self, evaluator: Evaluator, path: str | os.PathLike, namespace: str = "") -> None:
+        self.evaluator = evaluator
+        self.namespace = namespace
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._results: dict[str, dict[str, Any]] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # torn write of a killed run
+                self._results[record["key"]] = record["result"]
+
+    def job_key(self, reference: str, candidate: str) -> str:
+        return hashlib.sha256("\0".join((self.namespace, reference, candidate)).encode()).hexdigest()
+
+    def evaluate_many(self, jobs: list[tuple[str, str]]) -> list[Any]:
+        keys = [self.job_key(*job) for job in jobs]
+        first_of: dict[str, int] = {}
+        for index, key in enumerate(keys):
+            if key not in self._results:
+                first_of.setdefault(key, index)  # identical jobs in one batch are evaluated once
+        unique = list(first_of)
+        fresh = self.evaluator.evaluate_many([jobs[first_of[key]] for key in unique]) if unique else []
+        with self.path.open("a") as handle:
+            for key, result in zip(unique, fresh, strict=True):
+                self._results[key] = result_record(result)
+                handle.write(json.dumps({"key": key, "result": self._results[key]}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        return [self._results[key] for key in keys]

@@ -18,6 +18,7 @@ module's ``__main__`` is the fresh-interpreter path: ``python -m kpipe.gym.child
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch._dynamo  # noqa: F401 - it rebinds torch.manual_seed on import: do it before the patch snapshot
 
 from kpipe.gym import instrument
 from kpipe.gym.faults import classify_exception
@@ -44,6 +44,9 @@ SECRET_MARKERS = ("_KEY", "_TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
 SECRET_PREFIXES = ("OPENAI", "HF_", "AWS_", "ANTHROPIC", "HUGGING", "WANDB", "GITHUB_", "GH_", "AZURE_", "GOOGLE_")
 RECHECK_SEED_OFFSET = 1000
 RECHECK_SETS = 2
+# input sets kept on the device for timing (the first correctness trials' inputs): enough to
+# change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
+TIMING_SETS = 2
 
 
 def is_secret(name: str) -> bool:
@@ -86,8 +89,11 @@ def to_device(value: Any, device: str) -> Any:
 
 
 def make_inputs(get_inputs: Callable[[], list[Any]], seed: int, device: str) -> list[Any]:
+    """Seeded inputs created on the device itself (multi-GB KernelBench inputs are slow to
+    draw on the host); both children draw them identically."""
     torch.manual_seed(seed)
-    return [to_device(v, device) for v in get_inputs()]
+    with torch.device(device):
+        return [to_device(v, device) for v in get_inputs()]
 
 
 def clone_inputs(inputs: list[Any]) -> list[Any]:
@@ -116,9 +122,43 @@ def subclass_outputs(outputs: list[torch.Tensor]) -> list[str]:
     return [type(t).__name__ for t in outputs if type(t) not in (torch.Tensor, torch.nn.Parameter)]
 
 
-def host_copy(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Plain CPU copies (a tensor subclass is stripped; it is reported separately)."""
-    return [t.detach().as_subclass(torch.Tensor).to("cpu", copy=True) for t in outputs]
+def sample_positions(numel: int, count: int, seed: int) -> torch.Tensor:
+    """Flat positions compared for a huge output: its head and tail (where missing masks
+    show) and random positions in between, identical in both children."""
+    edge = min(count // 4, numel // 2)
+    generator = torch.Generator().manual_seed(seed)
+    middle = torch.randint(0, numel, (count - 2 * edge,), generator=generator)
+    return torch.cat([torch.arange(edge), middle, torch.arange(numel - edge, numel)])
+
+
+def digest(outputs: list[torch.Tensor], max_elements: int, seed: int) -> list[dict[str, Any]]:
+    """What the parent compares: a plain CPU copy of each output, or for outputs above
+    `max_elements` (multi-GB KernelBench outputs) a sample at `sample_positions`."""
+    digests = []
+    for tensor in outputs:
+        tensor = tensor.detach().as_subclass(torch.Tensor)  # subclasses are reported separately
+        if tensor.numel() <= max_elements:
+            digests.append({"full": tensor.to("cpu", copy=True)})
+            continue
+        positions = sample_positions(tensor.numel(), max_elements, seed).to(tensor.device)
+        digests.append({
+            "sample": tensor.reshape(-1)[positions].cpu(),
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype),
+        })
+    return digests
+
+
+def fingerprint(inputs: list[Any]) -> list[tuple[float, float]]:
+    """Cheap, copy-free summary of the input values (to notice a forward writing into them)."""
+    prints = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.numel():
+            accumulate = torch.float64 if value.is_floating_point() else torch.int64
+            total = torch.nansum(value, dtype=accumulate) if value.is_floating_point() else value.sum(dtype=accumulate)
+            spread = torch.linalg.vector_norm(torch.nan_to_num(value) if value.is_floating_point() else value.double(), dtype=torch.float64)
+            prints.append((float(total), float(spread)))
+    return prints
 
 
 def build_model(cls: type, init_inputs: list[Any], seed: int, device: str) -> torch.nn.Module:
@@ -189,6 +229,22 @@ def watched_objects() -> dict[str, Any]:
     return watched
 
 
+def prime_lazy_state(device: str) -> None:
+    """Trigger torch's own lazy rebinding before the patch snapshot, so it is not mistaken
+    for the candidate's doing (importing torch._dynamo, which poisoned_memory() does,
+    rebinds torch.manual_seed; CUDA and the profiler initialise lazily)."""
+    import torch._dynamo  # noqa: F401
+    import torch.profiler  # noqa: F401
+
+    with poisoned_memory():
+        torch.empty(1, device=device)
+    if device == "cuda":
+        torch.cuda.init()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        torch.cuda.synchronize()
+
+
 def patched_names(before: dict[str, Any]) -> list[str]:
     now = watched_objects()
     return sorted(name for name, value in before.items() if name in now and now[name] is not value)
@@ -228,6 +284,7 @@ def time_forward(
     clocks: Clocks,
     l2_buffer: torch.Tensor | None,
     sample: set[int],
+    keep: Callable[[list[torch.Tensor]], list[dict[str, Any]]],
     on_call: Callable[[], Any] | None = None,
 ) -> dict[str, Any]:
     """Median-ready per-trial times of `forward`.
@@ -268,7 +325,7 @@ def time_forward(
             device_ms.append(float(elapsed))
             host_ms.append((t1 - t0) * 1e3)
             if i - warmup in sample:
-                samples.append({"trial": i - warmup, "input_set": which, "outputs": host_copy(flatten_output(output))})
+                samples.append({"trial": i - warmup, "input_set": which, "outputs": keep(flatten_output(output))})
     return {"ms": device_ms, "host_ms": host_ms, "samples": samples}
 
 
@@ -349,55 +406,48 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     clocks = Clocks(device)
     init_inputs = module.get_init_inputs()
     result: dict[str, Any] = {"outputs": [], "mutates_inputs": False}
+    keep = functools.partial(digest, max_elements=protocol.compare_max_elements, seed=protocol.seed)
     input_sets = []
     model = build_model(module.Model, init_inputs, protocol.seed, device)
     for trial in range(protocol.correct_trials):
         phase(f"reference correctness trial {trial}")
         inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, trial), device)
-        pristine = clone_inputs(inputs)
+        before = fingerprint(inputs)
+        if trial < TIMING_SETS:
+            input_sets.append(clone_inputs(inputs))
         with torch.no_grad():
-            result["outputs"].append(host_copy(flatten_output(model(*inputs))))
-        result["mutates_inputs"] |= inputs_changed(pristine, inputs)
-        input_sets.append(pristine)
+            result["outputs"].append(keep(flatten_output(model(*inputs))))
+        result["mutates_inputs"] |= fingerprint(inputs) != before
+        del inputs
     phase("reference eval mode")
     eval_model = build_model(module.Model, init_inputs, protocol.seed, device).eval()
     with torch.no_grad():
-        result["eval_outputs"] = host_copy(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+    del eval_model
     result["recheck_outputs"] = []
     for r in range(RECHECK_SETS):
         inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device)
         with torch.no_grad():
-            result["recheck_outputs"].append(host_copy(flatten_output(model(*inputs))))
+            result["recheck_outputs"].append(keep(flatten_output(model(*inputs))))
+        del inputs
     l2 = l2_flush_buffer(protocol, device)
     if protocol.wants_eager:
         phase("reference eager timing")
-        result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set())
+        result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), keep)
     if protocol.wants_compile:
         phase("reference torch.compile timing")
         try:
             compiled = torch.compile(model)
             # compilation happens inside the warm-up
-            result["compile"] = time_forward(compiled, input_sets, protocol.perf_trials, max(protocol.warmup, 1), clocks, l2, set())
+            result["compile"] = time_forward(compiled, input_sets, protocol.perf_trials, max(protocol.warmup, 1), clocks, l2, set(), keep)
         except Exception as exc:  # a baseline that cannot compile is reported, not fatal
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return result
 
 
-def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
-    return torch.equal(a, b)
-
-
-def inputs_changed(pristine: list[Any], inputs: list[Any]) -> bool:
-    """True when a forward wrote into its inputs."""
-    return any(isinstance(a, torch.Tensor) and not same_values(a, b) for a, b in zip(pristine, inputs))
-
-
 def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir: Path, phase: Phase) -> dict[str, Any]:
     clocks = Clocks(device)
+    prime_lazy_state(device)
     instrument.install()
     real_thread_start = threading.Thread.start
     started_threads: list[str] = []
@@ -421,26 +471,29 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     with poisoned_memory():
         model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device)
 
+    keep = functools.partial(digest, max_elements=protocol.compare_max_elements, seed=protocol.seed)
     input_sets = []
     train_launches: list[str] = []
     for trial in range(protocol.correct_trials):
         phase(f"candidate correctness trial {trial}")
         inputs = make_inputs(reference.get_inputs, trial_seed(protocol.seed, trial), device)
-        pristine = clone_inputs(inputs)
+        before = fingerprint(inputs)
+        if trial < TIMING_SETS:
+            input_sets.append(clone_inputs(inputs))
         with poisoned_memory(), instrument.recording() as log, torch.no_grad():
             outputs = flatten_output(model(*inputs))
         clocks.sync()
         result.setdefault("subclass_outputs", []).extend(subclass_outputs(outputs))
-        result["outputs"].append(host_copy(outputs))
-        result["mutates_inputs"] |= inputs_changed(pristine, inputs)
+        result["outputs"].append(keep(outputs))
+        result["mutates_inputs"] |= fingerprint(inputs) != before
         train_launches.extend(log.names)
-        input_sets.append(pristine)
+        del inputs, outputs
     result["launches"]["train"] = train_launches
 
     phase("candidate eval mode")
     eval_model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device).eval()
     with poisoned_memory(), instrument.recording() as log, torch.no_grad():
-        result["eval_outputs"] = host_copy(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
     result["launches"]["eval"] = list(log.names)
     del eval_model
 
@@ -448,7 +501,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         phase("candidate ghost replay")
         ghost_model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device)
         with poisoned_memory(), instrument.suppressed(), torch.no_grad():
-            result["ghost_outputs"] = host_copy(flatten_output(ghost_model(*clone_inputs(input_sets[0]))))
+            result["ghost_outputs"] = keep(flatten_output(ghost_model(*clone_inputs(input_sets[0]))))
         del ghost_model
 
     def integrity() -> dict[str, Any]:
@@ -469,17 +522,20 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     phase("candidate timing")
     l2 = l2_flush_buffer(protocol, device)
     sample = sample_trials(protocol.timed_output_checks, protocol.perf_trials, protocol.seed)
-    timed_log = instrument.LaunchLog()
+    timed_names: set[str] = set()
+    calls_without_launch = [0]
 
     @contextmanager
     def record_timed() -> Iterator[None]:
         with instrument.recording() as log:
             yield
-        timed_log.names.extend(log.names)
+        timed_names.update(log.names)
+        calls_without_launch[0] += not log.names
 
-    result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, record_timed)
-    result["launches"]["timed"] = sorted(set(timed_log.names))
-    result["timed_calls_without_launch"] = 0 if timed_log.names else protocol.perf_trials
+    result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed)
+    result["launches"]["timed"] = sorted(timed_names)
+    # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
+    result["calls_without_launch"] = calls_without_launch[0]
 
     recheck_below = job.get("recheck_below_ms")
     median = sorted(result["timing"]["ms"])[len(result["timing"]["ms"]) // 2]
@@ -490,7 +546,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             for r in range(RECHECK_SETS)
         ]
         trials = max(min(protocol.perf_trials, 20), RECHECK_SETS)
-        recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)))
+        recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep)
         result["recheck"] = recheck
 
     if protocol.profile:

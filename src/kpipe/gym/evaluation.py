@@ -178,6 +178,8 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
     timing = candidate["timing"]
     if not candidate["launches"].get("timed"):
         reasons.append("no_triton_launch: the timed calls launched no Triton kernel")
+    elif candidate.get("calls_without_launch"):
+        reasons.append(f"no_triton_launch: {candidate['calls_without_launch']} timed call(s) launched no Triton kernel")
     tol = tolerance(protocol)
     for sample in timing["samples"]:
         check = compare_outputs(sample["outputs"], reference["outputs"][sample["input_set"]], tol)

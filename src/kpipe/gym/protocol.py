@@ -56,6 +56,9 @@ class Protocol:
     recheck_speedup_above: float = 10.0
     # timed outputs compared with the reference (spot check of the timed path)
     timed_output_checks: int = 3
+    # outputs larger than this are compared on a sample of this many elements (head, tail
+    # and random positions): full copies of 8 GB KernelBench outputs cannot travel
+    compare_max_elements: int = 1 << 24
     feedback_max_chars: int = 4000
     # address-space limit of the candidate process in MiB (host OOM); None = unlimited.
     # Leave None on CUDA: the driver reserves far more virtual memory than it uses.

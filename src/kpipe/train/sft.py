@@ -221,7 +221,7 @@ def predicted_tokens(samples: Sequence[Sample]) -> int:
 
 def run_fingerprint(cfg: SFTConfig, samples: Sequence[Sample]) -> str:
     """Identity of a run (training settings + data) that a checkpoint must match to be resumed."""
-    resume_irrelevant = {"save_every", "keep_last", "notes", "max_steps"}
+    resume_irrelevant = {"save_every", "keep_last", "notes"}
     settings = {k: v for k, v in asdict(cfg).items() if k not in resume_irrelevant}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
     for sample in samples:

@@ -110,7 +110,7 @@ def compile_launches(reference_src: str, candidate_src: str, arch: int = 90) -> 
             candidate = load_module(candidate_src, "bank_candidate", Path(tmp))
             candidate.ModelNew(*reference.get_init_inputs())(*reference.get_inputs())
     except Exception as error:
-        return CompileReport(False, tuple(builds), traceback.format_exception_only(error)[-1].strip()[:500])
+        return CompileReport(False, tuple(builds), traceback.format_exception_only(error)[-1].strip()[-500:])
     finally:
         JITFunction.run = saved_run  # type: ignore[method-assign]
     if not builds:

@@ -7,14 +7,14 @@ import triton.language as tl
 @triton.jit
 def softmax_kernel(x_ptr, out_ptr, n_cols, stride_x_row, stride_out_row, BLOCK_SIZE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_x_row
+    x_row = x_ptr + row * BLOCK_SIZE
     out_row = out_ptr + row * stride_out_row
     cols = tl.arange(0, BLOCK_SIZE)
 
     running_max = tl.full([BLOCK_SIZE], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
     for start in range(0, n_cols, BLOCK_SIZE):
-        mask = start + cols <= n_cols
+        mask = start + cols < n_cols
         x = tl.load(x_row + start + cols, mask=mask, other=float("-inf"))
         new_max = tl.maximum(running_max, x)
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)

@@ -37,10 +37,10 @@ class ModelNew(nn.Module):
         batch, features = x.shape[0], x.shape[1]
         n_inner = x[0, 0].numel()
         out = torch.empty_like(x)
-        BLOCK_SIZE = min(1024, triton.next_power_of_2(n_inner))
+        BLOCK_SIZE = min(4096, triton.next_power_of_2(n_inner))
         grid = (batch, triton.cdiv(n_inner, BLOCK_SIZE))
         rms_norm_kernel[grid](
             x, out, features, n_inner, self.eps, features * n_inner, n_inner,
-            BLOCK_SIZE=BLOCK_SIZE, num_warps=4,
+            BLOCK_SIZE=BLOCK_SIZE, num_warps=8,
         )
         return out

@@ -13,10 +13,10 @@ def rms_norm_kernel(
     batch = tl.program_id(0).to(tl.int64)
     inner = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = inner < n_inner
-    base = batch * stride_batch + inner
+    base = batch * stride_feature + inner
 
     sum_sq = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
-    for f in range(1, n_features):
+    for f in range(0, n_features):
         x = tl.load(x_ptr + base + f * stride_feature, mask=mask, other=0.0).to(tl.float32)
         sum_sq += x * x
     inv_rms = 1.0 / tl.sqrt(sum_sq / n_features + eps)
@@ -37,10 +37,10 @@ class ModelNew(nn.Module):
         batch, features = x.shape[0], x.shape[1]
         n_inner = x[0, 0].numel()
         out = torch.empty_like(x)
-        BLOCK_SIZE = min(1024, triton.next_power_of_2(n_inner))
+        BLOCK_SIZE = min(4096, triton.next_power_of_2(n_inner))
         grid = (batch, triton.cdiv(n_inner, BLOCK_SIZE))
         rms_norm_kernel[grid](
             x, out, features, n_inner, self.eps, features * n_inner, n_inner,
-            BLOCK_SIZE=BLOCK_SIZE, num_warps=4,
+            BLOCK_SIZE=BLOCK_SIZE, num_warps=8,
         )
         return out

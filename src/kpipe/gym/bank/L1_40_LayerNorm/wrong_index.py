@@ -24,7 +24,7 @@ def layer_norm_apply_kernel(
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     chunk_ids = tl.arange(0, BLOCK_CHUNKS)
-    chunk_mask = chunk_ids < n_chunks - 1
+    chunk_mask = chunk_ids < n_chunks
     total = tl.sum(tl.load(partial_sum_ptr + row * n_chunks + chunk_ids, mask=chunk_mask, other=0.0), axis=0)
     total_sq = tl.sum(tl.load(partial_sq_ptr + row * n_chunks + chunk_ids, mask=chunk_mask, other=0.0), axis=0)
     mean = total / row_size
@@ -33,7 +33,7 @@ def layer_norm_apply_kernel(
 
     offsets = chunk * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     mask = offsets < row_size
-    x = tl.load(x_ptr + row * row_size + offsets, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(weight_ptr + offsets, mask=mask, other=0.0)
     b = tl.load(bias_ptr + offsets, mask=mask, other=0.0)
     tl.store(out_ptr + row * row_size + offsets, (x - mean) * rstd * w + b, mask=mask)

@@ -37,8 +37,8 @@ def gemm_scale_leaky_relu_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    bias = tl.load(bias_ptr + offs_m, mask=offs_m < N, other=0.0)
-    y = acc + bias[None, :]
+    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+    y = acc + bias[:, None]
     y = y * multiplier
     y = tl.where(y >= 0, y, y * negative_slope)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on

@@ -38,7 +38,7 @@ def gemm_relu_div_kernel(
         w_ptrs += BLOCK_K * stride_wk
 
     bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-    y = acc + bias[None, :]
+    y = acc + bias[:, None]
     y = tl.maximum(y, 0.0) / divisor
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, y, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -59,7 +59,7 @@ class ModelNew(nn.Module):
         grid = (triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N),)
         gemm_relu_div_kernel[grid](
             x, weight, bias, out, M, N, K,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(1), out.stride(0),
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
             self.divisor,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, GROUP_M=8, num_warps=8, num_stages=3,
         )

@@ -25,7 +25,7 @@ def matmul_div_gelu_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wk + offs_k[:, None] * stride_wk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -37,7 +37,7 @@ def matmul_div_gelu_kernel(
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
 
-    bias = tl.load(bias_ptr + offs_m, mask=offs_m < N, other=0.0)
+    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
     y = acc + bias[None, :]
     y = y / divisor
     y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))

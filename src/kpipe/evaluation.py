@@ -1,0 +1,268 @@
+"""KernelBench evaluation (paper §6.1): a model from config x a level x a shard of its tasks,
+n samples x T turns through the one multi-turn loop (`kpipe.agent.loop.run_episodes`), written
+as `trajectories` rows with stage="eval" (STTS, `kpipe.stts`, is the same job with another
+history policy and more turns).
+
+One evaluation measures the candidate against both eager PyTorch and `torch.compile`
+(protocol `baseline: both`), so Table 1 and Table 2 come from the same rows.
+
+Models (`models:` in config, each a named entry; `kind` says how to reach it):
+- `hf` / `vllm`: a local checkpoint (`path`), generated in process;
+- `openai`: any OpenAI-compatible endpoint (API models, `vllm serve`, SGLang) — `model`,
+  `base_url`, `api_key_env`, ... as `kpipe.llm.make_engine` takes them;
+- `offline_teacher`: the bank-backed offline teacher (`kpipe serve teacher`), started for the job;
+- `pipeline`: this pipeline's own checkpoint (`source: sft | rl`); Snakemake resolves its path.
+The `model` column of every row is the entry's `name`, so tables group by the config's names.
+
+Resumable: evaluation results are cached by (protocol, reference, candidate) and API answers
+by request hash, so a killed shard reruns without paying again; local models regenerate (their
+weights may have changed under the same path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kpipe.agent.evaluator import CachedEvaluator, Evaluator
+from kpipe.agent.history import FullHistory, HistoryPolicy
+from kpipe.agent.loop import AgentTask, Sampling, run_episodes
+from kpipe.data.io import read_table, write_table
+from kpipe.llm.types import Engine
+
+log = logging.getLogger(__name__)
+STAGE = "eval"
+MODEL_KINDS = ("hf", "vllm", "openai", "offline_teacher", "pipeline")
+API_KINDS = ("openai", "offline_teacher")  # answers cost money or time: cache them
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+# Paper §6.1: 8 samples, 3 turns, 8,192 generated tokens per turn, 32,768 in all.
+PAPER_EVAL = {"samples": 8, "turns": 3, "max_context_tokens": 32768,
+              "sampling": {"max_tokens": 8192, "temperature": 1.0, "top_p": 0.95}}
+
+
+def check_model(entry: Mapping[str, Any]) -> None:
+    """Raise ValueError with one line unless `entry` is a usable `models:` entry."""
+    name = entry.get("name")
+    if not isinstance(name, str) or not MODEL_NAME_RE.match(name):
+        raise ValueError(f"models: entry {dict(entry)!r} needs a `name` of letters, digits, '_', '.', '-'")
+    kind = entry.get("kind")
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"models.{name}: kind {kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    if kind in ("hf", "vllm") and not entry.get("path"):
+        raise ValueError(f"models.{name}: kind {kind} needs a `path` to a local checkpoint")
+    if kind == "openai" and not entry.get("model"):
+        raise ValueError(f"models.{name}: kind openai needs the served `model` name")
+    if kind == "pipeline" and entry.get("source") not in ("sft", "rl"):
+        raise ValueError(f"models.{name}: kind pipeline needs `source: sft` or `source: rl`")
+
+
+def models_by_name(entries: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """The `models:` list as name -> entry, checked (names are unique path segments)."""
+    named: dict[str, Mapping[str, Any]] = {}
+    for entry in entries:
+        check_model(entry)
+        if entry["name"] in named:
+            raise ValueError(f"models: the name {entry['name']!r} is used twice")
+        named[entry["name"]] = entry
+    return named
+
+
+def eval_tasks(tasks_path: str | os.PathLike, level: int, shard: int = 0, num_shards: int = 1,
+               max_tasks: int | None = None) -> list[AgentTask]:
+    """Shard `shard` of `num_shards` of the evaluation tasks of `level` (split "eval", by
+    problem id, every num_shards-th one), after keeping the first `max_tasks`."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} is not in [0, {num_shards})")
+    rows = [r for r in read_table(tasks_path, "tasks").to_pylist() if r["level"] == level and r["split"] == "eval"]
+    if not rows:
+        raise ValueError(f"{tasks_path}: no evaluation task of level {level}")
+    rows.sort(key=lambda r: (r["problem_id"], r["task_id"]))
+    rows = rows[:max_tasks] if max_tasks is not None else rows
+    return [AgentTask(r["task_id"], r["reference_src"]) for r in rows[shard::num_shards]]
+
+
+def engine_spec(entry: Mapping[str, Any], checkpoint: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """The `kpipe.llm.make_engine` spec of a `models:` entry (not for offline_teacher)."""
+    spec = {k: v for k, v in entry.items() if k not in ("name", "kind", "source", "engine")}
+    kind = entry["kind"]
+    if kind == "pipeline":
+        if checkpoint is None:
+            raise ValueError(f"models.{entry['name']}: a pipeline model needs its checkpoint path")
+        return {**spec, "kind": entry.get("engine", "hf"), "path": checkpoint}
+    if kind in ("hf", "vllm"):
+        return {**spec, "kind": kind}
+    return {**spec, "kind": "openai", "progress": progress}
+
+
+@contextlib.contextmanager
+def opened_engine(entry: Mapping[str, Any], checkpoint: str | None = None, progress: bool = True
+                  ) -> Iterator[Engine]:
+    """The engine of a `models:` entry for the duration of a block (the offline teacher's server
+    lives as long as the block)."""
+    from kpipe.llm import make_engine
+
+    if entry["kind"] == "offline_teacher":
+        from kpipe.agent.distill import OFFLINE_TEACHER_MODEL, offline_teacher_args
+        from kpipe.llm.server import served_in_subprocess
+
+        with served_in_subprocess(offline_teacher_args(entry.get("offline", {}))) as base_url:
+            yield make_engine({"kind": "openai", "model": OFFLINE_TEACHER_MODEL, "base_url": base_url,
+                               "api_key_env": None, "progress": progress})
+        return
+    yield make_engine(engine_spec(entry, checkpoint, progress))
+
+
+def sampling_of(settings: Mapping[str, Any]) -> Sampling:
+    return Sampling(**settings.get("sampling", {}))
+
+
+def evaluate_shard(tasks: Sequence[AgentTask], engine: Engine, evaluator: Evaluator, out_path: str | os.PathLike,
+                   *, model_name: str, run: str = "default", stage: str = STAGE, policy: HistoryPolicy = FullHistory(),
+                   n_samples: int = 8, n_turns: int = 3, sampling: Sampling = Sampling(), seed: int = 0,
+                   max_context_tokens: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """Run the multi-turn loop on `tasks` and write its rows (model = `model_name`) to `out_path`."""
+    rows = run_episodes(tasks, engine, evaluator, policy, n_samples=n_samples, max_turns=n_turns, sampling=sampling,
+                        run=run, stage=stage, seed=seed, max_context_tokens=max_context_tokens, progress=progress)
+    for row in rows:
+        row["model"] = model_name
+    write_table(rows, out_path, "trajectories")
+    return rows
+
+
+def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settings: Mapping[str, Any],
+                    out_path: str | os.PathLike, cache_path: str | os.PathLike, *, model_label: str, stage: str,
+                    policy: HistoryPolicy, n_turns: int, run: str, protocol: Mapping[str, Any] | None,
+                    checkpoint: str | None, progress: bool) -> list[dict[str, Any]]:
+    """What an eval and an STTS job share: engine, cached evaluator, the loop, the Parquet file."""
+    from kpipe.agent.evaluator import LocalEvaluator
+    from kpipe.gym import Protocol
+    from kpipe.llm.cache import CachedEngine, ResponseCache
+
+    gym_protocol = Protocol.from_dict(dict(protocol or {}))
+    evaluator = CachedEvaluator(
+        LocalEvaluator(gym_protocol, progress=progress, reuse_reference=bool(settings.get("reuse_reference", False))),
+        f"{cache_path}.evals.jsonl", gym_protocol.to_json())
+    with opened_engine(entry, checkpoint, progress) as engine:
+        if entry["kind"] in API_KINDS:
+            engine = CachedEngine(engine, ResponseCache(cache_path))
+        rows = evaluate_shard(
+            tasks, engine, evaluator, out_path, model_name=model_label, run=run, stage=stage, policy=policy,
+            n_samples=int(settings.get("samples", 8)), n_turns=n_turns, sampling=sampling_of(settings),
+            seed=int(settings.get("seed", 0)), max_context_tokens=settings.get("max_context_tokens"),
+            progress=progress)
+    correct = sum(bool(r["correct"]) and not r["hacked"] for r in rows)
+    log.info("%s %s: %d tasks, %d turns written to %s (%d correct)", stage, model_label, len(tasks), len(rows),
+             out_path, correct)
+    return rows
+
+
+def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
+             entry: Mapping[str, Any], settings: Mapping[str, Any], *, level: int, shard: int = 0,
+             num_shards: int = 1, run: str = "default", protocol: Mapping[str, Any] | None = None,
+             checkpoint: str | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """One evaluation shard as the `eval` config section describes it (docs/evaluation.md)."""
+    check_model(entry)
+    tasks = eval_tasks(tasks_path, level, shard, num_shards, settings.get("max_tasks"))
+    return run_model_shard(tasks, entry, settings, out_path, cache_path, model_label=entry["name"], stage=STAGE,
+                           policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run, protocol=protocol,
+                           checkpoint=checkpoint, progress=progress)
+
+
+# ---------------------------------------------------------------------------------------
+# CLI: `kpipe eval kernelbench` / `kpipe eval stts` (outside Snakemake, e.g. a released model)
+# ---------------------------------------------------------------------------------------
+
+
+def _load_yaml(path: str | None) -> dict[str, Any]:
+    import yaml
+
+    if path is None:
+        return {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path}: expected a mapping")
+    return data
+
+
+def _model_entry(model_spec: str) -> dict[str, Any]:
+    """`--model` as name=kind:target, e.g. drk14b=hf:/ckpt/drkernel-14b or gpt5=openai:gpt-5."""
+    match = re.match(r"^([^=]+)=(hf|vllm|openai|offline_teacher)(?::(.+))?$", model_spec)
+    if not match:
+        raise click.BadParameter(f"--model {model_spec!r}: expected NAME=hf:PATH, NAME=vllm:PATH, "
+                                 "NAME=openai:MODEL or NAME=offline_teacher")
+    name, kind, target = match.groups()
+    entry: dict[str, Any] = {"name": name, "kind": kind}
+    if kind in ("hf", "vllm"):
+        entry["path"] = target
+    elif kind == "openai":
+        entry["model"] = target
+    try:
+        check_model(entry)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+    return entry
+
+
+def _common_options(command: Any) -> Any:
+    options = [
+        click.option("--tasks", required=True, type=click.Path(exists=True, dir_okay=False), help="tasks Parquet."),
+        click.option("--out", required=True, type=click.Path(dir_okay=False), help="trajectories Parquet to write."),
+        click.option("--model", "model_spec", required=True, help="NAME=hf:PATH | NAME=openai:MODEL | NAME=offline_teacher"),
+        click.option("--base-url", help="Endpoint of an openai model."),
+        click.option("--level", type=click.IntRange(1, 3), required=True),
+        click.option("--settings", type=click.Path(exists=True, dir_okay=False),
+                     help="YAML with the eval/stts section (or a whole config)."),
+        click.option("--protocol", type=click.Path(exists=True, dir_okay=False), help="YAML of KernelGym protocol settings."),
+        click.option("--run", "run_name", default="default", show_default=True),
+        click.option("--paper", is_flag=True, help="The paper's settings: 8 samples, 3 turns, 8,192 tokens per turn."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@click.group("eval")
+def eval_cli() -> None:
+    """KernelBench evaluation and sequential test-time scaling of any model."""
+
+
+@eval_cli.command("kernelbench")
+@_common_options
+@click.option("--samples", type=int, help="Overrides eval.samples.")
+@click.option("--turns", type=int, help="Overrides eval.turns.")
+def kernelbench_command(tasks: str, out: str, model_spec: str, base_url: str | None, level: int, settings: str | None,
+                        protocol: str | None, run_name: str, paper: bool, samples: int | None,
+                        turns: int | None) -> None:
+    """Evaluate a model on one KernelBench level (stage=eval rows in --out)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    section = {**(PAPER_EVAL if paper else {}), **_load_yaml(settings).get("eval", _load_yaml(settings))}
+    section.update({k: v for k, v in {"samples": samples, "turns": turns}.items() if v is not None})
+    entry = _model_entry(model_spec) | ({"base_url": base_url} if base_url else {})
+    eval_job(tasks, out, f"{out}.cache.jsonl", entry, section, level=level, run=run_name,
+             protocol=_load_yaml(protocol) or None)
+
+
+@eval_cli.command("stts")
+@_common_options
+@click.option("--strategy", type=click.Choice(["full", "top_w", "best_window"]), default="top_w", show_default=True)
+@click.option("--window", "w", type=int, default=4, show_default=True)
+@click.option("--max-turns", type=int, help="Overrides stts.max_turns.")
+def stts_command(tasks: str, out: str, model_spec: str, base_url: str | None, level: int, settings: str | None,
+                 protocol: str | None, run_name: str, paper: bool, strategy: str, w: int,
+                 max_turns: int | None) -> None:
+    """Sequential test-time scaling of a model on one KernelBench level (stage=stts rows in --out)."""
+    from kpipe.stts import stts_job
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    section = {**(PAPER_EVAL if paper else {}), **_load_yaml(settings).get("stts", _load_yaml(settings))}
+    section.update({"window": w, **({"max_turns": max_turns} if max_turns else {})})
+    entry = _model_entry(model_spec) | ({"base_url": base_url} if base_url else {})
+    stts_job(tasks, out, f"{out}.cache.jsonl", entry, section, strategy=strategy, level=level, run=run_name,
+             protocol=_load_yaml(protocol) or None)

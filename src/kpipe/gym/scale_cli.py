@@ -1,0 +1,133 @@
+"""``kpipe gym eval-batch``, ``kpipe gym serve`` and ``kpipe gym workers``: KernelGym at scale.
+
+Registered on the ``gym`` group of ``kpipe.gym.cli``. Protocol options match ``kpipe gym eval``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kpipe.gym.protocol import BASELINES, DEVICES, Protocol
+
+PROTOCOL_OPTIONS = ("baseline", "correct_trials", "perf_trials", "device", "timeout_s")
+
+
+def protocol_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The protocol options of ``kpipe gym eval``: a JSON file, overridden by explicit flags."""
+    options = [
+        click.option("--protocol", "protocol_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Protocol JSON; the options below override it."),
+        click.option("--baseline", type=click.Choice(BASELINES), default="both", show_default=True),
+        click.option("--correct-trials", type=click.IntRange(min=1), default=5, show_default=True),
+        click.option("--perf-trials", type=click.IntRange(min=1), default=100, show_default=True),
+        click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True),
+        click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=300.0, show_default=True, help="Seconds per child process."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def protocol_from(ctx: click.Context) -> Protocol:
+    path = ctx.params.pop("protocol_path")
+    settings = json.loads(path.read_text()) if path else {}
+    for name in PROTOCOL_OPTIONS:
+        value = ctx.params.pop(name)
+        if path is None or ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT:
+            settings[name] = value
+    try:
+        return Protocol.from_dict(settings)
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def pool_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    options = [
+        click.option("--workers", type=click.IntRange(min=1), default=None, help="Worker count (default: one per visible GPU; without GPUs, half the cores)."),
+        click.option("--cache", "cache_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Result cache (SQLite); default $KPIPE_GYM_CACHE or results/gym/cache.sqlite."),
+        click.option("--reuse-reference", is_flag=True, help="Run each reference once per worker (cheaper; the baseline is then not timed next to each candidate)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def open_cache(path: Path | None) -> Any:
+    from kpipe.gym.cache import ResultCache, default_cache_path
+
+    return ResultCache(path or default_cache_path())
+
+
+@click.command("eval-batch")
+@click.option("--input", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Candidates Parquet: reference_src + candidate_src, or task_id + code.")
+@click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="evals-table Parquet, one row per input row.")
+@click.option("--references", "references_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="tasks/queries Parquet resolving task_id (with task_id + code input).")
+@click.option("--on-reference-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True, help="A reference that fails to run: fail the command (after the rest is cached), or leave its rows out.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@pool_options
+@protocol_options
+@click.pass_context
+def eval_batch_command(ctx: click.Context, **_: Any) -> None:
+    """Evaluate a Parquet of candidates into an evals table; a rerun evaluates only what is missing."""
+    from kpipe.gym.batch import BatchInputError, eval_batch
+
+    protocol = protocol_from(ctx)
+    p = ctx.params
+    started = time.monotonic()
+    try:
+        summary = eval_batch(p["input_path"], p["output_path"], protocol, open_cache(p["cache_path"]),
+                             references=p["references_path"], workers=p["workers"], reuse_reference=p["reuse_reference"],
+                             on_reference_error=p["on_reference_error"], progress=not p["quiet"])
+    except BatchInputError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo(f"{summary.line()} in {time.monotonic() - started:.1f} s -> {p['output_path']}")
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; anything but loopback needs a token.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8765, show_default=True)
+@click.option("--token", envvar="KPIPE_GYM_TOKEN", default=None, help="Bearer token clients must send (env KPIPE_GYM_TOKEN).")
+@click.option("--max-request-mb", type=click.FloatRange(min=0.01), default=16.0, show_default=True)
+@pool_options
+@protocol_options
+@click.pass_context
+def serve_command(ctx: click.Context, **_: Any) -> None:
+    """Serve KernelGym over HTTP (OpenAPI at /docs) on a pool of workers with one fixed protocol."""
+    import uvicorn
+
+    from kpipe.gym.pool import GymPool
+    from kpipe.gym.service import create_app, is_loopback
+
+    protocol = protocol_from(ctx)
+    p = ctx.params
+    if not is_loopback(p["host"]) and not p["token"]:
+        raise click.UsageError(f"binding {p['host']} (not loopback) needs --token or KPIPE_GYM_TOKEN")
+    with GymPool(protocol, workers=p["workers"], cache=open_cache(p["cache_path"]), reuse_reference=p["reuse_reference"], progress=False) as pool:
+        app = create_app(pool, token=p["token"], max_request_bytes=int(p["max_request_mb"] * 1024 * 1024))
+        click.echo(f"KernelGym on http://{p['host']}:{p['port']} ({len(pool.states)} workers, {pool.device_kind})", err=True)
+        uvicorn.run(app, host=p["host"], port=p["port"], log_level="info")
+
+
+@click.command("workers")
+@click.option("--url", default=None, help="A running service: print its workers. Without it: the slots a local pool would start.")
+@click.option("--workers", type=click.IntRange(min=1), default=None)
+def workers_command(url: str | None, workers: int | None) -> None:
+    """Show evaluation workers (of a service, or the ones a local pool would start)."""
+    if url:
+        from kpipe.gym.client import GymClient
+
+        with GymClient(url, progress=False) as client:
+            for worker in client.workers():
+                click.echo(json.dumps(worker))
+        return
+    from kpipe.gym.pool import default_slots
+
+    for slot, gpu in enumerate(default_slots(workers)):
+        target = f"GPU {gpu}" if gpu is not None else f"CPU interpreter ({os.cpu_count()} cores shared)"
+        click.echo(f"worker {slot}: {target}")

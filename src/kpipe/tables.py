@@ -1,0 +1,261 @@
+"""The paper's tables from the kpipe database: each ``workflow/sql/<name>.sql`` (one SELECT)
+becomes ``<out>/<name>.csv`` (every grouping key and count, so each number can be traced back
+with ``kpipe query``) and ``<out>/<name>.md`` (the SQL file's header comment as notes, the
+paper's published numbers as reference rows marked "paper", and the table).
+
+Fast@p tables also get a 95% bootstrap interval per cell that resamples whole tasks
+(``kpipe.metrics.bootstrap_ci``): the samples of one task are correlated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+import duckdb
+import numpy as np
+import pandas as pd
+from tabulate import tabulate
+
+from kpipe import metrics
+from kpipe.config import REPO_ROOT
+from kpipe.paper_numbers import FAST_COLUMNS, HACKING_RATIO, TABLE1_EAGER, TABLE2_COMPILE, FastRow
+
+DEFAULT_SQL_DIR = REPO_ROOT / "workflow" / "sql"
+VIEWS_FILE = "views.sql"  # not a table: the views every table reads
+FAST_TABLES = {"table1_fastp_eager": ("eager", TABLE1_EAGER), "table2_fastp_compile": ("compile", TABLE2_COMPILE)}
+FAST_KEYS = ["run", "iteration", "model", "level", "baseline", "turn", "history"]
+FAST_LABELS = {"fast_1": "Fast@1", "fast_1_2": "Fast@1.2", "fast_1_5": "Fast@1.5", "fast_2": "Fast@2"}
+LEVELS = (1, 2, 3)
+STTS_PAPER_LEVELS = {1: (18.8, 25.1), 2: (31.6, 47.8), 3: (3.0, 7.3)}  # Table 1, Dr. Kernel-14B-STTS(†) Fast@1.2
+
+
+def table_sql_files(sql_dir: Path = DEFAULT_SQL_DIR) -> list[Path]:
+    """Every table query of `sql_dir` (all .sql files but the views)."""
+    files = sorted(p for p in Path(sql_dir).glob("*.sql") if p.name != VIEWS_FILE)
+    if not files:
+        raise FileNotFoundError(f"no table .sql files in {sql_dir}")
+    return files
+
+
+def header_comment(sql: str) -> list[str]:
+    """The leading `--` comment lines of a SQL file: what the table is and its conventions."""
+    lines = []
+    for line in sql.splitlines():
+        if not line.startswith("--"):
+            break
+        lines.append(line[2:].strip())
+    return lines
+
+
+def run_table_sql(db_path: Path, sql_file: Path) -> pd.DataFrame:
+    with duckdb.connect(str(db_path), read_only=True) as con:
+        try:
+            return con.sql(sql_file.read_text()).df()
+        except duckdb.Error as error:
+            raise RuntimeError(f"{sql_file.name}: {str(error).splitlines()[0]}") from None
+
+
+# ---------------------------------------------------------------------------------------
+# Fast@p tables: bootstrap intervals, paper rows, the paper's wide layout
+# ---------------------------------------------------------------------------------------
+
+
+def fast_samples(db_path: Path, baseline: str) -> pd.DataFrame:
+    """The per-sample rows behind the Fast@p table of `baseline` (view fastp_samples)."""
+    sql = (f"select {', '.join(FAST_KEYS)}, task_id, sample, {', '.join(FAST_COLUMNS)} from fastp_samples "
+           f"where stage = 'eval' and baseline = '{baseline}'")
+    with duckdb.connect(str(db_path), read_only=True) as con:
+        return con.sql(sql).df()
+
+
+def with_bootstrap_ci(table: pd.DataFrame, samples: pd.DataFrame, n_boot: int, seed: int = 0) -> pd.DataFrame:
+    """`table` with `<fast_p>_lo` / `<fast_p>_hi` columns (percent): a 95% interval per cell,
+    resampling the cell's tasks."""
+    table = table.copy()
+    if table.empty or n_boot <= 0:
+        return table
+    bounds: dict[str, list[float]] = {f"{c}_{side}": [] for c in FAST_COLUMNS for side in ("lo", "hi")}
+    cells = dict(iter(samples.groupby(FAST_KEYS, dropna=False)))
+    for key in table[FAST_KEYS].itertuples(index=False, name=None):
+        cell = cells[key]
+        for column in FAST_COLUMNS:
+            ci = metrics.bootstrap_ci(cell[column].astype(float).to_numpy(), np.mean, n_boot=n_boot, seed=seed,
+                                      groups=cell["task_id"].to_numpy())
+            bounds[f"{column}_lo"].append(100 * ci.low)
+            bounds[f"{column}_hi"].append(100 * ci.high)
+    for name, values in bounds.items():
+        table[name] = values
+    return table
+
+
+def paper_fast_rows(rows: Sequence[FastRow], baseline: str) -> pd.DataFrame:
+    """The paper's rows in the CSV's long layout (source = "paper"; counts are not published; the
+    turn is text such as "3 or best", so it goes to `reported_turn` and `turn` stays numeric)."""
+    records = []
+    for row in rows:
+        for level, values in row.levels.items():
+            records.append({"source": "paper", "model": row.model, "level": level, "baseline": baseline,
+                            "reported_turn": row.turn, "history": row.history,
+                            **dict(zip(FAST_COLUMNS, values)),
+                            "where": row.where, "note": row.note})
+    return pd.DataFrame(records)
+
+
+def last_turn_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """Per (run, iteration, model): the rows of its last evaluated turn (what the paper reports)."""
+    last = table.groupby(["run", "iteration", "model"])["turn"].transform("max")
+    return table[table["turn"] == last]
+
+
+def _cell(value: float | None) -> str:
+    return "—" if value is None or pd.isna(value) else f"{value:.1f}"
+
+
+def fast_wide(table: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+    """The paper's layout: one row per model (and history), Fast@p columns per level; ours at
+    the last turn, then the paper's rows."""
+    records = []
+    ours = last_turn_rows(table)
+    for (run, iteration, model, history), group in ours.groupby(["run", "iteration", "model", "history"], sort=False):
+        by_level = group.set_index("level")
+        turn = int(group["turn"].iloc[0])
+        record = {"source": "kpipe", "model": model + (" †" if history == "best" else ""), "run": run,
+                  "iteration": iteration, "turn": turn if history == "last" else f"1..{turn}",
+                  "n per level": "/".join(str(int(by_level.loc[lv, "n_samples"])) if lv in by_level.index else "—"
+                                          for lv in LEVELS)}
+        for level in LEVELS:
+            for column in FAST_COLUMNS:
+                value = by_level.loc[level, column] if level in by_level.index else None
+                record[f"L{level} {FAST_LABELS[column]}"] = _cell(value)
+        records.append(record)
+    for (model, history, turn), group in paper.groupby(["model", "history", "reported_turn"], sort=False):
+        by_level = group.set_index("level")
+        record = {"source": "paper", "model": model + (" †" if history == "best" else ""), "run": "", "iteration": "",
+                  "turn": turn, "n per level": ""}
+        for level in LEVELS:
+            for column in FAST_COLUMNS:
+                record[f"L{level} {FAST_LABELS[column]}"] = _cell(by_level.loc[level, column])
+        records.append(record)
+    return pd.DataFrame(records)
+
+
+# ---------------------------------------------------------------------------------------
+# Other tables' paper rows and markdown bodies
+# ---------------------------------------------------------------------------------------
+
+
+def paper_hacking_rows() -> pd.DataFrame:
+    return pd.DataFrame([{"source": "paper", "model": r.model, "level": r.level, "stage": r.when,
+                          "hacking_ratio": r.hacking_ratio, "where": r.where} for r in HACKING_RATIO])
+
+
+def paper_stts_rows() -> pd.DataFrame:
+    """Table 1's Dr. Kernel-14B-STTS rows as the end points of Figure 6 (T not stated)."""
+    return pd.DataFrame([{"source": "paper", "model": "Dr. Kernel-14B", "strategy": "top_w", "level": level,
+                          "history": history, "fast_1_2": value, "where": "Table 1 (STTS rows); Figure 6"}
+                         for level, pair in STTS_PAPER_LEVELS.items()
+                         for history, value in zip(("last", "best"), pair)])
+
+
+PAPER_ROWS = {"hacking_ratio": paper_hacking_rows, "stts_curves": paper_stts_rows}
+
+
+def training_curve_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """The markdown view of the (long) training curves: first and last value of each metric."""
+    if table.empty:
+        return table
+    ordered = table.sort_values(["iteration", "step"])
+    grouped = ordered.groupby(["run", "stage", "name"])
+    return pd.DataFrame({"steps": grouped.size(), "first": grouped["value"].first(),
+                         "last": grouped["value"].last()}).reset_index()
+
+
+def markdown_frame(frame: pd.DataFrame, preformatted: bool = False) -> str:
+    """A github table; `preformatted` keeps the cells' own text (e.g. "50.0")."""
+    if frame.empty:
+        return "_No rows yet: the stages this table reads produced none in this run._"
+    return tabulate(frame, headers="keys", tablefmt="github", showindex=False, floatfmt=".4g", missingval="—",
+                    disable_numparse=preformatted)
+
+
+def markdown(name: str, notes: list[str], body: str, paper: pd.DataFrame | None) -> str:
+    title, *rest = notes or [name]
+    parts = [f"# {title}", "", *[f"> {line}" if line else ">" for line in rest], "",
+             f"Source: `workflow/sql/{name}.sql` over `results/kpipe.duckdb`; every key and count is in "
+             f"`{name}.csv`.", "", body]
+    if paper is not None and not paper.empty:
+        parts += ["", "Reference rows from the paper (source = paper):", "", markdown_frame(paper)]
+    return "\n".join(parts) + "\n"
+
+
+def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Run one table's SQL and write its .csv and .md; returns the CSV frame."""
+    name = sql_file.stem
+    notes = header_comment(sql_file.read_text())
+    table = run_table_sql(db_path, sql_file)
+    paper = None
+    if name in FAST_TABLES:
+        baseline, rows = FAST_TABLES[name]
+        table = with_bootstrap_ci(table, fast_samples(db_path, baseline), n_boot, seed)
+        paper_long = paper_fast_rows(rows, baseline)
+        body = markdown_frame(fast_wide(table, paper_long), preformatted=True)
+        notes = notes + ["", f"Our rows: the last evaluated turn and (†) the best of turns 1..T; "
+                         f"95% task-bootstrap intervals ({n_boot} replicates) in the CSV (`*_lo`, `*_hi`)."]
+        csv = pd.concat([table.assign(source="kpipe"), paper_long], ignore_index=True)
+    else:
+        paper = PAPER_ROWS[name]() if name in PAPER_ROWS else None
+        body = markdown_frame(training_curve_summary(table) if name == "training_curves" else table)
+        csv = pd.concat([table.assign(source="kpipe"), paper], ignore_index=True) if paper is not None else table
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv.to_csv(out_dir / f"{name}.csv", index=False)
+    (out_dir / f"{name}.md").write_text(markdown(name, notes, body, paper))
+    return csv
+
+
+def build_tables(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR, n_boot: int = 1000,
+                 seed: int = 0) -> dict[str, Path]:
+    """Every table of `sql_dir` into `out_dir`; returns name -> markdown path."""
+    if not Path(db_path).exists():
+        raise FileNotFoundError(f"no database at {db_path}: build it first (kpipe query --rebuild)")
+    written = {}
+    for sql_file in table_sql_files(sql_dir):
+        build_table(Path(db_path), sql_file, Path(out_dir), n_boot, seed)
+        written[sql_file.stem] = Path(out_dir) / f"{sql_file.stem}.md"
+    return written
+
+
+@click.group()
+def tables() -> None:
+    """The paper's tables and figures from the kpipe database."""
+
+
+@tables.command("build")
+@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
+              type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "tables"), show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--sql-dir", default=str(DEFAULT_SQL_DIR), show_default=True, type=click.Path(file_okay=False))
+@click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates per Fast@p cell (0: none).")
+def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int) -> None:
+    """Write results/tables/<name>.md and .csv for every workflow/sql/<name>.sql."""
+    try:
+        written = build_tables(Path(db_path), Path(out_dir), Path(sql_dir), n_boot)
+    except (FileNotFoundError, RuntimeError) as error:
+        raise click.ClickException(str(error)) from None
+    for name, path in written.items():
+        click.echo(f"{name}: {path}")
+
+
+@tables.command("figures")
+@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
+              type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "figures"), show_default=True,
+              type=click.Path(file_okay=False))
+def figures_command(db_path: str, out_dir: str) -> None:
+    """Write the paper's figures (4, 5, 6, 7, 8) as PNG."""
+    from kpipe.figures import build_figures
+
+    for name, path in build_figures(Path(db_path), Path(out_dir)).items():
+        click.echo(f"{name}: {path}")

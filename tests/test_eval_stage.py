@@ -1,0 +1,140 @@
+"""The evaluation and STTS drivers with a scripted engine and evaluator: task sharding, model
+entries, stage/model labels of the rows, the STTS history strategies, the STTS curve SQL."""
+
+import pytest
+from click.testing import CliRunner
+
+from kpipe.agent.history import FullHistory, TopW
+from kpipe.agent.loop import AgentTask
+from kpipe.data.io import read_table, write_table
+from kpipe.db import build_db
+from kpipe.evaluation import check_model, engine_spec, eval_cli, eval_tasks, evaluate_shard, models_by_name
+from kpipe.stts import stts_model_label
+from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
+from kpipe.llm.types import Completion
+
+
+class ScriptedEngine:
+    """Answers turn t (its t-th call: the loop makes one call per turn) with a kernel whose
+    quality is `qualities[(t - 1) % len]`."""
+
+    model = "scripted"
+
+    def __init__(self, qualities):
+        self.qualities = qualities
+        self.contexts = []
+        self.turn = 0
+
+    def generate(self, requests, on_result=None):
+        out = []
+        self.turn += 1
+        for request in requests:
+            self.contexts.append(request.messages)
+            quality = self.qualities[(self.turn - 1) % len(self.qualities)]
+            text = f"Attempt.\n```python\nclass ModelNew:\n    speed = {quality}\n```\n"
+            out.append(Completion(text, "stop", prompt_tokens=10, completion_tokens=10))
+        return out
+
+
+class SpeedEvaluator:
+    """Correct with the written speed when it is positive; speed 9 marks a hack."""
+
+    def evaluate_many(self, jobs):
+        results = []
+        for _, candidate in jobs:
+            speed = float(candidate.split("speed = ")[1].split("\n")[0])
+            results.append({"status": "hacked" if speed == 9 else ("pass" if speed > 0 else "mismatch"),
+                            "correct": speed > 0, "hacked": speed == 9, "speedup_eager": speed if speed > 0 else None,
+                            "speedup_compile": speed / 2 if speed > 0 else None, "feedback": f"speed {speed}"})
+        return results
+
+
+def write_tasks(path, levels=(1, 1, 1, 2)):
+    rows = [{"task_id": f"kb-L{lv}-{i}", "source": "kernelbench", "version": "main", "size_profile": "tiny",
+             "split": "eval", "level": lv, "problem_id": i, "name": f"p{i}", "reference_src": f"# ref {i}",
+             "reference_hash": str(i)} for i, lv in enumerate(levels, start=1)]
+    rows.append({**rows[0], "task_id": "kb-val", "split": "validation", "problem_id": 99})
+    write_table(rows, path, "tasks")
+    return path
+
+
+def test_eval_tasks_shards_levels_and_skips_validation(tmp_path):
+    tasks = write_tasks(tmp_path / "tasks.parquet")
+    all_l1 = [t.task_id for t in eval_tasks(tasks, 1)]
+    assert all_l1 == ["kb-L1-1", "kb-L1-2", "kb-L1-3"]
+    shards = [[t.task_id for t in eval_tasks(tasks, 1, s, 2)] for s in range(2)]
+    assert sorted(sum(shards, [])) == all_l1 and all(shards)
+    assert [t.task_id for t in eval_tasks(tasks, 1, max_tasks=2)] == ["kb-L1-1", "kb-L1-2"]
+    with pytest.raises(ValueError, match="no evaluation task of level 3"):
+        eval_tasks(tasks, 3)
+    with pytest.raises(ValueError, match="shard 2 is not in"):
+        eval_tasks(tasks, 1, 2, 2)
+
+
+def test_model_entries_are_checked_and_turned_into_engine_specs():
+    models = models_by_name([{"name": "sft", "kind": "pipeline", "source": "sft"},
+                             {"name": "gpt-5", "kind": "openai", "model": "gpt-5", "api_key_env": "OPENAI_API_KEY"}])
+    assert engine_spec(models["sft"], "results/models/sft-default") == {"kind": "hf", "path": "results/models/sft-default"}
+    assert engine_spec(models["gpt-5"])["kind"] == "openai" and engine_spec(models["gpt-5"])["model"] == "gpt-5"
+    for bad, message in [({"name": "a b", "kind": "hf", "path": "x"}, "needs a `name`"),
+                         ({"name": "a", "kind": "torch"}, "kind 'torch' is not one of"),
+                         ({"name": "a", "kind": "hf"}, "needs a `path`"),
+                         ({"name": "a", "kind": "pipeline", "source": "ppo"}, "source: sft")]:
+        with pytest.raises(ValueError, match=message):
+            check_model(bad)
+    with pytest.raises(ValueError, match="used twice"):
+        models_by_name([{"name": "a", "kind": "offline_teacher"}] * 2)
+    with pytest.raises(ValueError, match="checkpoint path"):
+        engine_spec(models["sft"])
+
+
+def test_evaluate_shard_writes_eval_rows_labelled_with_the_config_name(tmp_path):
+    tasks = [AgentTask("kb-L1-1", "# ref"), AgentTask("kb-L1-2", "# ref")]
+    out = tmp_path / "part-0.parquet"
+    evaluate_shard(tasks, ScriptedEngine([0, 1.5, 9]), SpeedEvaluator(), out, model_name="tiny-sft", run="r",
+                   n_samples=2, n_turns=3)
+    frame = read_table(out, "trajectories").to_pandas()
+    assert len(frame) == 2 * 2 * 3 and set(frame["stage"]) == {"eval"} and set(frame["model"]) == {"tiny-sft"}
+    by_turn = frame.groupby("turn")[["correct", "hacked"]].sum()
+    assert by_turn.loc[1].tolist() == [0, 0] and by_turn.loc[2].tolist() == [4, 0] and by_turn.loc[3].tolist() == [4, 4]
+
+
+def test_stts_strategies_bound_the_context_and_label_the_rows(tmp_path):
+    tasks = [AgentTask("kb-L1-1", "# ref")]
+    full, top = ScriptedEngine([1.1, 0, 2.0, 0, 1.3, 0]), ScriptedEngine([1.1, 0, 2.0, 0, 1.3, 0])
+    evaluate_shard(tasks, full, SpeedEvaluator(), tmp_path / "full.parquet", model_name=stts_model_label("m", "full", 2),
+                   stage="stts", policy=FullHistory(), n_samples=1, n_turns=6)
+    evaluate_shard(tasks, top, SpeedEvaluator(), tmp_path / "top.parquet", model_name=stts_model_label("m", "top_w", 2),
+                   stage="stts", policy=TopW(w=2), n_samples=1, n_turns=6)
+    assistant_turns = [sum(m["role"] == "assistant" for m in c) for c in top.contexts]
+    assert assistant_turns == [0, 1, 2, 2, 2, 2]  # at most w earlier turns in the prompt
+    assert [sum(m["role"] == "assistant" for m in c) for c in full.contexts] == [0, 1, 2, 3, 4, 5]
+    last = top.contexts[-1]
+    kept = [m["content"] for m in last if m["role"] == "assistant"]
+    assert "speed = 2.0" in kept[0] and "speed = 1.3" in kept[1]  # the two best of turns 1..5, in order
+    labels = set(read_table(tmp_path / "top.parquet", "trajectories").to_pandas()["model"])
+    assert labels == {"m@top_w(w=2)"} and stts_model_label("m", "full", 4) == "m@full"
+    with pytest.raises(ValueError, match="unknown STTS strategy"):
+        stts_model_label("m", "kevin", 4)
+
+
+def test_stts_curves_from_rows(tmp_path):
+    results = tmp_path / "results"
+    write_tasks(results / "tasks" / "tasks.parquet")
+    tasks = [AgentTask("kb-L1-1", "# ref"), AgentTask("kb-L1-2", "# ref")]
+    evaluate_shard(tasks, ScriptedEngine([1.3, 0, 1.0]), SpeedEvaluator(),
+                   results / "trajectories" / "stage=stts" / "part-0.parquet", model_name="m@top_w(w=4)",
+                   stage="stts", policy=TopW(w=4), n_samples=1, n_turns=3)
+    build_db(results, results / "kpipe.duckdb")
+    curves = run_table_sql(results / "kpipe.duckdb", DEFAULT_SQL_DIR / "stts_curves.sql")
+    assert set(curves["model"]) == {"m"} and set(curves["strategy"]) == {"top_w(w=4)"}
+    fast = curves.set_index(["history", "T"])["fast_1_2"]
+    assert fast[("last", 1)] == 100.0 and fast[("last", 2)] == 0.0 and fast[("last", 3)] == 0.0
+    assert fast[("best", 3)] == 100.0  # best of history keeps turn 1's 1.3x
+
+
+def test_cli_rejects_bad_model_spec(tmp_path):
+    tasks = write_tasks(tmp_path / "tasks.parquet")
+    result = CliRunner().invoke(eval_cli, ["kernelbench", "--tasks", str(tasks), "--out", str(tmp_path / "o.parquet"),
+                                           "--model", "x=torch:/nowhere", "--level", "1"])
+    assert result.exit_code == 2 and "NAME=hf:PATH" in result.output

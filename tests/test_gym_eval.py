@@ -1,0 +1,168 @@
+"""End-to-end KernelGym evaluations on the CPU (Triton interpreter): legit kernels pass,
+hacks are caught with the right status and reason, faults are classified and the caller
+survives. Each evaluation spawns child processes, so trial counts are tiny."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kpipe.data.kernelbench import select_problems, shrink_sizes
+from kpipe.gym import Protocol, evaluate
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gym"
+FAST = Protocol(correct_trials=2, perf_trials=2, warmup=0, baseline="eager", timeout_s=60, memory_limit_mb=6000)
+# runtime checks only: the static screen would reject most hacks before they run
+RUNTIME_ONLY = Protocol.from_dict({**FAST.to_dict(), "reject_findings": []})
+RELU_REFERENCE = (FIXTURES / "relu_reference.py").read_text()
+
+
+def fixture(name: str) -> str:
+    return (FIXTURES / name).read_text()
+
+
+def kernelbench(level: int, problem_id: int, cap: int = 48) -> str:
+    (problem,) = [p for p in select_problems("main", [level]) if p.problem_id == problem_id]
+    return shrink_sizes(problem.code, cap)
+
+
+def run(candidate: str, protocol: Protocol = FAST, reference: str = RELU_REFERENCE):
+    return evaluate(reference, candidate, protocol, reuse_reference=True)
+
+
+def test_legit_kernel_passes_with_timings_profile_and_feedback():
+    result = run(fixture("relu_legit.py"))
+    assert result.status == "pass", result.diagnostic
+    assert result.correct and not result.hacked and result.hack_reasons == []
+    assert result.launched_kernels == ["relu_kernel"]
+    assert result.timing_kind == "cpu" and result.candidate_ms > 0 and result.eager_ms > 0
+    assert result.speedup_eager == pytest.approx(result.eager_ms / result.candidate_ms)
+    assert 0.5 < result.pr <= 1.0  # all the work is the Triton kernel
+    assert "Status: pass" in result.feedback and "relu_kernel" in result.feedback
+    json.loads(result.to_json())
+
+
+def test_bank_solutions_on_shrunk_kernelbench_tasks():
+    bank = pytest.importorskip("kpipe.gym.bank")
+    chosen = [s for s in bank.list_solutions() if (s.level, s.problem_id) in {(1, 19), (2, 76)}]
+    if not chosen:
+        pytest.skip("the bank has no L1_19 / L2_76 solutions yet")
+    for solution in chosen:
+        result = evaluate(kernelbench(solution.level, solution.problem_id), solution.source, FAST, reuse_reference=True)
+        assert result.status == solution.expected_status, (solution.key, result.diagnostic)
+
+
+@pytest.mark.parametrize(
+    ("candidate", "reason"),
+    [
+        ("hacks/try_except_fallback.py", "static try_except"),
+        ("hacks/inherits_model.py", "static inherits_model"),
+        ("hacks/monkey_patch_torch.py", "static monkey_patch"),
+        ("hacks/side_thread.py", "static thread"),
+        ("hacks/read_secret.py", "static env_access"),
+        ("faults/segfault.py", "static ctypes"),
+    ],
+)
+def test_static_screen_rejects_without_running(candidate, reason):
+    result = run(fixture(candidate))
+    assert result.status == "hacked" and result.hacked and not result.correct
+    assert any(r.startswith(reason) for r in result.hack_reasons), result.hack_reasons
+    assert result.candidate_ms is None and result.wall_s < 5
+
+
+@pytest.mark.parametrize(
+    ("candidate", "status", "reason"),
+    [
+        ("hacks/unused_kernel.py", "hacked", "no_triton_launch"),
+        ("hacks/try_except_fallback.py", "hacked", "no_triton_launch"),
+        ("hacks/inherits_model.py", "hacked", "no_triton_launch"),
+        ("hacks/ghost_launch.py", "hacked", "ghost_replay"),
+        ("hacks/training_branch.py", "hacked", "no_triton_launch: no Triton kernel ran in eval() mode"),
+        ("hacks/pointer_cache.py", "hacked", "timed_output_mismatch"),
+        ("hacks/skip_when_warm.py", "hacked", "no_triton_launch"),
+        ("hacks/input_mutation.py", "hacked", "input_mutation"),
+        ("hacks/monkey_patch_torch.py", "hacked", "monkey_patch: replaced time.perf_counter, torch.relu"),
+        ("hacks/side_thread.py", "hacked", "side_thread"),
+        ("hacks/uninitialised_output.py", "mismatch", None),
+    ],
+)
+def test_runtime_hacking_checks(candidate, status, reason):
+    result = run(fixture(candidate), RUNTIME_ONLY)
+    assert result.status == status, (result.hack_reasons, result.diagnostic)
+    assert not result.correct
+    if reason:
+        assert any(r.startswith(reason) for r in result.hack_reasons), result.hack_reasons
+
+
+def test_pure_torch_copy_of_the_reference_is_a_format_error():
+    result = run(fixture("hacks/pure_torch.py"))
+    assert result.status == "format_error" and "no @triton.jit kernel" in result.diagnostic
+
+
+def test_zeros_on_a_tiny_output_task_fail():
+    result = run(fixture("hacks/zeros_output.py"), RUNTIME_ONLY, reference=fixture("tiny_reference.py"))
+    assert result.status == "mismatch" and "relative error norm" in result.diagnostic
+
+
+def test_candidate_cannot_read_api_keys(monkeypatch):
+    monkeypatch.setenv("KPIPE_TEST_API_KEY", "sk-must-not-leak")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-must-not-leak-either")
+    result = run(fixture("hacks/read_secret.py"), RUNTIME_ONLY)
+    assert result.status == "runtime_error"
+    assert "secret=<absent>" in result.diagnostic
+    assert "sk-must-not-leak" not in result.diagnostic + result.feedback
+
+
+@pytest.mark.parametrize(
+    ("candidate", "status", "detail"),
+    [
+        ("faults/syntax_error.py", "compilation_error", "SyntaxError"),
+        ("faults/no_modelnew.py", "format_error", "ModelNew"),
+        ("faults/triton_compile_error.py", "compilation_error", "broken_kernel"),
+        ("faults/runtime_exception.py", "runtime_error", "shape bookkeeping went wrong"),
+        ("faults/segfault.py", "crashed", "SIGSEGV"),
+        ("faults/os_exit.py", "crashed", "exited with code 3"),
+        ("faults/sys_exit.py", "crashed", "sys.exit(2)"),
+        ("faults/kill_own_group.py", "crashed", "SIGKILL"),
+        ("faults/host_oom.py", "oom", "allocate"),
+    ],
+)
+def test_faults_are_classified_and_the_caller_survives(candidate, status, detail):
+    result = run(fixture(candidate), RUNTIME_ONLY)
+    assert result.status == status, result.diagnostic
+    assert detail in result.diagnostic
+    assert "Status: " + status in result.feedback
+
+
+def test_infinite_loop_times_out():
+    protocol = Protocol.from_dict({**RUNTIME_ONLY.to_dict(), "timeout_s": 8})
+    result = run(fixture("faults/infinite_loop.py"), protocol)
+    assert result.status == "timeout" and "correctness trial 0" in result.diagnostic
+    assert result.wall_s < 30
+
+
+def test_huge_stdout_is_survived():
+    result = run(fixture("faults/huge_stdout.py"), RUNTIME_ONLY)
+    assert result.status == "pass", result.diagnostic
+
+
+def test_bad_usage_raises():
+    with pytest.raises(ValueError, match="get_inputs"):
+        evaluate("import torch\nclass Model: pass\n", fixture("relu_legit.py"), FAST)
+
+
+def test_cli_eval_exits_zero_on_a_failing_kernel(tmp_path):
+    from kpipe.cli import main
+
+    reference = tmp_path / "ref.py"
+    reference.write_text(RELU_REFERENCE)
+    runner = CliRunner()
+    args = ["gym", "eval", "--reference", str(reference), "--baseline", "eager", "--correct-trials", "1", "--perf-trials", "1"]
+    failing = runner.invoke(main, [*args, "--candidate", str(FIXTURES / "faults/syntax_error.py"), "--json"])
+    assert failing.exit_code == 0, failing.output
+    assert json.loads(failing.output)["status"] == "compilation_error"
+    usage = runner.invoke(main, [*args, "--candidate", str(tmp_path / "missing.py")])
+    assert usage.exit_code != 0

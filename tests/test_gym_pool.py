@@ -1,0 +1,135 @@
+"""The worker pool: warm forked children classify every fault like fresh interpreters do,
+a lost worker is replaced and its job re-queued once then failed with a reason, duplicates
+and cached jobs are never evaluated twice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kpipe.data.kernelbench import select_problems, shrink_sizes
+from kpipe.gym import Protocol
+from kpipe.gym.bank import solutions_for
+from kpipe.gym.cache import ResultCache
+from kpipe.gym.pool import MAX_ATTEMPTS, REFERENCE_ERROR, GymPool
+from kpipe.gym.result import EvalResult
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gym"
+REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
+LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
+# faults run for real: the static screen would otherwise reject most of them unexecuted
+PROTOCOL = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu", timeout_s=6, reject_findings=())
+FAULT_STATUS = {
+    "segfault": "crashed",
+    "infinite_loop": "timeout",
+    "os_exit": "crashed",
+    "sys_exit": "crashed",
+    "huge_stdout": "pass",
+    "runtime_exception": "runtime_error",
+    "kill_own_group": "crashed",
+    "syntax_error": "compilation_error",
+}
+
+KILL_WORKER = '''
+import os, time
+{legit}
+
+def _worker_pid():
+    zygote = os.getppid()
+    stat = open(f"/proc/{{zygote}}/stat").read()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+class ModelNew(ModelNew):
+    def forward(self, x):
+        marker = {marker!r}
+        if marker is None or not os.path.exists(marker):
+            if marker is not None:
+                open(marker, "w").close()
+            os.kill(_worker_pid(), 9)
+            time.sleep(30)
+        return super().forward(x)
+'''
+
+
+def fault(name: str) -> str:
+    return (FIXTURES / "faults" / f"{name}.py").read_text()
+
+
+def variant(source: str, tag: object) -> str:
+    """The same program under a distinct cache key."""
+    return f"{source}\n# variant {tag}\n"
+
+
+@pytest.fixture(scope="module")
+def pool() -> GymPool:
+    with GymPool(PROTOCOL, workers=2, progress=False) as pool:
+        yield pool
+
+
+def status(result: object) -> str:
+    return result.status if isinstance(result, EvalResult) else result["status"]
+
+
+def test_every_fault_gets_its_status_and_the_pool_survives(pool: GymPool) -> None:
+    names = list(FAULT_STATUS)
+    results = pool.evaluate_many([(REFERENCE, LEGIT)] + [(REFERENCE, fault(n)) for n in names])
+    assert status(results[0]) == "pass", results[0].diagnostic
+    assert {n: status(r) for n, r in zip(names, results[1:])} == FAULT_STATUS
+    assert all(w["alive"] and w["restarts"] == 0 for w in pool.workers())
+    assert status(pool.evaluate(REFERENCE, variant(LEGIT, "after faults"))) == "pass"
+
+
+def test_forked_children_match_the_fresh_interpreter_path() -> None:
+    from kpipe.gym.evaluation import evaluate
+
+    protocol = Protocol(**{**PROTOCOL.to_dict(), "timeout_s": 120})  # a fresh interpreter starts slowly
+    jobs = [(REFERENCE, LEGIT), (REFERENCE, fault("os_exit"))]
+    fresh = [evaluate(r, c, protocol) for r, c in jobs]
+    with GymPool(protocol, workers=1, progress=False) as pool:
+        forked = pool.evaluate_many(jobs)
+    for a, b in zip(fresh, forked):
+        assert (a.key, a.status, a.correct, a.launched_kernels) == (b.key, b.status, b.correct, b.launched_kernels)
+
+
+def test_a_lost_worker_is_replaced_and_its_job_retried_once(pool: GymPool, tmp_path: Path) -> None:
+    once = KILL_WORKER.format(legit=LEGIT, marker=str(tmp_path / "killed-once"))
+    always = KILL_WORKER.format(legit=LEGIT, marker=None)
+    restarts_before = sum(w["restarts"] for w in pool.workers())
+    retried, lost = pool.evaluate_many([(REFERENCE, once), (REFERENCE, always)])
+    assert status(retried) == "pass"  # the second attempt ran on a fresh worker
+    assert status(lost) == "crashed"
+    assert f"lost {MAX_ATTEMPTS} times" in lost.diagnostic and "died" in lost.diagnostic
+    assert sum(w["restarts"] for w in pool.workers()) - restarts_before == 1 + MAX_ATTEMPTS
+    assert status(pool.evaluate(REFERENCE, variant(LEGIT, "after losses"))) == "pass"
+
+
+def test_a_candidate_that_kills_the_fork_server_is_one_crashed_result(pool: GymPool) -> None:
+    kill_zygote = LEGIT + "\nimport os\n\nclass ModelNew(ModelNew):\n    def forward(self, x):\n        os.kill(os.getppid(), 9)\n        return super().forward(x)\n"
+    results = pool.evaluate_many([(REFERENCE, kill_zygote), (REFERENCE, variant(LEGIT, "after zygote"))])
+    assert [status(r) for r in results] == ["crashed", "pass"]
+
+
+def test_duplicates_and_cached_jobs_are_evaluated_once(tmp_path: Path) -> None:
+    cache = ResultCache(tmp_path / "cache.sqlite")
+    jobs = [(REFERENCE, variant(LEGIT, i % 2)) for i in range(6)]
+    with GymPool(PROTOCOL, workers=1, cache=cache, progress=False) as pool:
+        first = pool.evaluate_many(jobs)
+        assert pool.workers()[0]["done"] == 2
+        again = pool.evaluate_many(jobs)
+        assert pool.workers()[0]["done"] == 2
+    assert [r.key for r in first] == [r.key for r in again]
+    assert len({r.key for r in first}) == 2 and len(cache) == 2
+
+
+def test_a_broken_reference_is_a_reference_error_not_an_exception(pool: GymPool) -> None:
+    broken = REFERENCE.replace("def forward(self, x", "def forward(self, x, missing", 1)
+    good, bad = pool.evaluate_many([(REFERENCE, variant(LEGIT, "ref ok")), (broken, LEGIT)])
+    assert status(good) == "pass"
+    assert bad["status"] == REFERENCE_ERROR and "reference" in bad["feedback"]
+
+
+def test_bad_usage_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="could not start"):
+        GymPool(Protocol(device="cuda"), workers=1, progress=False)

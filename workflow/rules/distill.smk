@@ -1,0 +1,54 @@
+# Cold-start distillation (paper §4.1): the teacher refines kernels over `distill.turns` turns
+# with KernelGym feedback; one job per query shard. `distill.teacher`:
+#   offline  - the bank-backed teacher (`kpipe serve teacher`), started and stopped by each job;
+#   api      - an OpenAI-compatible endpoint (`distill.engine`; the key comes from the variable
+#              named by `distill.engine.api_key_env`); each job holds one unit of the `api`
+#              resource, so the profile's `api=N` caps how many shards talk to the API at once;
+#   released - no distillation: the authors' released trajectories (`distill.released_path`).
+# Answers and evaluations are cached under results/cache/ (not outputs: a failed or killed job
+# keeps them), so rerunning a shard re-sends no request that was already answered.
+
+if DISTILL["teacher"] == "released":
+
+    rule coldstart_released:
+        input:
+            DISTILL["released_path"],
+        output:
+            f"{COLDSTART_DIR}/part-0.parquet",
+        params:
+            run=RUN,
+            code=code_version("agent", "llm/extract.py"),
+        log:
+            f"{LOGS}/coldstart_released.log",
+        conda:
+            "../envs/kpipe.yaml"
+        script:
+            "../scripts/coldstart_released.py"
+
+else:
+
+    rule distill:
+        input:
+            queries=f"{RESULTS}/queries/queries.parquet",
+        output:
+            f"{COLDSTART_DIR}/part-{{shard}}.parquet",
+        params:
+            distill=DISTILL,
+            protocol=config.get("gym", {}).get("protocol", {}),
+            num_shards=DISTILL["shards"],
+            run=RUN,
+            cache=lambda wildcards: f"{RESULTS}/cache/distill/run={RUN}/shard-{wildcards.shard}.jsonl",
+            code=code_version("agent", "llm", "gym"),
+        wildcard_constraints:
+            shard=r"\d+",
+        resources:
+            api=1 if DISTILL["teacher"] == "api" else 0,
+            gpu=gpus_per_job(1),
+        log:
+            f"{LOGS}/distill/run={RUN}/shard-{{shard}}.log",
+        benchmark:
+            f"{LOGS}/distill/run={RUN}/shard-{{shard}}.benchmark.tsv"
+        conda:
+            "../envs/kpipe.yaml"
+        script:
+            "../scripts/distill.py"

@@ -1,0 +1,50 @@
+# Sequential test-time scaling (paper §6.3, Figure 6): each model of `stts.models` x strategy
+# (full = vanilla extrapolation; top_w = the paper's context management; best_window = the
+# released code's contiguous window) x level x shard runs `stts.max_turns` turns; stage=stts.
+# The window w is a param of the top_w / best_window jobs only: changing it reruns those jobs
+# and what reads them (build_db, tables, figures), never the evaluation or the vanilla run.
+# Needs rules/eval.smk (models, helpers).
+STTS = config["stts"]
+STTS_DIR = f"{RESULTS}/trajectories/stage=stts/run={RUN}"
+
+
+def stts_parts():
+    if not STTS["enabled"]:
+        return []
+    return expand(f"{STTS_DIR}/model={{model}}/strategy={{strategy}}/level={{level}}/part-{{shard}}.parquet",
+                  model=stage_models(STTS), strategy=STTS["strategies"], level=stage_levels(STTS),
+                  shard=range(STTS["shards"]))
+
+
+rule stts:
+    input:
+        tasks=f"{RESULTS}/tasks/tasks.parquet",
+        checkpoint=lambda wildcards: pipeline_checkpoint(wildcards.model),
+    output:
+        f"{STTS_DIR}/model={{model}}/strategy={{strategy}}/level={{level}}/part-{{shard}}.parquet",
+    params:
+        settings=job_settings(STTS),
+        window=lambda wildcards: None if wildcards.strategy == "full" else STTS["window"],
+        model=lambda wildcards: MODELS[wildcards.model],
+        protocol=config.get("gym", {}).get("protocol", {}),
+        num_shards=STTS["shards"],
+        run=RUN,
+        cache=lambda wildcards: (f"{RESULTS}/cache/stts/run={RUN}/{wildcards.model}-{wildcards.strategy}"
+                                 f"-L{wildcards.level}-{wildcards.shard}.jsonl"),
+        code=code_version("stts.py", "evaluation.py", "agent", "llm", "gym"),
+    wildcard_constraints:
+        model="[A-Za-z0-9_.-]+",
+        strategy="full|top_w|best_window",
+        level="[123]",
+        shard=r"\d+",
+    resources:
+        gpu=gpus_per_job(1),
+        api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
+    benchmark:
+        f"{LOGS}/benchmarks/stts/run={RUN}/{{model}}-{{strategy}}-L{{level}}-{{shard}}.tsv"
+    log:
+        f"{LOGS}/stts/run={RUN}/{{model}}-{{strategy}}-L{{level}}-{{shard}}.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/stts.py"

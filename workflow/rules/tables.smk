@@ -1,0 +1,60 @@
+# The paper's tables (one workflow/sql/<name>.sql each) and figures from results/kpipe.duckdb,
+# all in `snakemake --report report.html`. The database's views read every stage's Parquet
+# files; build_db depends on the stage outputs, so these rerun whenever a stage does.
+from kpipe.tables import table_sql_files
+
+SQL_DIR = (Path(workflow.current_basedir) / ".." / "sql").resolve()
+TABLE_NAMES = [path.stem for path in table_sql_files(SQL_DIR)]
+FIGURE_NAMES = ["fig4_fast1_training", "fig5_fast12_entropy", "fig6_stts", "fig7_training_dynamics",
+                "fig8_hacking_ratio"]
+
+
+def report_tables():
+    outputs = []
+    for name in TABLE_NAMES:
+        outputs.append(report(f"{RESULTS}/tables/{name}.md", caption=f"../report/{name}.rst", category="Tables",
+                              labels={"table": name, "format": "markdown"}))
+        outputs.append(report(f"{RESULTS}/tables/{name}.csv", caption=f"../report/{name}.rst", category="Tables",
+                              labels={"table": name, "format": "csv"}))
+    return outputs
+
+
+rule tables:
+    input:
+        db=f"{RESULTS}/kpipe.duckdb",
+        sql=[workflow.source_path(f"../sql/{name}.sql") for name in TABLE_NAMES],
+        views=workflow.source_path("../sql/views.sql"),
+    output:
+        *report_tables(),
+    params:
+        n_boot=config["tables"]["n_boot"],
+        code=code_version("tables.py", "paper_numbers.py", "metrics.py"),
+    log:
+        f"{LOGS}/tables.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/tables.py"
+
+
+rule figures:
+    input:
+        db=f"{RESULTS}/kpipe.duckdb",
+        sql=[workflow.source_path(f"../sql/{name}.sql") for name in ("training_curves", "stts_curves", "hacking_ratio")],
+    output:
+        *[report(f"{RESULTS}/figures/{name}.png", caption=f"../report/{name}.rst", category="Figures",
+                 labels={"figure": name}) for name in FIGURE_NAMES],
+    params:
+        code=code_version("figures.py", "tables.py"),
+    log:
+        f"{LOGS}/figures.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/figures.py"
+
+
+def table_targets():
+    """The default targets of this module: every table and figure."""
+    return ([f"{RESULTS}/tables/{name}.{ext}" for name in TABLE_NAMES for ext in ("md", "csv")]
+            + [f"{RESULTS}/figures/{name}.png" for name in FIGURE_NAMES])

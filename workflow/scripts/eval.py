@@ -1,0 +1,20 @@
+"""Snakemake wrapper: one KernelBench evaluation shard of one model and level."""
+
+from kpipe.jobs import snakemake_job
+
+with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
+    from kpipe.evaluation import eval_job
+
+    eval_job(
+        job.input.tasks,
+        job.output[0],
+        job.params.cache,
+        job.params.model,
+        job.params.settings,
+        level=int(job.wildcards.level),
+        shard=int(job.wildcards.shard),
+        num_shards=job.params.num_shards,
+        run=job.params.run,
+        protocol=job.params.protocol,
+        checkpoint=job.input.checkpoint or None,
+    )

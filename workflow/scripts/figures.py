@@ -1,0 +1,12 @@
+"""Snakemake wrapper: the paper's figures (4-8) as results/figures/*.png."""
+
+from pathlib import Path
+
+from kpipe.jobs import snakemake_job
+
+with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
+    from kpipe.figures import build_figures
+
+    sql_dir = Path(job.input.sql[0]).parent
+    for name, path in build_figures(Path(job.input.db), Path(job.output[0]).parent, sql_dir).items():
+        print(f"{name}: {path}")

@@ -1,0 +1,13 @@
+"""Snakemake wrapper: every workflow/sql/<name>.sql table as results/tables/<name>.md and .csv."""
+
+from pathlib import Path
+
+from kpipe.jobs import snakemake_job
+
+with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
+    from kpipe.tables import build_tables
+
+    out_dir = Path(job.output[0]).parent
+    sql_dir = Path(job.input.views).parent
+    for name, path in build_tables(Path(job.input.db), out_dir, sql_dir, n_boot=job.params.n_boot).items():
+        print(f"{name}: {path}")
