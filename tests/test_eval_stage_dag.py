@@ -17,13 +17,15 @@ RULES = REPO / "workflow" / "rules"
 
 SNAKEFILE = textwrap.dedent(f"""
     from pathlib import Path
-    from kpipe.provenance import code_version
 
     configfile: "config.yaml"
     RESULTS, LOGS, RUN = "results", "logs", config["run"]
 
     def gpus_per_job(requested):
         return 0
+
+    def code_version(*parts):  # fixed: other edits to the library must not rerun jobs mid-test
+        return "test"
 
     include: "{RULES}/eval.smk"
     include: "{RULES}/stts.smk"
@@ -46,8 +48,7 @@ SMALL = {"samples": 1, "shards": 1, "max_tasks": 1, "sampling": {"max_tokens": 8
 
 
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--rerun-triggers", "params", "input",
-                           "code", *args], cwd=workdir, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--rerun-triggers", "params", "input", *args], cwd=workdir, capture_output=True, text=True, timeout=600)
 
 
 def dry_run_rules(workdir: Path) -> list[str]:

@@ -4,7 +4,6 @@ fault classification, feedback, launch instrumentation."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import pytest

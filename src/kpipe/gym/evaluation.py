@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ DIAGNOSTIC_MAX_CHARS = 3000
 EVENT_HOST_SLACK_MS = 0.05
 HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-timed one
 REFERENCE_CACHE_SIZE = 8
+# what a tampered (well-formed pickle, wrong structure) result file raises while judged
+MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
 _reference_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
 
@@ -271,8 +274,11 @@ def evaluate(
     verdict: dict[str, Any] = {}
 
     def gate(partial: dict[str, Any]) -> bool:
-        check = correctness(partial, reference, protocol)
-        reasons = hack_reasons_before_timing(partial, reference, protocol, check.ok) if protocol.hacking_check else []
+        try:
+            check = correctness(partial, reference, protocol)
+            reasons = hack_reasons_before_timing(partial, reference, protocol, check.ok) if protocol.hacking_check else []
+        except MALFORMED as exc:
+            check, reasons = Comparison(False, "malformed result"), [f"integrity: malformed candidate result ({type(exc).__name__})"]
         verdict.update(check=check, reasons=reasons)
         return check.ok and not reasons
 
@@ -296,6 +302,25 @@ def evaluate(
         return finish(status, diagnostic=failure_diagnostic(run, payload), **common)
     if "check" not in verdict:  # the child skipped the gate: treat as tampering
         return finish("hacked", hack_reasons=["integrity: the candidate process bypassed the correctness gate"], **common)
+    try:
+        return judge(payload, verdict, reference, protocol, run.wall_s, ref_eager, ref_compile, finish, common)
+    except MALFORMED as exc:  # a result file the candidate tampered with
+        return finish("hacked", hack_reasons=[f"integrity: malformed candidate result ({type(exc).__name__})"], **common)
+
+
+def judge(
+    payload: dict[str, Any],
+    verdict: dict[str, Any],
+    reference: dict[str, Any],
+    protocol: Protocol,
+    wall_s: float,
+    ref_eager: float | None,
+    ref_compile: float | None,
+    finish: Callable[..., EvalResult],
+    common: dict[str, Any],
+) -> EvalResult:
+    """The verdict on a candidate that ran to the end: gate verdict, timing checks, speedups."""
+    ref_for_recheck = ref_eager if ref_eager is not None else ref_compile
     check: Comparison = verdict["check"]
     reasons: list[str] = list(verdict["reasons"])
     launched = sorted(set(payload["launches"].get("train", [])) | set(payload["launches"].get("eval", [])))
@@ -308,7 +333,7 @@ def evaluate(
     timing = payload["timing"]
     cand_ms = median(timing["ms"])
     if protocol.hacking_check:
-        reasons = timing_reasons(payload, reference, protocol, run.wall_s, ref_for_recheck) + integrity_reasons(payload)
+        reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck) + integrity_reasons(payload)
         reasons = sorted(set(reasons), key=reasons.index)
         if reasons:
             return finish("hacked", hack_reasons=reasons, **common)

@@ -1,0 +1,169 @@
+"""RL hyper-parameters: the paper's defaults, documented presets and the paper's ablations.
+
+`RLConfig` holds everything one RL iteration depends on. Defaults are the paper's (§4–6,
+facts.md); where only the released code says something (hkust-nlp/KernelGYM on verl), the
+default follows the code and the comment says so. `ABLATIONS` are the paper's named
+variants (Figures 4, 5, 8 and Appendix D) as overlays on any base config, so an ablation
+is a `run` of the same DAG that differs in exactly the keys listed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from kpipe.train.algos import (
+    ADVANTAGES,
+    MRS_DELTA,
+    MRS_TOKEN_VETO,
+    PRS_SOFTNESS,
+    PRS_TAU,
+    REWARDS,
+    SPEEDUP_CAP,
+    ZERO_VARIANCE_MIN_STD,
+)
+from kpipe.train.sft import PRECISIONS, accepted_types
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+ADVANTAGE_NAMES = (*ADVANTAGES, "rloo_trajectory")
+RETURN_AGGREGATES = ("sum", "max")
+SINGLETONS = ("zero", "return")
+BASELINES = ("eager", "compile")
+HISTORIES = ("full", "top_w", "best_window", "kevin")
+ENGINES = ("hf", "vllm")
+EVALUATORS = ("pool", "local")
+
+
+@dataclass
+class RLConfig:
+    """One RL run's settings. One iteration = `steps_per_iteration` rollout + update steps."""
+
+    # --- rollouts (paper §4.3, §6.1)
+    prompts_per_step: int = 16  # rollout batch: prompts per step
+    rollouts_per_prompt: int = 16
+    max_turns: int = 3
+    max_tokens: int = 8192  # generated tokens per turn
+    max_context_tokens: int = 32768
+    temperature: float = 1.0
+    top_p: float = 1.0
+    history: str = "full"
+    history_window: int = 4
+    steps_per_iteration: int = 1
+    max_prompts: int | None = None  # use only the first N training queries (offline runs)
+    engine: str = "hf"  # hf | vllm (rollouts); the trainer is always torch + transformers
+    generation_batch_size: int = 16  # HF engine: sequences per generate() call
+    vllm_gpu_memory_utilization: float = 0.35  # vLLM shares the GPU with the trainer
+    # --- evaluation (KernelGym protocol overrides; the `gym` section gives the rest)
+    evaluator: str = "pool"  # pool (forked workers) | local (one fresh process per run)
+    eval_workers: int | None = None  # pool: None = one per GPU, or per 2 CPU cores
+    hacking_check: bool = True  # ablation "w/o hacking check" turns KernelGym's hack checks off
+    # --- reward and returns (Eq. 1, 2, 8)
+    reward: str = "paper"  # paper | released_code | kevin
+    use_pr: bool = False  # Eq. 8: + C·PR (the "+PR" ablation)
+    baseline: str = "eager"  # speedup against eager or torch.compile
+    speedup_cap: float = SPEEDUP_CAP
+    gamma: float = 1.0
+    return_aggregate: str = "sum"  # sum (Eq. 2) | max (Kevin's alternative)
+    # --- advantages (Eq. 3, 5)
+    advantage: str = "trloo"  # trloo | grpo | grpo_std | rloo_trajectory
+    singleton: str = "zero"  # a group of one valid rollout: 0 (paper) or its return (released code)
+    baseline_includes_rejected: bool = False  # released code: filtered rows still count in the baseline
+    # --- filters (Eq. 6, 9, the released code's masks); each one counted in the metrics
+    mrs: bool = False
+    mrs_delta: float = MRS_DELTA
+    mrs_token_veto: float = MRS_TOKEN_VETO
+    prs: bool = False
+    prs_tau: float = PRS_TAU
+    prs_softness: float = PRS_SOFTNESS
+    prs_hard: bool = False  # Appendix D "w/o s": keep iff PR >= tau
+    zero_variance_filter: bool = False  # released code only
+    zero_variance_min_std: float = ZERO_VARIANCE_MIN_STD
+    regression_filter: bool = False  # released code only
+    # --- update (released code: PPO clip 0.2/0.28, dual clip 3, no KL, no entropy bonus)
+    lr: float = 1e-6
+    weight_decay: float = 0.01  # AdamW as verl's actor (not stated in the paper)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = 3.0
+    loss_agg: str = "seq-mean-token-sum"
+    grad_clip: float = 1.0
+    mini_batches: int = 1  # optimizer steps per rollout step (PPO mini-batches)
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 32768  # padded tokens per forward pass
+    mixed_precision: str = "auto"
+    gradient_checkpointing: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+        for item in fields(self):
+            value, expected = getattr(self, item.name), accepted_types(item.type)
+            if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+                raise ValueError(f"RLConfig: {item.name} must be {item.type}, got {value!r}")
+        checks = [
+            (self.reward in REWARDS, f"reward must be one of {tuple(REWARDS)}"),
+            (self.advantage in ADVANTAGE_NAMES, f"advantage must be one of {ADVANTAGE_NAMES}"),
+            (self.return_aggregate in RETURN_AGGREGATES, f"return_aggregate must be one of {RETURN_AGGREGATES}"),
+            (self.singleton in SINGLETONS, f"singleton must be one of {SINGLETONS}"),
+            (self.baseline in BASELINES, f"baseline must be one of {BASELINES}"),
+            (self.history in HISTORIES, f"history must be one of {HISTORIES}"),
+            (self.engine in ENGINES, f"engine must be one of {ENGINES}"),
+            (self.evaluator in EVALUATORS, f"evaluator must be one of {EVALUATORS}"),
+            (self.loss_agg in AGG_MODES, f"loss_agg must be one of {AGG_MODES}"),
+            (self.mixed_precision in PRECISIONS, f"mixed_precision must be one of {PRECISIONS}"),
+            (not (self.reward == "kevin" and self.use_pr), "the kevin reward has no PR term (use_pr)"),
+            (0.0 <= self.gamma <= 1.0, "gamma must be in [0, 1]"),
+            (min(self.prompts_per_step, self.rollouts_per_prompt, self.max_turns, self.max_tokens,
+                 self.steps_per_iteration, self.mini_batches, self.ppo_epochs, self.generation_batch_size) >= 1,
+             "counts (prompts, rollouts, turns, tokens, steps, mini_batches, ppo_epochs, batch sizes) must be >= 1"),
+            (self.lr > 0 and self.temperature > 0, "lr and temperature must be positive"),
+            (0 < self.mrs_delta < 1 and 0 < self.mrs_token_veto < 1, "mrs_delta and mrs_token_veto must be in (0, 1)"),
+            (self.prs_softness > 0, "prs_softness must be > 0 (prs_hard gives the hard threshold)"),
+            (self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 or null"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"RLConfig: {message}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], ablation: str | None = None) -> RLConfig:
+        """A config from `values` (the `rl:` config section) with an optional named ablation on top.
+
+        The ablation comes from the argument or an ``ablation`` key in `values`; unknown keys are an error.
+        """
+        values = dict(values)
+        ablation = values.pop("ablation", None) or ablation
+        known = {item.name for item in fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"RLConfig: unknown key(s) {sorted(unknown)}")
+        return with_ablation(cls(**values), ablation) if ablation else cls(**values)
+
+    def fingerprint(self) -> str:
+        """Identity of the settings that change what an iteration computes (resume must match it)."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# The paper's ablations (Figure 4: hacking check, turns, gamma, GRPO; Figure 5: MRS, PR, PRS;
+# Appendix D: PRS without softness). Cumulative ones (+PR includes +MRS, as in Figure 5) say so.
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "no_hacking_check": {"hacking_check": False},
+    "single_turn": {"max_turns": 1},
+    "gamma0": {"gamma": 0.0},
+    "grpo": {"advantage": "grpo"},
+    "mrs": {"mrs": True},
+    "pr": {"mrs": True, "use_pr": True},
+    "prs": {"mrs": True, "use_pr": True, "prs": True},
+    "prs_hard": {"mrs": True, "use_pr": True, "prs": True, "prs_hard": True},
+}
+
+
+def with_ablation(cfg: RLConfig, name: str) -> RLConfig:
+    """`cfg` with the ablation `name` applied on top."""
+    if name not in ABLATIONS:
+        raise ValueError(f"RLConfig: unknown ablation {name!r}; choose one of {sorted(ABLATIONS)}")
+    return replace(cfg, **ABLATIONS[name])
+
