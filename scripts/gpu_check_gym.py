@@ -31,7 +31,7 @@ EAGER = Protocol(baseline="eager", timeout_s=120)
 RUNTIME_ONLY = Protocol(baseline="eager", perf_trials=20, timeout_s=120, reject_findings=())
 HACKS = {  # fixture -> expected status (the CPU tests assert the same)
     "unused_kernel": "hacked", "try_except_fallback": "hacked", "inherits_model": "hacked",
-    "ghost_launch": "hacked", "training_branch": "hacked", "pointer_cache": "hacked", "skip_when_warm": "hacked",
+    "ghost_launch": "hacked", "training_branch": "hacked", "pointer_cache": "hacked", "skip_when_warm": "hacked", "forged_result": "hacked",
     "input_mutation": "hacked", "monkey_patch_torch": "hacked", "side_thread": "hacked",
     "uninitialised_output": "mismatch", "pure_torch": "format_error", "read_secret": "runtime_error",
 }

@@ -9,9 +9,9 @@ from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
 from kpipe.db import build_db
 from kpipe.evaluation import check_model, engine_spec, eval_cli, eval_tasks, evaluate_shard, models_by_name
+from kpipe.llm.types import Completion
 from kpipe.stts import stts_model_label
 from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
-from kpipe.llm.types import Completion
 
 
 class ScriptedEngine:
@@ -74,7 +74,8 @@ def test_eval_tasks_shards_levels_and_skips_validation(tmp_path):
 def test_model_entries_are_checked_and_turned_into_engine_specs():
     models = models_by_name([{"name": "sft", "kind": "pipeline", "source": "sft"},
                              {"name": "gpt-5", "kind": "openai", "model": "gpt-5", "api_key_env": "OPENAI_API_KEY"}])
-    assert engine_spec(models["sft"], "results/models/sft-default") == {"kind": "hf", "path": "results/models/sft-default"}
+    checkpoint = "results/models/sft-default"
+    assert engine_spec(models["sft"], checkpoint) == {"kind": "hf", "path": checkpoint}
     assert engine_spec(models["gpt-5"])["kind"] == "openai" and engine_spec(models["gpt-5"])["model"] == "gpt-5"
     for bad, message in [({"name": "a b", "kind": "hf", "path": "x"}, "needs a `name`"),
                          ({"name": "a", "kind": "torch"}, "kind 'torch' is not one of"),
@@ -102,10 +103,12 @@ def test_evaluate_shard_writes_eval_rows_labelled_with_the_config_name(tmp_path)
 def test_stts_strategies_bound_the_context_and_label_the_rows(tmp_path):
     tasks = [AgentTask("kb-L1-1", "# ref")]
     full, top = ScriptedEngine([1.1, 0, 2.0, 0, 1.3, 0]), ScriptedEngine([1.1, 0, 2.0, 0, 1.3, 0])
-    evaluate_shard(tasks, full, SpeedEvaluator(), tmp_path / "full.parquet", model_name=stts_model_label("m", "full", 2),
-                   stage="stts", policy=FullHistory(), n_samples=1, n_turns=6)
-    evaluate_shard(tasks, top, SpeedEvaluator(), tmp_path / "top.parquet", model_name=stts_model_label("m", "top_w", 2),
-                   stage="stts", policy=TopW(w=2), n_samples=1, n_turns=6)
+    evaluate_shard(tasks, full, SpeedEvaluator(), tmp_path / "full.parquet",
+                   model_name=stts_model_label("m", "full", 2), stage="stts", policy=FullHistory(), n_samples=1,
+                   n_turns=6)
+    evaluate_shard(tasks, top, SpeedEvaluator(), tmp_path / "top.parquet",
+                   model_name=stts_model_label("m", "top_w", 2), stage="stts", policy=TopW(w=2), n_samples=1,
+                   n_turns=6)
     assistant_turns = [sum(m["role"] == "assistant" for m in c) for c in top.contexts]
     assert assistant_turns == [0, 1, 2, 2, 2, 2]  # at most w earlier turns in the prompt
     assert [sum(m["role"] == "assistant" for m in c) for c in full.contexts] == [0, 1, 2, 3, 4, 5]

@@ -48,7 +48,8 @@ SMALL = {"samples": 1, "shards": 1, "max_tasks": 1, "sampling": {"max_tokens": 8
 
 
 def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--rerun-triggers", "params", "input", *args], cwd=workdir, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--rerun-triggers", "params", "input",
+                           *args], cwd=workdir, capture_output=True, text=True, timeout=600)
 
 
 def dry_run_rules(workdir: Path) -> list[str]:

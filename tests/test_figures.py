@@ -20,7 +20,8 @@ def test_metric_names_are_found_under_usual_spellings():
     assert normalised("val/Fast@1.2_turn3") == "val_fast_1_2_turn3"
     assert matching_series(curves, FIGURE_PANELS["fig5_fast12_entropy"]["Fast@1.2 (validation)"])["name"].tolist() == [
         "val/fast@1.2_turn3"]
-    assert matching_series(curves, FIGURE_PANELS["fig4_fast1_training"]["Fast@1 (validation)"])["name"].tolist() == ["Fast@1"]
+    fast1 = FIGURE_PANELS["fig4_fast1_training"]["Fast@1 (validation)"]
+    assert matching_series(curves, fast1)["name"].tolist() == ["Fast@1"]
     assert len(matching_series(curves, panels["Entropy"])) == 1  # the SFT stage is not an RL curve
     assert matching_series(curves, panels["Rollout (vLLM) perplexity"])["name"].tolist() == ["rollout_ppl"]
 

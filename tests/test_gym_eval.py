@@ -45,6 +45,19 @@ def test_legit_kernel_passes_with_timings_profile_and_feedback():
     json.loads(result.to_json())
 
 
+def test_integer_inputs_stay_integers():
+    result = run(fixture("int_legit.py"), reference=fixture("int_reference.py"))
+    assert result.status == "pass", result.diagnostic
+
+
+def test_without_the_hacking_check_an_unlaunched_kernel_passes():
+    """The paper's "w/o hacking check" ablation: correctness alone is judged."""
+    ablation = Protocol.from_dict({**FAST.to_dict(), "hacking_check": False})
+    result = run(fixture("hacks/unused_kernel.py"), ablation)
+    assert result.status == "pass" and result.hack_reasons == []
+    assert run(fixture("hacks/unused_kernel.py")).status == "hacked"
+
+
 def test_bank_solutions_on_shrunk_kernelbench_tasks():
     bank = pytest.importorskip("kpipe.gym.bank")
     # every variant of an elementwise task, and a level-2 fusion's legit kernel
@@ -96,6 +109,11 @@ def test_runtime_hacking_checks(candidate, status, reason):
     assert not result.correct
     if reason:
         assert any(r.startswith(reason) for r in result.hack_reasons), result.hack_reasons
+
+
+def test_a_forged_result_file_is_not_believed():
+    result = run(fixture("hacks/forged_result.py"))
+    assert result.status == "hacked" and result.hack_reasons[0].startswith("integrity"), result.hack_reasons
 
 
 def test_pure_torch_copy_of_the_reference_is_a_format_error():

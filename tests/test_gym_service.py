@@ -25,7 +25,8 @@ from kpipe.gym.service import create_app, is_loopback
 FAULTS = Path(__file__).parent / "fixtures" / "gym" / "faults"
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
 LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
-PROTOCOL = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu", timeout_s=5, reject_findings=())
+# the timeout bounds the soak's infinite loops; it must also leave a loaded CI machine room
+PROTOCOL = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu", timeout_s=15, reject_findings=())
 TOKEN = "s3cret"
 SOAK_FAULTS = {  # a quarter of the soak misbehaves, cycling through these
     "segfault": "crashed", "infinite_loop": "timeout", "os_exit": "crashed", "sys_exit": "crashed",
@@ -103,6 +104,7 @@ def test_non_loopback_needs_a_token() -> None:
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
 
 
+@pytest.mark.slow  # minutes on a loaded 2-core machine
 def test_fault_soak_of_200_candidates_through_the_service(service: tuple[str, GymPool], client: GymClient) -> None:
     names = list(SOAK_FAULTS)
     jobs, expected = [], []
@@ -119,6 +121,7 @@ def test_fault_soak_of_200_candidates_through_the_service(service: tuple[str, Gy
     results = client.evaluate_many(jobs)
     print(f"\nfault soak: 200 candidates ({len(names)} fault kinds) in {time.monotonic() - started:.1f} s on 2 workers")
     assert [r.key for r in results] == [eval_key(ref, cand, PROTOCOL, "cpu") for ref, cand in jobs]
-    assert [r.status for r in results] == expected
+    wrong = [(i, r.status, r.diagnostic[:200]) for i, (r, e) in enumerate(zip(results, expected)) if r.status != e]
+    assert not wrong, wrong[:5]
     health = client.health()
     assert health["status"] == "ok" and health["workers_alive"] == 2 and health["pending"] == 0

@@ -33,7 +33,8 @@ def test_fast_table_csv_traces_cells_and_carries_paper_rows(built):
     ours = csv[csv["source"] == "kpipe"]
     for key in ["run", "model", "level", "baseline", "turn", "history", "n_samples", "n_fast_1_2"]:
         assert ours[key].notna().all(), key
-    cell = ours[(ours["model"] == "m") & (ours["level"] == 1) & (ours["turn"] == 3) & (ours["history"] == "best")].iloc[0]
+    at = (ours["model"] == "m") & (ours["level"] == 1) & (ours["turn"] == 3) & (ours["history"] == "best")
+    cell = ours[at].iloc[0]
     assert cell["fast_1_2"] == 75.0 and cell["n_fast_1_2"] == 3
     assert cell["fast_1_2_lo"] <= 75.0 <= cell["fast_1_2_hi"]  # task-bootstrap interval around the estimate
     paper = csv[csv["source"] == "paper"]
@@ -63,7 +64,8 @@ def test_paper_rows_for_hacking_and_stts(built):
     _, out, _ = built
     hacking = pd.read_csv(out / "hacking_ratio.csv")
     assert set(hacking["source"]) == {"kpipe", "paper"}
-    assert hacking.query("source == 'paper' and level == 1 and model == 'Dr. Kernel-14B'")["hacking_ratio"].item() == 1.7
+    paper = hacking.query("source == 'paper' and level == 1 and model == 'Dr. Kernel-14B'")
+    assert paper["hacking_ratio"].item() == 1.7
     assert "No rows yet" in (out / "stts_curves.md").read_text()  # no STTS in the fixture, said plainly
 
 

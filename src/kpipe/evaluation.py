@@ -214,12 +214,14 @@ def _common_options(command: Any) -> Any:
     options = [
         click.option("--tasks", required=True, type=click.Path(exists=True, dir_okay=False), help="tasks Parquet."),
         click.option("--out", required=True, type=click.Path(dir_okay=False), help="trajectories Parquet to write."),
-        click.option("--model", "model_spec", required=True, help="NAME=hf:PATH | NAME=openai:MODEL | NAME=offline_teacher"),
+        click.option("--model", "model_spec", required=True,
+                     help="NAME=hf:PATH | NAME=vllm:PATH | NAME=openai:MODEL | NAME=offline_teacher"),
         click.option("--base-url", help="Endpoint of an openai model."),
         click.option("--level", type=click.IntRange(1, 3), required=True),
         click.option("--settings", type=click.Path(exists=True, dir_okay=False),
                      help="YAML with the eval/stts section (or a whole config)."),
-        click.option("--protocol", type=click.Path(exists=True, dir_okay=False), help="YAML of KernelGym protocol settings."),
+        click.option("--protocol", type=click.Path(exists=True, dir_okay=False),
+                     help="YAML of KernelGym protocol settings."),
         click.option("--run", "run_name", default="default", show_default=True),
         click.option("--paper", is_flag=True, help="The paper's settings: 8 samples, 3 turns, 8,192 tokens per turn."),
     ]

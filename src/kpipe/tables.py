@@ -181,7 +181,9 @@ def markdown_frame(frame: pd.DataFrame, preformatted: bool = False) -> str:
 
 
 def markdown(name: str, notes: list[str], body: str, paper: pd.DataFrame | None) -> str:
-    title, *rest = notes or [name]
+    first, *rest = notes or [name]
+    title, _, lead = first.partition(": ")  # "Table 1 (paper §6.2): what it shows..." -> title, lead
+    rest = [lead, *rest] if lead else rest
     parts = [f"# {title}", "", *[f"> {line}" if line else ">" for line in rest], "",
              f"Source: `workflow/sql/{name}.sql` over `results/kpipe.duckdb`; every key and count is in "
              f"`{name}.csv`.", "", body]

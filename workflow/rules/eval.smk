@@ -57,7 +57,8 @@ rule eval:
         protocol=config.get("gym", {}).get("protocol", {}),
         num_shards=EVAL["shards"],
         run=RUN,
-        cache=lambda wildcards: f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}-{wildcards.shard}.jsonl",
+        cache=lambda wildcards: (f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}"
+                                 f"-{wildcards.shard}.jsonl"),
         code=code_version("evaluation.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",

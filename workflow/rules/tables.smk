@@ -28,6 +28,7 @@ rule tables:
         *report_tables(),
     params:
         n_boot=config["tables"]["n_boot"],
+        sql_dir=str(SQL_DIR),
         code=code_version("tables.py", "paper_numbers.py", "metrics.py"),
     log:
         f"{LOGS}/tables.log",
@@ -40,11 +41,13 @@ rule tables:
 rule figures:
     input:
         db=f"{RESULTS}/kpipe.duckdb",
-        sql=[workflow.source_path(f"../sql/{name}.sql") for name in ("training_curves", "stts_curves", "hacking_ratio")],
+        sql=[workflow.source_path(f"../sql/{name}.sql")
+             for name in ("training_curves", "stts_curves", "hacking_ratio")],
     output:
         *[report(f"{RESULTS}/figures/{name}.png", caption=f"../report/{name}.rst", category="Figures",
                  labels={"figure": name}) for name in FIGURE_NAMES],
     params:
+        sql_dir=str(SQL_DIR),
         code=code_version("figures.py", "tables.py"),
     log:
         f"{LOGS}/figures.log",

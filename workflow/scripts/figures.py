@@ -7,6 +7,6 @@ from kpipe.jobs import snakemake_job
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
     from kpipe.figures import build_figures
 
-    sql_dir = Path(job.input.sql[0]).parent
+    sql_dir = Path(job.params.sql_dir)  # the checkout's SQL (the inputs are its rerun triggers)
     for name, path in build_figures(Path(job.input.db), Path(job.output[0]).parent, sql_dir).items():
         print(f"{name}: {path}")

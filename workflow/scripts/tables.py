@@ -8,6 +8,6 @@ with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
     from kpipe.tables import build_tables
 
     out_dir = Path(job.output[0]).parent
-    sql_dir = Path(job.input.views).parent
+    sql_dir = Path(job.params.sql_dir)  # the checkout's SQL (the inputs are its rerun triggers)
     for name, path in build_tables(Path(job.input.db), out_dir, sql_dir, n_boot=job.params.n_boot).items():
         print(f"{name}: {path}")

@@ -361,10 +361,11 @@ def profile_cuda(forward: Callable[[], Any], launched: set[str], runs: int = 3) 
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = {}
     for event in prof.events():
-        if event.device_type != DeviceType.CUDA or event.name.startswith(("Memcpy", "Memset")):
+        name = getattr(event, "trace_name", None) or event.name  # trace_name: not shortened
+        if event.device_type != DeviceType.CUDA or name.startswith(("Memcpy", "Memset")):
             continue
-        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.time_range.elapsed_us() / 1e3 / runs
-    return profile_summary(per_kernel, launched, "cuda")
+        per_kernel[name] = per_kernel.get(name, 0.0) + event.time_range.elapsed_us() / 1e3 / runs
+    return profile_summary(per_kernel, launched | instrument.COMPILED_NAMES, "cuda")
 
 
 def profile_cpu(forward: Callable[[], Any], clocks: Clocks, runs: int = 2) -> dict[str, Any]:
@@ -604,7 +605,17 @@ def candidate_traceback(exc: BaseException) -> str:
 
 def run_child(job: dict[str, Any]) -> None:
     """Run one role of an evaluation and write its result file (never raises for a bad
-    candidate: the exception is classified and written)."""
+    candidate: the exception is classified and written).
+
+    `job` keys: ``role`` ("reference" | "candidate"), ``reference_src``, ``candidate_src``
+    (candidate role), ``protocol`` (``Protocol.to_dict()``), ``device`` ("cuda" | "cpu"),
+    ``workdir`` (scratch directory; becomes the cwd), ``result_path``, ``phase_path``
+    (optional), ``gate_path`` (optional: stop after correctness, write
+    ``workdir/partial.pt`` and wait for "go"/"stop" in that file), ``recheck_below_ms``
+    (optional: host-clock re-check when the candidate's median is below it).
+    Sets RLIMIT_CORE (and RLIMIT_AS if the protocol asks) and scrubs secrets from
+    ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
+    """
     protocol = Protocol.from_dict(job["protocol"])
     apply_limits(protocol)
     for name in [k for k in os.environ if is_secret(k)]:

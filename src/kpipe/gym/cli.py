@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from kpipe.gym.protocol import BASELINES, DEVICES, Protocol
+from kpipe.gym.scale_cli import eval_batch_command, serve_command, workers_command
 
 
 @click.group()
@@ -40,7 +41,7 @@ def eval_command(
     as_json: bool,
 ) -> None:
     """Evaluate one candidate against its reference and print the result."""
-    from kpipe.gym.evaluation import evaluate
+    from kpipe.gym.evaluation import ReferenceFailure, evaluate
 
     settings = json.loads(protocol_path.read_text()) if protocol_path else {}
     for name in ("baseline", "correct_trials", "perf_trials", "device", "timeout_s"):
@@ -52,8 +53,16 @@ def eval_command(
         result = evaluate(reference_path.read_text(), candidate_path.read_text(), protocol)
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc)) from None
+    except ReferenceFailure as exc:  # the reference itself is broken: not a candidate's result
+        raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(result.to_json())
     else:
         click.echo(result.feedback)
         click.echo(f"key: {result.key}")
+
+
+# the pool, batch and service commands live with their code
+gym.add_command(eval_batch_command)
+gym.add_command(serve_command)
+gym.add_command(workers_command)

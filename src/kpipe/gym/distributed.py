@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
 
 RAY_MISSING = "Ray is not installed: pip install 'kpipe[distributed]' (ray[default])"
 WAIT_POLL_S = 1.0  # how often the progress bar refreshes while every actor is busy
+PROBE_INTERVAL_S = 1.0  # how often a lost actor is asked whether it is back
+# Ray restarts a lost actor wherever a GPU is free; with none free for this long, the jobs
+# still waiting are answered `crashed` rather than waiting forever
+ACTOR_RECOVERY_TIMEOUT_S = 600.0
 
 
 def import_ray() -> Any:
@@ -128,6 +133,7 @@ class RayGym:
             raise RuntimeError(f"the actors' GPUs differ ({', '.join(sorted(kinds))}): set accelerator_type")
         self.device_kind: str = kinds.pop()
         self._next_id = 0
+        self._recovering: dict[int, float] = {}  # slot of a lost actor -> when to probe it
 
     def key(self, reference: str, candidate: str) -> str:
         from kpipe.gym.evaluation import eval_key
@@ -166,37 +172,65 @@ class RayGym:
         return [results[key] for key in keys]
 
     def _run(self, todo: collections.deque[Job], results: dict[str, Any], bar: tqdm) -> None:
-        """Keep every actor busy with one job until all are answered."""
+        """Keep every healthy actor busy with one job until all are answered.
+
+        A lost actor is not offered work again until it answers a probe: Ray refuses calls
+        to an actor that is restarting, and such a refusal must not cost a job an attempt.
+        """
         ray = import_ray()
-        free = collections.deque(range(len(self._actors)))
-        in_flight: dict[Any, tuple[Job, int]] = {}
+        free = collections.deque(slot for slot in range(len(self._actors)) if slot not in self._recovering)
+        in_flight: dict[Any, tuple[Job | None, int]] = {}  # a probe carries no job
         failures = 0
-        while todo or in_flight:
+        last_capacity = time.monotonic()
+
+        def answer(job: Job, result: Any) -> None:
+            nonlocal failures
+            results[job.key] = result
+            failures += not is_pass(result)
+            bar.update(1)
+            bar.set_postfix(failures=failures, refresh=False)
+
+        while todo or any(job is not None for job, _ in in_flight.values()):
+            now = time.monotonic()
+            for slot, probe_at in list(self._recovering.items()):
+                if probe_at <= now:
+                    del self._recovering[slot]
+                    in_flight[self._actors[slot].info.remote()] = (None, slot)
             while todo and free:
                 job, slot = todo.popleft(), free.popleft()
                 job.attempts += 1
                 in_flight[self._actors[slot].evaluate.remote(job.reference, job.candidate)] = (job, slot)
+            if free or any(job is not None for job, _ in in_flight.values()):
+                last_capacity = now
+            elif now - last_capacity > ACTOR_RECOVERY_TIMEOUT_S:
+                for job in todo:
+                    job.losses.append(f"no evaluation actor was available for {ACTOR_RECOVERY_TIMEOUT_S:g} s")
+                    answer(job, lost_result(job, self.protocol, self.device_kind))
+                todo.clear()
+                break
             done, _ = ray.wait(list(in_flight), num_returns=1, timeout=WAIT_POLL_S)
             for ref in done:
                 job, slot = in_flight.pop(ref)
                 try:
                     result = ray.get(ref)
                 except ray.exceptions.RayError as exc:
-                    # a restarting actor queues calls until it is back: offer it last
-                    free.append(slot)
+                    self._recovering[slot] = time.monotonic() + PROBE_INTERVAL_S
+                    if job is None:
+                        continue
                     job.losses.append(f"actor {slot} lost: {type(exc).__name__}: {exc}")
                     if job.attempts < MAX_ATTEMPTS:
-                        todo.append(job)
+                        todo.appendleft(job)
                         continue
                     result = lost_result(job, self.protocol, self.device_kind)
                 else:
-                    free.appendleft(slot)
+                    free.append(slot)
+                    if job is None:
+                        continue
                     if self.cache is not None and was_evaluated(result):
                         self.cache.put(result)
-                results[job.key] = result
-                failures += not is_pass(result)
-                bar.update(1)
-                bar.set_postfix(failures=failures, refresh=False)
+                answer(job, result)
+        for _, slot in in_flight.values():  # probes still out: ask again on the next batch
+            self._recovering[slot] = time.monotonic()
 
     def close(self) -> None:
         """Stop the actors' pools, then the actors (the Ray instance itself stays up)."""

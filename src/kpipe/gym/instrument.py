@@ -41,6 +41,10 @@ class LaunchLog:
 
 
 LOG = LaunchLog()
+# names the compiled kernels carry in the binary (what a GPU profiler shows), for every
+# launch in this process; normally equal to the Python names, kept in case a Triton version
+# decorates them
+COMPILED_NAMES: set[str] = set()
 _INSTALLED: dict[type, Callable[..., Any]] = {}
 
 
@@ -71,6 +75,9 @@ def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
         # recorded only after a successful launch: a kernel that raised and was caught by a
         # fallback did not produce anything
         LOG.names.append(name)
+        compiled_name = getattr(result, "name", None)
+        if isinstance(compiled_name, str):
+            COMPILED_NAMES.add(compiled_name)
         return result
 
     run.__kpipe_wrapped__ = True  # type: ignore[attr-defined]

@@ -1,0 +1,703 @@
+"""Multi-turn RL iterations (paper §4–5): rollouts → rewards → returns → advantages → filters →
+PPO-clip update → checkpoint, as one resumable unit of work per Snakemake job.
+
+One iteration runs `steps_per_iteration` steps. A step:
+
+1. picks `prompts_per_step` training queries (a pure function of seed and global step) and runs
+   `rollouts_per_prompt` multi-turn episodes each through the one agent loop
+   (`kpipe.agent.run_episodes`), the policy generating with per-token log-probabilities and
+   KernelGym judging every turn (per-turn reward, Eq. 1 / Eq. 8);
+2. computes reward-to-go returns per trajectory (Eq. 2) and recomputes π_train on the very
+   same tokens (the old log-probs of PPO, and the numerator of MRS's ratio, Eq. 6);
+3. applies the switchable filters — MRS (Eq. 6), PRS (Eq. 9), the released code's
+   zero-variance and regression masks — each counted in the metrics;
+4. computes advantages over (prompt, turn) groups of the kept rows (TRLOO, Eq. 5, by default);
+5. takes PPO-clip token-level optimizer steps (dual clip, seq-mean-token-sum, grad clipping).
+
+Every turn becomes a `trajectories` row (stage "rl") with its reward, return, advantage and
+whether (and by which filter) it was dropped; every step logs `train_metrics` rows.
+
+Resumable: each step's rollouts are saved in a scratch directory before training on them, and
+with several steps per iteration each finished step leaves a checkpoint there, so a killed job
+redoes only unfinished work. Final outputs are written once, atomically, at the end; a
+fingerprint (config, run, iteration, input checkpoint, tasks) guards the scratch directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from kpipe import metrics as kmetrics
+from kpipe.agent.evaluator import CachedEvaluator, Evaluator
+from kpipe.agent.history import make_policy
+from kpipe.agent.loop import AgentTask, Sampling, run_episodes
+from kpipe.data.io import read_table, write_table
+from kpipe.llm.hf_engine import plain_chat_prompt
+from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
+from kpipe.train import algos
+from kpipe.train.checkpoint import latest_checkpoint, save_checkpoint
+from kpipe.train.metrics_log import MetricsLog
+from kpipe.train.rl_config import RLConfig
+from kpipe.train.sft import batch_indices, plan_micro_batches, resolve_precision
+
+log = logging.getLogger(__name__)
+
+STAGE = "rl"
+EMPTY = "empty_response"  # no generated tokens (the engine failed): nothing to train on
+FILTER_ORDER = ("regression", "zero_variance", "mrs", "prs")  # `rejected_by` names the first that drops a row
+FAST_PS = (1.0, 1.2)
+
+
+# --------------------------------------------------------------------------- inputs and outputs
+
+
+@dataclass(frozen=True)
+class IterationResult:
+    model_dir: Path
+    steps: int
+    resumed_steps: int  # steps whose work a previous (killed) attempt had already finished
+    rows: int
+    mean_reward: float
+
+
+def model_dir_of(path: str | os.PathLike) -> Path:
+    """The HF model directory of an input checkpoint: an RL iteration's `model/`, or the SFT model itself."""
+    path = Path(path)
+    if (path / "model" / "config.json").exists():
+        return path / "model"
+    if (path / "config.json").exists():
+        return path
+    raise FileNotFoundError(f"no Hugging Face model (config.json) at {path} or {path / 'model'}")
+
+
+def directory_identity(path: str | os.PathLike) -> str:
+    """Names, sizes and modification times of the files under `path`: changes when it is rewritten."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        stat = file.stat()
+        digest.update(f"{file.relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def iteration_fingerprint(cfg: RLConfig, run: str, iteration: int, init_identity: str,
+                          tasks: Sequence[AgentTask], protocol_json: str) -> str:
+    """What the scratch work of an iteration depends on; a mismatch means start the iteration over."""
+    digest = hashlib.sha256(json.dumps([cfg.fingerprint(), run, iteration, init_identity, protocol_json]).encode())
+    for task in tasks:
+        digest.update(task.task_id.encode())
+        digest.update(task.reference_src.encode())
+    return digest.hexdigest()[:16]
+
+
+def prepare_scratch(scratch: Path, fingerprint: str) -> bool:
+    """Keep `scratch` if it belongs to this fingerprint (returns True), else clear it for a fresh start."""
+    marker = scratch / "fingerprint.json"
+    if marker.exists() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
+        return True
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    marker.write_text(json.dumps({"fingerprint": fingerprint}))
+    return False
+
+
+def step_tasks(tasks: Sequence[AgentTask], prompts_per_step: int, seed: int, global_step: int) -> list[AgentTask]:
+    """The prompts of one global step: consecutive slices of a fresh permutation per epoch."""
+    return [tasks[i] for i in batch_indices(len(tasks), min(prompts_per_step, len(tasks)), seed, global_step)]
+
+
+def step_seed(seed: int, global_step: int) -> int:
+    """Sampling seed of one step: every step draws new rollouts, a rerun draws the same ones."""
+    return int(hashlib.sha256(f"rl:{seed}:{global_step}".encode()).hexdigest()[:8], 16)
+
+
+# --------------------------------------------------------------------------- timing wrappers
+
+
+class TimedEngine:
+    """An engine that adds up the wall time of its `generate` calls (the step's generation time)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.seconds = 0.0
+
+    def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
+        started = time.perf_counter()
+        try:
+            return self.engine.generate(requests, on_result)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+class TimedEvaluator:
+    """An evaluator that adds up the wall time of its `evaluate_many` calls."""
+
+    def __init__(self, evaluator: Evaluator) -> None:
+        self.evaluator = evaluator
+        self.seconds = 0.0
+
+    def evaluate_many(self, jobs: list[tuple[str, str]]) -> list[Any]:
+        started = time.perf_counter()
+        try:
+            return self.evaluator.evaluate_many(jobs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+# --------------------------------------------------------------------------- token sequences and log-probs
+
+
+def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The prompt exactly as the rollout engines render it (chat template, generation prompt)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return plain_chat_prompt(messages)
+
+
+@dataclass
+class TokenSample:
+    """One turn as the trainer sees it: prompt ids + the sampled response ids."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def token_samples(rows: Sequence[dict[str, Any]], tokenizer: Any) -> list[TokenSample]:
+    """Trainer inputs of rows with a response (rows without one get an empty response)."""
+    samples = []
+    for row in rows:
+        text = prompt_text(tokenizer, list(row["prompt_messages"]))
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        samples.append(TokenSample(prompt_ids, list(row.get("response_token_ids") or [])))
+    return samples
+
+
+def left_padded(samples: Sequence[TokenSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask and position_ids, left-padded so every response ends at the right edge.
+
+    Position ids count real tokens only, as `generate` does with left padding, so the trainer's
+    log-probs are those of the same computation the rollout did.
+    """
+    width = max(s.length for s in samples)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids = sample.prompt_ids + sample.response_ids
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention_mask[row, width - len(ids):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def response_mask(samples: Sequence[TokenSample], width: int) -> torch.Tensor:
+    """[batch, width] mask of response tokens in right-aligned [.., width] response tensors."""
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    return torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+
+
+def right_aligned(values: Sequence[Sequence[float]], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row sequences as a [rows, width] tensor, each row's values at the right end, 0 elsewhere."""
+    out = torch.zeros((len(values), width), dtype=dtype)
+    for row, sequence in enumerate(values):
+        if len(sequence):
+            out[row, width - len(sequence):] = torch.as_tensor(list(sequence), dtype=dtype)
+    return out
+
+
+def response_logits(model: Any, samples: Sequence[TokenSample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits predicting each response token ([batch, R, vocab], right-aligned, R = longest response)
+    and the response token ids; only the last R+1 positions' logits are computed (vocabularies are big)."""
+    width = max(len(s.response_ids) for s in samples)
+    batch = {k: v.to(device) for k, v in left_padded(samples, pad_id).items()}
+    output = model(**batch, logits_to_keep=width + 1, use_cache=False)
+    return output.logits[:, :-1, :], batch["input_ids"][:, -width:]
+
+
+def sequence_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(token) under the sampling distribution softmax(logits / T), as the rollout engine recorded it."""
+    return algos.log_probs_from_logits(logits.float() / temperature, tokens)
+
+
+@torch.no_grad()
+def policy_log_probs(model: Any, samples: Sequence[TokenSample], temperature: float, token_budget: int,
+                     pad_id: int, device: torch.device, progress: bool = False) -> list[torch.Tensor]:
+    """π_train log-probs of every sample's response tokens (1-D CPU tensors), in micro-batches."""
+    out: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
+    todo = [i for i, s in enumerate(samples) if s.response_ids]
+    groups = plan_micro_batches([samples[i].length for i in todo], token_budget)
+    for group in tqdm(groups, desc="π_train log-probs", disable=not progress, leave=False):
+        batch = [samples[todo[g]] for g in group]
+        logits, tokens = response_logits(model, batch, pad_id, device)
+        logp = sequence_log_probs(logits, tokens, temperature).cpu()
+        for g, sample, row_logp in zip(group, batch, logp, strict=True):
+            out[todo[g]] = row_logp[logp.shape[1] - len(sample.response_ids):]
+    return out
+
+
+# --------------------------------------------------------------------------- returns, filters, advantages
+
+
+def trajectory_keys(rows: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
+    return [(row["task_id"], int(row["sample"])) for row in rows]
+
+
+def row_returns(rows: Sequence[dict[str, Any]], cfg: RLConfig) -> torch.Tensor:
+    """Eq. 2 per row: reward-to-go over the later turns of its own trajectory."""
+    rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
+    return algos.returns_by_trajectory(rewards, trajectory_keys(rows), [row["turn"] for row in rows], cfg.gamma,
+                                       cfg.return_aggregate)
+
+
+def mismatch_keep(train_logp: Sequence[torch.Tensor], rollout_logp: Sequence[Sequence[float]],
+                  cfg: RLConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """MRS (Eq. 6) per row, and each row's log geometric-mean ratio log w (0 for empty rows)."""
+    width = max([len(x) for x in train_logp] + [1])
+    train = right_aligned([x.tolist() for x in train_logp], width, torch.float64)
+    rollout = right_aligned(rollout_logp, width, torch.float64)
+    mask = response_mask([TokenSample([], list(range(len(x)))) for x in train_logp], width)
+    keep = algos.mrs_mask(train, rollout, mask, cfg.mrs_delta, cfg.mrs_token_veto)
+    log_w = torch.nan_to_num(algos.log_geometric_mean_ratio(train, rollout, mask), nan=0.0)
+    return keep, log_w
+
+
+def filter_masks(rows: Sequence[dict[str, Any]], cfg: RLConfig, mrs_keep: torch.Tensor,
+                 generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The keep mask of every enabled filter (True = keep), computed independently of each other."""
+    rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
+    turns = [row["turn"] for row in rows]
+    masks: dict[str, torch.Tensor] = {}
+    if cfg.regression_filter:
+        masks["regression"] = algos.regression_mask(rewards, trajectory_keys(rows), turns)
+    if cfg.zero_variance_filter:
+        masks["zero_variance"] = algos.zero_variance_group_mask(
+            rewards, [row["task_id"] for row in rows], trajectory_keys(rows), turns, cfg.zero_variance_min_std)
+    if cfg.mrs:
+        masks["mrs"] = mrs_keep
+    if cfg.prs:
+        pr, correct, hacked = ([row.get(k) for row in rows] for k in ("pr", "correct", "hacked"))
+        if cfg.prs_hard:
+            masks["prs"] = algos.prs_hard_keep(pr, correct, hacked, cfg.prs_tau)
+        else:
+            probability = algos.prs_keep_probability(pr, correct, hacked, cfg.prs_tau, cfg.prs_softness)
+            masks["prs"] = algos.bernoulli_keep(probability, generator)
+    return masks
+
+
+def rejection_reasons(has_tokens: torch.Tensor, masks: dict[str, torch.Tensor]) -> list[str | None]:
+    """Per row: None if kept, else the first reason in FILTER_ORDER (empty responses first)."""
+    reasons: list[str | None] = []
+    for row in range(len(has_tokens)):
+        if not has_tokens[row]:
+            reasons.append(EMPTY)
+            continue
+        reasons.append(next((name for name in FILTER_ORDER if name in masks and not masks[name][row]), None))
+    return reasons
+
+
+def row_advantages(rows: Sequence[dict[str, Any]], returns: torch.Tensor, valid: torch.Tensor,
+                   cfg: RLConfig) -> torch.Tensor:
+    """Advantages over (prompt, turn) groups of the valid rows (Eq. 3 / Eq. 5), or trajectory RLOO."""
+    prompts = [row["task_id"] for row in rows]
+    if cfg.advantage == "rloo_trajectory":
+        rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
+        return algos.rloo_trajectory_advantages(rewards, prompts, trajectory_keys(rows), valid, cfg.singleton)
+    keys = algos.prompt_turn_keys(prompts, [row["turn"] for row in rows])
+    if cfg.advantage == "trloo":
+        return algos.trloo_advantages(returns, keys, valid, cfg.singleton)
+    return algos.advantage_fn(cfg.advantage)(returns, keys, valid)
+
+
+# --------------------------------------------------------------------------- the policy update
+
+
+@dataclass
+class TrainItem:
+    sample: TokenSample
+    advantage: float
+    old_logp: torch.Tensor  # π_train before the update (PPO's old policy)
+
+
+def micro_batch_weight(agg_mode: str, micro: Sequence[TrainItem], mini: Sequence[TrainItem]) -> float:
+    """Share of one micro-batch in its mini-batch's loss, so accumulation equals one big batch:
+    by sequences for the seq-mean modes, by tokens for token-mean."""
+    if agg_mode == "token-mean":
+        return sum(len(i.sample.response_ids) for i in micro) / sum(len(i.sample.response_ids) for i in mini)
+    return len(micro) / len(mini)
+
+
+def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[TrainItem], cfg: RLConfig,
+                  pad_id: int, generator: torch.Generator) -> dict[str, float]:
+    """PPO-clip optimizer steps on `items`: `ppo_epochs` passes over `mini_batches` mini-batches each.
+
+    Returns the means over optimizer steps of loss, grad_norm, clip fractions and approx KL, and
+    the token-mean entropy of the policy on the trained tokens (first pass, before any step).
+    """
+    device = accelerator.device
+    stats: dict[str, list[float]] = {}
+    entropy_sum, entropy_tokens = 0.0, 0
+    for epoch in range(cfg.ppo_epochs):
+        order = torch.randperm(len(items), generator=generator).tolist()
+        minis = [m for m in np.array_split(np.array(order), min(cfg.mini_batches, len(items))) if len(m)]
+        for mini_ids in minis:
+            mini = [items[i] for i in mini_ids]
+            groups = plan_micro_batches([item.sample.length for item in mini], cfg.micro_batch_tokens)
+            step_stats: dict[str, float] = {}
+            loss_total = 0.0
+            for group in groups:
+                micro = [mini[g] for g in group]
+                samples = [item.sample for item in micro]
+                with accelerator.autocast():
+                    logits, tokens = response_logits(model, samples, pad_id, device)
+                logp = sequence_log_probs(logits, tokens, cfg.temperature)
+                width = logp.shape[1]
+                mask = response_mask(samples, width).to(device)
+                old = right_aligned([item.old_logp.tolist() for item in micro], width).to(device)
+                advantages = torch.tensor([item.advantage for item in micro], dtype=logp.dtype, device=device)
+                loss, loss_stats = algos.ppo_clip_policy_loss(logp, old, advantages, mask, cfg.eps_low, cfg.eps_high,
+                                                              cfg.dual_clip, cfg.loss_agg)
+                weight = micro_batch_weight(cfg.loss_agg, micro, mini)
+                accelerator.backward(loss * weight)
+                loss_total += loss.item() * weight
+                for name, value in loss_stats.items():
+                    step_stats[name] = step_stats.get(name, 0.0) + value * weight
+                if epoch == 0:
+                    with torch.no_grad():
+                        entropy = algos.entropy_from_logits(logits.detach().float() / cfg.temperature)
+                        entropy_sum += float((entropy * mask).sum())
+                        entropy_tokens += int(mask.sum())
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            for name, value in {"loss": loss_total, "grad_norm": float(grad_norm), **step_stats}.items():
+                stats.setdefault(name, []).append(value)
+    out = {name: float(np.mean(values)) for name, values in stats.items()}
+    out["optimizer_steps"] = float(len(stats.get("loss", [])))
+    out["entropy"] = entropy_sum / max(1, entropy_tokens)
+    return out
+
+
+# --------------------------------------------------------------------------- metrics of a step
+
+
+def rollout_metrics(rows: Sequence[dict[str, Any]], max_turns: int) -> dict[str, float]:
+    """Reward statistics, hacking ratio and Fast@p of the rollouts (Fast@p at the last turn and best-of-history)."""
+    rewards = np.array([float(row["reward"]) for row in rows])
+    values = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+              "correct_frac": kmetrics.correct_rate([r["correct"] for r in rows], [r["hacked"] for r in rows]),
+              "hacking_ratio": kmetrics.hacking_ratio([r["hacked"] for r in rows]),
+              "turns_mean": float(np.mean([r["turn"] for r in rows]))}
+    for turn in range(1, max_turns + 1):
+        at_turn = rewards[[row["turn"] == turn for row in rows]]
+        if len(at_turn):
+            values[f"reward_mean_turn{turn}"] = float(at_turn.mean())
+    frame = [{k: row[k] for k in ("task_id", "sample", "turn", "correct", "hacked", "speedup_eager")} for row in rows]
+    by_turn = kmetrics.fast_p_by_turn(pd.DataFrame(frame), FAST_PS)
+    history = kmetrics.fast_p_by_turn(pd.DataFrame(frame), FAST_PS, history=True)
+    for p in FAST_PS:
+        values[f"fast@{p:g}"] = float(by_turn[f"fast@{p:g}"].iloc[-1])
+        values[f"fast@{p:g}_best_of_history"] = float(history[f"fast@{p:g}"].iloc[-1])
+    return values
+
+
+def token_metrics(train_logp: Sequence[torch.Tensor], rollout_logp: Sequence[Sequence[float]]) -> dict[str, float]:
+    """Rollout-engine and trainer perplexities over the same tokens (Figure 7) and response lengths."""
+    lengths = [len(x) for x in train_logp]
+    if not any(lengths):
+        return {"response_tokens_mean": 0.0}
+    width = max(lengths)
+    mask = response_mask([TokenSample([], [0] * n) for n in lengths], width)
+    train = right_aligned([x.tolist() for x in train_logp], width, torch.float64)
+    rollout = right_aligned(rollout_logp, width, torch.float64)
+    return {"rollout_ppl": algos.perplexity(rollout, mask), "train_ppl": algos.perplexity(train, mask),
+            "response_tokens_mean": float(np.mean(lengths))}
+
+
+# --------------------------------------------------------------------------- model, engines, evaluators
+
+
+def load_policy(model_dir: Path, cfg: RLConfig) -> tuple[Any, Any]:
+    """The policy in fp32 (master weights; bf16 autocast on GPU) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, tokenizer
+
+
+def gym_protocol(cfg: RLConfig, base: dict[str, Any] | None) -> Any:
+    """The KernelGym protocol of the run: the `gym` section plus what the RL settings imply
+    (no hack checks for the "w/o hacking check" ablation; profiling whenever PR is used)."""
+    from kpipe.gym import Protocol
+
+    values = dict(base or {})
+    if not cfg.hacking_check:
+        values.update(hacking_check=False, ghost_replay=False)
+    if cfg.use_pr or cfg.prs:
+        values["profile"] = True
+    return Protocol.from_dict(values)
+
+
+def make_evaluator(cfg: RLConfig, protocol: Any, progress: bool) -> Any:
+    """The KernelGym backend the config names (the pool must be closed by the caller)."""
+    if cfg.evaluator == "pool":
+        from kpipe.gym.pool import GymPool
+
+        return GymPool(protocol, workers=cfg.eval_workers, reuse_reference=True, progress=progress)
+    from kpipe.agent.evaluator import LocalEvaluator
+
+    return LocalEvaluator(protocol, progress=progress, reuse_reference=True)
+
+
+def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    worker.model_runner.model.load_weights(weights=weights)
+
+
+def push_weights_to_vllm(engine: Any, model: Any) -> None:
+    """Copy the trainer's weights into an in-process vLLM engine (vLLM >= 0.11, V1 engine).
+
+    Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the
+    engine is built), so `collective_rpc` calls the function on the worker object directly and
+    the tensors are handed over without serialisation; `load_weights` takes HF parameter names.
+    The prefix cache holds KV of the old weights, so it is reset.
+    """
+    weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+    engine.llm.collective_rpc(_load_weights_on_vllm_worker, args=(weights,))
+    engine.llm.reset_prefix_cache()
+
+
+def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name: str, progress: bool) -> Any:
+    """The rollout engine: HF generate on the live policy, or an in-process vLLM engine."""
+    if cfg.engine == "hf":
+        from kpipe.llm.hf_engine import HFEngine
+
+        return HFEngine(model, tokenizer, name=name, batch_size=cfg.generation_batch_size, seed=cfg.seed,
+                        progress=progress)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from kpipe.llm.vllm_engine import VLLMEngine
+
+    return VLLMEngine(str(model_dir), name=name, seed=cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                      logprobs_mode="processed_logprobs", max_model_len=cfg.max_context_tokens)
+
+
+# --------------------------------------------------------------------------- one step, one iteration
+
+
+def annotate_rows(rows: list[dict[str, Any]], returns: torch.Tensor, advantages: torch.Tensor,
+                  reasons: Sequence[str | None]) -> None:
+    """Fill the training columns of the `trajectories` rows in place."""
+    for row, ret, adv, reason in zip(rows, returns.tolist(), advantages.tolist(), reasons, strict=True):
+        row.update(return_to_go=ret, advantage=adv, kept=reason is None, rejected_by=reason)
+
+
+def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: Any, model: Any, optimizer: Any,
+                      tokenizer: Any, generator: torch.Generator, progress: bool) -> dict[str, float]:
+    """Steps 2–5 of the module docstring on one step's rollouts; annotates `rows`, returns metrics."""
+    samples = token_samples(rows, tokenizer)
+    has_tokens = torch.tensor([bool(s.response_ids) for s in samples])
+    pad_id = tokenizer.pad_token_id
+    model.eval()
+    with accelerator.autocast():  # the same precision as the update: PPO's ratio starts at 1
+        train_logp = policy_log_probs(model, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
+                                      accelerator.device, progress)
+    model.train()
+    rollout_logp = [list(row.get("response_logprobs") or []) for row in rows]
+    for row, sample, logp in zip(rows, samples, rollout_logp, strict=True):
+        if len(logp) != len(sample.response_ids):
+            raise ValueError(f"{row['task_id']} sample {row['sample']} turn {row['turn']}: "
+                             f"{len(logp)} rollout log-probs for {len(sample.response_ids)} tokens")
+    mrs_keep, log_w = mismatch_keep(train_logp, rollout_logp, cfg)
+    masks = filter_masks(rows, cfg, mrs_keep, generator)
+    reasons = rejection_reasons(has_tokens, masks)
+    kept = torch.tensor([reason is None for reason in reasons])
+    returns = row_returns(rows, cfg)
+    valid = has_tokens if cfg.baseline_includes_rejected else kept
+    advantages = row_advantages(rows, returns, valid, cfg)
+    annotate_rows(rows, returns, advantages, reasons)
+
+    items = [TrainItem(samples[i], float(advantages[i]), train_logp[i]) for i in range(len(rows)) if kept[i]]
+    values: dict[str, float] = {}
+    if items:
+        values.update(update_policy(accelerator, model, optimizer, items, cfg, pad_id, generator))
+    else:
+        values["optimizer_steps"] = 0.0
+    n_tokens = max(1, int(has_tokens.sum()))
+    values.update({f"kept_frac_{name}": float((mask & has_tokens).sum()) / n_tokens for name, mask in masks.items()})
+    values.update(kept_frac=float(kept.sum()) / len(rows), trained_rows=float(len(items)),
+                  return_mean=float(returns.mean()), advantage_abs_mean=float(advantages[kept].abs().mean()) if items else 0.0,
+                  mismatch_abs_log_w=float(log_w[has_tokens].abs().mean()) if bool(has_tokens.any()) else 0.0)
+    values.update(token_metrics([train_logp[i] for i in range(len(rows)) if has_tokens[i]],
+                                [rollout_logp[i] for i in range(len(rows)) if has_tokens[i]]))
+    return values
+
+
+def rollout_rows(tasks: Sequence[AgentTask], engine: Any, evaluator: Any, cfg: RLConfig, *, run: str, iteration: int,
+                 global_step: int, progress: bool) -> list[dict[str, Any]]:
+    """The rollouts of one step: n episodes per prompt through the shared multi-turn loop."""
+    sampling = Sampling(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, logprobs=True)
+    return run_episodes(
+        tasks, engine, evaluator, make_policy(cfg.history, cfg.history_window), n_samples=cfg.rollouts_per_prompt,
+        max_turns=cfg.max_turns, sampling=sampling,
+        reward_fn=algos.turn_reward(cfg.reward, cfg.use_pr, cfg.baseline, cfg.speedup_cap),
+        run=run, stage=STAGE, iteration=iteration, seed=step_seed(cfg.seed, global_step),
+        max_context_tokens=cfg.max_context_tokens, progress=progress,
+    )
+
+
+def run_iteration(
+    cfg: RLConfig,
+    tasks: Sequence[AgentTask],
+    init: str | os.PathLike,
+    model_out: str | os.PathLike,
+    trajectories_path: str | os.PathLike,
+    metrics_path: str | os.PathLike,
+    scratch: str | os.PathLike,
+    *,
+    run: str,
+    iteration: int,
+    state_out: str | os.PathLike | None = None,
+    protocol: dict[str, Any] | None = None,
+    evaluator: Evaluator | None = None,
+    progress: bool = True,
+) -> IterationResult:
+    """RL iteration `iteration` of `run`, starting from checkpoint `init`.
+
+    `init` is the previous iteration's output (its `model/`, and `state/` if given there: the
+    optimizer moments carry over) or, for iteration 0, the SFT model directory. Writes the HF
+    model to `model_out`, the optimizer state to `state_out` (for the next iteration), the
+    rollouts to `trajectories_path` and the step metrics to `metrics_path`. `evaluator` replaces
+    the one `cfg.evaluator` would build (tests, a remote service); `protocol` is the `gym` section.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    if not tasks:
+        raise ValueError("RL needs at least one training task")
+    init, model_out, scratch = Path(init), Path(model_out), Path(scratch)
+    init_model = model_dir_of(init)
+    gym = gym_protocol(cfg, protocol)
+    fingerprint = iteration_fingerprint(cfg, run, iteration, directory_identity(init_model), tasks, gym.to_json())
+    resumed = prepare_scratch(scratch, fingerprint)
+    accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
+    if accelerator.num_processes > 1:
+        raise RuntimeError("RL runs in one process (rollouts on the live policy); multi-GPU RL is not supported yet")
+    set_seed(cfg.seed + iteration)
+
+    model, tokenizer = load_policy(init_model, cfg)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=torch.cuda.is_available()))
+    checkpoint = latest_checkpoint(scratch / "checkpoints")
+    start_step = 0
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint.state_dir))
+        start_step = checkpoint.step
+    elif (init / "state").is_dir():
+        accelerator.load_state(str(init / "state"))
+    if resumed:
+        log.info("resuming RL iteration %d of run %s at step %d (scratch %s)", iteration, run, start_step, scratch)
+
+    metrics = MetricsLog(scratch / "metrics.parquet", run=run, stage=STAGE, iteration=iteration)
+    metrics.resume(iteration * cfg.steps_per_iteration + start_step)
+    own_evaluator = evaluator is None
+    base_evaluator = make_evaluator(cfg, gym, progress) if own_evaluator else evaluator
+    timed_evaluator = TimedEvaluator(CachedEvaluator(base_evaluator, scratch / "evals.jsonl", gym.to_json()))
+    raw_engine = make_engine(cfg, accelerator.unwrap_model(model), tokenizer, init_model, f"{run}/rl-iter{iteration}",
+                             progress)
+    engine = TimedEngine(raw_engine)
+    generator = torch.Generator().manual_seed(step_seed(cfg.seed, iteration))
+    try:
+        for step in range(start_step, cfg.steps_per_iteration):
+            global_step = iteration * cfg.steps_per_iteration + step
+            if cfg.engine == "vllm" and step > 0:
+                push_weights_to_vllm(raw_engine, accelerator.unwrap_model(model))
+            started = time.perf_counter()
+            engine.seconds = timed_evaluator.seconds = 0.0
+            rollouts_path = scratch / f"rollouts-{step:04d}.parquet"
+            if rollouts_path.exists():
+                rows = read_table(rollouts_path, "trajectories").to_pylist()
+            else:
+                model.eval()
+                rows = rollout_rows(step_tasks(tasks, cfg.prompts_per_step, cfg.seed, global_step), engine,
+                                    timed_evaluator, cfg, run=run, iteration=iteration, global_step=global_step,
+                                    progress=progress)
+                write_table(rows, rollouts_path, "trajectories")
+            rollout_s = time.perf_counter() - started
+            generator.manual_seed(step_seed(cfg.seed + 1, global_step))
+            train_started = time.perf_counter()
+            values = train_on_rollouts(rows, cfg, accelerator, model, optimizer, tokenizer, generator, progress)
+            values.update(rollout_metrics(rows, cfg.max_turns))
+            values.update(gen_s=engine.seconds, eval_s=timed_evaluator.seconds, rollout_s=rollout_s,
+                          train_s=time.perf_counter() - train_started, step_s=time.perf_counter() - started,
+                          lr=cfg.lr, rows=float(len(rows)))
+            metrics.log(global_step + 1, values)
+            write_table(rows, scratch / f"step-{step:04d}.parquet", "trajectories")
+            log.info("RL %s iter %d step %d: reward %.3f, kept %.2f, grad norm %.3g", run, iteration, step,
+                     values["reward_mean"], values["kept_frac"], values.get("grad_norm", 0.0))
+            if step + 1 < cfg.steps_per_iteration:
+                metrics.flush()
+                save_checkpoint(accelerator, model, tokenizer, scratch / "checkpoints", step + 1, fingerprint, keep_last=1)
+    finally:
+        if own_evaluator and hasattr(base_evaluator, "close"):
+            base_evaluator.close()
+
+    return finish_iteration(accelerator, model, tokenizer, scratch, metrics, cfg, model_out, state_out,
+                            trajectories_path, metrics_path, start_step if resumed else 0)
+
+
+def finish_iteration(accelerator: Any, model: Any, tokenizer: Any, scratch: Path, metrics: MetricsLog, cfg: RLConfig,
+                     model_out: Path, state_out: str | os.PathLike | None, trajectories_path: str | os.PathLike,
+                     metrics_path: str | os.PathLike, resumed_steps: int) -> IterationResult:
+    """Write the iteration's outputs (each atomically), then drop the scratch directory."""
+    from kpipe.train.checkpoint import export_hf
+
+    tmp_model = model_out.parent / f".tmp-{model_out.name}"
+    shutil.rmtree(tmp_model, ignore_errors=True)
+    export_hf(accelerator, model, tokenizer, tmp_model)
+    shutil.rmtree(model_out, ignore_errors=True)
+    tmp_model.rename(model_out)
+    if state_out is not None:
+        state_out = Path(state_out)
+        tmp_state = state_out.parent / f".tmp-{state_out.name}"
+        shutil.rmtree(tmp_state, ignore_errors=True)
+        accelerator.save_state(str(tmp_state))
+        shutil.rmtree(state_out, ignore_errors=True)
+        tmp_state.rename(state_out)
+    rows = []
+    for step in range(cfg.steps_per_iteration):
+        rows.extend(read_table(scratch / f"step-{step:04d}.parquet", "trajectories").to_pylist())
+    write_table(rows, trajectories_path, "trajectories")
+    write_table(metrics.rows, metrics_path, "train_metrics")
+    shutil.rmtree(scratch, ignore_errors=True)
+    mean_reward = float(np.mean([row["reward"] for row in rows])) if rows else math.nan
+    return IterationResult(model_out, cfg.steps_per_iteration, resumed_steps, len(rows), mean_reward)
+
+
+def training_tasks(queries_path: str | os.PathLike, max_prompts: int | None = None) -> list[AgentTask]:
+    """RL prompts: the non-contaminated training queries, ordered by id (the first `max_prompts`)."""
+    rows = [r for r in read_table(queries_path, "queries").to_pylist() if not r["contaminated"]]
+    rows.sort(key=lambda r: r["query_id"])
+    return [AgentTask(r["query_id"], r["reference_src"]) for r in rows[:max_prompts]]
+
