@@ -199,7 +199,7 @@ def test_distill_job_with_the_offline_teacher_and_kernelgym(tmp_path):
     protocol = {"correct_trials": 1, "perf_trials": 2, "warmup": 0, "device": "cpu", "baseline": "eager",
                 "profile": False}
     summary = distill_job(tmp_path / "queries.parquet", tmp_path / "part-0.parquet", tmp_path / "cache.jsonl",
-                          settings, protocol=protocol, progress=False)
+                          settings, gym={"protocol": protocol, "backend": "local"}, progress=False)
     rows = read_table(tmp_path / "part-0.parquet", "trajectories").to_pylist()
     assert [r["status"] for r in rows] == ["pass", "pass"]  # the bank's legit ReLU passes KernelGym
     assert rows[0]["model"] == "kpipe-teacher" and rows[0]["eval_key"]

@@ -141,3 +141,23 @@ def test_cli_rejects_bad_model_spec(tmp_path):
     result = CliRunner().invoke(eval_cli, ["kernelbench", "--tasks", str(tasks), "--out", str(tmp_path / "o.parquet"),
                                            "--model", "x=torch:/nowhere", "--level", "1"])
     assert result.exit_code == 2 and "NAME=hf:PATH" in result.output
+
+
+def test_cli_evaluates_a_local_checkpoint_and_runs_stts(tmp_path):
+    from kpipe.train.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "nano", size="nano", seed=0)
+    tasks = write_tasks(tmp_path / "tasks.parquet")
+    settings = tmp_path / "settings.yaml"
+    settings.write_text("eval: {samples: 1, turns: 2, max_tasks: 1, sampling: {max_tokens: 8}}\n"
+                        "stts: {samples: 1, max_turns: 3, max_tasks: 1, sampling: {max_tokens: 8}}\n")
+    common = ["--tasks", str(tasks), "--model", f"nano=hf:{model}", "--level", "1", "--settings", str(settings)]
+    result = CliRunner().invoke(eval_cli, ["kernelbench", *common, "--out", str(tmp_path / "eval.parquet")])
+    assert result.exit_code == 0, result.output
+    rows = read_table(tmp_path / "eval.parquet", "trajectories").to_pandas()
+    assert len(rows) == 2 and set(rows["model"]) == {"nano"} and set(rows["stage"]) == {"eval"}
+    result = CliRunner().invoke(eval_cli, ["stts", *common, "--strategy", "best_window", "--window", "2",
+                                           "--out", str(tmp_path / "stts.parquet")])
+    assert result.exit_code == 0, result.output
+    rows = read_table(tmp_path / "stts.parquet", "trajectories").to_pandas()
+    assert sorted(rows["turn"]) == [1, 2, 3] and set(rows["model"]) == {"nano@best_window(w=2)"}

@@ -150,3 +150,23 @@ def test_hacking_ratio_per_level_and_rl_iteration(tmp_path):
     assert ratio.loc[("eval", "m", 2, 0), "hacking_ratio"] == pytest.approx(100 / 6)
     assert ratio.loc[("rl", "policy", 2, 0), "hacking_ratio"] == 50.0
     assert ratio.loc[("rl", "policy", 2, 1), "hacking_ratio"] == 25.0
+
+
+def test_kevin_best_and_avg_at_k_equal_kpipe_metrics(db):
+    kevin = table(db, "kevin_metrics").set_index(["model", "level", "baseline"])
+    rows = pd.DataFrame(eval_rows()).assign(level=lambda f: f["task_id"].map(TASKS))
+    for (model, level), group in rows.groupby(["model", "level"]):
+        for baseline in ("eager", "compile"):
+            got = kevin.loc[(model, level, baseline)]
+            column = f"speedup_{baseline}"
+            k = int(got["k"])
+            assert k == got["k_max"] == 2
+            for metric, p, name in (("correct", None, "correct"), ("fast", 1.2, "fast_1_2"),
+                                    ("speedup", None, "speedup")):
+                scale = 1 if metric == "speedup" else 100
+                best = metrics.best_at_k(group, k, metric, p, column)
+                mean = metrics.avg_at_k(group, k, metric, p, column)
+                assert got[f"best_at_k_{name}"] == pytest.approx(scale * best), (model, level, baseline, metric)
+                assert got[f"avg_at_k_{name}"] == pytest.approx(scale * mean), (model, level, baseline, metric)
+    # by hand: level 1 tasks t1 (trajectories correct, best 2.0x) and t2 (both correct, best 1.5x)
+    assert kevin.loc[("m", 1, "eager"), "best_at_k_speedup"] == pytest.approx((2.0 + 1.5) / 2)

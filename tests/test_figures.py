@@ -7,21 +7,26 @@ from test_fastp_definition import write_fixture
 
 from kpipe.data.io import write_table
 from kpipe.db import build_db
-from kpipe.figures import FIGURE_PANELS, build_figures, matching_series, normalised
+from kpipe.figures import FIGURE_NAMES, FIGURE_PANELS, build_figures, matching_series, normalised
 
 NAMES = {"fig4_fast1_training", "fig5_fast12_entropy", "fig6_stts", "fig7_training_dynamics", "fig8_hacking_ratio"}
 
 
+def test_figure_names_are_the_papers():
+    assert set(FIGURE_NAMES) == NAMES
+
+
 def test_metric_names_are_found_under_usual_spellings():
-    curves = pd.DataFrame({"run": "r", "stage": ["val", "val", "rl", "rl", "rl", "sft"], "iteration": 0,
+    curves = pd.DataFrame({"run": "r", "stage": ["val", "val", "rl", "rl", "rl", "sft", "rl"], "iteration": 0,
                            "step": 1, "value": 1.0,
-                           "name": ["val/fast@1.2_turn3", "Fast@1", "entropy", "rollout_ppl", "grad_norm", "entropy"]})
+                           "name": ["val/fast@1.2_turn3", "fast@1", "entropy", "rollout_ppl", "grad_norm", "entropy",
+                                    "fast@1_best_of_history"]})
     panels = FIGURE_PANELS["fig7_training_dynamics"]
     assert normalised("val/Fast@1.2_turn3") == "val_fast_1_2_turn3"
-    assert matching_series(curves, FIGURE_PANELS["fig5_fast12_entropy"]["Fast@1.2 (validation)"])["name"].tolist() == [
+    assert matching_series(curves, FIGURE_PANELS["fig5_fast12_entropy"]["Fast@1.2 during RL"])["name"].tolist() == [
         "val/fast@1.2_turn3"]
-    fast1 = FIGURE_PANELS["fig4_fast1_training"]["Fast@1 (validation)"]
-    assert matching_series(curves, fast1)["name"].tolist() == ["Fast@1"]
+    fast1 = FIGURE_PANELS["fig4_fast1_training"]["Fast@1 during RL"]
+    assert matching_series(curves, fast1)["name"].tolist() == ["fast@1"]  # not its best-of-history twin
     assert len(matching_series(curves, panels["Entropy"])) == 1  # the SFT stage is not an RL curve
     assert matching_series(curves, panels["Rollout (vLLM) perplexity"])["name"].tolist() == ["rollout_ppl"]
 

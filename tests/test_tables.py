@@ -7,7 +7,9 @@ from click.testing import CliRunner
 from test_fastp_definition import write_fixture
 
 from kpipe.paper_numbers import TABLE1_EAGER, TABLE2_COMPILE
-from kpipe.tables import build_tables, table_sql_files, tables
+from kpipe.tables import DEFAULT_SQL_DIR, build_tables, table_sql_files, tables
+
+REPO_REPORT = DEFAULT_SQL_DIR.parent / "report"
 
 
 @pytest.fixture
@@ -21,7 +23,7 @@ def test_every_sql_file_gives_csv_and_markdown(built):
     _, out, written = built
     names = {p.stem for p in table_sql_files()}
     assert {"table1_fastp_eager", "table2_fastp_compile", "hacking_ratio", "training_curves", "stts_curves",
-            "ablations", "eval_summary"} <= names
+            "ablations", "eval_summary", "kevin_metrics"} <= names
     assert set(written) == names
     for name in names:
         assert (out / f"{name}.csv").exists() and (out / f"{name}.md").read_text().startswith("# ")
@@ -76,3 +78,12 @@ def test_cli_build(tmp_path):
     assert "table1_fastp_eager" in result.output
     missing = CliRunner().invoke(tables, ["build", "--db", str(tmp_path / "none.duckdb")])
     assert missing.exit_code == 1 and "no database" in missing.output
+
+
+def test_every_table_and_figure_has_a_report_caption():
+    from kpipe.figures import FIGURE_NAMES
+
+    captions = REPO_REPORT.glob("*.rst")
+    names = {p.stem for p in captions}
+    assert {p.stem for p in table_sql_files()} <= names
+    assert set(FIGURE_NAMES) <= names

@@ -1,6 +1,6 @@
 """The paper's figures as PNG (matplotlib), from the same SQL as the tables:
 
-- Figure 4: Fast@1 over training steps (validation during RL), one line per run;
+- Figure 4: Fast@1 over RL training steps (as the RL stage logs it), one line per run;
 - Figure 5: Fast@1.2 at the last turn (left) and entropy (right) over training steps;
 - Figure 6: STTS, Fast@1.2 of the last turn (left) and best of history (right) vs turns T;
 - Figure 7: training dynamics: entropy, gradient norm, rollout and trainer perplexity;
@@ -24,8 +24,8 @@ from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
 
 # panel title -> pattern over normalised metric names
 FIGURE_PANELS: dict[str, dict[str, str]] = {
-    "fig4_fast1_training": {"Fast@1 (validation)": r"fast_?1(?:_turn_?\d+)?$"},
-    "fig5_fast12_entropy": {"Fast@1.2 (validation)": r"fast_?1_2(?:_turn_?\d+)?$", "Entropy": r"(?:^|_)entropy$"},
+    "fig4_fast1_training": {"Fast@1 during RL": r"fast_?1(?:_turn_?\d+)?$"},
+    "fig5_fast12_entropy": {"Fast@1.2 during RL": r"fast_?1_2(?:_turn_?\d+)?$", "Entropy": r"(?:^|_)entropy$"},
     "fig7_training_dynamics": {
         "Entropy": r"(?:^|_)entropy$",
         "Gradient norm": r"(?:^|_)grad_?norm$",
@@ -34,6 +34,7 @@ FIGURE_PANELS: dict[str, dict[str, str]] = {
     },
 }
 TRAINING_STAGES = ("rl", "val")
+FIGURE_NAMES = tuple(sorted([*FIGURE_PANELS, "fig6_stts", "fig8_hacking_ratio"]))  # results/figures/<name>.png
 
 
 def normalised(name: str) -> str:
@@ -60,6 +61,15 @@ def _figure(n_panels: int):
 
     fig, axes = plt.subplots(1, n_panels, figsize=(4.5 * n_panels, 3.6), squeeze=False)
     return plt, fig, list(axes[0])
+
+
+def _percent_axes(ax, values: pd.Series) -> None:
+    """Percentages from 0 (a flat zero line stays readable) and whole-number turns/iterations."""
+    from matplotlib.ticker import MaxNLocator
+
+    top = float(values.max()) if len(values) else 0.0
+    ax.set_ylim(0, max(5.0, 1.1 * top))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -98,6 +108,7 @@ def stts_figure(stts: pd.DataFrame, path: Path) -> Path:
             _empty_panel(ax, "STTS rows")
         else:
             ax.legend(fontsize=7)
+        _percent_axes(ax, part["fast_1_2"] if not part.empty else pd.Series(dtype=float))
         ax.set_title(f"STTS: {title} Fast@1.2")
         ax.set_xlabel("turns T")
         ax.set_ylabel("Fast@1.2 (%)")
@@ -115,6 +126,7 @@ def hacking_figure(hacking: pd.DataFrame, path: Path) -> Path:
         _empty_panel(ax, "RL rollouts")
     else:
         ax.legend(fontsize=7)
+    _percent_axes(ax, rl["hacking_ratio"] if not rl.empty else pd.Series(dtype=float))
     ax.set_title("Hacking ratio during RL")
     ax.set_xlabel("RL iteration")
     ax.set_ylabel("hacked samples (%)")

@@ -176,7 +176,8 @@ def markdown_frame(frame: pd.DataFrame, preformatted: bool = False) -> str:
     """A github table; `preformatted` keeps the cells' own text (e.g. "50.0")."""
     if frame.empty:
         return "_No rows yet: the stages this table reads produced none in this run._"
-    return tabulate(frame, headers="keys", tablefmt="github", showindex=False, floatfmt=".4g", missingval="—",
+    cells = frame.astype(object).where(frame.notna(), None)  # NaN (e.g. no correct kernel to average) -> "—"
+    return tabulate(cells, headers="keys", tablefmt="github", showindex=False, floatfmt=".4g", missingval="—",
                     disable_numparse=preformatted)
 
 

@@ -34,11 +34,11 @@ else:
             f"{COLDSTART_DIR}/part-{{shard}}.parquet",
         params:
             distill=DISTILL,
-            protocol=config.get("gym", {}).get("protocol", {}),
+            gym=config["gym"],
             num_shards=DISTILL["shards"],
             run=RUN,
             cache=lambda wildcards: f"{RESULTS}/cache/distill/run={RUN}/shard-{wildcards.shard}.jsonl",
-            code=code_version("agent", "llm", "gym"),
+            code=code_version("agent", "llm", "gym", "data/schemas.py"),
         wildcard_constraints:
             shard=r"\d+",
         resources:

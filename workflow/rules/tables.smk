@@ -1,12 +1,11 @@
 # The paper's tables (one workflow/sql/<name>.sql each) and figures from results/kpipe.duckdb,
 # all in `snakemake --report report.html`. The database's views read every stage's Parquet
 # files; build_db depends on the stage outputs, so these rerun whenever a stage does.
+from kpipe.figures import FIGURE_NAMES
 from kpipe.tables import table_sql_files
 
 SQL_DIR = (Path(workflow.current_basedir) / ".." / "sql").resolve()
 TABLE_NAMES = [path.stem for path in table_sql_files(SQL_DIR)]
-FIGURE_NAMES = ["fig4_fast1_training", "fig5_fast12_entropy", "fig6_stts", "fig7_training_dynamics",
-                "fig8_hacking_ratio"]
 
 
 def report_tables():

@@ -31,8 +31,8 @@ def agent() -> None:
 @click.option("--cache", type=click.Path(dir_okay=False), help="Response cache (default: <out>.cache.jsonl).")
 @click.option("--settings", type=click.Path(exists=True, dir_okay=False),
               help="YAML/JSON with the `distill` config section (or a whole config file).")
-@click.option("--protocol", type=click.Path(exists=True, dir_okay=False),
-              help="YAML/JSON of KernelGym protocol settings.")
+@click.option("--gym", "gym_file", type=click.Path(exists=True, dir_okay=False),
+              help="YAML/JSON with the `gym` config section (protocol, backend, workers, cache).")
 @click.option("--shard", default=0, show_default=True)
 @click.option("--num-shards", default=1, show_default=True)
 @click.option("--run", "run_name", default="default", show_default=True)
@@ -41,7 +41,7 @@ def agent() -> None:
 @click.option("--base-url", help="API endpoint (overrides distill.engine.base_url).")
 @click.option("--turns", type=int, help="Overrides distill.turns.")
 @click.option("--max-queries", type=int, help="Overrides distill.max_queries.")
-def distill(queries: str, out: str, cache: str | None, settings: str | None, protocol: str | None, shard: int,
+def distill(queries: str, out: str, cache: str | None, settings: str | None, gym_file: str | None, shard: int,
             num_shards: int, run_name: str, teacher: str | None, model: str | None, base_url: str | None,
             turns: int | None, max_queries: int | None) -> None:
     """Distill multi-turn trajectories for one shard of queries (resumable through --cache)."""
@@ -56,9 +56,9 @@ def distill(queries: str, out: str, cache: str | None, settings: str | None, pro
     section["engine"] = engine
     if section.get("teacher", "offline") == "api" and "model" not in engine:
         raise click.UsageError("an API teacher needs a model: --model or distill.engine.model")
-    protocol_settings = yaml.safe_load(Path(protocol).read_text()) if protocol else None
+    gym = yaml.safe_load(Path(gym_file).read_text()) if gym_file else None
     distill_job(queries, out, cache or f"{out}.cache.jsonl", section, shard=shard, num_shards=num_shards,
-                run=run_name, protocol=protocol_settings)  # logs the per-turn summary table
+                run=run_name, gym=gym)  # logs the per-turn summary table
 
 
 @agent.command("convert-coldstart")

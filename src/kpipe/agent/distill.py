@@ -183,22 +183,22 @@ def offline_teacher_args(offline: Mapping[str, Any]) -> list[str]:
 
 def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
                 settings: Mapping[str, Any], *, shard: int = 0, num_shards: int = 1, run: str = "default",
-                protocol: Mapping[str, Any] | None = None, progress: bool = True) -> list[TurnSummary]:
+                gym: Mapping[str, Any] | None = None, progress: bool = True) -> list[TurnSummary]:
     """One distillation shard as the `distill` config section describes it (see docs/generation.md).
 
     teacher: offline -> `kpipe serve teacher` is started for this job and stopped after it;
     teacher: api -> the OpenAI-compatible endpoint of `engine` (key from `engine.api_key_env`).
+    `gym` is the config's `gym` section: the protocol and the evaluator backend.
     """
-    from kpipe.agent.evaluator import LocalEvaluator
+    from kpipe.agent.evaluator import open_evaluator
     from kpipe.agent.history import make_policy
     from kpipe.gym import Protocol
     from kpipe.llm import make_engine
     from kpipe.llm.server import served_in_subprocess
 
     tasks = shard_tasks(queries_path, shard, num_shards, settings.get("max_queries"))
-    gym_protocol = Protocol.from_dict(dict(protocol or {}))
-    evaluator = LocalEvaluator(gym_protocol, progress=progress,
-                               reuse_reference=bool(settings.get("reuse_reference", False)))
+    gym = dict(gym or {})
+    gym_protocol = Protocol.from_dict(dict(gym.get("protocol", {})))
     common = dict(
         run=run, n_turns=int(settings.get("turns", 5)), n_samples=int(settings.get("samples", 1)),
         policy=make_policy(settings.get("history", "full"), int(settings.get("window", 4))),
@@ -207,11 +207,12 @@ def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, ca
     )
     engine_spec = {"kind": "openai", "progress": progress, **settings.get("engine", {})}
     teacher = settings.get("teacher", "offline")
-    if teacher == "offline":
+    if teacher not in ("offline", "api"):
+        raise ValueError(f"distill.teacher must be 'offline' or 'api', got {teacher!r}")
+    with open_evaluator(gym, reuse_reference=bool(settings.get("reuse_reference", False)), progress=progress) as evaluator:
+        if teacher == "api":
+            return distill_shard(tasks, make_engine(engine_spec), evaluator, out_path, cache_path, **common)
         with served_in_subprocess(offline_teacher_args(settings.get("offline", {}))) as base_url:
             engine = make_engine({**engine_spec, "model": OFFLINE_TEACHER_MODEL, "base_url": base_url,
                                   "api_key_env": None, "prices": {}})
             return distill_shard(tasks, engine, evaluator, out_path, cache_path, **common)
-    if teacher == "api":
-        return distill_shard(tasks, make_engine(engine_spec), evaluator, out_path, cache_path, **common)
-    raise ValueError(f"distill.teacher must be 'offline' or 'api', got {teacher!r}")

@@ -9,11 +9,12 @@ same method.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,3 +118,35 @@ class CachedEvaluator:
             handle.flush()
             os.fsync(handle.fileno())
         return [self._results[key] for key in keys]
+
+
+@contextlib.contextmanager
+def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, progress: bool = True) -> Iterator[Evaluator]:
+    """The evaluator the `gym` config section names, closed (workers stopped) on exit.
+
+    backend: pool (default; warm workers, one per GPU or N interpreter workers on a CPU),
+    local (a fresh interpreter per evaluation; slow, no shared state), or service (a running
+    `kpipe gym serve` at `url`, token from $KPIPE_GYM_TOKEN). `cache` names the SQLite
+    result cache shared by every stage and rerun (null: no cache).
+    """
+    from kpipe.gym import Protocol
+
+    protocol = Protocol.from_dict(dict(gym.get("protocol", {})))
+    backend = gym.get("backend", "pool")
+    if backend == "local":
+        yield LocalEvaluator(protocol, progress=progress, reuse_reference=reuse_reference)
+    elif backend == "service":
+        from kpipe.gym.client import GymClient
+
+        if not gym.get("url"):
+            raise ValueError("gym.backend is 'service' but gym.url is not set")
+        yield GymClient(gym["url"])
+    elif backend == "pool":
+        from kpipe.gym.cache import ResultCache
+        from kpipe.gym.pool import GymPool
+
+        cache = ResultCache(gym["cache"]) if gym.get("cache") else None
+        with GymPool(protocol, workers=gym.get("workers"), cache=cache, reuse_reference=reuse_reference, progress=progress) as pool:
+            yield pool
+    else:
+        raise ValueError(f"gym.backend must be pool, local or service, got {backend!r}")

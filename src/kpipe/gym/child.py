@@ -229,7 +229,7 @@ def watched_objects() -> dict[str, Any]:
     return watched
 
 
-def prime_lazy_state(device: str) -> None:
+def prime_lazy_state(device: str, profile: bool) -> None:
     """Trigger torch's own lazy rebinding before the patch snapshot, so it is not mistaken
     for the candidate's doing (importing torch._dynamo, which poisoned_memory() does,
     rebinds torch.manual_seed; CUDA and the profiler initialise lazily)."""
@@ -243,6 +243,11 @@ def prime_lazy_state(device: str) -> None:
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         torch.cuda.synchronize()
+        if profile:  # the profiler (kineto) also initialises lazily
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities):
+                torch.ones(1, device=device).add_(1)
+                torch.cuda.synchronize()
 
 
 def patched_names(before: dict[str, Any]) -> list[str]:
@@ -448,7 +453,7 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
 def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir: Path, phase: Phase) -> dict[str, Any]:
     clocks = Clocks(device)
-    prime_lazy_state(device)
+    prime_lazy_state(device, protocol.profile)
     instrument.install()
     real_thread_start = threading.Thread.start
     started_threads: list[str] = []

@@ -141,9 +141,17 @@ class RayGym:
         return eval_key(reference, candidate, self.protocol, self.device_kind)
 
     def workers(self) -> list[dict[str, Any]]:
-        """Each actor's pid, node, GPU, evaluations done and in-actor worker restarts."""
+        """Each actor's slot, pid, node, GPU, evaluations done and in-actor worker restarts;
+        an actor that Ray is restarting shows ``alive: False`` and why."""
         ray = import_ray()
-        return ray.get([actor.info.remote() for actor in self._actors])
+        refs = [actor.info.remote() for actor in self._actors]
+        states = []
+        for slot, ref in enumerate(refs):
+            try:
+                states.append({"slot": slot, "alive": True, **ray.get(ref)})
+            except ray.exceptions.RayError as exc:
+                states.append({"slot": slot, "alive": False, "error": f"{type(exc).__name__}: {exc}"})
+        return states
 
     def evaluate(self, reference: str, candidate: str) -> Any:
         return self.evaluate_many([(reference, candidate)])[0]

@@ -1,0 +1,97 @@
+"""kpipe.launch: the rule's GPU count and SLURM's node variables become the accelerate command
+line that accelerate's own parser reads back as intended (process count, FSDP, ranks)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+from click.testing import CliRunner
+
+from kpipe.launch import (
+    NodeInfo,
+    accelerate_command,
+    first_host,
+    launch,
+    launch_plan,
+    node_info_from_env,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "workflow" / "accelerate"
+TRAIN = ["train", "sft", "--out", "results/work/sft"]
+SLURM_TWO_NODES = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[03-04]",
+                   "SLURM_JOB_ID": "81234"}
+
+
+def parsed(command: list[str]):
+    """What `accelerate launch` itself makes of the command (config file merged in)."""
+    assert command[1:3] == ["-m", "accelerate.commands.launch"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(command[3:]))
+    return args
+
+
+@pytest.mark.parametrize("nodelist, host", [("gpu[03-05,09],cpu1", "gpu03"), ("node7", "node7"),
+                                            ("a-b[12-13]", "a-b12"), ("n1,n2", "n1")])
+def test_first_host_of_a_slurm_nodelist(nodelist: str, host: str) -> None:
+    assert first_host(nodelist) == host
+
+
+def test_node_info_from_slurm_and_torchrun_variables() -> None:
+    assert node_info_from_env(SLURM_TWO_NODES) == NodeInfo(nodes=2, rank=1, main_address="gpu03", main_port=29500 + 1234)
+    overridden = node_info_from_env({**SLURM_TWO_NODES, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "23456"})
+    assert (overridden.main_address, overridden.main_port) == ("10.0.0.5", 23456)
+    local = node_info_from_env({})
+    assert (local.nodes, local.rank, local.main_address) == (1, 0, "127.0.0.1") and 1024 <= local.main_port < 65536
+    with pytest.raises(ValueError, match="outside"):
+        node_info_from_env({"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "2"})
+
+
+def test_no_gpu_runs_plain_python() -> None:
+    assert accelerate_command(0, TRAIN, config_dir=CONFIG_DIR) == [sys.executable, "-m", "kpipe.cli", *TRAIN]
+
+
+def test_one_gpu_is_one_process_without_fsdp() -> None:
+    args = parsed(accelerate_command(1, TRAIN, config_dir=CONFIG_DIR))
+    assert (args.num_processes, args.use_fsdp, args.multi_gpu, args.mixed_precision) == (1, False, False, "bf16")
+    assert (args.module, args.training_script, args.training_script_args) == (True, "kpipe.cli", TRAIN)
+
+
+def test_gpus_of_one_node_are_fsdp_processes() -> None:
+    args = parsed(accelerate_command(4, TRAIN, NodeInfo(main_port=31000), config_dir=CONFIG_DIR))
+    assert (args.num_processes, args.num_machines, args.use_fsdp, args.fsdp_version) == (4, 1, True, 2)
+    assert (args.fsdp_auto_wrap_policy, args.main_process_port) == ("TRANSFORMER_BASED_WRAP", 31000)
+
+
+def test_each_node_of_a_multi_node_job_gets_its_rank_and_the_shared_rendezvous() -> None:
+    node = node_info_from_env(SLURM_TWO_NODES)
+    args = parsed(accelerate_command(16, TRAIN, node, config_dir=CONFIG_DIR))
+    assert (args.num_processes, args.num_machines, args.machine_rank) == (16, 2, 1)
+    assert (args.main_process_ip, args.main_process_port, args.use_fsdp) == ("gpu03", 30734, True)
+
+
+def test_uneven_gpu_split_is_refused() -> None:
+    with pytest.raises(ValueError, match="evenly"):
+        accelerate_command(3, TRAIN, NodeInfo(nodes=2), config_dir=CONFIG_DIR)
+
+
+def test_first_node_fans_out_with_srun_and_node_tasks_launch_accelerate() -> None:
+    fan_out = launch_plan(16, TRAIN, SLURM_TWO_NODES, node_task=False, config_dir=CONFIG_DIR)
+    assert fan_out[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    assert fan_out[-len(TRAIN) - 5:] == ["launch", "--gpus", "16", "--node-task", "--", *TRAIN]
+    node = launch_plan(16, TRAIN, SLURM_TWO_NODES, node_task=True, config_dir=CONFIG_DIR)
+    assert parsed(node).machine_rank == 1
+
+
+def test_cli_prints_and_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(SLURM_TWO_NODES) + ["MASTER_ADDR", "MASTER_PORT", "SLURM_NNODES", "SLURM_NODELIST"]:
+        monkeypatch.delenv(name, raising=False)
+    runner = CliRunner()
+    printed = runner.invoke(launch, ["--gpus", "8", "--config-dir", str(CONFIG_DIR), "--print", "--", *TRAIN])
+    assert printed.exit_code == 0, printed.output
+    assert "fsdp_single_node.yaml --num_processes 8" in printed.output and printed.output.rstrip().endswith(" ".join(TRAIN))
+    ran = runner.invoke(launch, ["--gpus", "0", "--", "query", "--help"])
+    assert ran.exit_code == 0, ran.output
+    refused = runner.invoke(launch, ["--gpus", "3", "--print", "--", *TRAIN], env={"SLURM_JOB_NUM_NODES": "2"})
+    assert refused.exit_code != 0 and "evenly" in refused.output

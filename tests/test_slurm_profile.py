@@ -1,0 +1,111 @@
+"""The SLURM profile plans the paper run, passes lint, and the SLURM executor plugin turns each
+planned job's resources into the intended sbatch request (run in a scratch copy of the repo's
+workflow/ and config/, as tests/test_workflow.py does)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("snakemake_executor_plugin_slurm")
+from snakemake_executor_plugin_slurm.submit_string import get_submit_command  # noqa: E402
+from snakemake_executor_plugin_slurm.utils import set_gres_string  # noqa: E402
+from snakemake_executor_plugin_slurm.validation import validate_slurm_extra  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PAPER = ["--configfile", "config/paper.yaml"]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("slurm")
+    shutil.copytree(ROOT / "workflow", work / "workflow")
+    shutil.copytree(ROOT / "config", work / "config")
+    return work
+
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result
+
+
+def planned_resources(output: str) -> dict[str, list[dict[str, Any]]]:
+    """rule name -> the resources of each of its planned jobs, from a dry run's job listing."""
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    rule = None
+    for line in output.splitlines():
+        if match := re.match(r"^(?:local)?rule (\w+):", line):
+            rule = match.group(1)
+        elif rule and line.strip().startswith("resources:"):
+            pairs = (item.split("=", 1) for item in line.split("resources:", 1)[1].split(", "))
+            jobs.setdefault(rule, []).append({k.strip(): int(v) if v.isdigit() else v for k, v in pairs})
+            rule = None
+    return jobs
+
+
+class FakeResources(dict):
+    """The attribute-and-get access the plugin uses on ``job.resources``."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def sbatch_line(resources: dict[str, Any], **extra: Any) -> str:
+    job = type("Job", (), {"resources": FakeResources({**resources, **extra}), "threads": 1})()
+    validate_slurm_extra(job)
+    params = {"run_uuid": "kpipe", "slurm_logfile": "logs/slurm/x.log", "comment_str": "rule", "account": "-A lab",
+              "partition": "-p gpu", "workdir": None}
+    return get_submit_command(job, params) + set_gres_string(job)
+
+
+@pytest.fixture(scope="module")
+def paper_plan(workdir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The paper run planned with the SLURM profile as the workflow profile."""
+    return planned_resources(snakemake(workdir, "-n", "--workflow-profile", "workflow/profiles/slurm", *PAPER).stdout)
+
+
+def test_the_acceptance_command_plans_the_full_paper_run(workdir: Path) -> None:
+    result = snakemake(workdir, "-n", "--profile", "workflow/profiles/slurm", *PAPER)
+    counts = Counter({rule: len(jobs) for rule, jobs in planned_resources(result.stdout).items()})
+    assert {"ingest_tasks", "ingest_queries", "decontaminate", "sft", "build_db"} <= set(counts)
+    assert counts["distill"] == 64  # distill.shards of config/paper.yaml
+    assert "Using profiles workflow/profiles/slurm" in result.stderr
+
+
+def test_every_planned_job_has_runtime_and_memory(paper_plan) -> None:
+    for rule, jobs in paper_plan.items():
+        for resources in jobs:
+            assert resources["runtime"] > 0 and resources["mem_mb"] > 0, rule
+
+
+def test_gpu_jobs_ask_slurm_for_the_rules_gpus(paper_plan) -> None:
+    sft = paper_plan["sft"][0]
+    assert sft["gpu"] == 8  # sft.gpus of config/paper.yaml
+    line = sbatch_line(sft)
+    for flag in ("--gpus=8", "-t 1440", "--mem 512000", "--cpus-per-gpu=12", "--exclusive"):
+        assert flag in line, line
+    assert "--cpus-per-task" not in line
+    assert "--gpus=h100:8" in sbatch_line(sft, gpu_model="h100")
+    distill = sbatch_line(paper_plan["distill"][0])
+    assert "--gpus=1" in distill and "--cpus-per-gpu=8" in distill
+
+
+def test_cpu_jobs_ask_for_cpus_and_no_gpu(paper_plan) -> None:
+    line = sbatch_line(paper_plan["decontaminate"][0])
+    assert "--cpus-per-task=8" in line and "--gpus" not in line and "--ntasks=1" in line
+
+
+def test_profile_passes_lint(workdir: Path) -> None:
+    result = snakemake(workdir, "--lint", "--workflow-profile", "workflow/profiles/slurm", *PAPER)
+    assert "Congratulations" in result.stdout + result.stderr

@@ -1,0 +1,38 @@
+-- Kevin's trajectory metrics (Kevin-32B; Dr. Kernel's related work): a trajectory is correct if
+-- any of its turns is (hacked = incorrect); its performance is its fastest correct kernel's
+-- speedup (0 if none). Per task, best@k is the best of its k trajectories and avg@k their mean,
+-- with k = every sample of the task (the paper's 8; `k` is the fewest a task had, so the values
+-- are exact when k = k_max); then averaged over tasks. Percentages, speedups as ratios; fast@1.2
+-- = correct with speedup >= 1.2. Rows behind a cell:
+--   select * from fastp_samples where stage = 'eval' and history = 'last' and <keys of the row>
+WITH trajectory AS (
+    SELECT run, model, level, baseline, task_id, sample,
+           bool_or(correct) AS correct,
+           coalesce(max(speedup) FILTER (WHERE correct), 0) AS speedup
+    FROM fastp_samples
+    WHERE stage = 'eval' AND history = 'last'
+    GROUP BY run, model, level, baseline, task_id, sample
+),
+per_task AS (
+    SELECT run, model, level, baseline, task_id,
+           count(*) AS k,
+           max(correct::INTEGER) AS best_correct,
+           avg(correct::INTEGER) AS avg_correct,
+           max((correct AND speedup >= 1.2)::INTEGER) AS best_fast_1_2,
+           avg((correct AND speedup >= 1.2)::INTEGER) AS avg_fast_1_2,
+           max(speedup) AS best_speedup,
+           avg(speedup) AS avg_speedup
+    FROM trajectory
+    GROUP BY run, model, level, baseline, task_id
+)
+SELECT run, model, level, baseline,
+       count(*) AS n_tasks, min(k) AS k, max(k) AS k_max,
+       100.0 * avg(best_correct) AS best_at_k_correct,
+       100.0 * avg(avg_correct) AS avg_at_k_correct,
+       100.0 * avg(best_fast_1_2) AS best_at_k_fast_1_2,
+       100.0 * avg(avg_fast_1_2) AS avg_at_k_fast_1_2,
+       avg(best_speedup) AS best_at_k_speedup,
+       avg(avg_speedup) AS avg_at_k_speedup
+FROM per_task
+GROUP BY run, model, level, baseline
+ORDER BY run, model, level, baseline;
