@@ -170,3 +170,18 @@ def test_kevin_best_and_avg_at_k_equal_kpipe_metrics(db):
                 assert got[f"avg_at_k_{name}"] == pytest.approx(scale * mean), (model, level, baseline, metric)
     # by hand: level 1 tasks t1 (trajectories correct, best 2.0x) and t2 (both correct, best 1.5x)
     assert kevin.loc[("m", 1, "eager"), "best_at_k_speedup"] == pytest.approx((2.0 + 1.5) / 2)
+
+
+def test_documented_trace_query_reaches_the_trajectory_rows(db):
+    """docs/evaluation.md: from a Table 1 cell to the turns (and eval keys) that made it."""
+    sql = """select t.task_id, t.sample, t.turn, t.status, t.speedup_eager
+      from fastp_samples f join trajectories t
+        on t.run = f.run and t.stage = f.stage and t.model = f.model and t.task_id = f.task_id
+       and t.sample = f.sample and t.turn = f.source_turn
+      where f.stage = 'eval' and f.baseline = 'eager' and f.run = 'r' and f.model = 'm'
+        and f.level = 1 and f.turn = 3 and f.history = 'best' and f.fast_1_2 order by 1, 2"""
+    with duckdb.connect(str(db), read_only=True) as con:
+        rows = con.sql(sql).fetchall()
+    cell = table(db, "table1_fastp_eager").query("model == 'm' and level == 1 and turn == 3 and history == 'best'")
+    assert len(rows) == cell["n_fast_1_2"].item() == 3
+    assert rows == [("t1", 0, 2, "pass", 1.2), ("t1", 1, 2, "pass", 2.0), ("t2", 0, 1, "pass", 1.5)]

@@ -39,6 +39,7 @@ PROBE_INTERVAL_S = 1.0  # how often a lost actor is asked whether it is back
 # Ray restarts a lost actor wherever a GPU is free; with none free for this long, the jobs
 # still waiting are answered `crashed` rather than waiting forever
 ACTOR_RECOVERY_TIMEOUT_S = 600.0
+ACTOR_START_TIMEOUT_S = 600.0  # actors Ray cannot place (more than the cluster's GPUs) would wait forever
 
 
 def import_ray() -> Any:
@@ -117,7 +118,7 @@ class RayGym:
         self.progress = progress
         cluster = ray.cluster_resources()
         use_gpus = self.protocol.device != "cpu" and cluster.get("GPU", 0) >= 1
-        count = actors or default_actor_count(cluster, use_gpus, cpus_per_actor)
+        count = default_actor_count(cluster, use_gpus, cpus_per_actor) if actors is None else actors
         if count < 1:
             raise ValueError(f"actors must be >= 1, got {count}")
         options: dict[str, Any] = {"num_cpus": cpus_per_actor, "num_gpus": 1 if use_gpus else 0,
@@ -126,7 +127,12 @@ class RayGym:
             options["accelerator_type"] = accelerator_type
         actor_class = ray.remote(GymActor).options(**options)
         self._actors = [actor_class.remote(self.protocol.to_json(), reuse_reference, fork) for _ in range(count)]
-        infos = ray.get([actor.info.remote() for actor in self._actors])
+        try:
+            infos = ray.get([actor.info.remote() for actor in self._actors], timeout=ACTOR_START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            self.close()
+            raise RuntimeError(f"{count} evaluation actor(s) did not start within {ACTOR_START_TIMEOUT_S:g} s: "
+                               f"the cluster has {cluster.get('GPU', 0):g} GPU(s), {cluster.get('CPU', 0):g} CPU(s)") from None
         kinds = {info["device_kind"] for info in infos}
         if len(kinds) != 1:
             self.close()

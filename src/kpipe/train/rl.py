@@ -25,6 +25,7 @@ fingerprint (config, run, iteration, input checkpoint, tasks) guards the scratch
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,13 @@ from tqdm.auto import tqdm
 from kpipe import metrics as kmetrics
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.history import make_policy
-from kpipe.agent.loop import AgentTask, Sampling, run_episodes
+from kpipe.agent.loop import GENERATION_ERROR, AgentTask, Sampling, run_episodes
 from kpipe.data.io import read_table, write_table
+from kpipe.llm.extract import FORMAT_ERROR
 from kpipe.llm.hf_engine import plain_chat_prompt
 from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
 from kpipe.train import algos
-from kpipe.train.checkpoint import latest_checkpoint, save_checkpoint
+from kpipe.train.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from kpipe.train.metrics_log import MetricsLog
 from kpipe.train.rl_config import RLConfig
 from kpipe.train.sft import batch_indices, plan_micro_batches, resolve_precision
@@ -61,6 +63,7 @@ STAGE = "rl"
 EMPTY = "empty_response"  # no generated tokens (the engine failed): nothing to train on
 FILTER_ORDER = ("regression", "zero_variance", "mrs", "prs")  # `rejected_by` names the first that drops a row
 FAST_PS = (1.0, 1.2)
+NOT_EVALUATED = (FORMAT_ERROR, GENERATION_ERROR)  # turns KernelGym never saw
 
 
 # --------------------------------------------------------------------------- inputs and outputs
@@ -75,20 +78,12 @@ class IterationResult:
     mean_reward: float
 
 
-def model_dir_of(path: str | os.PathLike) -> Path:
-    """The HF model directory of an input checkpoint: an RL iteration's `model/`, or the SFT model itself."""
-    path = Path(path)
-    if (path / "model" / "config.json").exists():
-        return path / "model"
-    if (path / "config.json").exists():
-        return path
-    raise FileNotFoundError(f"no Hugging Face model (config.json) at {path} or {path / 'model'}")
-
-
-def directory_identity(path: str | os.PathLike) -> str:
+def directory_identity(path: str | os.PathLike | None) -> str:
     """Names, sizes and modification times of the files under `path`: changes when it is rewritten."""
-    path = Path(path)
     digest = hashlib.sha256()
+    if path is None or not Path(path).is_dir():
+        return "none"
+    path = Path(path)
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         stat = file.stat()
         digest.update(f"{file.relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -209,10 +204,9 @@ def left_padded(samples: Sequence[TokenSample], pad_id: int) -> dict[str, torch.
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
-def response_mask(samples: Sequence[TokenSample], width: int) -> torch.Tensor:
-    """[batch, width] mask of response tokens in right-aligned [.., width] response tensors."""
-    lengths = torch.tensor([len(s.response_ids) for s in samples])
-    return torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+def response_mask(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """[rows, width] mask of the response tokens in right-aligned [rows, width] tensors."""
+    return torch.arange(width).unsqueeze(0) >= (width - torch.tensor(list(lengths))).unsqueeze(1)
 
 
 def right_aligned(values: Sequence[Sequence[float]], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -224,7 +218,8 @@ def right_aligned(values: Sequence[Sequence[float]], width: int, dtype: torch.dt
     return out
 
 
-def response_logits(model: Any, samples: Sequence[TokenSample], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def response_logits(model: Any, samples: Sequence[TokenSample], pad_id: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits predicting each response token ([batch, R, vocab], right-aligned, R = longest response)
     and the response token ids; only the last R+1 positions' logits are computed (vocabularies are big)."""
     width = max(len(s.response_ids) for s in samples)
@@ -274,7 +269,7 @@ def mismatch_keep(train_logp: Sequence[torch.Tensor], rollout_logp: Sequence[Seq
     width = max([len(x) for x in train_logp] + [1])
     train = right_aligned([x.tolist() for x in train_logp], width, torch.float64)
     rollout = right_aligned(rollout_logp, width, torch.float64)
-    mask = response_mask([TokenSample([], list(range(len(x)))) for x in train_logp], width)
+    mask = response_mask([len(x) for x in train_logp], width)
     keep = algos.mrs_mask(train, rollout, mask, cfg.mrs_delta, cfg.mrs_token_veto)
     log_w = torch.nan_to_num(algos.log_geometric_mean_ratio(train, rollout, mask), nan=0.0)
     return keep, log_w
@@ -350,7 +345,7 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
     """PPO-clip optimizer steps on `items`: `ppo_epochs` passes over `mini_batches` mini-batches each.
 
     Returns the means over optimizer steps of loss, grad_norm, clip fractions and approx KL, and
-    the token-mean entropy of the policy on the trained tokens (first pass, before any step).
+    the token-mean entropy of the policy on the trained tokens during the first epoch.
     """
     device = accelerator.device
     stats: dict[str, list[float]] = {}
@@ -370,7 +365,7 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
                     logits, tokens = response_logits(model, samples, pad_id, device)
                 logp = sequence_log_probs(logits, tokens, cfg.temperature)
                 width = logp.shape[1]
-                mask = response_mask(samples, width).to(device)
+                mask = response_mask([len(s.response_ids) for s in samples], width).to(device)
                 old = right_aligned([item.old_logp.tolist() for item in micro], width).to(device)
                 advantages = torch.tensor([item.advantage for item in micro], dtype=logp.dtype, device=device)
                 loss, loss_stats = algos.ppo_clip_policy_loss(logp, old, advantages, mask, cfg.eps_low, cfg.eps_high,
@@ -404,8 +399,10 @@ def rollout_metrics(rows: Sequence[dict[str, Any]], max_turns: int) -> dict[str,
     rewards = np.array([float(row["reward"]) for row in rows])
     values = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
               "correct_frac": kmetrics.correct_rate([r["correct"] for r in rows], [r["hacked"] for r in rows]),
-              "hacking_ratio": kmetrics.hacking_ratio([r["hacked"] for r in rows]),
               "turns_mean": float(np.mean([r["turn"] for r in rows]))}
+    evaluated = [r["hacked"] for r in rows if r["status"] not in NOT_EVALUATED]
+    if evaluated:  # Appendix C: the share of evaluated kernels flagged as hacks
+        values["hacking_ratio"] = kmetrics.hacking_ratio(evaluated)
     for turn in range(1, max_turns + 1):
         at_turn = rewards[[row["turn"] == turn for row in rows]]
         if len(at_turn):
@@ -425,7 +422,7 @@ def token_metrics(train_logp: Sequence[torch.Tensor], rollout_logp: Sequence[Seq
     if not any(lengths):
         return {"response_tokens_mean": 0.0}
     width = max(lengths)
-    mask = response_mask([TokenSample([], [0] * n) for n in lengths], width)
+    mask = response_mask(lengths, width)
     train = right_aligned([x.tolist() for x in train_logp], width, torch.float64)
     rollout = right_aligned(rollout_logp, width, torch.float64)
     return {"rollout_ppl": algos.perplexity(rollout, mask), "train_ppl": algos.perplexity(train, mask),
@@ -448,7 +445,7 @@ def load_policy(model_dir: Path, cfg: RLConfig) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def gym_protocol(cfg: RLConfig, base: dict[str, Any] | None) -> Any:
+def gym_protocol(cfg: RLConfig, base: Mapping[str, Any] | None) -> Any:
     """The KernelGym protocol of the run: the `gym` section plus what the RL settings imply
     (no hack checks for the "w/o hacking check" ablation; profiling whenever PR is used)."""
     from kpipe.gym import Protocol
@@ -459,17 +456,6 @@ def gym_protocol(cfg: RLConfig, base: dict[str, Any] | None) -> Any:
     if cfg.use_pr or cfg.prs:
         values["profile"] = True
     return Protocol.from_dict(values)
-
-
-def make_evaluator(cfg: RLConfig, protocol: Any, progress: bool) -> Any:
-    """The KernelGym backend the config names (the pool must be closed by the caller)."""
-    if cfg.evaluator == "pool":
-        from kpipe.gym.pool import GymPool
-
-        return GymPool(protocol, workers=cfg.eval_workers, reuse_reference=True, progress=progress)
-    from kpipe.agent.evaluator import LocalEvaluator
-
-    return LocalEvaluator(protocol, progress=progress, reuse_reference=True)
 
 
 def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -547,7 +533,8 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
     n_tokens = max(1, int(has_tokens.sum()))
     values.update({f"kept_frac_{name}": float((mask & has_tokens).sum()) / n_tokens for name, mask in masks.items()})
     values.update(kept_frac=float(kept.sum()) / len(rows), trained_rows=float(len(items)),
-                  return_mean=float(returns.mean()), advantage_abs_mean=float(advantages[kept].abs().mean()) if items else 0.0,
+                  return_mean=float(returns.mean()),
+                  advantage_abs_mean=float(advantages[kept].abs().mean()) if items else 0.0,
                   mismatch_abs_log_w=float(log_w[has_tokens].abs().mean()) if bool(has_tokens.any()) else 0.0)
     values.update(token_metrics([train_logp[i] for i in range(len(rows)) if has_tokens[i]],
                                 [rollout_logp[i] for i in range(len(rows)) if has_tokens[i]]))
@@ -570,7 +557,7 @@ def rollout_rows(tasks: Sequence[AgentTask], engine: Any, evaluator: Any, cfg: R
 def run_iteration(
     cfg: RLConfig,
     tasks: Sequence[AgentTask],
-    init: str | os.PathLike,
+    init_model: str | os.PathLike,
     model_out: str | os.PathLike,
     trajectories_path: str | os.PathLike,
     metrics_path: str | os.PathLike,
@@ -578,121 +565,145 @@ def run_iteration(
     *,
     run: str,
     iteration: int,
+    init_state: str | os.PathLike | None = None,
     state_out: str | os.PathLike | None = None,
-    protocol: dict[str, Any] | None = None,
+    gym: Mapping[str, Any] | None = None,
     evaluator: Evaluator | None = None,
     progress: bool = True,
 ) -> IterationResult:
-    """RL iteration `iteration` of `run`, starting from checkpoint `init`.
+    """RL iteration `iteration` of `run`, starting from the HF model `init_model`.
 
-    `init` is the previous iteration's output (its `model/`, and `state/` if given there: the
-    optimizer moments carry over) or, for iteration 0, the SFT model directory. Writes the HF
-    model to `model_out`, the optimizer state to `state_out` (for the next iteration), the
-    rollouts to `trajectories_path` and the step metrics to `metrics_path`. `evaluator` replaces
-    the one `cfg.evaluator` would build (tests, a remote service); `protocol` is the `gym` section.
+    `init_model` is the previous iteration's model (iteration 0: the SFT model); `init_state`
+    the previous iteration's optimizer state, so Adam's moments carry over (missing: a fresh
+    optimizer, with a warning after iteration 0). Writes the HF model to `model_out`, the
+    optimizer state to `state_out`, the rollouts to `trajectories_path` and the step metrics
+    to `metrics_path`. `gym` is the `gym` config section (backend, workers, cache, protocol);
+    `evaluator` replaces the backend it names (tests, an evaluator shared across iterations).
     """
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from kpipe.agent.evaluator import open_evaluator
 
     if not tasks:
         raise ValueError("RL needs at least one training task")
-    init, model_out, scratch = Path(init), Path(model_out), Path(scratch)
-    init_model = model_dir_of(init)
-    gym = gym_protocol(cfg, protocol)
-    fingerprint = iteration_fingerprint(cfg, run, iteration, directory_identity(init_model), tasks, gym.to_json())
+    gym = dict(gym or {})
+    protocol = gym_protocol(cfg, gym.get("protocol"))
+    gym["protocol"] = protocol.to_dict()
+    init_state = Path(init_state) if init_state is not None and Path(init_state).is_dir() else None
+    if init_state is None and iteration > 0:
+        log.warning("RL iteration %d of %s starts with a fresh optimizer: no state from iteration %d",
+                    iteration, run, iteration - 1)
+    identity = directory_identity(init_model) + directory_identity(init_state)
+    fingerprint = iteration_fingerprint(cfg, run, iteration, identity, tasks, protocol.to_json())
+    scratch = Path(scratch)
     resumed = prepare_scratch(scratch, fingerprint)
-    accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
-    if accelerator.num_processes > 1:
-        raise RuntimeError("RL runs in one process (rollouts on the live policy); multi-GPU RL is not supported yet")
-    set_seed(cfg.seed + iteration)
-
-    model, tokenizer = load_policy(init_model, cfg)
-    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=torch.cuda.is_available()))
-    checkpoint = latest_checkpoint(scratch / "checkpoints")
-    start_step = 0
-    if checkpoint is not None:
-        accelerator.load_state(str(checkpoint.state_dir))
-        start_step = checkpoint.step
-    elif (init / "state").is_dir():
-        accelerator.load_state(str(init / "state"))
-    if resumed:
-        log.info("resuming RL iteration %d of run %s at step %d (scratch %s)", iteration, run, start_step, scratch)
-
-    metrics = MetricsLog(scratch / "metrics.parquet", run=run, stage=STAGE, iteration=iteration)
-    metrics.resume(iteration * cfg.steps_per_iteration + start_step)
-    own_evaluator = evaluator is None
-    base_evaluator = make_evaluator(cfg, gym, progress) if own_evaluator else evaluator
-    timed_evaluator = TimedEvaluator(CachedEvaluator(base_evaluator, scratch / "evals.jsonl", gym.to_json()))
-    raw_engine = make_engine(cfg, accelerator.unwrap_model(model), tokenizer, init_model, f"{run}/rl-iter{iteration}",
-                             progress)
-    engine = TimedEngine(raw_engine)
-    generator = torch.Generator().manual_seed(step_seed(cfg.seed, iteration))
-    try:
-        for step in range(start_step, cfg.steps_per_iteration):
-            global_step = iteration * cfg.steps_per_iteration + step
-            if cfg.engine == "vllm" and step > 0:
-                push_weights_to_vllm(raw_engine, accelerator.unwrap_model(model))
-            started = time.perf_counter()
-            engine.seconds = timed_evaluator.seconds = 0.0
-            rollouts_path = scratch / f"rollouts-{step:04d}.parquet"
-            if rollouts_path.exists():
-                rows = read_table(rollouts_path, "trajectories").to_pylist()
-            else:
-                model.eval()
-                rows = rollout_rows(step_tasks(tasks, cfg.prompts_per_step, cfg.seed, global_step), engine,
-                                    timed_evaluator, cfg, run=run, iteration=iteration, global_step=global_step,
-                                    progress=progress)
-                write_table(rows, rollouts_path, "trajectories")
-            rollout_s = time.perf_counter() - started
-            generator.manual_seed(step_seed(cfg.seed + 1, global_step))
-            train_started = time.perf_counter()
-            values = train_on_rollouts(rows, cfg, accelerator, model, optimizer, tokenizer, generator, progress)
-            values.update(rollout_metrics(rows, cfg.max_turns))
-            values.update(gen_s=engine.seconds, eval_s=timed_evaluator.seconds, rollout_s=rollout_s,
-                          train_s=time.perf_counter() - train_started, step_s=time.perf_counter() - started,
-                          lr=cfg.lr, rows=float(len(rows)))
-            metrics.log(global_step + 1, values)
-            write_table(rows, scratch / f"step-{step:04d}.parquet", "trajectories")
-            log.info("RL %s iter %d step %d: reward %.3f, kept %.2f, grad norm %.3g", run, iteration, step,
-                     values["reward_mean"], values["kept_frac"], values.get("grad_norm", 0.0))
-            if step + 1 < cfg.steps_per_iteration:
-                metrics.flush()
-                save_checkpoint(accelerator, model, tokenizer, scratch / "checkpoints", step + 1, fingerprint, keep_last=1)
-    finally:
-        if own_evaluator and hasattr(base_evaluator, "close"):
-            base_evaluator.close()
-
-    return finish_iteration(accelerator, model, tokenizer, scratch, metrics, cfg, model_out, state_out,
-                            trajectories_path, metrics_path, start_step if resumed else 0)
+    with contextlib.ExitStack() as stack:
+        if evaluator is None:
+            # one reference run per task saves minutes on a CPU; on a GPU each candidate is timed next to it
+            reuse = not torch.cuda.is_available()
+            evaluator = stack.enter_context(open_evaluator(gym, reuse_reference=reuse, progress=progress))
+        cached = CachedEvaluator(evaluator, scratch / "evals.jsonl", protocol.to_json())
+        trainer = IterationTrainer(cfg, Path(init_model), init_state, scratch, fingerprint, run, iteration, progress)
+        if resumed:
+            log.info("resuming RL iteration %d of %s at step %d (scratch %s)", iteration, run, trainer.start_step,
+                     scratch)
+        resumed_steps = trainer.start_step
+        for step in range(trainer.start_step, cfg.steps_per_iteration):
+            trainer.step(step, tasks, cached)
+    return trainer.finish(Path(model_out), state_out, trajectories_path, metrics_path, resumed_steps)
 
 
-def finish_iteration(accelerator: Any, model: Any, tokenizer: Any, scratch: Path, metrics: MetricsLog, cfg: RLConfig,
-                     model_out: Path, state_out: str | os.PathLike | None, trajectories_path: str | os.PathLike,
-                     metrics_path: str | os.PathLike, resumed_steps: int) -> IterationResult:
-    """Write the iteration's outputs (each atomically), then drop the scratch directory."""
-    from kpipe.train.checkpoint import export_hf
+class IterationTrainer:
+    """The state of one iteration: accelerator, policy, optimizer, rollout engine and metrics log."""
 
-    tmp_model = model_out.parent / f".tmp-{model_out.name}"
-    shutil.rmtree(tmp_model, ignore_errors=True)
-    export_hf(accelerator, model, tokenizer, tmp_model)
-    shutil.rmtree(model_out, ignore_errors=True)
-    tmp_model.rename(model_out)
-    if state_out is not None:
-        state_out = Path(state_out)
-        tmp_state = state_out.parent / f".tmp-{state_out.name}"
-        shutil.rmtree(tmp_state, ignore_errors=True)
-        accelerator.save_state(str(tmp_state))
-        shutil.rmtree(state_out, ignore_errors=True)
-        tmp_state.rename(state_out)
-    rows = []
-    for step in range(cfg.steps_per_iteration):
-        rows.extend(read_table(scratch / f"step-{step:04d}.parquet", "trajectories").to_pylist())
-    write_table(rows, trajectories_path, "trajectories")
-    write_table(metrics.rows, metrics_path, "train_metrics")
-    shutil.rmtree(scratch, ignore_errors=True)
-    mean_reward = float(np.mean([row["reward"] for row in rows])) if rows else math.nan
-    return IterationResult(model_out, cfg.steps_per_iteration, resumed_steps, len(rows), mean_reward)
+    def __init__(self, cfg: RLConfig, init_model: Path, init_state: Path | None, scratch: Path, fingerprint: str,
+                 run: str, iteration: int, progress: bool) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        self.cfg, self.scratch, self.fingerprint = cfg, scratch, fingerprint
+        self.run, self.iteration, self.progress = run, iteration, progress
+        self.accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
+        if self.accelerator.num_processes > 1:
+            raise RuntimeError("RL runs in one process (rollouts on the live policy); "
+                               "multi-GPU RL is not supported yet")
+        set_seed(cfg.seed + iteration)
+        model, self.tokenizer = load_policy(init_model, cfg)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                      fused=torch.cuda.is_available())
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        checkpoint = latest_checkpoint(scratch / "checkpoints")
+        self.start_step = checkpoint.step if checkpoint is not None else 0
+        if checkpoint is not None:
+            self.accelerator.load_state(str(checkpoint.state_dir))
+        elif init_state is not None:
+            self.accelerator.load_state(str(init_state))
+        self.metrics = MetricsLog(scratch / "metrics.parquet", run=run, stage=STAGE, iteration=iteration)
+        self.metrics.resume(iteration * cfg.steps_per_iteration + self.start_step)
+        self.raw_engine = make_engine(cfg, self.accelerator.unwrap_model(self.model), self.tokenizer, init_model,
+                                      f"{run}/rl-iter{iteration}", progress)
+        self.engine = TimedEngine(self.raw_engine)
+        self.generator = torch.Generator()
+
+    def step(self, step: int, tasks: Sequence[AgentTask], evaluator: Evaluator) -> dict[str, float]:
+        """Rollouts (or their saved copy), training on them, metrics; a checkpoint unless it is the last step."""
+        cfg, global_step = self.cfg, self.iteration * self.cfg.steps_per_iteration + step
+        if cfg.engine == "vllm" and step > 0:
+            push_weights_to_vllm(self.raw_engine, self.accelerator.unwrap_model(self.model))
+        timed = TimedEvaluator(evaluator)
+        self.engine.seconds = 0.0
+        started = time.perf_counter()
+        rollouts_path = self.scratch / f"rollouts-{step:04d}.parquet"
+        if rollouts_path.exists():
+            rows = read_table(rollouts_path, "trajectories").to_pylist()
+        else:
+            self.model.eval()
+            with self.accelerator.autocast():  # HF rollouts in the trainer's precision: less mismatch for MRS
+                rows = rollout_rows(step_tasks(tasks, cfg.prompts_per_step, cfg.seed, global_step), self.engine,
+                                    timed, cfg, run=self.run, iteration=self.iteration, global_step=global_step,
+                                    progress=self.progress)
+            write_table(rows, rollouts_path, "trajectories")
+        rollout_s = time.perf_counter() - started
+        self.generator.manual_seed(step_seed(cfg.seed + 1, global_step))
+        values = train_on_rollouts(rows, cfg, self.accelerator, self.model, self.optimizer, self.tokenizer,
+                                   self.generator, self.progress)
+        values.update(rollout_metrics(rows, cfg.max_turns))
+        values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=rollout_s,
+                      train_s=time.perf_counter() - started - rollout_s, step_s=time.perf_counter() - started,
+                      lr=cfg.lr, rows=float(len(rows)))
+        self.metrics.log(global_step + 1, values)
+        write_table(rows, self.scratch / f"step-{step:04d}.parquet", "trajectories")
+        log.info("RL %s iteration %d step %d: reward %.3f, kept %.2f, grad norm %.3g", self.run, self.iteration, step,
+                 values["reward_mean"], values["kept_frac"], values.get("grad_norm", 0.0))
+        if step + 1 < cfg.steps_per_iteration:
+            self.metrics.flush()
+            save_checkpoint(self.accelerator, self.model, self.tokenizer, self.scratch / "checkpoints", step + 1,
+                            self.fingerprint, keep_last=1)
+        return values
+
+    def finish(self, model_out: Path, state_out: str | os.PathLike | None, trajectories_path: str | os.PathLike,
+               metrics_path: str | os.PathLike, resumed_steps: int) -> IterationResult:
+        """Write the iteration's outputs (each atomically, the model and state via a rename), drop the scratch."""
+        replace_dir(model_out, lambda tmp: export_hf(self.accelerator, self.model, self.tokenizer, tmp))
+        if state_out is not None:
+            replace_dir(Path(state_out), lambda tmp: self.accelerator.save_state(str(tmp)))
+        rows = []
+        for step in range(self.cfg.steps_per_iteration):
+            rows.extend(read_table(self.scratch / f"step-{step:04d}.parquet", "trajectories").to_pylist())
+        write_table(rows, trajectories_path, "trajectories")
+        write_table(self.metrics.rows, metrics_path, "train_metrics")
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        mean_reward = float(np.mean([row["reward"] for row in rows])) if rows else math.nan
+        return IterationResult(model_out, self.cfg.steps_per_iteration, resumed_steps, len(rows), mean_reward)
+
+
+def replace_dir(target: Path, write: Callable[[Path], Any]) -> Path:
+    """Write a directory next to `target` with `write(tmp)` and rename it into place."""
+    tmp = target.parent / f".tmp-{target.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    write(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
 
 
 def training_tasks(queries_path: str | os.PathLike, max_prompts: int | None = None) -> list[AgentTask]:
@@ -701,3 +712,8 @@ def training_tasks(queries_path: str | os.PathLike, max_prompts: int | None = No
     rows.sort(key=lambda r: r["query_id"])
     return [AgentTask(r["query_id"], r["reference_src"]) for r in rows[:max_prompts]]
 
+
+def drop_optimizer_state(path: str | os.PathLike) -> None:
+    """Delete an iteration's optimizer state once the next iteration has its own (Adam's
+    moments are twice the model in fp32: one per iteration would fill any disk)."""
+    shutil.rmtree(path, ignore_errors=True)

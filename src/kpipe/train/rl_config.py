@@ -1,4 +1,4 @@
-"""RL hyper-parameters: the paper's defaults, documented presets and the paper's ablations.
+"""RL hyper-parameters: the paper's defaults and the paper's ablations as named overlays.
 
 `RLConfig` holds everything one RL iteration depends on. Defaults are the paper's (§4–6,
 facts.md); where only the released code says something (hkust-nlp/KernelGYM on verl), the
@@ -33,7 +33,6 @@ SINGLETONS = ("zero", "return")
 BASELINES = ("eager", "compile")
 HISTORIES = ("full", "top_w", "best_window", "kevin")
 ENGINES = ("hf", "vllm")
-EVALUATORS = ("pool", "local")
 
 
 @dataclass
@@ -55,9 +54,7 @@ class RLConfig:
     engine: str = "hf"  # hf | vllm (rollouts); the trainer is always torch + transformers
     generation_batch_size: int = 16  # HF engine: sequences per generate() call
     vllm_gpu_memory_utilization: float = 0.35  # vLLM shares the GPU with the trainer
-    # --- evaluation (KernelGym protocol overrides; the `gym` section gives the rest)
-    evaluator: str = "pool"  # pool (forked workers) | local (one fresh process per run)
-    eval_workers: int | None = None  # pool: None = one per GPU, or per 2 CPU cores
+    # --- evaluation (the `gym` config section picks the backend and protocol; RL overrides this much)
     hacking_check: bool = True  # ablation "w/o hacking check" turns KernelGym's hack checks off
     # --- reward and returns (Eq. 1, 2, 8)
     reward: str = "paper"  # paper | released_code | kevin
@@ -111,7 +108,6 @@ class RLConfig:
             (self.baseline in BASELINES, f"baseline must be one of {BASELINES}"),
             (self.history in HISTORIES, f"history must be one of {HISTORIES}"),
             (self.engine in ENGINES, f"engine must be one of {ENGINES}"),
-            (self.evaluator in EVALUATORS, f"evaluator must be one of {EVALUATORS}"),
             (self.loss_agg in AGG_MODES, f"loss_agg must be one of {AGG_MODES}"),
             (self.mixed_precision in PRECISIONS, f"mixed_precision must be one of {PRECISIONS}"),
             (not (self.reward == "kevin" and self.use_pr), "the kevin reward has no PR term (use_pr)"),

@@ -1,0 +1,131 @@
+"""GPU check of one RL iteration (kpipe.train.rl.run_iteration) with real KernelGym evaluation:
+the time of one step split into generation, evaluation and training.
+
+    PYTHONPATH=src PYTHONUNBUFFERED=1 python scripts/gpu_check_rl.py        # ~4 minutes on one H100
+
+1. Builds a Qwen3-0.6B-sized model from config (random weights, byte-level tokenizer, no
+   download) and SFTs it briefly (kpipe.train.sft) on the bank's correct and buggy kernels of
+   two KernelBench tasks, so that its rollouts contain programs KernelGym actually runs.
+2. Runs one RL iteration of one step: HF `generate` rollouts on the live policy with per-token
+   log-probs, the warm GPU evaluation pool (the paper's protocol: 5 correctness trials, 100
+   timed trials, hacking checks, profiling for PR), rewards with PR (Eq. 8), PRS (Eq. 9),
+   TRLOO, and the PPO-clip update under bf16 autocast.
+3. Prints the step's time split and statistics from `train_metrics`, and writes
+   $OUT/rl_check.md (+ .json) when $OUT is set.
+
+On a CPU (to check the script itself): ``TRITON_INTERPRET=1 python scripts/gpu_check_rl.py
+--size nano --size-cap 48 --sft-steps 2 --max-tokens 16 --rollouts 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+TASKS = ((1, 19), (1, 88))  # KernelBench L1 ReLU and MinGPT GELU: the bank's shortest kernels
+STEP_METRICS = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "rows", "trained_rows", "reward_mean",
+                "correct_frac", "hacking_ratio", "fast@1", "kept_frac", "kept_frac_prs", "response_tokens_mean",
+                "rollout_ppl", "train_ppl", "mismatch_abs_log_w", "entropy", "grad_norm", "optimizer_steps")
+
+
+def sft_rows(tasks: list, size_cap: int) -> list[dict]:
+    """One SFT row per bank solution (correct and buggy) of each task, as cold-start turns."""
+    from kpipe.gym.bank import solutions_for
+    from kpipe.llm.prompts import first_turn_messages
+
+    rows = []
+    for task, (level, problem_id) in zip(tasks, TASKS, strict=True):
+        messages = first_turn_messages(task.reference_src)
+        for index, solution in enumerate(solutions_for(level, problem_id)):
+            rows.append({"run": "gpu-check", "stage": "coldstart", "iteration": 0, "task_id": task.task_id,
+                         "sample": index, "turn": 1, "prompt_messages": messages,
+                         "response": f"```python\n{solution.source.strip()}\n```", "status": solution.expected_status,
+                         "correct": solution.variant == "legit"})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="qwen3-0.6b", help="kpipe.train.tiny_model size preset")
+    parser.add_argument("--size-cap", type=int, default=4096, help="cap on the tasks' module-level size constants")
+    parser.add_argument("--sft-steps", type=int, default=100)
+    parser.add_argument("--rollouts", type=int, default=4, help="rollouts per prompt (2 prompts)")
+    parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=1300, help="generated tokens per turn")
+    args = parser.parse_args()
+
+    from kpipe.agent.loop import AgentTask
+    from kpipe.data.io import read_table
+    from kpipe.data.kernelbench import load_problems, shrink_sizes
+    from kpipe.train.rl import run_iteration
+    from kpipe.train.rl_config import RLConfig
+    from kpipe.train.sft import SFTConfig, train_sft
+    from kpipe.train.tiny_model import build_tiny_model
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    problems = {(p.level, p.problem_id): p for p in load_problems("main")}
+    tasks = [AgentTask(f"kb-main-L{level}-{pid}", shrink_sizes(problems[(level, pid)].code, args.size_cap))
+             for level, pid in TASKS]
+    timings: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="kpipe-rl-check-") as tmp:
+        root = Path(tmp)
+        started = time.perf_counter()
+        base = build_tiny_model(root / "base", seed=0, size=args.size)
+        rows = sft_rows(tasks, args.size_cap)
+        sft = train_sft(SFTConfig(base_model=str(base), run="gpu-check", lr=3e-4, batch_size=len(rows),
+                                  epochs=args.sft_steps, max_steps=args.sft_steps, max_length=8192,
+                                  micro_batch_tokens=16384, warmup_ratio=0.05, schedule="constant", seed=0),
+                        rows, root / "sft", root / "sft_metrics.parquet")
+        timings["build_and_sft_s"] = time.perf_counter() - started
+        print(f"SFT: {sft.steps} steps on {len(rows)} kernels, final loss {sft.final_loss:.4f} "
+              f"({timings['build_and_sft_s']:.0f} s)", flush=True)
+
+        cfg = RLConfig(prompts_per_step=len(tasks), rollouts_per_prompt=args.rollouts, max_turns=args.turns,
+                       max_tokens=args.max_tokens, use_pr=True, prs=True, generation_batch_size=16,
+                       micro_batch_tokens=16384)
+        started = time.perf_counter()
+        run_iteration(cfg, tasks, sft.model_dir, root / "rl" / "model", root / "rl" / "trajectories.parquet",
+                      root / "rl" / "metrics.parquet", root / "rl" / "scratch", run="gpu-check", iteration=0,
+                      gym={"backend": "pool", "cache": None, "protocol": {"baseline": "eager"}})
+        timings["iteration_s"] = time.perf_counter() - started
+        metrics = read_table(root / "rl" / "metrics.parquet", "train_metrics").to_pandas()
+        trajectories = read_table(root / "rl" / "trajectories.parquet", "trajectories").to_pandas()
+    step = {name: float(value) for name, value in zip(metrics.name, metrics.value) if name in STEP_METRICS}
+    statuses = trajectories.status.value_counts().to_dict()
+    report = {"device": device, "torch": torch.__version__, "model": args.size, "settings": vars(args),
+              "timings": timings, "step": step, "statuses": statuses}
+    print(json.dumps(report, indent=2, default=str))
+
+    share = {key: step[key] / step["step_s"] for key in ("gen_s", "eval_s", "train_s")}
+    lines = [
+        f"# RL iteration check on {device}", "",
+        f"Model: `{args.size}` (random init + {args.sft_steps} SFT steps on bank kernels), one RL step of "
+        f"{len(TASKS)} prompts x {args.rollouts} rollouts x up to {args.turns} turns, {args.max_tokens} tokens per "
+        f"turn; KernelGym pool with the paper's protocol (eager baseline); reward Eq. 8 (PR), PRS, TRLOO, "
+        "PPO-clip under bf16.", "",
+        "| part | seconds | share of the step |", "|---|---|---|",
+        *[f"| {name} | {step[key]:.1f} | {share[key]:.0%} |"
+          for name, key in (("generation (HF generate)", "gen_s"), ("evaluation (KernelGym pool)", "eval_s"),
+                            ("training (log-probs + update)", "train_s"))],
+        f"| whole step | {step['step_s']:.1f} | |", "",
+        f"Iteration wall time {timings['iteration_s']:.0f} s (includes model load, pool start, checkpoint export).",
+        f"Turns: {int(step['rows'])}, statuses {statuses}; trained rows {int(step.get('trained_rows', 0))}; "
+        f"mean reward {step['reward_mean']:.3f}; rollout/trainer perplexity {step.get('rollout_ppl', float('nan')):.3f}"
+        f" / {step.get('train_ppl', float('nan')):.3f}; mean |log w| {step.get('mismatch_abs_log_w', 0.0):.2e}.",
+    ]
+    if os.environ.get("OUT"):
+        out = Path(os.environ["OUT"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rl_check.md").write_text("\n".join(lines) + "\n")
+        (out / "rl_check.json").write_text(json.dumps(report, indent=2, default=str))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""RL iteration machinery (kpipe.train.rl, kpipe.train.rl_config): config, filters, advantages on
+hand-computed rows, trainer/rollout log-prob agreement, gradient accumulation, kill-and-resume."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from kpipe.agent.loop import AgentTask
+from kpipe.data.io import read_table
+from kpipe.llm.hf_engine import HFEngine
+from kpipe.llm.types import ChatRequest
+from kpipe.train import rl
+from kpipe.train.rl_config import ABLATIONS, RLConfig, with_ablation
+
+REPO = Path(__file__).resolve().parents[1]
+RELU = '''import torch
+import torch.nn as nn
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+def get_inputs():
+    return [torch.rand(4, 4)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine, more threads make torch far slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def nano_model(tmp_path_factory) -> Path:
+    from kpipe.train.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("nano") / "model", seed=0, size="nano")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_defaults_are_the_papers_settings():
+    cfg = RLConfig()
+    assert (cfg.rollouts_per_prompt, cfg.prompts_per_step, cfg.max_turns, cfg.gamma) == (16, 16, 3, 1.0)
+    assert (cfg.advantage, cfg.lr, cfg.eps_low, cfg.eps_high, cfg.dual_clip) == ("trloo", 1e-6, 0.2, 0.28, 3.0)
+    assert (cfg.loss_agg, cfg.mrs_delta, cfg.mrs_token_veto, cfg.prs_tau, cfg.prs_softness) == (
+        "seq-mean-token-sum", 1e-3, 1e-4, 0.3, 0.1)
+    assert cfg.hacking_check and not (cfg.mrs or cfg.use_pr or cfg.prs)
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_an_ablation_changes_exactly_its_keys(name):
+    base, ablated = dataclasses.asdict(RLConfig()), dataclasses.asdict(with_ablation(RLConfig(), name))
+    changed = {key for key in base if base[key] != ablated[key]}
+    assert changed == set(ABLATIONS[name])
+    assert RLConfig.from_dict({"ablation": name}) == with_ablation(RLConfig(), name)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"advantage": "ppo"}, "advantage must be one of"),
+    ({"gamma": 1.5}, "gamma must be in"),
+    ({"reward": "kevin", "use_pr": True}, "no PR term"),
+    ({"learning_rate": 1e-6}, "unknown key"),
+    ({"ablation": "w/o everything"}, "unknown ablation"),
+    ({"max_turns": "3"}, "max_turns must be int"),
+])
+def test_bad_settings_fail_with_one_line(values, message):
+    with pytest.raises(ValueError, match=message):
+        RLConfig.from_dict(values)
+
+
+def test_ablation_overlay_files_name_the_papers_ablations():
+    files = sorted((REPO / "config" / "ablations").glob("*.yaml"))
+    runs: dict[str, dict] = {}
+    for path in files:
+        runs.update(yaml.safe_load(path.read_text())["rl"]["runs"])
+    assert set(runs) == set(ABLATIONS)
+    for name, overlay in runs.items():
+        assert RLConfig.from_dict(overlay) == with_ablation(RLConfig(), name)
+
+
+# ----------------------------------------------------------------------------- filters and advantages
+
+
+def turn_row(task: str, sample: int, turn: int, reward: float, **fields) -> dict:
+    return {"task_id": task, "sample": sample, "turn": turn, "reward": reward, "correct": reward > 0, "hacked": False,
+            "pr": None, **fields}
+
+
+def test_regression_rows_are_rejected_and_left_out_of_the_trloo_baseline():
+    # one prompt, three trajectories of two turns; trajectory 0 regresses at turn 2
+    rows = [turn_row("a", 0, 1, 2.0), turn_row("a", 0, 2, 0.0),
+            turn_row("a", 1, 1, 0.0), turn_row("a", 1, 2, 1.0),
+            turn_row("a", 2, 1, 0.0), turn_row("a", 2, 2, 3.0)]
+    cfg = RLConfig(regression_filter=True)
+    masks = rl.filter_masks(rows, cfg, torch.ones(6, dtype=torch.bool), torch.Generator())
+    reasons = rl.rejection_reasons(torch.ones(6, dtype=torch.bool), masks)
+    assert reasons == [None, "regression", None, None, None, None]
+    returns = rl.row_returns(rows, cfg)  # gamma = 1: reward-to-go
+    assert returns.tolist() == [2.0, 0.0, 1.0, 1.0, 3.0, 3.0]
+    kept = torch.tensor([r is None for r in reasons])
+    advantages = rl.row_advantages(rows, returns, kept, cfg)
+    # turn 1: G = (2, 1, 3): A_i = G_i - mean of the other two
+    assert advantages[[0, 2, 4]].tolist() == pytest.approx([2 - 2.0, 1 - 2.5, 3 - 1.5])
+    # turn 2: trajectory 0 is rejected, so the group is (1, 3): A = G - the other one
+    assert advantages[[1, 3, 5]].tolist() == pytest.approx([0.0, 1 - 3, 3 - 1])
+    # the released code's variant: rejected rows still count in the baseline
+    released = rl.row_advantages(rows, returns, torch.ones(6, dtype=torch.bool),
+                                 dataclasses.replace(cfg, baseline_includes_rejected=True))
+    assert released[[3, 5]].tolist() == pytest.approx([1 - 1.5, 3 - 0.5])
+
+
+def test_gamma_zero_and_grpo_are_what_their_equations_say():
+    rows = [turn_row("a", 0, 1, 1.0), turn_row("a", 0, 2, 2.0), turn_row("a", 1, 1, 0.0), turn_row("a", 1, 2, 0.0)]
+    cfg = RLConfig(gamma=0.0, advantage="grpo")
+    returns = rl.row_returns(rows, cfg)
+    assert returns.tolist() == [1.0, 2.0, 0.0, 0.0]
+    advantages = rl.row_advantages(rows, returns, torch.ones(4, dtype=torch.bool), cfg)
+    assert advantages.tolist() == pytest.approx([0.5, 1.0, -0.5, -1.0])  # Eq. 3: G - group mean, self included
+
+
+def test_prs_filters_only_correct_turns_by_their_profiling_ratio():
+    rows = [turn_row("a", 0, 1, 2.0, pr=0.05), turn_row("a", 1, 1, 2.0, pr=0.9), turn_row("a", 2, 1, 0.0)]
+    masks = rl.filter_masks(rows, RLConfig(prs=True), torch.ones(3, dtype=torch.bool),
+                            torch.Generator().manual_seed(0))
+    assert masks["prs"].tolist() == [False, True, True]  # p = clip((PR - 0.3) / 0.1, 0, 1); incorrect: kept
+    hard = rl.filter_masks(rows, RLConfig(prs=True, prs_hard=True, prs_tau=0.85), torch.ones(3, dtype=torch.bool),
+                           torch.Generator())
+    assert hard["prs"].tolist() == [False, True, True]
+
+
+def test_mrs_rejects_a_sequence_whose_rollout_probabilities_drifted():
+    train = [torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.5, 0.5])), torch.zeros(0)]
+    rollout = [torch.log(torch.tensor([0.5, 0.5])).tolist(), torch.log(torch.tensor([0.5, 0.49])).tolist(), []]
+    keep, log_w = rl.mismatch_keep(train, rollout, RLConfig(mrs=True))
+    assert keep.tolist() == [True, False, False]  # w = sqrt(0.5 / 0.49) = 1.0101 is outside [0.999, 1.001]
+    assert log_w[1].item() == pytest.approx(0.5 * float(torch.log(torch.tensor(0.5 / 0.49))), rel=1e-6)
+
+
+def test_rollout_metrics_count_hacks_among_evaluated_turns_and_fast_p_at_the_last_turn():
+    rows = [turn_row("a", 0, 1, 0.0, status="format_error", speedup_eager=None),
+            turn_row("a", 0, 2, 2.5, status="pass", speedup_eager=1.5),
+            turn_row("a", 1, 1, 0.0, status="hacked", speedup_eager=None),
+            turn_row("a", 1, 2, 1.9, status="pass", speedup_eager=0.9)]
+    rows[2]["hacked"] = True
+    values = rl.rollout_metrics(rows, max_turns=2)
+    assert values["hacking_ratio"] == pytest.approx(1 / 3)  # the format error never reached KernelGym
+    assert values["reward_mean"] == pytest.approx(4.4 / 4)
+    assert values["reward_mean_turn2"] == pytest.approx(2.2)
+    assert (values["fast@1"], values["fast@1.2"]) == (0.5, 0.5)  # turn 2: speedups 1.5 and 0.9
+    assert values["correct_frac"] == 0.5
+
+
+# ----------------------------------------------------------------------------- trainer vs rollout engine
+
+
+def test_trainer_recomputes_the_rollout_log_probs_on_the_same_tokens(nano_model):
+    model, tokenizer = rl.load_policy(nano_model, RLConfig())
+    engine = HFEngine(model.eval(), tokenizer, name="nano", batch_size=4, progress=False)
+    prompts = [[{"role": "user", "content": "write a kernel"}],
+               [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "a longer request, left padded"}]]
+    requests = [ChatRequest(messages=m, max_tokens=12, temperature=0.7, seed=i, logprobs=True)
+                for i, m in enumerate(prompts)]
+    completions = engine.generate(requests)
+    rows = [{"prompt_messages": m, "response_token_ids": c.token_ids} for m, c in zip(prompts, completions)]
+    samples = rl.token_samples(rows, tokenizer)
+    train = rl.policy_log_probs(model, samples, 0.7, 10_000, tokenizer.pad_token_id, torch.device("cpu"))
+    for logp, completion in zip(train, completions):
+        assert torch.allclose(logp, torch.tensor(completion.logprobs), atol=1e-4)
+    keep, _ = rl.mismatch_keep(train, [c.logprobs for c in completions], RLConfig(mrs=True))
+    assert keep.all()
+
+
+class RecordingOptimizer:
+    """Stands in for AdamW: keeps the gradient of the one step it is asked to take."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.model.parameters()]
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum", "token-mean"])
+def test_micro_batching_leaves_the_gradient_unchanged(nano_model, agg):
+    from accelerate import Accelerator
+
+    model, tokenizer = rl.load_policy(nano_model, RLConfig())
+    items = [rl.TrainItem(rl.TokenSample(list(range(40, 40 + n)), list(range(60, 60 + m))), adv, torch.full((m,), -5.0))
+             for n, m, adv in [(5, 3, 1.0), (9, 6, -0.5), (4, 2, 0.25)]]
+    grads = []
+    for budget in (10_000, 1):  # one micro-batch, then one sample per micro-batch
+        optimizer = RecordingOptimizer(model)
+        cfg = RLConfig(loss_agg=agg, micro_batch_tokens=budget, grad_clip=1e9)
+        rl.update_policy(Accelerator(cpu=True), model, optimizer, items, cfg, tokenizer.pad_token_id,
+                         torch.Generator().manual_seed(0))
+        grads.append(optimizer.grads)
+    for whole, accumulated in zip(*grads):
+        assert torch.allclose(whole, accumulated, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- one iteration, killed and resumed
+
+
+def test_a_killed_iteration_resumes_and_writes_each_output_once(nano_model, tmp_path, monkeypatch):
+    cfg = RLConfig(prompts_per_step=1, rollouts_per_prompt=2, max_turns=2, max_tokens=6, steps_per_iteration=2,
+                   lr=1e-3, mrs=True, regression_filter=True)
+    tasks = [AgentTask("relu", RELU)]
+    out = {"model_out": tmp_path / "iter=0", "trajectories_path": tmp_path / "traj.parquet",
+           "metrics_path": tmp_path / "metrics.parquet", "scratch": tmp_path / "scratch"}
+    kwargs = dict(run="t", iteration=0, state_out=tmp_path / "state", gym={"backend": "local"}, progress=False)
+    real_train, real_rollouts = rl.train_on_rollouts, rl.rollout_rows
+    calls = {"train": 0, "rollouts": 0}
+
+    def train_then_die(*args, **kw):
+        calls["train"] += 1
+        if calls["train"] == 2:
+            raise KeyboardInterrupt("killed during step 1's update")
+        return real_train(*args, **kw)
+
+    def counted_rollouts(*args, **kw):
+        calls["rollouts"] += 1
+        return real_rollouts(*args, **kw)
+
+    monkeypatch.setattr(rl, "train_on_rollouts", train_then_die)
+    monkeypatch.setattr(rl, "rollout_rows", counted_rollouts)
+    with pytest.raises(KeyboardInterrupt):
+        rl.run_iteration(cfg, tasks, nano_model, **out, **kwargs)
+    assert calls["rollouts"] == 2 and not out["trajectories_path"].exists()
+
+    monkeypatch.setattr(rl, "train_on_rollouts", real_train)
+    result = rl.run_iteration(cfg, tasks, nano_model, **out, **kwargs)
+    assert result.resumed_steps == 1 and calls["rollouts"] == 2  # step 1's saved rollouts were reused
+    assert (out["model_out"] / "config.json").exists() and (tmp_path / "state").is_dir()
+    assert not out["scratch"].exists()
+
+    rows = read_table(out["trajectories_path"], "trajectories").to_pylist()
+    assert len(rows) == 2 * 2 * 2 and {r["stage"] for r in rows} == {"rl"}
+    assert all(r["kept"] == (r["rejected_by"] is None) and r["return_to_go"] is not None for r in rows)
+    assert all(len(r["response_logprobs"]) == len(r["response_token_ids"]) for r in rows)
+    metrics = read_table(out["metrics_path"], "train_metrics").to_pandas()
+    assert sorted(metrics.loc[metrics.name == "reward_mean", "step"]) == [1, 2]
+    for name in ("entropy", "grad_norm", "rollout_ppl", "train_ppl", "kept_frac_mrs", "kept_frac_regression",
+                 "fast@1", "fast@1.2", "gen_s", "eval_s", "train_s"):
+        assert (metrics.name == name).sum() == 2, name
+
+
+def test_scratch_of_another_configuration_is_cleared(tmp_path):
+    scratch = tmp_path / "scratch"
+    assert not rl.prepare_scratch(scratch, "a")
+    (scratch / "rollouts-0000.parquet").write_text("partial work")
+    assert rl.prepare_scratch(scratch, "a") and (scratch / "rollouts-0000.parquet").exists()
+    assert not rl.prepare_scratch(scratch, "b") and not (scratch / "rollouts-0000.parquet").exists()
