@@ -19,7 +19,9 @@ SUBCOMMANDS = {
     "train": "kpipe.train.cli:train",
     "metrics": "kpipe.metrics_cli:metrics",
     "gpu": "kpipe.gpu:gpu_command",
-    "bench": "kpipe.bench:bench",
+    "eval": "kpipe.evaluation:eval_cli",
+    "tables": "kpipe.tables:tables",
+    "launch": "kpipe.launch:launch",
 }
 
 

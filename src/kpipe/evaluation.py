@@ -142,18 +142,22 @@ def evaluate_shard(tasks: Sequence[AgentTask], engine: Engine, evaluator: Evalua
 
 def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settings: Mapping[str, Any],
                     out_path: str | os.PathLike, cache_path: str | os.PathLike, *, model_label: str, stage: str,
-                    policy: HistoryPolicy, n_turns: int, run: str, protocol: Mapping[str, Any] | None,
+                    policy: HistoryPolicy, n_turns: int, run: str, gym: Mapping[str, Any] | None,
                     checkpoint: str | None, progress: bool) -> list[dict[str, Any]]:
-    """What an eval and an STTS job share: engine, cached evaluator, the loop, the Parquet file."""
-    from kpipe.agent.evaluator import LocalEvaluator
+    """What an eval and an STTS job share: engine, cached evaluator, the loop, the Parquet file.
+
+    `gym` is the config's `gym` section (protocol and evaluator backend)."""
+    from kpipe.agent.evaluator import open_evaluator
     from kpipe.gym import Protocol
     from kpipe.llm.cache import CachedEngine, ResponseCache
 
-    gym_protocol = Protocol.from_dict(dict(protocol or {}))
-    evaluator = CachedEvaluator(
-        LocalEvaluator(gym_protocol, progress=progress, reuse_reference=bool(settings.get("reuse_reference", False))),
-        f"{cache_path}.evals.jsonl", gym_protocol.to_json())
-    with opened_engine(entry, checkpoint, progress) as engine:
+    gym = dict(gym or {})
+    gym_protocol = Protocol.from_dict(dict(gym.get("protocol", {})))
+    with contextlib.ExitStack() as stack:
+        backend = stack.enter_context(open_evaluator(
+            gym, reuse_reference=bool(settings.get("reuse_reference", False)), progress=progress))
+        evaluator = CachedEvaluator(backend, f"{cache_path}.evals.jsonl", gym_protocol.to_json())
+        engine = stack.enter_context(opened_engine(entry, checkpoint, progress))
         if entry["kind"] in API_KINDS:
             engine = CachedEngine(engine, ResponseCache(cache_path))
         rows = evaluate_shard(
@@ -169,13 +173,13 @@ def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settin
 
 def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
              entry: Mapping[str, Any], settings: Mapping[str, Any], *, level: int, shard: int = 0,
-             num_shards: int = 1, run: str = "default", protocol: Mapping[str, Any] | None = None,
+             num_shards: int = 1, run: str = "default", gym: Mapping[str, Any] | None = None,
              checkpoint: str | None = None, progress: bool = True) -> list[dict[str, Any]]:
     """One evaluation shard as the `eval` config section describes it (docs/evaluation.md)."""
     check_model(entry)
     tasks = eval_tasks(tasks_path, level, shard, num_shards, settings.get("max_tasks"))
     return run_model_shard(tasks, entry, settings, out_path, cache_path, model_label=entry["name"], stage=STAGE,
-                           policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run, protocol=protocol,
+                           policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run, gym=gym,
                            checkpoint=checkpoint, progress=progress)
 
 
@@ -224,8 +228,8 @@ def _common_options(command: Any) -> Any:
         click.option("--level", type=click.IntRange(1, 3), required=True),
         click.option("--settings", type=click.Path(exists=True, dir_okay=False),
                      help="YAML with the eval/stts section (or a whole config)."),
-        click.option("--protocol", type=click.Path(exists=True, dir_okay=False),
-                     help="YAML of KernelGym protocol settings."),
+        click.option("--gym", "gym_file", type=click.Path(exists=True, dir_okay=False),
+                     help="YAML of the `gym` config section (protocol, backend, workers, cache)."),
         click.option("--run", "run_name", default="default", show_default=True),
         click.option("--paper", is_flag=True, help="The paper's settings: 8 samples, 3 turns, 8,192 tokens per turn."),
     ]
@@ -244,7 +248,7 @@ def eval_cli() -> None:
 @click.option("--samples", type=int, help="Overrides eval.samples.")
 @click.option("--turns", type=int, help="Overrides eval.turns.")
 def kernelbench_command(tasks: str, out: str, model_spec: str, base_url: str | None, level: int, settings: str | None,
-                        protocol: str | None, run_name: str, paper: bool, samples: int | None,
+                        gym_file: str | None, run_name: str, paper: bool, samples: int | None,
                         turns: int | None) -> None:
     """Evaluate a model on one KernelBench level (stage=eval rows in --out)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -252,7 +256,7 @@ def kernelbench_command(tasks: str, out: str, model_spec: str, base_url: str | N
     section.update({k: v for k, v in {"samples": samples, "turns": turns}.items() if v is not None})
     entry = _model_entry(model_spec) | ({"base_url": base_url} if base_url else {})
     eval_job(tasks, out, f"{out}.cache.jsonl", entry, section, level=level, run=run_name,
-             protocol=_load_yaml(protocol) or None)
+             gym=_load_yaml(gym_file) or None)
 
 
 @eval_cli.command("stts")
@@ -261,7 +265,7 @@ def kernelbench_command(tasks: str, out: str, model_spec: str, base_url: str | N
 @click.option("--window", "w", type=int, default=4, show_default=True)
 @click.option("--max-turns", type=int, help="Overrides stts.max_turns.")
 def stts_command(tasks: str, out: str, model_spec: str, base_url: str | None, level: int, settings: str | None,
-                 protocol: str | None, run_name: str, paper: bool, strategy: str, w: int,
+                 gym_file: str | None, run_name: str, paper: bool, strategy: str, w: int,
                  max_turns: int | None) -> None:
     """Sequential test-time scaling of a model on one KernelBench level (stage=stts rows in --out)."""
     from kpipe.stts import stts_job
@@ -271,4 +275,4 @@ def stts_command(tasks: str, out: str, model_spec: str, base_url: str | None, le
     section.update({"window": w, **({"max_turns": max_turns} if max_turns else {})})
     entry = _model_entry(model_spec) | ({"base_url": base_url} if base_url else {})
     stts_job(tasks, out, f"{out}.cache.jsonl", entry, section, strategy=strategy, level=level, run=run_name,
-             protocol=_load_yaml(protocol) or None)
+             gym=_load_yaml(gym_file) or None)

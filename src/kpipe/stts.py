@@ -35,7 +35,7 @@ def stts_model_label(model: str, strategy: str, w: int) -> str:
 
 def stts_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
              entry: Mapping[str, Any], settings: Mapping[str, Any], *, strategy: str, level: int, shard: int = 0,
-             num_shards: int = 1, run: str = "default", protocol: Mapping[str, Any] | None = None,
+             num_shards: int = 1, run: str = "default", gym: Mapping[str, Any] | None = None,
              checkpoint: str | None = None, progress: bool = True) -> list[dict[str, Any]]:
     """One STTS shard: `settings` is the `stts` config section (max_turns, window, samples, ...)."""
     check_model(entry)
@@ -46,4 +46,4 @@ def stts_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_p
     return run_model_shard(tasks, entry, settings, out_path, cache_path,
                            model_label=stts_model_label(entry["name"], strategy, w), stage=STAGE,
                            policy=make_policy(strategy, w), n_turns=int(settings.get("max_turns", 8)), run=run,
-                           protocol=protocol, checkpoint=checkpoint, progress=progress)
+                           gym=gym, checkpoint=checkpoint, progress=progress)

@@ -3,8 +3,11 @@ import sys
 from pathlib import Path
 
 from kpipe.config import ConfigError, load_schema, validate_config
+from kpipe.evaluation import models_by_name
+from kpipe.figures import FIGURE_NAMES
 from kpipe.gpu import gpu_count
 from kpipe.provenance import code_version
+from kpipe.tables import table_sql_files
 
 try:
     validate_config(config, load_schema(Path(workflow.basedir) / "schemas" / "config.schema.yaml"))
@@ -52,9 +55,124 @@ def table_inputs():
         f"{RESULTS}/queries/queries.parquet",
         *coldstart_parts(),
         f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet",
+        *rl_parts("trajectories"),
+        *rl_parts("train_metrics"),
+        *eval_parts(),
+        *stts_parts(),
     ]
 
 
 def final_targets():
-    """The default targets: the database, which depends on every stage enabled in config."""
-    return [f"{RESULTS}/kpipe.duckdb"]
+    """The default targets: the database (every stage feeds it), the tables and the figures."""
+    return [f"{RESULTS}/kpipe.duckdb", *table_targets()]
+
+
+# RL iterations (rules/rl.smk)
+RL = config["rl"]
+RL_ITERATIONS = RL["iterations"]
+RL_DAG_KEYS = ("iterations", "runs", "gpus", "keep_optimizer_states")  # shape the DAG or the disk, not a result
+RL_RUNS = {RUN: {}, **RL["runs"]}
+
+
+def rl_settings(run):
+    """The RLConfig values of `run`: the `rl` section with the run's overlay on top."""
+    base = {key: value for key, value in RL.items() if key not in RL_DAG_KEYS}
+    return {**base, **RL_RUNS[run]}
+
+
+def rl_model_dir(run, iteration):
+    return f"{RESULTS}/models/rl-{run}/iter={iteration}"
+
+
+def rl_state_dir(run, iteration):
+    return f"{RESULTS}/work/rl-{run}/iter={iteration}/state"
+
+
+def rl_init_model(wildcards):
+    iteration = int(wildcards.iter)
+    return f"{RESULTS}/models/sft-{RUN}" if iteration == 0 else rl_model_dir(wildcards.run, iteration - 1)
+
+
+def rl_final_model(run=RUN):
+    """The model of the last RL iteration of `run` (evaluated as `source: rl`)."""
+    return rl_model_dir(run, RL_ITERATIONS - 1)
+
+
+def rl_parts(kind):
+    """Every RL iteration's `trajectories` or `train_metrics` file, over all runs."""
+    return expand(f"{RESULTS}/{kind}/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
+                  run=list(RL_RUNS), iter=range(RL_ITERATIONS))
+
+
+# KernelBench evaluation (rules/eval.smk)
+MODELS = models_by_name(config["models"])
+EVAL = config["eval"]
+EVAL_DIR = f"{RESULTS}/trajectories/stage=eval/run={RUN}"
+DAG_ONLY_KEYS = ("models", "levels", "strategies", "window", "enabled")  # shape the DAG, not one job's result
+
+
+def job_settings(section, drop=DAG_ONLY_KEYS):
+    """The part of a config section one job's result depends on (its params: a change reruns it)."""
+    return {key: value for key, value in section.items() if key not in drop}
+
+
+def stage_models(section):
+    """The `models:` entries a stage runs (default: all of them)."""
+    names = section.get("models") or list(MODELS)
+    unknown = [name for name in names if name not in MODELS]
+    if unknown:
+        raise ValueError(f"config: {', '.join(unknown)} named in a stage but not defined under models:")
+    return names
+
+
+def stage_levels(section):
+    return section.get("levels") or config["kernelbench"]["levels"]
+
+
+def pipeline_checkpoint(name):
+    """The checkpoint directory of a `kind: pipeline` model (an input, so it is built first)."""
+    entry = MODELS[name]
+    if entry["kind"] != "pipeline":
+        return []
+    if entry["source"] == "sft":
+        return f"{RESULTS}/models/sft-{RUN}"
+    return rl_final_model()  # rules/rl.smk: the directory of the last RL iteration's checkpoint
+
+
+def eval_parts():
+    return expand(f"{EVAL_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
+                  model=stage_models(EVAL), level=stage_levels(EVAL), shard=range(EVAL["shards"]))
+
+
+# Sequential test-time scaling (rules/stts.smk)
+STTS = config["stts"]
+STTS_DIR = f"{RESULTS}/trajectories/stage=stts/run={RUN}"
+
+
+def stts_parts():
+    if not STTS["enabled"]:
+        return []
+    return expand(f"{STTS_DIR}/model={{model}}/strategy={{strategy}}/level={{level}}/part-{{shard}}.parquet",
+                  model=stage_models(STTS), strategy=STTS["strategies"], level=stage_levels(STTS),
+                  shard=range(STTS["shards"]))
+
+
+# Tables and figures (rules/tables.smk)
+SQL_DIR = (Path(workflow.current_basedir) / ".." / "sql").resolve()
+TABLE_NAMES = [path.stem for path in table_sql_files(SQL_DIR)]
+
+
+def report_tables():
+    outputs = []
+    for name in TABLE_NAMES:
+        outputs.append(report(f"{RESULTS}/tables/{name}.md", caption=f"../report/{name}.rst", category="Tables",
+                              labels={"table": name, "format": "markdown"}))
+        outputs.append(report(f"{RESULTS}/tables/{name}.csv", caption=f"../report/{name}.rst", category="Tables",
+                              labels={"table": name, "format": "csv"}))
+    return outputs
+
+
+def table_targets():
+    """The default targets of this module: every table and figure."""
+    return ([f"{RESULTS}/tables/{name}.{ext}" for name in TABLE_NAMES for ext in ("md", "csv")]
+            + [f"{RESULTS}/figures/{name}.png" for name in FIGURE_NAMES])

@@ -4,47 +4,6 @@
 # times the candidate against eager PyTorch and torch.compile, so Tables 1 and 2 share the rows.
 # Answers of API models and all evaluations are cached under results/cache/eval/ (not outputs:
 # a killed job keeps them and its rerun pays for nothing twice).
-from kpipe.evaluation import models_by_name
-
-MODELS = models_by_name(config["models"])
-EVAL = config["eval"]
-EVAL_DIR = f"{RESULTS}/trajectories/stage=eval/run={RUN}"
-DAG_ONLY_KEYS = ("models", "levels", "strategies", "window", "enabled")  # shape the DAG, not one job's result
-
-
-def job_settings(section, drop=DAG_ONLY_KEYS):
-    """The part of a config section one job's result depends on (its params: a change reruns it)."""
-    return {key: value for key, value in section.items() if key not in drop}
-
-
-def stage_models(section):
-    """The `models:` entries a stage runs (default: all of them)."""
-    names = section.get("models") or list(MODELS)
-    unknown = [name for name in names if name not in MODELS]
-    if unknown:
-        raise ValueError(f"config: {', '.join(unknown)} named in a stage but not defined under models:")
-    return names
-
-
-def stage_levels(section):
-    return section.get("levels") or config["kernelbench"]["levels"]
-
-
-def pipeline_checkpoint(name):
-    """The checkpoint directory of a `kind: pipeline` model (an input, so it is built first)."""
-    entry = MODELS[name]
-    if entry["kind"] != "pipeline":
-        return []
-    if entry["source"] == "sft":
-        return f"{RESULTS}/models/sft-{RUN}"
-    return rl_final_model()  # rules/rl.smk: the directory of the last RL iteration's checkpoint
-
-
-def eval_parts():
-    return expand(f"{EVAL_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
-                  model=stage_models(EVAL), level=stage_levels(EVAL), shard=range(EVAL["shards"]))
-
-
 rule eval:
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",
@@ -54,7 +13,7 @@ rule eval:
     params:
         settings=job_settings(EVAL),
         model=lambda wildcards: MODELS[wildcards.model],
-        protocol=config.get("gym", {}).get("protocol", {}),
+        gym=config["gym"],
         num_shards=EVAL["shards"],
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}"

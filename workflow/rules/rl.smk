@@ -5,42 +5,6 @@
 # overlay of `rl` keys (`ablation: <name>` picks one of kpipe.train.rl_config.ABLATIONS);
 # config/ablations/*.yaml add the paper's. Partial work lives in results/work (not an
 # output): a killed iteration rerun by Snakemake resumes it, and nothing else reruns.
-RL = config["rl"]
-RL_ITERATIONS = RL["iterations"]
-RL_DAG_KEYS = ("iterations", "runs", "gpus", "keep_optimizer_states")  # shape the DAG or the disk, not a result
-RL_RUNS = {RUN: {}, **RL["runs"]}
-
-
-def rl_settings(run):
-    """The RLConfig values of `run`: the `rl` section with the run's overlay on top."""
-    base = {key: value for key, value in RL.items() if key not in RL_DAG_KEYS}
-    return {**base, **RL_RUNS[run]}
-
-
-def rl_model_dir(run, iteration):
-    return f"{RESULTS}/models/rl-{run}/iter={iteration}"
-
-
-def rl_state_dir(run, iteration):
-    return f"{RESULTS}/work/rl-{run}/iter={iteration}/state"
-
-
-def rl_init_model(wildcards):
-    iteration = int(wildcards.iter)
-    return f"{RESULTS}/models/sft-{RUN}" if iteration == 0 else rl_model_dir(wildcards.run, iteration - 1)
-
-
-def rl_final_model(run=RUN):
-    """The model of the last RL iteration of `run` (evaluated as `source: rl`)."""
-    return rl_model_dir(run, RL_ITERATIONS - 1)
-
-
-def rl_parts(kind):
-    """Every RL iteration's `trajectories` or `train_metrics` file, over all runs."""
-    return expand(f"{RESULTS}/{kind}/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
-                  run=list(RL_RUNS), iter=range(RL_ITERATIONS))
-
-
 rule rl_iter:
     input:
         queries=f"{RESULTS}/queries/queries.parquet",

@@ -4,18 +4,6 @@
 # The window w is a param of the top_w / best_window jobs only: changing it reruns those jobs
 # and what reads them (build_db, tables, figures), never the evaluation or the vanilla run.
 # Needs rules/eval.smk (models, helpers).
-STTS = config["stts"]
-STTS_DIR = f"{RESULTS}/trajectories/stage=stts/run={RUN}"
-
-
-def stts_parts():
-    if not STTS["enabled"]:
-        return []
-    return expand(f"{STTS_DIR}/model={{model}}/strategy={{strategy}}/level={{level}}/part-{{shard}}.parquet",
-                  model=stage_models(STTS), strategy=STTS["strategies"], level=stage_levels(STTS),
-                  shard=range(STTS["shards"]))
-
-
 rule stts:
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",
@@ -26,7 +14,7 @@ rule stts:
         settings=job_settings(STTS),
         window=lambda wildcards: None if wildcards.strategy == "full" else STTS["window"],
         model=lambda wildcards: MODELS[wildcards.model],
-        protocol=config.get("gym", {}).get("protocol", {}),
+        gym=config["gym"],
         num_shards=STTS["shards"],
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/stts/run={RUN}/{wildcards.model}-{wildcards.strategy}"

@@ -1,23 +1,6 @@
 # The paper's tables (one workflow/sql/<name>.sql each) and figures from results/kpipe.duckdb,
 # all in `snakemake --report report.html`. The database's views read every stage's Parquet
 # files; build_db depends on the stage outputs, so these rerun whenever a stage does.
-from kpipe.figures import FIGURE_NAMES
-from kpipe.tables import table_sql_files
-
-SQL_DIR = (Path(workflow.current_basedir) / ".." / "sql").resolve()
-TABLE_NAMES = [path.stem for path in table_sql_files(SQL_DIR)]
-
-
-def report_tables():
-    outputs = []
-    for name in TABLE_NAMES:
-        outputs.append(report(f"{RESULTS}/tables/{name}.md", caption=f"../report/{name}.rst", category="Tables",
-                              labels={"table": name, "format": "markdown"}))
-        outputs.append(report(f"{RESULTS}/tables/{name}.csv", caption=f"../report/{name}.rst", category="Tables",
-                              labels={"table": name, "format": "csv"}))
-    return outputs
-
-
 rule tables:
     input:
         db=f"{RESULTS}/kpipe.duckdb",
@@ -54,9 +37,3 @@ rule figures:
         "../envs/kpipe.yaml"
     script:
         "../scripts/figures.py"
-
-
-def table_targets():
-    """The default targets of this module: every table and figure."""
-    return ([f"{RESULTS}/tables/{name}.{ext}" for name in TABLE_NAMES for ext in ("md", "csv")]
-            + [f"{RESULTS}/figures/{name}.png" for name in FIGURE_NAMES])

@@ -15,6 +15,6 @@ with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
         shard=int(job.wildcards.shard),
         num_shards=job.params.num_shards,
         run=job.params.run,
-        protocol=job.params.protocol,
+        gym=job.params.gym,
         checkpoint=job.input.checkpoint or None,
     )
