@@ -280,3 +280,9 @@ def test_turn_reward_reads_kernelgym_results():
     assert algos.turn_reward("kevin")(None) == 0.0  # nothing to evaluate (format error)
     hacked = EvalResult(status="hacked", correct=True, hacked=True, speedup_eager=9.0, pr=None)
     assert algos.turn_reward("paper")(hacked) == 0.0
+
+
+def test_prs_hard_keeps_pr_exactly_at_tau_from_python_floats():
+    """PR arrives as Python floats; a float32 round trip would put 0.9 below tau = 0.9."""
+    keep = algos.prs_hard_keep([0.9], [True], [False], tau=0.9)
+    assert keep.tolist() == [True]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ray = pytest.importorskip("ray")
+import ray
 
 from kpipe.data.kernelbench import select_problems, shrink_sizes  # noqa: E402
 from kpipe.gym import Protocol  # noqa: E402

@@ -1,13 +1,12 @@
 """The HF engine on a tiny random Qwen3 model: left-padded batching and rollout log-probs."""
 
 import pytest
+import tokenizers
 import torch
+import transformers
 
 from kpipe.llm.hf_engine import HFEngine, plain_chat_prompt
 from kpipe.llm.types import ChatRequest
-
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 
 
 @pytest.fixture(scope="module")

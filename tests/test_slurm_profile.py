@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("snakemake_executor_plugin_slurm")
+import snakemake_executor_plugin_slurm  # noqa: F401 (the profile needs it)
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command  # noqa: E402
 from snakemake_executor_plugin_slurm.utils import set_gres_string  # noqa: E402
 from snakemake_executor_plugin_slurm.validation import validate_slurm_extra  # noqa: E402

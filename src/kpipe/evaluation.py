@@ -116,10 +116,6 @@ def opened_engine(entry: Mapping[str, Any], checkpoint: str | None = None, progr
             yield make_engine({"kind": "openai", "model": OFFLINE_TEACHER_MODEL, "base_url": base_url,
                                "api_key_env": None, "progress": progress})
         return
-    if checkpoint is not None:
-        from kpipe.train.rl import model_dir_of  # an RL iteration's checkpoint keeps its HF model in model/
-
-        checkpoint = str(model_dir_of(checkpoint))
     yield make_engine(engine_spec(entry, checkpoint, progress))
 
 

@@ -4,6 +4,8 @@
 # times the candidate against eager PyTorch and torch.compile, so Tables 1 and 2 share the rows.
 # Answers of API models and all evaluations are cached under results/cache/eval/ (not outputs:
 # a killed job keeps them and its rerun pays for nothing twice).
+
+
 rule eval:
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",

@@ -5,6 +5,8 @@
 # overlay of `rl` keys (`ablation: <name>` picks one of kpipe.train.rl_config.ABLATIONS);
 # config/ablations/*.yaml add the paper's. Partial work lives in results/work (not an
 # output): a killed iteration rerun by Snakemake resumes it, and nothing else reruns.
+
+
 rule rl_iter:
     input:
         queries=f"{RESULTS}/queries/queries.parquet",

@@ -4,6 +4,8 @@
 # The window w is a param of the top_w / best_window jobs only: changing it reruns those jobs
 # and what reads them (build_db, tables, figures), never the evaluation or the vanilla run.
 # Needs rules/eval.smk (models, helpers).
+
+
 rule stts:
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",

@@ -1,6 +1,8 @@
 # The paper's tables (one workflow/sql/<name>.sql each) and figures from results/kpipe.duckdb,
 # all in `snakemake --report report.html`. The database's views read every stage's Parquet
 # files; build_db depends on the stage outputs, so these rerun whenever a stage does.
+
+
 rule tables:
     input:
         db=f"{RESULTS}/kpipe.duckdb",

@@ -433,7 +433,7 @@ def _prs_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PR with missing values as 0 (no profile: no generated-kernel time), and C(y) per row."""
     if not isinstance(pr, torch.Tensor):
-        pr = torch.tensor([math.nan if value is None else float(value) for value in pr])
+        pr = torch.tensor([math.nan if value is None else float(value) for value in pr], dtype=torch.float64)
     pr = torch.nan_to_num(pr.to(torch.float64), nan=0.0)
     eligible = _bool_tensor(correct) & ~_bool_tensor(hacked)
     _check_same_length(pr, eligible=eligible)
