@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
+from kpipe.gym.result import reference_error
+
 
 class Evaluator(Protocol):
     def evaluate_many(self, jobs: list[tuple[str, str]]) -> list[Any]: ...
@@ -30,9 +32,6 @@ def result_field(result: Any, name: str, default: Any = None) -> Any:
     if isinstance(result, Mapping):
         return result.get(name, default)
     return getattr(result, name, default)
-
-
-REFERENCE_ERROR = "reference_error"
 
 
 class LocalEvaluator:
@@ -57,8 +56,7 @@ class LocalEvaluator:
         try:
             return self._evaluate(reference, candidate, self.protocol, reuse_reference=self.reuse_reference)
         except (self._reference_failure, ValueError) as error:
-            message = f"Status: {REFERENCE_ERROR}\nThe reference program failed: {str(error)[:500]}"
-            return {"status": REFERENCE_ERROR, "correct": False, "hacked": False, "feedback": message}
+            return reference_error(str(error))
 
     def evaluate_many(self, jobs: list[tuple[str, str]]) -> list[Any]:
         return [

@@ -17,11 +17,10 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
-from kpipe.gym.result import EvalResult
+from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
 
 RETRY_STATUSES = (429, 502, 503, 504)
 TOKEN_ENV = "KPIPE_GYM_TOKEN"
-REFERENCE_ERROR = "reference_error"
 
 
 class GymServiceError(RuntimeError):
@@ -38,9 +37,7 @@ def outcome_result(outcome: dict[str, Any]) -> Any:
     if outcome["state"] == "done":
         return EvalResult.from_row(outcome["result"])
     if outcome["state"] == REFERENCE_ERROR:
-        error = outcome.get("error") or ""
-        feedback = f"Status: {REFERENCE_ERROR}\nThe reference program failed: {error[:500]}"
-        return {"status": REFERENCE_ERROR, "correct": False, "hacked": False, "feedback": feedback, "diagnostic": error}
+        return reference_error(outcome.get("error") or "")
     raise ValueError(f"outcome {outcome['key']} is still pending")
 
 

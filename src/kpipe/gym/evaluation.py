@@ -24,7 +24,7 @@ from kpipe.data.source_text import source_hash
 from kpipe.gym.compare import Comparison, Tolerance, compare_outputs
 from kpipe.gym.faults import classify_exit
 from kpipe.gym.feedback import build_feedback, clip
-from kpipe.gym.isolate import ChildRun, run_isolated
+from kpipe.gym.isolate import ChildRun, Launcher, fresh_interpreter, run_isolated
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult
 from kpipe.gym.screen import screen
@@ -112,13 +112,14 @@ def check_reference(reference_src: str) -> None:
         raise ValueError(f"reference lacks {', '.join(sorted(missing))} (KernelBench format)")
 
 
-def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bool) -> dict[str, Any]:
+def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bool,
+                  launch: Launcher = fresh_interpreter) -> dict[str, Any]:
     cache_key = hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
     if reuse and cache_key in _reference_cache:
         _reference_cache.move_to_end(cache_key)
         return _reference_cache[cache_key]
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
-    run = run_isolated(job, protocol.timeout_s)
+    run = run_isolated(job, protocol.timeout_s, launch=launch)
     if run.payload is None or run.payload.get("status") != "ok":
         why = "timed out" if run.timed_out else (run.payload or {}).get("error") or classify_exit(run.returncode or 0)[1]
         detail = (run.payload or {}).get("traceback", "") or run.stderr
@@ -221,13 +222,15 @@ def evaluate(
     protocol: Protocol | None = None,
     *,
     reuse_reference: bool = False,
+    launch: Launcher = fresh_interpreter,
 ) -> EvalResult:
     """Evaluate `candidate_src` (``ModelNew`` + Triton kernels) against `reference_src`.
 
     Never raises for a bad candidate (its failure is the result); raises ValueError /
     TypeError / ReferenceFailure for bad usage. `reuse_reference` reuses this process's
     cached reference run (outputs and baseline timings) for an identical reference and
-    protocol: cheaper, but the baseline is then not timed close to the candidate.
+    protocol: cheaper, but the baseline is then not timed close to the candidate. `launch`
+    starts each child process (kpipe.gym.pool forks them from a warm zygote).
     """
     protocol = protocol or Protocol()
     check_reference(reference_src)
@@ -264,7 +267,7 @@ def evaluate(
     if rejected and protocol.hacking_check:
         return finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=findings)
 
-    reference = run_reference(reference_src, protocol, device, reuse_reference)
+    reference = run_reference(reference_src, protocol, device, reuse_reference, launch)
     base.update(device=reference["device"] if device == "cpu" else kind, torch_version=reference["torch_version"],
                 triton_version=reference["triton_version"])
     ref_eager = median(reference["eager"]["ms"]) if "eager" in reference else None
@@ -290,7 +293,7 @@ def evaluate(
         "device": device,
         "recheck_below_ms": ref_for_recheck / protocol.recheck_speedup_above if ref_for_recheck else None,
     }
-    run = run_isolated(job, protocol.timeout_s, gate=gate)
+    run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch)
     payload = run.payload
     common = {"findings": findings}
     if run.timed_out:

@@ -95,15 +95,37 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
+Launcher = Callable[[Path, str, float], tuple[Any, list[IO[bytes]]]]
+"""Starts ``kpipe.gym.child`` on a job file (args: job file, device, timeout) in its own
+process group; returns a Popen-like process (poll, wait, pid, args, returncode) and its
+stdout and stderr streams."""
+
+
+def fresh_interpreter(job_file: Path, device: str, timeout_s: float) -> tuple[Any, list[IO[bytes]]]:
+    """A new Python interpreter per child: slow to start, shares nothing with anyone."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kpipe.gym.child", str(job_file)],
+        cwd=job_file.parent,
+        env=child_environment(device),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: the timeout kills everything it started
+    )
+    return proc, [proc.stdout, proc.stderr]  # type: ignore[list-item]
+
+
 def run_isolated(
     job: dict[str, Any],
     timeout_s: float,
     gate: Callable[[dict[str, Any]], bool] | None = None,
+    launch: Launcher = fresh_interpreter,
 ) -> ChildRun:
     """Run ``kpipe.gym.child`` on `job` in a fresh process; never raises for what the child does.
 
     With `gate`, the child stops after its correctness stage and writes a partial result;
-    `gate(partial)` (run here, in the parent) decides whether it goes on to timing.
+    `gate(partial)` (run here, in the parent) decides whether it goes on to timing. `launch`
+    starts the process (the worker pool forks it from a warm zygote instead).
     """
     scratch = Path(tempfile.mkdtemp(prefix=f"kgym-{job['role']}-"))
     try:
@@ -117,16 +139,8 @@ def run_isolated(
         job_file = scratch / "job.json"
         job_file.write_text(json.dumps(job))
         start = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kpipe.gym.child", str(job_file)],
-            cwd=scratch,
-            env=child_environment(job["device"]),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # its own process group: the timeout kills everything it started
-        )
-        captures = [BoundedCapture(proc.stdout), BoundedCapture(proc.stderr)]  # type: ignore[arg-type]
+        proc, streams = launch(job_file, job["device"], timeout_s)
+        captures = [BoundedCapture(stream) for stream in streams]
         for capture in captures:
             capture.start()
         partial = None
@@ -144,6 +158,7 @@ def run_isolated(
         wall_s = time.monotonic() - start
         for capture in captures:
             capture.join(timeout=5)
+            capture.stream.close()
         phase_file = scratch / "phase"
         return ChildRun(
             payload=None if timed_out else load_payload(scratch / "result.pt"),

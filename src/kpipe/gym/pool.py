@@ -22,18 +22,15 @@ import json
 import os
 import queue
 import select
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -42,14 +39,12 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import EvalResult
+from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
 
 if TYPE_CHECKING:
     from kpipe.gym.cache import ResultCache
-    from kpipe.gym.isolate import ChildRun
 
 PRELOAD = ("torch", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
-REFERENCE_ERROR = "reference_error"  # the status kpipe.agent.evaluator.LocalEvaluator uses too
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
 WORKER_START_TIMEOUT_S = 300.0
 # a judge that does not answer within this much beyond the two child timeouts is hung
@@ -249,63 +244,24 @@ class ForkedProcess:
             self.returncode = int(code)
 
 
-def run_forked(zygote_factory: Callable[[], Zygote], job: dict[str, Any], timeout_s: float,
-               gate: Callable[[dict[str, Any]], bool] | None = None) -> ChildRun:
-    """``kpipe.gym.isolate.run_isolated`` with the child forked from the warm zygote instead of
-    a fresh interpreter; the same scratch directory, gate, bounded capture and result file."""
-    from kpipe.gym.isolate import BoundedCapture, ChildRun, kill_group, load_payload, wait_at_gate
+def zygote_launcher(zygote_factory: Callable[[], Zygote]) -> Callable[[Path, str, float], tuple[Any, list[Any]]]:
+    """A ``kpipe.gym.isolate.Launcher`` that forks each child from the worker's warm zygote
+    (torch and triton already imported, CUDA untouched) instead of starting an interpreter."""
 
-    scratch = Path(tempfile.mkdtemp(prefix=f"kgym-{job['role']}-"))
-    try:
-        job = {
-            **job,
-            "workdir": str(scratch),
-            "result_path": str(scratch / "result.pt"),
-            "phase_path": str(scratch / "phase"),
-            "gate_path": str(scratch / "gate") if gate else None,
-        }
-        job_file = scratch / "job.json"
-        job_file.write_text(json.dumps(job))
+    def launch(job_file: Path, device: str, timeout_s: float) -> tuple[Any, list[Any]]:
         pipes = [os.pipe(), os.pipe()]
-        start = time.monotonic()
         try:
             proc = zygote_factory().spawn(job_file, pipes[0][1], pipes[1][1], timeout_s)
+        except BaseException:
+            for read_end, _ in pipes:
+                os.close(read_end)
+            raise
         finally:
             for _, write_end in pipes:
                 os.close(write_end)
-        captures = [BoundedCapture(open(read_end, "rb")) for read_end, _ in pipes]
-        for capture in captures:
-            capture.start()
-        partial = None
-        timed_out = False
-        deadline = start + timeout_s
-        try:
-            if gate is not None:
-                partial = wait_at_gate(proc, scratch, deadline, gate)  # type: ignore[arg-type]
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            kill_group(proc)  # type: ignore[arg-type]
-            proc.wait()
-        wall_s = time.monotonic() - start
-        for capture in captures:
-            capture.join(timeout=5)
-            capture.stream.close()
-        phase_file = scratch / "phase"
-        return ChildRun(
-            payload=None if timed_out else load_payload(scratch / "result.pt"),
-            partial=partial,
-            returncode=proc.returncode,
-            timed_out=timed_out,
-            wall_s=wall_s,
-            stdout=captures[0].text(),
-            stderr=captures[1].text(),
-            output_bytes=captures[0].total + captures[1].total,
-            phase=phase_file.read_text() if phase_file.exists() else "",
-        )
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        return proc, [open(read_end, "rb") for read_end, _ in pipes]
+
+    return launch
 
 
 # ============================================================================ worker
@@ -328,30 +284,13 @@ def worker_environment(gpu: str | None, cpu_threads: int | None) -> dict[str, st
     return env
 
 
-@contextmanager
-def children_forked_from(zygote_factory: Callable[[], Zygote]) -> Iterator[None]:
-    """Make the core's ``evaluate()`` run its children through the zygote.
-
-    The core calls ``kpipe.gym.evaluation.run_isolated(job, timeout_s, gate=...)``; this swaps
-    that one module global inside the worker process only (see docs/kernelgym-at-scale.md for
-    the hook we asked the core to grow instead).
-    """
-    from kpipe.gym import evaluation
-
-    original = evaluation.run_isolated
-    evaluation.run_isolated = lambda job, timeout_s, gate=None: run_forked(zygote_factory, job, timeout_s, gate)
-    try:
-        yield
-    finally:
-        evaluation.run_isolated = original
-
-
 def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: bool) -> None:
     """Serve evaluations over `conn_fd` until the pool closes it. Messages in:
     ``(job_id, reference_src, candidate_src)``; out: ``("ready", info)`` once, then
     ``(job_id, kind, payload)`` with kind ``ok`` (a result row), ``reference_error`` or
     ``worker_error`` (the judge itself raised: the pool treats it like a dead worker)."""
     from kpipe.gym import evaluation
+    from kpipe.gym.isolate import fresh_interpreter
 
     conn = Connection(conn_fd)
     protocol = Protocol.from_json(protocol_json)
@@ -372,21 +311,20 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", info))
-    context = children_forked_from(current_zygote) if fork else nullcontext()
-    with context:
-        while True:
-            try:
-                job_id, reference, candidate = conn.recv()
-            except (EOFError, OSError):
-                break
-            try:
-                result = evaluation.evaluate(reference, candidate, protocol, reuse_reference=reuse_reference)
-                reply = (job_id, "ok", result.to_row())
-            except (evaluation.ReferenceFailure, ValueError, TypeError) as exc:
-                reply = (job_id, REFERENCE_ERROR, str(exc)[:2000])
-            except Exception:  # noqa: BLE001 - a bug in the judge: the pool re-queues the job once
-                reply = (job_id, "worker_error", traceback.format_exc()[-2000:])
-            conn.send(reply)
+    launch = zygote_launcher(current_zygote) if fork else fresh_interpreter
+    while True:
+        try:
+            job_id, reference, candidate = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            result = evaluation.evaluate(reference, candidate, protocol, reuse_reference=reuse_reference, launch=launch)
+            reply = (job_id, "ok", result.to_row())
+        except (evaluation.ReferenceFailure, ValueError, TypeError) as exc:
+            reply = (job_id, REFERENCE_ERROR, str(exc)[:2000])
+        except Exception:  # noqa: BLE001 - a bug in the judge: the pool re-queues the job once
+            reply = (job_id, "worker_error", traceback.format_exc()[-2000:])
+        conn.send(reply)
     if zygote is not None:
         zygote.close()
 
@@ -699,12 +637,6 @@ def last_line(text: str) -> str:
 
 def is_pass(result: Any) -> bool:
     return (result.status if isinstance(result, EvalResult) else result.get("status")) == "pass"
-
-
-def reference_error(message: str) -> dict[str, Any]:
-    """The mapping ``LocalEvaluator`` returns for a broken reference (same keys, same text)."""
-    feedback = f"Status: {REFERENCE_ERROR}\nThe reference program failed: {message[:500]}"
-    return {"status": REFERENCE_ERROR, "correct": False, "hacked": False, "feedback": feedback, "diagnostic": message}
 
 
 def lost_result(job: Job, protocol: Protocol, device_kind: str) -> EvalResult:

@@ -25,6 +25,14 @@ STATUSES = (
     "device_assert",
 )
 GPU_FAULTS = ("illegal_memory_access", "misaligned_address", "illegal_instruction", "device_assert")
+# Not a candidate status: the *reference* failed, so there is no EvalResult to give.
+REFERENCE_ERROR = "reference_error"
+
+
+def reference_error(message: str) -> dict[str, Any]:
+    """What every evaluator (local, pool, service client) returns for a broken reference."""
+    feedback = f"Status: {REFERENCE_ERROR}\nThe reference program failed: {message[:500]}"
+    return {"status": REFERENCE_ERROR, "correct": False, "hacked": False, "feedback": feedback, "diagnostic": message}
 
 
 @dataclass

@@ -29,8 +29,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kpipe.gym.pool import REFERENCE_ERROR, GymPool
-from kpipe.gym.result import EvalResult
+from kpipe.gym.pool import GymPool
+from kpipe.gym.result import REFERENCE_ERROR, EvalResult
 
 MAX_SOURCE_CHARS = 200_000
 MAX_BATCH_JOBS = 1024
