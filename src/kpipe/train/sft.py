@@ -374,8 +374,9 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
         log.info("SFT samples: %s", report.as_dict())
 
     # --- model, optimizer, schedule
-    model = accelerator.prepare(load_model(cfg))
-    optimizer = accelerator.prepare(build_optimizer(model, cfg))
+    model = load_model(cfg)
+    # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
+    model, optimizer = accelerator.prepare(model, build_optimizer(model, cfg))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, n_steps, warmup, cfg.schedule, cfg.min_lr_ratio))
     accelerator.register_for_checkpointing(scheduler)
