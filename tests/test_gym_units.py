@@ -242,3 +242,12 @@ def test_huge_outputs_are_compared_on_a_sample_including_the_tail():
     assert "sampled" in compare_output(cand_digest[0], ref_digest[0], TOL).detail
     assert "shape" in compare_output(digest([reference.T.contiguous()], 4096, 1)[0], ref_digest[0], TOL).detail
     assert compare_output(digest([torch.rand(10)], 4096, 1)[0]["full"], digest([torch.rand(10)], 4096, 1)[0], TOL).ok is False
+
+
+def test_gate_wait_stops_instead_of_waiting_forever(tmp_path):
+    """A candidate whose parent never answers (e.g. the evaluator was killed) must not linger."""
+    from kpipe.gym.child import wait_for_gate
+
+    assert wait_for_gate(tmp_path / "never-written", timeout_s=0.05) == "stop"
+    (tmp_path / "gate").write_text("go")
+    assert wait_for_gate(tmp_path / "gate", timeout_s=0.05) == "go"

@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,10 +21,20 @@ def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def job_counts(result: subprocess.CompletedProcess) -> dict[str, int]:
+    """Rule name -> job count, from the first 'Job stats' table of a dry run ({} if none)."""
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    if "Job stats:" not in result.stdout:
+        return {}
+    stats = result.stdout.split("Job stats:")[1].split("total")[0]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", stats, re.M)}
+
+
 def planned_jobs(result: subprocess.CompletedProcess) -> set[str]:
-    """Rule names in the 'Job stats' table of a dry run."""
-    stats = result.stdout.split("Job stats:")[-1]
-    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+$", stats, re.M)} - {"total"}
+    return set(job_counts(result))
+
+
+UPSTREAM_OF_QUERIES = {"ingest_tasks", "ingest_queries", "tiny_model"}
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +86,44 @@ def test_nothing_changed_reruns_nothing(workdir):
 
 def test_decontamination_setting_reruns_only_decontamination_and_dependents(workdir, edited_config):
     edited_config(lambda cfg: cfg["queries"]["decontamination"].update(threshold=0.5))
-    assert planned_jobs(snakemake(workdir, "-n")) == {"decontaminate", "build_db", "all"}
+    planned = planned_jobs(snakemake(workdir, "-n"))
+    assert {"decontaminate", "distill", "build_db"} <= planned  # it and what reads the queries
+    assert not planned & UPSTREAM_OF_QUERIES
 
 
 def test_task_selection_reruns_task_ingest_and_dependents(workdir, edited_config):
     edited_config(lambda cfg: cfg["kernelbench"]["ids"].update(level_1=[19]))
-    assert planned_jobs(snakemake(workdir, "-n")) == {"ingest_tasks", "decontaminate", "build_db", "all"}
+    planned = planned_jobs(snakemake(workdir, "-n"))
+    assert {"ingest_tasks", "decontaminate", "eval", "build_db"} <= planned
+    assert not planned & {"ingest_queries", "tiny_model"}
+
+
+def test_stts_window_reruns_only_windowed_stts_and_readers(workdir, edited_config):
+    edited_config(lambda cfg: cfg["stts"].update(window=3))
+    counts = job_counts(snakemake(workdir, "-n"))
+    # the top-w STTS job and what reads it; not eval, not the vanilla (full) STTS job
+    assert counts == {"stts": 1, "build_db": 1, "tables": 1, "figures": 1, "all": 1}
+
+
+def test_every_stage_wrote_its_table(workdir):
+    db = str(workdir / "results" / "kpipe.duckdb")
+    query = subprocess.run(
+        [sys.executable, "-m", "kpipe.cli", "query", "--db", db, "--format", "json",
+         "select stage, count(*) as n from trajectories group by stage order by stage"],
+        capture_output=True, text=True,
+    )
+    assert {row["stage"] for row in json.loads(query.stdout)} == {"coldstart", "eval", "rl", "stts"}
+    for name in ["table1_fastp_eager", "table2_fastp_compile", "hacking_ratio", "stts_curves"]:
+        assert "| default " in (workdir / "results" / "tables" / f"{name}.md").read_text()  # rows of this run
+    assert (workdir / "results" / "figures" / "fig6_stts.png").stat().st_size > 0
+
+
+def test_report_contains_tables_and_figures(workdir):
+    result = snakemake(workdir, "--report", "report.zip")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    names = zipfile.ZipFile(workdir / "report.zip").namelist()
+    assert any(name.endswith("table1_fastp_eager.md") for name in names)
+    assert any(name.endswith("fig6_stts.png") for name in names)
 
 
 def test_wrong_key_stops_with_one_line(workdir, edited_config):
@@ -98,6 +141,6 @@ def test_lint_reports_nothing(workdir):
 
 
 def test_paper_config_plans(workdir):
-    result = snakemake(workdir, "-n", "--configfile", "config/paper.yaml")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert {"ingest_tasks", "ingest_queries", "decontaminate", "build_db"} <= planned_jobs(result)
+    counts = job_counts(snakemake(workdir, "-n", "--configfile", "config/paper.yaml"))
+    assert counts["distill"] == 64 and counts["rl_iter"] == 60  # 2 runs x 30 iterations
+    assert {"ingest_tasks", "sft", "eval", "stts", "tables"} <= set(counts)

@@ -2,13 +2,22 @@
 import sys
 from pathlib import Path
 
-from kpipe.config import ConfigError, load_schema, validate_config
+import yaml
+
+from kpipe.config import ConfigError, deep_merge, load_schema, validate_config
 from kpipe.evaluation import models_by_name
 from kpipe.figures import FIGURE_NAMES
 from kpipe.gpu import gpu_count
 from kpipe.provenance import code_version
 from kpipe.tables import table_sql_files
 
+DEFAULT_CONFIG = Path(workflow.basedir).parent / "config" / "config.yaml"
+
+if not workflow.overwrite_configfiles:
+    # No --configfile: the default run, with any --config values on top. (A `configfile:`
+    # directive would instead merge --configfile files *into* the default run, leaking its
+    # lists and task selection into e.g. config/paper.yaml.)
+    config.update(deep_merge(yaml.safe_load(DEFAULT_CONFIG.read_text()), config))
 try:
     validate_config(config, load_schema(Path(workflow.basedir) / "schemas" / "config.schema.yaml"))
 except ConfigError as error:

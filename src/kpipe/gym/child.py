@@ -521,7 +521,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         phase("candidate waiting at the gate")
         result.update(integrity())
         write_result(str(workdir / "partial.pt"), result)
-        if wait_for_gate(Path(job["gate_path"])) != "go":
+        if wait_for_gate(Path(job["gate_path"]), protocol.timeout_s) != "go":
             result["stopped_at_gate"] = True
             return result
 
@@ -571,9 +571,17 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     return result
 
 
-def wait_for_gate(path: Path) -> str:
-    """The parent's go/stop after it compared our correctness outputs (it kills us on timeout)."""
+def wait_for_gate(path: Path, timeout_s: float) -> str:
+    """The parent's go/stop after it compared our correctness outputs.
+
+    The parent kills us on timeout; if the parent itself died (we were re-parented) or never
+    answers within the timeout, stop rather than wait forever as an orphan.
+    """
+    parent = os.getppid()
+    deadline = time.monotonic() + timeout_s
     while not path.exists():
+        if os.getppid() != parent or time.monotonic() > deadline:
+            return "stop"
         time.sleep(0.002)
     return path.read_text().strip()
 
