@@ -30,13 +30,13 @@ DISTILL = config["distill"]
 COLDSTART_DIR = f"{RESULTS}/trajectories/stage=coldstart/run={RUN}/iter=0"
 
 
+# asked once per DAG build (nvidia-smi), not once per rule
+USE_GPUS = config["device"] == "cuda" or (config["device"] == "auto" and gpu_count() > 0)
+
+
 def gpus_per_job(requested):
     """GPUs a GPU-stage job asks for: none when the config or the machine says CPU."""
-    if config["device"] == "cpu":
-        return 0
-    if config["device"] == "auto" and gpu_count() == 0:
-        return 0
-    return requested
+    return requested if USE_GPUS else 0
 
 
 def query_sources():
