@@ -3,9 +3,10 @@ the time of one step split into generation, evaluation and training.
 
     PYTHONPATH=src PYTHONUNBUFFERED=1 python scripts/gpu_check_rl.py        # ~4 minutes on one H100
 
-1. Builds a Qwen3-0.6B-sized model from config (random weights, byte-level tokenizer, no
-   download) and SFTs it briefly (kpipe.train.sft) on the bank's correct and buggy kernels of
-   two KernelBench tasks, so that its rollouts contain programs KernelGym actually runs.
+1. Builds a Qwen3-0.6B-sized model from config (random weights, no download) with a BPE
+   tokenizer trained on the prompts and the bank's kernels, and SFTs it (kpipe.train.sft) on the
+   bank's correct and buggy kernels of two KernelBench tasks until it reproduces them, so that
+   its rollouts contain programs KernelGym actually runs (a random-init policy writes none).
 2. Runs one RL iteration of one step: HF `generate` rollouts on the live policy with per-token
    log-probs, the warm GPU evaluation pool (the paper's protocol: 5 correctness trials, 100
    timed trials, hacking checks, profiling for PR), rewards with PR (Eq. 8), PRS (Eq. 9),
@@ -14,12 +15,14 @@ the time of one step split into generation, evaluation and training.
    $OUT/rl_check.md (+ .json) when $OUT is set.
 
 On a CPU (to check the script itself): ``TRITON_INTERPRET=1 python scripts/gpu_check_rl.py
---size nano --size-cap 48 --sft-steps 2 --max-tokens 16 --rollouts 2``.
+--size nano --size-cap 48 --sft-steps 2 --max-tokens 16 --rollouts 2``. ``--size nano --lr 1e-2``
+is the offline learning check's policy (tests/test_rl_learning.py) at full speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -34,7 +37,7 @@ STEP_METRICS = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "rows", "tr
                 "rollout_ppl", "train_ppl", "mismatch_abs_log_w", "entropy", "grad_norm", "optimizer_steps")
 
 
-def sft_rows(tasks: list, size_cap: int) -> list[dict]:
+def sft_rows(tasks: list) -> list[dict]:
     """One SFT row per bank solution (correct and buggy) of each task, as cold-start turns."""
     from kpipe.gym.bank import solutions_for
     from kpipe.llm.prompts import first_turn_messages
@@ -54,10 +57,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="qwen3-0.6b", help="kpipe.train.tiny_model size preset")
     parser.add_argument("--size-cap", type=int, default=4096, help="cap on the tasks' module-level size constants")
-    parser.add_argument("--sft-steps", type=int, default=100)
+    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--lr", type=float, default=5e-4, help="SFT learning rate")
+    parser.add_argument("--vocab", type=int, default=2048, help="BPE tokenizer size")
     parser.add_argument("--rollouts", type=int, default=4, help="rollouts per prompt (2 prompts)")
     parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=1300, help="generated tokens per turn")
+    parser.add_argument("--max-tokens", type=int, default=600, help="generated tokens per turn")
     args = parser.parse_args()
 
     from kpipe.agent.loop import AgentTask
@@ -76,13 +81,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kpipe-rl-check-") as tmp:
         root = Path(tmp)
         started = time.perf_counter()
-        base = build_tiny_model(root / "base", seed=0, size=args.size)
-        rows = sft_rows(tasks, args.size_cap)
-        sft = train_sft(SFTConfig(base_model=str(base), run="gpu-check", lr=3e-4, batch_size=len(rows),
+        rows = sft_rows(tasks)
+        corpus = [m["content"] for row in rows for m in row["prompt_messages"]] + [row["response"] for row in rows]
+        base = build_tiny_model(root / "base", seed=0, size=args.size, corpus=corpus, vocab_size=args.vocab)
+        sft = train_sft(SFTConfig(base_model=str(base), run="gpu-check", lr=args.lr, batch_size=len(rows),
                                   epochs=args.sft_steps, max_steps=args.sft_steps, max_length=8192,
-                                  micro_batch_tokens=16384, warmup_ratio=0.05, schedule="constant", seed=0),
+                                  micro_batch_tokens=16384, warmup_ratio=0.05, schedule="constant",
+                                  weight_decay=0.0, seed=0),
                         rows, root / "sft", root / "sft_metrics.parquet")
         timings["build_and_sft_s"] = time.perf_counter() - started
+        gc.collect()  # the SFT trainer's model and optimizer sit in reference cycles (accelerate)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            print(f"GPU memory after SFT: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
         print(f"SFT: {sft.steps} steps on {len(rows)} kernels, final loss {sft.final_loss:.4f} "
               f"({timings['build_and_sft_s']:.0f} s)", flush=True)
 
@@ -105,7 +116,8 @@ def main() -> None:
     share = {key: step[key] / step["step_s"] for key in ("gen_s", "eval_s", "train_s")}
     lines = [
         f"# RL iteration check on {device}", "",
-        f"Model: `{args.size}` (random init + {args.sft_steps} SFT steps on bank kernels), one RL step of "
+        f"Model: `{args.size}` (random init, {args.vocab}-token BPE, + {args.sft_steps} SFT steps on bank kernels, "
+        f"final loss {sft.final_loss:.4f}), one RL step of "
         f"{len(TASKS)} prompts x {args.rollouts} rollouts x up to {args.turns} turns, {args.max_tokens} tokens per "
         f"turn; KernelGym pool with the paper's protocol (eager baseline); reward Eq. 8 (PR), PRS, TRLOO, "
         "PPO-clip under bf16.", "",

@@ -58,6 +58,24 @@ def status(result: object) -> str:
     return result.status if isinstance(result, EvalResult) else result["status"]
 
 
+def test_the_stages_evaluator_factory_evaluates_through_a_local_ray_cluster(tmp_path: Path) -> None:
+    """`gym.backend: ray` in open_evaluator (what the multi-turn loop of every stage gets): a
+    local Ray instance is started, RayGym evaluates with the configured cache, and Ray is
+    stopped when the evaluator closes. Runs before the `gym` fixture starts its own instance."""
+    from kpipe.agent.evaluator import open_evaluator
+
+    assert not ray.is_initialized()
+    cache_path = tmp_path / "cache.sqlite"
+    gym_config = {"backend": "ray", "ray_address": None, "actors": 1, "cache": str(cache_path),
+                  "protocol": PROTOCOL.to_dict()}
+    with open_evaluator(gym_config, progress=False) as evaluator:
+        assert isinstance(evaluator, RayGym) and len(evaluator.workers()) == 1
+        [result] = evaluator.evaluate_many([(REFERENCE, LEGIT)])
+    assert status(result) == "pass", result.diagnostic
+    assert ResultCache(cache_path).get(result.key) is not None
+    assert not ray.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def gym():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

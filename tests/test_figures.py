@@ -9,7 +9,8 @@ from kpipe.data.io import write_table
 from kpipe.db import build_db
 from kpipe.figures import FIGURE_NAMES, FIGURE_PANELS, build_figures, matching_series, normalised
 
-NAMES = {"fig4_fast1_training", "fig5_fast12_entropy", "fig6_stts", "fig7_training_dynamics", "fig8_hacking_ratio"}
+NAMES = {"fig4_fast1_training", "fig5_fast12_entropy", "fig6_stts", "fig7_training_dynamics", "fig8_hacking_ratio",
+         "fig_rl_validation"}
 
 
 def test_figure_names_are_the_papers():

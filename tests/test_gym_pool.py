@@ -12,7 +12,7 @@ from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
 from kpipe.gym.cache import ResultCache
-from kpipe.gym.pool import MAX_ATTEMPTS, REFERENCE_ERROR, GymPool
+from kpipe.gym.pool import MAX_ATTEMPTS, REFERENCE_ERROR, GymPool, default_slots
 from kpipe.gym.result import EvalResult
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"
@@ -133,3 +133,12 @@ def test_a_broken_reference_is_a_reference_error_not_an_exception(pool: GymPool)
 def test_bad_usage_is_refused() -> None:
     with pytest.raises(RuntimeError, match="could not start"):
         GymPool(Protocol(device="cuda"), workers=1, progress=False)
+
+
+def test_slots_are_the_given_gpus_or_cpu_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert default_slots(None) == ["0", "1", "2", "3"]
+    assert default_slots(None, ["2"]) == ["2"]  # one RL process per GPU evaluates on its own
+    assert default_slots(1, ["1", "3"]) == ["1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert default_slots(2) == [None, None]

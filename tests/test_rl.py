@@ -4,18 +4,23 @@ hand-computed rows, trainer/rollout log-prob agreement, gradient accumulation, k
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from kpipe.agent.evaluator import LocalEvaluator
 from kpipe.agent.loop import AgentTask
-from kpipe.data.io import read_table
+from kpipe.data.io import read_table, write_table
+from kpipe.launch import NodeInfo, accelerate_command, free_port
 from kpipe.llm.hf_engine import HFEngine
 from kpipe.llm.types import ChatRequest
-from kpipe.train import rl
-from kpipe.train.rl_config import ABLATIONS, RLConfig, with_ablation
+from kpipe.train import algos, rl
+from kpipe.train.rl_config import ABLATIONS, AGG_MODES, RLConfig, with_ablation
 
 REPO = Path(__file__).resolve().parents[1]
 RELU = '''import torch
@@ -203,8 +208,9 @@ def test_micro_batching_leaves_the_gradient_unchanged(nano_model, agg):
     from accelerate import Accelerator
 
     model, tokenizer = rl.load_policy(nano_model, RLConfig())
-    items = [rl.TrainItem(rl.TokenSample(list(range(40, 40 + n)), list(range(60, 60 + m))), adv, torch.full((m,), -5.0))
-             for n, m, adv in [(5, 3, 1.0), (9, 6, -0.5), (4, 2, 0.25)]]
+    items = [rl.TrainItem(("t", i, 1), rl.TokenSample(list(range(40, 40 + n)), list(range(60, 60 + m))), adv,
+                          torch.full((m,), -5.0))
+             for i, (n, m, adv) in enumerate([(5, 3, 1.0), (9, 6, -0.5), (4, 2, 0.25)])]
     grads = []
     for budget in (10_000, 1):  # one micro-batch, then one sample per micro-batch
         optimizer = RecordingOptimizer(model)
@@ -268,3 +274,117 @@ def test_scratch_of_another_configuration_is_cleared(tmp_path):
     (scratch / "rollouts-0000.parquet").write_text("partial work")
     assert rl.prepare_scratch(scratch, "a") and (scratch / "rollouts-0000.parquet").exists()
     assert not rl.prepare_scratch(scratch, "b") and not (scratch / "rollouts-0000.parquet").exists()
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def test_micro_batch_weights_normalise_by_the_global_mini_batch():
+    """Two processes' micro-batches, each weighted by its share of the mini-batch counted over both
+    processes, add up to the loss of the whole mini-batch in one piece, in every aggregation mode."""
+    lengths = [3, 5, 2, 4]  # response tokens of the mini-batch's four rows
+    losses = torch.arange(20, dtype=torch.float64).reshape(4, 5) / 7
+    mask = rl.response_mask(lengths, 5)
+    micro_batches = [[0], [1], [2, 3]]  # process 0 holds rows 0 and 1 (one each), process 1 rows 2 and 3
+    for agg in AGG_MODES:
+        whole = algos.aggregate_loss(losses, mask, agg)
+        mini_units = rl.loss_units(agg, lengths)
+        pieces = sum(algos.aggregate_loss(losses[m], mask[m], agg)
+                     * rl.micro_batch_weight(agg, [lengths[i] for i in m], mini_units) for m in micro_batches)
+        assert float(pieces) == pytest.approx(float(whole)), agg
+    # by hand: token-mean shares 3/14, 5/14, 6/14 of 14 tokens; sequence shares 1/4, 1/4, 2/4
+    assert [rl.micro_batch_weight("token-mean", [lengths[i] for i in m], 14) for m in micro_batches] == [
+        pytest.approx(3 / 14), pytest.approx(5 / 14), pytest.approx(6 / 14)]
+    assert rl.micro_batch_weight("seq-mean-token-sum", [2, 4], rl.loss_units("seq-mean-token-sum", lengths)) == 0.5
+
+
+def test_prompts_must_split_evenly_over_processes_and_vllm_stays_in_one():
+    rl.check_processes(RLConfig(), 4, 2)
+    with pytest.raises(ValueError, match="3 prompts per step cannot be split evenly over 2 processes"):
+        rl.check_processes(RLConfig(), 3, 2)
+    rl.check_processes(RLConfig(engine="vllm"), 3, 1)
+    with pytest.raises(ValueError, match="engine 'vllm' runs in one process, not 2"):
+        rl.check_processes(RLConfig(engine="vllm"), 4, 2)
+    tasks = [AgentTask(name, RELU) for name in "abcd"]
+    assert [[t.task_id for t in rl.process_tasks(tasks, rank, 2)] for rank in (0, 1)] == [["a", "c"], ["b", "d"]]
+
+
+def queries_file(path: Path, tasks: list[AgentTask]) -> Path:
+    rows = [{"query_id": t.task_id, "source": "test", "source_id": t.task_id, "level": 1, "name": t.task_id,
+             "reference_src": t.reference_src, "reference_hash": "", "contaminated": False} for t in tasks]
+    return write_table(rows, path, "queries")
+
+
+def test_two_processes_train_as_one_process_on_the_same_rows(nano_model, tmp_path):
+    """`kpipe launch --gpus 2`'s command, on a CPU: accelerate runs the two processes as DDP over
+    gloo (accelerate has no FSDP on a CPU). Step 0 trains on saved rollouts with hand-set rewards
+    (the nano policy writes no kernel); step 1 generates and evaluates fresh ones per process. A
+    one-process run on the rows the two processes wrote must reach the same weights and metrics."""
+    cfg = RLConfig(prompts_per_step=2, rollouts_per_prompt=3, max_turns=1, max_tokens=6, steps_per_iteration=2,
+                   lr=1e-3, loss_agg="token-mean", mini_batches=2, mrs=True, mixed_precision="no")
+    tasks = [AgentTask("relu-a", RELU), AgentTask("relu-b", RELU.replace("4, 4", "4, 8"))]
+    gym = {"backend": "local"}
+    # step 0's rollouts, saved where an interrupted run would have left them
+    model, tokenizer = rl.load_policy(nano_model, cfg)
+    engine = HFEngine(model.eval(), tokenizer, name="nano", batch_size=8, progress=False)
+    seeded = rl.rollout_rows(tasks, engine, LocalEvaluator(progress=False), cfg, run="mp", iteration=0,
+                             global_step=0, progress=False)
+    for row in seeded:
+        row["reward"] = {"relu-a": [0.0, 1.0, 2.0], "relu-b": [3.0, 0.5, 0.0]}[row["task_id"]][row["sample"]]
+    fingerprint = rl.iteration_fingerprint(cfg, "mp", 0, rl.directory_identity(nano_model) + "none", tasks,
+                                           rl.gym_protocol(cfg, None).to_json())
+    scratch = {n: tmp_path / n / "scratch" for n in ("two", "one")}
+    for path in scratch.values():
+        rl.prepare_scratch(path, fingerprint)
+        write_table(seeded, path / "rollouts-0000.parquet", "trajectories")
+
+    outputs = {n: {"model_out": tmp_path / n / "model", "trajectories_path": tmp_path / n / "traj.parquet",
+                   "metrics_path": tmp_path / n / "metrics.parquet"} for n in ("two", "one")}
+    two = outputs["two"]
+    args = ["train", "rl", "--queries", str(queries_file(tmp_path / "queries.parquet", tasks)),
+            "--init-model", str(nano_model), "--model-out", str(two["model_out"]),
+            "--trajectories", str(two["trajectories_path"]), "--metrics", str(two["metrics_path"]),
+            "--scratch", str(scratch["two"]), "--run", "mp", "--settings", json.dumps(dataclasses.asdict(cfg)),
+            "--gym", json.dumps(gym)]
+    command = accelerate_command(2, args, NodeInfo(main_port=free_port()), config_dir=REPO / "workflow" / "accelerate")
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert "on 2 process(es) (DistributedType.MULTI_CPU)" in done.stderr
+
+    rows = read_table(two["trajectories_path"], "trajectories").to_pylist()
+    steps = [rows[:len(seeded)], rows[len(seeded):]]
+    for step_rows in steps:  # each process's rows exactly once
+        assert sorted(rl.row_key(r) for r in step_rows) == sorted(rl.row_key(r) for r in seeded)
+    assert not scratch["two"].exists()
+
+    write_table(steps[1], scratch["one"] / "rollouts-0001.parquet", "trajectories")
+    rl.run_iteration(cfg, tasks, nano_model, **outputs["one"], scratch=scratch["one"], run="mp", iteration=0,
+                     gym=gym, progress=False)
+    one_rows = {rl.row_key(r): r
+                for r in read_table(outputs["one"]["trajectories_path"], "trajectories").to_pylist()[:len(seeded)]}
+    for row in steps[0]:
+        assert row["advantage"] == pytest.approx(one_rows[rl.row_key(row)]["advantage"])
+        assert row["kept"] == one_rows[rl.row_key(row)]["kept"]
+    assert any(row["advantage"] for row in steps[0])
+
+    from safetensors.torch import load_file
+
+    weights = {n: load_file(outputs[n]["model_out"] / "model.safetensors") for n in ("two", "one")}
+    initial = load_file(nano_model / "model.safetensors")
+    # Adam's first steps are sign-like: where a gradient is ~1e-8, float noise can move a weight by ~1% of
+    # lr, so the runs are compared by how far apart they moved in all (a wrong normalisation: tens of percent)
+    moved = sum(float((weights["one"][name] - initial[name]).abs().sum()) for name in initial)
+    apart = sum(float((weights["two"][name] - weights["one"][name]).abs().sum()) for name in initial)
+    assert moved > 0 and apart < 1e-3 * moved, (apart, moved)
+
+    metrics = {n: read_table(outputs[n]["metrics_path"], "train_metrics").to_pandas() for n in ("two", "one")}
+    assert not metrics["two"].duplicated(["step", "name"]).any()
+    compared = ["loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "kept_frac", "kept_frac_mrs",
+                "trained_rows", "optimizer_steps", "reward_mean", "return_mean", "advantage_abs_mean", "train_ppl",
+                "rollout_ppl", "mismatch_abs_log_w", "response_tokens_mean", "rows"]
+    two_values, one_values = ({(r.step, r.name): r.value for r in m.itertuples() if r.name in compared}
+                              for m in (metrics["two"], metrics["one"]))
+    assert set(two_values) == set(one_values) and len(two_values) == 2 * len(compared)
+    for key, value in one_values.items():
+        assert two_values[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

@@ -23,6 +23,7 @@ from kpipe.gym.bank import list_solutions
 from kpipe.llm.prompts import first_turn_messages
 from kpipe.train.rl import run_iteration
 from kpipe.train.rl_config import RLConfig
+from kpipe.train.tiny_model import build_tiny_model
 
 ITERATIONS = 5
 REWARD_MARGIN = 0.3  # observed: 0.32 -> 0.44, 0.82, 0.89, 0.76 (seeded; docs/rl.md)
@@ -61,32 +62,6 @@ def relu_task() -> AgentTask:
     return AgentTask("kb-main-L1-19", shrink_sizes(problem.code, 48))
 
 
-def build_bpe_policy(out_dir: Path, corpus: list[str], vocab_size: int = 800) -> Path:
-    """The nano Qwen3 model with a byte-level BPE tokenizer trained on `corpus` (ChatML specials and
-    template as kpipe.train.tiny_model): sub-word tokens keep the 3 KB prompt ~1.4K tokens long."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3ForCausalLM
-
-    from kpipe.train.tiny_model import CHATML_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS, tiny_config
-
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=ENDOFTEXT)
-    tokenizer.chat_template = CHATML_TEMPLATE
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(tiny_config("nano", len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id))
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id, do_sample=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
-
-
 def sft_policy(root: Path, task: AgentTask) -> Path:
     """SFT on the three answers until the model reproduces them (loss ~0.01)."""
     from kpipe.train.sft import SFTConfig, train_sft
@@ -94,7 +69,7 @@ def sft_policy(root: Path, task: AgentTask) -> Path:
     messages = first_turn_messages(task.reference_src)
     responses = [f"```python\n{code}```" for code in ANSWERS]
     corpus = [m["content"] for m in messages] + [s.source for s in list_solutions()] + responses
-    base = build_bpe_policy(root / "base", corpus)
+    base = build_tiny_model(root / "base", seed=0, size="nano", corpus=corpus, vocab_size=800)
     rows = [{"run": "sft", "stage": "coldstart", "iteration": 0, "task_id": task.task_id, "sample": i, "turn": 1,
              "prompt_messages": messages, "response": response, "status": "pass", "correct": True}
             for i, response in enumerate(responses)]

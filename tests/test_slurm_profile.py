@@ -1,9 +1,11 @@
-"""The SLURM profile plans the paper run, passes lint, and the SLURM executor plugin turns each
-planned job's resources into the intended sbatch request (run in a scratch copy of the repo's
+"""The SLURM profile plans the paper run (as --profile and as --workflow-profile), passes lint,
+and the SLURM executor plugin turns each planned job's resources into the intended sbatch
+request; a local run caps GPU requests at the visible GPUs (run in a scratch copy of the repo's
 workflow/ and config/, as tests/test_workflow.py does)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 import snakemake_executor_plugin_slurm  # noqa: F401 (the profile needs it)
 from snakemake_executor_plugin_slurm.submit_string import get_submit_command  # noqa: E402
@@ -21,6 +24,8 @@ from snakemake_executor_plugin_slurm.validation import validate_slurm_extra  # n
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ["--configfile", "config/paper.yaml"]
+SFT_GPUS = yaml.safe_load((ROOT / "config" / "paper.yaml").read_text())["sft"]["gpus"]
+PROFILE_FORMS = ["--profile", "--workflow-profile"]  # the first also applies workflow/profiles/default
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +36,9 @@ def workdir(tmp_path_factory) -> Path:
     return work
 
 
-def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True)
+def snakemake(workdir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=workdir, capture_output=True, text=True,
+                            env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     return result
 
@@ -69,18 +75,30 @@ def sbatch_line(resources: dict[str, Any], **extra: Any) -> str:
     return get_submit_command(job, params) + set_gres_string(job)
 
 
-@pytest.fixture(scope="module")
-def paper_plan(workdir: Path) -> dict[str, list[dict[str, Any]]]:
-    """The paper run planned with the SLURM profile as the workflow profile."""
-    return planned_resources(snakemake(workdir, "-n", "--workflow-profile", "workflow/profiles/slurm", *PAPER).stdout)
+@pytest.fixture(scope="module", params=PROFILE_FORMS)
+def paper_plan(request, workdir: Path) -> dict[str, list[dict[str, Any]]]:
+    """The paper run planned with the SLURM profile, given either way."""
+    return planned_resources(snakemake(workdir, "-n", request.param, "workflow/profiles/slurm", *PAPER).stdout)
 
 
 def test_the_acceptance_command_plans_the_full_paper_run(workdir: Path) -> None:
     result = snakemake(workdir, "-n", "--profile", "workflow/profiles/slurm", *PAPER)
-    counts = Counter({rule: len(jobs) for rule, jobs in planned_resources(result.stdout).items()})
+    plan = planned_resources(result.stdout)
+    counts = Counter({rule: len(jobs) for rule, jobs in plan.items()})
     assert {"ingest_tasks", "ingest_queries", "decontaminate", "sft", "build_db"} <= set(counts)
     assert counts["distill"] == 64  # distill.shards of config/paper.yaml
-    assert "Using profiles workflow/profiles/slurm" in result.stderr
+    assert "Using profiles workflow/profiles/slurm and workflow specific profile workflow/profiles/default" in result.stderr
+    assert plan["sft"][0]["gpu"] == SFT_GPUS  # not capped by the default profile applied on top
+
+
+def test_a_local_run_caps_gpu_requests_at_the_visible_gpus(workdir: Path) -> None:
+    def planned_sft_gpus(*args: str) -> int:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}  # what kpipe.gpu.gpu_count() reads first
+        return planned_resources(snakemake(workdir, "-n", *PAPER, *args, env=env).stdout)["sft"][0]["gpu"]
+
+    assert SFT_GPUS > 2
+    assert planned_sft_gpus() == 2
+    assert planned_sft_gpus("--resources", "gpu=3") == 3
 
 
 def test_every_planned_job_has_runtime_and_memory(paper_plan) -> None:
@@ -91,12 +109,12 @@ def test_every_planned_job_has_runtime_and_memory(paper_plan) -> None:
 
 def test_gpu_jobs_ask_slurm_for_the_rules_gpus(paper_plan) -> None:
     sft = paper_plan["sft"][0]
-    assert sft["gpu"] == 8  # sft.gpus of config/paper.yaml
+    assert sft["gpu"] == SFT_GPUS
     line = sbatch_line(sft)
-    for flag in ("--gpus=8", "-t 1440", "--mem 512000", "--cpus-per-gpu=12", "--exclusive"):
+    for flag in (f"--gpus={SFT_GPUS}", "-t 1440", "--mem 512000", "--cpus-per-gpu=12", "--exclusive"):
         assert flag in line, line
     assert "--cpus-per-task" not in line
-    assert "--gpus=h100:8" in sbatch_line(sft, gpu_model="h100")
+    assert f"--gpus=h100:{SFT_GPUS}" in sbatch_line(sft, gpu_model="h100")
     distill = sbatch_line(paper_plan["distill"][0])
     assert "--gpus=1" in distill and "--cpus-per-gpu=8" in distill
 
@@ -106,6 +124,7 @@ def test_cpu_jobs_ask_for_cpus_and_no_gpu(paper_plan) -> None:
     assert "--cpus-per-task=8" in line and "--gpus" not in line and "--ntasks=1" in line
 
 
-def test_profile_passes_lint(workdir: Path) -> None:
-    result = snakemake(workdir, "--lint", "--workflow-profile", "workflow/profiles/slurm", *PAPER)
+@pytest.mark.parametrize("profile_form", PROFILE_FORMS)
+def test_profile_passes_lint(workdir: Path, profile_form: str) -> None:
+    result = snakemake(workdir, "--lint", profile_form, "workflow/profiles/slurm", *PAPER)
     assert "Congratulations" in result.stdout + result.stderr

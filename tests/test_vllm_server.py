@@ -1,9 +1,12 @@
 """VLLMServer against a stand-in `vllm` executable (vLLM needs a GPU): the command line carries
 the configured flags, start waits for /health, a server that dies or never gets ready is an
-error quoting its log, and stop() leaves no process of the group (tensor-parallel workers)."""
+error quoting its log, and stop() leaves no process of the group (tensor-parallel workers).
+A `serve: vllm` model entry: the eval job (what workflow/scripts/eval.py runs) starts the stand-in
+found on PATH, generates through it and stops it, also when the job fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -14,11 +17,15 @@ import pytest
 
 from kpipe.llm.openai_engine import OpenAIEngine
 from kpipe.llm.types import ChatRequest
+from kpipe.data.io import read_table
+from kpipe.evaluation import check_model, eval_job, model_gpus
 from kpipe.llm.vllm_server import VLLMServer, VLLMServerConfig, check_gpus, serve_args
+from test_eval_stage import write_tasks
 
 # Behaves like `vllm serve` from outside: parses the same flags, starts a "worker" child in its
 # process group, takes FAKE_VLLM_DELAY seconds to load, then answers /health, /v1/models (with
-# the flags it saw) and /v1/chat/completions. FAKE_VLLM_FAIL makes it die while loading.
+# the flags it saw) and /v1/chat/completions. FAKE_VLLM_FAIL makes it die while loading;
+# FAKE_VLLM_ARGS names a file for the flags it was started with.
 FAKE_VLLM = r'''
 import argparse, json, os, subprocess, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +37,8 @@ for flag in ("--host", "--port", "--served-model-name", "--tensor-parallel-size"
     parser.add_argument(flag)
 parser.add_argument("--enable-prefix-caching", action="store_true")
 args = parser.parse_args()
+if os.environ.get("FAKE_VLLM_ARGS"):
+    open(os.environ["FAKE_VLLM_ARGS"], "w").write(json.dumps(vars(args)))
 worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 open(os.environ["FAKE_VLLM_PIDS"], "w").write(f"{os.getpid()} {worker.pid}")
 time.sleep(float(os.environ.get("FAKE_VLLM_DELAY", "0")))
@@ -157,4 +166,70 @@ def test_a_server_that_never_gets_ready_is_stopped(fake_vllm, tmp_path, monkeypa
                         command=fake_vllm)
     with pytest.raises(RuntimeError, match="not ready within 2 s"):
         server.start()
+    assert all(gone(pid) for pid in pids(tmp_path))
+
+
+@pytest.fixture
+def vllm_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The stand-in as the `vllm` executable on PATH, on a job holding GPU "0"; the job's cwd
+    (where the server log goes) is `tmp_path`. Returns the file the flags are written to."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    executable = bin_dir / "vllm"
+    executable.write_text(f"#!{sys.executable}\n{FAKE_VLLM}")
+    executable.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # what the job's GPU lease sets
+    monkeypatch.setenv("FAKE_VLLM_PIDS", str(tmp_path / "pids"))
+    monkeypatch.setenv("FAKE_VLLM_ARGS", str(tmp_path / "args.json"))
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "args.json"
+
+
+SERVED = {"name": "drk-rl", "kind": "pipeline", "source": "rl", "serve": "vllm", "concurrency": 4,
+          "vllm_server": {"tensor_parallel_size": 1, "max_model_len": 16384}}
+SETTINGS = {"samples": 2, "turns": 2, "max_tasks": 1, "sampling": {"max_tokens": 16}}
+GYM = {"backend": "local", "protocol": {"device": "cpu"}}
+
+
+def test_served_entries_are_checked_and_hold_their_servers_gpus() -> None:
+    assert model_gpus({**SERVED, "vllm_server": {"tensor_parallel_size": 4, "data_parallel_size": 2}}) == 8
+    assert model_gpus({"name": "drk", "kind": "pipeline", "source": "rl"}) == 1
+    for bad, message in [({**SERVED, "kind": "openai", "model": "gpt-5"}, "needs serve: vllm and a checkpoint kind"),
+                         ({**SERVED, "serve": "sglang"}, "needs serve: vllm"),
+                         ({**SERVED, "vllm_server": {"tensor_parallel": 2}}, "vllm_server: unknown key.*tensor_parallel"),
+                         ({**SERVED, "device": "cuda"}, "other keys are the openai client's; unknown: device"),
+                         ({"name": "drk", "kind": "hf", "path": "/ckpt", "vllm_server": {}}, "need `serve: vllm`")]:
+        with pytest.raises(ValueError, match=message):
+            check_model(bad)
+
+
+def test_the_eval_job_serves_its_checkpoint_with_vllm_and_stops_it(vllm_on_path: Path, tmp_path: Path) -> None:
+    tasks = write_tasks(tmp_path / "tasks.parquet")
+    checkpoint = str(tmp_path / "models" / "rl-default" / "iter=1")
+    out = tmp_path / "part-0.parquet"
+    eval_job(tasks, out, tmp_path / "cache.jsonl", SERVED, SETTINGS, level=1, gym=GYM, checkpoint=checkpoint,
+             progress=False)
+    rows = read_table(out, "trajectories").to_pylist()
+    assert len(rows) == 2 * 2 and {row["model"] for row in rows} == {"drk-rl"}
+    assert {row["response"] for row in rows} == {"served by drk-rl"}  # every answer came from the server
+    flags = json.loads(vllm_on_path.read_text())
+    assert (flags["model"], flags["served_model_name"], flags["tensor_parallel_size"], flags["max_model_len"]) == (
+        checkpoint, "drk-rl", "1", "16384")
+    assert all(gone(pid) for pid in pids(tmp_path))  # the server and its worker are stopped
+
+
+def test_a_failing_eval_job_stops_its_server(vllm_on_path: Path, tmp_path: Path, monkeypatch) -> None:
+    answers = []
+
+    def generate_then_fail(tasks, engine, *args, **kwargs):
+        answers.extend(engine.generate([ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=8)]))
+        raise RuntimeError("the loop failed")
+
+    monkeypatch.setattr("kpipe.evaluation.evaluate_shard", generate_then_fail)
+    with pytest.raises(RuntimeError, match="the loop failed"):
+        eval_job(write_tasks(tmp_path / "tasks.parquet"), tmp_path / "part-0.parquet", tmp_path / "cache.jsonl",
+                 SERVED, SETTINGS, level=1, gym=GYM, checkpoint=str(tmp_path / "ckpt"), progress=False)
+    assert [answer.text for answer in answers] == ["served by drk-rl"]
     assert all(gone(pid) for pid in pids(tmp_path))

@@ -112,8 +112,8 @@ def test_every_stage_wrote_its_table(workdir):
          "select stage, count(*) as n from trajectories group by stage order by stage"],
         capture_output=True, text=True,
     )
-    assert {row["stage"] for row in json.loads(query.stdout)} == {"coldstart", "eval", "rl", "stts"}
-    for name in ["table1_fastp_eager", "table2_fastp_compile", "hacking_ratio", "stts_curves"]:
+    assert {row["stage"] for row in json.loads(query.stdout)} == {"coldstart", "eval", "rl", "rl_val", "stts"}
+    for name in ["table1_fastp_eager", "table2_fastp_compile", "hacking_ratio", "stts_curves", "rl_validation"]:
         assert "| default " in (workdir / "results" / "tables" / f"{name}.md").read_text()  # rows of this run
     assert (workdir / "results" / "figures" / "fig6_stts.png").stat().st_size > 0
 

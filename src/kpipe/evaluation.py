@@ -1,7 +1,8 @@
 """KernelBench evaluation (paper §6.1): a model from config x a level x a shard of its tasks,
 n samples x T turns through the one multi-turn loop (`kpipe.agent.loop.run_episodes`), written
 as `trajectories` rows with stage="eval" (STTS, `kpipe.stts`, is the same job with another
-history policy and more turns).
+history policy and more turns; the RL validation of `validation_job` is the same job on an RL
+iteration's checkpoint, with stage="rl_val").
 
 One evaluation measures the candidate against both eager PyTorch and `torch.compile`
 (protocol `baseline: both`), so Table 1 and Table 2 come from the same rows.
@@ -12,6 +13,10 @@ Models (`models:` in config, each a named entry; `kind` says how to reach it):
   `base_url`, `api_key_env`, ... as `kpipe.llm.make_engine` takes them;
 - `offline_teacher`: the bank-backed offline teacher (`kpipe serve teacher`), started for the job;
 - `pipeline`: this pipeline's own checkpoint (`source: sft | rl`); Snakemake resolves its path.
+A checkpoint model (`hf`, `vllm`, `pipeline`) with `serve: vllm` is served instead: the job
+starts `vllm serve` on its GPUs (`vllm_server:` holds `VLLMServerConfig` fields, e.g.
+`tensor_parallel_size`), generates through the `openai` engine (the entry's other keys are its
+`OpenAIConfig` fields, e.g. `concurrency`) and stops the server when it ends.
 The `model` column of every row is the entry's `name`, so tables group by the config's names.
 
 Resumable: evaluation results are cached by (protocol, reference, candidate) and API answers
@@ -22,12 +27,13 @@ weights may have changed under the same path).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -37,10 +43,18 @@ from kpipe.agent.loop import AgentTask, Sampling, run_episodes
 from kpipe.data.io import read_table, write_table
 from kpipe.llm.types import Engine
 
+if TYPE_CHECKING:
+    from kpipe.llm.vllm_server import VLLMServerConfig
+
 log = logging.getLogger(__name__)
 STAGE = "eval"
+VALIDATION_STAGE = "rl_val"  # RL iteration checkpoints on the validation tasks (config rl.validation)
 MODEL_KINDS = ("hf", "vllm", "openai", "offline_teacher", "pipeline")
 API_KINDS = ("openai", "offline_teacher")  # answers cost money or time: cache them
+CHECKPOINT_KINDS = ("hf", "vllm", "pipeline")  # a local checkpoint: may be served with `serve: vllm`
+SERVERS = ("vllm",)
+NOT_ENGINE_KEYS = ("name", "kind", "source", "engine", "serve", "vllm_server")  # the entry's, not the engine's
+SERVER_SET_CLIENT_KEYS = {"model", "base_url", "api_key_env", "progress"}  # set by the job for a served model
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # Paper §6.1: 8 samples, 3 turns, 8,192 generated tokens per turn, 32,768 in all.
 PAPER_EVAL = {"samples": 8, "turns": 3, "max_context_tokens": 32768,
@@ -61,6 +75,21 @@ def check_model(entry: Mapping[str, Any]) -> None:
         raise ValueError(f"models.{name}: kind openai needs the served `model` name")
     if kind == "pipeline" and entry.get("source") not in ("sft", "rl"):
         raise ValueError(f"models.{name}: kind pipeline needs `source: sft` or `source: rl`")
+    serve = entry.get("serve")
+    if serve is not None and (serve not in SERVERS or kind not in CHECKPOINT_KINDS):
+        raise ValueError(f"models.{name}: `serve: {serve}` needs serve: {' | '.join(SERVERS)} and a checkpoint kind "
+                         f"({', '.join(CHECKPOINT_KINDS)}), got kind {kind}")
+    if "vllm_server" in entry and serve != "vllm":
+        raise ValueError(f"models.{name}: `vllm_server` settings need `serve: vllm`")
+    if serve == "vllm":
+        model_gpus(entry)  # a bad server setting fails here, when the DAG is built, not on a GPU node
+        from kpipe.llm.openai_engine import OpenAIConfig
+
+        client_keys = {f.name for f in dataclasses.fields(OpenAIConfig)} - SERVER_SET_CLIENT_KEYS
+        unknown = sorted(set(entry) - {*NOT_ENGINE_KEYS, "path"} - client_keys)
+        if unknown:
+            raise ValueError(f"models.{name}: served by vllm, so its other keys are the openai client's; "
+                             f"unknown: {', '.join(unknown)} (allowed: {', '.join(sorted(client_keys))})")
 
 
 def models_by_name(entries: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
@@ -88,24 +117,47 @@ def eval_tasks(tasks_path: str | os.PathLike, level: int, shard: int = 0, num_sh
     return [AgentTask(r["task_id"], r["reference_src"]) for r in rows[shard::num_shards]]
 
 
+def checkpoint_path(entry: Mapping[str, Any], checkpoint: str | None) -> str:
+    """Where a checkpoint model's weights are: its `path`, or for `pipeline` the resolved one."""
+    if entry["kind"] != "pipeline":
+        return entry["path"]
+    if checkpoint is None:
+        raise ValueError(f"models.{entry['name']}: a pipeline model needs its checkpoint path")
+    return checkpoint
+
+
 def engine_spec(entry: Mapping[str, Any], checkpoint: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """The `kpipe.llm.make_engine` spec of a `models:` entry (not for offline_teacher)."""
-    spec = {k: v for k, v in entry.items() if k not in ("name", "kind", "source", "engine")}
+    """The `kpipe.llm.make_engine` spec of a `models:` entry (not for offline_teacher nor served)."""
+    spec = {k: v for k, v in entry.items() if k not in NOT_ENGINE_KEYS}
     kind = entry["kind"]
     if kind == "pipeline":
-        if checkpoint is None:
-            raise ValueError(f"models.{entry['name']}: a pipeline model needs its checkpoint path")
-        return {**spec, "kind": entry.get("engine", "hf"), "path": checkpoint}
+        return {**spec, "kind": entry.get("engine", "hf"), "path": checkpoint_path(entry, checkpoint)}
     if kind in ("hf", "vllm"):
         return {**spec, "kind": kind}
     return {**spec, "kind": "openai", "progress": progress}
+
+
+def served_config(entry: Mapping[str, Any], checkpoint: str | None = None) -> VLLMServerConfig:
+    """The `VLLMServerConfig` of a `serve: vllm` entry; requests name the model by the entry's name."""
+    from kpipe.llm.vllm_server import VLLMServerConfig
+
+    return VLLMServerConfig.from_settings(checkpoint_path(entry, checkpoint), entry["name"],
+                                          entry.get("vllm_server") or {}, f"models.{entry['name']}.vllm_server")
+
+
+def model_gpus(entry: Mapping[str, Any]) -> int:
+    """GPUs an eval/STTS job of this model holds: its vLLM server's (tensor x data parallel)
+    when served, else one (in-process generation and KernelGym share it)."""
+    if entry.get("serve") != "vllm":
+        return 1
+    return served_config(entry, checkpoint="(resolved by the job)").gpus  # the path does not change the count
 
 
 @contextlib.contextmanager
 def opened_engine(entry: Mapping[str, Any], checkpoint: str | None = None, progress: bool = True
                   ) -> Iterator[Engine]:
     """The engine of a `models:` entry for the duration of a block (the offline teacher's server
-    lives as long as the block)."""
+    lives as long as the block, and so does the `vllm serve` of a `serve: vllm` entry)."""
     from kpipe.llm import make_engine
 
     if entry["kind"] == "offline_teacher":
@@ -116,6 +168,13 @@ def opened_engine(entry: Mapping[str, Any], checkpoint: str | None = None, progr
             yield make_engine({"kind": "openai", "model": OFFLINE_TEACHER_MODEL, "base_url": base_url,
                                "api_key_env": None, "progress": progress})
         return
+    if entry.get("serve") == "vllm":
+        from kpipe.llm.vllm_server import served_engine
+
+        client = {k: v for k, v in entry.items() if k not in (*NOT_ENGINE_KEYS, "path")}
+        with served_engine(served_config(entry, checkpoint), progress=progress, **client) as engine:
+            yield engine
+        return
     yield make_engine(engine_spec(entry, checkpoint, progress))
 
 
@@ -124,12 +183,14 @@ def sampling_of(settings: Mapping[str, Any]) -> Sampling:
 
 
 def evaluate_shard(tasks: Sequence[AgentTask], engine: Engine, evaluator: Evaluator, out_path: str | os.PathLike,
-                   *, model_name: str, run: str = "default", stage: str = STAGE, policy: HistoryPolicy = FullHistory(),
-                   n_samples: int = 8, n_turns: int = 3, sampling: Sampling = Sampling(), seed: int = 0,
-                   max_context_tokens: int | None = None, progress: bool = True) -> list[dict[str, Any]]:
+                   *, model_name: str, run: str = "default", stage: str = STAGE, iteration: int = 0,
+                   policy: HistoryPolicy = FullHistory(), n_samples: int = 8, n_turns: int = 3,
+                   sampling: Sampling = Sampling(), seed: int = 0, max_context_tokens: int | None = None,
+                   progress: bool = True) -> list[dict[str, Any]]:
     """Run the multi-turn loop on `tasks` and write its rows (model = `model_name`) to `out_path`."""
     rows = run_episodes(tasks, engine, evaluator, policy, n_samples=n_samples, max_turns=n_turns, sampling=sampling,
-                        run=run, stage=stage, seed=seed, max_context_tokens=max_context_tokens, progress=progress)
+                        run=run, stage=stage, iteration=iteration, seed=seed, max_context_tokens=max_context_tokens,
+                        progress=progress)
     for row in rows:
         row["model"] = model_name
     write_table(rows, out_path, "trajectories")
@@ -139,8 +200,9 @@ def evaluate_shard(tasks: Sequence[AgentTask], engine: Engine, evaluator: Evalua
 def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settings: Mapping[str, Any],
                     out_path: str | os.PathLike, cache_path: str | os.PathLike, *, model_label: str, stage: str,
                     policy: HistoryPolicy, n_turns: int, run: str, gym: Mapping[str, Any] | None,
-                    checkpoint: str | None, progress: bool) -> list[dict[str, Any]]:
-    """What an eval and an STTS job share: engine, cached evaluator, the loop, the Parquet file.
+                    checkpoint: str | None, progress: bool, iteration: int = 0) -> list[dict[str, Any]]:
+    """What an eval, an STTS and an RL validation job share: engine, cached evaluator, the loop,
+    the Parquet file.
 
     `gym` is the config's `gym` section (protocol and evaluator backend)."""
     from kpipe.agent.evaluator import open_evaluator
@@ -157,8 +219,8 @@ def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settin
         if entry["kind"] in API_KINDS:
             engine = CachedEngine(engine, ResponseCache(cache_path))
         rows = evaluate_shard(
-            tasks, engine, evaluator, out_path, model_name=model_label, run=run, stage=stage, policy=policy,
-            n_samples=int(settings.get("samples", 8)), n_turns=n_turns, sampling=sampling_of(settings),
+            tasks, engine, evaluator, out_path, model_name=model_label, run=run, stage=stage, iteration=iteration,
+            policy=policy, n_samples=int(settings.get("samples", 8)), n_turns=n_turns, sampling=sampling_of(settings),
             seed=int(settings.get("seed", 0)), max_context_tokens=settings.get("max_context_tokens"),
             progress=progress)
     correct = sum(bool(r["correct"]) and not r["hacked"] for r in rows)
@@ -177,6 +239,34 @@ def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_p
     return run_model_shard(tasks, entry, settings, out_path, cache_path, model_label=entry["name"], stage=STAGE,
                            policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run, gym=gym,
                            checkpoint=checkpoint, progress=progress)
+
+
+def validated_iterations(iterations: int, every: int) -> list[int]:
+    """The RL iterations whose checkpoints get a validation job (the curves of paper Figures 4, 5
+    and 8): k with k % every == every - 1 (every 10 -> 9, 19, ...) and always the last one, so a
+    curve ends at the model that is evaluated; every = 0 turns validation off."""
+    if iterations < 1 or every < 0:
+        raise ValueError(f"validated_iterations: need iterations >= 1 and every >= 0, got {iterations} and {every}")
+    if every == 0:
+        return []
+    return sorted({*range(every - 1, iterations, every), iterations - 1})
+
+
+def validation_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
+                   checkpoint: str, settings: Mapping[str, Any], rl_settings: Mapping[str, Any], *, run: str,
+                   iteration: int, gym: Mapping[str, Any] | None = None,
+                   progress: bool = True) -> list[dict[str, Any]]:
+    """One RL iteration's checkpoint on the validation tasks (config `rl.validation`): the eval
+    job's loop, evaluator and rows, with stage="rl_val", the RL `run` and `iteration`, and the
+    run's rollout engine (`rl_settings`: the run's `rl` section, ablation included)."""
+    from kpipe.train.rl_config import RLConfig
+
+    engine = RLConfig.from_dict(dict(rl_settings)).engine
+    entry = {"name": f"rl-{run}", "kind": "pipeline", "source": "rl", "engine": engine}
+    tasks = eval_tasks(tasks_path, int(settings["level"]), max_tasks=settings.get("max_tasks"))
+    return run_model_shard(tasks, entry, settings, out_path, cache_path, model_label=entry["name"],
+                           stage=VALIDATION_STAGE, policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run,
+                           gym=gym, checkpoint=checkpoint, progress=progress, iteration=iteration)
 
 
 # ---------------------------------------------------------------------------------------

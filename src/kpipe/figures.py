@@ -4,7 +4,10 @@
 - Figure 5: Fast@1.2 at the last turn (left) and entropy (right) over training steps;
 - Figure 6: STTS, Fast@1.2 of the last turn (left) and best of history (right) vs turns T;
 - Figure 7: training dynamics: entropy, gradient norm, rollout and trainer perplexity;
-- Figure 8: hacking ratio over RL iterations (from the rollouts' hacked flags).
+- Figure 8: hacking ratio over RL iterations (from the rollouts' hacked flags);
+- RL validation (the paper's Figures 4 and 5 left, and 8, measured as the paper does): Fast@1,
+  Fast@1.2, pass rate and hacking ratio of each validated iteration's checkpoint on the
+  validation tasks vs training step, one line per run (workflow/sql/rl_validation.sql).
 
 Training metrics are found by name (`train_metrics.name`, normalised to lower case with every
 non-alphanumeric run as "_"), so a figure shows whatever the RL stage logs under any of the
@@ -34,7 +37,10 @@ FIGURE_PANELS: dict[str, dict[str, str]] = {
     },
 }
 TRAINING_STAGES = ("rl", "val")
-FIGURE_NAMES = tuple(sorted([*FIGURE_PANELS, "fig6_stts", "fig8_hacking_ratio"]))  # results/figures/<name>.png
+# panel title -> column of rl_validation.sql (percentages)
+VALIDATION_PANELS = {"Fast@1, last turn": "fast_1", "Fast@1.2, last turn": "fast_1_2",
+                     "Pass rate, last turn": "pass_rate", "Hacking ratio, all turns": "hacking_ratio"}
+FIGURE_NAMES = tuple(sorted([*FIGURE_PANELS, "fig6_stts", "fig8_hacking_ratio", "fig_rl_validation"]))
 
 
 def normalised(name: str) -> str:
@@ -133,6 +139,27 @@ def hacking_figure(hacking: pd.DataFrame, path: Path) -> Path:
     return _save(plt, fig, path)
 
 
+def validation_figure(validation: pd.DataFrame, path: Path) -> Path:
+    """The RL validation curves: one panel per metric, one line per (run, level), x = the training
+    step at the end of each validated iteration (the RL iteration where no step was logged)."""
+    plt, fig, axes = _figure(len(VALIDATION_PANELS))
+    by_step = not validation.empty and bool(validation["step"].notna().all())
+    x = "step" if by_step else "iteration"
+    for ax, (title, column) in zip(axes, VALIDATION_PANELS.items()):
+        for (run, level), line in validation.groupby(["run", "level"], dropna=False):
+            line = line.sort_values("iteration")
+            ax.plot(line[x], line[column], marker="o", label=f"{run} L{level}")
+        if validation.empty:
+            _empty_panel(ax, "RL validation rows")
+        else:
+            ax.legend(fontsize=7)
+        _percent_axes(ax, validation[column])
+        ax.set_title(f"Validation: {title}")
+        ax.set_xlabel("training step" if by_step else "RL iteration")
+        ax.set_ylabel("%")
+    return _save(plt, fig, path)
+
+
 def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR) -> dict[str, Path]:
     """Every figure as `out_dir/<name>.png`; returns name -> path."""
     if not Path(db_path).exists():
@@ -141,10 +168,12 @@ def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR)
         curves = run_table_sql(db_path, sql_dir / "training_curves.sql")
         stts = run_table_sql(db_path, sql_dir / "stts_curves.sql")
         hacking = run_table_sql(db_path, sql_dir / "hacking_ratio.sql")
+        validation = run_table_sql(db_path, sql_dir / "rl_validation.sql")
     except duckdb.Error as error:
         raise RuntimeError(f"figures: {error}") from None
     out_dir = Path(out_dir)
     written = {name: training_figure(curves, panels, out_dir / f"{name}.png") for name, panels in FIGURE_PANELS.items()}
     written["fig6_stts"] = stts_figure(stts, out_dir / "fig6_stts.png")
     written["fig8_hacking_ratio"] = hacking_figure(hacking, out_dir / "fig8_hacking_ratio.png")
+    written["fig_rl_validation"] = validation_figure(validation, out_dir / "fig_rl_validation.png")
     return dict(sorted(written.items()))

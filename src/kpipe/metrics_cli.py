@@ -73,7 +73,7 @@ def metrics() -> None:
 @click.option("--strict", is_flag=True, help="KernelBench's speedup > p instead of the paper's >= p.")
 @click.option("--n-boot", type=int, default=0, show_default=True,
               help="Bootstrap replicates (resampling tasks) for 95% intervals; 0 for none.")
-@click.option("--stage", default=None, help="Only rows of this stage (coldstart | rl | eval | stts).")
+@click.option("--stage", default=None, help="Only rows of this stage (coldstart | rl | eval | stts | rl_val).")
 def summary(paths: tuple[str, ...], baseline: str, ps: tuple[float, ...], strict: bool, n_boot: int,
             stage: str | None) -> None:
     """Print per-turn rates and Fast@p (last turn and best-of-history) of trajectories in PATHS."""

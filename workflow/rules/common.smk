@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 
 from kpipe.config import ConfigError, deep_merge, load_schema, validate_config
-from kpipe.evaluation import models_by_name
+from kpipe.evaluation import model_gpus, models_by_name, validated_iterations
 from kpipe.figures import FIGURE_NAMES
 from kpipe.gpu import gpu_count
 from kpipe.provenance import code_version
@@ -31,7 +31,31 @@ COLDSTART_DIR = f"{RESULTS}/trajectories/stage=coldstart/run={RUN}/iter=0"
 
 
 # asked once per DAG build (nvidia-smi), not once per rule
-USE_GPUS = config["device"] == "cuda" or (config["device"] == "auto" and gpu_count() > 0)
+VISIBLE_GPUS = gpu_count()
+USE_GPUS = config["device"] == "cuda" or (config["device"] == "auto" and VISIBLE_GPUS > 0)
+DEFAULT_API_JOBS = 4
+
+
+def register_default_resources():
+    """Resource totals nobody gave (--resources, a profile): `api`, and `gpu` for a local run.
+
+    Not in workflow/profiles/default, which Snakemake applies on top of any --profile: its
+    totals would override the cluster profile's and cap every job's request (resources are
+    constrained by the totals). `gpu` is only registered for a run on this machine: on a
+    cluster, an uncapped request is what the executor turns into `sbatch --gpus`.
+    `workflow.local_exec` cannot tell while the Snakefile is parsed (the executor plugin is
+    set after parsing), but a remote executor needs --jobs (`nodes`), which a local run turns
+    into --cores; a job run by a remote executor (exec mode `remote`) keeps its request too.
+    """
+    given = workflow.global_resources
+    if "api" not in given:
+        workflow.register_resource("api", DEFAULT_API_JOBS)
+    runs_here = workflow.resource_settings.nodes is None and not workflow.remote_exec
+    if "gpu" not in given and runs_here:
+        workflow.register_resource("gpu", VISIBLE_GPUS)
+
+
+register_default_resources()
 
 
 def gpus_per_job(requested):
@@ -66,6 +90,7 @@ def table_inputs():
         f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet",
         *rl_parts("trajectories"),
         *rl_parts("train_metrics"),
+        *rl_validation_parts(),
         *eval_parts(),
         *stts_parts(),
     ]
@@ -79,7 +104,7 @@ def final_targets():
 # RL iterations (rules/rl.smk)
 RL = config["rl"]
 RL_ITERATIONS = RL["iterations"]
-RL_DAG_KEYS = ("iterations", "runs", "gpus", "keep_optimizer_states")  # shape the DAG or the disk, not a result
+RL_DAG_KEYS = ("iterations", "runs", "gpus", "keep_optimizer_states", "validation")  # not a result of rl_iter
 RL_RUNS = {RUN: {}, **RL["runs"]}
 
 
@@ -113,6 +138,20 @@ def rl_parts(kind):
                   run=list(RL_RUNS), iter=range(RL_ITERATIONS))
 
 
+# RL validation (rules/rl.smk, rl_validate jobs): iteration checkpoints on the validation tasks
+RL_VALIDATION = RL["validation"]
+RL_VALIDATED_ITERATIONS = validated_iterations(RL_ITERATIONS, RL_VALIDATION["every"])
+if RL_VALIDATED_ITERATIONS and RL_VALIDATION["level"] not in config["kernelbench"]["levels"]:
+    sys.exit(f"config error: rl.validation.level: {RL_VALIDATION['level']} is not one of kernelbench.levels "
+             f"{config['kernelbench']['levels']} (or set rl.validation.every: 0)")
+
+
+def rl_validation_parts():
+    """Every validation file: each run x validated iteration (none when rl.validation.every is 0)."""
+    return expand(f"{RESULTS}/trajectories/stage=rl_val/run={{run}}/iter={{iter}}/part-0.parquet",
+                  run=list(RL_RUNS), iter=RL_VALIDATED_ITERATIONS)
+
+
 # KernelBench evaluation (rules/eval.smk)
 MODELS = models_by_name(config["models"])
 EVAL = config["eval"]
@@ -132,6 +171,11 @@ def stage_models(section):
     if unknown:
         raise ValueError(f"config: {', '.join(unknown)} named in a stage but not defined under models:")
     return names
+
+
+def model_job_gpus(wildcards):
+    """GPUs of an eval/STTS job: its model's `vllm serve` (tensor x data parallel) or one."""
+    return gpus_per_job(model_gpus(MODELS[wildcards.model]))
 
 
 def stage_levels(section):

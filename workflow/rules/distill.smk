@@ -3,7 +3,7 @@
 #   offline  - the bank-backed teacher (`kpipe serve teacher`), started and stopped by each job;
 #   api      - an OpenAI-compatible endpoint (`distill.engine`; the key comes from the variable
 #              named by `distill.engine.api_key_env`); each job holds one unit of the `api`
-#              resource, so the profile's `api=N` caps how many shards talk to the API at once;
+#              resource, so the `api` total (common.smk) caps how many shards talk to the API at once;
 #   released - no distillation: the authors' released trajectories (`distill.released_path`).
 # Answers and evaluations are cached under results/cache/ (not outputs: a failed or killed job
 # keeps them), so rerunning a shard re-sends no request that was already answered.

@@ -1,5 +1,5 @@
 # KernelBench evaluation (paper §6.1): every model of `eval.models` x level x shard is one job
-# (`resources: gpu=1`: timing is contention-sensitive, one GPU per evaluation job), n samples x
+# (one GPU each: timing is contention-sensitive; a `serve: vllm` model: its server's GPUs), n samples x
 # T turns through the one agent loop; rows are `trajectories` with stage=eval. One evaluation
 # times the candidate against eager PyTorch and torch.compile, so Tables 1 and 2 share the rows.
 # Answers of API models and all evaluations are cached under results/cache/eval/ (not outputs:
@@ -26,7 +26,7 @@ rule eval:
         level="[123]",
         shard=r"\d+",
     resources:
-        gpu=gpus_per_job(1),
+        gpu=model_job_gpus,
         api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
     benchmark:
         f"{LOGS}/benchmarks/eval/run={RUN}/{{model}}-L{{level}}-{{shard}}.tsv"

@@ -5,6 +5,11 @@
 # overlay of `rl` keys (`ablation: <name>` picks one of kpipe.train.rl_config.ABLATIONS);
 # config/ablations/*.yaml add the paper's. Partial work lives in results/work (not an
 # output): a killed iteration rerun by Snakemake resumes it, and nothing else reruns.
+# `rl.gpus` decides the process count: `kpipe launch` runs one process per GPU (FSDP2,
+# data-parallel rollouts), plain Python on a CPU.
+
+import json
+import shlex
 
 
 rule rl_iter:
@@ -16,15 +21,17 @@ rule rl_iter:
         trajectories=f"{RESULTS}/trajectories/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
         metrics=f"{RESULTS}/train_metrics/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
     params:
-        rl=lambda wildcards: rl_settings(wildcards.run),
-        gym=config["gym"],
-        run=lambda wildcards: wildcards.run,
-        iteration=lambda wildcards: int(wildcards.iter),
-        init_state=lambda wildcards: rl_state_dir(wildcards.run, int(wildcards.iter) - 1) if int(wildcards.iter) else None,
+        settings=lambda wildcards: json.dumps(rl_settings(wildcards.run), sort_keys=True),
+        gym=json.dumps(config["gym"], sort_keys=True),
+        init_state=lambda wildcards: (
+            f"--init-state {shlex.quote(rl_state_dir(wildcards.run, int(wildcards.iter) - 1))}"
+            if int(wildcards.iter)
+            else ""
+        ),
         state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),
         scratch=lambda wildcards: f"{RESULTS}/work/rl-{wildcards.run}/iter={wildcards.iter}/scratch",
-        keep_optimizer_states=RL["keep_optimizer_states"],
-        code=code_version("train", "agent", "llm", "gym"),
+        drop_init_state="" if RL["keep_optimizer_states"] else "--drop-init-state",
+        code=code_version("train", "agent", "llm", "gym", "launch.py"),
     resources:
         gpu=gpus_per_job(RL["gpus"]),
     wildcard_constraints:
@@ -36,5 +43,44 @@ rule rl_iter:
         f"{LOGS}/rl/{{run}}/iter={{iter}}.log",
     conda:
         "../envs/kpipe.yaml"
+    shell:
+        "kpipe launch --gpus {resources.gpu} -- train rl --queries {input.queries} --init-model {input.model}"
+        " --model-out {output.model} --trajectories {output.trajectories} --metrics {output.metrics}"
+        " --scratch {params.scratch:q} --run {wildcards.run} --iteration {wildcards.iter}"
+        " {params.init_state} --state-out {params.state:q} {params.drop_init_state}"
+        " --settings {params.settings:q} --gym {params.gym:q} > {log} 2>&1"
+
+
+# RL validation (paper Figures 4, 5, 8): the checkpoint of every validated iteration of every run
+# (`rl.validation.every`; always the last iteration) on the validation tasks (`rl.validation.level`,
+# the eval tasks of that level), through the eval stage's loop and evaluator, one GPU like eval.
+# Rows: trajectories with stage=rl_val, the run and iteration; table workflow/sql/rl_validation.sql.
+
+
+rule rl_validate:
+    input:
+        tasks=f"{RESULTS}/tasks/tasks.parquet",
+        model=lambda wildcards: rl_model_dir(wildcards.run, wildcards.iter),
+    output:
+        f"{RESULTS}/trajectories/stage=rl_val/run={{run}}/iter={{iter}}/part-0.parquet",
+    params:
+        settings=job_settings(RL_VALIDATION, drop=("every",)),
+        rl=lambda wildcards: rl_settings(wildcards.run),
+        gym=config["gym"],
+        run=lambda wildcards: wildcards.run,
+        iteration=lambda wildcards: int(wildcards.iter),
+        cache=lambda wildcards: f"{RESULTS}/cache/rl_val/run={wildcards.run}/iter={wildcards.iter}.jsonl",
+        code=code_version("evaluation.py", "agent", "llm", "gym"),
+    resources:
+        gpu=gpus_per_job(1),
+    wildcard_constraints:
+        run="[A-Za-z0-9_.-]+",
+        iter="[0-9]+",
+    benchmark:
+        f"{LOGS}/benchmarks/rl_val-{{run}}-iter{{iter}}.tsv"
+    log:
+        f"{LOGS}/rl_val/{{run}}/iter={{iter}}.log",
+    conda:
+        "../envs/kpipe.yaml"
     script:
-        "../scripts/rl_iter.py"
+        "../scripts/rl_validate.py"

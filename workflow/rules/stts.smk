@@ -28,7 +28,7 @@ rule stts:
         level="[123]",
         shard=r"\d+",
     resources:
-        gpu=gpus_per_job(1),
+        gpu=model_job_gpus,
         api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
     benchmark:
         f"{LOGS}/benchmarks/stts/run={RUN}/{{model}}-{{strategy}}-L{{level}}-{{shard}}.tsv"

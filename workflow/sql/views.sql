@@ -24,13 +24,14 @@ ORDER BY run, stage, iteration, step, name;
 -- * a NaN speedup is no speedup.
 -- ---------------------------------------------------------------------------------------
 
--- Every trajectory of the eval and stts stages x every turn 1..last_turn of its group.
+-- Every trajectory of the eval, stts and rl_val (RL validation) stages x every turn
+-- 1..last_turn of its group.
 CREATE OR REPLACE VIEW sample_turns AS
 WITH evaluated AS (
     SELECT run, stage, iteration, model, level, task_id, sample, turn, status, correct, hacked,
            speedup_eager, speedup_compile
     FROM turns
-    WHERE stage IN ('eval', 'stts')
+    WHERE stage IN ('eval', 'stts', 'rl_val')
 ),
 horizon AS (
     SELECT run, stage, iteration, model, max(turn) AS last_turn

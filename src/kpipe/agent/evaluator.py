@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -119,13 +119,17 @@ class CachedEvaluator:
 
 
 @contextlib.contextmanager
-def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, progress: bool = True) -> Iterator[Evaluator]:
+def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, progress: bool = True,
+                   gpus: Sequence[str] | None = None) -> Iterator[Evaluator]:
     """The evaluator the `gym` config section names, closed (workers stopped) on exit.
 
     backend: pool (default; warm workers, one per GPU or N interpreter workers on a CPU),
-    local (a fresh interpreter per evaluation; slow, no shared state), or service (a running
-    `kpipe gym serve` at `url`, token from $KPIPE_GYM_TOKEN). `cache` names the SQLite
-    result cache shared by every stage and rerun (null: no cache).
+    local (a fresh interpreter per evaluation; slow, no shared state), service (a running
+    `kpipe gym serve` at `url`, token from $KPIPE_GYM_TOKEN), or ray (`RayGym`: `actors`
+    Ray actors, one per GPU by default, on the cluster at `ray_address`, or on a local Ray
+    instance started for this block when null). `cache` names the SQLite result cache shared by
+    every stage and rerun (null: no cache). `gpus` limits the pool to those GPU ids (one RL
+    process per GPU evaluates on its own); the other backends place work themselves.
     """
     from kpipe.gym import Protocol
 
@@ -139,12 +143,22 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
         if not gym.get("url"):
             raise ValueError("gym.backend is 'service' but gym.url is not set")
         yield GymClient(gym["url"])
-    elif backend == "pool":
+    elif backend in ("pool", "ray"):
         from kpipe.gym.cache import ResultCache
-        from kpipe.gym.pool import GymPool
 
         cache = ResultCache(gym["cache"]) if gym.get("cache") else None
-        with GymPool(protocol, workers=gym.get("workers"), cache=cache, reuse_reference=reuse_reference, progress=progress) as pool:
-            yield pool
+        if backend == "pool":
+            from kpipe.gym.pool import GymPool
+
+            with GymPool(protocol, workers=gym.get("workers"), cache=cache, reuse_reference=reuse_reference,
+                         progress=progress, gpus=gpus) as pool:
+                yield pool
+        else:
+            from kpipe.gym.distributed import RayGym
+
+            with RayGym(protocol, actors=gym.get("actors"), address=gym.get("ray_address"),
+                        accelerator_type=gym.get("accelerator_type"), cache=cache, reuse_reference=reuse_reference,
+                        progress=progress) as ray_gym:
+                yield ray_gym
     else:
-        raise ValueError(f"gym.backend must be pool, local or service, got {backend!r}")
+        raise ValueError(f"gym.backend must be pool, local, service or ray, got {backend!r}")

@@ -81,7 +81,7 @@ EVALS = pa.schema(
 TRAJECTORIES = pa.schema(
     [
         ("run", pa.string()),
-        ("stage", pa.string()),  # coldstart | rl | eval | stts
+        ("stage", pa.string()),  # coldstart | rl | eval | stts | rl_val (RL validation: run, iteration = RL's)
         ("iteration", pa.int32()),
         ("task_id", pa.string()),  # tasks.task_id or queries.query_id
         ("sample", pa.int32()),

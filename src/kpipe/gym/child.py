@@ -122,9 +122,11 @@ def subclass_outputs(outputs: list[torch.Tensor]) -> list[str]:
     return [type(t).__name__ for t in outputs if type(t) not in (torch.Tensor, torch.nn.Parameter)]
 
 
+@functools.lru_cache(maxsize=8)
 def sample_positions(numel: int, count: int, seed: int) -> torch.Tensor:
     """Flat positions compared for a huge output: its head and tail (where missing masks
-    show) and random positions in between, identical in both children."""
+    show) and random positions in between, identical in both children (cached: every trial
+    of one evaluation samples the same positions)."""
     edge = min(count // 4, numel // 2)
     generator = torch.Generator().manual_seed(seed)
     middle = torch.randint(0, numel, (count - 2 * edge,), generator=generator)

@@ -92,7 +92,8 @@ class RayGym:
     """Evaluates (reference, candidate) pairs under one protocol on Ray actors, one per GPU.
 
     `address`: ``None`` joins the Ray instance this process already started or starts a local
-    one; ``"auto"`` joins the cluster started with ``ray start`` (see docs/scaling.md).
+    one; ``"auto"`` joins the cluster started with ``ray start`` (see docs/scaling.md). A Ray
+    connection this object opened is closed by ``close()`` (a local instance it started stops).
     `accelerator_type` (e.g. ``"H100"``) keeps every actor on one GPU kind: timings of
     different kinds are not comparable, so mixed kinds are refused.
     """
@@ -111,7 +112,8 @@ class RayGym:
         progress: bool = True,
     ) -> None:
         ray = import_ray()
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         self.protocol = protocol or Protocol()
         self.cache = cache
@@ -247,7 +249,8 @@ class RayGym:
             self._recovering[slot] = time.monotonic()
 
     def close(self) -> None:
-        """Stop the actors' pools, then the actors (the Ray instance itself stays up)."""
+        """Stop the actors' pools, then the actors; then Ray, if this object started it
+        (a Ray instance the caller had started stays up)."""
         ray = import_ray()
         try:
             ray.get([actor.close.remote() for actor in self._actors], timeout=60)
@@ -256,6 +259,9 @@ class RayGym:
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         self._actors = []
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False
 
     def __enter__(self) -> RayGym:
         return self

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -44,7 +44,9 @@ from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
 if TYPE_CHECKING:
     from kpipe.gym.cache import ResultCache
 
-PRELOAD = ("torch", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
+# what every child would otherwise import itself (torch._dynamo and the profiler alone cost
+# a child about a second: kpipe.gym.child.prime_lazy_state imports them); none touches CUDA
+PRELOAD = ("torch", "torch._dynamo", "torch.profiler", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
 WORKER_START_TIMEOUT_S = 300.0
 # a judge that does not answer within this much beyond the two child timeouts is hung
@@ -412,12 +414,13 @@ class WorkerHandle:
             self.process.wait()
 
 
-def default_slots(workers: int | None) -> list[str | None]:
-    """One slot per visible GPU; without GPUs, `workers` interpreter slots (default: half the
-    cores, at least one — each interpreter child also uses threads)."""
+def default_slots(workers: int | None, gpus: Sequence[str] | None = None) -> list[str | None]:
+    """One slot per GPU of `gpus` (default: every visible GPU); without GPUs, `workers`
+    interpreter slots (default: half the cores, at least one — each interpreter child also uses
+    threads)."""
     from kpipe.gpu import visible_gpus
 
-    gpus = visible_gpus()
+    gpus = list(gpus) if gpus is not None else visible_gpus()
     if gpus:
         return list(gpus[:workers] if workers else gpus)
     return [None] * (workers or max(1, (os.cpu_count() or 2) // 2))
@@ -440,13 +443,14 @@ class GymPool:
         reuse_reference: bool = False,
         fork: bool = True,
         progress: bool = True,
+        gpus: Sequence[str] | None = None,
     ) -> None:
         self.protocol = protocol or Protocol()
         self.cache = cache
         self.progress = progress
         self.reuse_reference = reuse_reference
         self.fork = fork
-        slots = default_slots(workers)
+        slots = default_slots(workers, gpus)
         self._cpu_threads = None if slots[0] is not None else max(1, (os.cpu_count() or 1) // len(slots))
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()

@@ -15,11 +15,13 @@ checkpoint's generation_config.json: results must not depend on what a checkpoin
 The server binds to 127.0.0.1 on a free port unless told otherwise; with a non-loopback host
 it requires a key (``VLLM_API_KEY``, passed through the environment, never the command line).
 The in-process rollout engine with weight updates between RL steps is
-``kpipe.llm.vllm_engine``; this module is for jobs that only generate.
+``kpipe.llm.vllm_engine``; this module is for jobs that only generate. A model entry with
+``serve: vllm`` (``kpipe.evaluation``) reaches its checkpoint through ``served_engine``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -28,19 +30,23 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from kpipe.llm.openai_engine import OpenAIConfig
+from kpipe.llm.openai_engine import OpenAIConfig, OpenAIEngine
 
 READY_POLL_S = 1.0
 STOP_GRACE_S = 30.0
 LOG_TAIL_CHARS = 3000
 API_KEY_ENV = "VLLM_API_KEY"  # read by `vllm serve` itself and by OpenAIConfig(api_key_env=...)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# requests a served model's client keeps in flight: enough for vLLM's continuous batching to
+# fill its batch (a job sends all samples of a turn at once); `concurrency` overrides it
+SERVED_CONCURRENCY = 256
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,19 @@ class VLLMServerConfig:
     @property
     def gpus(self) -> int:
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @classmethod
+    def from_settings(cls, model: str, served_model_name: str, settings: Mapping[str, Any], where: str
+                      ) -> VLLMServerConfig:
+        """From a config mapping of the other fields (e.g. a model entry's `vllm_server:`);
+        `where` names that mapping in the one-line error about a key it does not know."""
+        known = {f.name for f in fields(cls)} - {"model", "served_model_name"}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(known))})")
+        values = dict(settings)
+        values["extra_args"] = tuple(values.get("extra_args", ()))
+        return cls(model=model, served_model_name=served_model_name, **values)
 
 
 def free_port(host: str) -> int:
@@ -213,3 +232,11 @@ class VLLMServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def served_engine(config: VLLMServerConfig, **client: Any) -> Iterator[OpenAIEngine]:
+    """An OpenAI engine on a `vllm serve` of `config` started for the block and stopped when it
+    ends, also by an exception. `client`: OpenAIConfig fields (concurrency, timeout_s, ...)."""
+    with VLLMServer(config) as server:
+        yield OpenAIEngine(server.openai_config(**{"concurrency": SERVED_CONCURRENCY, **client}))

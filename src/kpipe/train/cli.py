@@ -1,6 +1,6 @@
-"""``kpipe train``: build the tiny offline model, run SFT.
+"""``kpipe train``: build the tiny offline model, run SFT, run one RL iteration.
 
-Many GPUs: ``accelerate launch --config_file fsdp.yaml -m kpipe.cli train sft ...``.
+Many GPUs: ``kpipe launch --gpus N -- train sft|rl ...`` (one process per GPU, FSDP2).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import yaml
 
 @click.group()
 def train() -> None:
-    """Training: the tiny offline model and supervised fine-tuning."""
+    """Training: the tiny offline model, supervised fine-tuning and RL iterations."""
 
 
 @train.command("tiny-model")
@@ -83,3 +83,56 @@ def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Pat
     result = train_sft(cfg, rows, out_dir, metrics_path)
     click.echo(json.dumps({"model": str(result.model_dir), "steps": result.steps, "resumed_from": result.resumed_from,
                            "final_loss": result.final_loss, "samples": result.samples.as_dict()}, indent=2))
+
+
+def yaml_mapping(text: str, option: str) -> dict:
+    """An option's JSON/YAML mapping (`{}` for an empty one)."""
+    value = yaml.safe_load(text) or {}
+    if not isinstance(value, dict):
+        raise click.BadParameter(f"expected a mapping, got {text!r}", param_hint=option)
+    return value
+
+
+@train.command("rl")
+@click.option("--queries", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="queries Parquet file: its non-contaminated queries are the prompts")
+@click.option("--init-model", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="HF model to start from (the previous iteration's, or the SFT model)")
+@click.option("--model-out", required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--trajectories", "trajectories_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="trajectories Parquet file to write (the rollouts)")
+@click.option("--metrics", "metrics_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="train_metrics Parquet file to write")
+@click.option("--scratch", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="partial work of the iteration (a rerun resumes from it)")
+@click.option("--run", default="default", show_default=True)
+@click.option("--iteration", default=0, show_default=True, type=int)
+@click.option("--init-state", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="the previous iteration's optimizer state (missing: a fresh optimizer)")
+@click.option("--state-out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="where to write this iteration's optimizer state")
+@click.option("--drop-init-state", is_flag=True, help="delete --init-state once this iteration is done")
+@click.option("--settings", default="{}", help="RLConfig values as a JSON/YAML mapping (the `rl` config section)")
+@click.option("--gym", "gym_settings", default="{}", help="the `gym` config section as a JSON/YAML mapping")
+def rl_command(queries: Path, init_model: Path, model_out: Path, trajectories_path: Path, metrics_path: Path,
+               scratch: Path, run: str, iteration: int, init_state: Path | None, state_out: Path | None,
+               drop_init_state: bool, settings: str, gym_settings: str) -> None:
+    """One RL iteration; rerunning resumes its unfinished work. Several GPUs: under `kpipe launch`."""
+    from accelerate import PartialState
+
+    from kpipe.train.rl import drop_optimizer_state, run_iteration, training_tasks
+    from kpipe.train.rl_config import RLConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = RLConfig.from_dict(yaml_mapping(settings, "--settings"))
+    except ValueError as error:
+        raise click.UsageError(str(error)) from error
+    result = run_iteration(cfg, training_tasks(queries, cfg.max_prompts), init_model, model_out, trajectories_path,
+                           metrics_path, scratch, run=run, iteration=iteration, init_state=init_state,
+                           state_out=state_out, gym=yaml_mapping(gym_settings, "--gym"))
+    if PartialState().is_main_process:
+        if drop_init_state and init_state is not None:
+            drop_optimizer_state(init_state)  # the next iteration needs only this one's
+        click.echo(f"RL {run} iteration {iteration}: {result.rows} turns, mean reward {result.mean_reward:.3f}, "
+                   f"{result.resumed_steps} step(s) resumed -> {result.model_dir}")

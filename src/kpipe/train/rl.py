@@ -21,11 +21,20 @@ Resumable: each step's rollouts are saved in a scratch directory before training
 with several steps per iteration each finished step leaves a checkpoint there, so a killed job
 redoes only unfinished work. Final outputs are written once, atomically, at the end; a
 fingerprint (config, run, iteration, input checkpoint, tasks) guards the scratch directory.
+
+Several processes (``kpipe launch --gpus N -- train rl ...``: one per GPU, FSDP2) run the same
+step data-parallel: each takes an equal share of the step's prompts, generates and evaluates
+their rollouts itself (on a full-weight copy of the policy and its own GPU), and computes
+returns, filters and advantages locally — the (prompt, turn) groups never straddle processes.
+The update is the one a single process would take on all the rows: mini-batches are drawn from
+every process's rows, each loss is normalised by global counts, DDP/FSDP average the gradients.
+Rank 0 writes the gathered rows and metrics; checkpoints go through accelerate.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -35,12 +44,14 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from kpipe import metrics as kmetrics
@@ -55,7 +66,7 @@ from kpipe.train import algos
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from kpipe.train.metrics_log import MetricsLog
 from kpipe.train.rl_config import RLConfig
-from kpipe.train.sft import batch_indices, plan_micro_batches, resolve_precision
+from kpipe.train.sft import batch_indices, max_over_processes, plan_micro_batches, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +130,23 @@ def step_tasks(tasks: Sequence[AgentTask], prompts_per_step: int, seed: int, glo
 def step_seed(seed: int, global_step: int) -> int:
     """Sampling seed of one step: every step draws new rollouts, a rerun draws the same ones."""
     return int(hashlib.sha256(f"rl:{seed}:{global_step}".encode()).hexdigest()[:8], 16)
+
+
+def check_processes(cfg: RLConfig, n_prompts: int, processes: int) -> None:
+    """What several processes cannot run, as one-line errors before any work: every process gets
+    the same number of prompts; vLLM rollouts stay in one process (not verified data-parallel)."""
+    if processes > 1 and cfg.engine == "vllm":
+        raise ValueError(f"RL: engine 'vllm' runs in one process, not {processes}: set rl.gpus to 1, "
+                         "or use engine 'hf' for data-parallel rollouts on several GPUs")
+    if n_prompts % processes:
+        raise ValueError(f"RL: {n_prompts} prompts per step cannot be split evenly over {processes} processes; "
+                         "make rl.prompts_per_step (and the number of training prompts) a multiple of rl.gpus")
+
+
+def process_tasks(tasks: Sequence[AgentTask], rank: int, processes: int) -> list[AgentTask]:
+    """The prompts of one process: every `processes`-th from `rank`, each with all its rollouts, so
+    the (prompt, turn) groups of the advantages never straddle processes."""
+    return list(tasks[rank::processes])
 
 
 # --------------------------------------------------------------------------- timing wrappers
@@ -233,14 +261,30 @@ def sequence_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: 
     return algos.log_probs_from_logits(logits.float() / temperature, tokens)
 
 
+def filler_sample(pad_id: int) -> TokenSample:
+    """A one-token sample for the forward passes a process runs only to keep pace with the others."""
+    return TokenSample([pad_id], [pad_id])
+
+
 @torch.no_grad()
 def policy_log_probs(model: Any, samples: Sequence[TokenSample], temperature: float, token_budget: int,
-                     pad_id: int, device: torch.device, progress: bool = False) -> list[torch.Tensor]:
-    """π_train log-probs of every sample's response tokens (1-D CPU tensors), in micro-batches."""
+                     pad_id: int, device: torch.device, progress: bool = False,
+                     pass_count: Callable[[int], int] | None = None) -> list[torch.Tensor]:
+    """π_train log-probs of every sample's response tokens (1-D CPU tensors), in micro-batches.
+
+    `pass_count(n)` turns this process's n forward passes into the number to run: a sharded model
+    needs every process to run as many as the busiest (`max_over_processes`); the extra passes
+    run on a filler and are discarded.
+    """
     out: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
     todo = [i for i, s in enumerate(samples) if s.response_ids]
     groups = plan_micro_batches([samples[i].length for i in todo], token_budget)
-    for group in tqdm(groups, desc="π_train log-probs", disable=not progress, leave=False):
+    passes = pass_count(len(groups)) if pass_count is not None else len(groups)
+    for k in tqdm(range(passes), desc="π_train log-probs", disable=not progress, leave=False):
+        if k >= len(groups):
+            response_logits(model, [filler_sample(pad_id)], pad_id, device)
+            continue
+        group = groups[k]
         batch = [samples[todo[g]] for g in group]
         logits, tokens = response_logits(model, batch, pad_id, device)
         logp = sequence_log_probs(logits, tokens, temperature).cpu()
@@ -325,69 +369,115 @@ def row_advantages(rows: Sequence[dict[str, Any]], returns: torch.Tensor, valid:
 # --------------------------------------------------------------------------- the policy update
 
 
+RowKey = tuple[str, int, int]  # (task_id, sample, turn): names a row of a step on every process
+
+
+def row_key(row: Mapping[str, Any]) -> RowKey:
+    return (row["task_id"], int(row["sample"]), int(row["turn"]))
+
+
 @dataclass
 class TrainItem:
+    key: RowKey
     sample: TokenSample
     advantage: float
     old_logp: torch.Tensor  # π_train before the update (PPO's old policy)
 
 
-def micro_batch_weight(agg_mode: str, micro: Sequence[TrainItem], mini: Sequence[TrainItem]) -> float:
-    """Share of one micro-batch in its mini-batch's loss, so accumulation equals one big batch:
-    by sequences for the seq-mean modes, by tokens for token-mean."""
-    if agg_mode == "token-mean":
-        return sum(len(i.sample.response_ids) for i in micro) / sum(len(i.sample.response_ids) for i in mini)
-    return len(micro) / len(mini)
+def loss_units(agg_mode: str, response_lengths: Sequence[int]) -> int:
+    """What a mini-batch's loss is a mean over: its response tokens (token-mean) or its sequences."""
+    return sum(response_lengths) if agg_mode == "token-mean" else len(response_lengths)
+
+
+def micro_batch_weight(agg_mode: str, micro_lengths: Sequence[int], mini_units: int) -> float:
+    """Share of one micro-batch (its response lengths) in its mini-batch's loss, the mini-batch
+    counted over every process (`mini_units`, from `loss_units`), so gradient accumulation and any
+    number of processes give the gradient of one big batch."""
+    return loss_units(agg_mode, micro_lengths) / mini_units
+
+
+def summed_over_processes(accelerator: Any, values: Mapping[str, float]) -> dict[str, float]:
+    """Each value added up over all processes (every process passes the same names)."""
+    names = sorted(values)
+    local = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=accelerator.device)
+    return dict(zip(names, accelerator.reduce(local, "sum").tolist(), strict=True))
+
+
+def global_means(accelerator: Any, totals: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """sum / count of each metric over every process's rows, so N processes report what one
+    process would on the same rows; a metric that counts nothing anywhere is left out."""
+    sums = summed_over_processes(accelerator, {name: total for name, (total, _) in totals.items()})
+    counts = summed_over_processes(accelerator, {name: count for name, (_, count) in totals.items()})
+    return {name: sums[name] / counts[name] for name in totals if counts[name]}
 
 
 def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[TrainItem], cfg: RLConfig,
                   pad_id: int, generator: torch.Generator) -> dict[str, float]:
-    """PPO-clip optimizer steps on `items`: `ppo_epochs` passes over `mini_batches` mini-batches each.
+    """PPO-clip optimizer steps on this process's `items`: `ppo_epochs` passes over `mini_batches`
+    mini-batches each, the same steps one process would take on every process's items.
 
-    Returns the means over optimizer steps of loss, grad_norm, clip fractions and approx KL, and
-    the token-mean entropy of the policy on the trained tokens during the first epoch.
+    Mini-batches are drawn from all processes' items, ordered by key and shuffled with `generator`
+    (in the same state on every process), so they do not depend on which process holds a row.
+    Each micro-batch's loss is weighted by its share of its global mini-batch and multiplied by
+    the process count, since DDP/FSDP average gradients over processes. Every process runs as many
+    forward passes as the busiest; its extra ones run on a filler with weight 0.
+
+    Returns the means over optimizer steps of loss, grad_norm, clip fractions and approx KL, the
+    token-mean entropy of the policy on the trained tokens during the first epoch, and the number
+    of trained rows (all over every process).
     """
-    device = accelerator.device
+    device, world = accelerator.device, accelerator.num_processes
+    units = dict(gather_object([(item.key, len(item.sample.response_ids)) for item in items]))
+    keys, mine = sorted(units), {item.key: item for item in items}
+    filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1))
     stats: dict[str, list[float]] = {}
-    entropy_sum, entropy_tokens = 0.0, 0
-    for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(len(items), generator=generator).tolist()
-        minis = [m for m in np.array_split(np.array(order), min(cfg.mini_batches, len(items))) if len(m)]
-        for mini_ids in minis:
-            mini = [items[i] for i in mini_ids]
-            groups = plan_micro_batches([item.sample.length for item in mini], cfg.micro_batch_tokens)
-            step_stats: dict[str, float] = {}
-            loss_total = 0.0
-            for group in groups:
-                micro = [mini[g] for g in group]
+    entropy = {"sum": 0.0, "tokens": 0.0}
+    for epoch in range(cfg.ppo_epochs if keys else 0):
+        order = torch.randperm(len(keys), generator=generator).tolist()
+        for positions in np.array_split(np.array(order), min(cfg.mini_batches, len(keys))):
+            mini_keys = [keys[i] for i in positions]
+            mini_units = loss_units(cfg.loss_agg, [units[key] for key in mini_keys])
+            local = [mine[key] for key in mini_keys if key in mine]
+            groups = plan_micro_batches([item.sample.length for item in local], cfg.micro_batch_tokens)
+            n_micro = max_over_processes(accelerator, len(groups))
+            step_totals: dict[str, float] = {}
+            for k in range(n_micro):
+                real = k < len(groups)
+                micro = [local[g] for g in groups[k]] if real else [filler]
                 samples = [item.sample for item in micro]
-                with accelerator.autocast():
-                    logits, tokens = response_logits(model, samples, pad_id, device)
-                logp = sequence_log_probs(logits, tokens, cfg.temperature)
-                width = logp.shape[1]
-                mask = response_mask([len(s.response_ids) for s in samples], width).to(device)
-                old = right_aligned([item.old_logp.tolist() for item in micro], width).to(device)
-                advantages = torch.tensor([item.advantage for item in micro], dtype=logp.dtype, device=device)
-                loss, loss_stats = algos.ppo_clip_policy_loss(logp, old, advantages, mask, cfg.eps_low, cfg.eps_high,
-                                                              cfg.dual_clip, cfg.loss_agg)
-                weight = micro_batch_weight(cfg.loss_agg, micro, mini)
-                accelerator.backward(loss * weight)
-                loss_total += loss.item() * weight
-                for name, value in loss_stats.items():
-                    step_stats[name] = step_stats.get(name, 0.0) + value * weight
-                if epoch == 0:
+                lengths = [len(s.response_ids) for s in samples]
+                weight = micro_batch_weight(cfg.loss_agg, lengths, mini_units) if real else 0.0
+                # gradients are synchronised once per mini-batch, on its last micro-batch
+                sync = contextlib.nullcontext() if k == n_micro - 1 else accelerator.no_sync(model)
+                with sync:
+                    with accelerator.autocast():
+                        logits, tokens = response_logits(model, samples, pad_id, device)
+                    logp = sequence_log_probs(logits, tokens, cfg.temperature)
+                    width = logp.shape[1]
+                    mask = response_mask(lengths, width).to(device)
+                    old = right_aligned([item.old_logp.tolist() for item in micro], width).to(device)
+                    advantages = torch.tensor([item.advantage for item in micro], dtype=logp.dtype, device=device)
+                    loss, loss_stats = algos.ppo_clip_policy_loss(logp, old, advantages, mask, cfg.eps_low,
+                                                                  cfg.eps_high, cfg.dual_clip, cfg.loss_agg)
+                    accelerator.backward(loss * weight * world)
+                for name, value in {"loss": loss.item(), **loss_stats}.items():
+                    step_totals[name] = step_totals.get(name, 0.0) + value * weight
+                if epoch == 0 and real:
                     with torch.no_grad():
-                        entropy = algos.entropy_from_logits(logits.detach().float() / cfg.temperature)
-                        entropy_sum += float((entropy * mask).sum())
-                        entropy_tokens += int(mask.sum())
+                        token_entropy = algos.entropy_from_logits(logits.detach().float() / cfg.temperature)
+                        entropy["sum"] += float((token_entropy * mask).sum())
+                        entropy["tokens"] += float(mask.sum())
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            for name, value in {"loss": loss_total, "grad_norm": float(grad_norm), **step_stats}.items():
+            step_totals = summed_over_processes(accelerator, step_totals)
+            for name, value in {**step_totals, "grad_norm": float(grad_norm)}.items():
                 stats.setdefault(name, []).append(value)
     out = {name: float(np.mean(values)) for name, values in stats.items()}
-    out["optimizer_steps"] = float(len(stats.get("loss", [])))
-    out["entropy"] = entropy_sum / max(1, entropy_tokens)
+    out.update(optimizer_steps=float(len(stats.get("loss", []))), trained_rows=float(len(keys)))
+    if keys:
+        entropy = summed_over_processes(accelerator, entropy)
+        out["entropy"] = entropy["sum"] / max(1.0, entropy["tokens"])
     return out
 
 
@@ -416,17 +506,14 @@ def rollout_metrics(rows: Sequence[dict[str, Any]], max_turns: int) -> dict[str,
     return values
 
 
-def token_metrics(train_logp: Sequence[torch.Tensor], rollout_logp: Sequence[Sequence[float]]) -> dict[str, float]:
-    """Rollout-engine and trainer perplexities over the same tokens (Figure 7) and response lengths."""
-    lengths = [len(x) for x in train_logp]
-    if not any(lengths):
-        return {"response_tokens_mean": 0.0}
-    width = max(lengths)
-    mask = response_mask(lengths, width)
-    train = right_aligned([x.tolist() for x in train_logp], width, torch.float64)
-    rollout = right_aligned(rollout_logp, width, torch.float64)
-    return {"rollout_ppl": algos.perplexity(rollout, mask), "train_ppl": algos.perplexity(train, mask),
-            "response_tokens_mean": float(np.mean(lengths))}
+def token_totals(train_logp: Sequence[torch.Tensor],
+                 rollout_logp: Sequence[Sequence[float]]) -> dict[str, tuple[float, float]]:
+    """(sum, count) behind the rollout-engine and trainer perplexities over the same tokens (Figure 7:
+    exp of the mean negative log-prob, `{engine}_nll`) and the mean response length, of rows with tokens."""
+    tokens = float(sum(len(x) for x in train_logp))
+    return {"train_nll": (-sum(float(x.double().sum()) for x in train_logp), tokens),
+            "rollout_nll": (-math.fsum(math.fsum(x) for x in rollout_logp), tokens),
+            "response_tokens_mean": (tokens, float(len(train_logp)))}
 
 
 # --------------------------------------------------------------------------- model, engines, evaluators
@@ -456,6 +543,18 @@ def gym_protocol(cfg: RLConfig, base: Mapping[str, Any] | None) -> Any:
     if cfg.use_pr or cfg.prs:
         values["profile"] = True
     return Protocol.from_dict(values)
+
+
+def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Copy the trainer's weights into the rollout copy, one tensor at a time. FSDP2-sharded
+    tensors are all-gathered first (every process must call this), so the peak memory is one
+    full tensor beyond the copy."""
+    from torch.distributed.tensor import DTensor
+
+    target_state = target.state_dict()
+    with torch.no_grad():
+        for name, value in source.state_dict().items():
+            target_state[name].copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
 def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -500,15 +599,18 @@ def annotate_rows(rows: list[dict[str, Any]], returns: torch.Tensor, advantages:
 
 
 def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: Any, model: Any, optimizer: Any,
-                      tokenizer: Any, generator: torch.Generator, progress: bool) -> dict[str, float]:
-    """Steps 2–5 of the module docstring on one step's rollouts; annotates `rows`, returns metrics."""
+                      tokenizer: Any, filter_generator: torch.Generator, shuffle_generator: torch.Generator,
+                      progress: bool) -> dict[str, float]:
+    """Steps 2–5 of the module docstring on this process's rollouts; annotates `rows` and returns the
+    step's metrics over every process's rows. `filter_generator` draws PRS's coin flips,
+    `shuffle_generator` the mini-batches (the same state on every process)."""
     samples = token_samples(rows, tokenizer)
-    has_tokens = torch.tensor([bool(s.response_ids) for s in samples])
+    has_tokens = torch.tensor([bool(s.response_ids) for s in samples], dtype=torch.bool)
     pad_id = tokenizer.pad_token_id
     model.eval()
     with accelerator.autocast():  # the same precision as the update: PPO's ratio starts at 1
         train_logp = policy_log_probs(model, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
-                                      accelerator.device, progress)
+                                      accelerator.device, progress, partial(max_over_processes, accelerator))
     model.train()
     rollout_logp = [list(row.get("response_logprobs") or []) for row in rows]
     for row, sample, logp in zip(rows, samples, rollout_logp, strict=True):
@@ -516,7 +618,7 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
             raise ValueError(f"{row['task_id']} sample {row['sample']} turn {row['turn']}: "
                              f"{len(logp)} rollout log-probs for {len(sample.response_ids)} tokens")
     mrs_keep, log_w = mismatch_keep(train_logp, rollout_logp, cfg)
-    masks = filter_masks(rows, cfg, mrs_keep, generator)
+    masks = filter_masks(rows, cfg, mrs_keep, filter_generator)
     reasons = rejection_reasons(has_tokens, masks)
     kept = torch.tensor([reason is None for reason in reasons])
     returns = row_returns(rows, cfg)
@@ -524,20 +626,20 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
     advantages = row_advantages(rows, returns, valid, cfg)
     annotate_rows(rows, returns, advantages, reasons)
 
-    items = [TrainItem(samples[i], float(advantages[i]), train_logp[i]) for i in range(len(rows)) if kept[i]]
-    values: dict[str, float] = {}
-    if items:
-        values.update(update_policy(accelerator, model, optimizer, items, cfg, pad_id, generator))
-    else:
-        values["optimizer_steps"] = 0.0
-    n_tokens = max(1, int(has_tokens.sum()))
-    values.update({f"kept_frac_{name}": float((mask & has_tokens).sum()) / n_tokens for name, mask in masks.items()})
-    values.update(kept_frac=float(kept.sum()) / len(rows), trained_rows=float(len(items)),
-                  return_mean=float(returns.mean()),
-                  advantage_abs_mean=float(advantages[kept].abs().mean()) if items else 0.0,
-                  mismatch_abs_log_w=float(log_w[has_tokens].abs().mean()) if bool(has_tokens.any()) else 0.0)
-    values.update(token_metrics([train_logp[i] for i in range(len(rows)) if has_tokens[i]],
-                                [rollout_logp[i] for i in range(len(rows)) if has_tokens[i]]))
+    items = [TrainItem(row_key(rows[i]), samples[i], float(advantages[i]), train_logp[i])
+             for i in range(len(rows)) if kept[i]]
+    values = update_policy(accelerator, model, optimizer, items, cfg, pad_id, shuffle_generator)
+    with_tokens = float(has_tokens.sum())
+    totals = {f"kept_frac_{name}": (float((mask & has_tokens).sum()), with_tokens) for name, mask in masks.items()}
+    totals.update(kept_frac=(float(kept.sum()), len(rows)), return_mean=(float(returns.sum()), len(rows)),
+                  advantage_abs_mean=(float(advantages[kept].abs().sum()), float(kept.sum())),
+                  mismatch_abs_log_w=(float(log_w[has_tokens].abs().sum()), with_tokens))
+    totals.update(token_totals([train_logp[i] for i in range(len(rows)) if has_tokens[i]],
+                               [rollout_logp[i] for i in range(len(rows)) if has_tokens[i]]))
+    means = global_means(accelerator, totals)
+    values.update({name: means.get(name, 0.0) for name in totals if not name.endswith("_nll")})
+    values.update({f"{engine}_ppl": math.exp(means[f"{engine}_nll"]) for engine in ("rollout", "train")
+                   if f"{engine}_nll" in means})
     return values
 
 
@@ -580,6 +682,8 @@ def run_iteration(
     to `metrics_path`. `gym` is the `gym` config section (backend, workers, cache, protocol);
     `evaluator` replaces the backend it names (tests, an evaluator shared across iterations).
     """
+    from accelerate import Accelerator
+
     from kpipe.agent.evaluator import open_evaluator
 
     if not tasks:
@@ -593,18 +697,18 @@ def run_iteration(
                     iteration, run, iteration - 1)
     identity = directory_identity(init_model) + directory_identity(init_state)
     fingerprint = iteration_fingerprint(cfg, run, iteration, identity, tasks, protocol.to_json())
-    scratch = Path(scratch)
-    resumed = prepare_scratch(scratch, fingerprint)
+    accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
+    check_processes(cfg, min(cfg.prompts_per_step, len(tasks)), accelerator.num_processes)
+    trainer = IterationTrainer(accelerator, cfg, Path(init_model), init_state, Path(scratch), fingerprint, run,
+                               iteration, progress)
     with contextlib.ExitStack() as stack:
         if evaluator is None:
             # one reference run per task saves minutes on a CPU; on a GPU each candidate is timed next to it
             reuse = not torch.cuda.is_available()
-            evaluator = stack.enter_context(open_evaluator(gym, reuse_reference=reuse, progress=progress))
-        cached = CachedEvaluator(evaluator, scratch / "evals.jsonl", protocol.to_json())
-        trainer = IterationTrainer(cfg, Path(init_model), init_state, scratch, fingerprint, run, iteration, progress)
-        if resumed:
-            log.info("resuming RL iteration %d of %s at step %d (scratch %s)", iteration, run, trainer.start_step,
-                     scratch)
+            evaluator = stack.enter_context(open_evaluator(gym, reuse_reference=reuse, progress=trainer.progress,
+                                                           gpus=trainer.evaluation_gpus()))
+        cached = CachedEvaluator(evaluator, trainer.scratch / f"evals-{trainer.accelerator.process_index}.jsonl",
+                                 protocol.to_json())
         resumed_steps = trainer.start_step
         for step in range(trainer.start_step, cfg.steps_per_iteration):
             trainer.step(step, tasks, cached)
@@ -612,23 +716,27 @@ def run_iteration(
 
 
 class IterationTrainer:
-    """The state of one iteration: accelerator, policy, optimizer, rollout engine and metrics log."""
+    """The state of one iteration in one process: accelerator, policy, optimizer, rollout engine and
+    metrics log. With several processes, rollouts run on `rollout_model`, a full-weight copy of the
+    policy refreshed before every step: generation through the sharded policy would need every
+    process to run the same number of forward passes, which the processes' episodes do not."""
 
-    def __init__(self, cfg: RLConfig, init_model: Path, init_state: Path | None, scratch: Path, fingerprint: str,
-                 run: str, iteration: int, progress: bool) -> None:
-        from accelerate import Accelerator
+    def __init__(self, accelerator: Any, cfg: RLConfig, init_model: Path, init_state: Path | None, scratch: Path,
+                 fingerprint: str, run: str, iteration: int, progress: bool) -> None:
         from accelerate.utils import set_seed
 
+        self.accelerator, processes = accelerator, accelerator.num_processes
         self.cfg, self.scratch, self.fingerprint = cfg, scratch, fingerprint
-        self.run, self.iteration, self.progress = run, iteration, progress
-        self.accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
-        if self.accelerator.num_processes > 1:
-            raise RuntimeError("RL runs in one process (rollouts on the live policy); "
-                               "multi-GPU RL is not supported yet")
+        self.run, self.iteration = run, iteration
+        self.progress = progress and self.accelerator.is_main_process
+        with self.accelerator.main_process_first():  # rank 0 clears a stale scratch before the others look
+            resumed = prepare_scratch(scratch, fingerprint)
         set_seed(cfg.seed + iteration)
         model, self.tokenizer = load_policy(init_model, cfg)
+        self.rollout_model = copy.deepcopy(model).to(self.accelerator.device).eval() if processes > 1 else None
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                       fused=torch.cuda.is_available())
+        # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         checkpoint = latest_checkpoint(scratch / "checkpoints")
         self.start_step = checkpoint.step if checkpoint is not None else 0
@@ -638,71 +746,113 @@ class IterationTrainer:
             self.accelerator.load_state(str(init_state))
         self.metrics = MetricsLog(scratch / "metrics.parquet", run=run, stage=STAGE, iteration=iteration)
         self.metrics.resume(iteration * cfg.steps_per_iteration + self.start_step)
-        self.raw_engine = make_engine(cfg, self.accelerator.unwrap_model(self.model), self.tokenizer, init_model,
-                                      f"{run}/rl-iter{iteration}", progress)
+        if self.accelerator.is_main_process:
+            log.info("RL %s iteration %d on %d process(es) (%s)", run, iteration, processes,
+                     self.accelerator.distributed_type)
+            if resumed:
+                log.info("resuming RL iteration %d of %s at step %d (scratch %s)", iteration, run, self.start_step,
+                         scratch)
+        policy = self.rollout_model if self.rollout_model is not None else self.accelerator.unwrap_model(self.model)
+        self.raw_engine = make_engine(cfg, policy, self.tokenizer, init_model, f"{run}/rl-iter{iteration}",
+                                      self.progress)
         self.engine = TimedEngine(self.raw_engine)
-        self.generator = torch.Generator()
+        self.filter_generator, self.shuffle_generator = torch.Generator(), torch.Generator()
+
+    def evaluation_gpus(self) -> list[str] | None:
+        """With several processes on GPUs each process evaluates on its own GPU; None: the
+        evaluator's default (every visible GPU, or CPU workers)."""
+        from kpipe.gpu import visible_gpus
+
+        gpus = visible_gpus()
+        if self.accelerator.num_processes == 1 or not gpus:
+            return None
+        return [gpus[self.accelerator.local_process_index]]
 
     def step(self, step: int, tasks: Sequence[AgentTask], evaluator: Evaluator) -> dict[str, float]:
-        """Rollouts (or their saved copy), training on them, metrics; a checkpoint unless it is the last step."""
-        cfg, global_step = self.cfg, self.iteration * self.cfg.steps_per_iteration + step
+        """This process's rollouts (or their saved copy), training on them, metrics; a checkpoint
+        unless it is the last step."""
+        cfg, accelerator = self.cfg, self.accelerator
+        global_step = self.iteration * cfg.steps_per_iteration + step
+        if self.rollout_model is not None:
+            copy_full_weights(accelerator.unwrap_model(self.model), self.rollout_model)
         if cfg.engine == "vllm" and step > 0:
-            push_weights_to_vllm(self.raw_engine, self.accelerator.unwrap_model(self.model))
+            push_weights_to_vllm(self.raw_engine, accelerator.unwrap_model(self.model))
         timed = TimedEvaluator(evaluator)
         self.engine.seconds = 0.0
         started = time.perf_counter()
+        my_tasks = process_tasks(step_tasks(tasks, cfg.prompts_per_step, cfg.seed, global_step),
+                                 accelerator.process_index, accelerator.num_processes)
         rollouts_path = self.scratch / f"rollouts-{step:04d}.parquet"
         if rollouts_path.exists():
-            rows = read_table(rollouts_path, "trajectories").to_pylist()
+            mine = {task.task_id for task in my_tasks}
+            rows = [row for row in read_table(rollouts_path, "trajectories").to_pylist() if row["task_id"] in mine]
         else:
             self.model.eval()
-            with self.accelerator.autocast():  # HF rollouts in the trainer's precision: less mismatch for MRS
-                rows = rollout_rows(step_tasks(tasks, cfg.prompts_per_step, cfg.seed, global_step), self.engine,
-                                    timed, cfg, run=self.run, iteration=self.iteration, global_step=global_step,
-                                    progress=self.progress)
-            write_table(rows, rollouts_path, "trajectories")
+            with accelerator.autocast():  # HF rollouts in the trainer's precision: less mismatch for MRS
+                rows = rollout_rows(my_tasks, self.engine, timed, cfg, run=self.run, iteration=self.iteration,
+                                    global_step=global_step, progress=self.progress)
+            all_rows = gather_object(rows)
+            if accelerator.is_main_process:
+                write_table(all_rows, rollouts_path, "trajectories")
         rollout_s = time.perf_counter() - started
-        self.generator.manual_seed(step_seed(cfg.seed + 1, global_step))
-        values = train_on_rollouts(rows, cfg, self.accelerator, self.model, self.optimizer, self.tokenizer,
-                                   self.generator, self.progress)
-        values.update(rollout_metrics(rows, cfg.max_turns))
+        # PRS's coin flips: a stream per process (rank 0's is the one-process stream); mini-batches: one for all
+        self.filter_generator.manual_seed(step_seed(cfg.seed + 1, global_step) + accelerator.process_index)
+        self.shuffle_generator.manual_seed(step_seed(cfg.seed + 2, global_step))
+        values = train_on_rollouts(rows, cfg, accelerator, self.model, self.optimizer, self.tokenizer,
+                                   self.filter_generator, self.shuffle_generator, self.progress)
+        all_rows = gather_object(rows)
+        values.update(rollout_metrics(all_rows, cfg.max_turns))
+        # times are this process's (the step ends in collectives, so step_s is everyone's)
         values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=rollout_s,
                       train_s=time.perf_counter() - started - rollout_s, step_s=time.perf_counter() - started,
-                      lr=cfg.lr, rows=float(len(rows)))
+                      lr=cfg.lr, rows=float(len(all_rows)))
         self.metrics.log(global_step + 1, values)
-        write_table(rows, self.scratch / f"step-{step:04d}.parquet", "trajectories")
-        log.info("RL %s iteration %d step %d: reward %.3f, kept %.2f, grad norm %.3g", self.run, self.iteration, step,
-                 values["reward_mean"], values["kept_frac"], values.get("grad_norm", 0.0))
+        if accelerator.is_main_process:
+            write_table(all_rows, self.scratch / f"step-{step:04d}.parquet", "trajectories")
+            log.info("RL %s iteration %d step %d: reward %.3f, kept %.2f, grad norm %.3g", self.run, self.iteration,
+                     step, values["reward_mean"], values["kept_frac"], values.get("grad_norm", 0.0))
         if step + 1 < cfg.steps_per_iteration:
-            self.metrics.flush()
-            save_checkpoint(self.accelerator, self.model, self.tokenizer, self.scratch / "checkpoints", step + 1,
+            if accelerator.is_main_process:
+                self.metrics.flush()
+            save_checkpoint(accelerator, self.model, self.tokenizer, self.scratch / "checkpoints", step + 1,
                             self.fingerprint, keep_last=1)
         return values
 
     def finish(self, model_out: Path, state_out: str | os.PathLike | None, trajectories_path: str | os.PathLike,
                metrics_path: str | os.PathLike, resumed_steps: int) -> IterationResult:
-        """Write the iteration's outputs (each atomically, the model and state via a rename), drop the scratch."""
-        replace_dir(model_out, lambda tmp: export_hf(self.accelerator, self.model, self.tokenizer, tmp))
+        """Write the iteration's outputs (each atomically, the model and state via a rename; files by
+        rank 0), drop the scratch."""
+        accelerator = self.accelerator
+        replace_dir(accelerator, model_out, lambda tmp: export_hf(accelerator, self.model, self.tokenizer, tmp))
         if state_out is not None:
-            replace_dir(Path(state_out), lambda tmp: self.accelerator.save_state(str(tmp)))
+            replace_dir(accelerator, Path(state_out), lambda tmp: accelerator.save_state(str(tmp)))
         rows = []
         for step in range(self.cfg.steps_per_iteration):
             rows.extend(read_table(self.scratch / f"step-{step:04d}.parquet", "trajectories").to_pylist())
-        write_table(rows, trajectories_path, "trajectories")
-        write_table(self.metrics.rows, metrics_path, "train_metrics")
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        accelerator.wait_for_everyone()  # everyone has read the scratch
+        if accelerator.is_main_process:
+            write_table(rows, trajectories_path, "trajectories")
+            write_table(self.metrics.rows, metrics_path, "train_metrics")
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        accelerator.wait_for_everyone()
         mean_reward = float(np.mean([row["reward"] for row in rows])) if rows else math.nan
         return IterationResult(model_out, self.cfg.steps_per_iteration, resumed_steps, len(rows), mean_reward)
 
 
-def replace_dir(target: Path, write: Callable[[Path], Any]) -> Path:
-    """Write a directory next to `target` with `write(tmp)` and rename it into place."""
+def replace_dir(accelerator: Any, target: Path, write: Callable[[Path], Any]) -> Path:
+    """Write a directory next to `target` with `write(tmp)` (every process calls it: sharded
+    states are written by all) and let rank 0 rename it into place."""
     tmp = target.parent / f".tmp-{target.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
     write(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+    accelerator.wait_for_everyone()
     return target
 
 

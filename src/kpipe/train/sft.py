@@ -200,6 +200,12 @@ def shard_for_process(indices: Sequence[int], lengths: Sequence[int], rank: int,
     return by_length[rank::world]
 
 
+def max_over_processes(accelerator: Any, value: int) -> int:
+    """The largest `value` of all processes: FSDP gathers parameters in every forward pass, so each
+    process must run as many passes as the busiest one."""
+    return int(accelerator.reduce(torch.tensor([value], device=accelerator.device), "max").item())
+
+
 def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded input_ids / attention_mask / labels tensors of a micro-batch."""
     width = max(len(s.input_ids) for s in samples)
@@ -316,7 +322,7 @@ def train_step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, sam
     global_label_tokens = predicted_tokens([samples[i] for i in batch_ids])
     mine = shard_for_process(batch_ids, lengths, rank, world)
     plan = [[mine[j] for j in group] for group in plan_micro_batches([lengths[i] for i in mine], micro_batch_tokens)]
-    n_micro = int(accelerator.gather(torch.tensor([len(plan)], device=accelerator.device)).max())
+    n_micro = max_over_processes(accelerator, len(plan))
     filler = plan[-1] if plan else list(batch_ids[:1])
     loss_sum = torch.zeros((), device=accelerator.device)
     for k in range(n_micro):

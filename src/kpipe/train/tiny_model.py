@@ -4,7 +4,10 @@ The offline pipeline must exercise the same code paths as the paper's run (chat 
 assistant-only loss, HF checkpoints, generation), only smaller. So the tiny model is a real
 ``Qwen3ForCausalLM`` with random weights and a byte-level tokenizer (token id = byte value,
 plus ChatML special tokens): it round-trips any UTF-8 text and needs no training corpus,
-which keeps it deterministic given a seed.
+which keeps it deterministic given a seed. Given a corpus, the tokenizer is instead a
+byte-level BPE trained on it: sub-word tokens make prompts and kernels several times shorter,
+which the learning checks need (a policy that must emit a 1 KB kernel byte by byte learns
+slowly and generates slowly).
 """
 
 from __future__ import annotations
@@ -12,11 +15,12 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -69,16 +73,35 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def tiny_config(size: str, vocab_size: int, eos_token_id: int, pad_token_id: int) -> Qwen3Config:
+def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `corpus`, with ChatML special tokens and template
+    (round-trips any UTF-8 text: the 256 byte symbols are its initial alphabet)."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=ENDOFTEXT)
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(size: str, vocab_size: int, eos_token_id: int, pad_token_id: int,
+                exact_vocab: bool = False) -> Qwen3Config:
     """The Qwen3Config of a size preset.
 
-    The embedding has exactly one row per token unless the preset fixes it: padding rows would
-    let a sampling policy emit ids the tokenizer cannot decode. RoPE keeps the library default so
-    transformers 4.x (``rope_theta``) and 5.x (``rope_parameters``) read the same config.
+    The embedding has exactly one row per token unless the preset fixes it (the 0.6B preset
+    keeps Qwen's 151,936 rows for realistic throughput; `exact_vocab` overrides that): padding
+    rows would let a sampling policy emit ids the tokenizer cannot decode. RoPE keeps the
+    library default so transformers 4.x (``rope_theta``) and 5.x (``rope_parameters``) read
+    the same config.
     """
     if size not in SIZE_PRESETS:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZE_PRESETS)}")
     arch = {"vocab_size": vocab_size, "max_position_embeddings": 32768, **SIZE_PRESETS[size]}
+    if exact_vocab:
+        arch["vocab_size"] = vocab_size
     return Qwen3Config(
         **arch,
         tie_word_embeddings=True,
@@ -89,15 +112,19 @@ def tiny_config(size: str, vocab_size: int, eos_token_id: int, pad_token_id: int
     )
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> Path:
-    """Build a random-weight Qwen3 model + byte tokenizer and save both in HF format to `out_dir`.
+def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny",
+                     corpus: Iterable[str] | None = None, vocab_size: int = 800) -> Path:
+    """Build a random-weight Qwen3 model + tokenizer and save both in HF format to `out_dir`:
+    the byte tokenizer, or with `corpus` a BPE of `vocab_size` tokens trained on it (then the
+    embedding has exactly one row per token, whatever the preset).
 
     Written to a temporary sibling directory and renamed into place, so a killed build never
     leaves a half-saved model that a later stage would load.
     """
     out_dir = Path(out_dir)
-    tokenizer = build_byte_tokenizer()
-    config = tiny_config(size, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+    tokenizer = build_byte_tokenizer() if corpus is None else build_bpe_tokenizer(corpus, vocab_size)
+    config = tiny_config(size, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
+                         exact_vocab=corpus is not None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
@@ -111,7 +138,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny") -> 
         tokenizer.save_pretrained(tmp)
         _portable_tokenizer_class(tmp / "tokenizer_config.json")
         (tmp / "kpipe_model.json").write_text(json.dumps({"builder": "kpipe.train.tiny_model", "size": size,
-                                                          "seed": seed, "parameters": model.num_parameters()}))
+                                                          "seed": seed, "tokenizer": "byte" if corpus is None else "bpe", "parameters": model.num_parameters()}))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
