@@ -1,7 +1,7 @@
 """GPU check of one RL iteration (kpipe.train.rl.run_iteration) with real KernelGym evaluation:
 the time of one step split into generation, evaluation and training.
 
-    PYTHONPATH=src PYTHONUNBUFFERED=1 python scripts/gpu_check_rl.py        # ~4 minutes on one H100
+    PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 python scripts/gpu_check_rl.py        # ~4 minutes on one H100
 
 1. Builds a Qwen3-0.6B-sized model from config (random weights, no download) with a BPE
    tokenizer trained on the prompts and the bank's kernels, and SFTs it (kpipe.train.sft) on the
@@ -57,12 +57,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="qwen3-0.6b", help="kpipe.train.tiny_model size preset")
     parser.add_argument("--size-cap", type=int, default=4096, help="cap on the tasks' module-level size constants")
-    parser.add_argument("--sft-steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=5e-4, help="SFT learning rate")
-    parser.add_argument("--vocab", type=int, default=2048, help="BPE tokenizer size")
-    parser.add_argument("--rollouts", type=int, default=4, help="rollouts per prompt (2 prompts)")
+    parser.add_argument("--sft-steps", type=int, default=500)
+    parser.add_argument("--lr", type=float, default=1e-3, help="SFT learning rate")
+    parser.add_argument("--vocab", type=int, default=800,
+                        help="BPE tokenizer size (larger ones merge whole answers of this small corpus into single tokens)")
+    parser.add_argument("--rollouts", type=int, default=8, help="rollouts per prompt (2 prompts)")
     parser.add_argument("--turns", type=int, default=2)
-    parser.add_argument("--max-tokens", type=int, default=600, help="generated tokens per turn")
+    parser.add_argument("--max-tokens", type=int, default=400, help="generated tokens per turn")
     args = parser.parse_args()
 
     from kpipe.agent.loop import AgentTask

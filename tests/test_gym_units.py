@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,6 +253,42 @@ def test_gate_wait_stops_instead_of_waiting_forever(tmp_path):
     """A candidate whose parent never answers (e.g. the evaluator was killed) must not linger."""
     from kpipe.gym.child import wait_for_gate
 
-    assert wait_for_gate(tmp_path / "never-written", timeout_s=0.05) == "stop"
+    parent = os.getppid()
+    assert wait_for_gate(tmp_path / "never-written", timeout_s=0.05, parent=parent) == "stop"
     (tmp_path / "gate").write_text("go")
-    assert wait_for_gate(tmp_path / "gate", timeout_s=0.05) == "go"
+    assert wait_for_gate(tmp_path / "gate", timeout_s=0.05, parent=parent) == "go"
+    # re-parented since it started (its evaluator died): stop at once, not after the timeout
+    started = time.monotonic()
+    assert wait_for_gate(tmp_path / "never-written", timeout_s=60, parent=parent + 1) == "stop"
+    assert time.monotonic() - started < 30
+
+
+def test_an_orphaned_child_dies_with_its_parent(tmp_path):
+    """The evaluator dies (killed by a job timeout) while its child runs: the kernel kills the
+    child too (PR_SET_PDEATHSIG), so it cannot hold its GPU memory as an orphan."""
+    script = tmp_path / "evaluator.py"
+    script.write_text(
+        "import functools, os, subprocess, sys, time\n"
+        "from kpipe.process import die_with_parent\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True,\n"
+        "                         preexec_fn=functools.partial(die_with_parent, os.getpid()))\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    evaluator = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    child = int(evaluator.stdout.readline())
+    os.kill(child, 0)  # running
+    evaluator.kill()
+    evaluator.wait()
+    for _ in range(200):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        reaped = Path(f"/proc/{child}/stat")
+        if reaped.exists() and reaped.read_text().split(")")[-1].split()[0] == "Z":
+            break  # dead, waiting for init to reap it
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the child outlived its parent")

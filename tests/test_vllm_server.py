@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -141,6 +142,29 @@ def test_server_is_ready_usable_and_stopped_with_its_workers(fake_vllm, tmp_path
         assert answer.text == "served by drkernel-8b"
         leader, worker = pids(tmp_path)
     assert gone(leader) and gone(worker)
+
+
+def test_a_job_killed_outright_takes_its_server_with_it(fake_vllm, tmp_path) -> None:
+    """SIGKILL of the job (no finally runs) still stops the server: it was started with
+    PR_SET_PDEATHSIG = SIGTERM, so it cannot hold its GPUs as an orphan."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import sys, time\n"
+        "from kpipe.llm.vllm_server import VLLMServer, VLLMServerConfig\n"
+        f"server = VLLMServer(VLLMServerConfig(model='/ckpt/m'), log_path={str(tmp_path / 'vllm.log')!r}, "
+        f"command={fake_vllm!r}).start()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    process = subprocess.Popen([sys.executable, str(job)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        leader, _ = pids(tmp_path)
+        assert not gone(leader, within_s=0.5)
+    finally:
+        process.kill()
+        process.wait()
+    assert gone(leader, within_s=10.0)
 
 
 def test_non_loopback_server_requires_a_key(fake_vllm, tmp_path) -> None:

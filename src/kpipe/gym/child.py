@@ -523,7 +523,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         phase("candidate waiting at the gate")
         result.update(integrity())
         write_result(str(workdir / "partial.pt"), result)
-        if wait_for_gate(Path(job["gate_path"]), protocol.timeout_s) != "go":
+        if wait_for_gate(Path(job["gate_path"]), protocol.timeout_s, job["parent_pid"]) != "go":
             result["stopped_at_gate"] = True
             return result
 
@@ -573,13 +573,13 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     return result
 
 
-def wait_for_gate(path: Path, timeout_s: float) -> str:
+def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
     """The parent's go/stop after it compared our correctness outputs.
 
-    The parent kills us on timeout; if the parent itself died (we were re-parented) or never
-    answers within the timeout, stop rather than wait forever as an orphan.
+    The parent kills us on timeout; if the parent itself died (we were re-parented: our
+    parent is no longer `parent`, the one we started under) or never answers within the
+    timeout, stop rather than wait as an orphan.
     """
-    parent = os.getppid()
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if os.getppid() != parent or time.monotonic() > deadline:
@@ -632,6 +632,7 @@ def run_child(job: dict[str, Any]) -> None:
     ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
     """
     protocol = Protocol.from_dict(job["protocol"])
+    job = {**job, "parent_pid": os.getppid()}
     apply_limits(protocol)
     for name in [k for k in os.environ if is_secret(k)]:
         del os.environ[name]

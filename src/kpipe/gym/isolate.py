@@ -5,6 +5,7 @@ optional gate between its correctness and timing stages."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import IO, Any
 import torch
 
 from kpipe.gym.child import scrubbed_environment
+from kpipe.process import die_with_parent
 
 HEAD_BYTES = 2048
 TAIL_BYTES = 8192
@@ -111,6 +113,7 @@ def fresh_interpreter(job_file: Path, device: str, timeout_s: float) -> tuple[An
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,  # its own process group: the timeout kills everything it started
+        preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )
     return proc, [proc.stdout, proc.stderr]  # type: ignore[list-item]
 

@@ -80,9 +80,10 @@ def zygote_main(sock_fd: int) -> None:
         if not message:
             return
         timeout_s, job_path = message.decode().split(" ", 1)
+        zygote = os.getpid()
         pid = os.fork()
         if pid == 0:
-            forked_child(job_path, fds, sock)
+            forked_child(job_path, fds, sock, zygote)
         for fd in fds:
             os.close(fd)
         sock.sendall(f"started {pid}".encode())
@@ -118,12 +119,16 @@ def supervise(pid: int, sock: socket.socket, backstop_s: float) -> int | None:
         os.close(pidfd)
 
 
-def forked_child(job_path: str, fds: list[int], sock: socket.socket) -> None:
+def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int) -> None:
     """Become an isolated evaluation child: own session, scrubbed environment, bounded pipes
     for stdout/stderr, then the core's ``run_child`` exactly as its ``__main__`` runs it."""
     code = 1
     try:
+        from kpipe.gym.child import run_child  # preloaded by the zygote
+        from kpipe.process import die_with_parent
+
         os.setsid()
+        die_with_parent(zygote)
         sock.close()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
@@ -133,7 +138,6 @@ def forked_child(job_path: str, fds: list[int], sock: socket.socket) -> None:
         os.dup2(fds[1], 2)
         for fd in (devnull, *fds):
             os.close(fd)
-        from kpipe.gym.child import run_child
         from kpipe.gym.isolate import child_environment
 
         job = json.loads(Path(job_path).read_text())

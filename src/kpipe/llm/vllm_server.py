@@ -22,6 +22,7 @@ The in-process rollout engine with weight updates between RL steps is
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import shutil
@@ -38,6 +39,7 @@ from typing import Any
 import httpx
 
 from kpipe.llm.openai_engine import OpenAIConfig, OpenAIEngine
+from kpipe.process import die_with_parent
 
 READY_POLL_S = 1.0
 STOP_GRACE_S = 30.0
@@ -176,8 +178,10 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = (self.command or vllm_executable()) + serve_args(self.config, self.port)
         with open(self.log_path, "ab") as log:
+            # SIGTERM when this job dies, even by SIGKILL: vLLM then stops its engine and workers itself
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True)
+                                             start_new_session=True,
+                                             preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM))
         try:
             self.wait_ready()
         except BaseException:

@@ -605,7 +605,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
 
 
-def perplexity(logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """exp(-mean token log-prob) over the masked tokens: the rollout (vLLM) and trainer (FSDP)
-    perplexities the paper monitors (Figure 7) are this on each engine's log-probs."""
-    return math.exp(-masked_mean(logp.to(torch.float64), mask).item())
+def perplexity(mean_nll: float) -> float:
+    """exp(mean negative token log-prob): the rollout (vLLM) and trainer (FSDP) perplexities the
+    paper monitors (Figure 7) are this on each engine's log-probs of the same tokens. It takes the
+    mean, not the tokens: several processes' token sums are combined first."""
+    return math.exp(mean_nll)

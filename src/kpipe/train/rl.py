@@ -638,7 +638,7 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
                                [rollout_logp[i] for i in range(len(rows)) if has_tokens[i]]))
     means = global_means(accelerator, totals)
     values.update({name: means.get(name, 0.0) for name in totals if not name.endswith("_nll")})
-    values.update({f"{engine}_ppl": math.exp(means[f"{engine}_nll"]) for engine in ("rollout", "train")
+    values.update({f"{engine}_ppl": algos.perplexity(means[f"{engine}_nll"]) for engine in ("rollout", "train")
                    if f"{engine}_nll" in means})
     return values
 
