@@ -8,7 +8,8 @@ from kpipe.agent.history import FullHistory, TopW
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
 from kpipe.db import build_db
-from kpipe.evaluation import check_model, engine_spec, eval_cli, eval_tasks, evaluate_shard, models_by_name
+from kpipe.evaluation import (check_model, engine_spec, eval_cli, eval_tasks, evaluate_shard, models_by_name,
+                              sampling_of)
 from kpipe.llm.types import Completion
 from kpipe.stts import stts_model_label
 from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
@@ -87,6 +88,14 @@ def test_model_entries_are_checked_and_turned_into_engine_specs():
         models_by_name([{"name": "a", "kind": "offline_teacher"}] * 2)
     with pytest.raises(ValueError, match="checkpoint path"):
         engine_spec(models["sft"])
+
+
+def test_a_model_entry_sampling_goes_on_top_of_the_stage_sampling():
+    stage = {"sampling": {"max_tokens": 128, "temperature": 0.7}}
+    teacher = {"name": "teacher", "kind": "offline_teacher", "sampling": {"max_tokens": 4096}}
+    assert sampling_of(stage, teacher) == sampling_of({"sampling": {"max_tokens": 4096, "temperature": 0.7}})
+    assert sampling_of(stage, {"name": "m", "kind": "offline_teacher"}).max_tokens == 128
+    assert "sampling" not in engine_spec(teacher)  # the entry's, not the engine's
 
 
 def test_evaluate_shard_writes_eval_rows_labelled_with_the_config_name(tmp_path):

@@ -3,7 +3,6 @@ job's rows (the eval stage's loop on an RL checkpoint, stage=rl_val), the table 
 hand-made fixture, and the planned jobs of the default and paper configs (dry runs)."""
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,6 @@ from kpipe.evaluation import validated_iterations, validation_job
 from kpipe.figures import build_figures
 from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("iterations,every,expected", [
@@ -115,11 +113,8 @@ def test_validation_rows_stay_out_of_table1_and_reach_the_figure(validation_db, 
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("rl_validation")
-    shutil.copytree(ROOT / "workflow", work / "workflow")
-    shutil.copytree(ROOT / "config", work / "config")
-    return work
+def workdir(workflow_copy: Path) -> Path:
+    return workflow_copy
 
 
 def planned(workdir: Path, *args: str) -> subprocess.CompletedProcess:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -29,11 +28,8 @@ PROFILE_FORMS = ["--profile", "--workflow-profile"]  # the first also applies wo
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("slurm")
-    shutil.copytree(ROOT / "workflow", work / "workflow")
-    shutil.copytree(ROOT / "config", work / "config")
-    return work
+def workdir(workflow_copy: Path) -> Path:
+    return workflow_copy
 
 
 def snakemake(workdir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -2,7 +2,6 @@
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
@@ -38,14 +36,11 @@ UPSTREAM_OF_QUERIES = {"ingest_tasks", "ingest_queries", "tiny_model"}
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def workdir(workflow_copy: Path) -> Path:
     """A copy of the workflow and config, with the default pipeline already run once."""
-    work = tmp_path_factory.mktemp("pipeline")
-    shutil.copytree(ROOT / "workflow", work / "workflow")
-    shutil.copytree(ROOT / "config", work / "config")
-    result = snakemake(work)
+    result = snakemake(workflow_copy)
     assert result.returncode == 0, result.stderr[-4000:]
-    return work
+    return workflow_copy
 
 
 @pytest.fixture

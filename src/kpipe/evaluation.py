@@ -53,7 +53,7 @@ MODEL_KINDS = ("hf", "vllm", "openai", "offline_teacher", "pipeline")
 API_KINDS = ("openai", "offline_teacher")  # answers cost money or time: cache them
 CHECKPOINT_KINDS = ("hf", "vllm", "pipeline")  # a local checkpoint: may be served with `serve: vllm`
 SERVERS = ("vllm",)
-NOT_ENGINE_KEYS = ("name", "kind", "source", "engine", "serve", "vllm_server")  # the entry's, not the engine's
+NOT_ENGINE_KEYS = ("name", "kind", "source", "engine", "serve", "vllm_server", "sampling")  # the entry's, not the engine's
 SERVER_SET_CLIENT_KEYS = {"model", "base_url", "api_key_env", "progress"}  # set by the job for a served model
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # Paper §6.1: 8 samples, 3 turns, 8,192 generated tokens per turn, 32,768 in all.
@@ -178,8 +178,10 @@ def opened_engine(entry: Mapping[str, Any], checkpoint: str | None = None, progr
     yield make_engine(engine_spec(entry, checkpoint, progress))
 
 
-def sampling_of(settings: Mapping[str, Any]) -> Sampling:
-    return Sampling(**settings.get("sampling", {}))
+def sampling_of(settings: Mapping[str, Any], entry: Mapping[str, Any] | None = None) -> Sampling:
+    """The stage's sampling, with the model entry's own `sampling` keys on top (an API teacher's
+    answers need far more tokens than a tiny local policy's)."""
+    return Sampling(**{**settings.get("sampling", {}), **(entry or {}).get("sampling", {})})
 
 
 def evaluate_shard(tasks: Sequence[AgentTask], engine: Engine, evaluator: Evaluator, out_path: str | os.PathLike,
@@ -220,7 +222,7 @@ def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settin
             engine = CachedEngine(engine, ResponseCache(cache_path))
         rows = evaluate_shard(
             tasks, engine, evaluator, out_path, model_name=model_label, run=run, stage=stage, iteration=iteration,
-            policy=policy, n_samples=int(settings.get("samples", 8)), n_turns=n_turns, sampling=sampling_of(settings),
+            policy=policy, n_samples=int(settings.get("samples", 8)), n_turns=n_turns, sampling=sampling_of(settings, entry),
             seed=int(settings.get("seed", 0)), max_context_tokens=settings.get("max_context_tokens"),
             progress=progress)
     correct = sum(bool(r["correct"]) and not r["hacked"] for r in rows)
