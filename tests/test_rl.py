@@ -388,3 +388,9 @@ def test_two_processes_train_as_one_process_on_the_same_rows(nano_model, tmp_pat
     assert set(two_values) == set(one_values) and len(two_values) == 2 * len(compared)
     for key, value in one_values.items():
         assert two_values[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_rl_times_only_the_eager_baseline_that_its_rewards_use():
+    cfg = RLConfig(hacking_check=False, use_pr=True)
+    protocol = rl.gym_protocol(cfg, {"baseline": "both", "perf_trials": 7})
+    assert (protocol.baseline, protocol.perf_trials, protocol.hacking_check, protocol.profile) == ("eager", 7, False, True)

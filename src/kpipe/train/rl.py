@@ -534,10 +534,12 @@ def load_policy(model_dir: Path, cfg: RLConfig) -> tuple[Any, Any]:
 
 def gym_protocol(cfg: RLConfig, base: Mapping[str, Any] | None) -> Any:
     """The KernelGym protocol of the run: the `gym` section plus what the RL settings imply
-    (no hack checks for the "w/o hacking check" ablation; profiling whenever PR is used)."""
+    (no hack checks for the "w/o hacking check" ablation; profiling whenever PR is used), and
+    only the eager baseline: every reward uses the eager speedup, and timing the reference under
+    torch.compile would triple the cost of each rollout's evaluation."""
     from kpipe.gym import Protocol
 
-    values = dict(base or {})
+    values = {**dict(base or {}), "baseline": "eager"}
     if not cfg.hacking_check:
         values.update(hacking_check=False, ghost_replay=False)
     if cfg.use_pr or cfg.prs:
@@ -800,6 +802,9 @@ class IterationTrainer:
         self.shuffle_generator.manual_seed(step_seed(cfg.seed + 2, global_step))
         values = train_on_rollouts(rows, cfg, accelerator, self.model, self.optimizer, self.tokenizer,
                                    self.filter_generator, self.shuffle_generator, self.progress)
+        if torch.cuda.is_available():
+            # hand the update's cached blocks back: the next rollouts' evaluation children share this GPU
+            torch.cuda.empty_cache()
         all_rows = gather_object(rows)
         values.update(rollout_metrics(all_rows, cfg.max_turns))
         # times are this process's (the step ends in collectives, so step_s is everyone's)
