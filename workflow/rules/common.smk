@@ -81,6 +81,13 @@ def sft_base_model_input():
     return [f"{RESULTS}/models/tiny-{policy['tiny']['size']}-seed{policy['tiny']['seed']}"]
 
 
+def sft_settings(base_inputs):
+    """The SFTConfig values of the run: the `sft` section, the run name and the base model (the
+    tiny model built here, `base_inputs` of sft_base_model_input, else the config's hub id or path)."""
+    base_model = base_inputs[0] if base_inputs else config["policy"]["base_model"]
+    return {**job_settings(config["sft"], drop=("gpus",)), "base_model": base_model, "run": RUN}
+
+
 def table_inputs():
     """Every Parquet file the database views read: the outputs of all stages."""
     return [

@@ -1,7 +1,11 @@
 # SFT: the tiny offline policy (when config says so), then supervised fine-tuning on the
 # cold-start trajectories. Checkpoints live outside the declared outputs, so a killed job
 # rerun by Snakemake resumes from its last checkpoint (kpipe.train.sft); a config change
-# changes the run's fingerprint and starts over.
+# changes the run's fingerprint and starts over. `sft.gpus` decides the process count:
+# `kpipe launch` runs one process per GPU (FSDP2 from two), plain Python on a CPU.
+
+import json
+import shlex
 
 
 rule tiny_model:
@@ -29,12 +33,11 @@ rule sft:
         metrics=f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet",
         summary=f"{RESULTS}/reports/sft-{RUN}.json",
     params:
-        sft=config["sft"],
-        run=RUN,
-        base_model=config["policy"]["base_model"],
+        trajectories=lambda wildcards, input: " ".join(f"--trajectories {shlex.quote(path)}" for path in input.trajectories),
+        settings=lambda wildcards, input: json.dumps(sft_settings(input.base), sort_keys=True),
         work=f"{RESULTS}/work/sft-{RUN}",
         code=code_version("train/sft.py", "train/samples.py", "train/checkpoint.py", "train/metrics_log.py",
-                          "data/schemas.py"),
+                          "train/cli.py", "data/schemas.py", "launch.py"),
     resources:
         gpu=gpus_per_job(config["sft"].get("gpus", 1)),
     benchmark:
@@ -43,5 +46,7 @@ rule sft:
         f"{LOGS}/sft-{RUN}.log",
     conda:
         "../envs/kpipe.yaml"
-    script:
-        "../scripts/sft.py"
+    shell:
+        "kpipe launch --gpus {resources.gpu} -- train sft {params.trajectories}"
+        " --out {params.work:q} --metrics {output.metrics} --settings {params.settings:q}"
+        " --model-out {output.model} --summary {output.summary} > {log} 2>&1"

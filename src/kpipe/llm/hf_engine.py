@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import LogitsProcessorList
 
 from kpipe.llm.types import ChatRequest, Completion, Message, ResultCallback, Usage
 
@@ -28,10 +29,32 @@ def plain_chat_prompt(messages: list[Message]) -> str:
     return "".join(parts) + PLAIN_CHAT_ROLE.format(role="assistant")
 
 
-def sampled_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token) under softmax(logits / temperature); logits (B, T, V), tokens (B, T) -> (B, T)."""
-    scaled = logits.float() / temperature if temperature > 0 else logits.float()
-    return torch.log_softmax(scaled, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+class SampledTokenLogprobs:
+    """A generate() logits processor recording log_softmax(logits / T) of each sampled token as
+    generation runs, holding one step's distribution at a time. `output_logits` would keep every
+    step's full-vocabulary fp32 logits instead: 600 KB per token per sequence at Qwen's 151,936
+    tokens, tens of GB for a batch of 8K-token answers.
+
+    transformers applies user processors before its temperature and top-p warpers, so `scores`
+    are the model's logits (the token sampled at step t shows as the last input id at step t+1)."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.pending: torch.Tensor | None = None  # log-probs of the step whose token is not known yet
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self.values.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) log-probs, given the tokens sampled at the last step."""
+        assert self.pending is not None, "generate() ran no step"
+        self.values.append(self.pending.gather(-1, last_tokens.unsqueeze(-1)).squeeze(-1))
+        self.pending = None
+        return torch.stack(self.values, dim=1)
 
 
 def batch_seed(requests: list[ChatRequest], base_seed: int) -> int:
@@ -103,6 +126,7 @@ class HFEngine:
                                  add_special_tokens=False).to(device)
         sampling = first.temperature > 0
         torch.manual_seed(batch_seed(batch, self.seed))
+        recorder = SampledTokenLogprobs(first.temperature) if first.logprobs else None
         started = time.perf_counter()
         out = self.hf_model.generate(
             **encoded,
@@ -114,15 +138,12 @@ class HFEngine:
             pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
             return_dict_in_generate=True,
-            output_logits=first.logprobs,
+            logits_processor=LogitsProcessorList([recorder]) if recorder else None,
         )
         latency = (time.perf_counter() - started) / len(batch)
         prompt_len = encoded["input_ids"].shape[1]
         new_tokens = out.sequences[:, prompt_len:]
-        logprobs = None
-        if first.logprobs:
-            logits = torch.stack(out.logits, dim=1)
-            logprobs = sampled_token_logprobs(logits, new_tokens, first.temperature)
+        logprobs = recorder.finish(new_tokens[:, -1]).cpu() if recorder else None
         completions = []
         for row in range(len(batch)):
             ids = new_tokens[row].tolist()

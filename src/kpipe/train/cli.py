@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import click
@@ -51,6 +52,14 @@ def parse_overrides(pairs: tuple[str, ...]) -> dict:
     return values
 
 
+def yaml_mapping(text: str, option: str) -> dict:
+    """An option's JSON/YAML mapping (`{}` for an empty one)."""
+    value = yaml.safe_load(text) or {}
+    if not isinstance(value, dict):
+        raise click.BadParameter(f"expected a mapping, got {text!r}", param_hint=option)
+    return value
+
+
 @train.command("sft")
 @click.option("--trajectories", "-t", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
               help="trajectories Parquet file or directory (repeatable)")
@@ -62,10 +71,19 @@ def parse_overrides(pairs: tuple[str, ...]) -> dict:
               help="start from a documented preset")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="YAML with an `sft:` section (or a bare mapping) overriding the preset")
+@click.option("--settings", default="{}",
+              help="SFTConfig values as a JSON/YAML mapping (the `sft` config section), over --config")
 @click.option("--set", "overrides", multiple=True, help="key=value override, e.g. --set lr=1e-5 (repeatable)")
+@click.option("--model-out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="also copy the final model here (a pipeline output outside the run directory)")
+@click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="also copy sft_summary.json here")
 def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Path, preset: str | None,
-                config_file: Path | None, overrides: tuple[str, ...]) -> None:
-    """Fine-tune a causal LM on trajectory turns; rerunning resumes from the last checkpoint."""
+                config_file: Path | None, settings: str, overrides: tuple[str, ...], model_out: Path | None,
+                summary_path: Path | None) -> None:
+    """Fine-tune a causal LM on trajectory turns; a rerun resumes from the last checkpoint. Several GPUs: under `kpipe launch`."""
+    from accelerate import PartialState
+
     from kpipe.train.samples import load_trajectory_rows
     from kpipe.train.sft import SFTConfig, train_sft
 
@@ -74,6 +92,7 @@ def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Pat
     if config_file is not None:
         loaded = yaml.safe_load(config_file.read_text()) or {}
         values = loaded.get("sft", loaded)
+    values.update(yaml_mapping(settings, "--settings"))
     values.update(parse_overrides(overrides))
     try:
         cfg = SFTConfig.from_dict(values, preset=preset)
@@ -81,16 +100,16 @@ def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Pat
         raise click.UsageError(str(error)) from error
     rows = load_trajectory_rows(trajectory_files(trajectories))
     result = train_sft(cfg, rows, out_dir, metrics_path)
-    click.echo(json.dumps({"model": str(result.model_dir), "steps": result.steps, "resumed_from": result.resumed_from,
-                           "final_loss": result.final_loss, "samples": result.samples.as_dict()}, indent=2))
-
-
-def yaml_mapping(text: str, option: str) -> dict:
-    """An option's JSON/YAML mapping (`{}` for an empty one)."""
-    value = yaml.safe_load(text) or {}
-    if not isinstance(value, dict):
-        raise click.BadParameter(f"expected a mapping, got {text!r}", param_hint=option)
-    return value
+    if not PartialState().is_main_process:
+        return
+    if model_out is not None:
+        shutil.copytree(result.model_dir, model_out, dirs_exist_ok=True)
+    if summary_path is not None:
+        summary_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out_dir / "sft_summary.json", summary_path)
+    click.echo(json.dumps({"model": str(model_out or result.model_dir), "steps": result.steps,
+                           "resumed_from": result.resumed_from, "final_loss": result.final_loss,
+                           "samples": result.samples.as_dict()}, indent=2))
 
 
 @train.command("rl")

@@ -735,7 +735,11 @@ class IterationTrainer:
             resumed = prepare_scratch(scratch, fingerprint)
         set_seed(cfg.seed + iteration)
         model, self.tokenizer = load_policy(init_model, cfg)
-        self.rollout_model = copy.deepcopy(model).to(self.accelerator.device).eval() if processes > 1 else None
+        # bf16 under bf16 autocast (what vLLM would sample from too): half the memory of an fp32 copy,
+        # and no autocast cache of its casts held through the rollouts
+        rollout_dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
+        self.rollout_model = (copy.deepcopy(model).to(self.accelerator.device, dtype=rollout_dtype).eval()
+                              if processes > 1 else None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                       fused=torch.cuda.is_available())
         # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
