@@ -203,3 +203,40 @@ def test_cli_builds_the_tiny_model_and_runs_sft_from_parquet(tmp_path):
     assert trained.exit_code == 0, trained.output
     assert json.loads(trained.stdout[trained.stdout.index("{"):])["samples"]["samples"] == 4
     assert [s for s, _ in loss_series(tmp_path / "m.parquet")] == [1]
+
+
+def test_cli_publishes_its_results_and_a_rerun_without_them_resumes_with_the_loss_rows(nano, tmp_path):
+    """The `sft` rule's job: settings as JSON, results copied to the pipeline outputs, which a
+    Snakemake rerun deletes first; the run directory keeps the checkpoint and the metrics so far."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from kpipe.cli import main
+    from kpipe.data.io import write_table
+
+    trajectories = tmp_path / "coldstart.parquet"
+    write_table(synthetic_rows(2), trajectories, "trajectories")
+    work, published = tmp_path / "work", tmp_path / "results"
+    settings = json.dumps({"preset": "offline", "base_model": nano, "run": "cli", "epochs": 2, "batch_size": 2,
+                           "micro_batch_tokens": 600, "max_length": 4096})
+    args = ["train", "sft", "-t", str(trajectories), "--out", str(work), "--metrics", str(work / "metrics.parquet"),
+            "--settings", settings, "--model-out", str(published / "model"),
+            "--summary-out", str(published / "reports" / "sft.json"),
+            "--metrics-out", str(published / "train_metrics" / "part-0.parquet")]
+    runner = CliRunner()
+    first = runner.invoke(main, args)
+    assert first.exit_code == 0, first.output
+    losses = loss_series(published / "train_metrics" / "part-0.parquet")
+    assert [step for step, _ in losses] == [1, 2, 3, 4]
+    assert (published / "model" / "model.safetensors").is_file()
+    summary = json.loads((published / "reports" / "sft.json").read_text())
+    assert (summary["config"]["run"], summary["steps"], summary["final_loss"]) == ("cli", 4, losses[-1][1])
+
+    shutil.rmtree(published)  # what Snakemake does before it reruns the job
+    rerun = runner.invoke(main, args)
+    assert rerun.exit_code == 0, rerun.output
+    assert loss_series(published / "train_metrics" / "part-0.parquet") == losses
+    summary = json.loads((published / "reports" / "sft.json").read_text())
+    assert (summary["resumed_from"], summary["final_loss"]) == (4, losses[-1][1])
+    assert (published / "model" / "model.safetensors").is_file()

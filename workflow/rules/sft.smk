@@ -1,6 +1,7 @@
 # SFT: the tiny offline policy (when config says so), then supervised fine-tuning on the
-# cold-start trajectories. Checkpoints live outside the declared outputs, so a killed job
-# rerun by Snakemake resumes from its last checkpoint (kpipe.train.sft); a config change
+# cold-start trajectories. Checkpoints and the metrics so far live in results/work (not an
+# output), so a killed job rerun by Snakemake resumes from its last checkpoint
+# (kpipe.train.sft) and keeps the loss rows before it; a config change
 # changes the run's fingerprint and starts over. `sft.gpus` decides the process count:
 # `kpipe launch` runs one process per GPU (FSDP2 from two), plain Python on a CPU.
 
@@ -48,5 +49,5 @@ rule sft:
         "../envs/kpipe.yaml"
     shell:
         "kpipe launch --gpus {resources.gpu} -- train sft {params.trajectories}"
-        " --out {params.work:q} --metrics {output.metrics} --settings {params.settings:q}"
-        " --model-out {output.model} --summary {output.summary} > {log} 2>&1"
+        " --out {params.work:q} --metrics {params.work:q}/train_metrics.parquet --settings {params.settings:q}"
+        " --model-out {output.model} --summary-out {output.summary} --metrics-out {output.metrics} > {log} 2>&1"

@@ -60,6 +60,18 @@ def yaml_mapping(text: str, option: str) -> dict:
     return value
 
 
+def publish(source: Path, target: Path | None) -> None:
+    """Copy a finished result of the run directory to a pipeline output. Snakemake deletes the
+    outputs of a killed job, so what a rerun resumes from must live in the run directory."""
+    if target is None:
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    else:
+        shutil.copy(source, target)
+
+
 @train.command("sft")
 @click.option("--trajectories", "-t", multiple=True, required=True, type=click.Path(exists=True, path_type=Path),
               help="trajectories Parquet file or directory (repeatable)")
@@ -75,12 +87,14 @@ def yaml_mapping(text: str, option: str) -> dict:
               help="SFTConfig values as a JSON/YAML mapping (the `sft` config section), over --config")
 @click.option("--set", "overrides", multiple=True, help="key=value override, e.g. --set lr=1e-5 (repeatable)")
 @click.option("--model-out", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="also copy the final model here (a pipeline output outside the run directory)")
-@click.option("--summary", "summary_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="also copy sft_summary.json here")
+              help="copy the final model here when done")
+@click.option("--summary-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="copy sft_summary.json here when done")
+@click.option("--metrics-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="copy the --metrics file here when done (keep --metrics in the run directory: a resumed run reads it)")
 def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Path, preset: str | None,
                 config_file: Path | None, settings: str, overrides: tuple[str, ...], model_out: Path | None,
-                summary_path: Path | None) -> None:
+                summary_out: Path | None, metrics_out: Path | None) -> None:
     """Fine-tune a causal LM on trajectory turns; a rerun resumes from the last checkpoint. Several GPUs: under `kpipe launch`."""
     from accelerate import PartialState
 
@@ -102,11 +116,9 @@ def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Pat
     result = train_sft(cfg, rows, out_dir, metrics_path)
     if not PartialState().is_main_process:
         return
-    if model_out is not None:
-        shutil.copytree(result.model_dir, model_out, dirs_exist_ok=True)
-    if summary_path is not None:
-        summary_path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(out_dir / "sft_summary.json", summary_path)
+    publish(result.model_dir, model_out)
+    publish(out_dir / "sft_summary.json", summary_out)
+    publish(metrics_path, metrics_out)
     click.echo(json.dumps({"model": str(model_out or result.model_dir), "steps": result.steps,
                            "resumed_from": result.resumed_from, "final_loss": result.final_loss,
                            "samples": result.samples.as_dict()}, indent=2))

@@ -406,7 +406,8 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     model.train()
     progress = tqdm(total=n_steps, initial=start_step, desc=f"sft {cfg.run}", unit="step",
                     disable=not accelerator.is_main_process)
-    last_loss = None
+    logged_losses = metrics.series("loss")  # a run resumed at its end still reports its final loss
+    last_loss = logged_losses[-1][1] if logged_losses else None
     for step in range(start_step, n_steps):
         batch_ids = batch_indices(len(samples), cfg.batch_size, cfg.seed, step)
         values = train_step(accelerator, model, optimizer, scheduler, samples, batch_ids, cfg.micro_batch_tokens,
