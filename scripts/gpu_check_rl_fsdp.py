@@ -51,7 +51,7 @@ def main() -> None:
         done = subprocess.run(command, capture_output=True, text=True)
         wall = time.perf_counter() - started
         log = (done.stdout + done.stderr)[-6000:]
-        lines = [f"# Data-parallel RL check ({args.gpus} GPUs)", "", f"`{' '.join(command[2:8])} ... train rl ...`: "
+        lines = [f"# Data-parallel RL check ({args.gpus} GPUs)", "", f"`{' '.join(command[2:7])} train rl ...`: "
                  f"exit {done.returncode} in {wall:.0f} s", ""]
         if done.returncode == 0:
             rows = read_table(root / "out" / "traj.parquet", "trajectories").to_pandas()
