@@ -268,10 +268,10 @@ def test_an_orphaned_child_dies_with_its_parent(tmp_path):
     child too (PR_SET_PDEATHSIG), so it cannot hold its GPU memory as an orphan."""
     script = tmp_path / "evaluator.py"
     script.write_text(
-        "import functools, os, subprocess, sys, time\n"
-        "from kpipe.process import die_with_parent\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True,\n"
-        "                         preexec_fn=functools.partial(die_with_parent, os.getpid()))\n"
+        "import subprocess, sys, time\n"
+        "from kpipe.process import tied_to_this_process\n"
+        "child = subprocess.Popen(tied_to_this_process([sys.executable, '-c', 'import time; time.sleep(120)']),\n"
+        "                         start_new_session=True)\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(120)\n"
     )

@@ -1,11 +1,17 @@
 """Process hygiene shared by everything that starts a helper process (evaluation children,
-``vllm serve``): a helper must not outlive the process that supervises it."""
+``vllm serve``): a helper must not outlive the process that supervises it.
+
+A helper started with ``subprocess.Popen`` gets its death signal from a tiny exec wrapper
+(``tied_to_this_process``) rather than a ``preexec_fn``: the latter runs Python between fork and
+exec, which can deadlock when the parent has other threads (tokenizers, tqdm, capture threads).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import sys
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -13,8 +19,8 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `signum` to this process when `parent` (the process that started
     it and enforces its timeout) dies, also by SIGKILL: an orphan would otherwise keep its GPU
-    memory. Call it in the child (``preexec_fn`` or right after ``fork``). Linux only; elsewhere
-    the parent's own clean-up is the only guard."""
+    memory. The request survives exec. Linux only; elsewhere the parent's own clean-up is the
+    only guard."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
@@ -22,3 +28,20 @@ def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> None:
         return
     if os.getppid() != parent:  # it died before the request took effect
         os._exit(1)
+
+
+def tied_to_this_process(command: list[str], signum: int = signal.SIGKILL) -> list[str]:
+    """`command` run through ``python -m kpipe.process``, which sets `signum` as its death
+    signal for when this process dies and then execs it (same pid, same process group)."""
+    return [sys.executable, "-m", "kpipe.process", str(os.getpid()), signal.Signals(signum).name, *command]
+
+
+def main(argv: list[str]) -> None:
+    """``python -m kpipe.process PARENT SIGNAL COMMAND...``"""
+    parent, signum, command = int(argv[0]), signal.Signals[argv[1]], argv[2:]
+    die_with_parent(parent, signum)
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -5,7 +5,6 @@ optional gate between its correctness and timing stages."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -23,7 +22,7 @@ from typing import IO, Any
 import torch
 
 from kpipe.gym.child import scrubbed_environment
-from kpipe.process import die_with_parent
+from kpipe.process import tied_to_this_process
 
 HEAD_BYTES = 2048
 TAIL_BYTES = 8192
@@ -106,14 +105,13 @@ stdout and stderr streams."""
 def fresh_interpreter(job_file: Path, device: str, timeout_s: float) -> tuple[Any, list[IO[bytes]]]:
     """A new Python interpreter per child: slow to start, shares nothing with anyone."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kpipe.gym.child", str(job_file)],
+        tied_to_this_process([sys.executable, "-m", "kpipe.gym.child", str(job_file)]),
         cwd=job_file.parent,
         env=child_environment(device),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,  # its own process group: the timeout kills everything it started
-        preexec_fn=functools.partial(die_with_parent, os.getpid()),
     )
     return proc, [proc.stdout, proc.stderr]  # type: ignore[list-item]
 

@@ -22,7 +22,6 @@ The in-process rollout engine with weight updates between RL steps is
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import secrets
 import shutil
@@ -39,7 +38,7 @@ from typing import Any
 import httpx
 
 from kpipe.llm.openai_engine import OpenAIConfig, OpenAIEngine
-from kpipe.process import die_with_parent
+from kpipe.process import tied_to_this_process
 
 READY_POLL_S = 1.0
 STOP_GRACE_S = 30.0
@@ -176,12 +175,12 @@ class VLLMServer:
         if self._own_key:
             os.environ[API_KEY_ENV] = self._api_key  # type: ignore[assignment]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = (self.command or vllm_executable()) + serve_args(self.config, self.port)
+        # SIGTERM when this job dies, even by SIGKILL: vLLM then stops its engine and workers itself
+        command = tied_to_this_process((self.command or vllm_executable()) + serve_args(self.config, self.port),
+                                       signal.SIGTERM)
         with open(self.log_path, "ab") as log:
-            # SIGTERM when this job dies, even by SIGKILL: vLLM then stops its engine and workers itself
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True,
-                                             preexec_fn=functools.partial(die_with_parent, os.getpid(), signal.SIGTERM))
+                                             start_new_session=True)
         try:
             self.wait_ready()
         except BaseException:
