@@ -2,6 +2,7 @@
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,3 +20,14 @@ def workflow_copy(tmp_path_factory) -> Path:
     shutil.copytree(REPOSITORY / "workflow", work / "workflow")
     shutil.copytree(REPOSITORY / "config", work / "config")
     return work
+
+
+@pytest.fixture
+def single_torch_thread() -> Iterator[None]:
+    """One intra-op thread: on a shared 2-core machine, more threads make torch far slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

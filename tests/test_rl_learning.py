@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table
@@ -49,12 +48,7 @@ class ModelNew(torch.nn.Module):
 ANSWERS = [KERNEL, KERNEL.replace("m = i < n", "m = i < n - 1"), KERNEL.replace("tl.maximum", "tl.minimum")]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def relu_task() -> AgentTask:
