@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -44,6 +45,22 @@ def test_reward_kevin():
     assert algos.reward_kevin(True, False, 5.0, speedup_cap=math.inf) == pytest.approx(5.3)
     with pytest.raises(ValueError, match="no profiling"):
         algos.reward_kevin(True, False, 1.0, pr=0.5, use_pr=True)
+
+
+def test_reward_tritonforge_tiers():
+    reward = algos.reward_tritonforge
+    assert reward(False, False, None) == 0.0  # no code / request failed (nothing compiled)
+    assert reward(False, True, None, compiled=True) == 0.0  # rejected
+    assert reward(False, False, None, compiled=True) == 0.1  # compiles
+    assert reward(True, False, 0.5, compiled=True) == 0.3  # correct, slower: no speed bonus
+    assert reward(True, False, 1.0) == 0.3
+    assert reward(True, False, 1.5) == pytest.approx(0.8)  # 0.3 + (1.5 - 1)
+    assert reward(True, False, 1.7) == pytest.approx(1.0)  # the released filter's edge
+    assert reward(True, False, 2.0) == pytest.approx(1.3)
+    assert reward(True, False, 3.0) == pytest.approx(2.3)  # 0.3 + min(max(s - 1, 0), 2)
+    assert reward(True, False, 10.0) == pytest.approx(2.3)
+    with pytest.raises(ValueError, match="no profiling"):
+        reward(True, False, 1.0, pr=0.5, use_pr=True)
 
 
 def test_reward_rejects_bad_inputs():
@@ -279,6 +296,93 @@ def test_turn_reward_reads_kernelgym_results():
     assert algos.turn_reward("kevin")(None) == 0.0  # nothing to evaluate (format error)
     hacked = EvalResult(status="hacked", correct=True, hacked=True, speedup_eager=9.0, pr=None)
     assert algos.turn_reward("paper")(hacked) == 0.0
+
+
+def test_turn_reward_tritonforge_reads_compilation_from_the_status():
+    score = algos.turn_reward("tritonforge")
+    turn = {"correct": False, "hacked": False, "speedup_eager": None, "pr": None}
+    assert score({**turn, "status": "mismatch"}) == 0.1
+    assert score({**turn, "status": "runtime_error"}) == 0.1
+    for status in ("compilation_error", "format_error", "generation_error"):
+        assert score({**turn, "status": status}) == 0.0, status
+    assert score({**turn, "status": "hacked", "hacked": True}) == 0.0
+    assert score({**turn, "status": "pass", "correct": True, "speedup_eager": 2.5}) == pytest.approx(1.8)
+    assert score(None) == 0.0
+
+
+# --- TritonForge's group buffer ----------------------------------------------------------
+
+# One group of 8 rollouts (a prompt at a turn): status, speedup, and TritonForge's reward of each.
+TF_STATUSES = ["format_error", "compilation_error", "mismatch", "hacked", "pass", "pass", "pass", "pass"]
+TF_SPEEDUPS = [None, None, None, 3.0, 0.5, 1.5, 2.0, 4.0]
+TF_REWARDS = [0.0, 0.0, 0.1, 0.0, 0.3, 0.8, 1.3, 2.3]
+TF_GROUP = [("p", 1)] * 8
+
+
+def test_tritonforge_group_rewards_are_the_tiers():
+    score = algos.turn_reward("tritonforge")
+    rewards = [score({"status": status, "correct": status == "pass", "hacked": status == "hacked",
+                      "speedup_eager": speedup, "pr": None}) for status, speedup in zip(TF_STATUSES, TF_SPEEDUPS)]
+    assert rewards == pytest.approx(TF_REWARDS)
+
+
+def test_tritonforge_filters_which_items_each_keeps():
+    described = algos.tritonforge_item_mask(TF_STATUSES)
+    released = algos.tritonforge_released_item_mask(TF_REWARDS)
+    # as described: drop compile failures and format violations; every fast kernel stays
+    assert described.tolist() == [False, False, True, True, True, True, True, True]
+    # as released: drop rewards outside [0, 1], i.e. the 2x and 4x kernels (anything faster than 1.7x)
+    assert released.tolist() == [True, True, True, True, True, True, False, False]
+    assert algos.tritonforge_released_item_mask([1.0, 1.0 + 1e-9, -0.1]).tolist() == [True, False, False]
+
+
+def test_tritonforge_group_checks():
+    # hook 2: complete (>= group_size * ratio items) and not all rewards equal
+    assert algos.tritonforge_valid_group_mask(TF_REWARDS, TF_GROUP, 8).all()
+    assert not algos.tritonforge_valid_group_mask(TF_REWARDS[:7], TF_GROUP[:7], 8).any()  # one missing
+    assert algos.tritonforge_valid_group_mask(TF_REWARDS[:7], TF_GROUP[:7], 8, 0.7).all()
+    assert not algos.tritonforge_valid_group_mask([0.3] * 8, TF_GROUP, 8).any()  # no reward diversity
+    # between hooks 3 and 4: int(8 * 0.7) = 5 survivors needed
+    assert algos.tritonforge_enough_items_mask([True] * 5 + [False] * 3, TF_GROUP, 8).all()
+    assert not algos.tritonforge_enough_items_mask([True] * 4 + [False] * 4, TF_GROUP, 8).any()
+    stats = algos.tritonforge_group_stats(TF_REWARDS, TF_GROUP)
+    assert stats["groups"] == 1 and stats["items"] == 8 and stats["reward_max"] == pytest.approx(2.3)
+    assert stats["reward_mean"] == pytest.approx(sum(TF_REWARDS) / 8)
+    assert stats["reward_std"] == pytest.approx(statistics.stdev(TF_REWARDS))
+
+
+@pytest.mark.parametrize("mask", ["described", "released"])
+def test_tritonforge_normalize_and_pad_over_the_valid_items_only(mask):
+    keep = (algos.tritonforge_item_mask(TF_STATUSES) if mask == "described"
+            else algos.tritonforge_released_item_mask(TF_REWARDS))
+    valid = [r for r, k in zip(TF_REWARDS, keep.tolist()) if k]
+    mean, std = statistics.fmean(valid), statistics.pstdev(valid)
+    expected = [(r - mean) / (std + algos.TRITONFORGE_EPS) if k else 0.0 for r, k in zip(TF_REWARDS, keep.tolist())]
+    normalized = algos.tritonforge_normalize(TF_REWARDS, TF_GROUP, keep)
+    assert close(normalized, expected)
+    # padding 6 valid items to 8 slots: scale by 8/6, repeat the first two with both copies halved
+    rows, slots = algos.tritonforge_pad(normalized, TF_GROUP, keep, 8)
+    kept_rows = [i for i, k in enumerate(keep.tolist()) if k]
+    assert rows.tolist() == kept_rows + kept_rows[:2]
+    scaled = [expected[i] * 8 / 6 for i in kept_rows]
+    assert close(slots, [scaled[0] / 2, scaled[1] / 2, *scaled[2:], scaled[0] / 2, scaled[1] / 2])
+    # per row, the slots add up to the scaled value: what the trainer uses
+    per_row = algos.tritonforge_buffer_values(TF_REWARDS, TF_GROUP, keep, 8)
+    assert close(per_row, [value * 8 / 6 for value in expected])
+    # GRPO on top (mean-centring over the same items) changes nothing: the values have mean 0
+    assert close(algos.grpo_advantages(per_row, TF_GROUP, keep), per_row)
+    fastest_trained = max(TF_SPEEDUPS[i] for i in kept_rows if TF_STATUSES[i] == "pass")
+    assert fastest_trained == (1.5 if mask == "released" else 4.0)  # released: nothing above 1.7x trains
+
+
+def test_tritonforge_normalize_equal_rewards_give_zero_and_pad_needs_half_the_group():
+    assert close(algos.tritonforge_normalize([0.0, 0.0, 0.0], [1, 1, 1], [True] * 3), [0.0] * 3)
+    assert close(algos.tritonforge_normalize([0.3, 0.3, 5.0], [1, 1, 1], [True, True, False]), [0.0] * 3)
+    # two groups: the full one is only scaled by 1
+    rows, slots = algos.tritonforge_pad([1.0, -1.0, 2.0, -2.0], ["a", "a", "b", "b"], [True] * 4, 2)
+    assert rows.tolist() == [0, 1, 2, 3] and close(slots, [1.0, -1.0, 2.0, -2.0])
+    with pytest.raises(ValueError, match="cannot pad a group of 1 valid items to 4 slots"):
+        algos.tritonforge_pad([1.0, 0.0], [1, 1], [True, False], 4)
 
 
 def test_prs_hard_keeps_pr_exactly_at_tau_from_python_floats():

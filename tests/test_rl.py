@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -129,6 +130,34 @@ def test_gamma_zero_and_grpo_are_what_their_equations_say():
     assert returns.tolist() == [1.0, 2.0, 0.0, 0.0]
     advantages = rl.row_advantages(rows, returns, torch.ones(4, dtype=torch.bool), cfg)
     assert advantages.tolist() == pytest.approx([0.5, 1.0, -0.5, -1.0])  # Eq. 3: G - group mean, self included
+
+
+@pytest.mark.parametrize("buffer", ["tritonforge", "tritonforge_released"])
+def test_tritonforge_buffer_rows_kept_and_their_advantages(buffer):
+    # prompt a: 4 rollouts of one turn (TritonForge rewards: compile error, compiles, correct, 2x faster);
+    # prompt b: every rollout correct at the same speed, so no reward diversity
+    statuses = ["compilation_error", "mismatch", "pass", "pass"]
+    rows = [turn_row("a", i, 1, r, status=s) for i, (r, s) in enumerate(zip([0.0, 0.1, 0.3, 1.3], statuses))]
+    rows += [turn_row("b", i, 1, 0.3, status="pass") for i in range(4)]
+    cfg = with_ablation(RLConfig(rollouts_per_prompt=4), buffer)
+    returns = rl.row_returns(rows, cfg)
+    masks = rl.buffer_masks(rows, returns, cfg)
+    reasons = rl.rejection_reasons(torch.ones(8, dtype=torch.bool), masks)
+    dropped = "buffer_item"
+    if buffer == "tritonforge":  # the compile error is filtered; the 2x kernel trains
+        assert reasons[:4] == [dropped, None, None, None]
+        kept = [0.1, 0.3, 1.3]
+    else:  # the released filter drops the 2x kernel (reward 1.3 > 1) and keeps the compile error
+        assert reasons[:4] == [None, None, None, dropped]
+        kept = [0.0, 0.1, 0.3]
+    assert reasons[4:] == ["buffer_group"] * 4
+    kept_mask = torch.tensor([reason is None for reason in reasons])
+    advantages = rl.row_advantages(rows, rl.buffer_values(rows, returns, masks, cfg), kept_mask, cfg)
+    mean, std = statistics.fmean(kept), statistics.pstdev(kept)
+    expected = iter([(r - mean) / (std + 1e-8) * 4 / 3 for r in kept])  # z-score, padded from 3 to 4 slots
+    assert advantages[:4].tolist() == pytest.approx([next(expected) if k else 0.0 for k in kept_mask[:4]])
+    assert advantages[4:].tolist() == [0.0] * 4
+    assert rl.buffer_masks(rows, returns, RLConfig()) == {}
 
 
 def test_prs_filters_only_correct_turns_by_their_profiling_ratio():

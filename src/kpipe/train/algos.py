@@ -32,6 +32,13 @@ MRS_TOKEN_VETO = 1e-4  # Eq. 6: reject a sequence if any token ratio is below th
 PRS_TAU = 0.3  # Eq. 9 cutoff
 PRS_SOFTNESS = 0.1  # Eq. 9 softness s
 ZERO_VARIANCE_MIN_STD = 1e-3  # released code: groups whose last-turn rewards barely differ teach nothing
+TRITONFORGE_COMPILED_REWARD = 0.1  # TritonForge (papers/tritonforge.md, its kernel generator): compiles
+TRITONFORGE_CORRECT_REWARD = 0.3  # correct; + min(max(speedup - 1, 0), 2) when faster
+# statuses of turns whose kernel never compiled: the request failed, no code / no Triton kernel, compiler error
+TRITONFORGE_NOT_COMPILED = ("generation_error", "format_error", "compilation_error", "reference_error")
+TRITONFORGE_MIN_VALID_GROUP_RATIO = 1.0  # TritonForge §3.2.3: a group must be complete
+TRITONFORGE_MIN_VALID_ITEM_RATIO = 0.7  # TritonForge §3.2.3: >= 70% of a group's items must survive the filter
+TRITONFORGE_EPS = 1e-8  # the buffer's z-score epsilon (slime's default_normalize_group_data)
 
 
 # ---------------------------------------------------------------------------------------
@@ -112,11 +119,42 @@ def reward_kevin(
     return KEVIN_CORRECTNESS_WEIGHT + clipped_speedup(speedup, speedup_cap)
 
 
+def kernel_compiled(status: str | None) -> bool:
+    """TritonForge's ``compiled`` for a kpipe turn: KernelGym got past compilation, i.e. any status but a
+    failed request, a format violation (no code, no ModelNew or Triton kernel), a compiler error or a
+    broken reference. Runtime faults, mismatches, timeouts and hacks ran a compiled kernel."""
+    return status is not None and status not in TRITONFORGE_NOT_COMPILED
+
+
+def reward_tritonforge(
+    correct: bool,
+    hacked: bool,
+    speedup: float | None,
+    pr: float | None = None,
+    use_pr: bool = False,
+    speedup_cap: float = SPEEDUP_CAP,
+    compiled: bool = False,
+) -> float:
+    """TritonForge's tiers: 0 (no code, rejected, request failed), 0.1 (compiles), 0.3 (correct),
+    0.3 + min(max(speedup - 1, 0), 2) (correct and faster; the 2 is `speedup_cap` - 1).
+
+    `compiled` comes from the turn's status (`kernel_compiled`); a hacked kernel is rejected (0).
+    """
+    if use_pr:
+        raise ValueError("TritonForge's reward has no profiling (PR) term")
+    if hacked:
+        return 0.0
+    if correct:
+        return TRITONFORGE_CORRECT_REWARD + max(clipped_speedup(speedup, speedup_cap) - 1.0, 0.0)
+    return TRITONFORGE_COMPILED_REWARD if compiled else 0.0
+
+
 RewardFn = Callable[..., float]
 REWARDS: dict[str, RewardFn] = {
     "paper": reward_paper,
     "released_code": reward_released_code,
     "kevin": reward_kevin,
+    "tritonforge": reward_tritonforge,
 }
 
 
@@ -143,8 +181,11 @@ def turn_reward(
     def score(result: object) -> float:
         if result is None:
             return 0.0
-        return reward(bool(_field(result, "correct")), bool(_field(result, "hacked")),
-                      _field(result, f"speedup_{baseline}"), _field(result, "pr"), use_pr, speedup_cap)
+        args = (bool(_field(result, "correct")), bool(_field(result, "hacked")),
+                _field(result, f"speedup_{baseline}"), _field(result, "pr"), use_pr, speedup_cap)
+        if reward is reward_tritonforge:  # the only reward with a tier for compiling
+            return reward(*args, compiled=kernel_compiled(_field(result, "status")))
+        return reward(*args)
 
     return score
 
@@ -521,6 +562,148 @@ def regression_mask(
                 keep[row] = False
             scored_before = scored_before or bool(rewards[row] > 0)
     return keep
+
+
+# ---------------------------------------------------------------------------------------
+# TritonForge's group buffer (papers/tritonforge.md §3.2.3, slime's rollout buffer): five hooks
+# over the items of a group (kpipe: the rows of one (prompt, turn), their returns as rewards)
+# ---------------------------------------------------------------------------------------
+
+
+def tritonforge_group_stats(raw: torch.Tensor | Sequence[float], group_keys: GroupKeys) -> dict[str, float]:
+    """Hook 1 (get_group_data_meta_info): what the buffer reports before it touches anything: groups,
+    items, mean group size and the raw rewards' mean, (Bessel) std, min and max."""
+    raw = _as_float_tensor(raw)
+    _check_same_length(raw, group_keys=group_keys)
+    _, n_groups = group_index(group_keys, raw.device)
+    items = len(raw)
+    return {"groups": float(n_groups), "items": float(items), "group_size_mean": items / max(n_groups, 1),
+            "reward_mean": float(raw.mean()) if items else 0.0,
+            "reward_std": float(raw.std()) if items > 1 else 0.0,
+            "reward_min": float(raw.min()) if items else 0.0, "reward_max": float(raw.max()) if items else 0.0}
+
+
+def _min_items(group_size: int, ratio: float) -> int:
+    """The buffer's int(group_size · ratio), at least one item."""
+    return max(1, int(group_size * ratio))
+
+
+def tritonforge_valid_group_mask(
+    raw: torch.Tensor | Sequence[float],
+    group_keys: GroupKeys,
+    group_size: int,
+    min_valid_group_ratio: float = TRITONFORGE_MIN_VALID_GROUP_RATIO,
+) -> torch.Tensor:
+    """Hook 2 (is_valid_group), per row: its group is complete (at least int(group_size · ratio) items)
+    and its raw rewards are not all equal (a group without reward diversity has no signal)."""
+    raw = _as_float_tensor(raw)
+    _check_same_length(raw, group_keys=group_keys)
+    index, n_groups = group_index(group_keys, raw.device)
+    size = _group_sum(torch.ones_like(raw), index, n_groups)
+    low = torch.full((n_groups,), math.inf, dtype=raw.dtype).scatter_reduce(0, index, raw, "amin")
+    high = torch.full((n_groups,), -math.inf, dtype=raw.dtype).scatter_reduce(0, index, raw, "amax")
+    valid = (size >= _min_items(group_size, min_valid_group_ratio)) & (high > low)
+    return valid[index]
+
+
+def tritonforge_item_mask(statuses: Sequence[str | None]) -> torch.Tensor:
+    """Hook 3 (filter_item) as TritonForge describes it: drop an item whose kernel never compiled
+    (compile failure) or that broke the format (no code, no Triton kernel, the request failed)."""
+    return torch.tensor([kernel_compiled(status) for status in statuses], dtype=torch.bool)
+
+
+def tritonforge_released_item_mask(raw: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    """Hook 3 as released (slime's ``default_filter_item``): keep iff 0 <= reward <= 1. Under TritonForge's
+    reward every correct kernel faster than 1.7x scores above 1, so none of them reaches training."""
+    raw = torch.as_tensor(raw, dtype=torch.float64)  # Python floats exactly: 1 + 1e-9 is outside
+    return (raw >= 0.0) & (raw <= 1.0)
+
+
+def tritonforge_enough_items_mask(
+    item_keep: torch.Tensor | Sequence[bool],
+    group_keys: GroupKeys,
+    group_size: int,
+    min_valid_item_ratio: float = TRITONFORGE_MIN_VALID_ITEM_RATIO,
+) -> torch.Tensor:
+    """The buffer's check between hooks 3 and 4, per row: at least int(group_size · ratio) of its group's
+    items survived the filter (else the whole group is dropped)."""
+    keep = _bool_tensor(item_keep)
+    index, n_groups = group_index(group_keys)
+    _check_same_length(keep, group_keys=group_keys)
+    survivors = _group_sum(keep.to(torch.float64), index, n_groups)
+    return (survivors >= _min_items(group_size, min_valid_item_ratio))[index]
+
+
+def tritonforge_normalize(
+    raw: torch.Tensor | Sequence[float],
+    group_keys: GroupKeys,
+    valid: torch.Tensor | Sequence[bool],
+    eps: float = TRITONFORGE_EPS,
+) -> torch.Tensor:
+    """Hook 4 (normalize_group_data): (r - mean) / (std + eps) over the valid items of each group only
+    (population std); a group whose valid rewards are equal (all 0 included) gets 0, invalid items get 0.
+    The raw rewards are not touched: the caller keeps them (TritonForge's ``raw_reward``)."""
+    raw = _as_float_tensor(raw)
+    _check_same_length(raw, group_keys=group_keys)
+    valid = _valid_mask(valid, raw)
+    index, n_groups = group_index(group_keys, raw.device)
+    weight = valid.to(raw.dtype)
+    count = _group_sum(weight, index, n_groups).clamp(min=1)
+    mean = _group_sum(raw * weight, index, n_groups) / count
+    std = (_group_sum(weight * (raw - mean[index]).square(), index, n_groups) / count).sqrt()
+    normalized = torch.where(std[index] < eps, torch.zeros_like(raw), (raw - mean[index]) / (std[index] + eps))
+    return torch.where(valid, normalized, torch.zeros_like(raw))
+
+
+def tritonforge_pad(
+    values: torch.Tensor | Sequence[float],
+    group_keys: GroupKeys,
+    valid: torch.Tensor | Sequence[bool],
+    group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hook 5 (pad_group_data): a group of n valid items becomes exactly `group_size` slots. Each value is
+    scaled by group_size / n, then the first group_size - n items are appended again and both copies
+    halved, which adds what zero-advantage dummies would (the released code's own reasoning).
+
+    Returns (source row, value) of every slot, groups in order of first appearance. Needs
+    n >= group_size / 2 (each item is duplicated at most once; the enough-items check ensures it).
+    """
+    values = _as_float_tensor(values)
+    _check_same_length(values, group_keys=group_keys)
+    valid = _valid_mask(valid, values)
+    index, _ = group_index(group_keys)
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(index.tolist()):
+        if valid[row]:
+            members.setdefault(group, []).append(row)
+    slot_rows: list[int] = []
+    slot_values: list[torch.Tensor] = []
+    for rows in members.values():
+        pad = group_size - len(rows)
+        if pad < 0 or pad > len(rows):
+            raise ValueError(f"cannot pad a group of {len(rows)} valid items to {group_size} slots")
+        scaled = [values[row] * group_size / len(rows) for row in rows]
+        halved = [value / 2 if k < pad else value for k, value in enumerate(scaled)]
+        slot_rows += rows + rows[:pad]
+        slot_values += halved + halved[:pad]
+    if not slot_rows:
+        return torch.empty(0, dtype=torch.long), values.new_empty(0)
+    return torch.tensor(slot_rows, dtype=torch.long), torch.stack(slot_values)
+
+
+def tritonforge_buffer_values(
+    raw: torch.Tensor | Sequence[float],
+    group_keys: GroupKeys,
+    valid: torch.Tensor | Sequence[bool],
+    group_size: int,
+    eps: float = TRITONFORGE_EPS,
+) -> torch.Tensor:
+    """Hooks 4 and 5 per row: the row's normalised, padded value summed over its slots. PPO's loss is
+    positively homogeneous in the advantage, so one row with the sum trains as its two halved copies do.
+    Invalid rows get 0."""
+    normalized = tritonforge_normalize(raw, group_keys, valid, eps)
+    rows, slots = tritonforge_pad(normalized, group_keys, valid, group_size)
+    return torch.zeros_like(normalized).index_add_(0, rows, slots.to(normalized.dtype))
 
 
 # ---------------------------------------------------------------------------------------

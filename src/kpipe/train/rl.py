@@ -9,9 +9,10 @@ One iteration runs `steps_per_iteration` steps. A step:
    KernelGym judging every turn (per-turn reward, Eq. 1 / Eq. 8);
 2. computes reward-to-go returns per trajectory (Eq. 2) and recomputes π_train on the very
    same tokens (the old log-probs of PPO, and the numerator of MRS's ratio, Eq. 6);
-3. applies the switchable filters — MRS (Eq. 6), PRS (Eq. 9), the released code's
-   zero-variance and regression masks — each counted in the metrics;
-4. computes advantages over (prompt, turn) groups of the kept rows (TRLOO, Eq. 5, by default);
+3. applies the switchable filters — TritonForge's group buffer, MRS (Eq. 6), PRS (Eq. 9), the
+   released code's zero-variance and regression masks — each counted in the metrics;
+4. computes advantages over (prompt, turn) groups of the kept rows (TRLOO, Eq. 5, by default; on the
+   buffer's normalised returns when `rl.buffer` is set);
 5. takes PPO-clip token-level optimizer steps (dual clip, seq-mean-token-sum, grad clipping).
 
 Every turn becomes a `trajectories` row (stage "rl") with its reward, return, advantage and
@@ -72,7 +73,8 @@ log = logging.getLogger(__name__)
 
 STAGE = "rl"
 EMPTY = "empty_response"  # no generated tokens (the engine failed): nothing to train on
-FILTER_ORDER = ("regression", "zero_variance", "mrs", "prs")  # `rejected_by` names the first that drops a row
+# `rejected_by` names the first that drops a row; TritonForge's buffer runs first, as it does upstream of its trainer
+FILTER_ORDER = ("buffer_item", "buffer_group", "regression", "zero_variance", "mrs", "prs")
 FAST_PS = (1.0, 1.2)
 NOT_EVALUATED = (FORMAT_ERROR, GENERATION_ERROR)  # turns KernelGym never saw
 
@@ -340,6 +342,38 @@ def filter_masks(rows: Sequence[dict[str, Any]], cfg: RLConfig, mrs_keep: torch.
             probability = algos.prs_keep_probability(pr, correct, hacked, cfg.prs_tau, cfg.prs_softness)
             masks["prs"] = algos.bernoulli_keep(probability, generator)
     return masks
+
+
+def buffer_keys(rows: Sequence[dict[str, Any]]) -> list[tuple[Any, int]]:
+    """TritonForge's groups in kpipe: the rollouts of one prompt at one turn (the advantage groups)."""
+    return algos.prompt_turn_keys([row["task_id"] for row in rows], [row["turn"] for row in rows])
+
+
+def buffer_masks(rows: Sequence[dict[str, Any]], returns: torch.Tensor, cfg: RLConfig) -> dict[str, torch.Tensor]:
+    """TritonForge's buffer hooks 2 and 3 as keep masks over the rows' returns (its items' rewards):
+    `buffer_item`, its per-item filter (as described: the turn's kernel compiled; as released: a return
+    in [0, 1]), and `buffer_group` (a complete group with reward diversity and enough items left after
+    the filter). Logs hook 1's statistics; no masks without `rl.buffer`."""
+    if cfg.buffer == "none":
+        return {}
+    keys, size = buffer_keys(rows), cfg.rollouts_per_prompt
+    log.info("buffer %s: %s", cfg.buffer, algos.tritonforge_group_stats(returns, keys))
+    item = (algos.tritonforge_item_mask([row.get("status") for row in rows]) if cfg.buffer == "tritonforge"
+            else algos.tritonforge_released_item_mask(returns))
+    group = (algos.tritonforge_valid_group_mask(returns, keys, size, cfg.buffer_min_valid_group_ratio)
+             & algos.tritonforge_enough_items_mask(item, keys, size, cfg.buffer_min_valid_item_ratio))
+    return {"buffer_item": item, "buffer_group": group}
+
+
+def buffer_values(rows: Sequence[dict[str, Any]], returns: torch.Tensor, masks: dict[str, torch.Tensor],
+                  cfg: RLConfig) -> torch.Tensor:
+    """What the advantage estimator sees: without a buffer the returns; with one, hooks 4 and 5 (each
+    group's returns normalised over the rows both buffer masks keep, padded to `rollouts_per_prompt`).
+    The raw returns stay in the rows' `return_to_go` (TritonForge's ``raw_reward``)."""
+    if cfg.buffer == "none":
+        return returns
+    valid = masks["buffer_item"] & masks["buffer_group"]
+    return algos.tritonforge_buffer_values(returns, buffer_keys(rows), valid, cfg.rollouts_per_prompt)
 
 
 def rejection_reasons(has_tokens: torch.Tensor, masks: dict[str, torch.Tensor]) -> list[str | None]:
@@ -620,12 +654,12 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
             raise ValueError(f"{row['task_id']} sample {row['sample']} turn {row['turn']}: "
                              f"{len(logp)} rollout log-probs for {len(sample.response_ids)} tokens")
     mrs_keep, log_w = mismatch_keep(train_logp, rollout_logp, cfg)
-    masks = filter_masks(rows, cfg, mrs_keep, filter_generator)
+    returns = row_returns(rows, cfg)
+    masks = buffer_masks(rows, returns, cfg) | filter_masks(rows, cfg, mrs_keep, filter_generator)
     reasons = rejection_reasons(has_tokens, masks)
     kept = torch.tensor([reason is None for reason in reasons])
-    returns = row_returns(rows, cfg)
     valid = has_tokens if cfg.baseline_includes_rejected else kept
-    advantages = row_advantages(rows, returns, valid, cfg)
+    advantages = row_advantages(rows, buffer_values(rows, returns, masks, cfg), valid, cfg)
     annotate_rows(rows, returns, advantages, reasons)
 
     items = [TrainItem(row_key(rows[i]), samples[i], float(advantages[i]), train_logp[i])

@@ -22,6 +22,8 @@ from kpipe.train.algos import (
     PRS_TAU,
     REWARDS,
     SPEEDUP_CAP,
+    TRITONFORGE_MIN_VALID_GROUP_RATIO,
+    TRITONFORGE_MIN_VALID_ITEM_RATIO,
     ZERO_VARIANCE_MIN_STD,
 )
 from kpipe.train.sft import PRECISIONS, accepted_types
@@ -33,6 +35,7 @@ SINGLETONS = ("zero", "return")
 BASELINES = ("eager", "compile")
 HISTORIES = ("full", "top_w", "best_window", "kevin")
 ENGINES = ("hf", "vllm")
+BUFFERS = ("none", "tritonforge", "tritonforge_released")
 
 
 @dataclass
@@ -57,7 +60,7 @@ class RLConfig:
     # --- evaluation (the `gym` config section picks the backend and protocol; RL overrides this much)
     hacking_check: bool = True  # ablation "w/o hacking check" turns KernelGym's hack checks off
     # --- reward and returns (Eq. 1, 2, 8)
-    reward: str = "paper"  # paper | released_code | kevin
+    reward: str = "paper"  # paper | released_code | kevin | tritonforge
     use_pr: bool = False  # Eq. 8: + C·PR (the "+PR" ablation)
     baseline: str = "eager"  # speedup against eager or torch.compile
     speedup_cap: float = SPEEDUP_CAP
@@ -67,6 +70,11 @@ class RLConfig:
     advantage: str = "trloo"  # trloo | grpo | grpo_std | rloo_trajectory
     singleton: str = "zero"  # a group of one valid rollout: 0 (paper) or its return (released code)
     baseline_includes_rejected: bool = False  # released code: filtered rows still count in the baseline
+    # --- TritonForge's group buffer: filter and normalise each (prompt, turn) group's returns before the
+    # advantage (tritonforge: as described; tritonforge_released: its default filter, rewards in [0, 1])
+    buffer: str = "none"  # none | tritonforge | tritonforge_released
+    buffer_min_valid_group_ratio: float = TRITONFORGE_MIN_VALID_GROUP_RATIO
+    buffer_min_valid_item_ratio: float = TRITONFORGE_MIN_VALID_ITEM_RATIO
     # --- filters (Eq. 6, 9, the released code's masks); each one counted in the metrics
     mrs: bool = False
     mrs_delta: float = MRS_DELTA
@@ -108,9 +116,16 @@ class RLConfig:
             (self.baseline in BASELINES, f"baseline must be one of {BASELINES}"),
             (self.history in HISTORIES, f"history must be one of {HISTORIES}"),
             (self.engine in ENGINES, f"engine must be one of {ENGINES}"),
+            (self.buffer in BUFFERS, f"buffer must be one of {BUFFERS}"),
+            (self.buffer == "none" or self.advantage != "rloo_trajectory",
+             "a buffer normalises (prompt, turn) groups: use it with trloo, grpo or grpo_std"),
+            (0 < self.buffer_min_valid_group_ratio <= 1 and 0.5 <= self.buffer_min_valid_item_ratio <= 1,
+             "buffer_min_valid_group_ratio must be in (0, 1], buffer_min_valid_item_ratio in [0.5, 1] "
+             "(padding repeats each item at most once)"),
             (self.loss_agg in AGG_MODES, f"loss_agg must be one of {AGG_MODES}"),
             (self.mixed_precision in PRECISIONS, f"mixed_precision must be one of {PRECISIONS}"),
-            (not (self.reward == "kevin" and self.use_pr), "the kevin reward has no PR term (use_pr)"),
+            (not (self.reward in ("kevin", "tritonforge") and self.use_pr),
+             f"the {self.reward} reward has no PR term (use_pr)"),
             (0.0 <= self.gamma <= 1.0, "gamma must be in [0, 1]"),
             (min(self.prompts_per_step, self.rollouts_per_prompt, self.max_turns, self.max_tokens,
                  self.steps_per_iteration, self.mini_batches, self.ppo_epochs, self.generation_batch_size) >= 1,
@@ -145,6 +160,9 @@ class RLConfig:
 
 # The paper's ablations (Figure 4: hacking check, turns, gamma, GRPO; Figure 5: MRS, PR, PRS;
 # Appendix D: PRS without softness). Cumulative ones (+PR includes +MRS, as in Figure 5) say so.
+# Not the paper's: TritonForge's recipe (its reward, its group buffer, GRPO on top; the buffer's values
+# have mean 0 per group, so GRPO's centring leaves them as slime's GRPO does with its normalisation off),
+# as described and with its released filter.
 ABLATIONS: dict[str, dict[str, Any]] = {
     "no_hacking_check": {"hacking_check": False},
     "single_turn": {"max_turns": 1},
@@ -154,6 +172,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "pr": {"mrs": True, "use_pr": True},
     "prs": {"mrs": True, "use_pr": True, "prs": True},
     "prs_hard": {"mrs": True, "use_pr": True, "prs": True, "prs_hard": True},
+    "tritonforge": {"reward": "tritonforge", "buffer": "tritonforge", "advantage": "grpo"},
+    "tritonforge_released": {"reward": "tritonforge", "buffer": "tritonforge_released", "advantage": "grpo"},
 }
 
 
