@@ -1,16 +1,27 @@
 """The bank of known solutions: legit kernels pass, each buggy variant fails the way it claims.
 
 Runs every bank program in the Triton interpreter on shrunk sizes (`SHRUNK_CAP`), and compiles
-every kernel for an H100 (sm_90) at the full KernelBench size without a GPU.
+every kernel for an H100 (sm_90) at the full KernelBench size without a GPU. Programs declared
+as edits (`variants.toml`) differ from the program they edit exactly where the edits say.
 """
 
 import ast
+from difflib import SequenceMatcher
 
 import pytest
 import torch
 
 from kpipe.data.kernelbench import select_problems, shrink_sizes
-from kpipe.gym.bank import BANK_TASKS, SHRUNK_CAP, VARIANTS, list_solutions, solutions_for
+from kpipe.gym.bank import (
+    BANK_TASKS,
+    SHRUNK_CAP,
+    VARIANTS,
+    Edit,
+    apply_edits,
+    list_solutions,
+    solutions_for,
+    without_docstring,
+)
 from kpipe.gym.bank.compile_check import H100_SHARED_MEMORY_BYTES, compile_in_subprocess
 from kpipe.gym.bank.harness import check_isolated, compare_outputs, load_module
 
@@ -42,6 +53,42 @@ def test_lookup_api():
         list_solutions("off_by_one")
     missing_mask = list_solutions("missing_mask")[0]
     assert missing_mask.expected_status == "mismatch" and missing_mask.expected_status_full == "pass"
+
+
+def _changed_lines(before: str, after: str) -> set[int]:
+    """Lines of `before` a line diff to `after` replaces or deletes (or, for an insertion, follows)."""
+    ops = SequenceMatcher(None, before.splitlines(), after.splitlines(), autojunk=False).get_opcodes()
+    return {i for tag, i1, i2, _, _ in ops if tag != "equal" for i in (range(i1, i2) if i2 > i1 else [i1 - 1])}
+
+
+def _lines_of(program: str, text: str) -> set[int]:
+    first = program[: program.index(text)].count("\n")
+    return set(range(first, first + text.rstrip("\n").count("\n") + 1))
+
+
+@pytest.mark.parametrize("solution", [s for s in SOLUTIONS if s.edits], ids=lambda s: s.key)
+def test_a_declared_program_differs_from_its_base_exactly_by_its_edits(solution):
+    changed = _changed_lines(solution.base, solution.source)
+    declared = [_lines_of(solution.base, edit.old) for edit in solution.edits]
+    assert changed <= set().union(*declared), "changed outside the declared edits"
+    assert all(lines & changed for lines in declared), "a declared edit that changes nothing"
+
+
+def test_a_buggy_variant_edits_its_legit_program_less_the_docstring():
+    legit = {(s.level, s.problem_id): s.source for s in list_solutions("legit")}
+    for solution in SOLUTIONS:
+        if solution.variant != "legit":
+            base = without_docstring(legit[(solution.level, solution.problem_id)])
+            assert solution.base == base and solution.edits, solution.key
+            assert legit[(solution.level, solution.problem_id)].endswith(base) and "Expected H100" not in base
+
+
+def test_an_edit_must_occur_exactly_once_and_not_overlap_another():
+    program = "a = 1\nb = 1\n"
+    assert apply_edits(program, [Edit("b = 1", "b = 2"), Edit("a", "c")]) == "c = 1\nb = 2\n"
+    for edits in ([Edit("= 1", "= 2")], [Edit("z", "y")], [Edit("", "y")], [Edit("a = 1", ""), Edit("1\nb", "")]):
+        with pytest.raises(ValueError):
+            apply_edits(program, edits)
 
 
 def _method(tree: ast.Module, class_name: str, method: str) -> ast.FunctionDef:
