@@ -97,7 +97,7 @@ def test_stts_window_reruns_only_windowed_stts_and_readers(workdir, edited_confi
     edited_config(lambda cfg: cfg["stts"].update(window=3))
     counts = job_counts(snakemake(workdir, "-n"))
     # the top-w STTS job and what reads it; not eval, not the vanilla (full) STTS job
-    assert counts == {"stts": 1, "build_db": 1, "tables": 1, "figures": 1, "all": 1}
+    assert counts == {"stts": 1, "build_db": 1, "tables": 1, "figures": 1, "viewer": 1, "all": 1}
 
 
 def test_every_stage_wrote_its_table(workdir):
@@ -119,6 +119,8 @@ def test_report_contains_tables_and_figures(workdir):
     names = zipfile.ZipFile(workdir / "report.zip").namelist()
     assert any(name.endswith("table1_fastp_eager.md") for name in names)
     assert any(name.endswith("fig6_stts.png") for name in names)
+    viewer_dirs = [name.removesuffix("index.html") for name in names if name.endswith("/index.html")]
+    assert any(f"{folder}data/page-0000.js" in names for folder in viewer_dirs)  # the viewer with its data
 
 
 def test_wrong_key_stops_with_one_line(workdir, edited_config):

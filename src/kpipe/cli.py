@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "eval": "kpipe.evaluation:eval_cli",
     "tables": "kpipe.tables:tables",
     "launch": "kpipe.launch:launch",
+    "view": "kpipe.viewer:view_command",
 }
 
 

@@ -104,8 +104,9 @@ def table_inputs():
 
 
 def final_targets():
-    """The default targets: the database (every stage feeds it), the tables and the figures."""
-    return [f"{RESULTS}/kpipe.duckdb", *table_targets()]
+    """The default targets: the database (every stage feeds it), the tables, the figures and the
+    trajectory viewer (rules/viewer.smk)."""
+    return [f"{RESULTS}/kpipe.duckdb", *table_targets(), f"{RESULTS}/viewer"]
 
 
 # RL iterations (rules/rl.smk)

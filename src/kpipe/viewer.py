@@ -1,0 +1,548 @@
+"""The trajectory viewer: a static HTML folder that opens from disk (file://), no server.
+
+``<out>/index.html`` holds the list of every trajectory (a compact JSON index: filters and
+sorted views run in the browser) and the per-group counts; each trajectory's turns (prompt
+summary, highlighted code, diff against the previous turn, feedback, scores) are rendered at
+build time into ``<out>/data/page-NNNN.js`` chunks that the page loads with a ``<script>`` tag
+on first use (``fetch()`` of local files is blocked under file:// in Chromium). So 10^4
+trajectories open as fast as ten, and the folder is also what the Snakemake report embeds.
+
+Everything that came from a model or a task is escaped here (Pygments and ``html.escape``)
+before it reaches any HTML string; the index is JSON that the page only writes with
+``textContent``, and ``<``, ``>`` and ``&`` are escaped inside every JSON payload.
+"""
+
+from __future__ import annotations
+
+import difflib
+import html
+import itertools
+import json
+import math
+import os
+import shutil
+import tempfile
+import webbrowser
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import click
+import duckdb
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import DiffLexer, PythonLexer
+
+from kpipe.config import REPO_ROOT
+
+STAGE_ORDER = ("coldstart", "rl", "rl_val", "eval", "stts")  # pipeline order, for the default view
+TRAJECTORY_KEY = ("stage", "run", "iteration", "model", "task_id", "sample")
+TRAJECTORIES_PER_FILE = 50
+PROMPT_CLIP = 4000  # characters of a turn's last prompt message kept in the viewer
+TEXT_CLIP = 12000  # characters of a response or feedback kept in the viewer
+FETCH_ROWS = 2000
+HACK_LINE = "Hacking check failed: "  # kpipe.gym.feedback.build_feedback
+
+# One row per turn, in trajectory order; prompts are summarised in SQL so that full
+# multi-turn contexts never reach Python. Hack reasons: the `evals` row when there is one,
+# else the feedback line KernelGym wrote them into.
+TURNS_SQL = f"""
+WITH hacks AS (
+    SELECT key AS eval_key, any_value(hack_reasons) AS eval_hack_reasons FROM evals GROUP BY key
+)
+SELECT t.stage, t.run, t.iteration, t.model, t.task_id, t.sample, t.turn,
+       list_transform(t.prompt_messages, lambda m: m.role) AS prompt_roles,
+       list_transform(t.prompt_messages, lambda m: length(m.content)) AS prompt_chars,
+       left(t.prompt_messages[-1].content, {PROMPT_CLIP}) AS prompt_last,
+       t.prompt_tokens, t.completion_tokens, t.finish_reason,
+       CASE WHEN t.code IS NULL THEN left(t.response, {TEXT_CLIP}) END AS response,
+       t.code, t.status, t.correct, t.hacked, t.speedup_eager, t.speedup_compile, t.pr,
+       left(t.feedback, {TEXT_CLIP}) AS feedback,
+       t.reward, t.return_to_go, t.advantage, t.kept, t.rejected_by, t.gen_s, t.eval_s,
+       h.eval_hack_reasons
+FROM turns t
+LEFT JOIN hacks h USING (eval_key)
+ORDER BY coalesce(list_position({list(STAGE_ORDER)}, t.stage), 99), t.stage, t.run, t.iteration, t.model,
+         t.task_id, t.sample, t.turn
+"""
+
+REFERENCES_SQL = """
+SELECT task_id, name, level, reference_src FROM tasks
+UNION ALL
+SELECT query_id, name, level, reference_src FROM queries
+WHERE query_id NOT IN (SELECT task_id FROM tasks)
+"""
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str | None
+    level: int | None
+    reference_src: str | None
+
+
+def json_for_html(value: Any) -> str:
+    """JSON that is safe inside a <script> element or a .js file: no <, > or & survives."""
+    text = json.dumps(value, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def finite(value: float | None) -> float | None:
+    """A number JSON can carry: NaN and infinities become null."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def fmt_number(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return "nan" if math.isnan(value) else f"{value:.3g}"
+
+
+def yes_no(flag: bool | None) -> str | None:
+    return None if flag is None else ("yes" if flag else "no")
+
+
+def esc(value: Any) -> str:
+    return html.escape("—" if value is None else str(value))
+
+
+@lru_cache(maxsize=4096)
+def highlight_python(code: str) -> str:
+    """Code as highlighted, escaped HTML (cached: a task's reference recurs across trajectories)."""
+    return highlight(code, PythonLexer(), HtmlFormatter(cssclass="hl"))
+
+
+def code_diff(previous: str | None, current: str | None, turn: int) -> str:
+    """The unified diff of turn-1's code to this turn's, highlighted; a sentence when there is none."""
+    if turn == 1:
+        return ""
+    if previous is None or current is None:
+        which = f"turn {turn - 1}" if previous is None else "this turn"
+        return f'<p class="note">No diff: {which} has no extracted code.</p>'
+    lines = difflib.unified_diff(previous.splitlines(), current.splitlines(), f"turn {turn - 1}", f"turn {turn}",
+                                 lineterm="")
+    diff = "\n".join(lines)
+    if not diff:
+        return '<p class="note">Same code as the previous turn.</p>'
+    return highlight(diff, DiffLexer(), HtmlFormatter(cssclass="hl"))
+
+
+def hack_reasons(row: dict[str, Any]) -> list[str]:
+    if row["eval_hack_reasons"]:
+        return list(row["eval_hack_reasons"])
+    for line in (row["feedback"] or "").splitlines():
+        if line.startswith(HACK_LINE):
+            return line[len(HACK_LINE):].split("; ")
+    return []
+
+
+def prompt_summary(row: dict[str, Any]) -> str:
+    roles = row["prompt_roles"] or []
+    parts = ", ".join(f"{role} {chars:,}" for role, chars in zip(roles, row["prompt_chars"] or [], strict=True))
+    tokens = f", {row['prompt_tokens']:,} tokens" if row["prompt_tokens"] is not None else ""
+    return f"{len(roles)} message(s) ({parts} characters){tokens}"
+
+
+def status_class(status: str | None) -> str:
+    return "st-" + "".join(c if c.isalnum() else "-" for c in (status or "none"))
+
+
+def render_turn(row: dict[str, Any], previous_code: str | None, last: bool) -> str:
+    """One turn as escaped HTML: scores, prompt summary, code, diff, feedback."""
+    turn = row["turn"]
+    kept = "—" if row["kept"] is None else ("kept" if row["kept"] else f"rejected ({row['rejected_by'] or '?'})")
+    scores = [
+        ("status", row["status"]), ("correct", yes_no(row["correct"])), ("hacked", yes_no(row["hacked"])),
+        ("speedup vs eager", fmt_number(row["speedup_eager"])),
+        ("speedup vs torch.compile", fmt_number(row["speedup_compile"])),
+        ("PR (Triton share of time)", fmt_number(row["pr"])), ("reward", fmt_number(row["reward"])),
+        ("return-to-go", fmt_number(row["return_to_go"])), ("advantage", fmt_number(row["advantage"])),
+        ("training", kept), ("completion tokens", row["completion_tokens"]), ("finish reason", row["finish_reason"]),
+        ("generation s", fmt_number(row["gen_s"])), ("evaluation s", fmt_number(row["eval_s"])),
+    ]
+    parts = [
+        f'<div class="turn" id="turn-{turn}"><h3>Turn {turn} '
+        f'<span class="status {status_class(row["status"])}">{esc(row["status"])}</span></h3>',
+        '<table class="kv">' + "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in scores) + "</table>",
+    ]
+    reasons = hack_reasons(row)
+    if reasons:
+        parts.append('<div class="hack"><b>Hack reasons</b><ul>' + "".join(f"<li>{esc(r)}</li>" for r in reasons)
+                     + "</ul></div>")
+    parts.append(f"<details><summary>Prompt: {esc(prompt_summary(row))}</summary>"
+                 f'<p class="note">Its last message (first {PROMPT_CLIP:,} characters):</p>'
+                 f'<pre class="text">{esc(row["prompt_last"] or "")}</pre></details>')
+    if row["code"] is not None:
+        parts.append(f'<details open><summary>Code</summary>{highlight_python(row["code"])}</details>')
+    else:
+        parts.append('<details open><summary>Response (no code could be extracted)</summary>'
+                     f'<pre class="text">{esc(row["response"] or "")}</pre></details>')
+    if turn > 1:
+        parts.append(f'<details open><summary>Diff against turn {turn - 1}</summary>'
+                     f'{code_diff(previous_code, row["code"], turn)}</details>')
+    shown = "the episode ended here: not shown to the model" if last else "shown to the model in the next turn's prompt"
+    parts.append(f'<details open><summary>Feedback ({esc(shown)})</summary>'
+                 f'<pre class="text">{esc(row["feedback"] or "")}</pre></details></div>')
+    return "".join(parts)
+
+
+def render_trajectory(rows: list[dict[str, Any]], task: Task) -> dict[str, str]:
+    """The trajectory's header and its turns as escaped HTML (the page puts the reference between)."""
+    first = rows[0]
+    head = (f'<h2>{esc(first["task_id"])}' + (f" — {esc(task.name)}" if task.name else "") + "</h2>"
+            f'<p class="meta">stage {esc(first["stage"])} · run {esc(first["run"])} · iteration '
+            f'{esc(first["iteration"])} · model {esc(first["model"])} · sample {esc(first["sample"])}'
+            f' · level {esc(task.level)} · {len(rows)} turn(s)</p>')
+    turns = []
+    previous_code = None
+    for i, row in enumerate(rows):
+        turns.append(render_turn(row, previous_code, last=i == len(rows) - 1))
+        previous_code = row["code"]
+    return {"head": head, "turns": "".join(turns)}
+
+
+def render_reference(task: Task) -> str:
+    if not task.reference_src:
+        return '<p class="note">No reference source in the database for this task.</p>'
+    return highlight_python(task.reference_src)
+
+
+def index_entry(number: int, file_number: int, rows: list[dict[str, Any]], task: Task) -> dict[str, Any]:
+    """What the list, its filters and its sorted views need of one trajectory."""
+    first, final = rows[0], rows[-1]
+    speedups = [finite(r["speedup_eager"]) for r in rows if r["correct"] and not r["hacked"]]
+    best = max((s for s in speedups if s is not None), default=None)
+    changes = [(b["reward"] - a["reward"]) for a, b in itertools.pairwise(rows)
+               if a["reward"] is not None and b["reward"] is not None]
+    jump = max(changes, key=abs, default=None)
+    return {
+        "id": number, "file": file_number, "stage": first["stage"], "run": first["run"],
+        "iteration": first["iteration"], "model": first["model"], "task": first["task_id"], "name": task.name,
+        "sample": first["sample"], "turns": len(rows), "status": final["status"],
+        "statuses": sorted({r["status"] or "none" for r in rows}), "correct": bool(final["correct"]),
+        "best_speedup": best, "hacked_turns": sum(bool(r["hacked"]) for r in rows),
+        "reward": finite(final["reward"]), "reward_change": finite(jump),
+    }
+
+
+def turn_rows(con: duckdb.DuckDBPyConnection) -> Iterator[dict[str, Any]]:
+    """Every turn as a dict, streamed in trajectory order (10^4 trajectories never sit in memory)."""
+    cursor = con.execute(TURNS_SQL)
+    names = [column[0] for column in cursor.description]
+    while batch := cursor.fetchmany(FETCH_ROWS):
+        for values in batch:
+            yield dict(zip(names, values, strict=True))
+
+
+def trajectories(rows: Iterable[dict[str, Any]]) -> Iterator[list[dict[str, Any]]]:
+    for _, group in itertools.groupby(rows, key=lambda row: tuple(row[k] for k in TRAJECTORY_KEY)):
+        yield list(group)
+
+
+def batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Consecutive lists of `size` items (itertools.batched needs Python 3.12)."""
+    iterator = iter(items)
+    while batch := list(itertools.islice(iterator, size)):
+        yield batch
+
+
+def write_data_file(data_dir: Path, file_number: int, payload: dict[str, Any]) -> None:
+    path = data_dir / f"page-{file_number:04d}.js"
+    path.write_text(f"kpipeViewer.addPage({file_number},{json_for_html(payload)});\n", encoding="utf-8")
+
+
+def group_counts(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trajectories, turns, correct and hacked counts per (stage, run, iteration, model)."""
+    groups: dict[tuple, dict[str, Any]] = {}
+    for e in entries:
+        key = (e["stage"], e["run"], e["iteration"], e["model"])
+        g = groups.setdefault(key, {"trajectories": 0, "turns": 0, "correct": 0, "hacked": 0, "reward": 0.0})
+        g["trajectories"] += 1
+        g["turns"] += e["turns"]
+        g["correct"] += e["correct"]
+        g["hacked"] += e["hacked_turns"] > 0
+        g["reward"] += e["reward"] or 0.0
+    return [{"stage": k[0], "run": k[1], "iteration": k[2], "model": k[3], **g,
+             "reward": g["reward"] / g["trajectories"]} for k, g in groups.items()]
+
+
+def counts_table(entries: list[dict[str, Any]]) -> str:
+    header = ("stage", "run", "iteration", "model", "trajectories", "turns", "correct at the last turn",
+              "with a hacked turn", "mean last-turn reward")
+    body = "".join(
+        "<tr>" + "".join(f"<td>{esc(g[k])}</td>" for k in ("stage", "run", "iteration", "model", "trajectories",
+                                                            "turns", "correct", "hacked"))
+        + f"<td>{fmt_number(g['reward'])}</td></tr>"
+        for g in group_counts(entries)
+    )
+    return ('<table class="counts"><tr>' + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>" + body
+            + "</table>")
+
+
+def render_index(entries: list[dict[str, Any]], db_path: Path) -> str:
+    n_turns = sum(e["turns"] for e in entries)
+    summary = (f'<p id="totals"><b>{len(entries):,} trajectories</b>, <b>{n_turns:,} turns</b> '
+               f"from <code>{esc(db_path)}</code>.</p>")
+    if not entries:
+        summary += '<p class="note">No trajectories in the database yet.</p>'
+    styles = HtmlFormatter(style="default").get_style_defs(".hl")
+    return PAGE_TEMPLATE.format(styles=styles, css=PAGE_CSS, summary=summary, counts=counts_table(entries),
+                                index=json_for_html(entries), script=PAGE_SCRIPT)
+
+
+def replace_dir(built: Path, out_dir: Path) -> None:
+    """Put the freshly built folder in place of `out_dir` (refusing to delete a folder not ours)."""
+    if out_dir.exists():
+        if any(out_dir.iterdir()) and not (out_dir / "index.html").exists():
+            raise FileExistsError(f"{out_dir} exists and is not a viewer folder (no index.html): not replacing it")
+        shutil.rmtree(out_dir)
+    os.replace(built, out_dir)
+
+
+def build_viewer(db_path: Path, out_dir: Path, per_file: int = TRAJECTORIES_PER_FILE) -> dict[str, int]:
+    """Write the viewer for every trajectory of `db_path` to `out_dir` (index.html + data/).
+
+    Built in a temporary sibling folder and renamed into place, so a failed build leaves the
+    previous viewer intact. Returns the numbers of trajectories, turns and data files.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    built = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        built.chmod(0o755)  # mkdtemp's 0700 would hide the viewer from a web server or a colleague
+        data_dir = built / "data"
+        data_dir.mkdir()
+        entries: list[dict[str, Any]] = []
+        with duckdb.connect(str(db_path), read_only=True) as con:
+            tasks = {task_id: Task(name, level, src) for task_id, name, level, src in con.execute(REFERENCES_SQL).fetchall()}
+            for file_number, chunk in enumerate(batches(trajectories(turn_rows(con)), per_file)):
+                payload: dict[str, Any] = {"trajectories": {}, "references": {}}
+                for rows in chunk:
+                    task = tasks.get(rows[0]["task_id"], Task(None, None, None))
+                    entry = index_entry(len(entries), file_number, rows, task)
+                    entries.append(entry)
+                    payload["trajectories"][entry["id"]] = {"task": entry["task"], **render_trajectory(rows, task)}
+                    if entry["task"] not in payload["references"]:
+                        payload["references"][entry["task"]] = render_reference(task)
+                write_data_file(data_dir, file_number, payload)
+        (built / "index.html").write_text(render_index(entries, db_path), encoding="utf-8")
+        replace_dir(built, out_dir)
+    except BaseException:
+        shutil.rmtree(built, ignore_errors=True)
+        raise
+    n_files = len(list((out_dir / "data").glob("page-*.js")))
+    return {"trajectories": len(entries), "turns": sum(e["turns"] for e in entries), "files": n_files}
+
+
+@click.command("view")
+@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
+              type=click.Path(exists=True, dir_okay=False), help="the kpipe database to read")
+@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "viewer"), show_default=True,
+              type=click.Path(file_okay=False), help="folder to write (index.html and data/)")
+@click.option("--open", "open_browser", is_flag=True, help="open index.html in the default browser when built")
+def view_command(db_path: str, out_dir: str, open_browser: bool) -> None:
+    """Build the static trajectory viewer from the database (opens from disk, no server)."""
+    counts = build_viewer(Path(db_path), Path(out_dir))
+    index = Path(out_dir).resolve() / "index.html"
+    click.echo(f"{index}: {counts['trajectories']} trajectories, {counts['turns']} turns, {counts['files']} data file(s)")
+    if open_browser:
+        webbrowser.open(index.as_uri())
+
+
+PAGE_TEMPLATE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>kpipe trajectories</title>
+<style>{css}
+{styles}</style></head>
+<body>
+<header><h1>kpipe trajectories</h1>{summary}
+<details><summary>Counts per stage, run, iteration and model</summary>{counts}</details></header>
+<nav id="controls">
+<label>stage <select data-field="stage"></select></label>
+<label>run <select data-field="run"></select></label>
+<label>iteration <select data-field="iteration"></select></label>
+<label>model <select data-field="model"></select></label>
+<label>status (any turn) <select data-field="statuses"></select></label>
+<label>task <input id="task-filter" type="search" placeholder="id or name contains"></label>
+<label>view <select id="sort">
+<option value="default">pipeline order</option>
+<option value="best_speedup">best speedup (correct, not hacked) first</option>
+<option value="hacked">hacked first</option>
+<option value="reward_change">biggest reward change between turns first</option>
+</select></label>
+<span id="shown"></span>
+<button id="prev" type="button">&larr; previous</button> <span id="page"></span>
+<button id="next" type="button">next &rarr;</button>
+</nav>
+<main>
+<section id="list"><table><thead><tr><th>stage</th><th>run</th><th>iter</th><th>model</th><th>task</th>
+<th>sample</th><th>turns</th><th>last status</th><th>best speedup</th><th>hacked turns</th>
+<th>reward change</th><th>last reward</th></tr></thead><tbody id="rows"></tbody></table></section>
+<section id="detail"><p class="note">Pick a trajectory from the list.</p></section>
+</main>
+<script type="application/json" id="kpipe-index">{index}</script>
+<script>{script}</script>
+</body></html>
+"""
+
+PAGE_CSS = """
+body { font-family: system-ui, sans-serif; margin: 0 1em; color: #222; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-bottom: .2em; } h3 { font-size: 1em; }
+nav { position: sticky; top: 0; background: #f6f6f6; padding: .4em; border-bottom: 1px solid #ccc;
+      display: flex; flex-wrap: wrap; gap: .6em; align-items: center; z-index: 1; }
+main { display: grid; grid-template-columns: minmax(0, 2fr) minmax(0, 3fr); gap: 1em; }
+#list table { border-collapse: collapse; font-size: .85em; width: 100%; }
+#list td, #list th, table.counts td, table.counts th { border-bottom: 1px solid #e3e3e3; padding: .15em .4em;
+      text-align: left; }
+#list tbody tr { cursor: pointer; } #list tbody tr:hover { background: #eef4ff; }
+#list tr.selected { background: #dce8ff; }
+table.kv { font-size: .85em; border-collapse: collapse; } table.kv th { text-align: left; padding-right: 1em;
+      font-weight: normal; color: #555; }
+.turn { border-left: 3px solid #ccd; padding-left: .8em; margin: 1em 0; }
+.hack { background: #fff0f0; border: 1px solid #e99; padding: .3em .6em; }
+.note { color: #666; font-style: italic; }
+.meta { color: #555; }
+pre.text, .hl pre { white-space: pre-wrap; word-break: break-word; font-size: .82em; background: #fafafa;
+      padding: .5em; border: 1px solid #eee; max-height: 40em; overflow: auto; }
+summary { cursor: pointer; font-weight: 600; margin: .3em 0; }
+.status { font-size: .8em; padding: .1em .4em; border-radius: .3em; background: #eee; }
+.st-correct { background: #d6f5d6; } .st-hacked { background: #ffd6d6; }
+"""
+
+# Model and task text reaches the page only as (a) index JSON written with textContent and
+# (b) detail HTML that build_viewer escaped; nothing here builds HTML from strings.
+PAGE_SCRIPT = """
+"use strict";
+const INDEX = JSON.parse(document.getElementById("kpipe-index").textContent);
+const ROWS_PER_PAGE = 100;
+const loaded = new Map();
+const waiting = new Map();
+let shown = INDEX;
+let listPage = 0;
+let selected = null;
+
+window.kpipeViewer = {
+  addPage(fileNumber, data) {
+    loaded.set(fileNumber, data);
+    for (const callback of waiting.get(fileNumber) || []) callback(data);
+    waiting.delete(fileNumber);
+  },
+};
+
+function loadFile(fileNumber, callback) {
+  if (loaded.has(fileNumber)) return callback(loaded.get(fileNumber));
+  if (waiting.has(fileNumber)) return waiting.get(fileNumber).push(callback);
+  waiting.set(fileNumber, [callback]);
+  const script = document.createElement("script");
+  script.src = "data/page-" + String(fileNumber).padStart(4, "0") + ".js";
+  script.onerror = () => {
+    waiting.delete(fileNumber);
+    message("Could not load " + script.src + ": is the data/ folder next to index.html?");
+  };
+  document.head.appendChild(script);
+}
+
+function message(text) {
+  const detail = document.getElementById("detail");
+  detail.replaceChildren();
+  const p = document.createElement("p");
+  p.className = "note";
+  p.textContent = text;
+  detail.appendChild(p);
+}
+
+function fmt(value) {
+  if (value === null || value === undefined) return "\\u2014";
+  return typeof value === "number" && !Number.isInteger(value) ? +value.toPrecision(3) : value;
+}
+
+const selects = Array.from(document.querySelectorAll("select[data-field]"));
+for (const select of selects) {
+  const field = select.dataset.field;
+  const values = new Set();
+  for (const e of INDEX) for (const v of [].concat(e[field])) values.add(v);
+  const all = document.createElement("option");
+  all.value = "";
+  all.textContent = "all";
+  select.appendChild(all);
+  for (const v of Array.from(values).sort((a, b) => (a < b ? -1 : a > b ? 1 : 0))) {
+    const option = document.createElement("option");
+    option.value = String(v);
+    option.textContent = String(v);
+    select.appendChild(option);
+  }
+  select.addEventListener("change", update);
+}
+document.getElementById("task-filter").addEventListener("input", update);
+document.getElementById("sort").addEventListener("change", update);
+document.getElementById("prev").addEventListener("click", () => { listPage -= 1; renderList(); });
+document.getElementById("next").addEventListener("click", () => { listPage += 1; renderList(); });
+
+const descending = (key) => (a, b) => {
+  const x = key(a), y = key(b);
+  if (x === y) return a.id - b.id;
+  if (x === null) return 1;
+  if (y === null) return -1;
+  return y - x;
+};
+const ORDERS = {
+  default: (a, b) => a.id - b.id,
+  best_speedup: descending((e) => e.best_speedup),
+  hacked: descending((e) => e.hacked_turns),
+  reward_change: descending((e) => (e.reward_change === null ? null : Math.abs(e.reward_change))),
+};
+
+function update() {
+  const wanted = selects.filter((s) => s.value !== "").map((s) => [s.dataset.field, s.value]);
+  const text = document.getElementById("task-filter").value.toLowerCase();
+  shown = INDEX.filter((e) => wanted.every(([field, value]) => [].concat(e[field]).some((v) => String(v) === value))
+    && (!text || e.task.toLowerCase().includes(text) || (e.name || "").toLowerCase().includes(text)));
+  shown.sort(ORDERS[document.getElementById("sort").value]);
+  listPage = 0;
+  renderList();
+}
+
+function renderList() {
+  const pages = Math.max(1, Math.ceil(shown.length / ROWS_PER_PAGE));
+  listPage = Math.min(Math.max(listPage, 0), pages - 1);
+  const body = document.getElementById("rows");
+  body.replaceChildren();
+  for (const e of shown.slice(listPage * ROWS_PER_PAGE, (listPage + 1) * ROWS_PER_PAGE)) {
+    const row = document.createElement("tr");
+    if (e.id === selected) row.className = "selected";
+    for (const value of [e.stage, e.run, e.iteration, e.model, e.task, e.sample, e.turns, e.status,
+                         e.best_speedup, e.hacked_turns, e.reward_change, e.reward]) {
+      const cell = document.createElement("td");
+      cell.textContent = fmt(value);
+      row.appendChild(cell);
+    }
+    row.addEventListener("click", () => select(e.id));
+    body.appendChild(row);
+  }
+  document.getElementById("shown").textContent = shown.length + " of " + INDEX.length + " trajectories";
+  document.getElementById("page").textContent = "page " + (listPage + 1) + " / " + pages;
+}
+
+function select(id) {
+  const entry = INDEX[id];
+  if (!entry) return;
+  selected = id;
+  history.replaceState(null, "", "#t=" + id);
+  renderList();
+  message("Loading\\u2026");
+  loadFile(entry.file, (data) => {
+    if (selected !== id) return;
+    const detail = document.getElementById("detail");
+    const trajectory = data.trajectories[id];
+    const reference = "<details><summary>Reference (PyTorch)</summary>" + data.references[trajectory.task] + "</details>";
+    detail.innerHTML = trajectory.head + reference + trajectory.turns;  // all escaped at build time
+  });
+}
+
+update();
+const linked = /^#t=(\\d+)$/.exec(location.hash);
+if (linked) select(Number(linked[1]));
+"""

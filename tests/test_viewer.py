@@ -1,0 +1,189 @@
+"""The static trajectory viewer, built from a small database of rows in the real schemas."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kpipe.data.io import write_table
+from kpipe.db import build_db
+from kpipe.viewer import build_viewer, view_command
+
+REFERENCE = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n"
+FIRST_CODE = "import triton\n\nclass ModelNew:\n    def forward(self, x):\n        return x.clamp(min=0)\n"
+SECOND_CODE = "import triton\n\nclass ModelNew:\n    def forward(self, x):\n        return relu_kernel(x)\n"
+ATTACK = "<script>alert(1)</script>"
+
+
+def turn(stage: str, task_id: str, sample: int, number: int, **fields) -> dict:
+    row = {
+        "run": "default", "stage": stage, "iteration": 0, "task_id": task_id, "sample": sample, "turn": number,
+        "model": "tiny", "prompt_messages": [{"role": "system", "content": "You write Triton."},
+                                              {"role": "user", "content": f"Optimise this (turn {number})"}],
+        "response": "", "finish_reason": "stop", "code": None, "prompt_tokens": 120, "completion_tokens": 80,
+        "status": "format_error", "correct": False, "hacked": False, "speedup_eager": None, "speedup_compile": None,
+        "pr": None, "feedback": "Status: format_error", "reward": 0.0,
+    }
+    return row | fields
+
+
+@pytest.fixture
+def database(tmp_path) -> Path:
+    """Three trajectories (7 turns): an improving eval one, a hacked RL one, a format error with a <script>."""
+    results = tmp_path / "results"
+    write_table([{"task_id": "kb-main-L1-19", "source": "kernelbench", "version": "main", "size_profile": "tiny",
+                  "split": "eval", "level": 1, "problem_id": 19, "name": "19_ReLU", "reference_src": REFERENCE,
+                  "reference_hash": "h"}], results / "tasks" / "tasks.parquet", "tasks")
+    write_table([{"query_id": "drkernel_rl-7", "source": "drkernel_rl", "source_id": "7", "level": None,
+                  "name": "gelu query", "reference_src": REFERENCE.replace("relu", "gelu"), "reference_hash": "q",
+                  "contaminated": False, "contaminated_with": None, "similarity": 0.1}],
+                results / "queries" / "queries.parquet", "queries")
+    evaluation = [
+        turn("eval", "kb-main-L1-19", 0, 1, code=FIRST_CODE, status="correct", correct=True, speedup_eager=0.8,
+             speedup_compile=0.5, pr=0.0, reward=1.8, feedback="Status: correct\nRuntime: slower than eager"),
+        turn("eval", "kb-main-L1-19", 0, 2, code=SECOND_CODE, status="correct", correct=True, speedup_eager=2.5,
+             speedup_compile=1.7, pr=0.9, reward=3.5, feedback="Status: correct"),
+        turn("eval", "kb-main-L1-19", 0, 3, code=SECOND_CODE, status="correct", correct=True, speedup_eager=2.4,
+             speedup_compile=1.6, pr=0.9, reward=3.4, feedback="Status: correct"),
+    ]
+    write_table(evaluation, results / "trajectories" / "stage=eval" / "run=default" / "part-0.parquet", "trajectories")
+    rollouts = [
+        turn("rl", "drkernel_rl-7", 0, 1, code=FIRST_CODE, status="hacked", hacked=True, speedup_eager=9.0,
+             feedback="Status: hacked (the kernel skipped the work)\n"
+                      "Hacking check failed: no Triton kernel launched; output is a view of the input"),
+        turn("rl", "drkernel_rl-7", 0, 2, code=SECOND_CODE, status="correct", correct=True, speedup_eager=1.1,
+             reward=2.1, feedback="Status: correct"),
+        turn("rl", "drkernel_rl-7", 1, 1, response=f"I refuse to write code {ATTACK}",
+             feedback=f"Status: format_error\nno code block in {ATTACK}"),
+        turn("rl", "drkernel_rl-7", 1, 2, code=f'import triton\nBANNER = "{ATTACK}"\n', status="compile_error",
+             feedback="Status: compile_error"),
+    ]
+    write_table(rollouts, results / "trajectories" / "stage=rl" / "run=default" / "iter=0" / "part-0.parquet",
+                "trajectories")
+    db = results / "kpipe.duckdb"
+    build_db(results, db)
+    return db
+
+
+def page_data(path: Path) -> dict:
+    """The payload a data/page-NNNN.js file registers."""
+    match = re.fullmatch(r"kpipeViewer\.addPage\((\d+),(.*)\);\n", path.read_text(), re.S)
+    assert match, path.read_text()[:200]
+    return json.loads(match.group(2))
+
+
+def embedded_index(index_html: str) -> list[dict]:
+    match = re.search(r'<script type="application/json" id="kpipe-index">(.*?)</script>', index_html, re.S)
+    return json.loads(match.group(1))
+
+
+def detail_html(out: Path, entry: dict) -> str:
+    data = page_data(out / "data" / f"page-{entry['file']:04d}.js")
+    trajectory = data["trajectories"][str(entry["id"])]
+    return trajectory["head"] + data["references"][trajectory["task"]] + trajectory["turns"]
+
+
+def test_counts_index_and_sorted_view_keys(database, tmp_path):
+    out = tmp_path / "viewer"
+    assert build_viewer(database, out) == {"trajectories": 3, "turns": 7, "files": 1}
+    page = (out / "index.html").read_text()
+    assert "3 trajectories</b>, <b>7 turns" in page
+    assert "<td>eval</td><td>default</td><td>0</td><td>tiny</td><td>1</td><td>3</td><td>1</td><td>0</td>" in page
+    entries = embedded_index(page)
+    assert [(e["stage"], e["task"], e["sample"]) for e in entries] == [  # pipeline order: rl before eval
+        ("rl", "drkernel_rl-7", 0), ("rl", "drkernel_rl-7", 1), ("eval", "kb-main-L1-19", 0)]
+    hacked, format_error, improving = entries
+    assert hacked["hacked_turns"] == 1 and hacked["best_speedup"] == 1.1  # the hacked 9x does not count
+    assert hacked["statuses"] == ["correct", "hacked"] and hacked["name"] == "gelu query"
+    assert improving["best_speedup"] == 2.5 and improving["reward_change"] == pytest.approx(1.7)
+    assert format_error["best_speedup"] is None and format_error["status"] == "compile_error"
+
+
+def test_turns_show_code_diff_feedback_reference_and_hack_reasons(database, tmp_path):
+    out = tmp_path / "viewer"
+    build_viewer(database, out)
+    hacked, _, improving = embedded_index((out / "index.html").read_text())
+    detail = detail_html(out, improving)
+    assert detail.count('<div class="turn"') == 3
+    assert "Diff against turn 1" in detail and "Diff against turn 2" in detail
+    assert '<span class="gd">-        return x.clamp(min=0)</span>' in detail
+    assert '<span class="gi">+        return relu_kernel(x)</span>' in detail
+    assert "Same code as the previous turn." in detail  # turn 3 repeats turn 2
+    assert '<span class="nf">forward</span>' in detail  # Pygments highlighted the code
+    assert "torch</span><span class=\"o\">.</span><span class=\"n\">relu" in detail  # the task's reference
+    assert "Runtime: slower than eager" in detail and "2 message(s) (system 17, user 22 characters), 120 tokens" in detail
+    assert "<th>speedup vs eager</th><td>2.5</td>" in detail and "<th>PR (Triton share of time)</th><td>0.9</td>" in detail
+    hacks = detail_html(out, hacked)
+    assert "<li>no Triton kernel launched</li><li>output is a view of the input</li>" in hacks
+
+
+def test_model_output_is_escaped_everywhere(database, tmp_path):
+    out = tmp_path / "viewer"
+    build_viewer(database, out)
+    for path in out.rglob("*"):
+        if path.is_file():
+            assert "<script>alert" not in path.read_text()  # neither raw in a file ...
+    _, format_error, _ = embedded_index((out / "index.html").read_text())
+    detail = detail_html(out, format_error)
+    assert "<script>alert" not in detail  # ... nor once the page decodes its JSON
+    assert "I refuse to write code &lt;script&gt;alert(1)&lt;/script&gt;" in detail  # the response, as text
+    assert "no code block in &lt;script&gt;alert(1)&lt;/script&gt;" in detail  # the feedback
+    assert '"&lt;script&gt;alert(1)&lt;/script&gt;"' in detail  # inside highlighted code
+
+
+def test_many_trajectories_are_paged_into_lazy_files(tmp_path):
+    results = tmp_path / "results"
+    rows = [turn("eval", f"kb-main-L1-{i}", 0, t, code=f"kernel_{i}_turn_{t} = 1\n", status="correct", correct=True,
+                 speedup_eager=float(i % 7), reward=float(t))
+            for i in range(230) for t in (1, 2)]
+    write_table(rows, results / "trajectories" / "stage=eval" / "part-0.parquet", "trajectories")
+    build_db(results, results / "kpipe.duckdb")
+    out = results / "viewer"
+    assert build_viewer(results / "kpipe.duckdb", out, per_file=50) == {"trajectories": 230, "turns": 460, "files": 5}
+    page = (out / "index.html").read_text()
+    entries = embedded_index(page)
+    assert [e["file"] for e in entries] == [i // 50 for i in range(230)]
+    assert "kernel_1_turn_1" not in page  # turn details stay in the data files until opened
+    last = page_data(out / "data" / "page-0004.js")
+    assert "kernel_99_turn_2" in json.dumps(last)  # the 230 ids sort as text: 99 comes last
+    assert len(last["trajectories"]) == 30 and '"data/page-"' in page  # loaded by a <script> tag, not fetch()
+    assert "fetch(" not in page
+
+
+def test_rebuild_replaces_only_a_viewer_folder(database, tmp_path):
+    out = tmp_path / "viewer"
+    build_viewer(database, out)
+    (out / "data" / "page-0099.js").write_text("stale")
+    build_viewer(database, out)
+    assert not (out / "data" / "page-0099.js").exists()
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        build_viewer(database, other)
+    assert (other / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
+def test_page_scripts_parse(database, tmp_path):
+    out = tmp_path / "viewer"
+    build_viewer(database, out)
+    inline = re.findall(r"<script>(.*?)</script>", (out / "index.html").read_text(), re.S)
+    assert len(inline) == 1
+    script = tmp_path / "inline.js"
+    script.write_text(inline[0])
+    for path in (script, *sorted((out / "data").glob("*.js"))):
+        checked = subprocess.run(["node", "--check", str(path)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stderr
+
+
+def test_cli_builds_the_viewer(database, tmp_path):
+    out = tmp_path / "viewer"
+    result = CliRunner().invoke(view_command, ["--db", str(database), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "3 trajectories, 7 turns, 1 data file(s)" in result.output
+    assert (out / "index.html").exists()

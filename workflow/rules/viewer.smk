@@ -1,0 +1,19 @@
+# The trajectory viewer (kpipe.viewer.build_viewer): results/viewer/index.html and its lazily
+# loaded data/ files, a static page over every trajectory of results/kpipe.duckdb that opens
+# from disk; the report links it under "Trajectories". `kpipe view` builds the same outside Snakemake.
+
+
+rule viewer:
+    input:
+        db=f"{RESULTS}/kpipe.duckdb",
+    output:
+        report(directory(f"{RESULTS}/viewer"), htmlindex="index.html", caption="../report/viewer.rst",
+               category="Trajectories", labels={"page": "trajectory viewer"}),
+    params:
+        code=code_version("viewer.py"),
+    log:
+        f"{LOGS}/viewer.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/viewer.py"
