@@ -2,7 +2,8 @@
 n samples x T turns through the one multi-turn loop (`kpipe.agent.loop.run_episodes`), written
 as `trajectories` rows with stage="eval" (STTS, `kpipe.stts`, is the same job with another
 history policy and more turns; the RL validation of `validation_job` is the same job on an RL
-iteration's checkpoint, with stage="rl_val").
+iteration's checkpoint, with stage="rl_val"; Kevin's test-time budget of `budget_job` runs it
+once per split of a budget of kernels into trajectories × turns, with stage="budget").
 
 One evaluation measures the candidate against both eager PyTorch and `torch.compile`
 (protocol `baseline: both`), so Table 1 and Table 2 come from the same rows.
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 STAGE = "eval"
 VALIDATION_STAGE = "rl_val"  # RL iteration checkpoints on the validation tasks (config rl.validation)
+BUDGET_STAGE = "budget"  # Kevin's test-time budget splits (config eval_budget)
 MODEL_KINDS = ("hf", "vllm", "openai", "offline_teacher", "pipeline")
 API_KINDS = ("openai", "offline_teacher")  # answers cost money or time: cache them
 CHECKPOINT_KINDS = ("hf", "vllm", "pipeline")  # a local checkpoint: may be served with `serve: vllm`
@@ -199,12 +201,12 @@ def evaluate_shard(tasks: Sequence[AgentTask], engine: Engine, evaluator: Evalua
     return rows
 
 
-def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settings: Mapping[str, Any],
-                    out_path: str | os.PathLike, cache_path: str | os.PathLike, *, model_label: str, stage: str,
-                    policy: HistoryPolicy, n_turns: int, run: str, gym: Mapping[str, Any] | None,
-                    checkpoint: str | None, progress: bool, iteration: int = 0) -> list[dict[str, Any]]:
-    """What an eval, an STTS and an RL validation job share: engine, cached evaluator, the loop,
-    the Parquet file.
+@contextlib.contextmanager
+def opened_model(entry: Mapping[str, Any], settings: Mapping[str, Any], cache_path: str | os.PathLike,
+                 gym: Mapping[str, Any] | None, checkpoint: str | None, progress: bool
+                 ) -> Iterator[tuple[Engine, Evaluator]]:
+    """A model's engine and the cached evaluator for a block (what an eval, an STTS, a budget and
+    an RL validation job open once): API answers and evaluations are cached under `cache_path`.
 
     `gym` is the config's `gym` section (protocol and evaluator backend)."""
     from kpipe.agent.evaluator import open_evaluator
@@ -220,6 +222,16 @@ def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settin
         engine = stack.enter_context(opened_engine(entry, checkpoint, progress))
         if entry["kind"] in API_KINDS:
             engine = CachedEngine(engine, ResponseCache(cache_path))
+        yield engine, evaluator
+
+
+def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settings: Mapping[str, Any],
+                    out_path: str | os.PathLike, cache_path: str | os.PathLike, *, model_label: str, stage: str,
+                    policy: HistoryPolicy, n_turns: int, run: str, gym: Mapping[str, Any] | None,
+                    checkpoint: str | None, progress: bool, iteration: int = 0) -> list[dict[str, Any]]:
+    """What an eval, an STTS and an RL validation job share: engine, cached evaluator, the loop,
+    the Parquet file."""
+    with opened_model(entry, settings, cache_path, gym, checkpoint, progress) as (engine, evaluator):
         rows = evaluate_shard(
             tasks, engine, evaluator, out_path, model_name=model_label, run=run, stage=stage, iteration=iteration,
             policy=policy, n_samples=int(settings.get("samples", 8)), n_turns=n_turns, sampling=sampling_of(settings, entry),
@@ -269,6 +281,38 @@ def validation_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, c
     return run_model_shard(tasks, entry, settings, out_path, cache_path, model_label=entry["name"],
                            stage=VALIDATION_STAGE, policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run,
                            gym=gym, checkpoint=checkpoint, progress=progress, iteration=iteration)
+
+
+def budget_splits(kernels: int, turns: Sequence[int]) -> list[tuple[int, int]]:
+    """(trajectories, turns) of each split of a budget of `kernels` generated kernels per task
+    (Kevin §5.4: 128 as 128×1, 32×4 and 16×8); each turn count must divide the budget."""
+    if kernels < 1 or not turns or any(t < 1 or kernels % t for t in turns):
+        raise ValueError(f"eval_budget: every turn count of {list(turns)} must divide kernels = {kernels}")
+    return [(kernels // t, t) for t in sorted(set(turns))]
+
+
+def budget_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
+               entry: Mapping[str, Any], settings: Mapping[str, Any], *, level: int, shard: int = 0,
+               num_shards: int = 1, run: str = "default", gym: Mapping[str, Any] | None = None,
+               checkpoint: str | None = None, progress: bool = True) -> list[dict[str, Any]]:
+    """Kevin's test-time budget (config `eval_budget`) for one model, level and shard: every split
+    of `settings["kernels"]` into trajectories × turns through the evaluation's loop, with one
+    engine and evaluator for all; rows stage="budget", model "<name>@<trajectories>x<turns>".
+    The splits share the sampling seed, so sample i starts alike in each (a cached API model pays
+    for the shared turns once) and splits differ by how the budget is spent, not by the draw."""
+    check_model(entry)
+    tasks = eval_tasks(tasks_path, level, shard, num_shards, settings.get("max_tasks"))
+    rows: list[dict[str, Any]] = []
+    with opened_model(entry, settings, cache_path, gym, checkpoint, progress) as (engine, evaluator):
+        for trajectories, turns in budget_splits(int(settings["kernels"]), settings["turns"]):
+            split = run_episodes(tasks, engine, evaluator, FullHistory(), n_samples=trajectories, max_turns=turns,
+                                 sampling=sampling_of(settings, entry), run=run, stage=BUDGET_STAGE,
+                                 seed=int(settings.get("seed", 0)),
+                                 max_context_tokens=settings.get("max_context_tokens"), progress=progress)
+            rows.extend({**row, "model": f"{entry['name']}@{trajectories}x{turns}"} for row in split)
+    write_table(rows, out_path, "trajectories")
+    log.info("budget %s L%d: %d tasks, %d turns written to %s", entry["name"], level, len(tasks), len(rows), out_path)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------

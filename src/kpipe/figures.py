@@ -3,44 +3,83 @@
 - Figure 4: Fast@1 over RL training steps (as the RL stage logs it), one line per run;
 - Figure 5: Fast@1.2 at the last turn (left) and entropy (right) over training steps;
 - Figure 6: STTS, Fast@1.2 of the last turn (left) and best of history (right) vs turns T;
-- Figure 7: training dynamics: entropy, gradient norm, rollout and trainer perplexity;
+- Figure 7: training dynamics: mean reward, entropy, gradient norm, rollout and trainer perplexity;
 - Figure 8: hacking ratio over RL iterations (from the rollouts' hacked flags);
 - RL validation (the paper's Figures 4 and 5 left, and 8, measured as the paper does): Fast@1,
   Fast@1.2, pass rate and hacking ratio of each validated iteration's checkpoint on the
-  validation tasks vs training step, one line per run (workflow/sql/rl_validation.sql).
+  validation tasks vs training step, one line per run (workflow/sql/rl_validation.sql);
+- Kevin's test-time budget (Kevin-32B §5.3-5.4): best@k correctness and speedup vs the kernels
+  generated per task, one line per split of the budget (workflow/sql/kevin_budget.sql).
+
+Every figure's title says where its data came from (view `provenance` of views.sql): the rollout
+engine of RL rows and the device of the timings, read from the rows, so a CPU run says "CPU
+(Triton interpreter)" and an HF rollout is not called vLLM. Every axis says what it measures
+and in which unit. A panel with nothing to show says so in the image instead of drawing flat
+zeros: no rows; a speed metric (Fast@p, speedup) that is 0 everywhere without GPU timings (CPU
+interpreter timings, or no timed kernel); an update statistic (gradient norm, entropy,
+perplexity) that is 0 at every step (nothing was trained on). A zero measured on a GPU, a zero
+reward, pass rate or hacking ratio are results and are drawn. Where a table has an interval
+(`<column>_lo`, `<column>_hi`), the figure shades it.
 
 Training metrics are found by name (`train_metrics.name`, normalised to lower case with every
 non-alphanumeric run as "_"), so a figure shows whatever the RL stage logs under any of the
-usual spellings (e.g. "val/fast@1.2_turn3", "fast_1.2"). A panel with no data says so in the
-image instead of failing: a run without RL still gets its report.
+usual spellings (e.g. "val/fast@1.2_turn3", "fast_1.2").
 """
 
 from __future__ import annotations
 
 import re
+import textwrap
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import duckdb
 import pandas as pd
 
 from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
 
-# panel title -> pattern over normalised metric names
-FIGURE_PANELS: dict[str, dict[str, str]] = {
-    "fig4_fast1_training": {"Fast@1 during RL": r"fast_?1(?:_turn_?\d+)?$"},
-    "fig5_fast12_entropy": {"Fast@1.2 during RL": r"fast_?1_2(?:_turn_?\d+)?$", "Entropy": r"(?:^|_)entropy$"},
+
+class Panel(NamedTuple):
+    """One panel of a training figure: the metrics it draws and how to read them."""
+
+    pattern: str  # over normalised metric names
+    ylabel: str
+    speed: bool = False  # depends on kernel timings (Fast@p): meaningless without GPU timings
+    update: bool = False  # a statistic of the policy update: 0 at every step means nothing was trained
+
+
+FAST_UNIT = "fraction of rollouts (0-1)"
+# figure -> panel title -> panel
+FIGURE_PANELS: dict[str, dict[str, Panel]] = {
+    "fig4_fast1_training": {"Fast@1 during RL": Panel(r"fast_?1(?:_turn_?\d+)?$", f"Fast@1, {FAST_UNIT}", speed=True)},
+    "fig5_fast12_entropy": {
+        "Fast@1.2 during RL": Panel(r"fast_?1_2(?:_turn_?\d+)?$", f"Fast@1.2, {FAST_UNIT}", speed=True),
+        "Entropy": Panel(r"(?:^|_)entropy$", "entropy (nats per token)", update=True),
+    },
     "fig7_training_dynamics": {
-        "Entropy": r"(?:^|_)entropy$",
-        "Gradient norm": r"(?:^|_)grad_?norm$",
-        "Rollout (vLLM) perplexity": r"(?:rollout|vllm|infer\w*)_ppl|ppl_(?:rollout|vllm)",
-        "Trainer (FSDP) perplexity": r"(?:train\w*|fsdp)_ppl|ppl_(?:train|fsdp)",
+        "Mean reward": Panel(r"(?:^|_)reward_mean$", "mean reward per rollout turn"),
+        "Entropy": Panel(r"(?:^|_)entropy$", "entropy (nats per token)", update=True),
+        "Gradient norm": Panel(r"(?:^|_)grad_?norm$", "gradient L2 norm (before clipping)", update=True),
+        "Rollout-engine perplexity": Panel(r"(?:rollout|vllm|infer\w*)_ppl|ppl_(?:rollout|vllm)",
+                                           "perplexity (exp mean NLL per token)", update=True),
+        "Trainer perplexity": Panel(r"(?:train\w*|fsdp)_ppl|ppl_(?:train|fsdp)", "perplexity (exp mean NLL per token)",
+                                    update=True),
     },
 }
+FIGURE_TITLES = {"fig4_fast1_training": "Figure 4: Fast@1 of the RL rollouts",
+                 "fig5_fast12_entropy": "Figure 5: Fast@1.2 and entropy during RL",
+                 "fig7_training_dynamics": "Figure 7: RL training dynamics"}
 TRAINING_STAGES = ("rl", "val")
-# panel title -> column of rl_validation.sql (percentages)
-VALIDATION_PANELS = {"Fast@1, last turn": "fast_1", "Fast@1.2, last turn": "fast_1_2",
-                     "Pass rate, last turn": "pass_rate", "Hacking ratio, all turns": "hacking_ratio"}
-FIGURE_NAMES = tuple(sorted([*FIGURE_PANELS, "fig6_stts", "fig8_hacking_ratio", "fig_rl_validation"]))
+# panel title -> column of rl_validation.sql (percentages), whether it depends on timings
+VALIDATION_PANELS = {"Fast@1, last turn": ("fast_1", True), "Fast@1.2, last turn": ("fast_1_2", True),
+                     "Pass rate, last turn": ("pass_rate", False), "Hacking ratio, all turns": ("hacking_ratio", False)}
+FIGURE_NAMES = tuple(sorted([*FIGURE_PANELS, "fig6_stts", "fig8_hacking_ratio", "fig_rl_validation",
+                             "fig_kevin_budget"]))
+ENGINES = {"hf": "HF transformers", "vllm": "vLLM"}
+DEVICES = {"cpu": "CPU (Triton-interpreter timings, not GPU performance)", "cuda": "GPU (CUDA-event timings)",
+           "mixed": "CPU and GPU timings mixed"}
+CPU_MARK = "CPU-interpreter timings: not GPU performance"
 
 
 def normalised(name: str) -> str:
@@ -55,26 +94,111 @@ def matching_series(curves: pd.DataFrame, pattern: str) -> pd.DataFrame:
     return curves[curves["stage"].isin(TRAINING_STAGES) & names.str.contains(pattern, regex=True)]
 
 
-def _empty_panel(ax, what: str) -> None:
-    ax.text(0.5, 0.5, f"no {what} in this run", ha="center", va="center", transform=ax.transAxes, color="gray")
+# ---------------------------------------------------------------------------------------
+# Where the data came from
+# ---------------------------------------------------------------------------------------
 
 
-def _figure(n_panels: int):
+class Source(NamedTuple):
+    """The engines and timing kinds behind one figure's rows."""
+
+    engines: tuple[str, ...]  # rollout engines (RL rows), or the evaluated models
+    timing: tuple[str, ...]  # timing kinds: cpu, cuda, mixed
+
+    @property
+    def gpu_timed(self) -> bool:
+        return "cuda" in self.timing
+
+    @property
+    def cpu_timed(self) -> bool:
+        return bool(self.timing) and not self.gpu_timed
+
+
+def read_provenance(db_path: Path) -> pd.DataFrame:
+    with duckdb.connect(str(db_path), read_only=True) as con:
+        return con.sql("select run, stage, model, engine, timing_kind from provenance").df()
+
+
+def source_of(provenance: pd.DataFrame, stages: Iterable[str], engines_from: str | None = "rl") -> Source:
+    """The timing kinds of `stages`' rows, and the rollout engines of the `engines_from` stage's
+    rows of the same runs (None: the models of `stages`' rows, base name before '@')."""
+    stages = tuple(stages)
+    rows = provenance[provenance["stage"].isin(stages)]
+    if engines_from is None:
+        engines = rows["model"].str.split("@").str[0]
+    else:
+        runs = set(rows["run"]) if not rows.empty else set(provenance["run"])
+        rl = provenance[(provenance["stage"] == engines_from) & provenance["run"].isin(runs)]
+        engines = rl["engine"].map(lambda engine: ENGINES.get(engine, engine))
+    return Source(tuple(sorted(set(engines.dropna()))), tuple(sorted(set(rows["timing_kind"].dropna()))))
+
+
+def source_line(source: Source, what: str = "rollouts") -> str:
+    """E.g. "rollouts: HF transformers · device: CPU (Triton-interpreter timings, ...)"."""
+    engines = ", ".join(source.engines) or "not recorded"
+    device = ", ".join(DEVICES.get(kind, kind) for kind in source.timing) or "no timed kernel"
+    return f"{what}: {engines} · device: {device}"
+
+
+# ---------------------------------------------------------------------------------------
+# Drawing helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _figure(n_panels: int, title: str, source: str):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, n_panels, figsize=(4.5 * n_panels, 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, n_panels, figsize=(max(4.8 * n_panels, 7.0), 4.0), squeeze=False)
+    fig.suptitle(f"{title}\n{source}", fontsize=10)
     return plt, fig, list(axes[0])
 
 
-def _percent_axes(ax, values: pd.Series) -> None:
-    """Percentages from 0 (a flat zero line stays readable) and whole-number turns/iterations."""
+def _no_data(ax, message: str) -> None:
+    """The panel says why there is nothing to draw (and keeps no misleading ticks)."""
+    ax.text(0.5, 0.5, "\n".join(textwrap.wrap(message, 38)), ha="center", va="center", transform=ax.transAxes,
+            color="dimgray", fontsize=9, bbox={"boxstyle": "round", "facecolor": "whitesmoke", "edgecolor": "silver"})
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _cpu_mark(ax) -> None:
+    ax.text(0.99, 0.02, CPU_MARK, ha="right", va="bottom", transform=ax.transAxes, color="firebrick", fontsize=7,
+            style="italic")
+
+
+def nothing_to_draw(values: pd.Series, what: str, source: Source, speed: bool = False, update: bool = False,
+                    where: str = "point") -> str | None:
+    """Why a panel of `values` shows no lines (None: draw them)."""
+    values = values.dropna()
+    if values.empty:
+        return f"no {what} in this run"
+    if not (values == 0).all():
+        return None
+    n = f"0 at every {where} ({len(values)} values)"
+    if speed and not source.gpu_timed:
+        reason = "timings are CPU-interpreter timings" if source.cpu_timed else "no kernel was timed"
+        return f"{what}: {n}; {reason}, so speedups say nothing about GPU performance"
+    if update:
+        return f"{what}: {n}: no update trained on any token"
+    return None
+
+
+def _line(ax, frame: pd.DataFrame, x: str, y: str, label: str, **style: Any) -> None:
+    """A line, with its interval shaded where the table has one (`y`_lo, `y`_hi)."""
+    ax.plot(frame[x], frame[y], label=label, **{"marker": "o", **style})
+    if {f"{y}_lo", f"{y}_hi"} <= set(frame.columns):
+        ax.fill_between(frame[x], frame[f"{y}_lo"], frame[f"{y}_hi"], alpha=0.2)
+
+
+def _percent_axes(ax, values: pd.Series, top: float = 100.0) -> None:
+    """Percentages from 0 (a low line stays readable) and whole-number turns/iterations."""
     from matplotlib.ticker import MaxNLocator
 
-    top = float(values.max()) if len(values) else 0.0
-    ax.set_ylim(0, max(5.0, 1.1 * top))
+    highest = float(values.max()) if len(values.dropna()) else 0.0
+    ax.set_ylim(0, min(top * 1.05, max(5.0, 1.1 * highest)))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
@@ -86,77 +210,130 @@ def _save(plt, fig, path: Path) -> Path:
     return path
 
 
-def training_figure(curves: pd.DataFrame, panels: dict[str, str], path: Path) -> Path:
+# ---------------------------------------------------------------------------------------
+# The figures
+# ---------------------------------------------------------------------------------------
+
+
+def training_figure(curves: pd.DataFrame, panels: dict[str, Panel], path: Path, title: str, source: Source) -> Path:
     """One panel per metric pattern, one line per (run, metric name), x = training step."""
-    plt, fig, axes = _figure(len(panels))
-    for ax, (title, pattern) in zip(axes, panels.items()):
-        series = matching_series(curves, pattern)
+    plt, fig, axes = _figure(len(panels), title, source_line(source))
+    for ax, (panel_title, panel) in zip(axes, panels.items()):
+        series = matching_series(curves, panel.pattern)
+        ax.set_title(panel_title)
+        why = nothing_to_draw(series["value"] if not series.empty else pd.Series(dtype=float), panel_title, source,
+                              speed=panel.speed, update=panel.update, where="step")
+        if why:
+            _no_data(ax, why)
+            continue
         for (run, name), line in series.groupby(["run", "name"]):
-            line = line.sort_values(["iteration", "step"])
-            ax.plot(line["step"], line["value"], marker=".", label=f"{run}: {name}")
-        if series.empty:
-            _empty_panel(ax, title)
-        else:
-            ax.legend(fontsize=7)
-        ax.set_title(title)
-        ax.set_xlabel("training step")
-    return _save(plt, fig, path)
-
-
-def stts_figure(stts: pd.DataFrame, path: Path) -> Path:
-    """Figure 6: Fast@1.2 vs T, last turn (left) and best of history (right)."""
-    plt, fig, axes = _figure(2)
-    for ax, (history, title) in zip(axes, (("last", "Last turn"), ("best", "Best of history"))):
-        part = stts[stts["history"] == history] if not stts.empty else stts
-        for (model, strategy, level), line in part.groupby(["model", "strategy", "level"]):
-            ax.plot(line["T"], line["fast_1_2"], marker="o", label=f"{model} {strategy} L{level}")
-        if part.empty:
-            _empty_panel(ax, "STTS rows")
-        else:
-            ax.legend(fontsize=7)
-        _percent_axes(ax, part["fast_1_2"] if not part.empty else pd.Series(dtype=float))
-        ax.set_title(f"STTS: {title} Fast@1.2")
-        ax.set_xlabel("turns T")
-        ax.set_ylabel("Fast@1.2 (%)")
-    return _save(plt, fig, path)
-
-
-def hacking_figure(hacking: pd.DataFrame, path: Path) -> Path:
-    """Figure 8: hacking ratio of the RL rollouts per iteration, per run and level."""
-    plt, fig, axes = _figure(1)
-    ax = axes[0]
-    rl = hacking[hacking["stage"] == "rl"] if not hacking.empty else hacking
-    for (run, level), line in rl.groupby(["run", "level"], dropna=False):
-        ax.plot(line["iteration"], line["hacking_ratio"], marker="o", label=f"{run} L{level}")
-    if rl.empty:
-        _empty_panel(ax, "RL rollouts")
-    else:
+            _line(ax, line.sort_values(["iteration", "step"]), "step", "value", f"{run}: {name}", marker=".")
         ax.legend(fontsize=7)
-    _percent_axes(ax, rl["hacking_ratio"] if not rl.empty else pd.Series(dtype=float))
-    ax.set_title("Hacking ratio during RL")
-    ax.set_xlabel("RL iteration")
-    ax.set_ylabel("hacked samples (%)")
+        ax.set_xlabel("training step (optimizer updates)")
+        ax.set_ylabel(panel.ylabel)
+        if panel.speed and source.cpu_timed:
+            _cpu_mark(ax)
     return _save(plt, fig, path)
 
 
-def validation_figure(validation: pd.DataFrame, path: Path) -> Path:
+def stts_figure(stts: pd.DataFrame, path: Path, source: Source) -> Path:
+    """Figure 6: Fast@1.2 vs T, last turn (left) and best of history (right)."""
+    plt, fig, axes = _figure(2, "Figure 6: sequential test-time scaling", source_line(source, "models"))
+    for ax, (history, label) in zip(axes, (("last", "Last turn"), ("best", "Best of history"))):
+        part = stts[stts["history"] == history] if not stts.empty else stts
+        ax.set_title(f"STTS: {label} Fast@1.2")
+        values = part["fast_1_2"] if not part.empty else pd.Series(dtype=float)
+        why = nothing_to_draw(values, "STTS rows" if stts.empty else "STTS Fast@1.2", source, speed=True, where="T")
+        if why:
+            _no_data(ax, why)
+            continue
+        for (model, strategy, level), line in part.groupby(["model", "strategy", "level"]):
+            _line(ax, line.sort_values("T"), "T", "fast_1_2", f"{model} {strategy} L{level}")
+        ax.legend(fontsize=7)
+        _percent_axes(ax, values)
+        ax.set_xlabel("turns T")
+        ax.set_ylabel("Fast@1.2 vs eager (% of samples)")
+        if source.cpu_timed:
+            _cpu_mark(ax)
+    return _save(plt, fig, path)
+
+
+def hacking_figure(hacking: pd.DataFrame, path: Path, source: Source) -> Path:
+    """Figure 8: hacking ratio of the RL rollouts per iteration, per run and level."""
+    plt, fig, axes = _figure(1, "Figure 8: hacking ratio during RL", source_line(source))
+    ax = axes[0]
+    ax.set_title("Hacked RL rollout turns")
+    rl = hacking[hacking["stage"] == "rl"] if not hacking.empty else hacking
+    why = nothing_to_draw(rl["hacking_ratio"] if not rl.empty else pd.Series(dtype=float), "RL rollouts", source)
+    if why:
+        _no_data(ax, why)
+        return _save(plt, fig, path)
+    for (run, level), line in rl.groupby(["run", "level"], dropna=False):
+        _line(ax, line.sort_values("iteration"), "iteration", "hacking_ratio", f"{run} L{level}")
+    ax.legend(fontsize=7)
+    _percent_axes(ax, rl["hacking_ratio"])
+    ax.set_xlabel("RL iteration")
+    ax.set_ylabel("hacked turns (% of generated turns)")
+    return _save(plt, fig, path)
+
+
+def validation_figure(validation: pd.DataFrame, path: Path, source: Source) -> Path:
     """The RL validation curves: one panel per metric, one line per (run, level), x = the training
     step at the end of each validated iteration (the RL iteration where no step was logged)."""
-    plt, fig, axes = _figure(len(VALIDATION_PANELS))
+    plt, fig, axes = _figure(len(VALIDATION_PANELS), "RL validation: each iteration's checkpoint on the validation tasks",
+                             source_line(source))
     by_step = not validation.empty and bool(validation["step"].notna().all())
     x = "step" if by_step else "iteration"
-    for ax, (title, column) in zip(axes, VALIDATION_PANELS.items()):
-        for (run, level), line in validation.groupby(["run", "level"], dropna=False):
-            line = line.sort_values("iteration")
-            ax.plot(line[x], line[column], marker="o", label=f"{run} L{level}")
-        if validation.empty:
-            _empty_panel(ax, "RL validation rows")
-        else:
-            ax.legend(fontsize=7)
-        _percent_axes(ax, validation[column])
+    for ax, (title, (column, speed)) in zip(axes, VALIDATION_PANELS.items()):
         ax.set_title(f"Validation: {title}")
-        ax.set_xlabel("training step" if by_step else "RL iteration")
-        ax.set_ylabel("%")
+        values = validation[column] if not validation.empty else pd.Series(dtype=float)
+        what = "RL validation rows" if validation.empty else f"validation {title.split(',')[0]}"
+        why = nothing_to_draw(values, what, source, speed=speed, where="iteration")
+        if why:
+            _no_data(ax, why)
+            continue
+        for (run, level), line in validation.groupby(["run", "level"], dropna=False):
+            _line(ax, line.sort_values("iteration"), x, column, f"{run} L{level}")
+        ax.legend(fontsize=7)
+        _percent_axes(ax, values)
+        ax.set_xlabel("training step (optimizer updates)" if by_step else "RL iteration")
+        ax.set_ylabel("% of validation samples" if column != "hacking_ratio" else "% of generated turns")
+        if speed and source.cpu_timed:
+            _cpu_mark(ax)
+    return _save(plt, fig, path)
+
+
+def budget_figure(budget: pd.DataFrame, path: Path, source: Source) -> Path:
+    """Kevin §5.3-5.4: best@k vs kernels generated per task (k × turns), one line per split (fixed
+    turns, k growing); each line ends at the whole budget (Kevin's Table 2), drawn larger."""
+    budgets = sorted(set(budget["budget"])) if not budget.empty else []
+    title = "Kevin test-time budget: " + (f"{', '.join(map(str, budgets))} kernels per task" if budgets else "no budget")
+    plt, fig, axes = _figure(2, title, source_line(source, "models"))
+    panels = (("best_at_k_correct", "best@k correctness (% of tasks)", False),
+              ("best_at_k_speedup", "best@k speedup vs eager (x, mean over tasks)", True))
+    for ax, (column, ylabel, speed) in zip(axes, panels):
+        ax.set_title(ylabel.split(" (")[0])
+        values = budget[column] if not budget.empty else pd.Series(dtype=float)
+        why = nothing_to_draw(values, "budget rows (config eval_budget)" if budget.empty else ylabel.split(" (")[0],
+                              source, speed=speed, where="k")
+        if why:
+            _no_data(ax, why)
+            continue
+        for (model, level, turns), line in budget.groupby(["model", "level", "turns"]):
+            line = line.sort_values("k")
+            label = f"{model} L{level}: {int(line['trajectories'].iloc[0])} traj × {turns} turn{'s' * (turns > 1)}"
+            _line(ax, line, "kernels", column, label, marker=".")
+            whole = line[line["full_budget"]]
+            ax.scatter(whole["kernels"], whole[column], s=60, color=ax.get_lines()[-1].get_color(), zorder=3)
+        ax.legend(fontsize=7)
+        if column == "best_at_k_correct":
+            _percent_axes(ax, values)
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_xlabel("kernels generated per task (k trajectories × turns)")
+        ax.set_ylabel(ylabel)
+        if speed and source.cpu_timed:
+            _cpu_mark(ax)
     return _save(plt, fig, path)
 
 
@@ -169,11 +346,18 @@ def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR)
         stts = run_table_sql(db_path, sql_dir / "stts_curves.sql")
         hacking = run_table_sql(db_path, sql_dir / "hacking_ratio.sql")
         validation = run_table_sql(db_path, sql_dir / "rl_validation.sql")
-    except duckdb.Error as error:
+        budget = run_table_sql(db_path, sql_dir / "kevin_budget.sql")
+        provenance = read_provenance(db_path)
+    except (duckdb.Error, RuntimeError) as error:
         raise RuntimeError(f"figures: {error}") from None
     out_dir = Path(out_dir)
-    written = {name: training_figure(curves, panels, out_dir / f"{name}.png") for name, panels in FIGURE_PANELS.items()}
-    written["fig6_stts"] = stts_figure(stts, out_dir / "fig6_stts.png")
-    written["fig8_hacking_ratio"] = hacking_figure(hacking, out_dir / "fig8_hacking_ratio.png")
-    written["fig_rl_validation"] = validation_figure(validation, out_dir / "fig_rl_validation.png")
+    training = source_of(provenance, ["rl"])
+    written = {name: training_figure(curves, panels, out_dir / f"{name}.png", FIGURE_TITLES[name], training)
+               for name, panels in FIGURE_PANELS.items()}
+    written["fig6_stts"] = stts_figure(stts, out_dir / "fig6_stts.png", source_of(provenance, ["stts"], None))
+    written["fig8_hacking_ratio"] = hacking_figure(hacking, out_dir / "fig8_hacking_ratio.png", training)
+    written["fig_rl_validation"] = validation_figure(validation, out_dir / "fig_rl_validation.png",
+                                                     source_of(provenance, ["rl_val"]))
+    written["fig_kevin_budget"] = budget_figure(budget, out_dir / "fig_kevin_budget.png",
+                                                source_of(provenance, ["budget"], None))
     return dict(sorted(written.items()))

@@ -1,4 +1,5 @@
-"""The Dr. Kernel paper's published numbers, transcribed as reference rows for kpipe's tables.
+"""The Dr. Kernel paper's published numbers (and Kevin-32B's test-time budget table, at the
+end), transcribed as reference rows for kpipe's tables.
 
 Source: "Dr. Kernel: Reinforcement Learning Done Right for Triton Kernel Generations"
 (`/work/shared/papers/dr-kernel.md`). Every row says where it comes from (`where`). Values are
@@ -81,3 +82,28 @@ HACKING_RATIO: tuple[HackingRow, ...] = (
 # Paper §6.1 / Table 1 caption: the reporting rules the reference rows follow.
 REPORTING = ("8 samples per task, 3 turns, turn 3 reported (a baseline's best turn where earlier); "
              "hacked samples count as incorrect; † = best turn of the whole history.")
+
+
+class BudgetRow(NamedTuple):
+    model: str
+    budget: int  # generated kernels per task
+    trajectories: int
+    turns: int
+    best_speedup: float  # best@trajectories of the trajectory speedup over eager PyTorch (x)
+    best_correct: float  # best@trajectories of trajectory correctness (percent)
+    where: str = "Kevin-32B §5.4, Table 2 (columns \"pass@128\": the best of all 128 kernels)"
+
+
+# Kevin-32B (`/work/shared/papers/kevin.md`), a CUDA (not Triton) model on its own KernelBench
+# split: the reference for kpipe's test-time budget table (workflow/sql/kevin_budget.sql).
+KEVIN_BUDGET: tuple[BudgetRow, ...] = (
+    BudgetRow("Multi-Turn RL (Kevin-32B)", 128, 16, 8, 1.10, 82.0),
+    BudgetRow("Multi-Turn RL (Kevin-32B)", 128, 32, 4, 1.02, 83.0),
+    BudgetRow("Multi-Turn RL (Kevin-32B)", 128, 128, 1, 0.65, 76.0),
+    BudgetRow("Single-Turn RL", 128, 16, 8, 0.85, 82.0),
+    BudgetRow("Single-Turn RL", 128, 32, 4, 0.81, 79.0),
+    BudgetRow("Single-Turn RL", 128, 128, 1, 0.70, 73.0),
+    BudgetRow("QwQ-32B", 128, 16, 8, 0.53, 57.0),
+    BudgetRow("QwQ-32B", 128, 32, 4, 0.47, 52.0),
+    BudgetRow("QwQ-32B", 128, 128, 1, 0.42, 54.0),
+)

@@ -20,7 +20,7 @@ from tabulate import tabulate
 
 from kpipe import metrics
 from kpipe.config import REPO_ROOT
-from kpipe.paper_numbers import FAST_COLUMNS, HACKING_RATIO, TABLE1_EAGER, TABLE2_COMPILE, FastRow
+from kpipe.paper_numbers import FAST_COLUMNS, HACKING_RATIO, KEVIN_BUDGET, TABLE1_EAGER, TABLE2_COMPILE, FastRow
 
 DEFAULT_SQL_DIR = REPO_ROOT / "workflow" / "sql"
 VIEWS_FILE = "views.sql"  # not a table: the views every table reads
@@ -159,7 +159,15 @@ def paper_stts_rows() -> pd.DataFrame:
                          for history, value in zip(("last", "best"), pair)])
 
 
-PAPER_ROWS = {"hacking_ratio": paper_hacking_rows, "stts_curves": paper_stts_rows}
+def paper_budget_rows() -> pd.DataFrame:
+    """Kevin-32B's Table 2 (§5.4): 128 kernels per task as 16×8, 32×4 and 128×1."""
+    return pd.DataFrame([{"source": "paper", "model": r.model, "budget": r.budget, "trajectories": r.trajectories,
+                          "turns": r.turns, "k": r.trajectories, "full_budget": True,
+                          "best_at_k_correct": r.best_correct, "best_at_k_speedup": r.best_speedup,
+                          "where": r.where} for r in KEVIN_BUDGET])
+
+
+PAPER_ROWS = {"hacking_ratio": paper_hacking_rows, "stts_curves": paper_stts_rows, "kevin_budget": paper_budget_rows}
 
 
 def training_curve_summary(table: pd.DataFrame) -> pd.DataFrame:
@@ -170,6 +178,17 @@ def training_curve_summary(table: pd.DataFrame) -> pd.DataFrame:
     grouped = ordered.groupby(["run", "stage", "name"])
     return pd.DataFrame({"steps": grouped.size(), "first": grouped["value"].first(),
                          "last": grouped["value"].last()}).reset_index()
+
+
+def budget_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """The markdown view of the test-time budget table: each split at its whole budget (the CSV
+    also has every smaller k, the scaling curves)."""
+    if table.empty:
+        return table
+    return table[table["full_budget"]].drop(columns=["full_budget"])
+
+
+MARKDOWN_VIEWS = {"training_curves": training_curve_summary, "kevin_budget": budget_summary}
 
 
 def markdown_frame(frame: pd.DataFrame, preformatted: bool = False) -> str:
@@ -209,7 +228,7 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
         csv = pd.concat([table.assign(source="kpipe"), paper_long], ignore_index=True)
     else:
         paper = PAPER_ROWS[name]() if name in PAPER_ROWS else None
-        body = markdown_frame(training_curve_summary(table) if name == "training_curves" else table)
+        body = markdown_frame(MARKDOWN_VIEWS.get(name, lambda frame: frame)(table))
         csv = pd.concat([table.assign(source="kpipe"), paper], ignore_index=True) if paper is not None else table
     out_dir.mkdir(parents=True, exist_ok=True)
     csv.to_csv(out_dir / f"{name}.csv", index=False)

@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 
 from kpipe.config import ConfigError, deep_merge, load_schema, validate_config
-from kpipe.evaluation import model_gpus, models_by_name, validated_iterations
+from kpipe.evaluation import budget_splits, model_gpus, models_by_name, validated_iterations
 from kpipe.figures import FIGURE_NAMES
 from kpipe.gpu import gpu_count
 from kpipe.provenance import code_version
@@ -99,6 +99,7 @@ def table_inputs():
         *rl_parts("train_metrics"),
         *rl_validation_parts(),
         *eval_parts(),
+        *budget_parts(),
         *stts_parts(),
     ]
 
@@ -203,6 +204,27 @@ def pipeline_checkpoint(name):
 def eval_parts():
     return expand(f"{EVAL_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
                   model=stage_models(EVAL), level=stage_levels(EVAL), shard=range(EVAL["shards"]))
+
+
+# Kevin's test-time budget (rules/eval.smk): the evaluation's settings, the budget's splits
+BUDGET = config["eval_budget"]
+BUDGET_DIR = f"{RESULTS}/trajectories/stage=budget/run={RUN}"
+BUDGET_SETTINGS = {**job_settings(EVAL, drop=(*DAG_ONLY_KEYS, "samples", "turns", "shards")),
+                   "kernels": BUDGET["kernels"], "turns": BUDGET["turns"]}
+try:
+    budget_splits(BUDGET["kernels"], BUDGET["turns"])
+except ValueError as error:
+    sys.exit(f"config error: {error}")
+
+
+def budget_parts():
+    """Every budget file: eval_budget.models x levels (default: the evaluation's) x shards; none
+    when eval_budget.models is empty."""
+    if not BUDGET["models"]:
+        return []
+    return expand(f"{BUDGET_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
+                  model=stage_models(BUDGET), level=BUDGET["levels"] or stage_levels(EVAL),
+                  shard=range(BUDGET["shards"]))
 
 
 # Sequential test-time scaling (rules/stts.smk)

@@ -36,3 +36,39 @@ rule eval:
         "../envs/kpipe.yaml"
     script:
         "../scripts/eval.py"
+
+
+# Kevin's test-time budget (Kevin-32B §5.3-5.4; config eval_budget): each model of eval_budget.models x
+# level x shard spends eval_budget.kernels generated kernels per task once per split into trajectories x
+# turns (one split per entry of eval_budget.turns), with the evaluation's sampling, seed and gym; rows
+# stage=budget, model "<model>@<trajectories>x<turns>" (table kevin_budget, figure fig_kevin_budget).
+rule eval_budget:
+    input:
+        tasks=f"{RESULTS}/tasks/tasks.parquet",
+        checkpoint=lambda wildcards: pipeline_checkpoint(wildcards.model),
+    output:
+        f"{BUDGET_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
+    params:
+        settings=BUDGET_SETTINGS,
+        model=lambda wildcards: MODELS[wildcards.model],
+        gym=config["gym"],
+        num_shards=BUDGET["shards"],
+        run=RUN,
+        cache=lambda wildcards: (f"{RESULTS}/cache/budget/run={RUN}/{wildcards.model}-L{wildcards.level}"
+                                 f"-{wildcards.shard}.jsonl"),
+        code=code_version("evaluation.py", "agent", "llm", "gym"),
+    wildcard_constraints:
+        model="[A-Za-z0-9_.-]+",
+        level="[123]",
+        shard=r"\d+",
+    resources:
+        gpu=model_job_gpus,
+        api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
+    benchmark:
+        f"{LOGS}/benchmarks/eval_budget/run={RUN}/{{model}}-L{{level}}-{{shard}}.tsv"
+    log:
+        f"{LOGS}/eval_budget/run={RUN}/{{model}}-L{{level}}-{{shard}}.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/eval_budget.py"

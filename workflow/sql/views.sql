@@ -24,14 +24,14 @@ ORDER BY run, stage, iteration, step, name;
 -- * a NaN speedup is no speedup.
 -- ---------------------------------------------------------------------------------------
 
--- Every trajectory of the eval, stts and rl_val (RL validation) stages x every turn
--- 1..last_turn of its group.
+-- Every trajectory of the eval, stts, rl_val (RL validation) and budget (Kevin's test-time budget)
+-- stages x every turn 1..last_turn of its group.
 CREATE OR REPLACE VIEW sample_turns AS
 WITH evaluated AS (
     SELECT run, stage, iteration, model, level, task_id, sample, turn, status, correct, hacked,
            speedup_eager, speedup_compile
     FROM turns
-    WHERE stage IN ('eval', 'stts', 'rl_val')
+    WHERE stage IN ('eval', 'stts', 'rl_val', 'budget')
 ),
 horizon AS (
     SELECT run, stage, iteration, model, max(turn) AS last_turn
@@ -103,3 +103,18 @@ CREATE OR REPLACE VIEW stts_samples AS
 SELECT split_part(model, '@', 1) AS base_model, split_part(model, '@', 2) AS strategy, *
 FROM fastp_samples
 WHERE stage = 'stts';
+
+-- Where a group's numbers come from, for the figures' titles. timing_kind: the clock of its timed
+-- turns, read from the feedback they showed (kpipe.gym.feedback.runtime_lines: "Runtime [GPU (CUDA
+-- events)]" or "Runtime [CPU (Triton interpreter; ...)]"); null when no turn was timed. engine: the
+-- rollout engine of RL rollouts (their model label is "<run>/rl-iter<k>/<engine>"), else null.
+CREATE OR REPLACE VIEW provenance AS
+SELECT run, stage, iteration, model,
+       CASE WHEN bool_or(feedback LIKE '%Runtime [GPU (CUDA events)]%')
+                 AND bool_or(feedback LIKE '%Runtime [CPU (Triton interpreter%') THEN 'mixed'
+            WHEN bool_or(feedback LIKE '%Runtime [GPU (CUDA events)]%') THEN 'cuda'
+            WHEN bool_or(feedback LIKE '%Runtime [CPU (Triton interpreter%') THEN 'cpu' END AS timing_kind,
+       nullif(regexp_extract(model, '/rl-iter[0-9]+/([A-Za-z0-9_]+)$', 1), '') AS engine,
+       count(*) AS n_turns
+FROM trajectories
+GROUP BY run, stage, iteration, model;

@@ -594,11 +594,13 @@ def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
 
 
 def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    worker.model_runner.model.load_weights(weights=weights)
+    # get_model(): the bare model under a CUDA-graph wrapper, in both the V1 and V2 model runners
+    worker.model_runner.get_model().load_weights(weights=weights)
 
 
 def push_weights_to_vllm(engine: Any, model: Any) -> None:
-    """Copy the trainer's weights into an in-process vLLM engine (vLLM >= 0.11, V1 engine).
+    """Copy the trainer's weights into an in-process vLLM engine (vLLM 0.33, V1 engine; read in its
+    source, not run: tests/test_vllm_api.py).
 
     Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the
     engine is built), so `collective_rpc` calls the function on the worker object directly and
@@ -793,8 +795,9 @@ class IterationTrainer:
                 log.info("resuming RL iteration %d of %s at step %d (scratch %s)", iteration, run, self.start_step,
                          scratch)
         policy = self.rollout_model if self.rollout_model is not None else self.accelerator.unwrap_model(self.model)
-        self.raw_engine = make_engine(cfg, policy, self.tokenizer, init_model, f"{run}/rl-iter{iteration}",
-                                      self.progress)
+        # the engine in the rows' model label: figures name where rollouts came from (views.sql provenance)
+        self.raw_engine = make_engine(cfg, policy, self.tokenizer, init_model,
+                                      f"{run}/rl-iter{iteration}/{cfg.engine}", self.progress)
         self.engine = TimedEngine(self.raw_engine)
         self.filter_generator, self.shuffle_generator = torch.Generator(), torch.Generator()
 
