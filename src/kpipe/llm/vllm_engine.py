@@ -1,10 +1,12 @@
 """vLLM in process, for RL rollouts and evaluation at scale (GPU machines only).
 
-Thin on purpose: vLLM cannot be installed on CPU-only machines, so nothing here is tested
-in CI. Written against vLLM >= 0.11's offline API: `LLM.chat(list_of_conversations,
+Thin on purpose: vLLM cannot be installed on CPU-only machines, so nothing here runs in CI;
+`tests/test_vllm_api.py` checks the arguments and fields below against vLLM 0.33's source (the
+`vllm` extra's pin). The offline API: `LLM.chat(list_of_conversations,
 sampling_params)` returns one `RequestOutput` per conversation, whose `outputs[0]` carries
 `text`, `token_ids`, `finish_reason` and, with `SamplingParams(logprobs=0)`, `logprobs` =
-one {token_id: Logprob} dict per generated token holding the sampled token.
+one {token_id: Logprob} dict per generated token holding the sampled token (a list, or vLLM's
+`FlatLogprobs`, which indexes and iterates the same way).
 Rollout log-probabilities for MRS should come from the sampling distribution: start the
 engine with `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so they include temperature.
 """

@@ -594,11 +594,13 @@ def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
 
 
 def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    worker.model_runner.model.load_weights(weights=weights)
+    # get_model(): the bare model under a CUDA-graph wrapper, in both the V1 and V2 model runners
+    worker.model_runner.get_model().load_weights(weights=weights)
 
 
 def push_weights_to_vllm(engine: Any, model: Any) -> None:
-    """Copy the trainer's weights into an in-process vLLM engine (vLLM >= 0.11, V1 engine).
+    """Copy the trainer's weights into an in-process vLLM engine (vLLM 0.33, V1 engine; read in its
+    source, not run: tests/test_vllm_api.py).
 
     Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the
     engine is built), so `collective_rpc` calls the function on the worker object directly and

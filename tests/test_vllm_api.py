@@ -1,0 +1,113 @@
+"""kpipe's calls into vLLM against vLLM's interface as recorded from the pinned release's wheel
+(`tests/data/vllm_api.json`, written by `scripts/vllm_api_record.py` from the source, nothing
+imported: vLLM cannot be installed on our CPU machines). The `vllm serve` command line, the
+`LLM(...)` and `SamplingParams(...)` arguments, the output fields read, the `LLM` methods and
+worker attribute of the RL weight push, and the environment variables must all exist there."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import tomllib
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kpipe.llm.types import ChatRequest
+from kpipe.llm.vllm_server import API_KEY_ENV, VLLMServerConfig, serve_args
+from kpipe.train import rl
+from kpipe.train.rl_config import RLConfig
+
+REPO = Path(__file__).resolve().parents[1]
+API = json.loads((REPO / "tests" / "data" / "vllm_api.json").read_text())
+
+
+def test_the_vllm_extra_pins_the_recorded_release():
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["vllm"]
+    major, minor = map(int, API["version"].split(".")[:2])
+    assert extra == [f"vllm>={major}.{minor},<{major}.{minor + 1}"]
+
+
+def test_every_vllm_serve_flag_we_pass_exists():
+    config = VLLMServerConfig(model="/ckpt/sft", tensor_parallel_size=2, data_parallel_size=2, max_model_len=4096,
+                              enable_prefix_caching=True)
+    args = serve_args(config, 8000)
+    assert args[0] == "serve" and API["serve_positionals"] == ["model_tag"]  # the checkpoint is positional
+    flags = {arg for arg in args if arg.startswith("--")}
+    assert flags == {"--host", "--port", "--served-model-name", "--tensor-parallel-size", "--gpu-memory-utilization",
+                     "--dtype", "--seed", "--generation-config", "--data-parallel-size", "--max-model-len",
+                     "--enable-prefix-caching"}
+    assert flags <= set(API["serve_flags"]), flags - set(API["serve_flags"])
+    assert API_KEY_ENV in API["env_vars"]
+
+
+class FakeLLM:
+    """Stands in for `vllm.LLM`: records what kpipe passes and answers `chat` with vLLM's output shape."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs, self.calls = kwargs, []
+
+    def chat(self, messages, sampling_params, **kwargs):
+        self.calls.append(("chat", len([messages, sampling_params]), kwargs))
+        sample = types.SimpleNamespace(text="ok", token_ids=[5, 6], finish_reason="stop",
+                                       logprobs=[{5: types.SimpleNamespace(logprob=-0.5)},
+                                                 {6: types.SimpleNamespace(logprob=-0.25)}])
+        return [types.SimpleNamespace(outputs=[sample], prompt_token_ids=[1, 2, 3]) for _ in messages]
+
+    def collective_rpc(self, method, **kwargs):
+        self.calls.append(("collective_rpc", 1, kwargs))
+        self.rpc = (method, kwargs)
+
+    def reset_prefix_cache(self, **kwargs):
+        self.calls.append(("reset_prefix_cache", 0, kwargs))
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    module = types.ModuleType("vllm")
+    module.LLM = FakeLLM
+    module.SamplingParams = lambda **kwargs: kwargs
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    return module
+
+
+def test_rl_rollout_engine_arguments_and_outputs_exist(fake_vllm):
+    cfg = RLConfig(engine="vllm", max_context_tokens=4096)
+    engine = rl.make_engine(cfg, None, None, Path("/ckpt/sft"), "rl-iter0", progress=False)
+    kwargs = engine.llm.kwargs
+    assert set(kwargs) <= set(API["llm_init_params"]) | set(API["engine_args_fields"])
+    assert kwargs["logprobs_mode"] in API["logprobs_modes"] and kwargs["logprobs_mode"] == "processed_logprobs"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" in API["env_vars"]  # set to 0 by make_engine: the core in process
+    params = engine.sampling_params(ChatRequest(messages=[{"role": "user", "content": "hi"}], seed=3, logprobs=True))
+    assert set(params) <= set(API["sampling_params_fields"]) and params["logprobs"] == 0
+    [completion] = engine.generate([ChatRequest(messages=[{"role": "user", "content": "hi"}], logprobs=True)])
+    assert completion.logprobs == [-0.5, -0.25] and completion.prompt_tokens == 3
+    # the fields kpipe reads (outputs[0].text/token_ids/finish_reason/logprobs, prompt_token_ids)
+    read = set(re.findall(r"sample\.(\w+)", Path(sys.modules["kpipe.llm.vllm_engine"].__file__).read_text()))
+    assert read <= set(API["completion_output_fields"]), read
+    assert {"outputs", "prompt_token_ids"} <= set(API["request_output_params"])
+    for method, positional, call_kwargs in engine.llm.calls:
+        assert positional + len(call_kwargs) <= len(API["llm_methods"][method])
+        assert set(call_kwargs) <= set(API["llm_methods"][method])
+
+
+def test_rl_weight_push_uses_existing_methods(fake_vllm):
+    engine = rl.make_engine(RLConfig(engine="vllm"), None, None, Path("/ckpt/sft"), "rl", progress=False)
+    model = torch.nn.Linear(2, 2)
+    rl.push_weights_to_vllm(engine, model)
+    assert [call[0] for call in engine.llm.calls] == ["collective_rpc", "reset_prefix_cache"]
+    for method, _, call_kwargs in engine.llm.calls:
+        assert set(call_kwargs) <= set(API["llm_methods"][method])
+    # on the worker: model_runner.get_model().load_weights(weights=...), with HF parameter names
+    loaded = {}
+    bare = types.SimpleNamespace(load_weights=lambda weights: loaded.update(weights))
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: bare))
+    function, kwargs = engine.llm.rpc
+    function(worker, *kwargs["args"])
+    assert set(loaded) == {"weight", "bias"}
+    assert "get_model" in API["model_runner_methods"]  # both the V1 and the V2 GPU model runner
