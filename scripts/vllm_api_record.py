@@ -76,7 +76,8 @@ def positional_names(scope: ast.AST) -> list[str]:
 
 def fields(cls: ast.ClassDef) -> list[str]:
     """Annotated attributes in a (data)class body, in order."""
-    return [node.target.id for node in cls.body if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
+    return [node.target.id for node in cls.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)]
 
 
 def parameters(function: ast.FunctionDef) -> list[str]:
