@@ -140,3 +140,26 @@ def test_figures_of_an_empty_database(tmp_path, figure_texts):
     assert "no RL validation rows in this run" in figure_texts["fig_rl_validation"]
     assert "no budget rows (config eval_budget) in this run" in figure_texts["fig_kevin_budget"]
     assert "device: no timed kernel" in figure_texts["fig6_stts"][0]
+
+
+def test_intervals_of_the_tables_are_shaded(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kpipe.figures import _line
+    from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql, with_intervals
+
+    stts = [{"run": "r", "stage": "stts", "iteration": 0, "model": "m@full", "task_id": task, "sample": 0, "turn": t,
+             "correct": task == "t1", "hacked": False, "speedup_eager": 1.5} for task in ("t1", "t3") for t in (1, 2)]
+    db = write_fixture(tmp_path, stts)
+    curves = with_intervals(db, "stts_curves", run_table_sql(db, DEFAULT_SQL_DIR / "stts_curves.sql"), n_boot=200)
+    level1 = curves[(curves["level"] == 1) & (curves["history"] == "last")]
+    assert (level1["fast_1_2_lo"] <= level1["fast_1_2"]).all() and (level1["fast_1_2"] <= level1["fast_1_2_hi"]).all()
+    fig, ax = plt.subplots()
+    _line(ax, level1, "T", "fast_1_2", "m full L1")
+    assert len(ax.collections) == 1  # the shaded interval
+    _line(ax, level1.drop(columns=["fast_1_2_lo", "fast_1_2_hi"]), "T", "fast_1_2", "no interval")
+    assert len(ax.collections) == 1
+    plt.close(fig)

@@ -1,5 +1,6 @@
 """End-to-end: the real Snakemake DAG on the default (tiny, offline) config, in a scratch copy."""
 
+import csv
 import json
 import re
 import subprocess
@@ -107,10 +108,15 @@ def test_every_stage_wrote_its_table(workdir):
          "select stage, count(*) as n from trajectories group by stage order by stage"],
         capture_output=True, text=True,
     )
-    assert {row["stage"] for row in json.loads(query.stdout)} == {"coldstart", "eval", "rl", "rl_val", "stts"}
-    for name in ["table1_fastp_eager", "table2_fastp_compile", "hacking_ratio", "stts_curves", "rl_validation"]:
+    assert {row["stage"] for row in json.loads(query.stdout)} == {"budget", "coldstart", "eval", "rl", "rl_val", "stts"}
+    for name in ["table1_fastp_eager", "table2_fastp_compile", "hacking_ratio", "stts_curves", "rl_validation",
+                 "kevin_budget"]:
         assert "| default " in (workdir / "results" / "tables" / f"{name}.md").read_text()  # rows of this run
-    assert (workdir / "results" / "figures" / "fig6_stts.png").stat().st_size > 0
+    with open(workdir / "results" / "tables" / "kevin_budget.csv") as handle:
+        budget = [row for row in csv.DictReader(handle) if row["source"] == "kpipe" and row["full_budget"] == "True"]
+    assert sorted((row["trajectories"], row["turns"]) for row in budget) == [("2", "4"), ("4", "2"), ("8", "1")]
+    for name in ["fig6_stts", "fig_kevin_budget"]:
+        assert (workdir / "results" / "figures" / f"{name}.png").stat().st_size > 0
 
 
 def test_report_contains_tables_and_figures(workdir):
@@ -119,6 +125,8 @@ def test_report_contains_tables_and_figures(workdir):
     names = zipfile.ZipFile(workdir / "report.zip").namelist()
     assert any(name.endswith("table1_fastp_eager.md") for name in names)
     assert any(name.endswith("fig6_stts.png") for name in names)
+    assert any(name.endswith("kevin_budget.md") for name in names)
+    assert any(name.endswith("fig_kevin_budget.png") for name in names)
     viewer_dirs = [name.removesuffix("index.html") for name in names if name.endswith("/index.html")]
     assert any(f"{folder}data/page-0000.js" in names for folder in viewer_dirs)  # the viewer with its data
 

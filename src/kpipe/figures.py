@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 import duckdb
 import pandas as pd
 
-from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
+from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql, with_intervals
 
 
 class Panel(NamedTuple):
@@ -189,17 +189,22 @@ def nothing_to_draw(values: pd.Series, what: str, source: Source, speed: bool = 
 def _line(ax, frame: pd.DataFrame, x: str, y: str, label: str, **style: Any) -> None:
     """A line, with its interval shaded where the table has one (`y`_lo, `y`_hi)."""
     ax.plot(frame[x], frame[y], label=label, **{"marker": "o", **style})
+    _integer_x(ax)
     if {f"{y}_lo", f"{y}_hi"} <= set(frame.columns):
         ax.fill_between(frame[x], frame[f"{y}_lo"], frame[f"{y}_hi"], alpha=0.2)
 
 
-def _percent_axes(ax, values: pd.Series, top: float = 100.0) -> None:
-    """Percentages from 0 (a low line stays readable) and whole-number turns/iterations."""
+def _integer_x(ax) -> None:
+    """Whole-number ticks: steps, turns, iterations and kernel counts have no halves."""
     from matplotlib.ticker import MaxNLocator
 
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _percent_axes(ax, values: pd.Series, top: float = 100.0) -> None:
+    """Percentages from 0 (a low line stays readable)."""
     highest = float(values.max()) if len(values.dropna()) else 0.0
     ax.set_ylim(0, min(top * 1.05, max(5.0, 1.1 * highest)))
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _save(plt, fig, path: Path) -> Path:
@@ -337,8 +342,9 @@ def budget_figure(budget: pd.DataFrame, path: Path, source: Source) -> Path:
     return _save(plt, fig, path)
 
 
-def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR) -> dict[str, Path]:
-    """Every figure as `out_dir/<name>.png`; returns name -> path."""
+def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR, n_boot: int = 0) -> dict[str, Path]:
+    """Every figure as `out_dir/<name>.png`; returns name -> path. `n_boot` > 0: the STTS and RL
+    validation curves shade the tables' task-bootstrap intervals (`kpipe.tables.INTERVALS`)."""
     if not Path(db_path).exists():
         raise FileNotFoundError(f"no database at {db_path}: build it first (kpipe query --rebuild)")
     try:
@@ -346,6 +352,8 @@ def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR)
         stts = run_table_sql(db_path, sql_dir / "stts_curves.sql")
         hacking = run_table_sql(db_path, sql_dir / "hacking_ratio.sql")
         validation = run_table_sql(db_path, sql_dir / "rl_validation.sql")
+        stts = with_intervals(db_path, "stts_curves", stts, n_boot)
+        validation = with_intervals(db_path, "rl_validation", validation, n_boot)
         budget = run_table_sql(db_path, sql_dir / "kevin_budget.sql")
         provenance = read_provenance(db_path)
     except (duckdb.Error, RuntimeError) as error:

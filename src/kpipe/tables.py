@@ -3,14 +3,16 @@ becomes ``<out>/<name>.csv`` (every grouping key and count, so each number can b
 with ``kpipe query``) and ``<out>/<name>.md`` (the SQL file's header comment as notes, the
 paper's published numbers as reference rows marked "paper", and the table).
 
-Fast@p tables also get a 95% bootstrap interval per cell that resamples whole tasks
-(``kpipe.metrics.bootstrap_ci``): the samples of one task are correlated.
+Fast@p tables (and the STTS and RL validation curves, ``INTERVALS``) also get a 95% bootstrap
+interval per cell that resamples whole tasks (``kpipe.metrics.bootstrap_ci``): the samples of one
+task are correlated.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import click
 import duckdb
@@ -70,17 +72,19 @@ def fast_samples(db_path: Path, baseline: str) -> pd.DataFrame:
         return con.sql(sql).df()
 
 
-def with_bootstrap_ci(table: pd.DataFrame, samples: pd.DataFrame, n_boot: int, seed: int = 0) -> pd.DataFrame:
-    """`table` with `<fast_p>_lo` / `<fast_p>_hi` columns (percent): a 95% interval per cell,
-    resampling the cell's tasks."""
+def with_bootstrap_ci(table: pd.DataFrame, samples: pd.DataFrame, n_boot: int, seed: int = 0,
+                      keys: Sequence[str] = FAST_KEYS, columns: Sequence[str] = FAST_COLUMNS) -> pd.DataFrame:
+    """`table` with `<column>_lo` / `<column>_hi` columns (percent): a 95% interval per cell (a row
+    of `table`, the `samples` with its `keys`), resampling the cell's tasks."""
     table = table.copy()
     if table.empty or n_boot <= 0:
         return table
-    bounds: dict[str, list[float]] = {f"{c}_{side}": [] for c in FAST_COLUMNS for side in ("lo", "hi")}
-    cells = dict(iter(samples.groupby(FAST_KEYS, dropna=False)))
-    for key in table[FAST_KEYS].itertuples(index=False, name=None):
+    keys = list(keys)
+    bounds: dict[str, list[float]] = {f"{c}_{side}": [] for c in columns for side in ("lo", "hi")}
+    cells = dict(iter(samples.groupby(keys, dropna=False)))
+    for key in table[keys].itertuples(index=False, name=None):
         cell = cells[key]
-        for column in FAST_COLUMNS:
+        for column in columns:
             ci = metrics.bootstrap_ci(cell[column].astype(float).to_numpy(), np.mean, n_boot=n_boot, seed=seed,
                                       groups=cell["task_id"].to_numpy())
             bounds[f"{column}_lo"].append(100 * ci.low)
@@ -88,6 +92,34 @@ def with_bootstrap_ci(table: pd.DataFrame, samples: pd.DataFrame, n_boot: int, s
     for name, values in bounds.items():
         table[name] = values
     return table
+
+
+class Interval(NamedTuple):
+    """Where the samples behind a percentage table's cells are, for its bootstrap intervals."""
+
+    samples_sql: str  # one row per sample: the table's keys, task_id and each column as a boolean
+    keys: tuple[str, ...]
+    columns: tuple[str, ...]
+
+
+# Other tables of percentages over samples get the Fast@p tables' intervals (their figures shade them)
+INTERVALS = {
+    "stts_curves": Interval("select run, base_model as model, strategy, level, turn as T, history, task_id, fast_1, "
+                            "fast_1_2 from stts_samples where baseline = 'eager'",
+                            ("run", "model", "strategy", "level", "T", "history"), ("fast_1", "fast_1_2")),
+    "rl_validation": Interval("select run, iteration, model, level, turn, task_id, fast_1, fast_1_2, "
+                              "correct as pass_rate from fastp_samples where stage = 'rl_val' and baseline = 'eager' "
+                              "and history = 'last' and turn = last_turn",
+                              ("run", "iteration", "model", "level", "turn"), ("fast_1", "fast_1_2", "pass_rate")),
+}
+
+
+def with_intervals(db_path: Path, name: str, table: pd.DataFrame, n_boot: int, seed: int = 0) -> pd.DataFrame:
+    """`table` (the result of `<name>.sql`) with the bootstrap intervals of INTERVALS[name]."""
+    spec = INTERVALS[name]
+    with duckdb.connect(str(db_path), read_only=True) as con:
+        samples = con.sql(spec.samples_sql).df()
+    return with_bootstrap_ci(table, samples, n_boot, seed, spec.keys, spec.columns)
 
 
 def paper_fast_rows(rows: Sequence[FastRow], baseline: str) -> pd.DataFrame:
@@ -228,6 +260,9 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
         csv = pd.concat([table.assign(source="kpipe"), paper_long], ignore_index=True)
     else:
         paper = PAPER_ROWS[name]() if name in PAPER_ROWS else None
+        if name in INTERVALS:
+            table = with_intervals(db_path, name, table, n_boot, seed)
+            notes = notes + ["", f"95% task-bootstrap intervals ({n_boot} replicates): `*_lo`, `*_hi`."]
         body = markdown_frame(MARKDOWN_VIEWS.get(name, lambda frame: frame)(table))
         csv = pd.concat([table.assign(source="kpipe"), paper], ignore_index=True) if paper is not None else table
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -275,9 +310,10 @@ def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int) -> None
               type=click.Path(dir_okay=False))
 @click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "figures"), show_default=True,
               type=click.Path(file_okay=False))
-def figures_command(db_path: str, out_dir: str) -> None:
-    """Write the paper's figures (4, 5, 6, 7, 8) as PNG."""
+@click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates of the shaded intervals (0: none).")
+def figures_command(db_path: str, out_dir: str, n_boot: int) -> None:
+    """Write the paper's figures (4-8, RL validation, Kevin's budget) as PNG."""
     from kpipe.figures import build_figures
 
-    for name, path in build_figures(Path(db_path), Path(out_dir)).items():
+    for name, path in build_figures(Path(db_path), Path(out_dir), n_boot=n_boot).items():
         click.echo(f"{name}: {path}")

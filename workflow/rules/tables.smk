@@ -31,8 +31,9 @@ rule figures:
         *[report(f"{RESULTS}/figures/{name}.png", caption=f"../report/{name}.rst", category="Figures",
                  labels={"figure": name}) for name in FIGURE_NAMES],
     params:
+        n_boot=config["tables"]["n_boot"],
         sql_dir=str(SQL_DIR),
-        code=code_version("figures.py", "tables.py"),
+        code=code_version("figures.py", "tables.py", "metrics.py"),
     log:
         f"{LOGS}/figures.log",
     conda:

@@ -8,5 +8,6 @@ with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
     from kpipe.figures import build_figures
 
     sql_dir = Path(job.params.sql_dir)  # the checkout's SQL (the inputs are its rerun triggers)
-    for name, path in build_figures(Path(job.input.db), Path(job.output[0]).parent, sql_dir).items():
+    figures = build_figures(Path(job.input.db), Path(job.output[0]).parent, sql_dir, job.params.n_boot)
+    for name, path in figures.items():
         print(f"{name}: {path}")
