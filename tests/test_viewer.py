@@ -1,5 +1,7 @@
 """The static trajectory viewer, built from a small database of rows in the real schemas."""
 
+import base64
+import gzip
 import json
 import re
 import shutil
@@ -17,6 +19,8 @@ REFERENCE = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self
 FIRST_CODE = "import triton\n\nclass ModelNew:\n    def forward(self, x):\n        return x.clamp(min=0)\n"
 SECOND_CODE = "import triton\n\nclass ModelNew:\n    def forward(self, x):\n        return relu_kernel(x)\n"
 ATTACK = "<script>alert(1)</script>"
+DOM_SCRIPT = Path(__file__).parent / "fixtures" / "viewer" / "dom.js"
+needs_node = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
 
 
 def turn(stage: str, task_id: str, sample: int, number: int, **fields) -> dict:
@@ -70,10 +74,10 @@ def database(tmp_path) -> Path:
 
 
 def page_data(path: Path) -> dict:
-    """The payload a data/page-NNNN.js file registers."""
-    match = re.fullmatch(r"kpipeViewer\.addPage\((\d+),(.*)\);\n", path.read_text(), re.S)
+    """The payload a data/page-NNNN.js file registers (gzipped JSON in base64)."""
+    match = re.fullmatch(r'kpipeViewer\.addPage\((\d+),"([A-Za-z0-9+/=]*)"\);\n', path.read_text())
     assert match, path.read_text()[:200]
-    return json.loads(match.group(2))
+    return json.loads(gzip.decompress(base64.b64decode(match.group(2))))
 
 
 def embedded_index(index_html: str) -> list[dict]:
@@ -115,8 +119,10 @@ def test_turns_show_code_diff_feedback_reference_and_hack_reasons(database, tmp_
     assert "Same code as the previous turn." in detail  # turn 3 repeats turn 2
     assert '<span class="nf">forward</span>' in detail  # Pygments highlighted the code
     assert "torch</span><span class=\"o\">.</span><span class=\"n\">relu" in detail  # the task's reference
-    assert "Runtime: slower than eager" in detail and "2 message(s) (system 17, user 22 characters), 120 tokens" in detail
-    assert "<th>speedup vs eager</th><td>2.5</td>" in detail and "<th>PR (Triton share of time)</th><td>0.9</td>" in detail
+    assert "Runtime: slower than eager" in detail
+    assert "2 message(s) (system 17, user 22 characters), 120 tokens" in detail
+    assert "<th>speedup vs eager</th><td>2.5</td>" in detail
+    assert "<th>PR (Triton share of time)</th><td>0.9</td>" in detail
     hacks = detail_html(out, hacked)
     assert "<li>no Triton kernel launched</li><li>output is a view of the input</li>" in hacks
 
@@ -152,6 +158,9 @@ def test_many_trajectories_are_paged_into_lazy_files(tmp_path):
     assert "kernel_99_turn_2" in json.dumps(last)  # the 230 ids sort as text: 99 comes last
     assert len(last["trajectories"]) == 30 and '"data/page-"' in page  # loaded by a <script> tag, not fetch()
     assert "fetch(" not in page
+    parallel = results / "viewer-parallel"
+    build_viewer(results / "kpipe.duckdb", parallel, per_file=50, workers=2)
+    assert [p.read_bytes() for p in sorted(parallel.rglob("*.*"))] == [p.read_bytes() for p in sorted(out.rglob("*.*"))]
 
 
 def test_rebuild_replaces_only_a_viewer_folder(database, tmp_path):
@@ -168,17 +177,40 @@ def test_rebuild_replaces_only_a_viewer_folder(database, tmp_path):
     assert (other / "keep.txt").read_text() == "mine"
 
 
-@pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
-def test_page_scripts_parse(database, tmp_path):
+def show_in_node(out: Path) -> dict:
+    """What the page shows in a minimal DOM (tests/fixtures/viewer/dom.js) after filtering, sorting and a click."""
+    shown = subprocess.run(["node", str(DOM_SCRIPT), str(out)], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
+
+
+@needs_node
+def test_page_filters_sorts_and_lazy_loads(database, tmp_path):
     out = tmp_path / "viewer"
     build_viewer(database, out)
-    inline = re.findall(r"<script>(.*?)</script>", (out / "index.html").read_text(), re.S)
-    assert len(inline) == 1
-    script = tmp_path / "inline.js"
-    script.write_text(inline[0])
-    for path in (script, *sorted((out / "data").glob("*.js"))):
-        checked = subprocess.run(["node", "--check", str(path)], capture_output=True, text=True)
-        assert checked.returncode == 0, checked.stderr
+    page = show_in_node(out)
+    assert page["initial"] == 3 and page["shown"] == "3 of 3 trajectories"
+    assert page["statusOptions"] == ["", "compile_error", "correct", "format_error", "hacked"]
+    assert [(row[4], row[9]) for row in page["hackedRows"]] == [("drkernel_rl-7", "1")]  # task, hacked turns
+    assert (page["bestFirst"][4], page["bestFirst"][8]) == ("kb-main-L1-19", "2.5")
+    assert page["jumpFirst"][4:6] == ["drkernel_rl-7", "0"]  # reward 0 -> 2.1 beats 1.8 -> 3.5
+    assert page["scripts"] == ["data/page-0000.js"]  # the one script the page adds: the clicked row's data
+    assert page["detail"].startswith("<h2>drkernel_rl-7") and "<b>Hack reasons</b>" in page["detail"]
+    assert "Reference (PyTorch)" in page["detail"]
+
+
+@needs_node
+def test_page_lists_many_trajectories_a_hundred_at_a_time(tmp_path):
+    results = tmp_path / "results"
+    rows = [turn("eval", f"kb-main-L1-{i:03d}", 0, t, code=f"kernel_{i}_turn_{t} = 1\n", reward=float(t))
+            for i in range(230) for t in (1, 2)]
+    write_table(rows, results / "trajectories" / "stage=eval" / "part-0.parquet", "trajectories")
+    build_db(results, results / "kpipe.duckdb")
+    build_viewer(results / "kpipe.duckdb", tmp_path / "viewer", per_file=50)
+    page = show_in_node(tmp_path / "viewer")
+    assert (page["initial"], page["page"], page["nextPage"]) == (100, "page 1 / 3", "page 2 / 3")
+    assert page["scripts"] == ["data/page-0002.js"]  # row 101 of 230 lives in the third data file
+    assert "kernel_100_turn_2" in page["detail"]
 
 
 def test_cli_builds_the_viewer(database, tmp_path):

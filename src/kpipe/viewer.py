@@ -3,27 +3,34 @@
 ``<out>/index.html`` holds the list of every trajectory (a compact JSON index: filters and
 sorted views run in the browser) and the per-group counts; each trajectory's turns (prompt
 summary, highlighted code, diff against the previous turn, feedback, scores) are rendered at
-build time into ``<out>/data/page-NNNN.js`` chunks that the page loads with a ``<script>`` tag
-on first use (``fetch()`` of local files is blocked under file:// in Chromium). So 10^4
-trajectories open as fast as ten, and the folder is also what the Snakemake report embeds.
+build time into ``<out>/data/page-NNNN.js`` files (gzipped JSON, see `pack`) that the page
+loads with a ``<script>`` tag on first use (``fetch()`` of local files is blocked under
+file:// in Chromium). So 10^4 trajectories open as fast as ten, and the folder is also what
+the Snakemake report embeds.
 
 Everything that came from a model or a task is escaped here (Pygments and ``html.escape``)
-before it reaches any HTML string; the index is JSON that the page only writes with
-``textContent``, and ``<``, ``>`` and ``&`` are escaped inside every JSON payload.
+before it reaches any HTML string; the index is JSON, inlined with ``<``, ``>`` and ``&``
+escaped, that the page only writes with ``textContent``.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import difflib
+import gzip
 import html
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import tempfile
 import webbrowser
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -33,9 +40,10 @@ import click
 import duckdb
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
-from pygments.lexers import DiffLexer, PythonLexer
+from pygments.lexers import PythonLexer
 
 from kpipe.config import REPO_ROOT
+from kpipe.db import locate_db
 
 STAGE_ORDER = ("coldstart", "rl", "rl_val", "eval", "stts")  # pipeline order, for the default view
 TRAJECTORY_KEY = ("stage", "run", "iteration", "model", "task_id", "sample")
@@ -44,6 +52,7 @@ PROMPT_CLIP = 4000  # characters of a turn's last prompt message kept in the vie
 TEXT_CLIP = 12000  # characters of a response or feedback kept in the viewer
 FETCH_ROWS = 2000
 HACK_LINE = "Hacking check failed: "  # kpipe.gym.feedback.build_feedback
+DIFF_CLASSES = {"+": "gi", "-": "gd", "@": "gu"}  # Pygments' Generic.Inserted, .Deleted, .Subheading
 
 # One row per turn, in trajectory order; prompts are summarised in SQL so that full
 # multi-turn contexts never reach Python. Hack reasons: the `evals` row when there is one,
@@ -83,8 +92,11 @@ class Task:
     reference_src: str | None
 
 
+NO_TASK = Task(None, None, None)  # a trajectory whose task is in neither `tasks` nor `queries`
+
+
 def json_for_html(value: Any) -> str:
-    """JSON that is safe inside a <script> element or a .js file: no <, > or & survives."""
+    """JSON that is safe inside an HTML <script> element: no <, > or & survives."""
     text = json.dumps(value, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
@@ -108,9 +120,8 @@ def esc(value: Any) -> str:
     return html.escape("—" if value is None else str(value))
 
 
-@lru_cache(maxsize=4096)
 def highlight_python(code: str) -> str:
-    """Code as highlighted, escaped HTML (cached: a task's reference recurs across trajectories)."""
+    """Code as highlighted, escaped HTML."""
     return highlight(code, PythonLexer(), HtmlFormatter(cssclass="hl"))
 
 
@@ -121,12 +132,19 @@ def code_diff(previous: str | None, current: str | None, turn: int) -> str:
     if previous is None or current is None:
         which = f"turn {turn - 1}" if previous is None else "this turn"
         return f'<p class="note">No diff: {which} has no extracted code.</p>'
-    lines = difflib.unified_diff(previous.splitlines(), current.splitlines(), f"turn {turn - 1}", f"turn {turn}",
-                                 lineterm="")
-    diff = "\n".join(lines)
-    if not diff:
+    lines = list(difflib.unified_diff(previous.splitlines(), current.splitlines(), f"turn {turn - 1}",
+                                      f"turn {turn}", lineterm=""))
+    if not lines:
         return '<p class="note">Same code as the previous turn.</p>'
-    return highlight(diff, DiffLexer(), HtmlFormatter(cssclass="hl"))
+    return '<div class="hl"><pre>' + "\n".join(diff_line(line) for line in lines) + "</pre></div>"
+
+
+def diff_line(line: str) -> str:
+    """One unified-diff line, escaped, in the class Pygments' DiffLexer gives it (its stylesheet
+    colours them). Not the lexer itself: it doubled the build time of 10^4 trajectories."""
+    kind = "gh" if line.startswith(("--- ", "+++ ")) else DIFF_CLASSES.get(line[:1])
+    text = html.escape(line)
+    return f'<span class="{kind}">{text}</span>' if kind else text
 
 
 def hack_reasons(row: dict[str, Any]) -> list[str]:
@@ -203,7 +221,9 @@ def render_trajectory(rows: list[dict[str, Any]], task: Task) -> dict[str, str]:
     return {"head": head, "turns": "".join(turns)}
 
 
+@lru_cache(maxsize=1024)
 def render_reference(task: Task) -> str:
+    """The task's reference, highlighted once per task however many data files show it."""
     if not task.reference_src:
         return '<p class="note">No reference source in the database for this task.</p>'
     return highlight_python(task.reference_src)
@@ -248,9 +268,16 @@ def batches(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
+def pack(payload: dict[str, Any]) -> str:
+    """JSON, gzipped and base64-encoded: highlighted HTML is ~6x its code and gzips ~10x, so
+    10^4 trajectories take ~100 MB instead of ~1 GB; the page unpacks with DecompressionStream."""
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    return base64.b64encode(gzip.compress(data, compresslevel=3, mtime=0)).decode("ascii")  # 3x faster than 6, +20%
+
+
 def write_data_file(data_dir: Path, file_number: int, payload: dict[str, Any]) -> None:
     path = data_dir / f"page-{file_number:04d}.js"
-    path.write_text(f"kpipeViewer.addPage({file_number},{json_for_html(payload)});\n", encoding="utf-8")
+    path.write_text(f'kpipeViewer.addPage({file_number},"{pack(payload)}");\n', encoding="ascii")
 
 
 def group_counts(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -301,7 +328,53 @@ def replace_dir(built: Path, out_dir: Path) -> None:
     os.replace(built, out_dir)
 
 
-def build_viewer(db_path: Path, out_dir: Path, per_file: int = TRAJECTORIES_PER_FILE) -> dict[str, int]:
+def render_file(data_dir: Path, file_number: int, first_id: int, chunk: list[list[dict[str, Any]]],
+                tasks: dict[str, Task]) -> list[dict[str, Any]]:
+    """Write one data file of trajectories and return their index entries (a worker's job)."""
+    payload: dict[str, Any] = {"trajectories": {}, "references": {}}
+    entries = []
+    for offset, rows in enumerate(chunk):
+        task = tasks.get(rows[0]["task_id"], NO_TASK)
+        entry = index_entry(first_id + offset, file_number, rows, task)
+        entries.append(entry)
+        payload["trajectories"][entry["id"]] = {"task": entry["task"], **render_trajectory(rows, task)}
+        if entry["task"] not in payload["references"]:
+            payload["references"][entry["task"]] = render_reference(task)
+    write_data_file(data_dir, file_number, payload)
+    return entries
+
+
+def render_files(db_path: Path, data_dir: Path, per_file: int, workers: int) -> list[dict[str, Any]]:
+    """Every data file, rendered by `workers` processes while DuckDB streams the next trajectories;
+    at most two files per worker wait in memory. Returns the index entries in trajectory order."""
+    entries: list[dict[str, Any]] = []
+    pending: deque[Future] = deque()
+    # fork, not spawn: a spawned worker re-runs the __main__ module, which under Snakemake is the
+    # job's script. The first task forks every worker at once, before DuckDB starts its threads.
+    fork = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=fork) if workers > 1 else contextlib.nullcontext() as pool:
+        if pool is not None:
+            pool.submit(int).result()
+        with duckdb.connect(str(db_path), read_only=True) as con:
+            tasks = {task_id: Task(name, level, src)
+                     for task_id, name, level, src in con.execute(REFERENCES_SQL).fetchall()}
+            for file_number, chunk in enumerate(batches(trajectories(turn_rows(con)), per_file)):
+                needed = {rows[0]["task_id"]: tasks[rows[0]["task_id"]] for rows in chunk
+                          if rows[0]["task_id"] in tasks}
+                job = (data_dir, file_number, file_number * per_file, chunk, needed)
+                if pool is None:
+                    entries.extend(render_file(*job))
+                    continue
+                pending.append(pool.submit(render_file, *job))
+                if len(pending) >= 2 * workers:
+                    entries.extend(pending.popleft().result())
+            while pending:
+                entries.extend(pending.popleft().result())
+    return entries
+
+
+def build_viewer(db_path: Path, out_dir: Path, per_file: int = TRAJECTORIES_PER_FILE,
+                 workers: int = 1) -> dict[str, int]:
     """Write the viewer for every trajectory of `db_path` to `out_dir` (index.html + data/).
 
     Built in a temporary sibling folder and renamed into place, so a failed build leaves the
@@ -314,39 +387,29 @@ def build_viewer(db_path: Path, out_dir: Path, per_file: int = TRAJECTORIES_PER_
         built.chmod(0o755)  # mkdtemp's 0700 would hide the viewer from a web server or a colleague
         data_dir = built / "data"
         data_dir.mkdir()
-        entries: list[dict[str, Any]] = []
-        with duckdb.connect(str(db_path), read_only=True) as con:
-            tasks = {task_id: Task(name, level, src) for task_id, name, level, src in con.execute(REFERENCES_SQL).fetchall()}
-            for file_number, chunk in enumerate(batches(trajectories(turn_rows(con)), per_file)):
-                payload: dict[str, Any] = {"trajectories": {}, "references": {}}
-                for rows in chunk:
-                    task = tasks.get(rows[0]["task_id"], Task(None, None, None))
-                    entry = index_entry(len(entries), file_number, rows, task)
-                    entries.append(entry)
-                    payload["trajectories"][entry["id"]] = {"task": entry["task"], **render_trajectory(rows, task)}
-                    if entry["task"] not in payload["references"]:
-                        payload["references"][entry["task"]] = render_reference(task)
-                write_data_file(data_dir, file_number, payload)
+        entries = render_files(db_path, data_dir, per_file, workers)
         (built / "index.html").write_text(render_index(entries, db_path), encoding="utf-8")
+        n_files = len(list(data_dir.glob("page-*.js")))
         replace_dir(built, out_dir)
     except BaseException:
         shutil.rmtree(built, ignore_errors=True)
         raise
-    n_files = len(list((out_dir / "data").glob("page-*.js")))
     return {"trajectories": len(entries), "turns": sum(e["turns"] for e in entries), "files": n_files}
 
 
 @click.command("view")
-@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
-              type=click.Path(exists=True, dir_okay=False), help="the kpipe database to read")
+@click.option("--db", "db_path", help="database path (default: $KPIPE_DB or results/kpipe.duckdb of this checkout)")
 @click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "viewer"), show_default=True,
               type=click.Path(file_okay=False), help="folder to write (index.html and data/)")
+@click.option("--workers", default=min(8, os.cpu_count() or 1), show_default=True,
+              help="processes that render the data files")
 @click.option("--open", "open_browser", is_flag=True, help="open index.html in the default browser when built")
-def view_command(db_path: str, out_dir: str, open_browser: bool) -> None:
+def view_command(db_path: str | None, out_dir: str, workers: int, open_browser: bool) -> None:
     """Build the static trajectory viewer from the database (opens from disk, no server)."""
-    counts = build_viewer(Path(db_path), Path(out_dir))
+    counts = build_viewer(locate_db(db_path), Path(out_dir), workers=workers)
     index = Path(out_dir).resolve() / "index.html"
-    click.echo(f"{index}: {counts['trajectories']} trajectories, {counts['turns']} turns, {counts['files']} data file(s)")
+    click.echo(f"{index}: {counts['trajectories']} trajectories, {counts['turns']} turns, "
+               f"{counts['files']} data file(s)")
     if open_browser:
         webbrowser.open(index.as_uri())
 
@@ -425,12 +488,21 @@ let listPage = 0;
 let selected = null;
 
 window.kpipeViewer = {
-  addPage(fileNumber, data) {
-    loaded.set(fileNumber, data);
-    for (const callback of waiting.get(fileNumber) || []) callback(data);
-    waiting.delete(fileNumber);
+  addPage(fileNumber, packed) {
+    unpack(packed).then((data) => {
+      loaded.set(fileNumber, data);
+      for (const callback of waiting.get(fileNumber) || []) callback(data);
+      waiting.delete(fileNumber);
+    }, (error) => message("Could not unpack data file " + fileNumber + " (a browser with DecompressionStream "
+                          + "is needed: Chrome 80+, Firefox 113+, Safari 16.4+): " + error));
   },
 };
+
+async function unpack(packed) {
+  const bytes = Uint8Array.from(atob(packed), (c) => c.charCodeAt(0));
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+  return JSON.parse(await new Response(stream).text());
+}
 
 function loadFile(fileNumber, callback) {
   if (loaded.has(fileNumber)) return callback(loaded.get(fileNumber));
@@ -519,14 +591,14 @@ function renderList() {
       cell.textContent = fmt(value);
       row.appendChild(cell);
     }
-    row.addEventListener("click", () => select(e.id));
+    row.addEventListener("click", () => openTrajectory(e.id));
     body.appendChild(row);
   }
   document.getElementById("shown").textContent = shown.length + " of " + INDEX.length + " trajectories";
   document.getElementById("page").textContent = "page " + (listPage + 1) + " / " + pages;
 }
 
-function select(id) {
+function openTrajectory(id) {
   const entry = INDEX[id];
   if (!entry) return;
   selected = id;
@@ -537,12 +609,13 @@ function select(id) {
     if (selected !== id) return;
     const detail = document.getElementById("detail");
     const trajectory = data.trajectories[id];
-    const reference = "<details><summary>Reference (PyTorch)</summary>" + data.references[trajectory.task] + "</details>";
+    const reference = "<details><summary>Reference (PyTorch)</summary>" + data.references[trajectory.task]
+      + "</details>";
     detail.innerHTML = trajectory.head + reference + trajectory.turns;  // all escaped at build time
   });
 }
 
 update();
 const linked = /^#t=(\\d+)$/.exec(location.hash);
-if (linked) select(Number(linked[1]));
+if (linked) openTrajectory(Number(linked[1]));
 """

@@ -11,6 +11,7 @@ rule viewer:
                category="Trajectories", labels={"page": "trajectory viewer"}),
     params:
         code=code_version("viewer.py"),
+    threads: 4  # processes rendering the data files (Snakemake lowers it to --cores)
     log:
         f"{LOGS}/viewer.log",
     conda:
