@@ -145,6 +145,13 @@ def test_default_dag_validates_every_iteration(workdir):
     assert "rl_validate" not in job_counts(with_overlay(workdir, "rl: {validation: {every: 0}}"))
 
 
+def test_the_tritonforge_overlay_adds_its_two_runs(workdir):
+    base = job_counts(planned(workdir))
+    counts = job_counts(planned(workdir, "--configfile", "config/config.yaml", "config/ablations/tritonforge.yaml"))
+    for rule in ("rl_iter", "rl_validate"):  # the default run, tritonforge and tritonforge_released
+        assert counts[rule] == 3 * base[rule], rule
+
+
 def test_paper_config_validates_both_runs_at_every_iteration(workdir):
     assert job_counts(planned(workdir, "--configfile", "config/paper.yaml"))["rl_validate"] == 2 * 30
 
