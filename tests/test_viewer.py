@@ -47,24 +47,24 @@ def database(tmp_path) -> Path:
                   "contaminated": False, "contaminated_with": None, "similarity": 0.1}],
                 results / "queries" / "queries.parquet", "queries")
     evaluation = [
-        turn("eval", "kb-main-L1-19", 0, 1, code=FIRST_CODE, status="correct", correct=True, speedup_eager=0.8,
-             speedup_compile=0.5, pr=0.0, reward=1.8, feedback="Status: correct\nRuntime: slower than eager"),
-        turn("eval", "kb-main-L1-19", 0, 2, code=SECOND_CODE, status="correct", correct=True, speedup_eager=2.5,
-             speedup_compile=1.7, pr=0.9, reward=3.5, feedback="Status: correct"),
-        turn("eval", "kb-main-L1-19", 0, 3, code=SECOND_CODE, status="correct", correct=True, speedup_eager=2.4,
-             speedup_compile=1.6, pr=0.9, reward=3.4, feedback="Status: correct"),
+        turn("eval", "kb-main-L1-19", 0, 1, code=FIRST_CODE, status="pass", correct=True, speedup_eager=0.8,
+             speedup_compile=0.5, pr=0.0, reward=1.8, feedback="Status: pass\nRuntime: slower than eager"),
+        turn("eval", "kb-main-L1-19", 0, 2, code=SECOND_CODE, status="pass", correct=True, speedup_eager=2.5,
+             speedup_compile=1.7, pr=0.9, reward=3.5, feedback="Status: pass"),
+        turn("eval", "kb-main-L1-19", 0, 3, code=SECOND_CODE, status="pass", correct=True, speedup_eager=2.4,
+             speedup_compile=1.6, pr=0.9, reward=3.4, feedback="Status: pass"),
     ]
     write_table(evaluation, results / "trajectories" / "stage=eval" / "run=default" / "part-0.parquet", "trajectories")
     rollouts = [
         turn("rl", "drkernel_rl-7", 0, 1, code=FIRST_CODE, status="hacked", hacked=True, speedup_eager=9.0,
              feedback="Status: hacked (the kernel skipped the work)\n"
                       "Hacking check failed: no Triton kernel launched; output is a view of the input"),
-        turn("rl", "drkernel_rl-7", 0, 2, code=SECOND_CODE, status="correct", correct=True, speedup_eager=1.1,
-             reward=2.1, feedback="Status: correct"),
+        turn("rl", "drkernel_rl-7", 0, 2, code=SECOND_CODE, status="pass", correct=True, speedup_eager=1.1,
+             reward=2.1, feedback="Status: pass"),
         turn("rl", "drkernel_rl-7", 1, 1, response=f"I refuse to write code {ATTACK}",
              feedback=f"Status: format_error\nno code block in {ATTACK}"),
-        turn("rl", "drkernel_rl-7", 1, 2, code=f'import triton\nBANNER = "{ATTACK}"\n', status="compile_error",
-             feedback="Status: compile_error"),
+        turn("rl", "drkernel_rl-7", 1, 2, code=f'import triton\nBANNER = "{ATTACK}"\n', status="compilation_error",
+             feedback="Status: compilation_error"),
     ]
     write_table(rollouts, results / "trajectories" / "stage=rl" / "run=default" / "iter=0" / "part-0.parquet",
                 "trajectories")
@@ -102,9 +102,9 @@ def test_counts_index_and_sorted_view_keys(database, tmp_path):
         ("rl", "drkernel_rl-7", 0), ("rl", "drkernel_rl-7", 1), ("eval", "kb-main-L1-19", 0)]
     hacked, format_error, improving = entries
     assert hacked["hacked_turns"] == 1 and hacked["best_speedup"] == 1.1  # the hacked 9x does not count
-    assert hacked["statuses"] == ["correct", "hacked"] and hacked["name"] == "gelu query"
+    assert hacked["statuses"] == ["hacked", "pass"] and hacked["name"] == "gelu query"
     assert improving["best_speedup"] == 2.5 and improving["reward_change"] == pytest.approx(1.7)
-    assert format_error["best_speedup"] is None and format_error["status"] == "compile_error"
+    assert format_error["best_speedup"] is None and format_error["status"] == "compilation_error"
 
 
 def test_turns_show_code_diff_feedback_reference_and_hack_reasons(database, tmp_path):
@@ -143,7 +143,7 @@ def test_model_output_is_escaped_everywhere(database, tmp_path):
 
 def test_many_trajectories_are_paged_into_lazy_files(tmp_path):
     results = tmp_path / "results"
-    rows = [turn("eval", f"kb-main-L1-{i}", 0, t, code=f"kernel_{i}_turn_{t} = 1\n", status="correct", correct=True,
+    rows = [turn("eval", f"kb-main-L1-{i}", 0, t, code=f"kernel_{i}_turn_{t} = 1\n", status="pass", correct=True,
                  speedup_eager=float(i % 7), reward=float(t))
             for i in range(230) for t in (1, 2)]
     write_table(rows, results / "trajectories" / "stage=eval" / "part-0.parquet", "trajectories")
@@ -190,7 +190,7 @@ def test_page_filters_sorts_and_lazy_loads(database, tmp_path):
     build_viewer(database, out)
     page = show_in_node(out)
     assert page["initial"] == 3 and page["shown"] == "3 of 3 trajectories"
-    assert page["statusOptions"] == ["", "compile_error", "correct", "format_error", "hacked"]
+    assert page["statusOptions"] == ["", "compilation_error", "format_error", "hacked", "pass"]
     assert [(row[4], row[9]) for row in page["hackedRows"]] == [("drkernel_rl-7", "1")]  # task, hacked turns
     assert (page["bestFirst"][4], page["bestFirst"][8]) == ("kb-main-L1-19", "2.5")
     assert page["jumpFirst"][4:6] == ["drkernel_rl-7", "0"]  # reward 0 -> 2.1 beats 1.8 -> 3.5

@@ -45,7 +45,7 @@ from pygments.lexers import PythonLexer
 from kpipe.config import REPO_ROOT
 from kpipe.db import locate_db
 
-STAGE_ORDER = ("coldstart", "rl", "rl_val", "eval", "stts")  # pipeline order, for the default view
+STAGE_ORDER = ("coldstart", "rl", "rl_val", "eval", "budget", "stts")  # pipeline order, for the default view
 TRAJECTORY_KEY = ("stage", "run", "iteration", "model", "task_id", "sample")
 TRAJECTORIES_PER_FILE = 50
 PROMPT_CLIP = 4000  # characters of a turn's last prompt message kept in the viewer
@@ -161,8 +161,9 @@ def prompt_summary(row: dict[str, Any]) -> str:
     return f"{len(roles)} message(s) ({parts} characters){tokens}"
 
 
-def status_class(status: str | None) -> str:
-    return "st-" + "".join(c if c.isalnum() else "-" for c in (status or "none"))
+def outcome_class(row: dict[str, Any]) -> str:
+    """The badge colour: hacked, correct or failed (whatever KernelGym's status vocabulary)."""
+    return "hacked" if row["hacked"] else ("correct" if row["correct"] else "failed")
 
 
 def render_turn(row: dict[str, Any], previous_code: str | None, last: bool) -> str:
@@ -180,7 +181,7 @@ def render_turn(row: dict[str, Any], previous_code: str | None, last: bool) -> s
     ]
     parts = [
         f'<div class="turn" id="turn-{turn}"><h3>Turn {turn} '
-        f'<span class="status {status_class(row["status"])}">{esc(row["status"])}</span></h3>',
+        f'<span class="status {outcome_class(row)}">{esc(row["status"])}</span></h3>',
         '<table class="kv">' + "".join(f"<tr><th>{esc(k)}</th><td>{esc(v)}</td></tr>" for k, v in scores) + "</table>",
     ]
     reasons = hack_reasons(row)
@@ -471,7 +472,8 @@ pre.text, .hl pre { white-space: pre-wrap; word-break: break-word; font-size: .8
       padding: .5em; border: 1px solid #eee; max-height: 40em; overflow: auto; }
 summary { cursor: pointer; font-weight: 600; margin: .3em 0; }
 .status { font-size: .8em; padding: .1em .4em; border-radius: .3em; background: #eee; }
-.st-correct { background: #d6f5d6; } .st-hacked { background: #ffd6d6; }
+.status.correct { background: #d6f5d6; } .status.hacked { background: #ffd6d6; }
+.status.failed { background: #fff1cc; }
 """
 
 # Model and task text reaches the page only as (a) index JSON written with textContent and
