@@ -57,7 +57,7 @@ def test_what_counts_as_nothing_to_draw():
     assert "CPU-interpreter" in nothing_to_draw(zeros, "Fast@1", CPU, speed=True)
     assert "no kernel was timed" in nothing_to_draw(zeros, "Fast@1", Source((), ()), speed=True)
     assert nothing_to_draw(zeros, "Fast@1", GPU, speed=True) is None  # a GPU-measured zero is a result
-    assert "no update" in nothing_to_draw(zeros, "Gradient norm", GPU, update=True)
+    assert "no update moved" in nothing_to_draw(zeros, "Gradient norm", GPU, zero_means="no update moved")
     assert nothing_to_draw(zeros, "Mean reward", CPU) is None  # a zero reward is a result
     assert nothing_to_draw(some, "Fast@1", CPU, speed=True) is None  # drawn, marked as CPU timings
 
@@ -85,6 +85,10 @@ def test_provenance_reads_engine_and_device_from_the_rows(tmp_path):
     assert source_of(provenance, ["budget"], None) == Source(("m",), ("cpu",))
     gpu = write_fixture(tmp_path / "gpu", rows_with_feedback("cuda"))
     assert source_of(read_provenance(gpu), ["stts"], None).timing == ("cuda",)
+    untimed = [{**row, "feedback": "Status: mismatch (incorrect output)"} if row["stage"] == "rl" else row
+               for row in rows_with_feedback("cpu")]
+    db = write_fixture(tmp_path / "untimed", untimed)
+    assert source_of(read_provenance(db), ["rl"]).timing == ("cpu",)  # no RL kernel timed: the run's device
 
 
 @pytest.fixture
@@ -123,7 +127,7 @@ def test_all_figures_are_written_with_labels_and_sources(tmp_path, figure_texts)
         title = figure_texts[name][0]
         assert "rollouts: HF transformers" in title and "device: CPU" in title, title
     dynamics = " ".join(figure_texts["fig7_training_dynamics"])
-    assert "Gradient norm: 0 at every step (4 values): no update" in dynamics  # said, not drawn as a flat 0
+    assert "Gradient norm: 0 at every step (4 values): no update moved the policy" in dynamics  # said, not drawn as a flat 0
     assert "training step (optimizer updates)" in dynamics and "entropy (nats per token)" in dynamics
     budget = figure_texts["fig_kevin_budget"]
     assert "models: m" in budget[0] and "device: CPU" in budget[0] and "4 kernels per task" in budget[0]

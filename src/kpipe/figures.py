@@ -46,25 +46,28 @@ class Panel(NamedTuple):
     pattern: str  # over normalised metric names
     ylabel: str
     speed: bool = False  # depends on kernel timings (Fast@p): meaningless without GPU timings
-    update: bool = False  # a statistic of the policy update: 0 at every step means nothing was trained
+    zero_means: str | None = None  # a statistic of the update: what 0 at every step means (nothing to draw)
 
 
 FAST_UNIT = "fraction of rollouts (0-1)"
+NO_TOKENS = "no token was trained on"
 # figure -> panel title -> panel
 FIGURE_PANELS: dict[str, dict[str, Panel]] = {
     "fig4_fast1_training": {"Fast@1 during RL": Panel(r"fast_?1(?:_turn_?\d+)?$", f"Fast@1, {FAST_UNIT}", speed=True)},
     "fig5_fast12_entropy": {
         "Fast@1.2 during RL": Panel(r"fast_?1_2(?:_turn_?\d+)?$", f"Fast@1.2, {FAST_UNIT}", speed=True),
-        "Entropy": Panel(r"(?:^|_)entropy$", "entropy (nats per token)", update=True),
+        "Entropy": Panel(r"(?:^|_)entropy$", "entropy (nats per token)", zero_means=NO_TOKENS),
     },
     "fig7_training_dynamics": {
         "Mean reward": Panel(r"(?:^|_)reward_mean$", "mean reward per rollout turn"),
-        "Entropy": Panel(r"(?:^|_)entropy$", "entropy (nats per token)", update=True),
-        "Gradient norm": Panel(r"(?:^|_)grad_?norm$", "gradient L2 norm (before clipping)", update=True),
+        "Entropy": Panel(r"(?:^|_)entropy$", "entropy (nats per token)", zero_means=NO_TOKENS),
+        "Gradient norm": Panel(r"(?:^|_)grad_?norm$", "gradient L2 norm (before clipping)",
+                               zero_means="no update moved the policy (every advantage 0, e.g. equal rewards, "
+                                          "or no rollout kept)"),
         "Rollout-engine perplexity": Panel(r"(?:rollout|vllm|infer\w*)_ppl|ppl_(?:rollout|vllm)",
-                                           "perplexity (exp mean NLL per token)", update=True),
+                                           "perplexity (exp mean NLL per token)", zero_means=NO_TOKENS),
         "Trainer perplexity": Panel(r"(?:train\w*|fsdp)_ppl|ppl_(?:train|fsdp)", "perplexity (exp mean NLL per token)",
-                                    update=True),
+                                    zero_means=NO_TOKENS),
     },
 }
 FIGURE_TITLES = {"fig4_fast1_training": "Figure 4: Fast@1 of the RL rollouts",
@@ -120,17 +123,20 @@ def read_provenance(db_path: Path) -> pd.DataFrame:
 
 
 def source_of(provenance: pd.DataFrame, stages: Iterable[str], engines_from: str | None = "rl") -> Source:
-    """The timing kinds of `stages`' rows, and the rollout engines of the `engines_from` stage's
-    rows of the same runs (None: the models of `stages`' rows, base name before '@')."""
+    """The timing kinds of `stages`' rows (of their runs' rows when they timed none), and the rollout
+    engines of the `engines_from` stage's rows of the same runs (None: the models of `stages`' rows,
+    base name before '@')."""
     stages = tuple(stages)
     rows = provenance[provenance["stage"].isin(stages)]
+    runs = provenance[provenance["run"].isin(set(rows["run"]) if not rows.empty else set(provenance["run"]))]
     if engines_from is None:
         engines = rows["model"].str.split("@").str[0]
     else:
-        runs = set(rows["run"]) if not rows.empty else set(provenance["run"])
-        rl = provenance[(provenance["stage"] == engines_from) & provenance["run"].isin(runs)]
+        rl = runs[runs["stage"] == engines_from]
         engines = rl["engine"].map(lambda engine: ENGINES.get(engine, engine))
-    return Source(tuple(sorted(set(engines.dropna()))), tuple(sorted(set(rows["timing_kind"].dropna()))))
+    # rows that timed no kernel (none correct) ran where the rest of their run did
+    timing = set(rows["timing_kind"].dropna()) or set(runs["timing_kind"].dropna())
+    return Source(tuple(sorted(set(engines.dropna()))), tuple(sorted(timing)))
 
 
 def source_line(source: Source, what: str = "rollouts") -> str:
@@ -151,9 +157,13 @@ def _figure(n_panels: int, title: str, source: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, n_panels, figsize=(max(4.8 * n_panels, 7.0), 4.0), squeeze=False)
+    cols = n_panels if n_panels <= 3 else -(-n_panels // 2)  # more wrap to two rows: a report page stays readable
+    rows = -(-n_panels // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(max(4.8 * cols, 7.0), 0.6 + 3.6 * rows), squeeze=False)
+    for unused in axes.flat[n_panels:]:
+        unused.remove()
     fig.suptitle(f"{title}\n{source}", fontsize=10)
-    return plt, fig, list(axes[0])
+    return plt, fig, list(axes.flat[:n_panels])
 
 
 def _no_data(ax, message: str) -> None:
@@ -169,7 +179,7 @@ def _cpu_mark(ax) -> None:
             style="italic")
 
 
-def nothing_to_draw(values: pd.Series, what: str, source: Source, speed: bool = False, update: bool = False,
+def nothing_to_draw(values: pd.Series, what: str, source: Source, speed: bool = False, zero_means: str | None = None,
                     where: str = "point") -> str | None:
     """Why a panel of `values` shows no lines (None: draw them)."""
     values = values.dropna()
@@ -181,17 +191,19 @@ def nothing_to_draw(values: pd.Series, what: str, source: Source, speed: bool = 
     if speed and not source.gpu_timed:
         reason = "timings are CPU-interpreter timings" if source.cpu_timed else "no kernel was timed"
         return f"{what}: {n}; {reason}, so speedups say nothing about GPU performance"
-    if update:
-        return f"{what}: {n}: no update trained on any token"
+    if zero_means:
+        return f"{what}: {n}: {zero_means}"
     return None
 
 
-def _line(ax, frame: pd.DataFrame, x: str, y: str, label: str, **style: Any) -> None:
-    """A line, with its interval shaded where the table has one (`y`_lo, `y`_hi)."""
+def _line(ax, frame: pd.DataFrame, x: str, y: str, label: str, interval: tuple[str, str] | None = None,
+          **style: Any) -> None:
+    """A line, with its interval shaded where the table has one (`interval`, default `y`_lo, `y`_hi)."""
     ax.plot(frame[x], frame[y], label=label, **{"marker": "o", **style})
     _integer_x(ax)
-    if {f"{y}_lo", f"{y}_hi"} <= set(frame.columns):
-        ax.fill_between(frame[x], frame[f"{y}_lo"], frame[f"{y}_hi"], alpha=0.2)
+    low, high = interval or (f"{y}_lo", f"{y}_hi")
+    if {low, high} <= set(frame.columns):
+        ax.fill_between(frame[x], frame[low], frame[high], alpha=0.2, label=f"{label}: 95% interval")
 
 
 def _integer_x(ax) -> None:
@@ -227,7 +239,7 @@ def training_figure(curves: pd.DataFrame, panels: dict[str, Panel], path: Path, 
         series = matching_series(curves, panel.pattern)
         ax.set_title(panel_title)
         why = nothing_to_draw(series["value"] if not series.empty else pd.Series(dtype=float), panel_title, source,
-                              speed=panel.speed, update=panel.update, where="step")
+                              speed=panel.speed, zero_means=panel.zero_means, where="step")
         if why:
             _no_data(ax, why)
             continue
