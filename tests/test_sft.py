@@ -152,6 +152,12 @@ def test_loss_falls_and_outputs_are_complete(nano, tmp_path):
     assert summary["samples"]["samples"] == 12 and summary["steps"] == 30
 
 
+def test_max_turn_trains_on_the_first_turns_only(nano, tmp_path):
+    result = train_sft(config(nano, max_turn=1, max_steps=1), synthetic_rows(), tmp_path / "out",
+                       tmp_path / "metrics.parquet")
+    assert result.samples.as_dict()["samples"] == 6  # one per task: turn 2 left out
+
+
 class Killed(RuntimeError):
     pass
 

@@ -83,3 +83,17 @@ def test_qwen3_06b_preset_matches_the_real_model_size():
 def test_unknown_size_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown model size"):
         tiny_config("huge", 259, 258, 256)
+
+
+def test_bpe_of_the_policy_corpus_makes_prompts_and_kernels_short():
+    from kpipe.data.kernelbench import load_problems
+    from kpipe.gym.bank import list_solutions
+    from kpipe.llm.prompts import first_turn_messages
+    from kpipe.train.tiny_model import build_bpe_tokenizer, policy_corpus
+
+    tokenizer = build_bpe_tokenizer(policy_corpus(), 4000)
+    reference = next(p.code for p in load_problems("main") if (p.level, p.problem_id) == (1, 19))
+    prompt = tokenizer.apply_chat_template(first_turn_messages(reference), tokenize=False, add_generation_prompt=True)
+    kernel = list_solutions("legit")[0].source
+    assert len(tokenizer(prompt).input_ids) < 600 < len(prompt) // 4  # byte tokens: ~3,300
+    assert tokenizer.decode(tokenizer(kernel).input_ids) == kernel

@@ -78,7 +78,9 @@ def sft_base_model_input():
     policy = config["policy"]
     if policy["base_model"] != "tiny":
         return []
-    return [f"{RESULTS}/models/tiny-{policy['tiny']['size']}-seed{policy['tiny']['seed']}"]
+    tiny = policy["tiny"]
+    tokenizer = "byte" if tiny["tokenizer"] == "byte" else f"bpe{tiny['vocab_size']}"
+    return [f"{RESULTS}/models/tiny-{tiny['size']}-{tokenizer}-seed{tiny['seed']}"]
 
 
 def sft_settings(base_inputs):

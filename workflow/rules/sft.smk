@@ -11,18 +11,22 @@ import shlex
 
 rule tiny_model:
     output:
-        directory(f"{RESULTS}/models/tiny-{{size}}-seed{{seed}}"),
+        directory(f"{RESULTS}/models/tiny-{{size}}-{{tokenizer}}-seed{{seed}}"),
     params:
-        code=code_version("train/tiny_model.py"),
+        # byte | bpe<vocab size>; the BPE is trained on the templates, the bank and KernelBench
+        tokenizer=lambda wildcards: ("--tokenizer byte" if wildcards.tokenizer == "byte"
+                                     else f"--tokenizer bpe --vocab-size {wildcards.tokenizer[3:]}"),
+        code=code_version("train/tiny_model.py", "llm/prompts", "gym/bank", "data/files/kernelbench"),
     log:
-        f"{LOGS}/tiny_model/{{size}}-seed{{seed}}.log",
+        f"{LOGS}/tiny_model/{{size}}-{{tokenizer}}-seed{{seed}}.log",
     wildcard_constraints:
-        size="[a-z0-9.-]+",
+        size="[a-z0-9.]+",
+        tokenizer="byte|bpe[0-9]+",
         seed="[0-9]+",
     conda:
         "../envs/kpipe.yaml"
     shell:
-        "kpipe train tiny-model {output} --size {wildcards.size} --seed {wildcards.seed} > {log} 2>&1"
+        "kpipe train tiny-model {output} --size {wildcards.size} --seed {wildcards.seed} {params.tokenizer} > {log} 2>&1"
 
 
 rule sft:

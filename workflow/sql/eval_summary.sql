@@ -1,14 +1,17 @@
 -- Evaluation summary per run, model, level and turn, over the samples that reached the turn
--- (unlike Fast@p, whose denominator is every trajectory): compile rate (a candidate was
+-- (unlike Fast@p, whose denominator is every trajectory): answer rate (the answer held a program
+-- defining ModelNew: status not format_error / generation_error), compile rate (a candidate was
 -- extracted and compiled: status not format_error / compilation_error), correctness rate
 -- (hacked counts as incorrect), hacking ratio, and the geometric-mean speedup of the correct
 -- kernels against eager PyTorch and torch.compile. Rows behind a cell:
 --   select * from turns where stage = 'eval' and run = ... and model = ... and level = ... and turn = ...
 SELECT run, model, level, turn,
        count(*) AS n_samples,
+       count_if(status NOT IN ('format_error', 'generation_error')) AS n_answered,
        count_if(status NOT IN ('format_error', 'compilation_error')) AS n_compiled,
        count_if(coalesce(correct, false) AND NOT coalesce(hacked, false)) AS n_correct,
        count_if(coalesce(hacked, false)) AS n_hacked,
+       100.0 * count_if(status NOT IN ('format_error', 'generation_error')) / count(*) AS answer_rate,
        100.0 * count_if(status NOT IN ('format_error', 'compilation_error')) / count(*) AS compile_rate,
        100.0 * count_if(coalesce(correct, false) AND NOT coalesce(hacked, false)) / count(*) AS correct_rate,
        100.0 * count_if(coalesce(hacked, false)) / count(*) AS hacking_ratio,

@@ -23,12 +23,16 @@ def train() -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--size", default="tiny", show_default=True, help="nano | tiny | small | qwen3-0.6b")
 @click.option("--seed", default=0, show_default=True, type=int)
-def tiny_model_command(out_dir: Path, size: str, seed: int) -> None:
-    """Build a random-weight Qwen3 model with a byte tokenizer in HF format at OUT_DIR."""
-    from kpipe.train.tiny_model import build_tiny_model
+@click.option("--tokenizer", type=click.Choice(["byte", "bpe"]), default="byte", show_default=True,
+              help="byte: one token per byte; bpe: a BPE trained on the templates, bank kernels and references")
+@click.option("--vocab-size", default=4000, show_default=True, type=int, help="BPE vocabulary size")
+def tiny_model_command(out_dir: Path, size: str, seed: int, tokenizer: str, vocab_size: int) -> None:
+    """Build a random-weight Qwen3 model and its tokenizer in HF format at OUT_DIR."""
+    from kpipe.train.tiny_model import build_tiny_model, policy_corpus
 
-    path = build_tiny_model(out_dir, seed=seed, size=size)
-    click.echo(f"tiny model ({size}, seed {seed}) -> {path}")
+    corpus = policy_corpus() if tokenizer == "bpe" else None
+    path = build_tiny_model(out_dir, seed=seed, size=size, corpus=corpus, vocab_size=vocab_size)
+    click.echo(f"tiny model ({size}, seed {seed}, {tokenizer} tokenizer) -> {path}")
 
 
 def trajectory_files(paths: tuple[Path, ...]) -> list[Path]:

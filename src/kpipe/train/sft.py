@@ -58,6 +58,7 @@ class SFTConfig:
     overlong: str = "drop"  # drop | truncate
     keep: str = "all"  # outcome filter: all | passed_turns | passed_trajectories
     unit: str = "turn"  # turn | trajectory (see kpipe.train.samples)
+    max_turn: int | None = None  # train on turns 1..max_turn only; None = every turn
     weight_decay: float = 0.01
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping (the norm is still logged)
@@ -370,6 +371,7 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
 
     # --- data
     tokenizer = load_tokenizer(cfg)
+    rows = [row for row in rows if cfg.max_turn is None or row["turn"] <= cfg.max_turn]
     samples, report = build_samples(rows, tokenizer, cfg.max_length, cfg.overlong, cfg.keep, cfg.unit)
     if not samples:
         raise ValueError(f"no SFT samples left after filtering: {report.as_dict()}")

@@ -87,6 +87,28 @@ def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTok
     return tokenizer
 
 
+TEMPLATE_WEIGHT = 50  # every prompt repeats the templates: weighted so that BPE gives them few tokens
+
+
+def policy_corpus(template_weight: int = TEMPLATE_WEIGHT) -> list[str]:
+    """The texts the offline policy reads and writes, for its BPE tokenizer: the prompt templates
+    (repeated `template_weight` times, as they open every prompt), the bank's kernels and every
+    KernelBench reference of the vendored `main` set.
+
+    Independent of the run's task and query selection, so the tokenizer (and everything trained
+    on it) stays the same when the selection changes. A 4,000-token BPE of it makes a first-turn
+    prompt ~240 tokens and a bank kernel ~130 (byte tokens: ~3,300 and ~1,000), which is what
+    lets the default run train and sample the policy on a CPU in minutes.
+    """
+    from kpipe.data.kernelbench import load_problems
+    from kpipe.gym.bank import list_solutions
+    from kpipe.llm.prompts import first_turn_messages, refine_message
+
+    templates = [message["content"] for message in first_turn_messages("")] + [refine_message("", 1)["content"]]
+    kernels = sorted(solution.source for solution in list_solutions())  # the bank's layout may change, not its programs
+    return templates * template_weight + kernels + [problem.code for problem in load_problems("main")]
+
+
 def tiny_config(size: str, vocab_size: int, eos_token_id: int, pad_token_id: int,
                 exact_vocab: bool = False) -> Qwen3Config:
     """The Qwen3Config of a size preset.
