@@ -26,7 +26,7 @@ from kpipe.gym.feedback import runtime_lines
 from kpipe.gym.result import EvalResult
 
 NAMES = {"fig4_fast1_training", "fig5_fast12_entropy", "fig6_stts", "fig7_training_dynamics", "fig8_hacking_ratio",
-         "fig_rl_validation", "fig_kevin_budget"}
+         "fig_rl_validation", "fig_kevin_budget", "fig_rl_reward"}
 CPU = Source(("HF transformers",), ("cpu",))
 GPU = Source(("vLLM",), ("cuda",))
 
@@ -123,7 +123,7 @@ def test_all_figures_are_written_with_labels_and_sources(tmp_path, figure_texts)
     for path in written.values():
         with Image.open(path) as image:
             assert image.format == "PNG" and image.size[0] > 300
-    for name in ("fig4_fast1_training", "fig7_training_dynamics", "fig8_hacking_ratio"):
+    for name in ("fig4_fast1_training", "fig7_training_dynamics", "fig8_hacking_ratio", "fig_rl_reward"):
         title = figure_texts[name][0]
         assert "rollouts: HF transformers" in title and "device: CPU" in title, title
     dynamics = " ".join(figure_texts["fig7_training_dynamics"])
@@ -142,6 +142,7 @@ def test_figures_of_an_empty_database(tmp_path, figure_texts):
     assert set(written) == NAMES and all(p.stat().st_size > 0 for p in written.values())
     assert "no STTS rows in this run" in figure_texts["fig6_stts"]
     assert "no RL validation rows in this run" in figure_texts["fig_rl_validation"]
+    assert "no RL rollouts in this run" in figure_texts["fig_rl_reward"]
     assert "no budget rows (config eval_budget) in this run" in figure_texts["fig_kevin_budget"]
     assert "device: no timed kernel" in figure_texts["fig6_stts"][0]
 

@@ -9,7 +9,9 @@
   Fast@1.2, pass rate and hacking ratio of each validated iteration's checkpoint on the
   validation tasks vs training step, one line per run (workflow/sql/rl_validation.sql);
 - Kevin's test-time budget (Kevin-32B §5.3-5.4): best@k correctness and speedup vs the kernels
-  generated per task, one line per split of the budget (workflow/sql/kevin_budget.sql).
+  generated per task, one line per split of the budget (workflow/sql/kevin_budget.sql);
+- RL reward: the rollouts' mean reward per iteration with its bootstrap interval, and their pass
+  and compile rates (workflow/sql/rl_reward.sql): does RL learn?
 
 Every figure's title says where its data came from (view `provenance` of views.sql): the rollout
 engine of RL rows and the device of the timings, read from the rows, so a CPU run says "CPU
@@ -78,7 +80,7 @@ TRAINING_STAGES = ("rl", "val")
 VALIDATION_PANELS = {"Fast@1, last turn": ("fast_1", True), "Fast@1.2, last turn": ("fast_1_2", True),
                      "Pass rate, last turn": ("pass_rate", False), "Hacking ratio, all turns": ("hacking_ratio", False)}
 FIGURE_NAMES = tuple(sorted([*FIGURE_PANELS, "fig6_stts", "fig8_hacking_ratio", "fig_rl_validation",
-                             "fig_kevin_budget"]))
+                             "fig_kevin_budget", "fig_rl_reward"]))
 ENGINES = {"hf": "HF transformers", "vllm": "vLLM"}
 DEVICES = {"cpu": "CPU (Triton-interpreter timings, not GPU performance)", "cuda": "GPU (CUDA-event timings)",
            "mixed": "CPU and GPU timings mixed"}
@@ -354,6 +356,32 @@ def budget_figure(budget: pd.DataFrame, path: Path, source: Source) -> Path:
     return _save(plt, fig, path)
 
 
+def reward_figure(reward: pd.DataFrame, path: Path, source: Source) -> Path:
+    """Does RL learn: the rollouts' mean reward per iteration with its bootstrap band (left), and
+    the pass and compile rates of their turns (right), one line per run."""
+    plt, fig, axes = _figure(2, "RL rollouts per iteration", source_line(source))
+    panels = (("Mean reward", ("mean_reward",), "mean reward per turn (paper Eq. 1)"),
+              ("Pass and compile rates", ("pass_rate", "compile_rate"), "% of rollout turns"))
+    for ax, (title, columns, ylabel) in zip(axes, panels):
+        ax.set_title(title)
+        why = nothing_to_draw(reward[columns[0]] if not reward.empty else pd.Series(dtype=float), "RL rollouts",
+                              source)
+        if why:
+            _no_data(ax, why)
+            continue
+        for run, line in reward.groupby("run"):
+            line = line.sort_values("iteration")
+            for column in columns:
+                interval = ("reward_lo", "reward_hi") if column == "mean_reward" else None
+                _line(ax, line, "iteration", column, f"{run}: {column.replace('_', ' ')}", interval)
+        ax.legend(fontsize=7)
+        if columns[0] == "pass_rate":
+            _percent_axes(ax, reward[list(columns)].stack())
+        ax.set_xlabel("RL iteration")
+        ax.set_ylabel(ylabel)
+    return _save(plt, fig, path)
+
+
 def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR, n_boot: int = 0) -> dict[str, Path]:
     """Every figure as `out_dir/<name>.png`; returns name -> path. `n_boot` > 0: the STTS and RL
     validation curves shade the tables' task-bootstrap intervals (`kpipe.tables.INTERVALS`)."""
@@ -367,6 +395,7 @@ def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR,
         stts = with_intervals(db_path, "stts_curves", stts, n_boot)
         validation = with_intervals(db_path, "rl_validation", validation, n_boot)
         budget = run_table_sql(db_path, sql_dir / "kevin_budget.sql")
+        reward = run_table_sql(db_path, sql_dir / "rl_reward.sql")
         provenance = read_provenance(db_path)
     except (duckdb.Error, RuntimeError) as error:
         raise RuntimeError(f"figures: {error}") from None
@@ -380,4 +409,5 @@ def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR,
                                                      source_of(provenance, ["rl_val"]))
     written["fig_kevin_budget"] = budget_figure(budget, out_dir / "fig_kevin_budget.png",
                                                 source_of(provenance, ["budget"], None))
+    written["fig_rl_reward"] = reward_figure(reward, out_dir / "fig_rl_reward.png", training)
     return dict(sorted(written.items()))

@@ -26,7 +26,8 @@ rule figures:
     input:
         db=f"{RESULTS}/kpipe.duckdb",
         sql=[workflow.source_path(f"../sql/{name}.sql")
-             for name in ("training_curves", "stts_curves", "hacking_ratio", "rl_validation", "kevin_budget")],
+             for name in ("training_curves", "stts_curves", "hacking_ratio", "rl_validation", "kevin_budget",
+                          "rl_reward")],
     output:
         *[report(f"{RESULTS}/figures/{name}.png", caption=f"../report/{name}.rst", category="Figures",
                  labels={"figure": name}) for name in FIGURE_NAMES],
