@@ -1,6 +1,6 @@
--- RL rollout reward per run and iteration: does RL learn? mean_reward is the mean reward of
--- every turn of the iteration's rollouts (train_metrics' reward_mean; paper Eq. 1: 0 unless
--- correct and not hacked, then 1 + min(speedup, 3), with CPU-interpreter speedups ~0 on a CPU);
+-- RL rollout reward per run and iteration: the learning curve of the rollouts. mean_reward is the
+-- mean reward of every turn of the iteration's rollouts (train_metrics' reward_mean; paper Eq. 1: 0 unless
+-- correct and not hacked, then 1 + min(speedup, 3); on a CPU the speedups are interpreter timings);
 -- reward_lo / reward_hi: a 95% bootstrap interval (1000 replicates) that resamples whole
 -- trajectories (task, sample) of the iteration, since the turns of one trajectory are correlated
 -- (deterministic: each draw is a hash of the replicate and the draw's position).
