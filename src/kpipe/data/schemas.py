@@ -69,6 +69,8 @@ EVALS = pa.schema(
         ("launched_kernels", pa.list_(pa.string())),
         ("timing_kind", pa.string()),  # "cuda" | "cpu" (interpreter timings)
         ("device", pa.string()),
+        ("device_id", pa.string()),  # the GPU the candidate ran on: "GPU-<uuid> <pci address>" | "cpu"
+        ("timed_spans", pa.list_(pa.list_(pa.float64()))),  # [start, end] Unix s of each timed region
         ("torch_version", pa.string()),
         ("triton_version", pa.string()),
         ("protocol_version", pa.string()),
@@ -128,7 +130,7 @@ TRAIN_METRICS = pa.schema(
 TABLES: dict[str, tuple[pa.Schema, int]] = {
     "tasks": (TASKS, 1),
     "queries": (QUERIES, 1),
-    "evals": (EVALS, 1),
+    "evals": (EVALS, 2),
     "trajectories": (TRAJECTORIES, 1),
     "train_metrics": (TRAIN_METRICS, 1),
 }

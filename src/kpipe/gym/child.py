@@ -37,26 +37,15 @@ from typing import Any
 import torch
 
 from kpipe.gym import instrument
+from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
 from kpipe.gym.protocol import Protocol
 
-SECRET_MARKERS = ("_KEY", "_TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
-SECRET_PREFIXES = ("OPENAI", "HF_", "AWS_", "ANTHROPIC", "HUGGING", "WANDB", "GITHUB_", "GH_", "AZURE_", "GOOGLE_")
 RECHECK_SEED_OFFSET = 1000
 RECHECK_SETS = 2
 # input sets kept on the device for timing (the first correctness trials' inputs): enough to
 # change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
 TIMING_SETS = 2
-
-
-def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return any(m in upper for m in SECRET_MARKERS) or upper.startswith(SECRET_PREFIXES)
-
-
-def scrubbed_environment(env: dict[str, str]) -> dict[str, str]:
-    """`env` without anything that looks like a credential."""
-    return {k: v for k, v in env.items() if not is_secret(k)}
 
 
 def trial_seed(protocol_seed: int, trial: int) -> int:
@@ -439,18 +428,32 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             result["recheck_outputs"].append(keep(flatten_output(model(*inputs))))
         del inputs
     l2 = l2_flush_buffer(protocol, device)
+    result["timed_spans"] = []
     if protocol.wants_eager:
         phase("reference eager timing")
-        result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), keep)
+        with timed_span(result["timed_spans"]):
+            result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), keep)
     if protocol.wants_compile:
         phase("reference torch.compile timing")
         try:
             compiled = torch.compile(model)
             # compilation happens inside the warm-up
-            result["compile"] = time_forward(compiled, input_sets, protocol.perf_trials, max(protocol.warmup, 1), clocks, l2, set(), keep)
+            with timed_span(result["timed_spans"]):
+                result["compile"] = time_forward(compiled, input_sets, protocol.perf_trials, max(protocol.warmup, 1), clocks, l2, set(), keep)
         except Exception as exc:  # a baseline that cannot compile is reported, not fatal
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return result
+
+
+@contextmanager
+def timed_span(spans: list[list[float]]) -> Iterator[None]:
+    """Append the wall-clock (Unix seconds) start and end of a timed region to `spans`: the
+    evidence that no two evaluations were timed on one GPU at once."""
+    start = time.time()
+    try:
+        yield
+    finally:
+        spans.append([start, time.time()])
 
 
 def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir: Path, phase: Phase) -> dict[str, Any]:
@@ -540,7 +543,9 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         timed_names.update(log.names)
         calls_without_launch[0] += not log.names
 
-    result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed)
+    result["timed_spans"] = []
+    with timed_span(result["timed_spans"]):
+        result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed)
     result["launches"]["timed"] = sorted(timed_names)
     # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
     result["calls_without_launch"] = calls_without_launch[0]
@@ -554,7 +559,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             for r in range(RECHECK_SETS)
         ]
         trials = max(min(protocol.perf_trials, 20), RECHECK_SETS)
-        recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep)
+        with timed_span(result["timed_spans"]):
+            recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep)
         result["recheck"] = recheck
 
     if protocol.profile:
@@ -605,6 +611,19 @@ def describe_device(device: str) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, Triton interpreter)"
 
 
+def device_identity(device: str) -> str:
+    """Which physical GPU this process ran on, as seen from inside it: its UUID and PCI
+    address (nvidia-smi's spelling), so placement can be checked against the pool's plan."""
+    if device != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    uuid = str(getattr(props, "uuid", ""))
+    pci = "{:08X}:{:02X}:{:02X}.0".format(
+        getattr(props, "pci_domain_id", 0), getattr(props, "pci_bus_id", 0), getattr(props, "pci_device_id", 0)
+    )
+    return f"GPU-{uuid} {pci}" if uuid else pci
+
+
 def write_result(path: str, payload: dict[str, Any]) -> None:
     tmp = f"{path}.tmp"
     torch.save(payload, tmp)
@@ -647,6 +666,7 @@ def run_child(job: dict[str, Any]) -> None:
     payload: dict[str, Any] = {
         "role": job["role"],
         "device": describe_device(device),
+        "device_id": device_identity(device),
         "torch_version": str(torch.__version__),
         "triton_version": str(__import__("triton").__version__),
     }

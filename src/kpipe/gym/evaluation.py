@@ -113,11 +113,13 @@ def check_reference(reference_src: str) -> None:
 
 
 def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bool,
-                  launch: Launcher = fresh_interpreter) -> dict[str, Any]:
+                  launch: Launcher = fresh_interpreter) -> tuple[dict[str, Any], bool]:
+    """The reference child's payload, and whether it ran now (False: reused from this
+    process's cache)."""
     cache_key = hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
     if reuse and cache_key in _reference_cache:
         _reference_cache.move_to_end(cache_key)
-        return _reference_cache[cache_key]
+        return _reference_cache[cache_key], False
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
     run = run_isolated(job, protocol.timeout_s, launch=launch)
     if run.payload is None or run.payload.get("status") != "ok":
@@ -128,7 +130,7 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
         _reference_cache[cache_key] = run.payload
         while len(_reference_cache) > REFERENCE_CACHE_SIZE:
             _reference_cache.popitem(last=False)
-    return run.payload
+    return run.payload, True
 
 
 def tolerance(protocol: Protocol) -> Tolerance:
@@ -207,6 +209,14 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
     return reasons
 
 
+def reported_spans(payload: dict[str, Any]) -> list[list[float]]:
+    """The child's timed regions as [start, end] pairs; nothing if it wrote something else."""
+    try:
+        return [[float(start), float(end)] for start, end in payload.get("timed_spans", [])[:8]]
+    except MALFORMED:
+        return []
+
+
 def failure_diagnostic(run: ChildRun, payload: dict[str, Any] | None) -> str:
     where = f" (during {run.phase})" if run.phase else ""
     if payload is not None:
@@ -267,9 +277,10 @@ def evaluate(
     if rejected and protocol.hacking_check:
         return finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=findings)
 
-    reference = run_reference(reference_src, protocol, device, reuse_reference, launch)
+    reference, reference_ran = run_reference(reference_src, protocol, device, reuse_reference, launch)
     base.update(device=reference["device"] if device == "cpu" else kind, torch_version=reference["torch_version"],
                 triton_version=reference["triton_version"])
+    spans = list(reference.get("timed_spans", [])) if reference_ran else []
     ref_eager = median(reference["eager"]["ms"]) if "eager" in reference else None
     ref_compile = median(reference["compile"]["ms"]) if "compile" in reference else None
     ref_for_recheck = ref_eager if ref_eager is not None else ref_compile
@@ -295,7 +306,10 @@ def evaluate(
     }
     run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch)
     payload = run.payload
-    common = {"findings": findings}
+    common: dict[str, Any] = {"findings": findings, "timed_spans": spans}
+    if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
+        common["device_id"] = str(payload.get("device_id", ""))[:200]
+        common["timed_spans"] = spans + reported_spans(payload)
     if run.timed_out:
         return finish("timeout", diagnostic=f"no result within {protocol.timeout_s:g} s (during {run.phase or 'start-up'})", **common)
     if payload is None or payload.get("status") != "ok":

@@ -1,7 +1,8 @@
 """Running one child in isolation: a fresh interpreter in its own session and scratch
-directory, with secrets scrubbed, a wall-clock timeout that kills its whole process group,
-bounded capture of stdout/stderr (kept for diagnostics, never parsed for results), and an
-optional gate between its correctness and timing stages."""
+directory, with the environment ``kpipe.gym.environment`` builds (secrets scrubbed, compile
+caches per ``kpipe.gym.compile_caches``), a wall-clock timeout that kills its whole process
+group, bounded capture of stdout/stderr (kept for diagnostics, never parsed for results), and
+an optional gate between its correctness and timing stages."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from typing import IO, Any
 
 import torch
 
-from kpipe.gym.child import scrubbed_environment
+from kpipe.gym.compile_caches import process_caches
+from kpipe.gym.environment import child_environment
 from kpipe.process import tied_to_this_process
 
 HEAD_BYTES = 2048
@@ -68,14 +70,6 @@ class ChildRun:
     phase: str
 
 
-def child_environment(device: str) -> dict[str, str]:
-    env = scrubbed_environment(dict(os.environ))
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
-
-
 def load_payload(path: Path) -> dict[str, Any] | None:
     """Read a child's result file. weights_only=True: a forged pickle cannot run code here."""
     if not path.exists():
@@ -96,18 +90,18 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
-Launcher = Callable[[Path, str, float], tuple[Any, list[IO[bytes]]]]
-"""Starts ``kpipe.gym.child`` on a job file (args: job file, device, timeout) in its own
-process group; returns a Popen-like process (poll, wait, pid, args, returncode) and its
-stdout and stderr streams."""
+Launcher = Callable[[Path, dict[str, str], float], tuple[Any, list[IO[bytes]]]]
+"""Starts ``kpipe.gym.child`` on a job file (args: job file, the child's complete environment,
+timeout) in its own process group; returns a Popen-like process (poll, wait, pid, args,
+returncode) and its stdout and stderr streams."""
 
 
-def fresh_interpreter(job_file: Path, device: str, timeout_s: float) -> tuple[Any, list[IO[bytes]]]:
+def fresh_interpreter(job_file: Path, env: dict[str, str], timeout_s: float) -> tuple[Any, list[IO[bytes]]]:
     """A new Python interpreter per child: slow to start, shares nothing with anyone."""
     proc = subprocess.Popen(
         tied_to_this_process([sys.executable, "-m", "kpipe.gym.child", str(job_file)]),
         cwd=job_file.parent,
-        env=child_environment(device),
+        env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -129,18 +123,23 @@ def run_isolated(
     starts the process (the worker pool forks it from a warm zygote instead).
     """
     scratch = Path(tempfile.mkdtemp(prefix=f"kgym-{job['role']}-"))
+    caches = process_caches()
+    trusted = job["role"] == "reference"
     try:
+        cache_env = caches.for_reference() if trusted else caches.for_candidate(scratch / "compile-cache")
+        env = child_environment(job["device"], os.environ, cache_env)
         job = {
             **job,
             "workdir": str(scratch),
             "result_path": str(scratch / "result.pt"),
             "phase_path": str(scratch / "phase"),
             "gate_path": str(scratch / "gate") if gate else None,
+            "environment": env,  # a forked child takes it whole (kpipe.gym.pool)
         }
         job_file = scratch / "job.json"
         job_file.write_text(json.dumps(job))
         start = time.monotonic()
-        proc, streams = launch(job_file, job["device"], timeout_s)
+        proc, streams = launch(job_file, env, timeout_s)
         captures = [BoundedCapture(stream) for stream in streams]
         for capture in captures:
             capture.start()
@@ -156,6 +155,8 @@ def run_isolated(
         finally:
             kill_group(proc)  # also reaps anything the child left behind in its group
             proc.wait()
+            if trusted:
+                caches.seal()
         wall_s = time.monotonic() - start
         for capture in captures:
             capture.join(timeout=5)

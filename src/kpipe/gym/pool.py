@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from kpipe.gym.environment import worker_environment
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 # what every child would otherwise import itself (torch._dynamo and the profiler alone cost
 # a child about a second: kpipe.gym.child.prime_lazy_state imports them); none touches CUDA
 PRELOAD = ("torch", "torch._dynamo", "torch.profiler", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
 WORKER_START_TIMEOUT_S = 300.0
 # a judge that does not answer within this much beyond the two child timeouts is hung
@@ -70,6 +72,7 @@ def zygote_main(sock_fd: int) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    become_subreaper()
     sock = socket.socket(fileno=sock_fd)
     sock.sendall(b"ready")
     while True:
@@ -114,9 +117,46 @@ def supervise(pid: int, sock: socket.socket, backstop_s: float) -> int | None:
                 kill_process_group(pid)
         _, status = os.waitpid(pid, 0)
         kill_process_group(pid)  # whatever it left behind in its group
+        kill_orphans()  # and whatever escaped the group (setsid, double fork)
         return os.waitstatus_to_exitcode(status)
     finally:
         os.close(pidfd)
+
+
+def become_subreaper() -> None:
+    """Make the zygote inherit every orphaned descendant of its children, so a candidate that
+    daemonises (double fork, setsid) cannot outlive its evaluation: ``kill_orphans`` ends it."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def kill_orphans() -> None:
+    """Kill and reap every remaining child of the zygote (between evaluations it has none of
+    its own: anything left is a candidate's escaped descendant)."""
+    me = str(os.getpid())
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:  # the parent pid
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int) -> None:
@@ -138,11 +178,11 @@ def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int
         os.dup2(fds[1], 2)
         for fd in (devnull, *fds):
             os.close(fd)
-        from kpipe.gym.isolate import child_environment
-
         job = json.loads(Path(job_path).read_text())
+        # built by the launching worker (kpipe.gym.environment.child_environment): taken whole,
+        # never rebuilt here from an environment that is being replaced
         os.environ.clear()
-        os.environ.update(child_environment(job["device"]))
+        os.environ.update(job["environment"])
         os.chdir(job["workdir"])
         run_child(job)
         code = 0
@@ -250,11 +290,12 @@ class ForkedProcess:
             self.returncode = int(code)
 
 
-def zygote_launcher(zygote_factory: Callable[[], Zygote]) -> Callable[[Path, str, float], tuple[Any, list[Any]]]:
+def zygote_launcher(zygote_factory: Callable[[], Zygote]) -> Callable[[Path, dict[str, str], float], tuple[Any, list[Any]]]:
     """A ``kpipe.gym.isolate.Launcher`` that forks each child from the worker's warm zygote
-    (torch and triton already imported, CUDA untouched) instead of starting an interpreter."""
+    (torch and triton already imported, CUDA untouched) instead of starting an interpreter.
+    The child takes its environment from the job file (``run_isolated`` writes `env` there)."""
 
-    def launch(job_file: Path, device: str, timeout_s: float) -> tuple[Any, list[Any]]:
+    def launch(job_file: Path, env: dict[str, str], timeout_s: float) -> tuple[Any, list[Any]]:
         pipes = [os.pipe(), os.pipe()]
         try:
             proc = zygote_factory().spawn(job_file, pipes[0][1], pipes[1][1], timeout_s)
@@ -271,23 +312,6 @@ def zygote_launcher(zygote_factory: Callable[[], Zygote]) -> Callable[[Path, str
 
 
 # ============================================================================ worker
-
-
-def worker_environment(gpu: str | None, cpu_threads: int | None) -> dict[str, str]:
-    """Secrets scrubbed (the worker and its zygote never hold them), the worker pinned to its
-    GPU, and CUDA availability checked through NVML so nothing initialises CUDA before a fork."""
-    from kpipe.gym.child import scrubbed_environment
-
-    env = scrubbed_environment(dict(os.environ))
-    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    if gpu is None:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-        env["TRITON_INTERPRET"] = "1"
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = gpu
-    if cpu_threads:
-        env["OMP_NUM_THREADS"] = str(cpu_threads)
-    return env
 
 
 def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: bool) -> None:
@@ -372,7 +396,7 @@ class WorkerHandle:
         command = [sys.executable, "-m", "kpipe.gym.pool", "worker", str(theirs.fileno()), protocol.to_json(),
                    "reuse" if reuse_reference else "fresh-reference", "fork" if fork else "spawn"]
         self.process = subprocess.Popen(
-            command, pass_fds=(theirs.fileno(),), env=worker_environment(gpu, cpu_threads),
+            command, pass_fds=(theirs.fileno(),), env=worker_environment(os.environ, gpu, cpu_threads),
             stdin=subprocess.DEVNULL, start_new_session=True,
         )
         theirs.close()

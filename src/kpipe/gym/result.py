@@ -61,6 +61,11 @@ class EvalResult:
     launched_kernels: list[str] = field(default_factory=list)
     timing_kind: str = "cpu"
     device: str = ""
+    # the GPU the candidate ran on, from inside its process (UUID and PCI address; "cpu")
+    device_id: str = ""
+    # [start, end] Unix seconds of every timed region of this evaluation: the reference's
+    # (when it ran for it, not reused) and the candidate's; on one GPU they never overlap
+    timed_spans: list[list[float]] = field(default_factory=list)
     torch_version: str = ""
     triton_version: str = ""
     protocol_version: str = ""

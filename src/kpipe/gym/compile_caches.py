@@ -1,0 +1,131 @@
+"""Compile caches that no evaluation can plant an artifact in for another.
+
+Triton and Inductor load compiled artifacts from cache directories by content key: whoever
+can write there decides what a later process runs. Candidates run as the same user as
+everything else (often root on a GPU box), so file permissions cannot keep them out of a
+shared cache, and a planted entry could make another candidate fail or slow the
+``torch.compile`` baseline (inflating every speedup against it). The layout:
+
+- **candidate children** compile into a private directory inside their scratch directory,
+  deleted with it: nothing a candidate writes is ever read by another evaluation. It is seeded
+  with a copy (never a link) of the trusted Triton cache, so Triton's own runtime helpers
+  (``cuda_utils``, compiled by gcc) are not rebuilt per candidate;
+- **reference children** (outputs, eager and ``torch.compile`` baselines) share one trusted
+  directory per launching process (a pool worker, or the ``kpipe gym eval`` process). That
+  process never runs candidate code and keeps, in its own memory, the digest of every file the
+  trusted children left there; before each use the directory is re-hashed, and if anything was
+  added, changed or replaced by a link since, the whole directory is wiped and rebuilt from
+  scratch (the cost is one recompilation of the baselines).
+
+The trusted directory lives as long as its process: a digest kept on disk could be rewritten
+by the same candidates it guards against.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+Manifest = dict[str, str]
+
+
+def cache_variables(directory: Path) -> dict[str, str]:
+    """Every variable through which Triton or Inductor pick a cache location, under `directory`."""
+    return {
+        "TRITON_CACHE_DIR": str(directory / "triton"),
+        "TRITON_HOME": str(directory / "home"),  # ~/.triton's dump and override folders
+        "TRITON_DUMP_DIR": str(directory / "home" / "dump"),
+        "TRITON_OVERRIDE_DIR": str(directory / "home" / "override"),
+        "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
+    }
+
+
+def snapshot(directory: Path) -> Manifest:
+    """Relative path -> content digest of every entry under `directory`; a symbolic link
+    (which no compiler writes) is recorded as such, so it never matches a digest."""
+    manifest: Manifest = {}
+    if not directory.exists():
+        return manifest
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = Path(root) / name
+            relative = str(path.relative_to(directory))
+            if path.is_symlink():
+                manifest[relative] = "symlink"
+            elif path.is_file():
+                manifest[relative] = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+            elif not path.is_dir():
+                manifest[relative] = "special"
+    return manifest
+
+
+def foreign_entries(before: Manifest, now: Manifest) -> list[str]:
+    """Entries of `now` that the trusted children did not leave as they are (added, changed,
+    or turned into links); entries that disappeared are harmless (they are recompiled)."""
+    return sorted(path for path, digest in now.items() if before.get(path) != digest or digest in ("symlink", "special"))
+
+
+class CompileCaches:
+    """The trusted cache of one launching process, and private caches for candidates."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="kgym-caches-"))
+        self.trusted = self.root / "trusted"
+        self.trusted.mkdir(parents=True, exist_ok=True)
+        self._manifest: Manifest = snapshot(self.trusted)
+        self.wipes = 0  # how often tampering was found (reported by benchmarks and tests)
+        self.verify_s = 0.0  # time spent hashing, the design's running cost
+        if root is None:
+            atexit.register(shutil.rmtree, self.root, True)
+
+    def verify(self) -> list[str]:
+        """Wipe the trusted directory if anything in it was not left there by a trusted child;
+        returns what was foreign."""
+        started = time.perf_counter()
+        foreign = foreign_entries(self._manifest, snapshot(self.trusted))
+        if foreign:
+            log.warning("KernelGym: %d foreign entries in the trusted compile cache (e.g. %s); wiping it", len(foreign), foreign[0])
+            shutil.rmtree(self.trusted, ignore_errors=True)
+            self.trusted.mkdir(parents=True, exist_ok=True)
+            self._manifest = {}
+            self.wipes += 1
+        self.verify_s += time.perf_counter() - started
+        return foreign
+
+    def for_reference(self) -> dict[str, str]:
+        """Cache variables of a reference child: the verified trusted directory. Call
+        ``seal()`` once the child has exited."""
+        self.verify()
+        return cache_variables(self.trusted)
+
+    def seal(self) -> None:
+        """Record what the trusted child that just exited left in the trusted directory."""
+        self._manifest = snapshot(self.trusted)
+
+    def for_candidate(self, private: Path) -> dict[str, str]:
+        """Cache variables of a candidate child: `private` (inside its scratch directory),
+        seeded with a copy of the verified trusted Triton cache."""
+        self.verify()
+        seed = self.trusted / "triton"
+        if seed.is_dir():
+            shutil.copytree(seed, private / "triton", symlinks=True)
+        return cache_variables(private)
+
+
+_process_caches: CompileCaches | None = None
+
+
+def process_caches() -> CompileCaches:
+    """This process's compile caches (one trusted directory per launching process)."""
+    global _process_caches
+    if _process_caches is None:
+        _process_caches = CompileCaches()
+    return _process_caches

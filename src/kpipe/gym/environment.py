@@ -1,0 +1,61 @@
+"""The environment of every process KernelGym starts, built in one place.
+
+An evaluation child (reference or candidate, forked from a warm zygote or started as a fresh
+interpreter, on a pool worker, a Ray actor or behind the HTTP service) runs with the
+environment of the process that launched it, minus anything that looks like a credential,
+plus its device settings and its compile-cache directories (``kpipe.gym.compile_caches``).
+The launching process builds it (``child_environment``) and hands it over whole: a forked
+child must not rebuild it from its own ``os.environ`` after clearing it (that left children
+with no ``PATH``, so gcc, Inductor's C++ compiler and ``CUDA_VISIBLE_DEVICES`` were lost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+SECRET_MARKERS = ("_KEY", "_TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+SECRET_PREFIXES = ("OPENAI", "HF_", "AWS_", "ANTHROPIC", "HUGGING", "WANDB", "GITHUB_", "GH_", "AZURE_", "GOOGLE_")
+# set per child by KernelGym, never inherited: where compiled artifacts are read and written
+CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+# settings that would let one evaluation load another's artifacts or a planted kernel
+DROPPED_VARIABLES = ("TRITON_KERNEL_OVERRIDE", "TRITON_KERNEL_DUMP", "TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND",
+                     "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_REMOTE_CACHE")
+
+
+def is_secret(name: str) -> bool:
+    upper = name.upper()
+    return any(m in upper for m in SECRET_MARKERS) or upper.startswith(SECRET_PREFIXES)
+
+
+def scrubbed_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` without anything that looks like a credential."""
+    return {k: v for k, v in env.items() if not is_secret(k)}
+
+
+def child_environment(device: str, parent: Mapping[str, str], caches: Mapping[str, str]) -> dict[str, str]:
+    """An evaluation child's complete environment: `parent`'s (the launching process's: PATH,
+    HOME, LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES, TRITON_*/TORCHINDUCTOR_* settings) minus
+    secrets, with `caches` (compile-cache variables) replacing any inherited cache location."""
+    env = {k: v for k, v in scrubbed_environment(parent).items() if k not in CACHE_VARIABLES and k not in DROPPED_VARIABLES}
+    env.update(caches)
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    return env
+
+
+def worker_environment(parent: Mapping[str, str], gpu: str | None, cpu_threads: int | None) -> dict[str, str]:
+    """A pool worker's environment: secrets scrubbed (the worker and its zygote never hold
+    them), pinned to its GPU, and CUDA availability checked through NVML so nothing
+    initialises CUDA before a fork."""
+    env = scrubbed_environment(parent)
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    if gpu is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    if cpu_threads:
+        env["OMP_NUM_THREADS"] = str(cpu_threads)
+    return env

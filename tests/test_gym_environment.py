@@ -1,0 +1,186 @@
+"""What an evaluation child sees of its environment, and what it can leave for others.
+
+- A child's environment is its launcher's minus secrets, on every path (warm pool fork, fresh
+  interpreter): PATH, HOME, LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES and TRITON_* /
+  TORCHINDUCTOR_* settings present, a secret-looking variable absent. Checked from inside a
+  real child: the candidate writes ``os.environ`` to a file. (Before the fix, a forked pool
+  child ran with an empty environment: no PATH, so gcc and Inductor's C++ compiler failed.)
+- No evaluation can change another's result through the compile caches: a candidate that
+  plants junk and slowed-down "compiled" code in every cache directory it can find leaves a
+  later legit evaluation's status and the ``torch.compile`` baseline's time unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kpipe.data.kernelbench import select_problems, shrink_sizes
+from kpipe.gym import Protocol
+from kpipe.gym.bank import solutions_for
+from kpipe.gym.compile_caches import CompileCaches, foreign_entries, snapshot
+from kpipe.gym.environment import child_environment
+from kpipe.gym.evaluation import evaluate
+from kpipe.gym.pool import GymPool
+
+REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
+LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
+OTHER_REFERENCE = shrink_sizes(select_problems("main", [1], {1: [23]})[0].code, 48)
+OTHER_LEGIT = next(s.source for s in solutions_for(1, 23) if s.variant == "legit")
+# the environment dump below is a static finding; it must run to be observed
+PROTOCOL = Protocol(correct_trials=1, perf_trials=2, warmup=1, baseline="eager", device="cpu", timeout_s=120, reject_findings=())
+
+ENV_DUMP = '''
+import json as _json, os as _os
+_dump = {path!r}
+if not _os.path.exists(_dump):
+    with open(_dump, "w") as _f:
+        _json.dump(dict(_os.environ), _f)
+'''
+
+CALLER_SETTINGS = {
+    "KPIPE_TEST_CALLER_SETTING": "from-the-caller",
+    "LD_LIBRARY_PATH": "/opt/kpipe-test/lib",
+    "TRITON_PRINT_AUTOTUNING": "1",
+    "TORCHINDUCTOR_MAX_AUTOTUNE": "0",
+    "TRITON_CACHE_DIR": "/tmp/kpipe-test-shared-triton-cache",  # replaced: caches are per child
+    "MY_SERVICE_API_KEY": "do-not-leak",
+    "HF_TOKEN": "do-not-leak",
+}
+
+
+def child_env(tmp_path: Path, run: object, tag: str) -> dict[str, str]:
+    dump = tmp_path / f"env-{tag}.json"
+    candidate = ENV_DUMP.format(path=str(dump)) + LEGIT
+    result = run(candidate)
+    assert result.status == "pass", result.diagnostic
+    return json.loads(dump.read_text())
+
+
+def check_child_env(env: dict[str, str]) -> None:
+    for name in ("PATH", "HOME", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "KPIPE_TEST_CALLER_SETTING",
+                 "TRITON_PRINT_AUTOTUNING", "TORCHINDUCTOR_MAX_AUTOTUNE"):
+        assert name in env, f"{name} missing from the child's environment"
+    assert env["KPIPE_TEST_CALLER_SETTING"] == "from-the-caller"
+    assert env["LD_LIBRARY_PATH"] == "/opt/kpipe-test/lib"
+    assert "MY_SERVICE_API_KEY" not in env and "HF_TOKEN" not in env
+    # the candidate compiles into a private directory, never the caller's shared cache
+    assert env["TRITON_CACHE_DIR"] != CALLER_SETTINGS["TRITON_CACHE_DIR"]
+    assert "kgym-candidate-" in env["TRITON_CACHE_DIR"] and "kgym-candidate-" in env["TORCHINDUCTOR_CACHE_DIR"]
+
+
+@pytest.fixture
+def caller_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in CALLER_SETTINGS.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_a_forked_pool_child_keeps_its_workers_environment_minus_secrets(tmp_path: Path, caller_env: None) -> None:
+    with GymPool(PROTOCOL, workers=1, progress=False) as pool:
+        env = child_env(tmp_path, lambda candidate: pool.evaluate(REFERENCE, candidate), "pool")
+    check_child_env(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == ""  # the CPU worker's pin, not the caller's GPUs
+
+
+def test_a_fresh_interpreter_child_keeps_the_environment_minus_secrets(
+    tmp_path: Path, caller_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # a lease's pin (the CPU protocol never uses it)
+    env = child_env(tmp_path, lambda candidate: evaluate(REFERENCE, candidate, PROTOCOL), "fresh")
+    check_child_env(env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "7"
+
+
+def test_child_environment_replaces_inherited_cache_locations_and_kernel_overrides() -> None:
+    parent = {"PATH": "/bin", "TRITON_CACHE_DIR": "/shared", "TRITON_KERNEL_OVERRIDE": "1", "OPENAI_API_KEY": "x"}
+    env = child_environment("cuda", parent, {"TRITON_CACHE_DIR": "/private"})
+    assert env["TRITON_CACHE_DIR"] == "/private" and env["PATH"] == "/bin"
+    assert "TRITON_KERNEL_OVERRIDE" not in env and "OPENAI_API_KEY" not in env and "TRITON_INTERPRET" not in env
+    assert child_environment("cpu", parent, {})["TRITON_INTERPRET"] == "1"
+
+
+# ----------------------------------------------------------------------------- planted artifacts
+
+# Plants in every cache directory it can find: junk files, and a sleep in every compiled
+# Inductor module's `call` (what a torch.compile baseline runs on a cache hit).
+PLANTER = '''
+import glob as _glob, os as _os, re as _re, tempfile as _tempfile
+_roots = {_os.environ.get(v, "") for v in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME")}
+_roots |= {_os.path.expanduser("~/.triton")}
+_roots |= set(_glob.glob(_os.path.join(_tempfile.gettempdir(), "torchinductor_*")))
+_roots |= set(_glob.glob(_os.path.join(_tempfile.gettempdir(), "kgym-*", "**"), recursive=True))
+_count = 0
+for _root in sorted(r for r in _roots if r and _os.path.isdir(r)):
+    for _dir, _subdirs, _files in _os.walk(_root):
+        try:
+            with open(_os.path.join(_dir, "planted_entry.json"), "w") as _f:
+                _f.write('{"key": "planted"}')
+        except OSError:
+            continue
+        for _name in _files:
+            _path = _os.path.join(_dir, _name)
+            try:
+                if _name.endswith(".py"):
+                    _text = open(_path).read()
+                    _text = _re.sub(r"(def call\\([^)]*\\):\\n)", r"\\1    __import__('time').sleep(0.25)\\n", _text)
+                    open(_path, "w").write(_text)
+                    _count += 1
+            except OSError:
+                pass
+with open(REPORT_PATH, "w") as _f:
+    _f.write(str(_count))
+'''
+
+
+@pytest.mark.timeout(900)
+def test_planted_cache_entries_change_no_later_evaluation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the pool's scratch and trusted directories under this test's own temporary directory
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    protocol = Protocol(correct_trials=1, perf_trials=3, warmup=1, baseline="both", device="cpu", timeout_s=300, reject_findings=())
+    report = tmp_path / "planted"
+    with GymPool(protocol, workers=1, progress=False) as pool:
+        before = pool.evaluate(REFERENCE, LEGIT)
+        assert before.status == "pass" and before.compile_ms is not None, before.diagnostic
+        planted = pool.evaluate(REFERENCE, PLANTER.replace("REPORT_PATH", repr(str(report))) + LEGIT)
+        assert planted.status == "pass", planted.diagnostic
+        after = pool.evaluate(REFERENCE, LEGIT + "\n# the same kernel under another key\n")
+        other = pool.evaluate(OTHER_REFERENCE, OTHER_LEGIT)
+    assert int(report.read_text()) > 0, "the planter found no compiled module to tamper with: the test proves nothing"
+    assert after.status == "pass" and other.status == "pass", (after.diagnostic, other.diagnostic)
+    # the planted sleep adds 250 ms to every compiled call (noise on this CPU is far smaller); a
+    # shared, unchecked cache also lets the planted junk break the baseline outright
+    assert after.compile_ms is not None, after.diagnostic
+    assert after.compile_ms < before.compile_ms + 100, (before.compile_ms, after.compile_ms)
+    assert not [line for line in after.diagnostic.splitlines() if "torch.compile baseline failed" in line]
+
+
+def test_the_trusted_cache_is_wiped_when_anything_foreign_appears(tmp_path: Path) -> None:
+    caches = CompileCaches(tmp_path / "caches")
+    env = caches.for_reference()
+    entry = Path(env["TORCHINDUCTOR_CACHE_DIR"]) / "ab" / "output.py"
+    entry.parent.mkdir(parents=True)
+    entry.write_text("def call(args):\n    return args\n")
+    caches.seal()  # a trusted child left it
+    assert caches.verify() == [] and entry.exists()
+    entry.write_text("def call(args):\n    __import__('time').sleep(1)\n")  # tampered
+    assert caches.verify() == ["inductor/ab/output.py"]
+    assert not entry.exists() and caches.wipes == 1
+    (Path(env["TRITON_CACHE_DIR"])).mkdir(parents=True)
+    (Path(env["TRITON_CACHE_DIR"]) / "link").symlink_to("/etc/hostname")
+    assert "triton/link" in caches.verify()
+
+
+def test_a_candidates_private_cache_is_a_copy_of_the_verified_trusted_one(tmp_path: Path) -> None:
+    caches = CompileCaches(tmp_path / "caches")
+    trusted_triton = Path(caches.for_reference()["TRITON_CACHE_DIR"])
+    (trusted_triton / "runtime").mkdir(parents=True)
+    (trusted_triton / "runtime" / "cuda_utils.so").write_bytes(b"\x7fELF trusted")
+    caches.seal()
+    private = caches.for_candidate(tmp_path / "scratch")
+    copied = Path(private["TRITON_CACHE_DIR"]) / "runtime" / "cuda_utils.so"
+    assert copied.read_bytes() == b"\x7fELF trusted" and not copied.is_symlink()
+    copied.write_bytes(b"planted")  # the candidate writes into its copy: the original is untouched
+    assert (trusted_triton / "runtime" / "cuda_utils.so").read_bytes() == b"\x7fELF trusted"
+    assert foreign_entries(snapshot(trusted_triton), snapshot(trusted_triton)) == []
