@@ -7,7 +7,8 @@ from click.testing import CliRunner
 from test_fastp_definition import write_fixture
 
 from kpipe.paper_numbers import TABLE1_EAGER, TABLE2_COMPILE
-from kpipe.tables import DEFAULT_SQL_DIR, build_tables, table_sql_files, tables
+from kpipe.tables import DEFAULT_SQL_DIR, build_tables, table_sql_files
+from kpipe.tables_cli import tables
 
 REPO_REPORT = DEFAULT_SQL_DIR.parent / "report"
 

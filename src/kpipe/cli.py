@@ -19,8 +19,8 @@ SUBCOMMANDS = {
     "train": "kpipe.train.cli:train",
     "metrics": "kpipe.metrics_cli:metrics",
     "gpu": "kpipe.gpu:gpu_command",
-    "eval": "kpipe.evaluation:eval_cli",
-    "tables": "kpipe.tables:tables",
+    "eval": "kpipe.evaluation_cli:eval_cli",
+    "tables": "kpipe.tables_cli:tables",
     "launch": "kpipe.launch:launch",
     "view": "kpipe.viewer:view_command",
 }

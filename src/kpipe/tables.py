@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-import click
 import duckdb
 import numpy as np
 import pandas as pd
@@ -281,39 +280,3 @@ def build_tables(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR, 
         build_table(Path(db_path), sql_file, Path(out_dir), n_boot, seed)
         written[sql_file.stem] = Path(out_dir) / f"{sql_file.stem}.md"
     return written
-
-
-@click.group()
-def tables() -> None:
-    """The paper's tables and figures from the kpipe database."""
-
-
-@tables.command("build")
-@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
-              type=click.Path(dir_okay=False))
-@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "tables"), show_default=True,
-              type=click.Path(file_okay=False))
-@click.option("--sql-dir", default=str(DEFAULT_SQL_DIR), show_default=True, type=click.Path(file_okay=False))
-@click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates per Fast@p cell (0: none).")
-def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int) -> None:
-    """Write results/tables/<name>.md and .csv for every workflow/sql/<name>.sql."""
-    try:
-        written = build_tables(Path(db_path), Path(out_dir), Path(sql_dir), n_boot)
-    except (FileNotFoundError, RuntimeError) as error:
-        raise click.ClickException(str(error)) from None
-    for name, path in written.items():
-        click.echo(f"{name}: {path}")
-
-
-@tables.command("figures")
-@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
-              type=click.Path(dir_okay=False))
-@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "figures"), show_default=True,
-              type=click.Path(file_okay=False))
-@click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates of the shaded intervals (0: none).")
-def figures_command(db_path: str, out_dir: str, n_boot: int) -> None:
-    """Write the paper's figures (4-8, RL validation, Kevin's budget) as PNG."""
-    from kpipe.figures import build_figures
-
-    for name, path in build_figures(Path(db_path), Path(out_dir), n_boot=n_boot).items():
-        click.echo(f"{name}: {path}")

@@ -1,0 +1,47 @@
+"""`kpipe tables build` / `kpipe tables figures`: the paper's tables (`kpipe.tables`) and figures
+(`kpipe.figures`) from the kpipe database. A command-line module above both, so the figures'
+use of the tables' SQL runner is the only import between them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from kpipe.config import REPO_ROOT
+from kpipe.tables import DEFAULT_SQL_DIR, build_tables
+
+@click.group()
+def tables() -> None:
+    """The paper's tables and figures from the kpipe database."""
+
+
+@tables.command("build")
+@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
+              type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "tables"), show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--sql-dir", default=str(DEFAULT_SQL_DIR), show_default=True, type=click.Path(file_okay=False))
+@click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates per Fast@p cell (0: none).")
+def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int) -> None:
+    """Write results/tables/<name>.md and .csv for every workflow/sql/<name>.sql."""
+    try:
+        written = build_tables(Path(db_path), Path(out_dir), Path(sql_dir), n_boot)
+    except (FileNotFoundError, RuntimeError) as error:
+        raise click.ClickException(str(error)) from None
+    for name, path in written.items():
+        click.echo(f"{name}: {path}")
+
+
+@tables.command("figures")
+@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
+              type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "figures"), show_default=True,
+              type=click.Path(file_okay=False))
+@click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates of the shaded intervals (0: none).")
+def figures_command(db_path: str, out_dir: str, n_boot: int) -> None:
+    """Write the paper's figures (4-8, RL validation, Kevin's budget) as PNG."""
+    from kpipe.figures import build_figures  # matplotlib: only when asked for
+
+    for name, path in build_figures(Path(db_path), Path(out_dir), n_boot=n_boot).items():
+        click.echo(f"{name}: {path}")
