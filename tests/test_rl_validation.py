@@ -136,12 +136,13 @@ def job_counts(result: subprocess.CompletedProcess) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", stats, re.M)}
 
 
-def test_default_dag_validates_every_iteration(workdir):
+def test_default_dag_validates_every_other_iteration_and_the_last(workdir):
     result = planned(workdir)
-    assert job_counts(result)["rl_validate"] == 2  # rl.iterations 2, every 1
-    for iteration in (0, 1):
+    assert job_counts(result)["rl_validate"] == 3  # rl.iterations 5, every 2: 1, 3 and the last
+    for iteration in (1, 3, 4):
         assert f"results/trajectories/stage=rl_val/run=default/iter={iteration}/part-0.parquet" in result.stdout
-    assert job_counts(with_overlay(workdir, "rl: {validation: {every: 2}}"))["rl_validate"] == 1  # the last
+    assert job_counts(with_overlay(workdir, "rl: {validation: {every: 1}}"))["rl_validate"] == 5
+    assert job_counts(with_overlay(workdir, "rl: {validation: {every: 5}}"))["rl_validate"] == 1  # the last
     assert "rl_validate" not in job_counts(with_overlay(workdir, "rl: {validation: {every: 0}}"))
 
 

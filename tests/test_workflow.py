@@ -97,8 +97,16 @@ def test_task_selection_reruns_task_ingest_and_dependents(workdir, edited_config
 def test_stts_window_reruns_only_windowed_stts_and_readers(workdir, edited_config):
     edited_config(lambda cfg: cfg["stts"].update(window=3))
     counts = job_counts(snakemake(workdir, "-n"))
-    # the top-w STTS job and what reads it; not eval, not the vanilla (full) STTS job
-    assert counts == {"stts": 1, "build_db": 1, "tables": 1, "figures": 1, "viewer": 1, "all": 1}
+    # the top-w STTS job of each model (tiny-sft, tiny-rl) and what reads them; not eval, not the vanilla (full) ones
+    assert counts == {"stts": 2, "build_db": 1, "tables": 1, "figures": 1, "viewer": 1, "all": 1}
+
+
+def test_the_default_run_learns(workdir):
+    """The RL iterations of the default run raise the rollouts' mean reward (README, "What the default run shows")."""
+    with open(workdir / "results" / "tables" / "rl_reward.csv") as handle:
+        rows = sorted((int(r["iteration"]), float(r["mean_reward"])) for r in csv.DictReader(handle) if r["run"] == "default")
+    assert [iteration for iteration, _ in rows] == list(range(5))
+    assert rows[-1][1] >= rows[0][1] + 0.2, rows
 
 
 def test_every_stage_wrote_its_table(workdir):
