@@ -446,7 +446,7 @@ def global_means(accelerator: Any, totals: Mapping[str, tuple[float, float]]) ->
 
 
 def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[TrainItem], cfg: RLConfig,
-                  pad_id: int, generator: torch.Generator) -> dict[str, float]:
+                  pad_id: int, generator: torch.Generator, progress: bool = False) -> dict[str, float]:
     """PPO-clip optimizer steps on this process's `items`: `ppo_epochs` passes over `mini_batches`
     mini-batches each, the same steps one process would take on every process's items.
 
@@ -466,6 +466,8 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
     filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1))
     stats: dict[str, list[float]] = {}
     entropy = {"sum": 0.0, "tokens": 0.0}
+    bar = tqdm(total=cfg.ppo_epochs * min(cfg.mini_batches, len(keys)), desc="update", unit="step",
+               disable=not progress, leave=False)  # the job log's progress line during the update
     for epoch in range(cfg.ppo_epochs if keys else 0):
         order = torch.randperm(len(keys), generator=generator).tolist()
         for positions in np.array_split(np.array(order), min(cfg.mini_batches, len(keys))):
@@ -507,6 +509,8 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
             step_totals = summed_over_processes(accelerator, step_totals)
             for name, value in {**step_totals, "grad_norm": float(grad_norm)}.items():
                 stats.setdefault(name, []).append(value)
+            bar.update(1)
+    bar.close()
     out = {name: float(np.mean(values)) for name, values in stats.items()}
     out.update(optimizer_steps=float(len(stats.get("loss", []))), trained_rows=float(len(keys)))
     if keys:
@@ -666,7 +670,7 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
 
     items = [TrainItem(row_key(rows[i]), samples[i], float(advantages[i]), train_logp[i])
              for i in range(len(rows)) if kept[i]]
-    values = update_policy(accelerator, model, optimizer, items, cfg, pad_id, shuffle_generator)
+    values = update_policy(accelerator, model, optimizer, items, cfg, pad_id, shuffle_generator, progress)
     with_tokens = float(has_tokens.sum())
     totals = {f"kept_frac_{name}": (float((mask & has_tokens).sum()), with_tokens) for name, mask in masks.items()}
     totals.update(kept_frac=(float(kept.sum()), len(rows)), return_mean=(float(returns.sum()), len(rows)),
