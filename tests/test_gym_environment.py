@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,9 @@ def test_the_trusted_cache_is_wiped_when_anything_foreign_appears(tmp_path: Path
     entry.write_text("def call(args):\n    return args\n")
     caches.seal()  # a trusted child left it
     assert caches.verify() == [] and entry.exists()
-    entry.write_text("def call(args):\n    __import__('time').sleep(1)\n")  # tampered
+    stat = entry.stat()
+    entry.write_text("def call(args):\n    __import__('time').sleep(9)\n")  # tampered...
+    os.utime(entry, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ...with its old mtime put back
     assert caches.verify() == ["inductor/ab/output.py"]
     assert not entry.exists() and caches.wipes == 1
     (Path(env["TRITON_CACHE_DIR"])).mkdir(parents=True)
@@ -177,8 +180,11 @@ def test_a_candidates_private_cache_is_a_copy_of_the_verified_trusted_one(tmp_pa
     trusted_triton = Path(caches.for_reference()["TRITON_CACHE_DIR"])
     (trusted_triton / "runtime").mkdir(parents=True)
     (trusted_triton / "runtime" / "cuda_utils.so").write_bytes(b"\x7fELF trusted")
+    (trusted_triton / "a_baseline_kernel").mkdir()
+    (trusted_triton / "a_baseline_kernel" / "kernel.cubin").write_bytes(b"compiled kernel")
     caches.seal()
     private = caches.for_candidate(tmp_path / "scratch")
+    assert not (Path(private["TRITON_CACHE_DIR"]) / "a_baseline_kernel").exists()  # only host-code entries
     copied = Path(private["TRITON_CACHE_DIR"]) / "runtime" / "cuda_utils.so"
     assert copied.read_bytes() == b"\x7fELF trusted" and not copied.is_symlink()
     copied.write_bytes(b"planted")  # the candidate writes into its copy: the original is untouched

@@ -8,14 +8,15 @@ shared cache, and a planted entry could make another candidate fail or slow the
 
 - **candidate children** compile into a private directory inside their scratch directory,
   deleted with it: nothing a candidate writes is ever read by another evaluation. It is seeded
-  with a copy (never a link) of the trusted Triton cache, so Triton's own runtime helpers
-  (``cuda_utils``, compiled by gcc) are not rebuilt per candidate;
+  with a copy (never a link) of the trusted Triton cache's host-code entries, so Triton's
+  runtime helpers (``cuda_utils``, kernel launchers: built by gcc) are not rebuilt per candidate;
 - **reference children** (outputs, eager and ``torch.compile`` baselines) share one trusted
   directory per launching process (a pool worker, or the ``kpipe gym eval`` process). That
   process never runs candidate code and keeps, in its own memory, the digest of every file the
   trusted children left there; before each use the directory is re-hashed, and if anything was
   added, changed or replaced by a link since, the whole directory is wiped and rebuilt from
-  scratch (the cost is one recompilation of the baselines).
+  scratch (the cost is one recompilation of the baselines). Files whose inode, size, mtime and
+  ctime are unchanged keep their digest without being re-read.
 
 The trusted directory lives as long as its process: a digest kept on disk could be rewritten
 by the same candidates it guards against.
@@ -48,6 +49,20 @@ def cache_variables(directory: Path) -> dict[str, str]:
     }
 
 
+StatKey = tuple[int, int, int, int]
+_digests: dict[tuple[str, StatKey], str] = {}  # (path, stat) -> digest: unchanged files are not re-read
+
+
+def file_digest(path: Path) -> str:
+    """Content digest, re-read only when the file's inode, size, mtime or ctime changed (ctime
+    cannot be set back from user space, so a rewrite that restores mtime is still seen)."""
+    st = path.stat()
+    key = (str(path), (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    if key not in _digests:
+        _digests[key] = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+    return _digests[key]
+
+
 def snapshot(directory: Path) -> Manifest:
     """Relative path -> content digest of every entry under `directory`; a symbolic link
     (which no compiler writes) is recorded as such, so it never matches a digest."""
@@ -61,10 +76,18 @@ def snapshot(directory: Path) -> Manifest:
             if path.is_symlink():
                 manifest[relative] = "symlink"
             elif path.is_file():
-                manifest[relative] = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+                manifest[relative] = file_digest(path)
             elif not path.is_dir():
                 manifest[relative] = "special"
     return manifest
+
+
+def runtime_entries(triton_cache: Path) -> list[Path]:
+    """The Triton cache entries that hold compiled host code (``cuda_utils``, kernel launchers:
+    the ``.so`` files gcc builds), which any kernel may need; compiled kernels are left out."""
+    if not triton_cache.is_dir():
+        return []
+    return sorted(entry for entry in triton_cache.iterdir() if entry.is_dir() and any(f.suffix == ".so" for f in entry.iterdir()))
 
 
 def foreign_entries(before: Manifest, now: Manifest) -> list[str]:
@@ -112,11 +135,10 @@ class CompileCaches:
 
     def for_candidate(self, private: Path) -> dict[str, str]:
         """Cache variables of a candidate child: `private` (inside its scratch directory),
-        seeded with a copy of the verified trusted Triton cache."""
+        seeded with a copy of the verified trusted Triton cache's runtime helpers."""
         self.verify()
-        seed = self.trusted / "triton"
-        if seed.is_dir():
-            shutil.copytree(seed, private / "triton", symlinks=True)
+        for entry in runtime_entries(self.trusted / "triton"):
+            shutil.copytree(entry, private / "triton" / entry.name, symlinks=True)
         return cache_variables(private)
 
 
