@@ -457,6 +457,7 @@ h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-bottom: .2em; } h3 { fon
 nav { position: sticky; top: 0; background: #f6f6f6; padding: .4em; border-bottom: 1px solid #ccc;
       display: flex; flex-wrap: wrap; gap: .6em; align-items: center; z-index: 1; }
 main { display: grid; grid-template-columns: minmax(0, 2fr) minmax(0, 3fr); gap: 1em; }
+#list { overflow-x: auto; }
 #list table { border-collapse: collapse; font-size: .85em; width: 100%; }
 #list td, #list th, table.counts td, table.counts th { border-bottom: 1px solid #e3e3e3; padding: .15em .4em;
       text-align: left; }
