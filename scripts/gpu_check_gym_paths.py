@@ -237,7 +237,7 @@ def placement_check(perf_trials: int, work: Path) -> tuple[list[str], bool]:
     return lines, ok
 
 
-PLANTER = (ROOT / "tests" / "test_gym_environment.py").read_text().split("PLANTER = '''", 1)[1].split("'''", 1)[0]
+PLANTER = (ROOT / "tests" / "fixtures" / "gym" / "cache_planter.py").read_text()
 
 
 def caches_check(perf_trials: int, work: Path) -> tuple[list[str], bool]:

@@ -104,35 +104,7 @@ def test_child_environment_replaces_inherited_cache_locations_and_kernel_overrid
 
 # ----------------------------------------------------------------------------- planted artifacts
 
-# Plants in every cache directory it can find: junk files, and a sleep in every compiled
-# Inductor module's `call` (what a torch.compile baseline runs on a cache hit).
-PLANTER = '''
-import glob as _glob, os as _os, re as _re, tempfile as _tempfile
-_roots = {_os.environ.get(v, "") for v in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_HOME")}
-_roots |= {_os.path.expanduser("~/.triton")}
-_roots |= set(_glob.glob(_os.path.join(_tempfile.gettempdir(), "torchinductor_*")))
-_roots |= set(_glob.glob(_os.path.join(_tempfile.gettempdir(), "kgym-*", "**"), recursive=True))
-_count = 0
-for _root in sorted(r for r in _roots if r and _os.path.isdir(r)):
-    for _dir, _subdirs, _files in _os.walk(_root):
-        try:
-            with open(_os.path.join(_dir, "planted_entry.json"), "w") as _f:
-                _f.write('{"key": "planted"}')
-        except OSError:
-            continue
-        for _name in _files:
-            _path = _os.path.join(_dir, _name)
-            try:
-                if _name.endswith(".py"):
-                    _text = open(_path).read()
-                    _text = _re.sub(r"(def call\\([^)]*\\):\\n)", r"\\1    __import__('time').sleep(0.25)\\n", _text)
-                    open(_path, "w").write(_text)
-                    _count += 1
-            except OSError:
-                pass
-with open(REPORT_PATH, "w") as _f:
-    _f.write(str(_count))
-'''
+PLANTER = (Path(__file__).parent / "fixtures" / "gym" / "cache_planter.py").read_text()
 
 
 @pytest.mark.timeout(900)

@@ -14,20 +14,56 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def prctl(option: int, value: int) -> bool:
+    """Linux's prctl(option, value); False where there is none (the caller's own clean-up is
+    then the only guard)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def die_with_parent(parent: int, signum: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `signum` to this process when `parent` (the process that started
     it and enforces its timeout) dies, also by SIGKILL: an orphan would otherwise keep its GPU
-    memory. The request survives exec. Linux only; elsewhere the parent's own clean-up is the
-    only guard."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # it died before the request took effect
+    memory. The request survives exec."""
+    if prctl(PR_SET_PDEATHSIG, int(signum)) and os.getppid() != parent:  # it died before the request took effect
         os._exit(1)
+
+
+def become_subreaper() -> None:
+    """Inherit every orphaned descendant of this process's children, so a child that
+    daemonises (double fork, setsid) stays ours to end: ``kill_children`` ends it."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def kill_children() -> None:
+    """Kill and reap every remaining child of this process."""
+    me = str(os.getpid())
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                parent = stat.read().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            continue
+        if parent == me:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def tied_to_this_process(command: list[str], signum: int = signal.SIGKILL) -> list[str]:

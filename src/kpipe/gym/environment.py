@@ -41,7 +41,6 @@ def child_environment(device: str, parent: Mapping[str, str], caches: Mapping[st
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     return env
 
 

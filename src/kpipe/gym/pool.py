@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from kpipe.gym.environment import worker_environment
 from kpipe.gym.protocol import Protocol
+from kpipe.process import become_subreaper, kill_children
 from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
 
 if TYPE_CHECKING:
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 # what every child would otherwise import itself (torch._dynamo and the profiler alone cost
 # a child about a second: kpipe.gym.child.prime_lazy_state imports them); none touches CUDA
 PRELOAD = ("torch", "torch._dynamo", "torch.profiler", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
-PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
 WORKER_START_TIMEOUT_S = 300.0
 # a judge that does not answer within this much beyond the two child timeouts is hung
@@ -72,7 +72,7 @@ def zygote_main(sock_fd: int) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    become_subreaper()
+    become_subreaper()  # a candidate that daemonises stays the zygote's to kill
     sock = socket.socket(fileno=sock_fd)
     sock.sendall(b"ready")
     while True:
@@ -117,46 +117,10 @@ def supervise(pid: int, sock: socket.socket, backstop_s: float) -> int | None:
                 kill_process_group(pid)
         _, status = os.waitpid(pid, 0)
         kill_process_group(pid)  # whatever it left behind in its group
-        kill_orphans()  # and whatever escaped the group (setsid, double fork)
+        kill_children()  # between runs the zygote has none of its own: these escaped the group (setsid, double fork)
         return os.waitstatus_to_exitcode(status)
     finally:
         os.close(pidfd)
-
-
-def become_subreaper() -> None:
-    """Make the zygote inherit every orphaned descendant of its children, so a candidate that
-    daemonises (double fork, setsid) cannot outlive its evaluation: ``kill_orphans`` ends it."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-
-
-def kill_orphans() -> None:
-    """Kill and reap every remaining child of the zygote (between evaluations it has none of
-    its own: anything left is a candidate's escaped descendant)."""
-    me = str(os.getpid())
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:  # the parent pid
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int) -> None:
