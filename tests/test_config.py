@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kpipe.config import ConfigError, deep_merge, load_config, load_schema, validate_config
+from kpipe.infra.config import ConfigError, deep_merge, load_config, load_schema, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ import pytest
 from click.testing import CliRunner
 
 from kpipe.data.io import write_table
-from kpipe.db import build_db, query_command
+from kpipe.data.db import build_db, query_command
 
 
 @pytest.fixture

@@ -7,13 +7,13 @@ from click.testing import CliRunner
 from kpipe.agent.history import FullHistory, TopW
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
-from kpipe.db import build_db
-from kpipe.evaluation import (check_model, engine_spec, eval_tasks, evaluate_shard, models_by_name,
+from kpipe.data.db import build_db
+from kpipe.evaluate.kernelbench import (check_model, engine_spec, eval_tasks, evaluate_shard, models_by_name,
                               sampling_of)
-from kpipe.evaluation_cli import eval_cli
+from kpipe.evaluate.cli import eval_cli
 from kpipe.llm.types import Completion
-from kpipe.stts import stts_model_label
-from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
+from kpipe.evaluate.stts import stts_model_label
+from kpipe.report.tables import DEFAULT_SQL_DIR, run_table_sql
 
 
 class ScriptedEngine:

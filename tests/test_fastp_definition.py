@@ -1,5 +1,5 @@
 """Fast@p on a hand-made set of results: the SQL of the paper's tables against hand-computed
-values and against kpipe.metrics, including hacked samples (incorrect), speedups exactly at a
+values and against kpipe.data.metrics, including hacked samples (incorrect), speedups exactly at a
 threshold (counted: >= p), NaN speedups, and turns a trajectory never reached (incorrect)."""
 
 import math
@@ -8,10 +8,10 @@ import duckdb
 import pandas as pd
 import pytest
 
-from kpipe import metrics
+from kpipe.data import metrics
 from kpipe.data.io import write_table
-from kpipe.db import build_db
-from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
+from kpipe.data.db import build_db
+from kpipe.report.tables import DEFAULT_SQL_DIR, run_table_sql
 
 NAN = float("nan")
 TASKS = {"t1": 1, "t2": 1, "t3": 2}

@@ -9,8 +9,8 @@ from test_fastp_definition import write_fixture
 from test_kevin_budget import budget_rows
 
 from kpipe.data.io import write_table
-from kpipe.db import build_db
-from kpipe.figures import (
+from kpipe.data.db import build_db
+from kpipe.report.figures import (
     CPU_MARK,
     FIGURE_NAMES,
     FIGURE_PANELS,
@@ -153,8 +153,8 @@ def test_intervals_of_the_tables_are_shaded(tmp_path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kpipe.figures import _line
-    from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql, with_intervals
+    from kpipe.report.figures import _line
+    from kpipe.report.tables import DEFAULT_SQL_DIR, run_table_sql, with_intervals
 
     stts = [{"run": "r", "stage": "stts", "iteration": 0, "model": "m@full", "task_id": task, "sample": 0, "turn": t,
              "correct": task == "t1", "hacked": False, "speedup_eager": 1.5} for task in ("t1", "t3") for t in (1, 2)]

@@ -1,7 +1,7 @@
 import pytest
 
-from kpipe import gpu
-from kpipe.gpu import GPULeaseError, gpu_lease
+from kpipe.infra import gpu
+from kpipe.infra.gpu import GPULeaseError, gpu_lease
 
 
 @pytest.fixture

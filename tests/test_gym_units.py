@@ -269,7 +269,7 @@ def test_an_orphaned_child_dies_with_its_parent(tmp_path):
     script = tmp_path / "evaluator.py"
     script.write_text(
         "import subprocess, sys, time\n"
-        "from kpipe.process import tied_to_this_process\n"
+        "from kpipe.infra.process import tied_to_this_process\n"
         "child = subprocess.Popen(tied_to_this_process([sys.executable, '-c', 'import time; time.sleep(120)']),\n"
         "                         start_new_session=True)\n"
         "print(child.pid, flush=True)\n"

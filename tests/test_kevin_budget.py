@@ -1,13 +1,13 @@
 """Kevin's test-time budget table (workflow/sql/kevin_budget.sql) on a hand-made budget of 4 kernels
 per task split as 4×1, 2×2 and 1×4: best@k of correctness and speedup per split and k, against
-hand-computed values and against kpipe.metrics.best_at_k; the markdown's paper rows."""
+hand-computed values and against kpipe.data.metrics.best_at_k; the markdown's paper rows."""
 
 import pandas as pd
 import pytest
 from test_fastp_definition import write_fixture
 
-from kpipe import metrics
-from kpipe.tables import DEFAULT_SQL_DIR, build_table, run_table_sql
+from kpipe.data import metrics
+from kpipe.report.tables import DEFAULT_SQL_DIR, build_table, run_table_sql
 
 NAN = float("nan")
 

@@ -1,4 +1,4 @@
-"""kpipe.launch: the rule's GPU count and SLURM's node variables become the accelerate command
+"""kpipe.infra.launch: the rule's GPU count and SLURM's node variables become the accelerate command
 line that accelerate's own parser reads back as intended (process count, FSDP, ranks)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from click.testing import CliRunner
 
-from kpipe.launch import (
+from kpipe.infra.launch import (
     NodeInfo,
     accelerate_command,
     first_host,

@@ -9,7 +9,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from kpipe import metrics
+from kpipe.data import metrics
 
 NAN = float("nan")
 

@@ -1,6 +1,6 @@
 import pytest
 
-from kpipe import provenance
+from kpipe.infra import provenance
 
 
 def test_code_version_changes_only_with_the_named_code(tmp_path, monkeypatch):

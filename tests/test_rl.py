@@ -17,7 +17,7 @@ import yaml
 from kpipe.agent.evaluator import LocalEvaluator
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
-from kpipe.launch import NodeInfo, accelerate_command, free_port
+from kpipe.infra.launch import NodeInfo, accelerate_command, free_port
 from kpipe.llm.hf_engine import HFEngine
 from kpipe.llm.types import ChatRequest
 from kpipe.train import algos, rl

@@ -13,9 +13,9 @@ from test_eval_stage import write_tasks
 from test_fastp_definition import write_fixture
 
 from kpipe.data.io import read_table, write_table
-from kpipe.evaluation import validated_iterations, validation_job
-from kpipe.figures import build_figures
-from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql
+from kpipe.evaluate.kernelbench import validated_iterations, validation_job
+from kpipe.report.figures import build_figures
+from kpipe.report.tables import DEFAULT_SQL_DIR, run_table_sql
 
 
 

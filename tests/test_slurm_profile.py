@@ -89,7 +89,7 @@ def test_the_acceptance_command_plans_the_full_paper_run(workdir: Path) -> None:
 
 def test_a_local_run_caps_gpu_requests_at_the_visible_gpus(workdir: Path) -> None:
     def planned_sft_gpus(*args: str) -> int:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}  # what kpipe.gpu.gpu_count() reads first
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}  # what kpipe.infra.gpu.gpu_count() reads first
         return planned_resources(snakemake(workdir, "-n", *PAPER, *args, env=env).stdout)["sft"][0]["gpu"]
 
     assert SFT_GPUS > 2

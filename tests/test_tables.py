@@ -6,9 +6,9 @@ import pytest
 from click.testing import CliRunner
 from test_fastp_definition import write_fixture
 
-from kpipe.paper_numbers import TABLE1_EAGER, TABLE2_COMPILE
-from kpipe.tables import DEFAULT_SQL_DIR, build_tables, table_sql_files
-from kpipe.tables_cli import tables
+from kpipe.report.paper_numbers import TABLE1_EAGER, TABLE2_COMPILE
+from kpipe.report.tables import DEFAULT_SQL_DIR, build_tables, table_sql_files
+from kpipe.report.cli import tables
 
 REPO_REPORT = DEFAULT_SQL_DIR.parent / "report"
 
@@ -82,7 +82,7 @@ def test_cli_build(tmp_path):
 
 
 def test_every_table_and_figure_has_a_report_caption():
-    from kpipe.figures import FIGURE_NAMES
+    from kpipe.report.figures import FIGURE_NAMES
 
     captions = REPO_REPORT.glob("*.rst")
     names = {p.stem for p in captions}

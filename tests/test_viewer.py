@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from kpipe.data.io import write_table
-from kpipe.db import build_db
-from kpipe.viewer import build_viewer, view_command
+from kpipe.data.db import build_db
+from kpipe.report.viewer import build_viewer, view_command
 
 REFERENCE = "import torch\n\nclass Model(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)\n"
 FIRST_CODE = "import triton\n\nclass ModelNew:\n    def forward(self, x):\n        return x.clamp(min=0)\n"

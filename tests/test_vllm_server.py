@@ -19,7 +19,7 @@ import pytest
 from kpipe.llm.openai_engine import OpenAIEngine
 from kpipe.llm.types import ChatRequest
 from kpipe.data.io import read_table
-from kpipe.evaluation import check_model, eval_job, model_gpus
+from kpipe.evaluate.kernelbench import check_model, eval_job, model_gpus
 from kpipe.llm.vllm_server import VLLMServer, VLLMServerConfig, check_gpus, serve_args
 from test_eval_stage import write_tasks
 
@@ -251,7 +251,7 @@ def test_a_failing_eval_job_stops_its_server(vllm_on_path: Path, tmp_path: Path,
         answers.extend(engine.generate([ChatRequest(messages=[{"role": "user", "content": "hi"}], max_tokens=8)]))
         raise RuntimeError("the loop failed")
 
-    monkeypatch.setattr("kpipe.evaluation.evaluate_shard", generate_then_fail)
+    monkeypatch.setattr("kpipe.evaluate.kernelbench.evaluate_shard", generate_then_fail)
     with pytest.raises(RuntimeError, match="the loop failed"):
         eval_job(write_tasks(tmp_path / "tasks.parquet"), tmp_path / "part-0.parquet", tmp_path / "cache.jsonl",
                  SERVED, SETTINGS, level=1, gym=GYM, checkpoint=str(tmp_path / "ckpt"), progress=False)

@@ -10,19 +10,19 @@ import click
 
 # name -> "module:attribute" of a click command or group
 SUBCOMMANDS = {
-    "query": "kpipe.db:query_command",
+    "query": "kpipe.data.db:query_command",
     "data": "kpipe.data.cli:data",
     "gym": "kpipe.gym.cli:gym",
     "serve": "kpipe.llm.cli:serve",
     "llm": "kpipe.llm.cli:llm",
     "agent": "kpipe.agent.cli:agent",
     "train": "kpipe.train.cli:train",
-    "metrics": "kpipe.metrics_cli:metrics",
-    "gpu": "kpipe.gpu:gpu_command",
-    "eval": "kpipe.evaluation_cli:eval_cli",
-    "tables": "kpipe.tables_cli:tables",
-    "launch": "kpipe.launch:launch",
-    "view": "kpipe.viewer:view_command",
+    "metrics": "kpipe.data.metrics_cli:metrics",
+    "gpu": "kpipe.infra.gpu:gpu_command",
+    "eval": "kpipe.evaluate.cli:eval_cli",
+    "tables": "kpipe.report.cli:tables",
+    "launch": "kpipe.infra.launch:launch",
+    "view": "kpipe.report.viewer:view_command",
 }
 
 

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import yaml
 
-from kpipe.config import ConfigError, deep_merge, load_schema, validate_config
-from kpipe.evaluation import budget_splits, model_gpus, models_by_name, validated_iterations
-from kpipe.figures import FIGURE_NAMES
-from kpipe.gpu import gpu_count
-from kpipe.provenance import code_version
-from kpipe.tables import table_sql_files
+from kpipe.infra.config import ConfigError, deep_merge, load_schema, validate_config
+from kpipe.evaluate.kernelbench import budget_splits, model_gpus, models_by_name, validated_iterations
+from kpipe.report.figures import FIGURE_NAMES
+from kpipe.infra.gpu import gpu_count
+from kpipe.infra.provenance import code_version
+from kpipe.report.tables import table_sql_files
 
 DEFAULT_CONFIG = Path(workflow.basedir).parent / "config" / "config.yaml"
 

@@ -8,7 +8,7 @@ rule build_db:
     output:
         f"{RESULTS}/kpipe.duckdb",
     params:
-        code=code_version("db.py", "data/schemas.py"),
+        code=code_version("data/db.py", "data/schemas.py"),
     log:
         f"{LOGS}/build_db.log",
     conda:

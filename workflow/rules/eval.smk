@@ -20,7 +20,7 @@ rule eval:
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}"
                                  f"-{wildcards.shard}.jsonl"),
-        code=code_version("evaluation.py", "agent", "llm", "gym"),
+        code=code_version("evaluate/kernelbench.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",
         level="[123]",
@@ -56,7 +56,7 @@ rule eval_budget:
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/budget/run={RUN}/{wildcards.model}-L{wildcards.level}"
                                  f"-{wildcards.shard}.jsonl"),
-        code=code_version("evaluation.py", "agent", "llm", "gym"),
+        code=code_version("evaluate/kernelbench.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",
         level="[123]",

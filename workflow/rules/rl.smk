@@ -31,7 +31,7 @@ rule rl_iter:
         state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),
         scratch=lambda wildcards: f"{RESULTS}/work/rl-{wildcards.run}/iter={wildcards.iter}/scratch",
         drop_init_state="" if RL["keep_optimizer_states"] else "--drop-init-state",
-        code=code_version("train", "agent", "llm", "gym", "launch.py"),
+        code=code_version("train", "agent", "llm", "gym", "infra/launch.py"),
     resources:
         gpu=gpus_per_job(RL["gpus"]),
     wildcard_constraints:
@@ -70,7 +70,7 @@ rule rl_validate:
         run=lambda wildcards: wildcards.run,
         iteration=lambda wildcards: int(wildcards.iter),
         cache=lambda wildcards: f"{RESULTS}/cache/rl_val/run={wildcards.run}/iter={wildcards.iter}.jsonl",
-        code=code_version("evaluation.py", "agent", "llm", "gym"),
+        code=code_version("evaluate/kernelbench.py", "agent", "llm", "gym"),
     resources:
         gpu=gpus_per_job(1),
     wildcard_constraints:

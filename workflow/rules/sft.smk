@@ -42,7 +42,7 @@ rule sft:
         settings=lambda wildcards, input: json.dumps(sft_settings(input.base), sort_keys=True),
         work=f"{RESULTS}/work/sft-{RUN}",
         code=code_version("train/sft.py", "train/samples.py", "train/checkpoint.py", "train/metrics_log.py",
-                          "train/cli.py", "data/schemas.py", "launch.py"),
+                          "train/cli.py", "data/schemas.py", "infra/launch.py"),
     resources:
         gpu=gpus_per_job(config["sft"].get("gpus", 1)),
     benchmark:

@@ -13,7 +13,7 @@ rule tables:
     params:
         n_boot=config["tables"]["n_boot"],
         sql_dir=str(SQL_DIR),
-        code=code_version("tables.py", "paper_numbers.py", "metrics.py"),
+        code=code_version("report/tables.py", "report/paper_numbers.py", "data/metrics.py"),
     log:
         f"{LOGS}/tables.log",
     conda:
@@ -34,7 +34,7 @@ rule figures:
     params:
         n_boot=config["tables"]["n_boot"],
         sql_dir=str(SQL_DIR),
-        code=code_version("figures.py", "tables.py", "metrics.py"),
+        code=code_version("report/figures.py", "report/tables.py", "data/metrics.py"),
     log:
         f"{LOGS}/figures.log",
     conda:

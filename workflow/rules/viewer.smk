@@ -1,4 +1,4 @@
-# The trajectory viewer (kpipe.viewer.build_viewer): results/viewer/index.html and its lazily
+# The trajectory viewer (kpipe.report.viewer.build_viewer): results/viewer/index.html and its lazily
 # loaded data/ files, a static page over every trajectory of results/kpipe.duckdb that opens
 # from disk; the report links it under "Trajectories". `kpipe view` builds the same outside Snakemake.
 
@@ -10,7 +10,7 @@ rule viewer:
         report(directory(f"{RESULTS}/viewer"), htmlindex="index.html", caption="../report/viewer.rst",
                category="Trajectories", labels={"page": "trajectory viewer"}),
     params:
-        code=code_version("viewer.py"),
+        code=code_version("report/viewer.py"),
     threads: 4  # processes rendering the data files (Snakemake lowers it to --cores)
     log:
         f"{LOGS}/viewer.log",

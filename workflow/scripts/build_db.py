@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.db import build_db
+    from kpipe.data.db import build_db
 
     db_path = Path(job.output[0])
     counts = build_db(db_path.parent, db_path, Path(job.input.views))

@@ -1,6 +1,6 @@
 """Snakemake wrapper: the released cold-start trajectories as this run's coldstart stage."""
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
     from kpipe.agent.distill import released_coldstart_rows

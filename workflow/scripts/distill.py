@@ -1,6 +1,6 @@
 """Snakemake wrapper: distill one shard of queries into cold-start trajectories."""
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
     from kpipe.agent.distill import distill_job

@@ -1,9 +1,9 @@
 """Snakemake wrapper: one KernelBench evaluation shard of one model and level."""
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.evaluation import eval_job
+    from kpipe.evaluate.kernelbench import eval_job
 
     eval_job(
         job.input.tasks,

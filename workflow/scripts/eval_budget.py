@@ -1,9 +1,9 @@
 """Snakemake wrapper: Kevin's test-time budget splits of one model, level and shard."""
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.evaluation import budget_job
+    from kpipe.evaluate.kernelbench import budget_job
 
     budget_job(
         job.input.tasks,

@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.figures import build_figures
+    from kpipe.report.figures import build_figures
 
     sql_dir = Path(job.params.sql_dir)  # the checkout's SQL (the inputs are its rerun triggers)
     figures = build_figures(Path(job.input.db), Path(job.output[0]).parent, sql_dir, job.params.n_boot)

@@ -1,6 +1,6 @@
 """Snakemake wrapper: load one training-query source into the queries schema."""
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
     from kpipe.data.ingest import load_source

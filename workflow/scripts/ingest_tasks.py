@@ -1,6 +1,6 @@
 """Snakemake wrapper: select the evaluation tasks from the vendored KernelBench sets."""
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
     from kpipe.data.ingest import build_tasks

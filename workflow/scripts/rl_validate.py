@@ -1,9 +1,9 @@
 """Snakemake wrapper: one RL iteration's checkpoint on the validation tasks (stage=rl_val)."""
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.evaluation import validation_job
+    from kpipe.evaluate.kernelbench import validation_job
 
     validation_job(
         job.input.tasks,

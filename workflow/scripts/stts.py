@@ -1,9 +1,9 @@
 """Snakemake wrapper: one STTS shard of one model, history strategy and level."""
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.stts import stts_job
+    from kpipe.evaluate.stts import stts_job
 
     settings = dict(job.params.settings)
     if job.params.window is not None:

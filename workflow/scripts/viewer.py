@@ -2,10 +2,10 @@
 
 from pathlib import Path
 
-from kpipe.jobs import snakemake_job
+from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.viewer import build_viewer
+    from kpipe.report.viewer import build_viewer
 
     counts = build_viewer(Path(job.input.db), Path(job.output[0]), workers=job.threads)
     print(f"{job.output[0]}/index.html: {counts['trajectories']} trajectories, {counts['turns']} turns, "

@@ -3,7 +3,7 @@
 -- = 32×4 = 16×8; config eval_budget). A trajectory is correct if any of its turns is (hacked =
 -- incorrect); its speedup is its fastest correct kernel's over eager PyTorch (0 if none). Per task,
 -- best@k is the best of k of its n trajectories, exactly in expectation over every k-subset
--- (kpipe.metrics.expected_best_of_k), then averaged over tasks. Percentages; speedups as ratios.
+-- (kpipe.data.metrics.expected_best_of_k), then averaged over tasks. Percentages; speedups as ratios.
 -- k = trajectories spends the whole budget (Kevin's Table 2, `full_budget`: the rows shown here);
 -- smaller k give the scaling curves at fixed turns (§5.3), kernels = k × turns. The splits of one
 -- model share their sampling seeds (sample i starts alike in every split): they differ by the

@@ -1,6 +1,6 @@
 -- Derived views of the kpipe database.
 -- The base views (tasks, queries, evals, trajectories, train_metrics) are created over
--- results/<table>/**/*.parquet by kpipe.db.build_db before this file runs.
+-- results/<table>/**/*.parquet by kpipe.data.db.build_db before this file runs.
 
 -- Every turn with its task's KernelBench level and name (queries have no level row here).
 CREATE OR REPLACE VIEW turns AS
@@ -16,7 +16,7 @@ ORDER BY run, stage, iteration, step, name;
 
 -- ---------------------------------------------------------------------------------------
 -- Evaluation views (the paper's tables: workflow/sql/table*.sql, stts_curves.sql, ...).
--- Conventions, the same as kpipe.metrics (tests/test_fastp_definition.py checks it):
+-- Conventions, the same as kpipe.data.metrics (tests/test_fastp_definition.py checks it):
 -- * a hacked sample is incorrect, whatever its correctness check said;
 -- * Fast@p counts a sample iff it is correct and speedup >= p (KernelBench's fastp: > p);
 -- * the denominator at turn t is every (task, sample) trajectory of the group
@@ -98,7 +98,7 @@ SELECT *,
 FROM cells;
 
 -- STTS rows with their history strategy split off the model label "<model>@<strategy>"
--- (kpipe.stts.stts_model_label).
+-- (kpipe.evaluate.stts.stts_model_label).
 CREATE OR REPLACE VIEW stts_samples AS
 SELECT split_part(model, '@', 1) AS base_model, split_part(model, '@', 2) AS strategy, *
 FROM fastp_samples

@@ -24,7 +24,7 @@ import torch
 
 from kpipe.gym.compile_caches import process_caches
 from kpipe.gym.environment import child_environment
-from kpipe.process import tied_to_this_process
+from kpipe.infra.process import tied_to_this_process
 
 HEAD_BYTES = 2048
 TAIL_BYTES = 8192

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from kpipe.gym.environment import worker_environment
 from kpipe.gym.protocol import Protocol
-from kpipe.process import become_subreaper, kill_children
+from kpipe.infra.process import become_subreaper, kill_children
 from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int
     code = 1
     try:
         from kpipe.gym.child import run_child  # preloaded by the zygote
-        from kpipe.process import die_with_parent
+        from kpipe.infra.process import die_with_parent
 
         os.setsid()
         die_with_parent(zygote)
@@ -410,7 +410,7 @@ def default_slots(workers: int | None, gpus: Sequence[str] | None = None) -> lis
     """One slot per GPU of `gpus` (default: every visible GPU); without GPUs, `workers`
     interpreter slots (default: half the cores, at least one — each interpreter child also uses
     threads)."""
-    from kpipe.gpu import visible_gpus
+    from kpipe.infra.gpu import visible_gpus
 
     gpus = list(gpus) if gpus is not None else visible_gpus()
     if gpus:

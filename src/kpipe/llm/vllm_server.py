@@ -17,7 +17,7 @@ The server binds to 127.0.0.1 on a free port unless told otherwise; with a non-l
 it requires a key (``VLLM_API_KEY``, passed through the environment, never the command line).
 The in-process rollout engine with weight updates between RL steps is
 ``kpipe.llm.vllm_engine``; this module is for jobs that only generate. A model entry with
-``serve: vllm`` (``kpipe.evaluation``) reaches its checkpoint through ``served_engine``.
+``serve: vllm`` (``kpipe.evaluate.kernelbench``) reaches its checkpoint through ``served_engine``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from kpipe.llm.openai_engine import OpenAIConfig, OpenAIEngine
-from kpipe.process import tied_to_this_process
+from kpipe.infra.process import tied_to_this_process
 
 READY_POLL_S = 1.0
 STOP_GRACE_S = 30.0
@@ -169,7 +169,7 @@ class VLLMServer:
         return OpenAIConfig(model=self.config.name, base_url=self.base_url, api_key_env=key_env, **overrides)  # type: ignore[arg-type]
 
     def start(self) -> VLLMServer:
-        from kpipe.gpu import visible_gpus
+        from kpipe.infra.gpu import visible_gpus
 
         if self.command is None:
             check_gpus(self.config, visible_gpus())

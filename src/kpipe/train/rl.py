@@ -55,7 +55,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from kpipe import metrics as kmetrics
+from kpipe.data import metrics as kmetrics
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.history import make_policy
 from kpipe.agent.loop import GENERATION_ERROR, AgentTask, Sampling, run_episodes
@@ -808,7 +808,7 @@ class IterationTrainer:
     def evaluation_gpus(self) -> list[str] | None:
         """With several processes on GPUs each process evaluates on its own GPU; None: the
         evaluator's default (every visible GPU, or CPU workers)."""
-        from kpipe.gpu import visible_gpus
+        from kpipe.infra.gpu import visible_gpus
 
         gpus = visible_gpus()
         if self.accelerator.num_processes == 1 or not gpus:

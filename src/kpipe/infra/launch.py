@@ -11,7 +11,7 @@ processes, ranked by SLURM's node id. Configs live in ``workflow/accelerate/``:
 - several nodes: ``fsdp_multi_node.yaml``, started once per node through ``srun``.
 
 ``kpipe launch --gpus N -- train sft ...`` does all of it, holding a GPU lease
-(:mod:`kpipe.gpu`) on a shared box; ``--print`` shows the command instead of running it.
+(:mod:`kpipe.infra.gpu`) on a shared box; ``--print`` shows the command instead of running it.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def launch(gpus: int, config_dir: Path | None, node_task: bool, print_only: bool
         return
     if command[0] == "srun":
         sys.exit(subprocess.call(command))
-    from kpipe.gpu import GPULeaseError, gpu_lease
+    from kpipe.infra.gpu import GPULeaseError, gpu_lease
 
     try:
         with gpu_lease(gpus // node_info_from_env(os.environ).nodes):

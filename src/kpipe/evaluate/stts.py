@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kpipe.agent.history import make_policy
-from kpipe.evaluation import check_model, eval_tasks, run_model_shard
+from kpipe.evaluate.kernelbench import check_model, eval_tasks, run_model_shard
 
 STAGE = "stts"
 STRATEGIES = ("full", "top_w", "best_window")

@@ -6,12 +6,12 @@ import hashlib
 from functools import cache
 from pathlib import Path
 
-PACKAGE_ROOT = Path(__file__).resolve().parent
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # src/kpipe
 
 
 @cache
 def code_version(*parts: str) -> str:
-    """Hash of the kpipe sources named by `parts` (subpackages or modules, e.g. "data", "db.py").
+    """Hash of the kpipe sources named by `parts` (subpackages or modules, e.g. "data", "data/db.py").
 
     Snakemake records it as a rule param, so editing `kpipe/gym` reruns the stages that
     evaluate kernels but not ingest. Package data (vendored problem sets, the bank) counts.

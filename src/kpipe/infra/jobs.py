@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from kpipe.gpu import gpu_lease
+from kpipe.infra.gpu import gpu_lease
 
 log = logging.getLogger("kpipe")
 

@@ -10,7 +10,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 

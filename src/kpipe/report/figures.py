@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import duckdb
 import pandas as pd
 
-from kpipe.tables import DEFAULT_SQL_DIR, run_table_sql, with_intervals
+from kpipe.report.tables import DEFAULT_SQL_DIR, run_table_sql, with_intervals
 
 
 class Panel(NamedTuple):
@@ -384,7 +384,7 @@ def reward_figure(reward: pd.DataFrame, path: Path, source: Source) -> Path:
 
 def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR, n_boot: int = 0) -> dict[str, Path]:
     """Every figure as `out_dir/<name>.png`; returns name -> path. `n_boot` > 0: the STTS and RL
-    validation curves shade the tables' task-bootstrap intervals (`kpipe.tables.INTERVALS`)."""
+    validation curves shade the tables' task-bootstrap intervals (`kpipe.report.tables.INTERVALS`)."""
     if not Path(db_path).exists():
         raise FileNotFoundError(f"no database at {db_path}: build it first (kpipe query --rebuild)")
     try:

@@ -16,7 +16,7 @@ import click
 import duckdb
 import pyarrow as pa
 
-from kpipe.config import REPO_ROOT
+from kpipe.infra.config import REPO_ROOT
 from kpipe.data.schemas import TABLES, schema_of
 
 DEFAULT_RESULTS = REPO_ROOT / "results"

@@ -67,13 +67,13 @@ def kill_children() -> None:
 
 
 def tied_to_this_process(command: list[str], signum: int = signal.SIGKILL) -> list[str]:
-    """`command` run through ``python -m kpipe.process``, which sets `signum` as its death
+    """`command` run through ``python -m kpipe.infra.process``, which sets `signum` as its death
     signal for when this process dies and then execs it (same pid, same process group)."""
-    return [sys.executable, "-m", "kpipe.process", str(os.getpid()), signal.Signals(signum).name, *command]
+    return [sys.executable, "-m", "kpipe.infra.process", str(os.getpid()), signal.Signals(signum).name, *command]
 
 
 def main(argv: list[str]) -> None:
-    """``python -m kpipe.process PARENT SIGNAL COMMAND...``"""
+    """``python -m kpipe.infra.process PARENT SIGNAL COMMAND...``"""
     parent, signum, command = int(argv[0]), signal.Signals[argv[1]], argv[2:]
     die_with_parent(parent, signum)
     os.execvp(command[0], command)

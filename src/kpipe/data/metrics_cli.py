@@ -10,7 +10,7 @@ import click
 import pandas as pd
 from tabulate import tabulate
 
-from kpipe import metrics as kpipe_metrics
+from kpipe.data import metrics as kpipe_metrics
 from kpipe.data.io import read_table
 
 SPEEDUP_COLUMNS = {"eager": "speedup_eager", "compile": "speedup_compile"}

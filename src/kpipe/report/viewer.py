@@ -42,8 +42,8 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
-from kpipe.config import REPO_ROOT
-from kpipe.db import locate_db
+from kpipe.infra.config import REPO_ROOT
+from kpipe.data.db import locate_db
 
 STAGE_ORDER = ("coldstart", "rl", "rl_val", "eval", "budget", "stts")  # pipeline order, for the default view
 TRAJECTORY_KEY = ("stage", "run", "iteration", "model", "task_id", "sample")

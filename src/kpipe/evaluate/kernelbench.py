@@ -1,6 +1,6 @@
 """KernelBench evaluation (paper §6.1): a model from config x a level x a shard of its tasks,
 n samples x T turns through the one multi-turn loop (`kpipe.agent.loop.run_episodes`), written
-as `trajectories` rows with stage="eval" (STTS, `kpipe.stts`, is the same job with another
+as `trajectories` rows with stage="eval" (STTS, `kpipe.evaluate.stts`, is the same job with another
 history policy and more turns; the RL validation of `validation_job` is the same job on an RL
 iteration's checkpoint, with stage="rl_val"; Kevin's test-time budget of `budget_job` runs it
 once per split of a budget of kernels into trajectories × turns, with stage="budget").

@@ -1,5 +1,5 @@
-"""`kpipe tables build` / `kpipe tables figures`: the paper's tables (`kpipe.tables`) and figures
-(`kpipe.figures`) from the kpipe database. A command-line module above both, so the figures'
+"""`kpipe tables build` / `kpipe tables figures`: the paper's tables (`kpipe.report.tables`) and figures
+(`kpipe.report.figures`) from the kpipe database. A command-line module above both, so the figures'
 use of the tables' SQL runner is the only import between them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import click
 
-from kpipe.config import REPO_ROOT
-from kpipe.tables import DEFAULT_SQL_DIR, build_tables
+from kpipe.infra.config import REPO_ROOT
+from kpipe.report.tables import DEFAULT_SQL_DIR, build_tables
 
 @click.group()
 def tables() -> None:
@@ -41,7 +41,7 @@ def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int) -> None
 @click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates of the shaded intervals (0: none).")
 def figures_command(db_path: str, out_dir: str, n_boot: int) -> None:
     """Write the paper's figures (4-8, RL validation, Kevin's budget) as PNG."""
-    from kpipe.figures import build_figures  # matplotlib: only when asked for
+    from kpipe.report.figures import build_figures  # matplotlib: only when asked for
 
     for name, path in build_figures(Path(db_path), Path(out_dir), n_boot=n_boot).items():
         click.echo(f"{name}: {path}")

@@ -4,7 +4,7 @@ with ``kpipe query``) and ``<out>/<name>.md`` (the SQL file's header comment as 
 paper's published numbers as reference rows marked "paper", and the table).
 
 Fast@p tables (and the STTS and RL validation curves, ``INTERVALS``) also get a 95% bootstrap
-interval per cell that resamples whole tasks (``kpipe.metrics.bootstrap_ci``): the samples of one
+interval per cell that resamples whole tasks (``kpipe.data.metrics.bootstrap_ci``): the samples of one
 task are correlated.
 """
 
@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from kpipe import metrics
-from kpipe.config import REPO_ROOT
-from kpipe.paper_numbers import FAST_COLUMNS, HACKING_RATIO, KEVIN_BUDGET, TABLE1_EAGER, TABLE2_COMPILE, FastRow
+from kpipe.data import metrics
+from kpipe.infra.config import REPO_ROOT
+from kpipe.report.paper_numbers import FAST_COLUMNS, HACKING_RATIO, KEVIN_BUDGET, TABLE1_EAGER, TABLE2_COMPILE, FastRow
 
 DEFAULT_SQL_DIR = REPO_ROOT / "workflow" / "sql"
 VIEWS_FILE = "views.sql"  # not a table: the views every table reads

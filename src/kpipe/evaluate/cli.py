@@ -1,6 +1,6 @@
 """`kpipe eval kernelbench` / `kpipe eval stts`: the evaluation stages outside Snakemake (e.g. a
-released checkpoint or an API model), over the same jobs the rules run (`kpipe.evaluation`,
-`kpipe.stts`). A command-line module: it sits above both, so neither imports the other's CLI."""
+released checkpoint or an API model), over the same jobs the rules run (`kpipe.evaluate.kernelbench`,
+`kpipe.evaluate.stts`). A command-line module: it sits above both, so neither imports the other's CLI."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from kpipe.evaluation import PAPER_EVAL, check_model, eval_job
+from kpipe.evaluate.kernelbench import PAPER_EVAL, check_model, eval_job
 
 def _load_yaml(path: str | None) -> dict[str, Any]:
     import yaml
@@ -93,7 +93,7 @@ def stts_command(tasks: str, out: str, model_spec: str, base_url: str | None, le
                  gym_file: str | None, run_name: str, paper: bool, strategy: str, w: int,
                  max_turns: int | None) -> None:
     """Sequential test-time scaling of a model on one KernelBench level (stage=stts rows in --out)."""
-    from kpipe.stts import stts_job
+    from kpipe.evaluate.stts import stts_job
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     section = {**(PAPER_EVAL if paper else {}), **_load_yaml(settings).get("stts", _load_yaml(settings))}

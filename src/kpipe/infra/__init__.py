@@ -1,0 +1,1 @@
+"""Infrastructure at the bottom: configuration, GPU leases, launching, process hygiene, Snakemake job wrapping, code provenance."""

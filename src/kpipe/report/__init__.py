@@ -1,0 +1,1 @@
+"""Reporting stages: the paper's tables, figures and the trajectory viewer."""
