@@ -2,6 +2,7 @@
 
 
 rule build_db:
+    """kpipe.data.db.build_db: results/kpipe.duckdb, views over every table's Parquet files."""
     input:
         table_inputs(),
         views=workflow.source_path("../sql/views.sql"),

@@ -11,6 +11,7 @@
 if DISTILL["teacher"] == "released":
 
     rule coldstart_released:
+        """kpipe.agent.distill.coldstart_released_job: the released cold-start trajectories."""
         input:
             DISTILL["released_path"],
         output:
@@ -28,6 +29,7 @@ if DISTILL["teacher"] == "released":
 else:
 
     rule distill:
+        """kpipe.agent.distill.distill_job: one query shard distilled into cold-start trajectories."""
         input:
             queries=f"{RESULTS}/queries/queries.parquet",
         output:

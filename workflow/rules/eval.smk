@@ -7,6 +7,7 @@
 
 
 rule eval:
+    """kpipe.evaluate.kernelbench.eval_job: one KernelBench shard of one model and level."""
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",
         checkpoint=lambda wildcards: pipeline_checkpoint(wildcards.model),
@@ -43,6 +44,7 @@ rule eval:
 # turns (one split per entry of eval_budget.turns), with the evaluation's sampling, seed and gym; rows
 # stage=budget, model "<model>@<trajectories>x<turns>" (table kevin_budget, figure fig_kevin_budget).
 rule eval_budget:
+    """kpipe.evaluate.kernelbench.budget_job: Kevin's budget splits of one model, level and shard."""
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",
         checkpoint=lambda wildcards: pipeline_checkpoint(wildcards.model),

@@ -3,6 +3,7 @@
 
 
 rule ingest_tasks:
+    """kpipe.data.ingest.ingest_tasks_job: the evaluation tasks from the vendored KernelBench sets."""
     output:
         f"{RESULTS}/tasks/tasks.parquet",
     params:
@@ -17,6 +18,7 @@ rule ingest_tasks:
 
 
 rule ingest_queries:
+    """kpipe.data.ingest.ingest_queries_job: one training-query source in the queries schema."""
     output:
         f"{RESULTS}/queries_raw/source={{source}}/part-0.parquet",
     params:
@@ -33,6 +35,7 @@ rule ingest_queries:
 
 
 rule decontaminate:
+    """kpipe.data.ingest.decontaminate_job: queries that (nearly) repeat a task dropped or flagged."""
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",
         queries=expand(f"{RESULTS}/queries_raw/source={{source}}/part-0.parquet", source=query_sources()),

@@ -6,13 +6,14 @@
 # config/ablations/*.yaml add the paper's. Partial work lives in results/work (not an
 # output): a killed iteration rerun by Snakemake resumes it, and nothing else reruns.
 # `rl.gpus` decides the process count: `kpipe launch` runs one process per GPU (FSDP2,
-# data-parallel rollouts), plain Python on a CPU.
+# data-parallel rollouts), plain Python on a CPU: the rule's script becomes that launch
+# (kpipe.train.jobs, kpipe.infra.launch.exec_launch).
 
 import json
-import shlex
 
 
 rule rl_iter:
+    """kpipe.train.jobs.rl_job: `kpipe launch --gpus N -- train rl` (kpipe.train.rl.run_iteration)."""
     input:
         queries=f"{RESULTS}/queries/queries.parquet",
         model=rl_init_model,
@@ -23,14 +24,11 @@ rule rl_iter:
     params:
         settings=lambda wildcards: json.dumps(rl_settings(wildcards.run), sort_keys=True),
         gym=json.dumps(config["gym"], sort_keys=True),
-        init_state=lambda wildcards: (
-            f"--init-state {shlex.quote(rl_state_dir(wildcards.run, int(wildcards.iter) - 1))}"
-            if int(wildcards.iter)
-            else ""
-        ),
+        init_state=lambda wildcards: (rl_state_dir(wildcards.run, int(wildcards.iter) - 1)
+                                      if int(wildcards.iter) else ""),
         state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),
         scratch=lambda wildcards: f"{RESULTS}/work/rl-{wildcards.run}/iter={wildcards.iter}/scratch",
-        drop_init_state="" if RL["keep_optimizer_states"] else "--drop-init-state",
+        drop_init_state=not RL["keep_optimizer_states"],
         code=code_version("train", "agent", "llm", "gym", "infra/launch.py"),
     resources:
         gpu=gpus_per_job(RL["gpus"]),
@@ -43,12 +41,8 @@ rule rl_iter:
         f"{LOGS}/rl/{{run}}/iter={{iter}}.log",
     conda:
         "../envs/kpipe.yaml"
-    shell:
-        "kpipe launch --gpus {resources.gpu} -- train rl --queries {input.queries} --init-model {input.model}"
-        " --model-out {output.model} --trajectories {output.trajectories} --metrics {output.metrics}"
-        " --scratch {params.scratch:q} --run {wildcards.run} --iteration {wildcards.iter}"
-        " {params.init_state} --state-out {params.state:q} {params.drop_init_state}"
-        " --settings {params.settings:q} --gym {params.gym:q} > {log} 2>&1"
+    script:
+        "../scripts/rl_iter.py"
 
 
 # RL validation (paper Figures 4, 5, 8): the checkpoint of every validated iteration of every run
@@ -58,6 +52,7 @@ rule rl_iter:
 
 
 rule rl_validate:
+    """kpipe.evaluate.kernelbench.validation_job: an RL iteration's checkpoint on the validation tasks."""
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",
         model=lambda wildcards: rl_model_dir(wildcards.run, wildcards.iter),

@@ -3,19 +3,20 @@
 # output), so a killed job rerun by Snakemake resumes from its last checkpoint
 # (kpipe.train.sft) and keeps the loss rows before it; a config change
 # changes the run's fingerprint and starts over. `sft.gpus` decides the process count:
-# `kpipe launch` runs one process per GPU (FSDP2 from two), plain Python on a CPU.
+# `kpipe launch` runs one process per GPU (FSDP2 from two), plain Python on a CPU: the rule's
+# script becomes that launch (kpipe.train.jobs, kpipe.infra.launch.exec_launch).
 
 import json
-import shlex
 
 
 rule tiny_model:
+    """kpipe.train.tiny_model.tiny_model_job: the random-weight tiny policy and its tokenizer."""
     output:
         directory(f"{RESULTS}/models/tiny-{{size}}-{{tokenizer}}-seed{{seed}}"),
     params:
         # byte | bpe<vocab size>; the BPE is trained on the templates, the bank and KernelBench
-        tokenizer=lambda wildcards: ("--tokenizer byte" if wildcards.tokenizer == "byte"
-                                     else f"--tokenizer bpe --vocab-size {wildcards.tokenizer[3:]}"),
+        tokenizer=lambda wildcards: ({"tokenizer": "byte"} if wildcards.tokenizer == "byte"
+                                     else {"tokenizer": "bpe", "vocab_size": int(wildcards.tokenizer[3:])}),
         code=code_version("train/tiny_model.py", "llm/prompts", "gym/bank", "data/files/kernelbench"),
     log:
         f"{LOGS}/tiny_model/{{size}}-{{tokenizer}}-seed{{seed}}.log",
@@ -25,11 +26,12 @@ rule tiny_model:
         seed="[0-9]+",
     conda:
         "../envs/kpipe.yaml"
-    shell:
-        "kpipe train tiny-model {output} --size {wildcards.size} --seed {wildcards.seed} {params.tokenizer} > {log} 2>&1"
+    script:
+        "../scripts/tiny_model.py"
 
 
 rule sft:
+    """kpipe.train.jobs.sft_job: `kpipe launch --gpus N -- train sft` (kpipe.train.sft.train_sft)."""
     input:
         trajectories=coldstart_parts(),
         base=sft_base_model_input(),
@@ -38,11 +40,10 @@ rule sft:
         metrics=f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet",
         summary=f"{RESULTS}/reports/sft-{RUN}.json",
     params:
-        trajectories=lambda wildcards, input: " ".join(f"--trajectories {shlex.quote(path)}" for path in input.trajectories),
         settings=lambda wildcards, input: json.dumps(sft_settings(input.base), sort_keys=True),
         work=f"{RESULTS}/work/sft-{RUN}",
         code=code_version("train/sft.py", "train/samples.py", "train/checkpoint.py", "train/metrics_log.py",
-                          "train/cli.py", "data/schemas.py", "infra/launch.py"),
+                          "train/cli.py", "train/jobs.py", "data/schemas.py", "infra/launch.py"),
     resources:
         gpu=gpus_per_job(config["sft"].get("gpus", 1)),
     benchmark:
@@ -51,7 +52,5 @@ rule sft:
         f"{LOGS}/sft-{RUN}.log",
     conda:
         "../envs/kpipe.yaml"
-    shell:
-        "kpipe launch --gpus {resources.gpu} -- train sft {params.trajectories}"
-        " --out {params.work:q} --metrics {params.work:q}/train_metrics.parquet --settings {params.settings:q}"
-        " --model-out {output.model} --summary-out {output.summary} --metrics-out {output.metrics} > {log} 2>&1"
+    script:
+        "../scripts/sft.py"

@@ -7,6 +7,7 @@
 
 
 rule stts:
+    """kpipe.evaluate.stts.stts_job: one STTS shard of one model, history strategy and level."""
     input:
         tasks=f"{RESULTS}/tasks/tasks.parquet",
         checkpoint=lambda wildcards: pipeline_checkpoint(wildcards.model),

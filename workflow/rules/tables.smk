@@ -4,6 +4,7 @@
 
 
 rule tables:
+    """kpipe.report.tables.build_tables: every workflow/sql/<name>.sql as Markdown and CSV."""
     input:
         db=f"{RESULTS}/kpipe.duckdb",
         sql=[workflow.source_path(f"../sql/{name}.sql") for name in TABLE_NAMES],
@@ -23,6 +24,7 @@ rule tables:
 
 
 rule figures:
+    """kpipe.report.figures.build_figures: the paper's figures as PNG."""
     input:
         db=f"{RESULTS}/kpipe.duckdb",
         sql=[workflow.source_path(f"../sql/{name}.sql")

@@ -4,6 +4,7 @@
 
 
 rule viewer:
+    """kpipe.report.viewer.build_viewer: the static trajectory viewer."""
     input:
         db=f"{RESULTS}/kpipe.duckdb",
     output:

@@ -1,11 +1,8 @@
-"""Snakemake wrapper: load one training-query source into the queries schema."""
+"""Rule ingest_queries -> kpipe.data.ingest.ingest_queries_job: one training-query source in the queries schema."""
 
 from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.data.ingest import load_source
-    from kpipe.data.io import write_table
+    from kpipe.data.ingest import ingest_queries_job
 
-    queries = load_source(job.params.source)
-    write_table(queries, job.output[0], "queries")
-    print(f"{queries.num_rows} queries from {job.wildcards.source} -> {job.output[0]}")
+    ingest_queries_job(job.params.source, job.output[0])

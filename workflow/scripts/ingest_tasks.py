@@ -1,11 +1,8 @@
-"""Snakemake wrapper: select the evaluation tasks from the vendored KernelBench sets."""
+"""Rule ingest_tasks -> kpipe.data.ingest.ingest_tasks_job: the evaluation tasks from the vendored KernelBench sets."""
 
 from kpipe.infra.jobs import snakemake_job
 
 with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.data.ingest import build_tasks
-    from kpipe.data.io import write_table
+    from kpipe.data.ingest import ingest_tasks_job
 
-    tasks = build_tasks(job.params.kernelbench)
-    write_table(tasks, job.output[0], "tasks")
-    print(f"{tasks.num_rows} tasks -> {job.output[0]}")
+    ingest_tasks_job(job.params.kernelbench, job.output[0])

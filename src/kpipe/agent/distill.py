@@ -181,6 +181,14 @@ def offline_teacher_args(offline: Mapping[str, Any]) -> list[str]:
     return args
 
 
+def coldstart_released_job(path: str | os.PathLike, out_path: str | os.PathLike, run: str) -> int:
+    """Rule `coldstart_released`: the released cold-start trajectories as `run`'s coldstart stage."""
+    rows = released_coldstart_rows(path, run=run)
+    write_table(rows, out_path, "trajectories")
+    print(f"{len(rows)} released cold-start turns -> {out_path}")
+    return len(rows)
+
+
 def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
                 settings: Mapping[str, Any], *, shard: int = 0, num_shards: int = 1, run: str = "default",
                 gym: Mapping[str, Any] | None = None, progress: bool = True) -> list[TurnSummary]:

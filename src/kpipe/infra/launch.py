@@ -12,6 +12,8 @@ processes, ranked by SLURM's node id. Configs live in ``workflow/accelerate/``:
 
 ``kpipe launch --gpus N -- train sft ...`` does all of it, holding a GPU lease
 (:mod:`kpipe.infra.gpu`) on a shared box; ``--print`` shows the command instead of running it.
+A Snakemake script becomes that command with :func:`exec_launch` (the training rules' jobs,
+:mod:`kpipe.train.jobs`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -140,6 +143,31 @@ def launch_plan(gpus: int, args: Sequence[str], env: Mapping[str, str], node_tas
         gpus_per_node(gpus, node.nodes)  # fail before srun starts anything
         return srun_per_node(gpus, args, node.nodes)
     return accelerate_command(gpus, args, node, config_dir)
+
+
+def launch_command(gpus: int, args: Sequence[str]) -> list[str]:
+    """``kpipe launch --gpus N -- ARGS`` as this interpreter runs it."""
+    return [sys.executable, "-m", "kpipe.cli", "launch", "--gpus", str(gpus), "--", *args]
+
+
+def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = None) -> NoReturn:
+    """Replace this process by ``kpipe launch --gpus N -- ARGS``, stdout and stderr to `log`.
+
+    A rule's ``script:`` runs in the job's own process (locally, in a SLURM job step, on a
+    Kubernetes pod), so after the exec the job *is* the launch: the GPU lease, the srun fan-out
+    over the job's nodes and accelerate's processes happen exactly as for a shell rule running
+    ``kpipe launch ... > {log} 2>&1``, and Snakemake sees its exit status.
+    """
+    command = launch_command(gpus, args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if log is not None:
+        Path(log).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    os.execv(command[0], command)
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})

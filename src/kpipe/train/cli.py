@@ -28,11 +28,9 @@ def train() -> None:
 @click.option("--vocab-size", default=4000, show_default=True, type=int, help="BPE vocabulary size")
 def tiny_model_command(out_dir: Path, size: str, seed: int, tokenizer: str, vocab_size: int) -> None:
     """Build a random-weight Qwen3 model and its tokenizer in HF format at OUT_DIR."""
-    from kpipe.train.tiny_model import build_tiny_model, policy_corpus
+    from kpipe.train.tiny_model import tiny_model_job
 
-    corpus = policy_corpus() if tokenizer == "bpe" else None
-    path = build_tiny_model(out_dir, seed=seed, size=size, corpus=corpus, vocab_size=vocab_size)
-    click.echo(f"tiny model ({size}, seed {seed}, {tokenizer} tokenizer) -> {path}")
+    tiny_model_job(out_dir, size=size, seed=seed, tokenizer=tokenizer, vocab_size=vocab_size)
 
 
 def trajectory_files(paths: tuple[Path, ...]) -> list[Path]:

@@ -170,6 +170,18 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny",
     return out_dir
 
 
+def tiny_model_job(out_dir: str | Path, size: str = "tiny", seed: int = 0, tokenizer: str = "byte",
+                   vocab_size: int = 4000) -> Path:
+    """Rule `tiny_model` and ``kpipe train tiny-model``: the model with the byte tokenizer, or
+    (`tokenizer` "bpe") a BPE of `vocab_size` tokens trained on :func:`policy_corpus`."""
+    if tokenizer not in ("byte", "bpe"):
+        raise ValueError(f"tokenizer must be 'byte' or 'bpe', got {tokenizer!r}")
+    corpus = policy_corpus() if tokenizer == "bpe" else None
+    path = build_tiny_model(out_dir, seed=seed, size=size, corpus=corpus, vocab_size=vocab_size)
+    print(f"tiny model ({size}, seed {seed}, {tokenizer} tokenizer) -> {path}")
+    return path
+
+
 def _portable_tokenizer_class(config_path: Path) -> None:
     """Name the tokenizer class that transformers 4.x (vLLM's pin) and 5.x both resolve."""
     config = json.loads(config_path.read_text())
