@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from kpipe.train import algos
+from kpipe.train import algos, turn_rewards
 
 
 def close(actual, expected, tol=1e-6):
@@ -20,35 +20,35 @@ def close(actual, expected, tol=1e-6):
 
 
 def test_reward_paper_eq1_and_eq8():
-    assert algos.reward_paper(True, False, 2.0) == 3.0  # 1 + 2
-    assert algos.reward_paper(True, False, 5.0) == 4.0  # speedup clipped at 3
-    assert algos.reward_paper(True, False, 0.5) == 1.5  # slower but correct still earns C
-    assert algos.reward_paper(True, False, 5.0, pr=0.5, use_pr=True) == 4.5  # Eq. 8: + C·PR
-    assert algos.reward_paper(True, False, 2.0, pr=0.9) == 3.0  # PR ignored unless use_pr
+    assert turn_rewards.reward_paper(True, False, 2.0) == 3.0  # 1 + 2
+    assert turn_rewards.reward_paper(True, False, 5.0) == 4.0  # speedup clipped at 3
+    assert turn_rewards.reward_paper(True, False, 0.5) == 1.5  # slower but correct still earns C
+    assert turn_rewards.reward_paper(True, False, 5.0, pr=0.5, use_pr=True) == 4.5  # Eq. 8: + C·PR
+    assert turn_rewards.reward_paper(True, False, 2.0, pr=0.9) == 3.0  # PR ignored unless use_pr
 
 
 def test_rewards_are_zero_when_hacked_or_failed():
-    for name, reward in algos.REWARDS.items():
+    for name, reward in turn_rewards.REWARDS.items():
         assert reward(True, True, 2.5) == 0.0, name  # hacked counts as incorrect
         assert reward(False, False, None) == 0.0, name  # failed / timed out: no speedup at all
         assert reward(False, False, 2.5) == 0.0, name
 
 
 def test_reward_released_code_weighting():
-    assert algos.reward_released_code(True, False, 2.0, pr=0.4, use_pr=True) == pytest.approx(0.5 + 1.0 + 0.2)
-    assert algos.reward_released_code(True, False, 4.0) == pytest.approx(0.5 + 1.5)
+    assert turn_rewards.reward_released_code(True, False, 2.0, pr=0.4, use_pr=True) == pytest.approx(0.5 + 1.0 + 0.2)
+    assert turn_rewards.reward_released_code(True, False, 4.0) == pytest.approx(0.5 + 1.5)
 
 
 def test_reward_kevin():
-    assert algos.reward_kevin(True, False, 2.0) == pytest.approx(2.3)
-    assert algos.reward_kevin(True, False, 5.0) == pytest.approx(3.3)
-    assert algos.reward_kevin(True, False, 5.0, speedup_cap=math.inf) == pytest.approx(5.3)
+    assert turn_rewards.reward_kevin(True, False, 2.0) == pytest.approx(2.3)
+    assert turn_rewards.reward_kevin(True, False, 5.0) == pytest.approx(3.3)
+    assert turn_rewards.reward_kevin(True, False, 5.0, speedup_cap=math.inf) == pytest.approx(5.3)
     with pytest.raises(ValueError, match="no profiling"):
-        algos.reward_kevin(True, False, 1.0, pr=0.5, use_pr=True)
+        turn_rewards.reward_kevin(True, False, 1.0, pr=0.5, use_pr=True)
 
 
 def test_reward_tritonforge_tiers():
-    reward = algos.reward_tritonforge
+    reward = turn_rewards.reward_tritonforge
     assert reward(False, False, None) == 0.0  # no code / request failed (nothing compiled)
     assert reward(False, True, None, compiled=True) == 0.0  # rejected
     assert reward(False, False, None, compiled=True) == 0.1  # compiles
@@ -65,16 +65,16 @@ def test_reward_tritonforge_tiers():
 
 def test_reward_rejects_bad_inputs():
     with pytest.raises(ValueError, match="speedup"):
-        algos.reward_paper(True, False, None)
+        turn_rewards.reward_paper(True, False, None)
     with pytest.raises(ValueError, match="speedup"):
-        algos.reward_paper(True, False, float("nan"))
+        turn_rewards.reward_paper(True, False, float("nan"))
     with pytest.raises(ValueError, match="profiling ratio"):
-        algos.reward_paper(True, False, 1.0, pr=1.5, use_pr=True)
+        turn_rewards.reward_paper(True, False, 1.0, pr=1.5, use_pr=True)
     with pytest.raises(ValueError, match="profiling ratio"):
-        algos.reward_paper(True, False, 1.0, pr=None, use_pr=True)
+        turn_rewards.reward_paper(True, False, 1.0, pr=None, use_pr=True)
     with pytest.raises(KeyError, match="known: paper"):
-        algos.reward_fn("nope")
-    assert algos.reward_fn("kevin") is algos.reward_kevin
+        turn_rewards.reward_fn("nope")
+    assert turn_rewards.reward_fn("kevin") is turn_rewards.reward_kevin
 
 
 # --- returns -----------------------------------------------------------------------------
@@ -289,17 +289,17 @@ def test_turn_reward_reads_kernelgym_results():
     from types import SimpleNamespace as EvalResult  # attribute access, like kpipe.gym's EvalResult
 
     result = EvalResult(status="pass", correct=True, hacked=False, speedup_eager=2.0, speedup_compile=0.5, pr=0.25)
-    assert algos.turn_reward("paper")(result) == 3.0
-    assert algos.turn_reward("paper", use_pr=True, baseline="compile")(result) == 1.75
-    assert algos.turn_reward("released_code", use_pr=True)({"correct": True, "hacked": False, "speedup_eager": 4.0,
+    assert turn_rewards.turn_reward("paper")(result) == 3.0
+    assert turn_rewards.turn_reward("paper", use_pr=True, baseline="compile")(result) == 1.75
+    assert turn_rewards.turn_reward("released_code", use_pr=True)({"correct": True, "hacked": False, "speedup_eager": 4.0,
                                                             "pr": 0.5}) == pytest.approx(0.5 + 1.5 + 0.25)
-    assert algos.turn_reward("kevin")(None) == 0.0  # nothing to evaluate (format error)
+    assert turn_rewards.turn_reward("kevin")(None) == 0.0  # nothing to evaluate (format error)
     hacked = EvalResult(status="hacked", correct=True, hacked=True, speedup_eager=9.0, pr=None)
-    assert algos.turn_reward("paper")(hacked) == 0.0
+    assert turn_rewards.turn_reward("paper")(hacked) == 0.0
 
 
 def test_turn_reward_tritonforge_reads_compilation_from_the_status():
-    score = algos.turn_reward("tritonforge")
+    score = turn_rewards.turn_reward("tritonforge")
     turn = {"correct": False, "hacked": False, "speedup_eager": None, "pr": None}
     assert score({**turn, "status": "mismatch"}) == 0.1
     assert score({**turn, "status": "runtime_error"}) == 0.1
@@ -320,7 +320,7 @@ TF_GROUP = [("p", 1)] * 8
 
 
 def test_tritonforge_group_rewards_are_the_tiers():
-    score = algos.turn_reward("tritonforge")
+    score = turn_rewards.turn_reward("tritonforge")
     rewards = [score({"status": status, "correct": status == "pass", "hacked": status == "hacked",
                       "speedup_eager": speedup, "pr": None}) for status, speedup in zip(TF_STATUSES, TF_SPEEDUPS)]
     assert rewards == pytest.approx(TF_REWARDS)

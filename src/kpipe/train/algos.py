@@ -1,4 +1,6 @@
-"""The RL math of Dr. Kernel, as small pure functions (cf. verl's ``core_algos.py``).
+"""The RL math of Dr. Kernel after the rewards, as small pure functions (cf. verl's ``core_algos.py``):
+returns, advantages, sample filters, TritonForge's group buffer, the policy loss. What one turn
+earns (the rewards) is :mod:`kpipe.train.turn_rewards`; its names are re-exported here.
 
 Equation numbers refer to the Dr. Kernel paper (``papers/dr-kernel.md``). Where the
 authors' released code (hkust-nlp/KernelGYM on a patched verl) differs from the paper,
@@ -19,175 +21,40 @@ from typing import Literal
 
 import torch
 
+# the per-turn rewards live in kpipe.train.turn_rewards; re-exported for `algos.<name>` callers
+from kpipe.train.turn_rewards import (  # noqa: F401
+    KEVIN_CORRECTNESS_WEIGHT,
+    RELEASED_CODE_WEIGHT,
+    REWARDS,
+    SPEEDUP_CAP,
+    TRITONFORGE_COMPILED_REWARD,
+    TRITONFORGE_CORRECT_REWARD,
+    TRITONFORGE_NOT_COMPILED,
+    RewardFn,
+    clipped_speedup,
+    earns_reward,
+    kernel_compiled,
+    reward_fn,
+    reward_kevin,
+    reward_paper,
+    reward_released_code,
+    reward_tritonforge,
+    turn_reward,
+)
+
 GroupKeys = Sequence[Hashable] | torch.Tensor
 Singleton = Literal["zero", "return"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
-SPEEDUP_CAP = 3.0  # paper §4.2: speedups above 3x are mostly timing artefacts
 KEVIN_GAMMA = 0.4  # Kevin §4.3: discount of the sum over later turns' scores
-KEVIN_CORRECTNESS_WEIGHT = 0.3  # Kevin App. B.2
-RELEASED_CODE_WEIGHT = 0.5  # released code: every term of the reward weighted by 0.5
 MRS_DELTA = 1e-3  # Eq. 6: keep w in [1 - delta, 1 + delta]
 MRS_TOKEN_VETO = 1e-4  # Eq. 6: reject a sequence if any token ratio is below this
 PRS_TAU = 0.3  # Eq. 9 cutoff
 PRS_SOFTNESS = 0.1  # Eq. 9 softness s
 ZERO_VARIANCE_MIN_STD = 1e-3  # released code: groups whose last-turn rewards barely differ teach nothing
-TRITONFORGE_COMPILED_REWARD = 0.1  # TritonForge (papers/tritonforge.md, its kernel generator): compiles
-TRITONFORGE_CORRECT_REWARD = 0.3  # correct; + min(max(speedup - 1, 0), 2) when faster
-# statuses of turns whose kernel never compiled: the request failed, no code / no Triton kernel, compiler error
-TRITONFORGE_NOT_COMPILED = ("generation_error", "format_error", "compilation_error", "reference_error")
 TRITONFORGE_MIN_VALID_GROUP_RATIO = 1.0  # TritonForge §3.2.3: a group must be complete
 TRITONFORGE_MIN_VALID_ITEM_RATIO = 0.7  # TritonForge §3.2.3: >= 70% of a group's items must survive the filter
 TRITONFORGE_EPS = 1e-8  # the buffer's z-score epsilon (slime's default_normalize_group_data)
-
-
-# ---------------------------------------------------------------------------------------
-# Per-turn rewards (Eq. 1, Eq. 8, the released code's weighting, Kevin's score)
-# ---------------------------------------------------------------------------------------
-
-
-def clipped_speedup(speedup: float | None, cap: float = SPEEDUP_CAP) -> float:
-    """min(T_ref / T_kernel, cap): the speedup term of Eq. 1, robust to timing artefacts."""
-    if speedup is None or not math.isfinite(speedup) or speedup < 0:
-        raise ValueError(f"a correct kernel needs a finite, non-negative speedup, got {speedup!r}")
-    return min(speedup, cap)
-
-
-def _checked_pr(pr: float | None) -> float:
-    """PR (Eq. 7) is a time fraction; anything outside [0, 1] is a profiling bug."""
-    if pr is None or not math.isfinite(pr) or not 0.0 <= pr <= 1.0:
-        raise ValueError(f"the PR term needs a profiling ratio in [0, 1], got {pr!r}")
-    return pr
-
-
-def earns_reward(correct: bool, hacked: bool) -> bool:
-    """C(y) of Eq. 1: only a correct, non-hacked kernel scores (failed, timed-out, hacked: 0)."""
-    return bool(correct) and not bool(hacked)
-
-
-def reward_paper(
-    correct: bool,
-    hacked: bool,
-    speedup: float | None,
-    pr: float | None = None,
-    use_pr: bool = False,
-    speedup_cap: float = SPEEDUP_CAP,
-) -> float:
-    """Eq. 1 (R = C + C·min(speedup, 3)), plus C·PR with `use_pr` (Eq. 8)."""
-    if not earns_reward(correct, hacked):
-        return 0.0
-    reward = 1.0 + clipped_speedup(speedup, speedup_cap)
-    if use_pr:
-        reward += _checked_pr(pr)
-    return reward
-
-
-def reward_released_code(
-    correct: bool,
-    hacked: bool,
-    speedup: float | None,
-    pr: float | None = None,
-    use_pr: bool = False,
-    speedup_cap: float = SPEEDUP_CAP,
-) -> float:
-    """The released code's weighting: 0.5·C + 0.5·min(speedup, 3) [+ 0.5·PR·C]; 0 unless correct."""
-    if not earns_reward(correct, hacked):
-        return 0.0
-    reward = RELEASED_CODE_WEIGHT * (1.0 + clipped_speedup(speedup, speedup_cap))
-    if use_pr:
-        reward += RELEASED_CODE_WEIGHT * _checked_pr(pr)
-    return reward
-
-
-def reward_kevin(
-    correct: bool,
-    hacked: bool,
-    speedup: float | None,
-    pr: float | None = None,
-    use_pr: bool = False,
-    speedup_cap: float = SPEEDUP_CAP,
-) -> float:
-    """Kevin's score 0.3·correct + speedup (speedup only for correct kernels).
-
-    Kevin itself does not clip the speedup; pass ``speedup_cap=math.inf`` for its exact
-    score. The cap defaults to the paper's 3 so the reward ablations differ in one thing.
-    """
-    if use_pr:
-        raise ValueError("Kevin's reward has no profiling (PR) term")
-    if not earns_reward(correct, hacked):
-        return 0.0
-    return KEVIN_CORRECTNESS_WEIGHT + clipped_speedup(speedup, speedup_cap)
-
-
-def kernel_compiled(status: str | None) -> bool:
-    """TritonForge's ``compiled`` for a kpipe turn: KernelGym got past compilation, i.e. any status but a
-    failed request, a format violation (no code, no ModelNew or Triton kernel), a compiler error or a
-    broken reference. Runtime faults, mismatches, timeouts and hacks ran a compiled kernel."""
-    return status is not None and status not in TRITONFORGE_NOT_COMPILED
-
-
-def reward_tritonforge(
-    correct: bool,
-    hacked: bool,
-    speedup: float | None,
-    pr: float | None = None,
-    use_pr: bool = False,
-    speedup_cap: float = SPEEDUP_CAP,
-    compiled: bool = False,
-) -> float:
-    """TritonForge's tiers: 0 (no code, rejected, request failed), 0.1 (compiles), 0.3 (correct),
-    0.3 + min(max(speedup - 1, 0), 2) (correct and faster; the 2 is `speedup_cap` - 1).
-
-    `compiled` comes from the turn's status (`kernel_compiled`); a hacked kernel is rejected (0).
-    """
-    if use_pr:
-        raise ValueError("TritonForge's reward has no profiling (PR) term")
-    if hacked:
-        return 0.0
-    if correct:
-        return TRITONFORGE_CORRECT_REWARD + max(clipped_speedup(speedup, speedup_cap) - 1.0, 0.0)
-    return TRITONFORGE_COMPILED_REWARD if compiled else 0.0
-
-
-RewardFn = Callable[..., float]
-REWARDS: dict[str, RewardFn] = {
-    "paper": reward_paper,
-    "released_code": reward_released_code,
-    "kevin": reward_kevin,
-    "tritonforge": reward_tritonforge,
-}
-
-
-def reward_fn(name: str) -> RewardFn:
-    """The reward function registered as `name` (config key ``rl.reward``)."""
-    if name not in REWARDS:
-        raise KeyError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
-    return REWARDS[name]
-
-
-def _field(result: object, name: str) -> object:
-    return result.get(name) if isinstance(result, dict) else getattr(result, name, None)
-
-
-def turn_reward(
-    name: str, use_pr: bool = False, baseline: Literal["eager", "compile"] = "eager", speedup_cap: float = SPEEDUP_CAP
-) -> Callable[[object], float]:
-    """The reward `name` as a function of one KernelGym result (an EvalResult, an `evals` row
-    as a dict, or None when nothing could be evaluated): the agent loop's ``reward_fn``."""
-    reward = reward_fn(name)
-    if baseline not in ("eager", "compile"):
-        raise ValueError(f"baseline must be 'eager' or 'compile', got {baseline!r}")
-
-    def score(result: object) -> float:
-        if result is None:
-            return 0.0
-        args = (bool(_field(result, "correct")), bool(_field(result, "hacked")),
-                _field(result, f"speedup_{baseline}"), _field(result, "pr"), use_pr, speedup_cap)
-        if reward is reward_tritonforge:  # the only reward with a tier for compiling
-            return reward(*args, compiled=kernel_compiled(_field(result, "status")))
-        return reward(*args)
-
-    return score
 
 
 # ---------------------------------------------------------------------------------------

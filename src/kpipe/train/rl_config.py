@@ -20,13 +20,12 @@ from kpipe.train.algos import (
     MRS_TOKEN_VETO,
     PRS_SOFTNESS,
     PRS_TAU,
-    REWARDS,
-    SPEEDUP_CAP,
     TRITONFORGE_MIN_VALID_GROUP_RATIO,
     TRITONFORGE_MIN_VALID_ITEM_RATIO,
     ZERO_VARIANCE_MIN_STD,
 )
 from kpipe.train.sft import PRECISIONS, accepted_types
+from kpipe.train.turn_rewards import REWARDS, SPEEDUP_CAP
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 ADVANTAGE_NAMES = (*ADVANTAGES, "rloo_trajectory")
