@@ -1,5 +1,6 @@
 """The multi-turn loop and its history policies, with a scripted engine and evaluator."""
 
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -95,6 +96,59 @@ def test_rows_batching_and_full_history():
     assert all(r["reward"] == 0.0 and r["status"] == "mismatch" for r in first_turn)
 
 
+class CallingBackEngine(ScriptedEngine):
+    """Hands each answer over as it is done and, after the first, waits until the evaluator has it:
+    evaluation demonstrably runs while the engine is still generating."""
+
+    def __init__(self, script, evaluating: threading.Event):
+        super().__init__(script)
+        self.evaluating = evaluating
+
+    def generate(self, requests, on_result=None):
+        out = super().generate(requests)
+        for index, completion in enumerate(out):
+            if on_result is not None:
+                on_result(index, completion)
+                if index == 0:
+                    assert self.evaluating.wait(10), "the first answer was not evaluated during generation"
+        return out
+
+
+def test_evaluation_overlaps_generation_and_gives_the_same_rows():
+    class SignallingEvaluator(FakeEvaluator):
+        def __init__(self):
+            super().__init__()
+            self.called = threading.Event()
+
+        def evaluate_many(self, jobs):
+            self.called.set()
+            return super().evaluate_many(list(reversed(jobs)))[::-1]  # order-independent results
+
+    rows = {}
+    for overlap in (False, True):
+        evaluator = SignallingEvaluator()
+        engine = CallingBackEngine(["bad", "good", "nocode"], evaluator.called if overlap else threading.Event())
+        rows[overlap] = run_episodes(TASKS, engine, evaluator, n_samples=2, max_turns=3, progress=False,
+                                     overlap=overlap)
+        assert sum(len(batch) for batch in evaluator.batches) == 8  # turns 1 and 2 of 4 episodes
+        if overlap:
+            assert len(evaluator.batches) > 2  # more than one evaluation call per turn
+    timing = ("gen_s", "eval_s")
+    assert [{k: v for k, v in r.items() if k not in timing} for r in rows[True]] == [
+        {k: v for k, v in r.items() if k not in timing} for r in rows[False]]
+
+
+def test_an_evaluator_error_reaches_the_loop():
+    class Broken(FakeEvaluator):
+        def evaluate_many(self, jobs):
+            raise RuntimeError("pool died")
+
+    started = threading.Event()
+    started.set()
+    with pytest.raises(RuntimeError, match="pool died"):
+        run_episodes(TASKS, CallingBackEngine(["good"], started), Broken(), max_turns=1, progress=False)
+
+
 def test_samples_get_distinct_seeds_that_repeat_across_turns():
     engine = ScriptedEngine(["bad"])
     run_episodes(TASKS[:1], engine, FakeEvaluator(), n_samples=3, max_turns=2, progress=False)
@@ -108,7 +162,7 @@ def test_format_and_generation_errors_are_recorded_outcomes():
                         progress=False)
     assert [r["status"] for r in rows] == ["format_error", GENERATION_ERROR]  # the failure ends the episode
     assert rows[0]["code"] is None and "```python" in rows[0]["feedback"]
-    assert evaluator.batches == [[], []]  # nothing without code reaches the evaluator
+    assert evaluator.batches == []  # nothing without code reaches the evaluator
     assert rows[1]["finish_reason"] == FINISH_ERROR and "gave up" in rows[1]["feedback"]
 
 

@@ -91,3 +91,24 @@ def test_vllm_engine_says_how_to_get_vllm():
         pytest.skip("vLLM is installed here")
     with pytest.raises(RuntimeError, match="pip install 'kpipe\\[vllm\\]'"):
         make_engine({"kind": "vllm", "path": "/nonexistent"})
+
+
+def test_a_row_is_handed_over_when_it_stops_and_the_answers_do_not_change(engine):
+    """With `on_result`, a row that emits EOS is reported while its batch still decodes; the tokens,
+    log-probs and texts are those of a run without the callback."""
+    import copy
+
+    greedy = engine.generate(requests(0.0))
+    stop_token = greedy[1].token_ids[2]  # make a token of row 1's answer the EOS: row 1 stops at step 3
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(stop_token)
+    stopping = HFEngine(engine.hf_model, tokenizer, "tiny", batch_size=4, progress=False)
+    for temperature in (0.0, 1.0):
+        plain = stopping.generate(requests(temperature))
+        order: list[int] = []
+        handed = stopping.generate(requests(temperature), on_result=lambda index, _: order.append(index))
+        assert [(c.text, c.token_ids, c.logprobs, c.finish_reason) for c in handed] == [
+            (c.text, c.token_ids, c.logprobs, c.finish_reason) for c in plain]
+        assert sorted(order) == [0, 1, 2]
+        if temperature == 0.0:
+            assert plain[1].completion_tokens == 3 and order[0] == 1, order

@@ -4,7 +4,8 @@ The loop talks to any object with `evaluate_many(jobs) -> results` (jobs are
 (reference_src, candidate_src) pairs, results carry the `evals` columns: status, correct,
 hacked, speedup_eager, speedup_compile, pr, feedback, key, ...). `LocalEvaluator` calls
 `kpipe.gym.evaluate` one job at a time; the GPU pool and the HTTP service implement the
-same method.
+same method. `EvaluationStream` feeds any of them jobs one at a time from a background thread,
+so evaluation overlaps generation.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -63,6 +66,69 @@ class LocalEvaluator:
             self.evaluate_one(reference, candidate)
             for reference, candidate in tqdm(jobs, desc="evaluate", disable=not self.progress, leave=False)
         ]
+
+
+class EvaluationStream:
+    """Evaluates jobs as they are `put`, on a background thread, while the caller keeps working (the
+    engine decodes the turn's other answers). Whatever has arrived since the last call goes into one
+    `evaluate_many` call, one call at a time (the wrapped evaluator need not be thread-safe), and each
+    result is filed under its job's index: the results depend on the jobs, not on their arrival order.
+    `busy_s` is the wall time spent inside `evaluate_many`."""
+
+    def __init__(self, evaluator: Evaluator) -> None:
+        self.evaluator = evaluator
+        self.busy_s = 0.0
+        self._queue: list[tuple[int, tuple[str, str]]] = []
+        self._results: dict[int, Any] = {}
+        self._error: BaseException | None = None
+        self._closed = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._serve, name="evaluation-stream", daemon=True)
+        self._thread.start()
+
+    def put(self, index: int, job: tuple[str, str]) -> None:
+        with self._wake:
+            self._queue.append((index, job))
+            self._wake.notify()
+
+    def results(self) -> dict[int, Any]:
+        """Every result by index, once all jobs put so far are evaluated (re-raises an evaluator error)."""
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self._results
+
+    def close(self) -> None:
+        """Finish the jobs put so far and stop the thread."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()
+
+    def __enter__(self) -> EvaluationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                batch, self._queue = self._queue, []
+            if not batch:
+                return
+            if self._error is not None:
+                continue  # drain: the error is raised by `results`
+            started = time.perf_counter()
+            try:
+                evaluated = self.evaluator.evaluate_many([job for _, job in batch])
+                self._results.update(zip((index for index, _ in batch), evaluated, strict=True))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+                self._error = error
+            finally:
+                self.busy_s += time.perf_counter() - started
 
 
 def result_record(result: Any) -> dict[str, Any]:

@@ -2,12 +2,17 @@
 
 Distillation, RL rollouts, evaluation and STTS all call `run_episodes`; they differ only in
 the engine, the history policy, the number of turns and what they do with the rows.
-Each turn of every active episode is generated in one engine call and evaluated in one
-`evaluate_many` call, so engines batch and evaluation pools fill.
+Each turn of every active episode is generated in one engine call, so engines batch. With
+`overlap` (the default) each answer is extracted and handed to the evaluator as the engine
+finishes it (`on_result`), and an `EvaluationStream` judges it while the engine decodes the others;
+without it, the turn's answers are evaluated in one `evaluate_many` call after generation. Results
+are filed by episode, so both give the same rows with an evaluator whose results depend only on
+the job (KernelGym's timings vary between runs either way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -16,9 +21,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from kpipe.agent.evaluator import Evaluator, result_field
+from kpipe.agent.evaluator import EvaluationStream, Evaluator, result_field
 from kpipe.agent.history import FullHistory, HistoryPolicy, PastTurn, replay
-from kpipe.llm.extract import FORMAT_ERROR, extract_code
+from kpipe.llm.extract import FORMAT_ERROR, Extracted, extract_code
 from kpipe.llm.prompts import PROMPT_VERSION, first_turn_messages
 from kpipe.llm.types import ChatRequest, Completion, Engine
 
@@ -101,11 +106,13 @@ def run_episodes(
     max_context_tokens: int | None = None,
     on_turn: Callable[[int, list[TurnRecord]], None] | None = None,
     progress: bool = True,
+    overlap: bool = True,
 ) -> list[dict[str, Any]]:
     """Run n_samples episodes per task for up to max_turns turns; one `trajectories` row per turn.
 
     An episode ends early when the engine fails for good (status "generation_error") or when
-    its last prompt + answer reached `max_context_tokens`.
+    its last prompt + answer reached `max_context_tokens`. `overlap`: evaluate answers while the
+    engine generates the others (module docstring).
     """
     episodes = [Episode(task, sample) for task in tasks for sample in range(n_samples)]
     first = {task.task_id: first_turn_messages(task.reference_src, prompt_version) for task in tasks}
@@ -121,15 +128,32 @@ def run_episodes(
                         logprobs=sampling.logprobs)
             for e, context in zip(active, contexts, strict=True)
         ]
-        started = time.perf_counter()
-        completions = engine.generate(requests)
-        gen_s = (time.perf_counter() - started) / len(requests)
-        extracted = [extract_code(c.text) if not c.failed else None for c in completions]
-        to_evaluate = [i for i, x in enumerate(extracted) if x is not None and x.code is not None]
-        started = time.perf_counter()
-        evaluated = evaluator.evaluate_many([(active[i].task.reference_src, extracted[i].code) for i in to_evaluate])
-        eval_s = (time.perf_counter() - started) / max(1, len(to_evaluate))
-        results: dict[int, Any] = dict(zip(to_evaluate, evaluated, strict=True))
+        extracted: dict[int, Extracted | None] = {}
+        jobs: dict[int, tuple[str, str]] = {}
+        with EvaluationStream(evaluator) if overlap else contextlib.nullcontext() as stream:
+
+            def hand_over(i: int, completion: Completion) -> None:
+                extracted[i] = extract_code(completion.text) if not completion.failed else None
+                if extracted[i] is not None and extracted[i].code is not None:
+                    jobs[i] = (active[i].task.reference_src, extracted[i].code)
+                    if stream is not None:
+                        stream.put(i, jobs[i])
+
+            started = time.perf_counter()
+            completions = engine.generate(requests, on_result=hand_over if stream is not None else None)
+            gen_s = (time.perf_counter() - started) / len(requests)
+            for i, completion in enumerate(completions):
+                if i not in extracted:  # an engine that did not call back, or no overlap
+                    hand_over(i, completion)
+            if stream is not None:
+                results: dict[int, Any] = stream.results()
+                busy_s = stream.busy_s
+            else:
+                started = time.perf_counter()
+                order = sorted(jobs)
+                results = dict(zip(order, evaluator.evaluate_many([jobs[i] for i in order]), strict=True)) if jobs else {}
+                busy_s = time.perf_counter() - started
+        eval_s = busy_s / max(1, len(jobs))
         records = []
         for i, (episode, context, completion) in enumerate(zip(active, contexts, completions, strict=True)):
             if completion.failed:

@@ -4,19 +4,23 @@ Batched with left padding (decoder-only models continue from the right edge). Pe
 log-probabilities are those of the sampled tokens under the *sampling* distribution,
 log_softmax(logits / temperature), which is what the trainer recomputes for the
 mismatch ratio π_train/π_rollout (MRS); top-p truncation is not folded in.
+
+With an `on_result` callback, each sequence is handed over the step it emits EOS, while the rest
+of its batch still decodes (`FinishedRows`): the agent loop evaluates it meanwhile. The sampled
+tokens do not change (the hand-over only reads the batch), so the completions are the same.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import groupby
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from kpipe.llm.types import ChatRequest, Completion, Message, ResultCallback, Usage
 
@@ -49,12 +53,37 @@ class SampledTokenLogprobs:
         self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         return scores
 
+    def row(self, row: int, last_token: int) -> list[float]:
+        """One row's log-probs so far, given the token it sampled at the current step."""
+        assert self.pending is not None, "generate() ran no step"
+        return [float(step[row]) for step in self.values] + [float(self.pending[row, last_token])]
+
     def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) log-probs, given the tokens sampled at the last step."""
         assert self.pending is not None, "generate() ran no step"
         self.values.append(self.pending.gather(-1, last_tokens.unsqueeze(-1)).squeeze(-1))
         self.pending = None
         return torch.stack(self.values, dim=1)
+
+
+class FinishedRows(StoppingCriteria):
+    """Calls `report(row, new_token_ids)` at the step a row of a generate() batch first emits one of
+    `eos_ids`, so it can be handed over while the other rows decode. Stops nothing itself (the EOS
+    criterion does): it only reads the batch, so sampling is unchanged."""
+
+    def __init__(self, prompt_len: int, eos_ids: set[int], report: Callable[[int, list[int]], None]) -> None:
+        self.prompt_len, self.report = prompt_len, report
+        self.eos = torch.tensor(sorted(eos_ids))
+        self.done: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
+        finished = torch.isin(input_ids[:, -1], self.eos.to(input_ids.device))
+        if self.done is None:
+            self.done = torch.zeros_like(finished)
+        for row in (finished & ~self.done).nonzero().flatten().tolist():
+            self.report(row, input_ids[row, self.prompt_len:].tolist())
+        self.done |= finished
+        return torch.zeros_like(finished)
 
 
 def batch_seed(requests: list[ChatRequest], base_seed: int) -> int:
@@ -98,12 +127,14 @@ class HFEngine:
         results: list[Completion | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc=f"generate {self.model}", disable=not self.progress, leave=False) as bar:
             for indices in self._batches(requests):
-                batch = [requests[i] for i in indices]
-                for index, completion in zip(indices, self._generate_batch(batch), strict=True):
-                    results[index] = completion
+
+                def finished(row: int, completion: Completion, indices: list[int] = indices) -> None:
+                    results[indices[row]] = completion
                     self.usage.add(completion)
                     if on_result is not None:
-                        on_result(index, completion)
+                        on_result(indices[row], completion)
+
+                self._generate_batch([requests[i] for i in indices], finished, early=on_result is not None)
                 bar.update(len(indices))
         return results  # type: ignore[return-value]
 
@@ -119,15 +150,30 @@ class HFEngine:
                 yield group[start : start + self.batch_size]
 
     @torch.no_grad()
-    def _generate_batch(self, batch: list[ChatRequest]) -> list[Completion]:
+    def _generate_batch(self, batch: list[ChatRequest], finished: Callable[[int, Completion], None],
+                        early: bool) -> None:
+        """Generate one batch, calling `finished(row, completion)` once per row: at the step it emits
+        EOS when `early`, else (and for rows cut at `max_tokens`) after the batch."""
         first = batch[0]
         device = next(self.hf_model.parameters()).device
         encoded = self.tokenizer([self.prompt_text(r.messages) for r in batch], return_tensors="pt", padding=True,
                                  add_special_tokens=False).to(device)
+        prompt_len = encoded["input_ids"].shape[1]
         sampling = first.temperature > 0
         torch.manual_seed(batch_seed(batch, self.seed))
         recorder = SampledTokenLogprobs(first.temperature) if first.logprobs else None
         started = time.perf_counter()
+        reported: set[int] = set()
+
+        def report(row: int, ids: list[int], logprobs: list[float] | None) -> None:
+            reported.add(row)
+            latency = (time.perf_counter() - started) / len(batch)
+            finished(row, self._completion(ids, logprobs, int(encoded["attention_mask"][row].sum()), latency))
+
+        def report_early(row: int, ids: list[int]) -> None:
+            report(row, ids, recorder.row(row, ids[-1]) if recorder else None)
+
+        criteria = [FinishedRows(prompt_len, self._eos_ids(), report_early)] if early and self._eos_ids() else []
         out = self.hf_model.generate(
             **encoded,
             do_sample=sampling,
@@ -139,32 +185,28 @@ class HFEngine:
             eos_token_id=self.tokenizer.eos_token_id,
             return_dict_in_generate=True,
             logits_processor=LogitsProcessorList([recorder]) if recorder else None,
+            stopping_criteria=StoppingCriteriaList(criteria) if criteria else None,
         )
-        latency = (time.perf_counter() - started) / len(batch)
-        prompt_len = encoded["input_ids"].shape[1]
         new_tokens = out.sequences[:, prompt_len:]
         logprobs = recorder.finish(new_tokens[:, -1]).cpu() if recorder else None
-        completions = []
         for row in range(len(batch)):
-            ids = new_tokens[row].tolist()
-            n, finish = self._response_length(ids)
-            completions.append(
-                Completion(
-                    text=self.tokenizer.decode(ids[:n], skip_special_tokens=True),
-                    finish_reason=finish,
-                    prompt_tokens=int(encoded["attention_mask"][row].sum()),
-                    completion_tokens=n,
-                    token_ids=ids[:n],
-                    logprobs=logprobs[row, :n].tolist() if logprobs is not None else None,
-                    latency_s=latency,
-                )
-            )
-        return completions
+            if row not in reported:
+                report(row, new_tokens[row].tolist(), logprobs[row].tolist() if logprobs is not None else None)
+
+    def _completion(self, ids: list[int], logprobs: list[float] | None, prompt_tokens: int,
+                    latency: float) -> Completion:
+        n, finish = self._response_length(ids)
+        return Completion(text=self.tokenizer.decode(ids[:n], skip_special_tokens=True), finish_reason=finish,
+                          prompt_tokens=prompt_tokens, completion_tokens=n, token_ids=ids[:n],
+                          logprobs=logprobs[:n] if logprobs is not None else None, latency_s=latency)
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.tokenizer.eos_token_id
+        return {token for token in (eos if isinstance(eos, list) else [eos]) if token is not None}
 
     def _response_length(self, ids: list[int]) -> tuple[int, str]:
         """Tokens up to and including the first EOS ("stop"), else all of them ("length")."""
-        eos = self.tokenizer.eos_token_id
-        eos_ids = set(eos) if isinstance(eos, list) else {eos}
+        eos_ids = self._eos_ids()
         for position, token in enumerate(ids):
             if token in eos_ids:
                 return position + 1, "stop"
