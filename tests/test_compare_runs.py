@@ -1,0 +1,117 @@
+"""scripts/compare_runs.py: two result trees with the same rows pass whatever their timings; a changed
+status, reward, code, speedup side, row or file fails, and the summary names the table and column."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kpipe.data.io import write_table
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compare_runs.py"
+spec = importlib.util.spec_from_file_location("compare_runs", SCRIPT)
+compare_runs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compare_runs)
+
+
+def turn(task: str, sample: int, **values) -> dict:
+    row = {"run": "default", "stage": "eval", "iteration": 0, "task_id": task, "sample": sample, "turn": 1,
+           "model": "tiny-rl", "prompt_messages": [{"role": "user", "content": "write a kernel"}],
+           "response": "```python\nx\n```", "code": "x", "status": "pass", "correct": True, "hacked": False,
+           "speedup_eager": 1.8, "speedup_compile": 0.7, "feedback": "correct; 1.234 ms vs 2.000 ms eager",
+           "reward": 2.8, "gen_s": 0.5, "eval_s": 3.25}
+    return {**row, **values}
+
+
+TRAJECTORIES = [turn("kb-main-L1-19", 0), turn("kb-main-L1-19", 1, status="mismatch", correct=False, reward=0.0,
+                                                speedup_eager=None, speedup_compile=None),
+                turn("kb-main-L2-3", 0)]
+METRICS = [{"run": "default", "stage": "rl", "iteration": 0, "step": 1, "name": "loss", "value": 0.25},
+           {"run": "default", "stage": "rl", "iteration": 0, "step": 1, "name": "step_s", "value": 12.0}]
+EVALS = [{"key": "k1", "status": "pass", "correct": True, "hacked": False, "candidate_ms": 1.2, "eager_ms": 2.0,
+          "speedup_eager": 1.6, "device_id": "GPU-aaaa 0000:17:00.0", "timed_spans": [[1.0, 2.0]], "wall_s": 4.0,
+          "feedback": "1.200 ms"}]
+
+
+def tree(root: Path, trajectories=TRAJECTORIES, metrics=METRICS, evals=EVALS, shuffle: bool = False) -> Path:
+    trajectories = list(reversed(trajectories)) if shuffle else trajectories  # row order is not compared
+    write_table(trajectories, root / "trajectories/stage=eval/run=default/model=tiny-rl/level=1/part-0.parquet",
+                "trajectories")
+    write_table(metrics, root / "train_metrics/stage=rl/run=default/iter=0/part-0.parquet", "train_metrics")
+    write_table(evals, root / "evals/part-0.parquet", "evals")
+    write_table(metrics, root / "work/rl-default/iter=0/scratch/train_metrics.parquet", "train_metrics")
+    return root
+
+
+def rerun_of(rows: list[dict], **changes) -> list[dict]:
+    """The rows as a rerun writes them: other timings, other measured times in the feedback."""
+    rows = copy.deepcopy(rows)
+    for row in rows:
+        for column in ("gen_s", "eval_s", "wall_s", "candidate_ms", "eager_ms"):
+            if column in row:
+                row[column] *= 1.7
+        if row.get("speedup_eager"):
+            row["speedup_eager"] *= 1.1  # the same side of 1
+        if "feedback" in row:
+            row["feedback"] = row["feedback"].replace("1.2", "1.4")
+        row.update(changes)
+    return rows
+
+
+def test_a_rerun_with_other_timings_has_the_same_rows(tmp_path: Path) -> None:
+    a = tree(tmp_path / "a")
+    metrics = [dict(row, value=99.0) if row["name"] == "step_s" else row for row in METRICS]
+    evals = rerun_of(EVALS, device_id="GPU-bbbb 0000:3b:00.0", timed_spans=[[5.0, 6.0]])
+    b = tree(tmp_path / "b", rerun_of(TRAJECTORIES), metrics, evals, shuffle=True)
+    same, report = compare_runs.compare(a, b)
+    assert same, report
+    assert report[0].startswith("evals: 1 / 1 file(s), 1 / 1 row(s): same rows")
+    assert any(line.startswith("trajectories: 1 / 1 file(s), 3 / 3 row(s): same rows") for line in report)
+    assert any(line.startswith("train_metrics: 1 / 1 file(s), 1 / 1 row(s)") for line in report)  # work/ skipped
+
+
+@pytest.mark.parametrize("change, column", [
+    (dict(status="timeout"), "status"),
+    (dict(reward=2.5), "reward"),
+    (dict(code="y"), "code"),
+    (dict(speedup_compile=1.3), "speedup_compile"),  # 0.7 -> 1.3: slower became faster
+    (dict(feedback="wrong; 1.234 ms"), "feedback"),
+])
+def test_a_changed_value_is_named(tmp_path: Path, change: dict, column: str) -> None:
+    changed = copy.deepcopy(TRAJECTORIES)
+    changed[2].update(change)
+    same, report = compare_runs.compare(tree(tmp_path / "a"), tree(tmp_path / "b", changed))
+    assert not same
+    line = next(line for line in report if line.startswith("trajectories:"))
+    assert f"1 row(s) differ in {column} (1)" in line, report
+    assert any("task_id='kb-main-L2-3'" in line and column in line for line in report)
+
+
+def test_missing_rows_files_and_tables_differ(tmp_path: Path) -> None:
+    a = tree(tmp_path / "a")
+    same, report = compare_runs.compare(a, tree(tmp_path / "b", TRAJECTORIES[:2]))
+    assert not same and "row counts differ by -1" in next(line for line in report if line.startswith("trajectories"))
+    b = tree(tmp_path / "c")
+    (b / "evals" / "part-0.parquet").unlink()
+    same, report = compare_runs.compare(a, b)
+    assert not same
+    assert any(line.startswith("evals: 1 / 0 file(s)") and "1 file(s) only in A" in line for line in report)
+    assert "  only in A: evals/part-0.parquet" in report
+
+
+def test_the_command_exits_non_zero_on_a_difference(tmp_path: Path) -> None:
+    a, b = tree(tmp_path / "a"), tree(tmp_path / "b")
+    same = subprocess.run([sys.executable, str(SCRIPT), str(a), str(b)], capture_output=True, text=True)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert same.stdout.strip().endswith("same rows in every table")
+    changed = copy.deepcopy(METRICS)
+    changed[0]["value"] = 0.3
+    c = tree(tmp_path / "c", metrics=changed)
+    different = subprocess.run([sys.executable, str(SCRIPT), str(a), str(c)], capture_output=True, text=True)
+    assert different.returncode == 1
+    assert "train_metrics: 1 / 1 file(s), 1 / 1 row(s): DIFFERENT: 1 row(s) differ in value (1)" in different.stdout
