@@ -15,7 +15,8 @@ from kpipe.gym import Protocol  # noqa: E402
 from kpipe.gym.bank import solutions_for  # noqa: E402
 from kpipe.gym.cache import ResultCache  # noqa: E402
 from kpipe.gym.distributed import RayGym, default_actor_count, was_evaluated  # noqa: E402
-from kpipe.gym.pool import MAX_ATTEMPTS, REFERENCE_ERROR, lost_result  # noqa: E402
+from kpipe.gym.pool import MAX_ATTEMPTS, lost_result  # noqa: E402
+from kpipe.gym.result import REFERENCE_ERROR  # noqa: E402
 from kpipe.gym.result import EvalResult  # noqa: E402
 
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
@@ -95,7 +96,7 @@ def test_default_actor_count_is_one_per_gpu_or_per_two_cpus() -> None:
 def test_only_real_evaluations_are_cacheable() -> None:
     from concurrent.futures import Future
 
-    from kpipe.gym.pool import Job
+    from kpipe.gym.worker import Job
 
     lost = lost_result(Job(1, REFERENCE, LEGIT, "k", Future(), losses=["gone"]), PROTOCOL, "cpu")
     assert not was_evaluated(lost) and not was_evaluated({"status": REFERENCE_ERROR})

@@ -12,7 +12,8 @@ from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
 from kpipe.gym.cache import ResultCache
-from kpipe.gym.pool import MAX_ATTEMPTS, REFERENCE_ERROR, GymPool, default_slots
+from kpipe.gym.pool import MAX_ATTEMPTS, GymPool, default_slots
+from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.result import EvalResult
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"

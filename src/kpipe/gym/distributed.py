@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from kpipe.gym.pool import MAX_ATTEMPTS, GymPool, Job, is_pass, lost_result
+from kpipe.gym.pool import MAX_ATTEMPTS, GymPool, is_pass, lost_result
+from kpipe.gym.worker import Job
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult
 

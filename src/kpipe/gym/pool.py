@@ -5,9 +5,10 @@ process that forks has touched CUDA or started a thread pool:
 
 - the **pool** (the caller: agent loop, batch CLI, HTTP service) queues jobs, answers
   duplicates from the result cache, and supervises one thread per worker;
-- a **worker** per GPU (``CUDA_VISIBLE_DEVICES`` pinned, a fresh interpreter, so a caller that
-  holds a CUDA context is harmless) runs the core's ``evaluate()``: the judgement;
-- the worker's **zygote** imports torch, triton and ``kpipe.gym.child`` once, never computes,
+- a **worker** per GPU (``kpipe.gym.worker``: ``CUDA_VISIBLE_DEVICES`` pinned, a fresh
+  interpreter, so a caller that holds a CUDA context is harmless) runs the core's
+  ``evaluate()``: the judgement;
+- the worker's **zygote** (``kpipe.gym.zygote``) imports torch, triton and ``kpipe.gym.child`` once, never computes,
   and forks one child per reference/candidate run. The child calls the core's ``run_child``
   unchanged in its own session, so a timeout kills its whole process group, exactly as the
   fresh-interpreter path (``kpipe.gym.isolate``) does — minus the seconds of start-up.
@@ -18,323 +19,27 @@ loss is answered with a ``crashed`` result that says why. Nothing is silently lo
 
 from __future__ import annotations
 
-import json
 import os
 import queue
-import select
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from kpipe.gym.environment import worker_environment
 from kpipe.gym.protocol import Protocol
-from kpipe.infra.process import become_subreaper, kill_children
-from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
+from kpipe.gym.result import EvalResult, reference_error
+from kpipe.gym.worker import Job, WorkerHandle
 
 if TYPE_CHECKING:
     from kpipe.gym.cache import ResultCache
 
-# what every child would otherwise import itself (torch._dynamo and the profiler alone cost
-# a child about a second: kpipe.gym.child.prime_lazy_state imports them); none touches CUDA
-PRELOAD = ("torch", "torch._dynamo", "torch.profiler", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
-WORKER_START_TIMEOUT_S = 300.0
 # a judge that does not answer within this much beyond the two child timeouts is hung
 WORKER_SLACK_S = 120.0
-ZYGOTE_GRACE_S = 30.0  # the zygote's own backstop beyond the worker's timeout
-MESSAGE_BYTES = 4096
-
-
-# ============================================================================ zygote
-
-
-def zygote_main(sock_fd: int) -> None:
-    """Import the heavy modules once, then fork one child per request and report its exit.
-
-    Requests arrive on a SOCK_SEQPACKET socket: ``"<timeout_s> <job path>"`` with the child's
-    stdout and stderr pipe ends attached (SCM_RIGHTS). Replies: ``"started <pid>"`` then
-    ``"exited <pid> <returncode>"``. If the worker goes away mid-run, the child's group is
-    killed and the zygote exits.
-    """
-    import importlib
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    become_subreaper()  # a candidate that daemonises stays the zygote's to kill
-    sock = socket.socket(fileno=sock_fd)
-    sock.sendall(b"ready")
-    while True:
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 2)
-        except OSError:
-            return
-        if not message:
-            return
-        timeout_s, job_path = message.decode().split(" ", 1)
-        zygote = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            forked_child(job_path, fds, sock, zygote)
-        for fd in fds:
-            os.close(fd)
-        sock.sendall(f"started {pid}".encode())
-        returncode = supervise(pid, sock, float(timeout_s) + ZYGOTE_GRACE_S)
-        if returncode is None:  # the worker is gone
-            return
-        try:
-            sock.sendall(f"exited {pid} {returncode}".encode())
-        except OSError:
-            return
-
-
-def supervise(pid: int, sock: socket.socket, backstop_s: float) -> int | None:
-    """Wait for the child; kill its group past the backstop or when the worker disappears
-    (None then: nobody is left to report to)."""
-    pidfd = os.pidfd_open(pid)
-    deadline = time.monotonic() + backstop_s
-    try:
-        while True:
-            ready, _, _ = select.select([pidfd, sock], [], [], max(deadline - time.monotonic(), 0.0))
-            if pidfd in ready:
-                break
-            if sock in ready and not sock.recv(MESSAGE_BYTES, socket.MSG_PEEK):
-                kill_process_group(pid)
-                os.waitpid(pid, 0)
-                return None
-            if time.monotonic() >= deadline:
-                kill_process_group(pid)
-        _, status = os.waitpid(pid, 0)
-        kill_process_group(pid)  # whatever it left behind in its group
-        kill_children()  # between runs the zygote has none of its own: these escaped the group (setsid, double fork)
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        os.close(pidfd)
-
-
-def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int) -> None:
-    """Become an isolated evaluation child: own session, scrubbed environment, bounded pipes
-    for stdout/stderr, then the core's ``run_child`` exactly as its ``__main__`` runs it."""
-    code = 1
-    try:
-        from kpipe.gym.child import run_child  # preloaded by the zygote
-        from kpipe.infra.process import die_with_parent
-
-        os.setsid()
-        die_with_parent(zygote)
-        sock.close()
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
-            signal.signal(signum, signal.SIG_DFL)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(fds[0], 1)
-        os.dup2(fds[1], 2)
-        for fd in (devnull, *fds):
-            os.close(fd)
-        job = json.loads(Path(job_path).read_text())
-        # built by the launching worker (kpipe.gym.environment.child_environment): taken whole,
-        # never rebuilt here from an environment that is being replaced
-        os.environ.clear()
-        os.environ.update(job["environment"])
-        os.chdir(job["workdir"])
-        run_child(job)
-        code = 0
-    except BaseException:  # noqa: BLE001 - the parent classifies a child without a result
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            # skip interpreter teardown, as the core's __main__ does
-            os._exit(code)
-
-
-def kill_process_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class ZygoteDied(RuntimeError):
-    """The fork server went away (a candidate can kill its parent): restart it."""
-
-
-class Zygote:
-    """The worker's handle on its fork server."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kpipe.gym.pool", "zygote", str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # a candidate killing "its" process group cannot reach us
-        )
-        theirs.close()
-        self.sock = ours
-        self.sock.settimeout(WORKER_START_TIMEOUT_S)
-        if self.sock.recv(MESSAGE_BYTES) != b"ready":
-            raise ZygoteDied(f"the fork server failed to start (exit code {self.process.poll()})")
-        self.sock.settimeout(None)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def spawn(self, job_path: Path, stdout_w: int, stderr_w: int, timeout_s: float) -> ForkedProcess:
-        try:
-            socket.send_fds(self.sock, [f"{timeout_s} {job_path}".encode()], [stdout_w, stderr_w])
-            reply = self.sock.recv(MESSAGE_BYTES).decode()
-        except OSError as exc:
-            raise ZygoteDied(f"the fork server is gone ({exc})") from None
-        if not reply.startswith("started "):
-            raise ZygoteDied("the fork server is gone")
-        return ForkedProcess(int(reply.split()[1]), self.sock)
-
-    def close(self) -> None:
-        self.sock.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-
-class ForkedProcess:
-    """The subset of ``subprocess.Popen`` that ``kpipe.gym.isolate`` uses, for a child of the
-    zygote (only the zygote can wait for it; it reports the exit status)."""
-
-    def __init__(self, pid: int, sock: socket.socket) -> None:
-        self.pid = pid
-        self.args = f"forked child {pid}"
-        self.returncode: int | None = None
-        self._sock = sock
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            self._receive(0.0)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self._receive(remaining)
-        return self.returncode
-
-    def _receive(self, timeout: float | None) -> None:
-        ready, _, _ = select.select([self._sock], [], [], timeout)
-        if not ready:
-            return
-        try:
-            reply = self._sock.recv(MESSAGE_BYTES).decode()
-        except OSError:
-            reply = ""
-        if not reply:  # the zygote died with our child: it is orphaned, kill what is left
-            kill_process_group(self.pid)
-            self.returncode = -signal.SIGKILL
-            return
-        _, pid, code = reply.split()
-        if int(pid) == self.pid:
-            self.returncode = int(code)
-
-
-def zygote_launcher(zygote_factory: Callable[[], Zygote]) -> Callable[[Path, dict[str, str], float], tuple[Any, list[Any]]]:
-    """A ``kpipe.gym.isolate.Launcher`` that forks each child from the worker's warm zygote
-    (torch and triton already imported, CUDA untouched) instead of starting an interpreter.
-    The child takes its environment from the job file (``run_isolated`` writes `env` there)."""
-
-    def launch(job_file: Path, env: dict[str, str], timeout_s: float) -> tuple[Any, list[Any]]:
-        pipes = [os.pipe(), os.pipe()]
-        try:
-            proc = zygote_factory().spawn(job_file, pipes[0][1], pipes[1][1], timeout_s)
-        except BaseException:
-            for read_end, _ in pipes:
-                os.close(read_end)
-            raise
-        finally:
-            for _, write_end in pipes:
-                os.close(write_end)
-        return proc, [open(read_end, "rb") for read_end, _ in pipes]
-
-    return launch
-
-
-# ============================================================================ worker
-
-
-def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: bool) -> None:
-    """Serve evaluations over `conn_fd` until the pool closes it. Messages in:
-    ``(job_id, reference_src, candidate_src)``; out: ``("ready", info)`` once, then
-    ``(job_id, kind, payload)`` with kind ``ok`` (a result row), ``reference_error`` or
-    ``worker_error`` (the judge itself raised: the pool treats it like a dead worker)."""
-    from kpipe.gym import evaluation
-    from kpipe.gym.isolate import fresh_interpreter
-
-    conn = Connection(conn_fd)
-    protocol = Protocol.from_json(protocol_json)
-    zygote: Zygote | None = None
-
-    def current_zygote() -> Zygote:
-        nonlocal zygote
-        if zygote is None or not zygote.alive():
-            zygote = Zygote(dict(os.environ))
-        return zygote
-
-    info = {"pid": os.getpid(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") or None, "fork": fork}
-    try:
-        info["device_kind"] = evaluation.device_kind(evaluation.resolve_device(protocol))
-        if fork:
-            current_zygote()
-    except Exception as exc:  # noqa: BLE001 - reported to the pool, which refuses to start
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", info))
-    launch = zygote_launcher(current_zygote) if fork else fresh_interpreter
-    while True:
-        try:
-            job_id, reference, candidate = conn.recv()
-        except (EOFError, OSError):
-            break
-        try:
-            result = evaluation.evaluate(reference, candidate, protocol, reuse_reference=reuse_reference, launch=launch)
-            reply = (job_id, "ok", result.to_row())
-        except (evaluation.ReferenceFailure, ValueError, TypeError) as exc:
-            reply = (job_id, REFERENCE_ERROR, str(exc)[:2000])
-        except Exception:  # noqa: BLE001 - a bug in the judge: the pool re-queues the job once
-            reply = (job_id, "worker_error", traceback.format_exc()[-2000:])
-        conn.send(reply)
-    if zygote is not None:
-        zygote.close()
-
-
-# ============================================================================ pool
-
-
-@dataclass
-class Job:
-    job_id: int
-    reference: str
-    candidate: str
-    key: str
-    future: Future[Any]
-    attempts: int = 0
-    losses: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -350,60 +55,6 @@ class WorkerState:
     restarts: int = 0
     last_loss: str = ""
     alive: bool = False
-
-
-class WorkerHandle:
-    """One worker process seen from the pool."""
-
-    def __init__(self, gpu: str | None, protocol: Protocol, reuse_reference: bool, fork: bool, cpu_threads: int | None) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        command = [sys.executable, "-m", "kpipe.gym.pool", "worker", str(theirs.fileno()), protocol.to_json(),
-                   "reuse" if reuse_reference else "fresh-reference", "fork" if fork else "spawn"]
-        self.process = subprocess.Popen(
-            command, pass_fds=(theirs.fileno(),), env=worker_environment(os.environ, gpu, cpu_threads),
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        theirs.close()
-        self.conn = Connection(ours.detach())
-        if not self.conn.poll(WORKER_START_TIMEOUT_S):
-            self.stop()
-            raise RuntimeError(f"evaluation worker for GPU {gpu} did not start within {WORKER_START_TIMEOUT_S:g} s")
-        try:
-            kind, info = self.conn.recv()
-        except EOFError:
-            raise RuntimeError(f"evaluation worker for GPU {gpu} died while starting (exit code {self.process.wait()})") from None
-        if kind != "ready":
-            self.stop()
-            raise RuntimeError(f"evaluation worker for GPU {gpu} could not start: {info}")
-        self.info: dict[str, Any] = info
-
-    def evaluate(self, job: Job, reply_timeout_s: float) -> tuple[str, Any]:
-        """(kind, payload); kind ``lost`` when the worker died or hung (it is then stopped)."""
-        try:
-            self.conn.send((job.job_id, job.reference, job.candidate))
-            if not self.conn.poll(reply_timeout_s):
-                self.stop()
-                return "lost", f"the worker did not answer within {reply_timeout_s:g} s and was killed"
-            job_id, kind, payload = self.conn.recv()
-        except (EOFError, OSError):
-            code = self.process.poll()
-            self.stop()
-            return "lost", f"the worker process died (exit code {code})"
-        if job_id != job.job_id:
-            self.stop()
-            return "lost", "the worker answered for another job"
-        return kind, payload
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self) -> None:
-        self.conn.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            kill_process_group(self.process.pid)
-            self.process.wait()
 
 
 def default_slots(workers: int | None, gpus: Sequence[str] | None = None) -> list[str | None]:
@@ -646,18 +297,3 @@ def lost_result(job: Job, protocol: Protocol, device_kind: str) -> EvalResult:
         status="crashed", diagnostic=diagnostic[:3000], feedback=f"Status: crashed\n{diagnostic[:1000]}",
         device=device_kind, protocol_version=protocol.version, protocol=protocol.to_json(),
     )
-
-
-def main(argv: list[str]) -> None:
-    """Process entry points: ``zygote FD`` and ``worker FD PROTOCOL_JSON REUSE FORK``."""
-    if argv[0] == "zygote":
-        zygote_main(int(argv[1]))
-    elif argv[0] == "worker":
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the pool, which closes us
-        worker_main(int(argv[1]), argv[2], argv[3] == "reuse", argv[4] == "fork")
-    else:
-        raise SystemExit(f"unknown role {argv[0]!r}")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
