@@ -1,0 +1,70 @@
+"""scripts/gpu_check_rl_learns.py: its verdict, and its CPU smoke mode end to end (issue 16, item 2).
+
+The GPU run itself (5 RL iterations judged by real GPU timing) only runs on the device; here the
+same code path runs with --cpu (TRITON_INTERPRET=1, sizes capped, a few steps; ~30-55 s on a
+loaded 2-core machine), and the check must fail when the rollouts do not improve.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_rl_learns.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check_rl_learns", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def iteration(passing: dict[str, int], n: int = 8) -> pd.DataFrame:
+    """n rollouts per task, the first `passing[task]` of them correct and fast (reward 2.5)."""
+    rows = [{"task_id": task, "reward": 2.5 if i < k else 0.0, "fast1": 1.0 if i < k else 0.0}
+            for task, k in passing.items() for i in range(n)]
+    return pd.DataFrame(rows)
+
+
+def test_verdict_passes_a_rise_and_fails_a_flat_or_short_run():
+    script = load_script()
+    first = iteration({"a": 2, "b": 1, "c": 2})
+    learned = iteration({"a": 7, "b": 6, "c": 8})
+    check = script.verdict([first, iteration({"a": 4, "b": 3, "c": 5}), learned], iterations=3)
+    assert check["ok"], check
+    assert check["reward"]["low"] > 0 and check["fast@1"]["rises"]
+
+    flat = script.verdict([first, iteration({"a": 2, "b": 2, "c": 1})], iterations=2)
+    assert not flat["ok"] and "reward does not rise" in flat["why"] and "fast@1 does not rise" in flat["why"]
+
+    noisy = script.verdict([first, iteration({"a": 3, "b": 2, "c": 2})], iterations=2)  # +2 of 24: within noise
+    assert not noisy["ok"], noisy
+
+    short = script.verdict([first, learned], iterations=5)
+    assert not short["ok"] and "only 2 of 5 iterations ran" in short["why"]
+    assert not script.verdict([first], iterations=5)["ok"]
+
+
+def test_cpu_smoke_runs_every_stage_and_the_enforced_check_fails_without_learning(tmp_path):
+    out = tmp_path / "out"
+    # --enforce: a smoke run's 3-step SFT policy writes no kernel, so reward and Fast@1 cannot rise
+    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--enforce", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "rl_learns.json").read_text())
+    stages = [stage["stage"] for stage in report["stages"]]
+    assert stages[:5] == ["policy (BPE tokenizer + nano model)", "KernelGym pool start",
+                          "cold start (teacher + KernelGym)", "SFT", "RL iteration 0"], stages
+    assert [it["iteration"] for it in report["iterations"]] == [0, 1]
+    assert report["coldstart"]["evaluations"]["new"] >= 1  # the teacher's kernels went through KernelGym
+    for it in report["iterations"]:
+        assert it["rollouts"] == 4 and {"gen_s", "eval_s", "train_s", "step_s"} <= set(it["step"])
+    assert report["verdict"]["ok"] is False and "does not rise" in report["verdict"]["why"]
+    table = (out / "rl_learns.md").read_text()
+    assert "| iteration | rollouts | mean reward |" in table and "**FAIL**" in table
