@@ -158,6 +158,42 @@ def build_model(cls: type, init_inputs: list[Any], seed: int, device: str) -> to
     return cls(*init_inputs).to(device)
 
 
+class Builds:
+    """The model built once (seeded construction on the host, then moved: seconds for an
+    8192x8192 layer) and further *fresh* copies of it for eval mode and the ghost replay.
+
+    A copy is a ``copy.deepcopy`` of a pristine copy taken before any forward ran, with the
+    random state left as construction left it: the same weights, buffers and RNG state a new
+    seeded construction gives. Where a deep copy is not a faithful fresh model (it raises, or
+    the class answers it with something that is not a new instance of itself), the copy is
+    constructed again as before.
+    """
+
+    def __init__(self, cls: type, init_inputs: list[Any], seed: int, device: str) -> None:
+        self.args = (cls, init_inputs, seed, device)
+        self.model = build_model(cls, init_inputs, seed, device)
+        self.rng = torch.get_rng_state()
+        self.pristine = self._deepcopy(self.model)
+
+    def _deepcopy(self, model: torch.nn.Module) -> torch.nn.Module | None:
+        import copy
+
+        try:
+            clone = copy.deepcopy(model)
+        except Exception:  # noqa: BLE001 - not copyable: construct instead
+            return None
+        return clone if type(clone) is type(model) and clone is not model else None
+
+    def fresh(self) -> torch.nn.Module:
+        """A model as a new seeded construction would give it."""
+        clone = self._deepcopy(self.pristine) if self.pristine is not None else None
+        if clone is None:
+            return build_model(*self.args)
+        torch.manual_seed(self.args[2])
+        torch.set_rng_state(self.rng)
+        return clone
+
+
 @contextmanager
 def poisoned_memory() -> Iterator[None]:
     """New tensors start as NaN (floats) / max-int: an output never written cannot pass."""
@@ -247,14 +283,22 @@ def patched_names(before: dict[str, Any]) -> list[str]:
 
 
 class Phase:
-    """Writes the phase name to a file, so a child that dies says where."""
+    """Writes the phase name to a file, so a child that dies says where, and keeps how long
+    each phase took (``durations()``: what an evaluation's seconds were spent on)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
+        self.marks: list[tuple[str, float]] = []
 
     def __call__(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
         if self.path:
             Path(self.path).write_text(name)
+
+    def durations(self) -> list[list[Any]]:
+        """[[phase, seconds], ...] in order, the last phase up to now."""
+        ends = [t for _, t in self.marks[1:]] + [time.perf_counter()]
+        return [[name, end - start] for (name, start), end in zip(self.marks, ends)]
 
 
 def apply_limits(protocol: Protocol) -> None:
@@ -272,6 +316,14 @@ def flush_l2(buffer: torch.Tensor | None) -> None:
         buffer.zero_()
 
 
+def flush_l2_kernelbench(device: str = "cuda") -> None:
+    """KernelBench's ``clear_l2_cache``: a new 256 MB int64 tensor from the caching allocator,
+    filled, freed (compared with ours, a persistent buffer zeroed, in the side-by-side benchmark)."""
+    dummy = torch.empty((32, 1024, 1024), dtype=torch.int64, device=device)
+    dummy.fill_(42)
+    del dummy
+
+
 def time_forward(
     forward: Callable[..., Any],
     input_sets: list[list[Any]],
@@ -282,6 +334,12 @@ def time_forward(
     sample: set[int],
     keep: Callable[[list[torch.Tensor]], list[dict[str, Any]]],
     on_call: Callable[[], Any] | None = None,
+    *,
+    sync_before_start: bool = True,
+    end_after_sync: bool = True,
+    fresh_inputs: bool = True,
+    flush: Callable[[], None] | None = None,
+    both_ends: bool = False,
 ) -> dict[str, Any]:
     """Median-ready per-trial times of `forward`.
 
@@ -290,28 +348,51 @@ def time_forward(
     with a device-wide synchronize before the end event (side-stream work counts); a host
     clock brackets the same region independently. Outputs of the `sample` trials are kept
     for the parent to check.
+
+    The keyword options exist to measure the protocol against other harnesses (the defaults
+    are the protocol): `sync_before_start=False` records the start event while the flush may
+    still run (KernelBench: the call's launch overhead hides behind the flush),
+    `end_after_sync=False` records the end event right after the call, `fresh_inputs=False`
+    times the first input set every trial, `flush` replaces the buffer zeroing, and
+    `both_ends` also records an end event right after the call (``ms_call_end``: the region
+    without the trailing synchronize).
     """
     buffers = clone_inputs(input_sets[0])
     device_ms: list[float] = []
     host_ms: list[float] = []
+    call_end_ms: list[float] = []
     samples: list[dict[str, Any]] = []
     for i in range(warmup + trials):
-        which = i % len(input_sets)
-        copy_inputs(buffers, input_sets[which])
-        flush_l2(l2_buffer)
-        clocks.sync()
+        which = i % len(input_sets) if fresh_inputs else 0
+        if fresh_inputs:
+            copy_inputs(buffers, input_sets[which])
+        if flush is not None:
+            flush()
+        else:
+            flush_l2(l2_buffer)
+        if sync_before_start:
+            clocks.sync()
         context = on_call() if on_call else nullcontext()
         with context, torch.no_grad():
             if clocks.cuda:
                 start, end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
+                call_end = clocks.event(enable_timing=True) if both_ends else None
                 t0 = clocks.perf_counter()
                 clocks.record(start)
                 output = forward(*buffers)
-                clocks.synchronize()
-                clocks.record(end)
+                if call_end is not None:
+                    clocks.record(call_end)
+                if end_after_sync:
+                    clocks.synchronize()
+                    clocks.record(end)
+                else:
+                    clocks.record(end)
+                    clocks.synchronize()
                 clocks.event_synchronize(end)
                 t1 = clocks.perf_counter()
                 elapsed = clocks.elapsed_time(start, end)
+                if call_end is not None:
+                    call_end_ms.append(float(clocks.elapsed_time(start, call_end)))
             else:
                 t0 = clocks.perf_counter()
                 output = forward(*buffers)
@@ -322,7 +403,10 @@ def time_forward(
             host_ms.append((t1 - t0) * 1e3)
             if i - warmup in sample:
                 samples.append({"trial": i - warmup, "input_set": which, "outputs": keep(flatten_output(output))})
-    return {"ms": device_ms, "host_ms": host_ms, "samples": samples}
+    timing: dict[str, Any] = {"ms": device_ms, "host_ms": host_ms, "samples": samples}
+    if both_ends:
+        timing["ms_call_end"] = call_end_ms[warmup:]
+    return timing
 
 
 def sample_trials(count: int, trials: int, seed: int) -> set[int]:
@@ -405,7 +489,9 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     result: dict[str, Any] = {"outputs": [], "mutates_inputs": False}
     keep = functools.partial(digest, max_elements=protocol.compare_max_elements, seed=protocol.seed)
     input_sets = []
-    model = build_model(module.Model, init_inputs, protocol.seed, device)
+    phase("build reference")
+    builds = Builds(module.Model, init_inputs, protocol.seed, device)
+    model = builds.model
     for trial in range(protocol.correct_trials):
         phase(f"reference correctness trial {trial}")
         inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, trial), device)
@@ -417,10 +503,11 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         result["mutates_inputs"] |= fingerprint(inputs) != before
         del inputs
     phase("reference eval mode")
-    eval_model = build_model(module.Model, init_inputs, protocol.seed, device).eval()
+    eval_model = builds.fresh().eval()
     with torch.no_grad():
         result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
-    del eval_model
+    del eval_model, builds
+    phase("reference re-check outputs")
     result["recheck_outputs"] = []
     for r in range(RECHECK_SETS):
         inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device)
@@ -480,7 +567,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     init_inputs = reference.get_init_inputs()
     phase("build candidate")
     with poisoned_memory():
-        model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device)
+        builds = Builds(candidate.ModelNew, init_inputs, protocol.seed, device)
+    model = builds.model
 
     keep = functools.partial(digest, max_elements=protocol.compare_max_elements, seed=protocol.seed)
     input_sets = []
@@ -502,7 +590,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     result["launches"]["train"] = train_launches
 
     phase("candidate eval mode")
-    eval_model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device).eval()
+    eval_model = builds.fresh().eval()
     with poisoned_memory(), instrument.recording() as log, torch.no_grad():
         result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
     result["launches"]["eval"] = list(log.names)
@@ -510,10 +598,11 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
     if protocol.hacking_check and protocol.ghost_replay:
         phase("candidate ghost replay")
-        ghost_model = build_model(candidate.ModelNew, init_inputs, protocol.seed, device)
+        ghost_model = builds.fresh()
         with poisoned_memory(), instrument.suppressed(), torch.no_grad():
             result["ghost_outputs"] = keep(flatten_output(ghost_model(*clone_inputs(input_sets[0]))))
         del ghost_model
+    del builds
 
     def integrity() -> dict[str, Any]:
         return {
@@ -663,6 +752,8 @@ def run_child(job: dict[str, Any]) -> None:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     warnings.filterwarnings("ignore")
     phase = Phase(job.get("phase_path"))
+    started_unix = time.time()
+    phase("start (device init)")
     payload: dict[str, Any] = {
         "role": job["role"],
         "device": describe_device(device),
@@ -670,6 +761,7 @@ def run_child(job: dict[str, Any]) -> None:
         "torch_version": str(torch.__version__),
         "triton_version": str(__import__("triton").__version__),
     }
+    device_used_at_start = device_memory_used_mb(device)
     run = run_reference if job["role"] == "reference" else run_candidate
     try:
         payload.update(run(job, protocol, device, workdir, phase))
@@ -680,7 +772,32 @@ def run_child(job: dict[str, Any]) -> None:
         payload["error"] = summary
         payload["traceback"] = candidate_traceback(exc)
         payload["phase"] = Path(job["phase_path"]).read_text() if job.get("phase_path") else ""
+    phase("write result")
+    try:  # instrumentation only (kpipe.gym.evaluation's trace): never part of a verdict
+        payload["stats"] = {"phases": phase.durations(), "started_unix": started_unix,
+                            "memory": memory_stats(device, device_used_at_start)}
+    except BaseException as exc:  # noqa: BLE001 - a candidate that broke torch.cuda loses only its stats
+        payload["stats"] = {"error": f"{type(exc).__name__}"}
     write_result(job["result_path"], payload)
+
+
+def device_memory_used_mb(device: str) -> float | None:
+    """Memory in use on the whole GPU (every process: this child's context included), MiB."""
+    if device != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**20
+
+
+def memory_stats(device: str, used_at_start_mb: float | None) -> dict[str, Any]:
+    """This child's peak GPU memory and the device's use when it started (what the previous
+    evaluations left: the worker and zygote never touch CUDA), and its host peak RSS."""
+    stats: dict[str, Any] = {"host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device == "cuda":
+        stats.update(device_used_at_start_mb=used_at_start_mb,
+                     peak_allocated_mb=torch.cuda.max_memory_allocated() / 2**20,
+                     peak_reserved_mb=torch.cuda.max_memory_reserved() / 2**20)
+    return stats
 
 
 def main() -> None:

@@ -19,7 +19,9 @@ SECRET_PREFIXES = ("OPENAI", "HF_", "AWS_", "ANTHROPIC", "HUGGING", "WANDB", "GI
 CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 # settings that would let one evaluation load another's artifacts or a planted kernel
 DROPPED_VARIABLES = ("TRITON_KERNEL_OVERRIDE", "TRITON_KERNEL_DUMP", "TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND",
-                     "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_REMOTE_CACHE")
+                     "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_REMOTE_CACHE",
+                     # the judge's per-evaluation trace file (kpipe.gym.evaluation): no child may write to it
+                     "KPIPE_GYM_TRACE")
 
 
 def is_secret(name: str) -> bool:

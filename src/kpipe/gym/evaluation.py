@@ -34,9 +34,15 @@ DIAGNOSTIC_MAX_CHARS = 3000
 EVENT_HOST_SLACK_MS = 0.05
 HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-timed one
 REFERENCE_CACHE_SIZE = 8
+# a reused reference run older than this is run again (its baseline timed anew)
+REFERENCE_MAX_AGE_S = 1800.0
+# where the judging process appends one JSON line per evaluation: the seconds of each phase
+# (parent and children), memory. Instrumentation for benchmarks; children never see it
+TRACE_VARIABLE = "KPIPE_GYM_TRACE"
 # what a tampered (well-formed pickle, wrong structure) result file raises while judged
 MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
 _reference_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
+_reference_ran_at: dict[str, float] = {}
 
 
 class ReferenceFailure(RuntimeError):
@@ -117,7 +123,7 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
     """The reference child's payload, and whether it ran now (False: reused from this
     process's cache)."""
     cache_key = hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
-    if reuse and cache_key in _reference_cache:
+    if reuse and cache_key in _reference_cache and time.monotonic() - _reference_ran_at.get(cache_key, 0.0) < REFERENCE_MAX_AGE_S:
         _reference_cache.move_to_end(cache_key)
         return _reference_cache[cache_key], False
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
@@ -126,11 +132,46 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
         why = "timed out" if run.timed_out else (run.payload or {}).get("error") or classify_exit(run.returncode or 0)[1]
         detail = (run.payload or {}).get("traceback", "") or run.stderr
         raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
+    run.payload.setdefault("stats", {})["wall_s"] = run.wall_s
     if reuse:
         _reference_cache[cache_key] = run.payload
+        _reference_cache.move_to_end(cache_key)
+        _reference_ran_at[cache_key] = time.monotonic()
         while len(_reference_cache) > REFERENCE_CACHE_SIZE:
+            _reference_ran_at.pop(next(iter(_reference_cache)), None)
             _reference_cache.popitem(last=False)
     return run.payload, True
+
+
+def child_stats(payload: Any, wall_s: float | None) -> dict[str, Any]:
+    """A child's self-reported phase seconds and memory (instrumentation, never judged)."""
+    stats = payload.get("stats") if isinstance(payload, dict) else None
+    out: dict[str, Any] = dict(stats) if isinstance(stats, dict) else {}
+    if wall_s is not None:
+        out["wall_s"] = wall_s
+    return out
+
+
+def host_rss_mb() -> float | None:
+    """Resident memory of this (judging) process."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def write_trace(record: dict[str, Any]) -> None:
+    path = os.environ.get(TRACE_VARIABLE)
+    if not path:
+        return
+    try:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(record, default=str) + "\n")
+    except OSError:
+        pass
 
 
 def tolerance(protocol: Protocol) -> Tolerance:
@@ -261,15 +302,21 @@ def evaluate(
         "protocol": protocol.to_json(),
     }
 
+    trace: dict[str, Any] = {"started_unix": time.time(), "reference": None, "candidate": None}
+
     def finish(status: str, profile: dict[str, Any] | None = None, **fields: Any) -> EvalResult:
         result = EvalResult(status=status, **base, **fields)
         result.correct = status == "pass"
         result.hacked = status == "hacked"
         result.wall_s = time.monotonic() - started
         result.feedback = build_feedback(result, profile, protocol.feedback_max_chars)
+        if os.environ.get(TRACE_VARIABLE):
+            write_trace({"key": result.key, "candidate_hash": result.candidate_hash, "status": status,
+                         "wall_s": result.wall_s, "judge_rss_mb": host_rss_mb(), **trace})
         return result
 
     screened = screen(candidate_src)
+    trace["screen_s"] = time.monotonic() - started
     findings = screened.findings
     if screened.status is not None:
         return finish(screened.status, diagnostic=screened.diagnostic, findings=findings)
@@ -277,7 +324,12 @@ def evaluate(
     if rejected and protocol.hacking_check:
         return finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=findings)
 
+    reference_started = time.monotonic()
     reference, reference_ran = run_reference(reference_src, protocol, device, reuse_reference, launch)
+    trace["reference_s"] = time.monotonic() - reference_started
+    trace["reference_reused"] = not reference_ran
+    if reference_ran:
+        trace["reference"] = child_stats(reference, None)
     base.update(device=reference["device"] if device == "cpu" else kind, torch_version=reference["torch_version"],
                 triton_version=reference["triton_version"])
     spans = list(reference.get("timed_spans", [])) if reference_ran else []
@@ -306,6 +358,7 @@ def evaluate(
     }
     run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch)
     payload = run.payload
+    trace["candidate"] = child_stats(payload, run.wall_s)
     common: dict[str, Any] = {"findings": findings, "timed_spans": spans}
     if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
         common["device_id"] = str(payload.get("device_id", ""))[:200]
