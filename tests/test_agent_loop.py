@@ -146,7 +146,7 @@ def test_an_evaluator_error_reaches_the_loop():
     started = threading.Event()
     started.set()
     with pytest.raises(RuntimeError, match="pool died"):
-        run_episodes(TASKS, CallingBackEngine(["good"], started), Broken(), max_turns=1, progress=False)
+        run_episodes(TASKS, CallingBackEngine(["good"], started), Broken(), max_turns=1, progress=False, overlap=True)
 
 
 def test_samples_get_distinct_seeds_that_repeat_across_turns():

@@ -4,6 +4,7 @@ hand-computed rows, trainer/rollout log-prob agreement, gradient accumulation, k
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -20,7 +21,7 @@ from kpipe.data.io import read_table, write_table
 from kpipe.infra.launch import NodeInfo, accelerate_command, free_port
 from kpipe.llm.hf_engine import HFEngine
 from kpipe.llm.types import ChatRequest
-from kpipe.train import algos, rl
+from kpipe.train import algos, rl, rl_advantages, rl_rollouts, rl_update
 from kpipe.train.rl_config import ABLATIONS, AGG_MODES, RLConfig, with_ablation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,19 +111,19 @@ def test_regression_rows_are_rejected_and_left_out_of_the_trloo_baseline():
             turn_row("a", 1, 1, 0.0), turn_row("a", 1, 2, 1.0),
             turn_row("a", 2, 1, 0.0), turn_row("a", 2, 2, 3.0)]
     cfg = RLConfig(regression_filter=True)
-    masks = rl.filter_masks(rows, cfg, torch.ones(6, dtype=torch.bool), torch.Generator())
-    reasons = rl.rejection_reasons(torch.ones(6, dtype=torch.bool), masks)
+    masks = rl_advantages.filter_masks(rows, cfg, torch.ones(6, dtype=torch.bool), torch.Generator())
+    reasons = rl_advantages.rejection_reasons(torch.ones(6, dtype=torch.bool), masks)
     assert reasons == [None, "regression", None, None, None, None]
-    returns = rl.row_returns(rows, cfg)  # gamma = 1: reward-to-go
+    returns = rl_advantages.row_returns(rows, cfg)  # gamma = 1: reward-to-go
     assert returns.tolist() == [2.0, 0.0, 1.0, 1.0, 3.0, 3.0]
     kept = torch.tensor([r is None for r in reasons])
-    advantages = rl.row_advantages(rows, returns, kept, cfg)
+    advantages = rl_advantages.row_advantages(rows, returns, kept, cfg)
     # turn 1: G = (2, 1, 3): A_i = G_i - mean of the other two
     assert advantages[[0, 2, 4]].tolist() == pytest.approx([2 - 2.0, 1 - 2.5, 3 - 1.5])
     # turn 2: trajectory 0 is rejected, so the group is (1, 3): A = G - the other one
     assert advantages[[1, 3, 5]].tolist() == pytest.approx([0.0, 1 - 3, 3 - 1])
     # the released code's variant: rejected rows still count in the baseline
-    released = rl.row_advantages(rows, returns, torch.ones(6, dtype=torch.bool),
+    released = rl_advantages.row_advantages(rows, returns, torch.ones(6, dtype=torch.bool),
                                  dataclasses.replace(cfg, baseline_includes_rejected=True))
     assert released[[3, 5]].tolist() == pytest.approx([1 - 1.5, 3 - 0.5])
 
@@ -130,9 +131,9 @@ def test_regression_rows_are_rejected_and_left_out_of_the_trloo_baseline():
 def test_gamma_zero_and_grpo_are_what_their_equations_say():
     rows = [turn_row("a", 0, 1, 1.0), turn_row("a", 0, 2, 2.0), turn_row("a", 1, 1, 0.0), turn_row("a", 1, 2, 0.0)]
     cfg = RLConfig(gamma=0.0, advantage="grpo")
-    returns = rl.row_returns(rows, cfg)
+    returns = rl_advantages.row_returns(rows, cfg)
     assert returns.tolist() == [1.0, 2.0, 0.0, 0.0]
-    advantages = rl.row_advantages(rows, returns, torch.ones(4, dtype=torch.bool), cfg)
+    advantages = rl_advantages.row_advantages(rows, returns, torch.ones(4, dtype=torch.bool), cfg)
     assert advantages.tolist() == pytest.approx([0.5, 1.0, -0.5, -1.0])  # Eq. 3: G - group mean, self included
 
 
@@ -144,9 +145,9 @@ def test_tritonforge_buffer_rows_kept_and_their_advantages(buffer):
     rows = [turn_row("a", i, 1, r, status=s) for i, (r, s) in enumerate(zip([0.0, 0.1, 0.3, 1.3], statuses))]
     rows += [turn_row("b", i, 1, 0.3, status="pass") for i in range(4)]
     cfg = with_ablation(RLConfig(rollouts_per_prompt=4), buffer)
-    returns = rl.row_returns(rows, cfg)
-    masks = rl.buffer_masks(rows, returns, cfg)
-    reasons = rl.rejection_reasons(torch.ones(8, dtype=torch.bool), masks)
+    returns = rl_advantages.row_returns(rows, cfg)
+    masks = rl_advantages.buffer_masks(rows, returns, cfg)
+    reasons = rl_advantages.rejection_reasons(torch.ones(8, dtype=torch.bool), masks)
     dropped = "buffer_item"
     if buffer == "tritonforge":  # the compile error is filtered; the 2x kernel trains
         assert reasons[:4] == [dropped, None, None, None]
@@ -156,20 +157,20 @@ def test_tritonforge_buffer_rows_kept_and_their_advantages(buffer):
         kept = [0.0, 0.1, 0.3]
     assert reasons[4:] == ["buffer_group"] * 4
     kept_mask = torch.tensor([reason is None for reason in reasons])
-    advantages = rl.row_advantages(rows, rl.buffer_values(rows, returns, masks, cfg), kept_mask, cfg)
+    advantages = rl_advantages.row_advantages(rows, rl_advantages.buffer_values(rows, returns, masks, cfg), kept_mask, cfg)
     mean, std = statistics.fmean(kept), statistics.pstdev(kept)
     expected = iter([(r - mean) / (std + 1e-8) * 4 / 3 for r in kept])  # z-score, padded from 3 to 4 slots
     assert advantages[:4].tolist() == pytest.approx([next(expected) if k else 0.0 for k in kept_mask[:4]])
     assert advantages[4:].tolist() == [0.0] * 4
-    assert rl.buffer_masks(rows, returns, RLConfig()) == {}
+    assert rl_advantages.buffer_masks(rows, returns, RLConfig()) == {}
 
 
 def test_prs_filters_only_correct_turns_by_their_profiling_ratio():
     rows = [turn_row("a", 0, 1, 2.0, pr=0.05), turn_row("a", 1, 1, 2.0, pr=0.9), turn_row("a", 2, 1, 0.0)]
-    masks = rl.filter_masks(rows, RLConfig(prs=True), torch.ones(3, dtype=torch.bool),
+    masks = rl_advantages.filter_masks(rows, RLConfig(prs=True), torch.ones(3, dtype=torch.bool),
                             torch.Generator().manual_seed(0))
     assert masks["prs"].tolist() == [False, True, True]  # p = clip((PR - 0.3) / 0.1, 0, 1); incorrect: kept
-    hard = rl.filter_masks(rows, RLConfig(prs=True, prs_hard=True, prs_tau=0.85), torch.ones(3, dtype=torch.bool),
+    hard = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_hard=True, prs_tau=0.85), torch.ones(3, dtype=torch.bool),
                            torch.Generator())
     assert hard["prs"].tolist() == [False, True, True]
 
@@ -177,7 +178,7 @@ def test_prs_filters_only_correct_turns_by_their_profiling_ratio():
 def test_mrs_rejects_a_sequence_whose_rollout_probabilities_drifted():
     train = [torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.5, 0.5])), torch.zeros(0)]
     rollout = [torch.log(torch.tensor([0.5, 0.5])).tolist(), torch.log(torch.tensor([0.5, 0.49])).tolist(), []]
-    keep, log_w = rl.mismatch_keep(train, rollout, RLConfig(mrs=True))
+    keep, log_w = rl_advantages.mismatch_keep(train, rollout, RLConfig(mrs=True))
     assert keep.tolist() == [True, False, False]  # w = sqrt(0.5 / 0.49) = 1.0101 is outside [0.999, 1.001]
     assert log_w[1].item() == pytest.approx(0.5 * float(torch.log(torch.tensor(0.5 / 0.49))), rel=1e-6)
 
@@ -188,7 +189,7 @@ def test_rollout_metrics_count_hacks_among_evaluated_turns_and_fast_p_at_the_las
             turn_row("a", 1, 1, 0.0, status="hacked", speedup_eager=None),
             turn_row("a", 1, 2, 1.9, status="pass", speedup_eager=0.9)]
     rows[2]["hacked"] = True
-    values = rl.rollout_metrics(rows, max_turns=2)
+    values = rl_rollouts.rollout_metrics(rows, max_turns=2)
     assert values["hacking_ratio"] == pytest.approx(1 / 3)  # the format error never reached KernelGym
     assert values["reward_mean"] == pytest.approx(4.4 / 4)
     assert values["reward_mean_turn2"] == pytest.approx(2.2)
@@ -209,11 +210,11 @@ def test_trainer_recomputes_the_rollout_log_probs_on_the_same_tokens(nano_model)
                 for i, m in enumerate(prompts)]
     completions = engine.generate(requests)
     rows = [{"prompt_messages": m, "response_token_ids": c.token_ids} for m, c in zip(prompts, completions)]
-    samples = rl.token_samples(rows, tokenizer)
-    train = rl.policy_log_probs(model, samples, 0.7, 10_000, tokenizer.pad_token_id, torch.device("cpu"))
+    samples = rl_update.token_samples(rows, tokenizer)
+    train = rl_update.policy_log_probs(model, samples, 0.7, 10_000, tokenizer.pad_token_id, torch.device("cpu"))
     for logp, completion in zip(train, completions):
         assert torch.allclose(logp, torch.tensor(completion.logprobs), atol=1e-4)
-    keep, _ = rl.mismatch_keep(train, [c.logprobs for c in completions], RLConfig(mrs=True))
+    keep, _ = rl_advantages.mismatch_keep(train, [c.logprobs for c in completions], RLConfig(mrs=True))
     assert keep.all()
 
 
@@ -235,14 +236,14 @@ def test_micro_batching_leaves_the_gradient_unchanged(nano_model, agg):
     from accelerate import Accelerator
 
     model, tokenizer = rl.load_policy(nano_model, RLConfig())
-    items = [rl.TrainItem(("t", i, 1), rl.TokenSample(list(range(40, 40 + n)), list(range(60, 60 + m))), adv,
+    items = [rl_update.TrainItem(("t", i, 1), rl_update.TokenSample(list(range(40, 40 + n)), list(range(60, 60 + m))), adv,
                           torch.full((m,), -5.0))
              for i, (n, m, adv) in enumerate([(5, 3, 1.0), (9, 6, -0.5), (4, 2, 0.25)])]
     grads = []
     for budget in (10_000, 1):  # one micro-batch, then one sample per micro-batch
         optimizer = RecordingOptimizer(model)
         cfg = RLConfig(loss_agg=agg, micro_batch_tokens=budget, grad_clip=1e9)
-        rl.update_policy(Accelerator(cpu=True), model, optimizer, items, cfg, tokenizer.pad_token_id,
+        rl_update.update_policy(Accelerator(cpu=True), model, optimizer, items, cfg, tokenizer.pad_token_id,
                          torch.Generator().manual_seed(0))
         grads.append(optimizer.grads)
     for whole, accumulated in zip(*grads):
@@ -295,6 +296,87 @@ def test_a_killed_iteration_resumes_and_writes_each_output_once(nano_model, tmp_
         assert (metrics.name == name).sum() == 2, name
 
 
+class JudgeByText:
+    """A deterministic KernelGym stand-in: each result a function of the candidate's text alone (the
+    nano policy writes no kernel, so every answer counts as one: see `answers_are_code`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def evaluate_many(self, jobs: list[tuple[str, str]]) -> list[dict]:
+        self.calls.append(len(jobs))
+        results = []
+        for _, candidate in jobs:
+            score = int(hashlib.sha256(candidate.encode()).hexdigest()[:4], 16) % 4
+            results.append({"status": "pass" if score else "mismatch", "correct": bool(score), "hacked": False,
+                            "speedup_eager": 0.5 * score or None, "key": candidate[:8], "feedback": f"score {score}"})
+        return results
+
+
+def iteration_outputs(nano_model: Path, root: Path, async_mode: str) -> tuple[list[dict], dict, JudgeByText]:
+    """Rows and metrics of one seeded 2-step iteration in `async_mode`, every answer judged (every
+    non-empty answer counts as code)."""
+    from kpipe.agent import loop
+    from kpipe.llm.extract import Extracted
+
+    cfg = RLConfig(prompts_per_step=2, rollouts_per_prompt=2, max_turns=2, max_tokens=6, generation_batch_size=2,
+                   steps_per_iteration=2, lr=1e-3, mrs=True, mixed_precision="no", async_mode=async_mode)
+    tasks = [AgentTask("relu-a", RELU), AgentTask("relu-b", RELU.replace("4, 4", "4, 8"))]
+    judge, threads = JudgeByText(), torch.get_num_threads()
+    torch.set_num_threads(1)  # as `single_torch_thread`, also for the module-scoped run: same float sums
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "extract_code", lambda text: Extracted(text or None, "empty answer"))
+        rl.run_iteration(cfg, tasks, nano_model, root / "model", root / "traj.parquet", root / "metrics.parquet",
+                         root / "scratch", run="async", iteration=0, gym={"backend": "local"}, evaluator=judge,
+                         progress=False)
+    torch.set_num_threads(threads)
+    metrics = read_table(root / "metrics.parquet", "train_metrics").to_pandas()
+    values = {(r.step, r.name): r.value for r in metrics.itertuples()}
+    return read_table(root / "traj.parquet", "trajectories").to_pylist(), values, judge
+
+
+TIMES = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "overlap_s")
+
+
+def untimed(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMES} for row in rows]
+
+
+@pytest.fixture(scope="module")
+def sequential_run(nano_model, tmp_path_factory) -> tuple[list[dict], dict, JudgeByText]:
+    """The reference: rl.async off."""
+    return iteration_outputs(nano_model, tmp_path_factory.mktemp("off"), "off")
+
+
+def test_overlapping_evaluation_changes_timing_not_results(nano_model, tmp_path, sequential_run):
+    """rl.async eval (each turn judged while the engine decodes the next generate batch) and off (a turn
+    judged after all of it is generated): the same rows, rewards, advantages and metrics."""
+    off_rows, off_metrics, off_judge = sequential_run
+    eval_rows, eval_metrics, eval_judge = iteration_outputs(nano_model, tmp_path / "eval", "eval")
+    assert len(off_rows) == 2 * 2 * 2 * 2 and all(row["status"] in ("pass", "mismatch") for row in off_rows)
+    assert len({row["reward"] for row in off_rows}) > 1 and any(row["advantage"] for row in off_rows)
+    assert untimed(eval_rows) == untimed(off_rows)
+    assert {k: v for k, v in eval_metrics.items() if k[1] not in TIMES} == {
+        k: v for k, v in off_metrics.items() if k[1] not in TIMES}
+    assert off_judge.calls and eval_judge.calls  # (the loop's tests show the overlap itself)
+    assert all((step, name) in eval_metrics for step in (1, 2) for name in TIMES)
+
+
+def test_one_step_off_policy_rollouts_are_generated_during_the_update(nano_model, tmp_path, sequential_run):
+    """rl.async off_policy_1: step 2 trains on rollouts generated while step 1 updated, by the policy before
+    that update (one step stale, `policy_lag`); step 1's rollouts are those of the on-policy run."""
+    off_rows = sequential_run[0]
+    rows, metrics, _ = iteration_outputs(nano_model, tmp_path / "ahead", "off_policy_1")
+    assert [metrics[(step, "policy_lag")] for step in (1, 2)] == [0.0, 1.0]
+    assert untimed(rows[:8]) == untimed(off_rows[:8])
+    assert len(rows) == 16 and {row["iteration"] for row in rows} == {0}
+    assert sorted(rl_update.row_key(row) for row in rows[8:]) == sorted(rl_update.row_key(row) for row in off_rows[8:])
+    for row in rows:
+        assert len(row["response_logprobs"]) == len(row["response_token_ids"]) and row["return_to_go"] is not None
+        assert row["kept"] == (row["rejected_by"] is None)
+    assert metrics[(2, "rows")] == 8 and (2, "mismatch_abs_log_w") in metrics
+
+
 def test_scratch_of_another_configuration_is_cleared(tmp_path):
     scratch = tmp_path / "scratch"
     assert not rl.prepare_scratch(scratch, "a")
@@ -311,18 +393,18 @@ def test_micro_batch_weights_normalise_by_the_global_mini_batch():
     processes, add up to the loss of the whole mini-batch in one piece, in every aggregation mode."""
     lengths = [3, 5, 2, 4]  # response tokens of the mini-batch's four rows
     losses = torch.arange(20, dtype=torch.float64).reshape(4, 5) / 7
-    mask = rl.response_mask(lengths, 5)
+    mask = rl_update.response_mask(lengths, 5)
     micro_batches = [[0], [1], [2, 3]]  # process 0 holds rows 0 and 1 (one each), process 1 rows 2 and 3
     for agg in AGG_MODES:
         whole = algos.aggregate_loss(losses, mask, agg)
-        mini_units = rl.loss_units(agg, lengths)
+        mini_units = rl_update.loss_units(agg, lengths)
         pieces = sum(algos.aggregate_loss(losses[m], mask[m], agg)
-                     * rl.micro_batch_weight(agg, [lengths[i] for i in m], mini_units) for m in micro_batches)
+                     * rl_update.micro_batch_weight(agg, [lengths[i] for i in m], mini_units) for m in micro_batches)
         assert float(pieces) == pytest.approx(float(whole)), agg
     # by hand: token-mean shares 3/14, 5/14, 6/14 of 14 tokens; sequence shares 1/4, 1/4, 2/4
-    assert [rl.micro_batch_weight("token-mean", [lengths[i] for i in m], 14) for m in micro_batches] == [
+    assert [rl_update.micro_batch_weight("token-mean", [lengths[i] for i in m], 14) for m in micro_batches] == [
         pytest.approx(3 / 14), pytest.approx(5 / 14), pytest.approx(6 / 14)]
-    assert rl.micro_batch_weight("seq-mean-token-sum", [2, 4], rl.loss_units("seq-mean-token-sum", lengths)) == 0.5
+    assert rl_update.micro_batch_weight("seq-mean-token-sum", [2, 4], rl_update.loss_units("seq-mean-token-sum", lengths)) == 0.5
 
 
 def test_prompts_must_split_evenly_over_processes_and_vllm_stays_in_one():
@@ -333,7 +415,7 @@ def test_prompts_must_split_evenly_over_processes_and_vllm_stays_in_one():
     with pytest.raises(ValueError, match="engine 'vllm' runs in one process, not 2"):
         rl.check_processes(RLConfig(engine="vllm"), 4, 2)
     tasks = [AgentTask(name, RELU) for name in "abcd"]
-    assert [[t.task_id for t in rl.process_tasks(tasks, rank, 2)] for rank in (0, 1)] == [["a", "c"], ["b", "d"]]
+    assert [[t.task_id for t in rl_rollouts.process_tasks(tasks, rank, 2)] for rank in (0, 1)] == [["a", "c"], ["b", "d"]]
 
 
 def queries_file(path: Path, tasks: list[AgentTask]) -> Path:
@@ -354,7 +436,7 @@ def test_two_processes_train_as_one_process_on_the_same_rows(nano_model, tmp_pat
     # step 0's rollouts, saved where an interrupted run would have left them
     model, tokenizer = rl.load_policy(nano_model, cfg)
     engine = HFEngine(model.eval(), tokenizer, name="nano", batch_size=8, progress=False)
-    seeded = rl.rollout_rows(tasks, engine, LocalEvaluator(progress=False), cfg, run="mp", iteration=0,
+    seeded = rl_rollouts.rollout_rows(tasks, engine, LocalEvaluator(progress=False), cfg, run="mp", iteration=0,
                              global_step=0, progress=False)
     for row in seeded:
         row["reward"] = {"relu-a": [0.0, 1.0, 2.0], "relu-b": [3.0, 0.5, 0.0]}[row["task_id"]][row["sample"]]
@@ -382,17 +464,17 @@ def test_two_processes_train_as_one_process_on_the_same_rows(nano_model, tmp_pat
     rows = read_table(two["trajectories_path"], "trajectories").to_pylist()
     steps = [rows[:len(seeded)], rows[len(seeded):]]
     for step_rows in steps:  # each process's rows exactly once
-        assert sorted(rl.row_key(r) for r in step_rows) == sorted(rl.row_key(r) for r in seeded)
+        assert sorted(rl_update.row_key(r) for r in step_rows) == sorted(rl_update.row_key(r) for r in seeded)
     assert not scratch["two"].exists()
 
     write_table(steps[1], scratch["one"] / "rollouts-0001.parquet", "trajectories")
     rl.run_iteration(cfg, tasks, nano_model, **outputs["one"], scratch=scratch["one"], run="mp", iteration=0,
                      gym=gym, progress=False)
-    one_rows = {rl.row_key(r): r
+    one_rows = {rl_update.row_key(r): r
                 for r in read_table(outputs["one"]["trajectories_path"], "trajectories").to_pylist()[:len(seeded)]}
     for row in steps[0]:
-        assert row["advantage"] == pytest.approx(one_rows[rl.row_key(row)]["advantage"])
-        assert row["kept"] == one_rows[rl.row_key(row)]["kept"]
+        assert row["advantage"] == pytest.approx(one_rows[rl_update.row_key(row)]["advantage"])
+        assert row["kept"] == one_rows[rl_update.row_key(row)]["kept"]
     assert any(row["advantage"] for row in steps[0])
 
     from safetensors.torch import load_file

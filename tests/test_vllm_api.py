@@ -19,7 +19,7 @@ import torch
 
 from kpipe.llm.types import ChatRequest
 from kpipe.llm.vllm_server import API_KEY_ENV, VLLMServerConfig, serve_args
-from kpipe.train import rl
+from kpipe.train import rl_rollouts
 from kpipe.train.rl_config import RLConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 def test_rl_rollout_engine_arguments_and_outputs_exist(fake_vllm):
     cfg = RLConfig(engine="vllm", max_context_tokens=4096)
-    engine = rl.make_engine(cfg, None, None, Path("/ckpt/sft"), "rl-iter0", progress=False)
+    engine = rl_rollouts.make_engine(cfg, None, None, Path("/ckpt/sft"), "rl-iter0", progress=False)
     kwargs = engine.llm.kwargs
     assert set(kwargs) <= set(API["llm_init_params"]) | set(API["engine_args_fields"])
     assert kwargs["logprobs_mode"] in API["logprobs_modes"] and kwargs["logprobs_mode"] == "processed_logprobs"
@@ -97,9 +97,9 @@ def test_rl_rollout_engine_arguments_and_outputs_exist(fake_vllm):
 
 
 def test_rl_weight_push_uses_existing_methods(fake_vllm):
-    engine = rl.make_engine(RLConfig(engine="vllm"), None, None, Path("/ckpt/sft"), "rl", progress=False)
+    engine = rl_rollouts.make_engine(RLConfig(engine="vllm"), None, None, Path("/ckpt/sft"), "rl", progress=False)
     model = torch.nn.Linear(2, 2)
-    rl.push_weights_to_vllm(engine, model)
+    rl_rollouts.push_weights_to_vllm(engine, model)
     assert [call[0] for call in engine.llm.calls] == ["collective_rpc", "reset_prefix_cache"]
     for method, _, call_kwargs in engine.llm.calls:
         assert set(call_kwargs) <= set(API["llm_methods"][method])

@@ -111,6 +111,7 @@ def distill_shard(
     rows = run_episodes(
         tasks, cached_engine, evaluator, policy, n_samples=n_samples, max_turns=n_turns, sampling=sampling,
         reward_fn=reward_fn, run=run, stage=STAGE, seed=seed, on_turn=on_turn, progress=progress,
+        overlap=True,  # the teacher decodes elsewhere (an API or the offline server): judge while it answers
     )
     write_table(rows, out_path, "trajectories")
     ordered = [summaries[t] for t in sorted(summaries)]

@@ -3,11 +3,12 @@
 Distillation, RL rollouts, evaluation and STTS all call `run_episodes`; they differ only in
 the engine, the history policy, the number of turns and what they do with the rows.
 Each turn of every active episode is generated in one engine call, so engines batch. With
-`overlap` (the default) each answer is extracted and handed to the evaluator as the engine
+`overlap` each answer is extracted and handed to the evaluator as the engine
 finishes it (`on_result`), and an `EvaluationStream` judges it while the engine decodes the others;
 without it, the turn's answers are evaluated in one `evaluate_many` call after generation. Results
 are filed by episode, so both give the same rows with an evaluator whose results depend only on
-the job (KernelGym's timings vary between runs either way).
+the job (KernelGym's timings vary between runs either way). Overlap is opt-in: where the engine
+decodes on the GPUs KernelGym times kernels on, it would slow the timed runs.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def run_episodes(
     max_context_tokens: int | None = None,
     on_turn: Callable[[int, list[TurnRecord]], None] | None = None,
     progress: bool = True,
-    overlap: bool = True,
+    overlap: bool = False,
 ) -> list[dict[str, Any]]:
     """Run n_samples episodes per task for up to max_turns turns; one `trajectories` row per turn.
 

@@ -6,17 +6,23 @@ One iteration runs `steps_per_iteration` steps. A step:
 1. picks `prompts_per_step` training queries (a pure function of seed and global step) and runs
    `rollouts_per_prompt` multi-turn episodes each through the one agent loop
    (`kpipe.agent.run_episodes`), the policy generating with per-token log-probabilities and
-   KernelGym judging every turn (per-turn reward, Eq. 1 / Eq. 8);
+   KernelGym judging every turn (per-turn reward, Eq. 1 / Eq. 8) — `rl_rollouts`;
 2. computes reward-to-go returns per trajectory (Eq. 2) and recomputes π_train on the very
-   same tokens (the old log-probs of PPO, and the numerator of MRS's ratio, Eq. 6);
+   same tokens (the old log-probs of PPO, and the numerator of MRS's ratio, Eq. 6) — `rl_update`;
 3. applies the switchable filters — TritonForge's group buffer, MRS (Eq. 6), PRS (Eq. 9), the
-   released code's zero-variance and regression masks — each counted in the metrics;
+   released code's zero-variance and regression masks — each counted in the metrics — `rl_advantages`;
 4. computes advantages over (prompt, turn) groups of the kept rows (TRLOO, Eq. 5, by default; on the
-   buffer's normalised returns when `rl.buffer` is set);
-5. takes PPO-clip token-level optimizer steps (dual clip, seq-mean-token-sum, grad clipping).
+   buffer's normalised returns when `rl.buffer` is set) — `rl_advantages`;
+5. takes PPO-clip token-level optimizer steps (dual clip, seq-mean-token-sum, grad clipping) — `rl_update`.
 
 Every turn becomes a `trajectories` row (stage "rl") with its reward, return, advantage and
 whether (and by which filter) it was dropped; every step logs `train_metrics` rows.
+
+Asynchronous inference (`rl.async`, paper §6.1): `eval` judges each turn while the engine decodes
+the others (in the agent loop; same rows as `off`); `off_policy_1` also generates the next step's
+rollouts on a background thread, from a copy of the policy before this step's update, while the
+update runs: those rollouts are one step stale (`policy_lag`), their recorded log-probs are the
+generating policy's, and MRS compares them with the trainer's recomputed ones as for any rollout.
 
 Resumable: each step's rollouts are saved in a scratch directory before training on them, and
 with several steps per iteration each finished step leaves a checkpoint there, so a killed job
@@ -44,42 +50,58 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 from accelerate.utils import gather_object
-from tqdm.auto import tqdm
 
-from kpipe.data import metrics as kmetrics
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
-from kpipe.agent.history import make_policy
-from kpipe.agent.loop import GENERATION_ERROR, AgentTask, Sampling, run_episodes
+from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
-from kpipe.llm.extract import FORMAT_ERROR
-from kpipe.llm.hf_engine import plain_chat_prompt
-from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
 from kpipe.train import algos
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from kpipe.train.metrics_log import MetricsLog
+from kpipe.train.rl_advantages import (
+    annotate_rows,
+    buffer_masks,
+    buffer_values,
+    filter_masks,
+    mismatch_keep,
+    rejection_reasons,
+    row_advantages,
+    row_returns,
+)
 from kpipe.train.rl_config import RLConfig
-from kpipe.train.sft import batch_indices, max_over_processes, plan_micro_batches, resolve_precision
+from kpipe.train.rl_rollouts import (
+    STAGE,
+    TimedEngine,
+    TimedEvaluator,
+    copy_full_weights,
+    make_engine,
+    process_tasks,
+    push_weights_to_vllm,
+    rollout_metrics,
+    rollout_rows,
+    step_seed,
+    step_tasks,
+)
+from kpipe.train.rl_update import (
+    TrainItem,
+    global_means,
+    policy_log_probs,
+    row_key,
+    token_samples,
+    token_totals,
+    update_policy,
+)
+from kpipe.train.sft import max_over_processes, resolve_precision
 
 log = logging.getLogger(__name__)
-
-STAGE = "rl"
-EMPTY = "empty_response"  # no generated tokens (the engine failed): nothing to train on
-# `rejected_by` names the first that drops a row; TritonForge's buffer runs first, as it does upstream of its trainer
-FILTER_ORDER = ("buffer_item", "buffer_group", "regression", "zero_variance", "mrs", "prs")
-FAST_PS = (1.0, 1.2)
-NOT_EVALUATED = (FORMAT_ERROR, GENERATION_ERROR)  # turns KernelGym never saw
-
-
-# --------------------------------------------------------------------------- inputs and outputs
 
 
 @dataclass(frozen=True)
@@ -124,16 +146,6 @@ def prepare_scratch(scratch: Path, fingerprint: str) -> bool:
     return False
 
 
-def step_tasks(tasks: Sequence[AgentTask], prompts_per_step: int, seed: int, global_step: int) -> list[AgentTask]:
-    """The prompts of one global step: consecutive slices of a fresh permutation per epoch."""
-    return [tasks[i] for i in batch_indices(len(tasks), min(prompts_per_step, len(tasks)), seed, global_step)]
-
-
-def step_seed(seed: int, global_step: int) -> int:
-    """Sampling seed of one step: every step draws new rollouts, a rerun draws the same ones."""
-    return int(hashlib.sha256(f"rl:{seed}:{global_step}".encode()).hexdigest()[:8], 16)
-
-
 def check_processes(cfg: RLConfig, n_prompts: int, processes: int) -> None:
     """What several processes cannot run, as one-line errors before any work: every process gets
     the same number of prompts; vLLM rollouts stay in one process (not verified data-parallel)."""
@@ -143,418 +155,6 @@ def check_processes(cfg: RLConfig, n_prompts: int, processes: int) -> None:
     if n_prompts % processes:
         raise ValueError(f"RL: {n_prompts} prompts per step cannot be split evenly over {processes} processes; "
                          "make rl.prompts_per_step (and the number of training prompts) a multiple of rl.gpus")
-
-
-def process_tasks(tasks: Sequence[AgentTask], rank: int, processes: int) -> list[AgentTask]:
-    """The prompts of one process: every `processes`-th from `rank`, each with all its rollouts, so
-    the (prompt, turn) groups of the advantages never straddle processes."""
-    return list(tasks[rank::processes])
-
-
-# --------------------------------------------------------------------------- timing wrappers
-
-
-class TimedEngine:
-    """An engine that adds up the wall time of its `generate` calls (the step's generation time)."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.model = engine.model
-        self.seconds = 0.0
-
-    def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
-        started = time.perf_counter()
-        try:
-            return self.engine.generate(requests, on_result)
-        finally:
-            self.seconds += time.perf_counter() - started
-
-
-class TimedEvaluator:
-    """An evaluator that adds up the wall time of its `evaluate_many` calls."""
-
-    def __init__(self, evaluator: Evaluator) -> None:
-        self.evaluator = evaluator
-        self.seconds = 0.0
-
-    def evaluate_many(self, jobs: list[tuple[str, str]]) -> list[Any]:
-        started = time.perf_counter()
-        try:
-            return self.evaluator.evaluate_many(jobs)
-        finally:
-            self.seconds += time.perf_counter() - started
-
-
-# --------------------------------------------------------------------------- token sequences and log-probs
-
-
-def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The prompt exactly as the rollout engines render it (chat template, generation prompt)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return plain_chat_prompt(messages)
-
-
-@dataclass
-class TokenSample:
-    """One turn as the trainer sees it: prompt ids + the sampled response ids."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-
-def token_samples(rows: Sequence[dict[str, Any]], tokenizer: Any) -> list[TokenSample]:
-    """Trainer inputs of rows with a response (rows without one get an empty response)."""
-    samples = []
-    for row in rows:
-        text = prompt_text(tokenizer, list(row["prompt_messages"]))
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        samples.append(TokenSample(prompt_ids, list(row.get("response_token_ids") or [])))
-    return samples
-
-
-def left_padded(samples: Sequence[TokenSample], pad_id: int) -> dict[str, torch.Tensor]:
-    """input_ids, attention_mask and position_ids, left-padded so every response ends at the right edge.
-
-    Position ids count real tokens only, as `generate` does with left padding, so the trainer's
-    log-probs are those of the same computation the rollout did.
-    """
-    width = max(s.length for s in samples)
-    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
-    for row, sample in enumerate(samples):
-        ids = sample.prompt_ids + sample.response_ids
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention_mask[row, width - len(ids):] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-
-
-def response_mask(lengths: Sequence[int], width: int) -> torch.Tensor:
-    """[rows, width] mask of the response tokens in right-aligned [rows, width] tensors."""
-    return torch.arange(width).unsqueeze(0) >= (width - torch.tensor(list(lengths))).unsqueeze(1)
-
-
-def right_aligned(values: Sequence[Sequence[float]], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per-row sequences as a [rows, width] tensor, each row's values at the right end, 0 elsewhere."""
-    out = torch.zeros((len(values), width), dtype=dtype)
-    for row, sequence in enumerate(values):
-        if len(sequence):
-            out[row, width - len(sequence):] = torch.as_tensor(list(sequence), dtype=dtype)
-    return out
-
-
-def response_logits(model: Any, samples: Sequence[TokenSample], pad_id: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits predicting each response token ([batch, R, vocab], right-aligned, R = longest response)
-    and the response token ids; only the last R+1 positions' logits are computed (vocabularies are big)."""
-    width = max(len(s.response_ids) for s in samples)
-    batch = {k: v.to(device) for k, v in left_padded(samples, pad_id).items()}
-    output = model(**batch, logits_to_keep=width + 1, use_cache=False)
-    return output.logits[:, :-1, :], batch["input_ids"][:, -width:]
-
-
-def sequence_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(token) under the sampling distribution softmax(logits / T), as the rollout engine recorded it."""
-    return algos.log_probs_from_logits(logits.float() / temperature, tokens)
-
-
-def filler_sample(pad_id: int) -> TokenSample:
-    """A one-token sample for the forward passes a process runs only to keep pace with the others."""
-    return TokenSample([pad_id], [pad_id])
-
-
-@torch.no_grad()
-def policy_log_probs(model: Any, samples: Sequence[TokenSample], temperature: float, token_budget: int,
-                     pad_id: int, device: torch.device, progress: bool = False,
-                     pass_count: Callable[[int], int] | None = None) -> list[torch.Tensor]:
-    """π_train log-probs of every sample's response tokens (1-D CPU tensors), in micro-batches.
-
-    `pass_count(n)` turns this process's n forward passes into the number to run: a sharded model
-    needs every process to run as many as the busiest (`max_over_processes`); the extra passes
-    run on a filler and are discarded.
-    """
-    out: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
-    todo = [i for i, s in enumerate(samples) if s.response_ids]
-    groups = plan_micro_batches([samples[i].length for i in todo], token_budget)
-    passes = pass_count(len(groups)) if pass_count is not None else len(groups)
-    for k in tqdm(range(passes), desc="π_train log-probs", disable=not progress, leave=False):
-        if k >= len(groups):
-            response_logits(model, [filler_sample(pad_id)], pad_id, device)
-            continue
-        group = groups[k]
-        batch = [samples[todo[g]] for g in group]
-        logits, tokens = response_logits(model, batch, pad_id, device)
-        logp = sequence_log_probs(logits, tokens, temperature).cpu()
-        for g, sample, row_logp in zip(group, batch, logp, strict=True):
-            out[todo[g]] = row_logp[logp.shape[1] - len(sample.response_ids):]
-    return out
-
-
-# --------------------------------------------------------------------------- returns, filters, advantages
-
-
-def trajectory_keys(rows: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
-    return [(row["task_id"], int(row["sample"])) for row in rows]
-
-
-def row_returns(rows: Sequence[dict[str, Any]], cfg: RLConfig) -> torch.Tensor:
-    """Eq. 2 per row: reward-to-go over the later turns of its own trajectory."""
-    rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
-    return algos.returns_by_trajectory(rewards, trajectory_keys(rows), [row["turn"] for row in rows], cfg.gamma,
-                                       cfg.return_aggregate)
-
-
-def mismatch_keep(train_logp: Sequence[torch.Tensor], rollout_logp: Sequence[Sequence[float]],
-                  cfg: RLConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """MRS (Eq. 6) per row, and each row's log geometric-mean ratio log w (0 for empty rows)."""
-    width = max([len(x) for x in train_logp] + [1])
-    train = right_aligned([x.tolist() for x in train_logp], width, torch.float64)
-    rollout = right_aligned(rollout_logp, width, torch.float64)
-    mask = response_mask([len(x) for x in train_logp], width)
-    keep = algos.mrs_mask(train, rollout, mask, cfg.mrs_delta, cfg.mrs_token_veto)
-    log_w = torch.nan_to_num(algos.log_geometric_mean_ratio(train, rollout, mask), nan=0.0)
-    return keep, log_w
-
-
-def filter_masks(rows: Sequence[dict[str, Any]], cfg: RLConfig, mrs_keep: torch.Tensor,
-                 generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """The keep mask of every enabled filter (True = keep), computed independently of each other."""
-    rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
-    turns = [row["turn"] for row in rows]
-    masks: dict[str, torch.Tensor] = {}
-    if cfg.regression_filter:
-        masks["regression"] = algos.regression_mask(rewards, trajectory_keys(rows), turns)
-    if cfg.zero_variance_filter:
-        masks["zero_variance"] = algos.zero_variance_group_mask(
-            rewards, [row["task_id"] for row in rows], trajectory_keys(rows), turns, cfg.zero_variance_min_std)
-    if cfg.mrs:
-        masks["mrs"] = mrs_keep
-    if cfg.prs:
-        pr, correct, hacked = ([row.get(k) for row in rows] for k in ("pr", "correct", "hacked"))
-        if cfg.prs_hard:
-            masks["prs"] = algos.prs_hard_keep(pr, correct, hacked, cfg.prs_tau)
-        else:
-            probability = algos.prs_keep_probability(pr, correct, hacked, cfg.prs_tau, cfg.prs_softness)
-            masks["prs"] = algos.bernoulli_keep(probability, generator)
-    return masks
-
-
-def buffer_keys(rows: Sequence[dict[str, Any]]) -> list[tuple[Any, int]]:
-    """TritonForge's groups in kpipe: the rollouts of one prompt at one turn (the advantage groups)."""
-    return algos.prompt_turn_keys([row["task_id"] for row in rows], [row["turn"] for row in rows])
-
-
-def buffer_masks(rows: Sequence[dict[str, Any]], returns: torch.Tensor, cfg: RLConfig) -> dict[str, torch.Tensor]:
-    """TritonForge's buffer hooks 2 and 3 as keep masks over the rows' returns (its items' rewards):
-    `buffer_item`, its per-item filter (as described: the turn's kernel compiled; as released: a return
-    in [0, 1]), and `buffer_group` (a complete group with reward diversity and enough items left after
-    the filter). Logs hook 1's statistics; no masks without `rl.buffer`."""
-    if cfg.buffer == "none":
-        return {}
-    keys, size = buffer_keys(rows), cfg.rollouts_per_prompt
-    log.info("buffer %s: %s", cfg.buffer, algos.tritonforge_group_stats(returns, keys))
-    item = (algos.tritonforge_item_mask([row.get("status") for row in rows]) if cfg.buffer == "tritonforge"
-            else algos.tritonforge_released_item_mask(returns))
-    group = (algos.tritonforge_valid_group_mask(returns, keys, size, cfg.buffer_min_valid_group_ratio)
-             & algos.tritonforge_enough_items_mask(item, keys, size, cfg.buffer_min_valid_item_ratio))
-    return {"buffer_item": item, "buffer_group": group}
-
-
-def buffer_values(rows: Sequence[dict[str, Any]], returns: torch.Tensor, masks: dict[str, torch.Tensor],
-                  cfg: RLConfig) -> torch.Tensor:
-    """What the advantage estimator sees: without a buffer the returns; with one, hooks 4 and 5 (each
-    group's returns normalised over the rows both buffer masks keep, padded to `rollouts_per_prompt`).
-    The raw returns stay in the rows' `return_to_go` (TritonForge's ``raw_reward``)."""
-    if cfg.buffer == "none":
-        return returns
-    valid = masks["buffer_item"] & masks["buffer_group"]
-    return algos.tritonforge_buffer_values(returns, buffer_keys(rows), valid, cfg.rollouts_per_prompt)
-
-
-def rejection_reasons(has_tokens: torch.Tensor, masks: dict[str, torch.Tensor]) -> list[str | None]:
-    """Per row: None if kept, else the first reason in FILTER_ORDER (empty responses first)."""
-    reasons: list[str | None] = []
-    for row in range(len(has_tokens)):
-        if not has_tokens[row]:
-            reasons.append(EMPTY)
-            continue
-        reasons.append(next((name for name in FILTER_ORDER if name in masks and not masks[name][row]), None))
-    return reasons
-
-
-def row_advantages(rows: Sequence[dict[str, Any]], returns: torch.Tensor, valid: torch.Tensor,
-                   cfg: RLConfig) -> torch.Tensor:
-    """Advantages over (prompt, turn) groups of the valid rows (Eq. 3 / Eq. 5), or trajectory RLOO."""
-    prompts = [row["task_id"] for row in rows]
-    if cfg.advantage == "rloo_trajectory":
-        rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
-        return algos.rloo_trajectory_advantages(rewards, prompts, trajectory_keys(rows), valid, cfg.singleton)
-    keys = algos.prompt_turn_keys(prompts, [row["turn"] for row in rows])
-    if cfg.advantage == "trloo":
-        return algos.trloo_advantages(returns, keys, valid, cfg.singleton)
-    return algos.advantage_fn(cfg.advantage)(returns, keys, valid)
-
-
-# --------------------------------------------------------------------------- the policy update
-
-
-RowKey = tuple[str, int, int]  # (task_id, sample, turn): names a row of a step on every process
-
-
-def row_key(row: Mapping[str, Any]) -> RowKey:
-    return (row["task_id"], int(row["sample"]), int(row["turn"]))
-
-
-@dataclass
-class TrainItem:
-    key: RowKey
-    sample: TokenSample
-    advantage: float
-    old_logp: torch.Tensor  # π_train before the update (PPO's old policy)
-
-
-def loss_units(agg_mode: str, response_lengths: Sequence[int]) -> int:
-    """What a mini-batch's loss is a mean over: its response tokens (token-mean) or its sequences."""
-    return sum(response_lengths) if agg_mode == "token-mean" else len(response_lengths)
-
-
-def micro_batch_weight(agg_mode: str, micro_lengths: Sequence[int], mini_units: int) -> float:
-    """Share of one micro-batch (its response lengths) in its mini-batch's loss, the mini-batch
-    counted over every process (`mini_units`, from `loss_units`), so gradient accumulation and any
-    number of processes give the gradient of one big batch."""
-    return loss_units(agg_mode, micro_lengths) / mini_units
-
-
-def summed_over_processes(accelerator: Any, values: Mapping[str, float]) -> dict[str, float]:
-    """Each value added up over all processes (every process passes the same names)."""
-    names = sorted(values)
-    local = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=accelerator.device)
-    return dict(zip(names, accelerator.reduce(local, "sum").tolist(), strict=True))
-
-
-def global_means(accelerator: Any, totals: Mapping[str, tuple[float, float]]) -> dict[str, float]:
-    """sum / count of each metric over every process's rows, so N processes report what one
-    process would on the same rows; a metric that counts nothing anywhere is left out."""
-    sums = summed_over_processes(accelerator, {name: total for name, (total, _) in totals.items()})
-    counts = summed_over_processes(accelerator, {name: count for name, (_, count) in totals.items()})
-    return {name: sums[name] / counts[name] for name in totals if counts[name]}
-
-
-def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[TrainItem], cfg: RLConfig,
-                  pad_id: int, generator: torch.Generator, progress: bool = False) -> dict[str, float]:
-    """PPO-clip optimizer steps on this process's `items`: `ppo_epochs` passes over `mini_batches`
-    mini-batches each, the same steps one process would take on every process's items.
-
-    Mini-batches are drawn from all processes' items, ordered by key and shuffled with `generator`
-    (in the same state on every process), so they do not depend on which process holds a row.
-    Each micro-batch's loss is weighted by its share of its global mini-batch and multiplied by
-    the process count, since DDP/FSDP average gradients over processes. Every process runs as many
-    forward passes as the busiest; its extra ones run on a filler with weight 0.
-
-    Returns the means over optimizer steps of loss, grad_norm, clip fractions and approx KL, the
-    token-mean entropy of the policy on the trained tokens during the first epoch, and the number
-    of trained rows (all over every process).
-    """
-    device, world = accelerator.device, accelerator.num_processes
-    units = dict(gather_object([(item.key, len(item.sample.response_ids)) for item in items]))
-    keys, mine = sorted(units), {item.key: item for item in items}
-    filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1))
-    stats: dict[str, list[float]] = {}
-    entropy = {"sum": 0.0, "tokens": 0.0}
-    bar = tqdm(total=cfg.ppo_epochs * min(cfg.mini_batches, len(keys)), desc="update", unit="step",
-               disable=not progress, leave=False)  # the job log's progress line during the update
-    for epoch in range(cfg.ppo_epochs if keys else 0):
-        order = torch.randperm(len(keys), generator=generator).tolist()
-        for positions in np.array_split(np.array(order), min(cfg.mini_batches, len(keys))):
-            mini_keys = [keys[i] for i in positions]
-            mini_units = loss_units(cfg.loss_agg, [units[key] for key in mini_keys])
-            local = [mine[key] for key in mini_keys if key in mine]
-            groups = plan_micro_batches([item.sample.length for item in local], cfg.micro_batch_tokens)
-            n_micro = max_over_processes(accelerator, len(groups))
-            step_totals: dict[str, float] = {}
-            for k in range(n_micro):
-                real = k < len(groups)
-                micro = [local[g] for g in groups[k]] if real else [filler]
-                samples = [item.sample for item in micro]
-                lengths = [len(s.response_ids) for s in samples]
-                weight = micro_batch_weight(cfg.loss_agg, lengths, mini_units) if real else 0.0
-                # gradients are synchronised once per mini-batch, on its last micro-batch
-                sync = contextlib.nullcontext() if k == n_micro - 1 else accelerator.no_sync(model)
-                with sync:
-                    with accelerator.autocast():
-                        logits, tokens = response_logits(model, samples, pad_id, device)
-                    logp = sequence_log_probs(logits, tokens, cfg.temperature)
-                    width = logp.shape[1]
-                    mask = response_mask(lengths, width).to(device)
-                    old = right_aligned([item.old_logp.tolist() for item in micro], width).to(device)
-                    advantages = torch.tensor([item.advantage for item in micro], dtype=logp.dtype, device=device)
-                    loss, loss_stats = algos.ppo_clip_policy_loss(logp, old, advantages, mask, cfg.eps_low,
-                                                                  cfg.eps_high, cfg.dual_clip, cfg.loss_agg)
-                    accelerator.backward(loss * weight * world)
-                for name, value in {"loss": loss.item(), **loss_stats}.items():
-                    step_totals[name] = step_totals.get(name, 0.0) + value * weight
-                if epoch == 0 and real:
-                    with torch.no_grad():
-                        token_entropy = algos.entropy_from_logits(logits.detach().float() / cfg.temperature)
-                        entropy["sum"] += float((token_entropy * mask).sum())
-                        entropy["tokens"] += float(mask.sum())
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step_totals = summed_over_processes(accelerator, step_totals)
-            for name, value in {**step_totals, "grad_norm": float(grad_norm)}.items():
-                stats.setdefault(name, []).append(value)
-            bar.update(1)
-    bar.close()
-    out = {name: float(np.mean(values)) for name, values in stats.items()}
-    out.update(optimizer_steps=float(len(stats.get("loss", []))), trained_rows=float(len(keys)))
-    if keys:
-        entropy = summed_over_processes(accelerator, entropy)
-        out["entropy"] = entropy["sum"] / max(1.0, entropy["tokens"])
-    return out
-
-
-# --------------------------------------------------------------------------- metrics of a step
-
-
-def rollout_metrics(rows: Sequence[dict[str, Any]], max_turns: int) -> dict[str, float]:
-    """Reward statistics, hacking ratio and Fast@p of the rollouts (Fast@p at the last turn and best-of-history)."""
-    rewards = np.array([float(row["reward"]) for row in rows])
-    values = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-              "correct_frac": kmetrics.correct_rate([r["correct"] for r in rows], [r["hacked"] for r in rows]),
-              "turns_mean": float(np.mean([r["turn"] for r in rows]))}
-    evaluated = [r["hacked"] for r in rows if r["status"] not in NOT_EVALUATED]
-    if evaluated:  # Appendix C: the share of evaluated kernels flagged as hacks
-        values["hacking_ratio"] = kmetrics.hacking_ratio(evaluated)
-    for turn in range(1, max_turns + 1):
-        at_turn = rewards[[row["turn"] == turn for row in rows]]
-        if len(at_turn):
-            values[f"reward_mean_turn{turn}"] = float(at_turn.mean())
-    frame = [{k: row[k] for k in ("task_id", "sample", "turn", "correct", "hacked", "speedup_eager")} for row in rows]
-    by_turn = kmetrics.fast_p_by_turn(pd.DataFrame(frame), FAST_PS)
-    history = kmetrics.fast_p_by_turn(pd.DataFrame(frame), FAST_PS, history=True)
-    for p in FAST_PS:
-        values[f"fast@{p:g}"] = float(by_turn[f"fast@{p:g}"].iloc[-1])
-        values[f"fast@{p:g}_best_of_history"] = float(history[f"fast@{p:g}"].iloc[-1])
-    return values
-
-
-def token_totals(train_logp: Sequence[torch.Tensor],
-                 rollout_logp: Sequence[Sequence[float]]) -> dict[str, tuple[float, float]]:
-    """(sum, count) behind the rollout-engine and trainer perplexities over the same tokens (Figure 7:
-    exp of the mean negative log-prob, `{engine}_nll`) and the mean response length, of rows with tokens."""
-    tokens = float(sum(len(x) for x in train_logp))
-    return {"train_nll": (-sum(float(x.double().sum()) for x in train_logp), tokens),
-            "rollout_nll": (-math.fsum(math.fsum(x) for x in rollout_logp), tokens),
-            "response_tokens_mean": (tokens, float(len(train_logp)))}
-
-
-# --------------------------------------------------------------------------- model, engines, evaluators
 
 
 def load_policy(model_dir: Path, cfg: RLConfig) -> tuple[Any, Any]:
@@ -583,61 +183,6 @@ def gym_protocol(cfg: RLConfig, base: Mapping[str, Any] | None) -> Any:
     if cfg.use_pr or cfg.prs:
         values["profile"] = True
     return Protocol.from_dict(values)
-
-
-def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
-    """Copy the trainer's weights into the rollout copy, one tensor at a time. FSDP2-sharded
-    tensors are all-gathered first (every process must call this), so the peak memory is one
-    full tensor beyond the copy."""
-    from torch.distributed.tensor import DTensor
-
-    target_state = target.state_dict()
-    with torch.no_grad():
-        for name, value in source.state_dict().items():
-            target_state[name].copy_(value.full_tensor() if isinstance(value, DTensor) else value)
-
-
-def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    # get_model(): the bare model under a CUDA-graph wrapper, in both the V1 and V2 model runners
-    worker.model_runner.get_model().load_weights(weights=weights)
-
-
-def push_weights_to_vllm(engine: Any, model: Any) -> None:
-    """Copy the trainer's weights into an in-process vLLM engine (vLLM 0.33, V1 engine; read in its
-    source, not run: tests/test_vllm_api.py).
-
-    Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the
-    engine is built), so `collective_rpc` calls the function on the worker object directly and
-    the tensors are handed over without serialisation; `load_weights` takes HF parameter names.
-    The prefix cache holds KV of the old weights, so it is reset.
-    """
-    weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
-    engine.llm.collective_rpc(_load_weights_on_vllm_worker, args=(weights,))
-    engine.llm.reset_prefix_cache()
-
-
-def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name: str, progress: bool) -> Any:
-    """The rollout engine: HF generate on the live policy, or an in-process vLLM engine."""
-    if cfg.engine == "hf":
-        from kpipe.llm.hf_engine import HFEngine
-
-        return HFEngine(model, tokenizer, name=name, batch_size=cfg.generation_batch_size, seed=cfg.seed,
-                        progress=progress)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from kpipe.llm.vllm_engine import VLLMEngine
-
-    return VLLMEngine(str(model_dir), name=name, seed=cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                      logprobs_mode="processed_logprobs", max_model_len=cfg.max_context_tokens)
-
-
-# --------------------------------------------------------------------------- one step, one iteration
-
-
-def annotate_rows(rows: list[dict[str, Any]], returns: torch.Tensor, advantages: torch.Tensor,
-                  reasons: Sequence[str | None]) -> None:
-    """Fill the training columns of the `trajectories` rows in place."""
-    for row, ret, adv, reason in zip(rows, returns.tolist(), advantages.tolist(), reasons, strict=True):
-        row.update(return_to_go=ret, advantage=adv, kept=reason is None, rejected_by=reason)
 
 
 def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: Any, model: Any, optimizer: Any,
@@ -683,19 +228,6 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
     values.update({f"{engine}_ppl": algos.perplexity(means[f"{engine}_nll"]) for engine in ("rollout", "train")
                    if f"{engine}_nll" in means})
     return values
-
-
-def rollout_rows(tasks: Sequence[AgentTask], engine: Any, evaluator: Any, cfg: RLConfig, *, run: str, iteration: int,
-                 global_step: int, progress: bool) -> list[dict[str, Any]]:
-    """The rollouts of one step: n episodes per prompt through the shared multi-turn loop."""
-    sampling = Sampling(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, logprobs=True)
-    return run_episodes(
-        tasks, engine, evaluator, make_policy(cfg.history, cfg.history_window), n_samples=cfg.rollouts_per_prompt,
-        max_turns=cfg.max_turns, sampling=sampling,
-        reward_fn=algos.turn_reward(cfg.reward, cfg.use_pr, cfg.baseline, cfg.speedup_cap),
-        run=run, stage=STAGE, iteration=iteration, seed=step_seed(cfg.seed, global_step),
-        max_context_tokens=cfg.max_context_tokens, progress=progress,
-    )
 
 
 def run_iteration(
@@ -761,7 +293,9 @@ class IterationTrainer:
     """The state of one iteration in one process: accelerator, policy, optimizer, rollout engine and
     metrics log. With several processes, rollouts run on `rollout_model`, a full-weight copy of the
     policy refreshed before every step: generation through the sharded policy would need every
-    process to run the same number of forward passes, which the processes' episodes do not."""
+    process to run the same number of forward passes, which the processes' episodes do not. With
+    `async: off_policy_1` (HF engine) too: the next step's rollouts are generated from that copy while
+    the update changes the policy's own weights."""
 
     def __init__(self, accelerator: Any, cfg: RLConfig, init_model: Path, init_state: Path | None, scratch: Path,
                  fingerprint: str, run: str, iteration: int, progress: bool) -> None:
@@ -778,8 +312,9 @@ class IterationTrainer:
         # bf16 under bf16 autocast (what vLLM would sample from too): half the memory of an fp32 copy,
         # and no autocast cache of its casts held through the rollouts
         rollout_dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
+        needs_copy = processes > 1 or (cfg.async_mode == "off_policy_1" and cfg.engine == "hf")
         self.rollout_model = (copy.deepcopy(model).to(self.accelerator.device, dtype=rollout_dtype).eval()
-                              if processes > 1 else None)
+                              if needs_copy else None)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                       fused=torch.cuda.is_available())
         # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
@@ -816,8 +351,9 @@ class IterationTrainer:
         return [gpus[self.accelerator.local_process_index]]
 
     def step(self, step: int, tasks: Sequence[AgentTask], evaluator: Evaluator) -> dict[str, float]:
-        """This process's rollouts (or their saved copy), training on them, metrics; a checkpoint
-        unless it is the last step."""
+        """This process's rollouts (their saved copy, or generated now), training on them, metrics; a
+        checkpoint unless it is the last step. With `async: off_policy_1` the next step's rollouts are
+        generated during the update and saved before the checkpoint, so a resumed step finds them."""
         cfg, accelerator = self.cfg, self.accelerator
         global_step = self.iteration * cfg.steps_per_iteration + step
         if self.rollout_model is not None:
@@ -827,35 +363,36 @@ class IterationTrainer:
         timed = TimedEvaluator(evaluator)
         self.engine.seconds = 0.0
         started = time.perf_counter()
-        my_tasks = process_tasks(step_tasks(tasks, cfg.prompts_per_step, cfg.seed, global_step),
-                                 accelerator.process_index, accelerator.num_processes)
-        rollouts_path = self.scratch / f"rollouts-{step:04d}.parquet"
-        if rollouts_path.exists():
-            mine = {task.task_id for task in my_tasks}
-            rows = [row for row in read_table(rollouts_path, "trajectories").to_pylist() if row["task_id"] in mine]
-        else:
-            self.model.eval()
-            with accelerator.autocast():  # HF rollouts in the trainer's precision: less mismatch for MRS
-                rows = rollout_rows(my_tasks, self.engine, timed, cfg, run=self.run, iteration=self.iteration,
-                                    global_step=global_step, progress=self.progress)
-            all_rows = gather_object(rows)
-            if accelerator.is_main_process:
-                write_table(all_rows, rollouts_path, "trajectories")
+        rows = self.saved_rollouts(step, tasks)
+        if rows is None:
+            self.model.eval()  # HF generation may run on the policy itself
+            rows = self.save_rollouts(step, self.generate_rollouts(step, tasks, timed))
         rollout_s = time.perf_counter() - started
+        ahead = (cfg.async_mode == "off_policy_1" and step + 1 < cfg.steps_per_iteration
+                 and not self.rollouts_path(step + 1).exists())
         # PRS's coin flips: a stream per process (rank 0's is the one-process stream); mini-batches: one for all
         self.filter_generator.manual_seed(step_seed(cfg.seed + 1, global_step) + accelerator.process_index)
         self.shuffle_generator.manual_seed(step_seed(cfg.seed + 2, global_step))
-        values = train_on_rollouts(rows, cfg, accelerator, self.model, self.optimizer, self.tokenizer,
-                                   self.filter_generator, self.shuffle_generator, self.progress)
+        with ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") as background:
+            next_rows = background.submit(self.generate_rollouts, step + 1, tasks, timed) if ahead else None
+            train_started = time.perf_counter()
+            values = train_on_rollouts(rows, cfg, accelerator, self.model, self.optimizer, self.tokenizer,
+                                       self.filter_generator, self.shuffle_generator, self.progress)
+            train_s = time.perf_counter() - train_started
+            if next_rows is not None:
+                self.save_rollouts(step + 1, next_rows.result())
         if torch.cuda.is_available():
             # hand the update's cached blocks back: the next rollouts' evaluation children share this GPU
             torch.cuda.empty_cache()
         all_rows = gather_object(rows)
         values.update(rollout_metrics(all_rows, cfg.max_turns))
-        # times are this process's (the step ends in collectives, so step_s is everyone's)
-        values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=rollout_s,
-                      train_s=time.perf_counter() - started - rollout_s, step_s=time.perf_counter() - started,
-                      lr=cfg.lr, rows=float(len(all_rows)))
+        # times are this process's (the step ends in collectives, so step_s is everyone's); gen_s and eval_s
+        # count whatever generation and evaluation ran during the step, overlap_s what running them alongside
+        # each other and the update saved against one after the other
+        step_s = time.perf_counter() - started
+        values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=rollout_s, train_s=train_s,
+                      step_s=step_s, overlap_s=self.engine.seconds + timed.seconds + train_s - step_s,
+                      policy_lag=float(self.policy_lag(step)), lr=cfg.lr, rows=float(len(all_rows)))
         self.metrics.log(global_step + 1, values)
         if accelerator.is_main_process:
             write_table(all_rows, self.scratch / f"step-{step:04d}.parquet", "trajectories")
@@ -867,6 +404,44 @@ class IterationTrainer:
             save_checkpoint(accelerator, self.model, self.tokenizer, self.scratch / "checkpoints", step + 1,
                             self.fingerprint, keep_last=1)
         return values
+
+    def my_tasks(self, step: int, tasks: Sequence[AgentTask]) -> list[AgentTask]:
+        """This process's prompts of `step`."""
+        global_step = self.iteration * self.cfg.steps_per_iteration + step
+        return process_tasks(step_tasks(tasks, self.cfg.prompts_per_step, self.cfg.seed, global_step),
+                             self.accelerator.process_index, self.accelerator.num_processes)
+
+    def rollouts_path(self, step: int) -> Path:
+        return self.scratch / f"rollouts-{step:04d}.parquet"
+
+    def saved_rollouts(self, step: int, tasks: Sequence[AgentTask]) -> list[dict[str, Any]] | None:
+        """This process's rollouts of `step` as a previous attempt (or the step before) saved them."""
+        path = self.rollouts_path(step)
+        if not path.exists():
+            return None
+        mine = {task.task_id for task in self.my_tasks(step, tasks)}
+        return [row for row in read_table(path, "trajectories").to_pylist() if row["task_id"] in mine]
+
+    def generate_rollouts(self, step: int, tasks: Sequence[AgentTask], evaluator: Evaluator) -> list[dict[str, Any]]:
+        """This process's rollouts of `step`, generated and judged now by the rollout engine's current
+        weights. No collectives: it runs on a background thread during the update (off_policy_1)."""
+        global_step = self.iteration * self.cfg.steps_per_iteration + step
+        with self.accelerator.autocast():  # HF rollouts in the trainer's precision: less mismatch for MRS
+            return rollout_rows(self.my_tasks(step, tasks), self.engine, evaluator, self.cfg, run=self.run,
+                                iteration=self.iteration, global_step=global_step, progress=self.progress)
+
+    def save_rollouts(self, step: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every process's rollouts of `step` into the scratch (rank 0 writes); returns this process's."""
+        all_rows = gather_object(rows)
+        if self.accelerator.is_main_process:
+            write_table(all_rows, self.rollouts_path(step), "trajectories")
+        return rows
+
+    def policy_lag(self, step: int) -> int:
+        """Updates between the policy that generated `step`'s rollouts and the one trained on them: with
+        off_policy_1 every step but an iteration's first trains on rollouts generated during the
+        previous step's update (also after a resume: they are saved before that step's checkpoint)."""
+        return int(self.cfg.async_mode == "off_policy_1" and step > 0)
 
     def finish(self, model_out: Path, state_out: str | os.PathLike | None, trajectories_path: str | os.PathLike,
                metrics_path: str | os.PathLike, resumed_steps: int) -> IterationResult:
@@ -917,3 +492,4 @@ def drop_optimizer_state(path: str | os.PathLike) -> None:
     """Delete an iteration's optimizer state once the next iteration has its own (Adam's
     moments are twice the model in fp32: one per iteration would fill any disk)."""
     shutil.rmtree(path, ignore_errors=True)
+

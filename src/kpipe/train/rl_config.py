@@ -35,6 +35,7 @@ BASELINES = ("eager", "compile")
 HISTORIES = ("full", "top_w", "best_window", "kevin")
 ENGINES = ("hf", "vllm")
 BUFFERS = ("none", "tritonforge", "tritonforge_released")
+ASYNC_MODES = ("off", "eval", "off_policy_1")
 
 
 @dataclass
@@ -56,6 +57,11 @@ class RLConfig:
     engine: str = "hf"  # hf | vllm (rollouts); the trainer is always torch + transformers
     generation_batch_size: int = 16  # HF engine: sequences per generate() call
     vllm_gpu_memory_utilization: float = 0.35  # vLLM shares the GPU with the trainer
+    # asynchronous inference (§6.1; config key `async`, a Python keyword): off | eval (turns are judged
+    # while the engine decodes the others; same rows) | off_policy_1 (also the next step's rollouts are
+    # generated during this step's update, by the policy before it: one step stale). Off by default:
+    # with one GPU, kernels would be timed while the engine decodes on it (the paper's KernelGym has its own)
+    async_mode: str = "off"
     # --- evaluation (the `gym` config section picks the backend and protocol; RL overrides this much)
     hacking_check: bool = True  # ablation "w/o hacking check" turns KernelGym's hack checks off
     # --- reward and returns (Eq. 1, 2, 8)
@@ -115,6 +121,7 @@ class RLConfig:
             (self.baseline in BASELINES, f"baseline must be one of {BASELINES}"),
             (self.history in HISTORIES, f"history must be one of {HISTORIES}"),
             (self.engine in ENGINES, f"engine must be one of {ENGINES}"),
+            (self.async_mode in ASYNC_MODES, f"async must be one of {ASYNC_MODES}"),
             (self.buffer in BUFFERS, f"buffer must be one of {BUFFERS}"),
             (self.buffer == "none" or self.advantage != "rloo_trajectory",
              "a buffer normalises (prompt, turn) groups: use it with trloo, grpo or grpo_std"),
@@ -143,8 +150,12 @@ class RLConfig:
         """A config from `values` (the `rl:` config section) with an optional named ablation on top.
 
         The ablation comes from the argument or an ``ablation`` key in `values`; unknown keys are an error.
+        The config's ``async`` is the field `async_mode` (YAML reads an unquoted ``off`` as false).
         """
         values = dict(values)
+        if "async" in values:
+            mode = values.pop("async")
+            values["async_mode"] = "off" if mode is False else mode
         ablation = values.pop("ablation", None) or ablation
         known = {item.name for item in fields(cls)}
         unknown = set(values) - known

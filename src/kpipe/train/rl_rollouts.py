@@ -1,0 +1,162 @@
+"""The rollouts of an RL step (paper §4.3, §6.1): which prompts, the engine that generates them (HF
+`generate` on the policy or an in-process vLLM engine, fed the trainer's weights), the timing wrappers
+behind the step's time split, and the rollouts' reward metrics. The episodes themselves run in the
+one multi-turn loop, `kpipe.agent.run_episodes`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from kpipe.agent.evaluator import Evaluator
+from kpipe.agent.history import make_policy
+from kpipe.agent.loop import GENERATION_ERROR, AgentTask, Sampling, run_episodes
+from kpipe.data import metrics as kmetrics
+from kpipe.llm.extract import FORMAT_ERROR
+from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
+from kpipe.train import algos
+from kpipe.train.rl_config import RLConfig
+from kpipe.train.sft import batch_indices
+
+STAGE = "rl"
+FAST_PS = (1.0, 1.2)
+
+NOT_EVALUATED = (FORMAT_ERROR, GENERATION_ERROR)  # turns KernelGym never saw
+
+
+def step_tasks(tasks: Sequence[AgentTask], prompts_per_step: int, seed: int, global_step: int) -> list[AgentTask]:
+    """The prompts of one global step: consecutive slices of a fresh permutation per epoch."""
+    return [tasks[i] for i in batch_indices(len(tasks), min(prompts_per_step, len(tasks)), seed, global_step)]
+
+
+def step_seed(seed: int, global_step: int) -> int:
+    """Sampling seed of one step: every step draws new rollouts, a rerun draws the same ones."""
+    return int(hashlib.sha256(f"rl:{seed}:{global_step}".encode()).hexdigest()[:8], 16)
+
+
+def process_tasks(tasks: Sequence[AgentTask], rank: int, processes: int) -> list[AgentTask]:
+    """The prompts of one process: every `processes`-th from `rank`, each with all its rollouts, so
+    the (prompt, turn) groups of the advantages never straddle processes."""
+    return list(tasks[rank::processes])
+
+
+class TimedEngine:
+    """An engine that adds up the wall time of its `generate` calls (the step's generation time)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.seconds = 0.0
+
+    def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
+        started = time.perf_counter()
+        try:
+            return self.engine.generate(requests, on_result)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+class TimedEvaluator:
+    """An evaluator that adds up the wall time of its `evaluate_many` calls."""
+
+    def __init__(self, evaluator: Evaluator) -> None:
+        self.evaluator = evaluator
+        self.seconds = 0.0
+
+    def evaluate_many(self, jobs: list[tuple[str, str]]) -> list[Any]:
+        started = time.perf_counter()
+        try:
+            return self.evaluator.evaluate_many(jobs)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def rollout_rows(tasks: Sequence[AgentTask], engine: Any, evaluator: Any, cfg: RLConfig, *, run: str, iteration: int,
+                 global_step: int, progress: bool) -> list[dict[str, Any]]:
+    """The rollouts of one step: n episodes per prompt through the shared multi-turn loop, each turn
+    judged while the engine decodes the others unless `async` is off."""
+    sampling = Sampling(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, logprobs=True)
+    return run_episodes(
+        tasks, engine, evaluator, make_policy(cfg.history, cfg.history_window), n_samples=cfg.rollouts_per_prompt,
+        max_turns=cfg.max_turns, sampling=sampling,
+        reward_fn=algos.turn_reward(cfg.reward, cfg.use_pr, cfg.baseline, cfg.speedup_cap),
+        run=run, stage=STAGE, iteration=iteration, seed=step_seed(cfg.seed, global_step),
+        max_context_tokens=cfg.max_context_tokens, progress=progress, overlap=cfg.async_mode != "off",
+    )
+
+
+def rollout_metrics(rows: Sequence[dict[str, Any]], max_turns: int) -> dict[str, float]:
+    """Reward statistics, hacking ratio and Fast@p of the rollouts (Fast@p at the last turn and best-of-history)."""
+    rewards = np.array([float(row["reward"]) for row in rows])
+    values = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+              "correct_frac": kmetrics.correct_rate([r["correct"] for r in rows], [r["hacked"] for r in rows]),
+              "turns_mean": float(np.mean([r["turn"] for r in rows]))}
+    evaluated = [r["hacked"] for r in rows if r["status"] not in NOT_EVALUATED]
+    if evaluated:  # Appendix C: the share of evaluated kernels flagged as hacks
+        values["hacking_ratio"] = kmetrics.hacking_ratio(evaluated)
+    for turn in range(1, max_turns + 1):
+        at_turn = rewards[[row["turn"] == turn for row in rows]]
+        if len(at_turn):
+            values[f"reward_mean_turn{turn}"] = float(at_turn.mean())
+    frame = [{k: row[k] for k in ("task_id", "sample", "turn", "correct", "hacked", "speedup_eager")} for row in rows]
+    by_turn = kmetrics.fast_p_by_turn(pd.DataFrame(frame), FAST_PS)
+    history = kmetrics.fast_p_by_turn(pd.DataFrame(frame), FAST_PS, history=True)
+    for p in FAST_PS:
+        values[f"fast@{p:g}"] = float(by_turn[f"fast@{p:g}"].iloc[-1])
+        values[f"fast@{p:g}_best_of_history"] = float(history[f"fast@{p:g}"].iloc[-1])
+    return values
+
+
+def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Copy the trainer's weights into the rollout copy, one tensor at a time. FSDP2-sharded
+    tensors are all-gathered first (every process must call this), so the peak memory is one
+    full tensor beyond the copy."""
+    from torch.distributed.tensor import DTensor
+
+    target_state = target.state_dict()
+    with torch.no_grad():
+        for name, value in source.state_dict().items():
+            target_state[name].copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+
+
+def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    # get_model(): the bare model under a CUDA-graph wrapper, in both the V1 and V2 model runners
+    worker.model_runner.get_model().load_weights(weights=weights)
+
+
+def push_weights_to_vllm(engine: Any, model: Any) -> None:
+    """Copy the trainer's weights into an in-process vLLM engine (vLLM 0.33, V1 engine; read in its
+    source, not run: tests/test_vllm_api.py).
+
+    Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the
+    engine is built), so `collective_rpc` calls the function on the worker object directly and
+    the tensors are handed over without serialisation; `load_weights` takes HF parameter names.
+    The prefix cache holds KV of the old weights, so it is reset.
+    """
+    weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+    engine.llm.collective_rpc(_load_weights_on_vllm_worker, args=(weights,))
+    engine.llm.reset_prefix_cache()
+
+
+def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name: str, progress: bool) -> Any:
+    """The rollout engine: HF generate on the live policy, or an in-process vLLM engine."""
+    if cfg.engine == "hf":
+        from kpipe.llm.hf_engine import HFEngine
+
+        return HFEngine(model, tokenizer, name=name, batch_size=cfg.generation_batch_size, seed=cfg.seed,
+                        progress=progress)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from kpipe.llm.vllm_engine import VLLMEngine
+
+    return VLLMEngine(str(model_dir), name=name, seed=cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                      logprobs_mode="processed_logprobs", max_model_len=cfg.max_context_tokens)
+

@@ -1,0 +1,257 @@
+"""The policy update of an RL step: the trainer's token sequences (the rollout's exact prompt render,
+left padding), π_train log-probs of the sampled tokens, and PPO-clip optimizer steps over
+micro-batches whose losses are weighted so that accumulation over micro-batches and processes gives
+the one-big-batch gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from kpipe.llm.hf_engine import plain_chat_prompt
+from kpipe.train import algos
+from kpipe.train.rl_config import RLConfig
+from kpipe.train.sft import max_over_processes, plan_micro_batches
+
+
+def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The prompt exactly as the rollout engines render it (chat template, generation prompt)."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return plain_chat_prompt(messages)
+
+
+@dataclass
+class TokenSample:
+    """One turn as the trainer sees it: prompt ids + the sampled response ids."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def token_samples(rows: Sequence[dict[str, Any]], tokenizer: Any) -> list[TokenSample]:
+    """Trainer inputs of rows with a response (rows without one get an empty response)."""
+    samples = []
+    for row in rows:
+        text = prompt_text(tokenizer, list(row["prompt_messages"]))
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        samples.append(TokenSample(prompt_ids, list(row.get("response_token_ids") or [])))
+    return samples
+
+
+def left_padded(samples: Sequence[TokenSample], pad_id: int) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask and position_ids, left-padded so every response ends at the right edge.
+
+    Position ids count real tokens only, as `generate` does with left padding, so the trainer's
+    log-probs are those of the same computation the rollout did.
+    """
+    width = max(s.length for s in samples)
+    input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        ids = sample.prompt_ids + sample.response_ids
+        input_ids[row, width - len(ids):] = torch.tensor(ids)
+        attention_mask[row, width - len(ids):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def response_mask(lengths: Sequence[int], width: int) -> torch.Tensor:
+    """[rows, width] mask of the response tokens in right-aligned [rows, width] tensors."""
+    return torch.arange(width).unsqueeze(0) >= (width - torch.tensor(list(lengths))).unsqueeze(1)
+
+
+def right_aligned(values: Sequence[Sequence[float]], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-row sequences as a [rows, width] tensor, each row's values at the right end, 0 elsewhere."""
+    out = torch.zeros((len(values), width), dtype=dtype)
+    for row, sequence in enumerate(values):
+        if len(sequence):
+            out[row, width - len(sequence):] = torch.as_tensor(list(sequence), dtype=dtype)
+    return out
+
+
+def response_logits(model: Any, samples: Sequence[TokenSample], pad_id: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits predicting each response token ([batch, R, vocab], right-aligned, R = longest response)
+    and the response token ids; only the last R+1 positions' logits are computed (vocabularies are big)."""
+    width = max(len(s.response_ids) for s in samples)
+    batch = {k: v.to(device) for k, v in left_padded(samples, pad_id).items()}
+    output = model(**batch, logits_to_keep=width + 1, use_cache=False)
+    return output.logits[:, :-1, :], batch["input_ids"][:, -width:]
+
+
+def sequence_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log π(token) under the sampling distribution softmax(logits / T), as the rollout engine recorded it."""
+    return algos.log_probs_from_logits(logits.float() / temperature, tokens)
+
+
+def filler_sample(pad_id: int) -> TokenSample:
+    """A one-token sample for the forward passes a process runs only to keep pace with the others."""
+    return TokenSample([pad_id], [pad_id])
+
+
+@torch.no_grad()
+def policy_log_probs(model: Any, samples: Sequence[TokenSample], temperature: float, token_budget: int,
+                     pad_id: int, device: torch.device, progress: bool = False,
+                     pass_count: Callable[[int], int] | None = None) -> list[torch.Tensor]:
+    """π_train log-probs of every sample's response tokens (1-D CPU tensors), in micro-batches.
+
+    `pass_count(n)` turns this process's n forward passes into the number to run: a sharded model
+    needs every process to run as many as the busiest (`max_over_processes`); the extra passes
+    run on a filler and are discarded.
+    """
+    out: list[torch.Tensor] = [torch.zeros(0)] * len(samples)
+    todo = [i for i, s in enumerate(samples) if s.response_ids]
+    groups = plan_micro_batches([samples[i].length for i in todo], token_budget)
+    passes = pass_count(len(groups)) if pass_count is not None else len(groups)
+    for k in tqdm(range(passes), desc="π_train log-probs", disable=not progress, leave=False):
+        if k >= len(groups):
+            response_logits(model, [filler_sample(pad_id)], pad_id, device)
+            continue
+        group = groups[k]
+        batch = [samples[todo[g]] for g in group]
+        logits, tokens = response_logits(model, batch, pad_id, device)
+        logp = sequence_log_probs(logits, tokens, temperature).cpu()
+        for g, sample, row_logp in zip(group, batch, logp, strict=True):
+            out[todo[g]] = row_logp[logp.shape[1] - len(sample.response_ids):]
+    return out
+
+
+RowKey = tuple[str, int, int]  # (task_id, sample, turn): names a row of a step on every process
+
+
+def row_key(row: Mapping[str, Any]) -> RowKey:
+    return (row["task_id"], int(row["sample"]), int(row["turn"]))
+
+
+@dataclass
+class TrainItem:
+    key: RowKey
+    sample: TokenSample
+    advantage: float
+    old_logp: torch.Tensor  # π_train before the update (PPO's old policy)
+
+
+def loss_units(agg_mode: str, response_lengths: Sequence[int]) -> int:
+    """What a mini-batch's loss is a mean over: its response tokens (token-mean) or its sequences."""
+    return sum(response_lengths) if agg_mode == "token-mean" else len(response_lengths)
+
+
+def micro_batch_weight(agg_mode: str, micro_lengths: Sequence[int], mini_units: int) -> float:
+    """Share of one micro-batch (its response lengths) in its mini-batch's loss, the mini-batch
+    counted over every process (`mini_units`, from `loss_units`), so gradient accumulation and any
+    number of processes give the gradient of one big batch."""
+    return loss_units(agg_mode, micro_lengths) / mini_units
+
+
+def summed_over_processes(accelerator: Any, values: Mapping[str, float]) -> dict[str, float]:
+    """Each value added up over all processes (every process passes the same names)."""
+    names = sorted(values)
+    local = torch.tensor([float(values[name]) for name in names], dtype=torch.float64, device=accelerator.device)
+    return dict(zip(names, accelerator.reduce(local, "sum").tolist(), strict=True))
+
+
+def global_means(accelerator: Any, totals: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+    """sum / count of each metric over every process's rows, so N processes report what one
+    process would on the same rows; a metric that counts nothing anywhere is left out."""
+    sums = summed_over_processes(accelerator, {name: total for name, (total, _) in totals.items()})
+    counts = summed_over_processes(accelerator, {name: count for name, (_, count) in totals.items()})
+    return {name: sums[name] / counts[name] for name in totals if counts[name]}
+
+
+def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[TrainItem], cfg: RLConfig,
+                  pad_id: int, generator: torch.Generator, progress: bool = False) -> dict[str, float]:
+    """PPO-clip optimizer steps on this process's `items`: `ppo_epochs` passes over `mini_batches`
+    mini-batches each, the same steps one process would take on every process's items.
+
+    Mini-batches are drawn from all processes' items, ordered by key and shuffled with `generator`
+    (in the same state on every process), so they do not depend on which process holds a row.
+    Each micro-batch's loss is weighted by its share of its global mini-batch and multiplied by
+    the process count, since DDP/FSDP average gradients over processes. Every process runs as many
+    forward passes as the busiest; its extra ones run on a filler with weight 0.
+
+    Returns the means over optimizer steps of loss, grad_norm, clip fractions and approx KL, the
+    token-mean entropy of the policy on the trained tokens during the first epoch, and the number
+    of trained rows (all over every process).
+    """
+    device, world = accelerator.device, accelerator.num_processes
+    units = dict(gather_object([(item.key, len(item.sample.response_ids)) for item in items]))
+    keys, mine = sorted(units), {item.key: item for item in items}
+    filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1))
+    stats: dict[str, list[float]] = {}
+    entropy = {"sum": 0.0, "tokens": 0.0}
+    bar = tqdm(total=cfg.ppo_epochs * min(cfg.mini_batches, len(keys)), desc="update", unit="step",
+               disable=not progress, leave=False)  # the job log's progress line during the update
+    for epoch in range(cfg.ppo_epochs if keys else 0):
+        order = torch.randperm(len(keys), generator=generator).tolist()
+        for positions in np.array_split(np.array(order), min(cfg.mini_batches, len(keys))):
+            mini_keys = [keys[i] for i in positions]
+            mini_units = loss_units(cfg.loss_agg, [units[key] for key in mini_keys])
+            local = [mine[key] for key in mini_keys if key in mine]
+            groups = plan_micro_batches([item.sample.length for item in local], cfg.micro_batch_tokens)
+            n_micro = max_over_processes(accelerator, len(groups))
+            step_totals: dict[str, float] = {}
+            for k in range(n_micro):
+                real = k < len(groups)
+                micro = [local[g] for g in groups[k]] if real else [filler]
+                samples = [item.sample for item in micro]
+                lengths = [len(s.response_ids) for s in samples]
+                weight = micro_batch_weight(cfg.loss_agg, lengths, mini_units) if real else 0.0
+                # gradients are synchronised once per mini-batch, on its last micro-batch
+                sync = contextlib.nullcontext() if k == n_micro - 1 else accelerator.no_sync(model)
+                with sync:
+                    with accelerator.autocast():
+                        logits, tokens = response_logits(model, samples, pad_id, device)
+                    logp = sequence_log_probs(logits, tokens, cfg.temperature)
+                    width = logp.shape[1]
+                    mask = response_mask(lengths, width).to(device)
+                    old = right_aligned([item.old_logp.tolist() for item in micro], width).to(device)
+                    advantages = torch.tensor([item.advantage for item in micro], dtype=logp.dtype, device=device)
+                    loss, loss_stats = algos.ppo_clip_policy_loss(logp, old, advantages, mask, cfg.eps_low,
+                                                                  cfg.eps_high, cfg.dual_clip, cfg.loss_agg)
+                    accelerator.backward(loss * weight * world)
+                for name, value in {"loss": loss.item(), **loss_stats}.items():
+                    step_totals[name] = step_totals.get(name, 0.0) + value * weight
+                if epoch == 0 and real:
+                    with torch.no_grad():
+                        token_entropy = algos.entropy_from_logits(logits.detach().float() / cfg.temperature)
+                        entropy["sum"] += float((token_entropy * mask).sum())
+                        entropy["tokens"] += float(mask.sum())
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_totals = summed_over_processes(accelerator, step_totals)
+            for name, value in {**step_totals, "grad_norm": float(grad_norm)}.items():
+                stats.setdefault(name, []).append(value)
+            bar.update(1)
+    bar.close()
+    out = {name: float(np.mean(values)) for name, values in stats.items()}
+    out.update(optimizer_steps=float(len(stats.get("loss", []))), trained_rows=float(len(keys)))
+    if keys:
+        entropy = summed_over_processes(accelerator, entropy)
+        out["entropy"] = entropy["sum"] / max(1.0, entropy["tokens"])
+    return out
+
+
+def token_totals(train_logp: Sequence[torch.Tensor],
+                 rollout_logp: Sequence[Sequence[float]]) -> dict[str, tuple[float, float]]:
+    """(sum, count) behind the rollout-engine and trainer perplexities over the same tokens (Figure 7:
+    exp of the mean negative log-prob, `{engine}_nll`) and the mean response length, of rows with tokens."""
+    tokens = float(sum(len(x) for x in train_logp))
+    return {"train_nll": (-sum(float(x.double().sum()) for x in train_logp), tokens),
+            "rollout_nll": (-math.fsum(math.fsum(x) for x in rollout_logp), tokens),
+            "response_tokens_mean": (tokens, float(len(train_logp)))}
+
