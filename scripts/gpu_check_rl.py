@@ -1,18 +1,22 @@
 """GPU check of one RL iteration (kpipe.train.rl.run_iteration) with real KernelGym evaluation:
-the time of one step split into generation, evaluation and training.
+the time of one step split into generation, evaluation and training, per `rl.async` mode.
 
     PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 python scripts/gpu_check_rl.py        # ~4 minutes on one H100
+    ... scripts/gpu_check_rl.py --async off eval --sft-steps 300              # before/after overlap
+    ... scripts/gpu_check_rl.py --async off off_policy_1 --steps 2            # one-step off-policy
 
 1. Builds a Qwen3-0.6B-sized model from config (random weights, no download) with a BPE
    tokenizer trained on the prompts and the bank's kernels, and SFTs it (kpipe.train.sft) on the
    bank's correct and buggy kernels of two KernelBench tasks until it reproduces them, so that
    its rollouts contain programs KernelGym actually runs (a random-init policy writes none).
-2. Runs one RL iteration of one step: HF `generate` rollouts on the live policy with per-token
-   log-probs, the warm GPU evaluation pool (the paper's protocol: 5 correctness trials, 100
-   timed trials, hacking checks, profiling for PR), rewards with PR (Eq. 8), PRS (Eq. 9),
-   TRLOO, and the PPO-clip update under bf16 autocast.
-3. Prints the step's time split and statistics from `train_metrics`, and writes
-   $OUT/rl_check.md (+ .json) when $OUT is set.
+2. Runs one RL iteration of `--steps` steps per `--async` mode, from the same SFT model, seeds and
+   warm GPU evaluation pool: HF `generate` rollouts with per-token log-probs, KernelGym with the
+   paper's protocol (5 correctness trials, 100 timed trials, hacking checks, profiling for PR),
+   rewards with PR (Eq. 8), PRS (Eq. 9), TRLOO, and the PPO-clip update under bf16 autocast.
+3. Prints each mode's time split (generation, evaluation, training, step wall time, and overlap_s:
+   what running them alongside each other saved) and statistics from `train_metrics`, whether the
+   first turn's answers are the same across modes (the overlap must not change what is sampled), and
+   writes $OUT/rl_check.md (+ .json) when $OUT is set.
 
 On a CPU (to check the script itself): ``TRITON_INTERPRET=1 python scripts/gpu_check_rl.py
 --size nano --size-cap 48 --sft-steps 2 --max-tokens 16 --rollouts 2``. ``--size nano --lr 1e-2``
@@ -27,12 +31,13 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 TASKS = ((1, 19), (1, 88))  # KernelBench L1 ReLU and MinGPT GELU: the bank's shortest kernels
-STEP_METRICS = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "rows", "trained_rows", "reward_mean",
+STEP_METRICS = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "overlap_s", "policy_lag", "rows", "trained_rows", "reward_mean",
                 "correct_frac", "hacking_ratio", "fast@1", "kept_frac", "kept_frac_prs", "response_tokens_mean",
                 "rollout_ppl", "train_ppl", "mismatch_abs_log_w", "entropy", "grad_norm", "optimizer_steps")
 
@@ -64,12 +69,18 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=8, help="rollouts per prompt (2 prompts)")
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=400, help="generated tokens per turn")
+    parser.add_argument("--async", dest="modes", nargs="+", default=["off"], choices=("off", "eval", "off_policy_1"),
+                        help="rl.async modes to run, one iteration each, in this order")
+    parser.add_argument("--steps", type=int, default=1, help="steps per iteration (off_policy_1 overlaps from the 2nd)")
+    parser.add_argument("--generation-batch-size", type=int, default=16,
+                        help="HF sequences per generate() call (16: a turn's answers in one call)")
     args = parser.parse_args()
 
+    from kpipe.agent.evaluator import open_evaluator
     from kpipe.agent.loop import AgentTask
     from kpipe.data.io import read_table
     from kpipe.data.kernelbench import load_problems, shrink_sizes
-    from kpipe.train.rl import run_iteration
+    from kpipe.train.rl import gym_protocol, run_iteration
     from kpipe.train.rl_config import RLConfig
     from kpipe.train.sft import SFTConfig, train_sft
     from kpipe.train.tiny_model import build_tiny_model
@@ -98,39 +109,60 @@ def main() -> None:
         print(f"SFT: {sft.steps} steps on {len(rows)} kernels, final loss {sft.final_loss:.4f} "
               f"({timings['build_and_sft_s']:.0f} s)", flush=True)
 
-        cfg = RLConfig(prompts_per_step=len(tasks), rollouts_per_prompt=args.rollouts, max_turns=args.turns,
-                       max_tokens=args.max_tokens, use_pr=True, prs=True, generation_batch_size=16,
-                       micro_batch_tokens=16384)
-        started = time.perf_counter()
-        run_iteration(cfg, tasks, sft.model_dir, root / "rl" / "model", root / "rl" / "trajectories.parquet",
-                      root / "rl" / "metrics.parquet", root / "rl" / "scratch", run="gpu-check", iteration=0,
-                      gym={"backend": "pool", "cache": None, "protocol": {"baseline": "eager"}})
-        timings["iteration_s"] = time.perf_counter() - started
-        metrics = read_table(root / "rl" / "metrics.parquet", "train_metrics").to_pandas()
-        trajectories = read_table(root / "rl" / "trajectories.parquet", "trajectories").to_pandas()
-    step = {name: float(value) for name, value in zip(metrics.name, metrics.value) if name in STEP_METRICS}
-    statuses = trajectories.status.value_counts().to_dict()
+        settings = RLConfig(prompts_per_step=len(tasks), rollouts_per_prompt=args.rollouts, max_turns=args.turns,
+                            max_tokens=args.max_tokens, use_pr=True, prs=True,
+                            generation_batch_size=args.generation_batch_size,
+                            micro_batch_tokens=16384, steps_per_iteration=args.steps)
+        gym = {"backend": "pool", "cache": None, "protocol": gym_protocol(settings, {"baseline": "eager"}).to_dict()}
+        runs: dict[str, dict] = {}
+        # one warm pool for every mode: no start-up in the comparison
+        with open_evaluator(gym, reuse_reference=not torch.cuda.is_available()) as pool:
+            for mode in args.modes:
+                cfg = replace(settings, async_mode=mode)
+                out = root / f"rl-{mode}"
+                started = time.perf_counter()
+                run_iteration(cfg, tasks, sft.model_dir, out / "model", out / "trajectories.parquet",
+                              out / "metrics.parquet", out / "scratch", run="gpu-check", iteration=0, gym=gym,
+                              evaluator=pool)
+                metrics = read_table(out / "metrics.parquet", "train_metrics").to_pandas()
+                trajectories = read_table(out / "trajectories.parquet", "trajectories").to_pandas()
+                runs[mode] = {
+                    "iteration_s": time.perf_counter() - started,
+                    "steps": {int(step): {name: float(value) for name, value in zip(group.name, group.value)
+                                          if name in STEP_METRICS} for step, group in metrics.groupby("step")},
+                    "statuses": trajectories.status.value_counts().to_dict(),
+                    # step 1's first turns (rows are in step order): sampled before any feedback
+                    "first_turns": [tuple(ids) for ids in trajectories[trajectories.turn == 1]
+                                    .head(len(tasks) * args.rollouts).sort_values(["task_id", "sample"])
+                                    .response_token_ids],
+                }
+                print(f"rl.async {mode}: {json.dumps(runs[mode]['steps'], default=str)}", flush=True)
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+    # the overlap must not change what is sampled: step 1's first turns are equal in every mode
+    same_first_turn = len({tuple(run.pop("first_turns")) for run in runs.values()}) == 1
     report = {"device": device, "torch": torch.__version__, "model": args.size, "settings": vars(args),
-              "timings": timings, "step": step, "statuses": statuses}
+              "timings": timings, "runs": runs, "same_first_turn_answers": same_first_turn}
     print(json.dumps(report, indent=2, default=str))
 
-    share = {key: step[key] / step["step_s"] for key in ("gen_s", "eval_s", "train_s")}
     lines = [
         f"# RL iteration check on {device}", "",
         f"Model: `{args.size}` (random init, {args.vocab}-token BPE, + {args.sft_steps} SFT steps on bank kernels, "
-        f"final loss {sft.final_loss:.4f}), one RL step of "
+        f"final loss {sft.final_loss:.4f}); {args.steps} RL step(s) of "
         f"{len(TASKS)} prompts x {args.rollouts} rollouts x up to {args.turns} turns, {args.max_tokens} tokens per "
-        f"turn; KernelGym pool with the paper's protocol (eager baseline); reward Eq. 8 (PR), PRS, TRLOO, "
-        "PPO-clip under bf16.", "",
-        "| part | seconds | share of the step |", "|---|---|---|",
-        *[f"| {name} | {step[key]:.1f} | {share[key]:.0%} |"
-          for name, key in (("generation (HF generate)", "gen_s"), ("evaluation (KernelGym pool)", "eval_s"),
-                            ("training (log-probs + update)", "train_s"))],
-        f"| whole step | {step['step_s']:.1f} | |", "",
-        f"Iteration wall time {timings['iteration_s']:.0f} s (includes model load, pool start, checkpoint export).",
-        f"Turns: {int(step['rows'])}, statuses {statuses}; trained rows {int(step.get('trained_rows', 0))}; "
-        f"mean reward {step['reward_mean']:.3f}; rollout/trainer perplexity {step.get('rollout_ppl', float('nan')):.3f}"
-        f" / {step.get('train_ppl', float('nan')):.3f}; mean |log w| {step.get('mismatch_abs_log_w', 0.0):.2e}.",
+        f"turn, {args.generation_batch_size} sequences per generate(); KernelGym pool with the paper's protocol "
+        "(eager baseline); reward Eq. 8 (PR), PRS, TRLOO, PPO-clip under bf16.", "",
+        "| rl.async | step | generation s | evaluation s | training s | step wall s | overlap saved s | policy lag "
+        "| turns | mean reward |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *[f"| {mode} | {step} | {v['gen_s']:.1f} | {v['eval_s']:.1f} | {v['train_s']:.1f} | {v['step_s']:.1f} | "
+          f"{v['overlap_s']:.1f} | {v['policy_lag']:.0f} | {v['rows']:.0f} | {v['reward_mean']:.3f} |"
+          for mode, run in runs.items() for step, v in run["steps"].items()], "",
+        f"First turn's answers identical across modes: {same_first_turn}. Statuses: "
+        + "; ".join(f"{mode} {run['statuses']}" for mode, run in runs.items()) + ".",
+        "Iteration wall times (model load, steps, checkpoint export): "
+        + ", ".join(f"{mode} {run['iteration_s']:.0f} s" for mode, run in runs.items()) + ".",
     ]
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"])
