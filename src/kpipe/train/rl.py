@@ -374,7 +374,8 @@ class IterationTrainer:
         self.filter_generator.manual_seed(step_seed(cfg.seed + 1, global_step) + accelerator.process_index)
         self.shuffle_generator.manual_seed(step_seed(cfg.seed + 2, global_step))
         with ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") as background:
-            next_rows = background.submit(self.generate_rollouts, step + 1, tasks, timed) if ahead else None
+            next_rows = (background.submit(self.generate_rollouts, step + 1, tasks, timed, side_stream())
+                         if ahead else None)
             train_started = time.perf_counter()
             values = train_on_rollouts(rows, cfg, accelerator, self.model, self.optimizer, self.tokenizer,
                                        self.filter_generator, self.shuffle_generator, self.progress)
@@ -422,11 +423,15 @@ class IterationTrainer:
         mine = {task.task_id for task in self.my_tasks(step, tasks)}
         return [row for row in read_table(path, "trajectories").to_pylist() if row["task_id"] in mine]
 
-    def generate_rollouts(self, step: int, tasks: Sequence[AgentTask], evaluator: Evaluator) -> list[dict[str, Any]]:
+    def generate_rollouts(self, step: int, tasks: Sequence[AgentTask], evaluator: Evaluator,
+                          stream: Any = None) -> list[dict[str, Any]]:
         """This process's rollouts of `step`, generated and judged now by the rollout engine's current
-        weights. No collectives: it runs on a background thread during the update (off_policy_1)."""
+        weights, on the CUDA `stream` if given. No collectives: it runs on a background thread during
+        the update (off_policy_1)."""
         global_step = self.iteration * self.cfg.steps_per_iteration + step
-        with self.accelerator.autocast():  # HF rollouts in the trainer's precision: less mismatch for MRS
+        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        # HF rollouts in the trainer's precision: less mismatch for MRS
+        with on_stream, self.accelerator.autocast():
             return rollout_rows(self.my_tasks(step, tasks), self.engine, evaluator, self.cfg, run=self.run,
                                 iteration=self.iteration, global_step=global_step, progress=self.progress)
 
@@ -462,6 +467,17 @@ class IterationTrainer:
         accelerator.wait_for_everyone()
         mean_reward = float(np.mean([row["reward"] for row in rows])) if rows else math.nan
         return IterationResult(model_out, self.cfg.steps_per_iteration, resumed_steps, len(rows), mean_reward)
+
+
+def side_stream() -> Any:
+    """A CUDA stream for a background thread's rollouts, ordered after the work queued so far (the
+    rollout copy's weights); None without CUDA. Threads share the default stream, on which the
+    rollouts' kernels would queue behind the update's instead of running beside them."""
+    if not torch.cuda.is_available():
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream
 
 
 def replace_dir(accelerator: Any, target: Path, write: Callable[[Path], Any]) -> Path:
