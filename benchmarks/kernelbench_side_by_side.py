@@ -15,7 +15,7 @@ KernelBench ``main`` sizes; 5 correctness + 100 timed trials; eager baseline. Ha
   the reference run once per task and reused (``reuse_reference=True``), every candidate
   evaluated ``--kpipe-repeats`` times (the run-to-run spread), each evaluation's seconds by phase
   (parent and children: ``KPIPE_GYM_TRACE``) and its GPU memory;
-- **probe** (A/B of the timing method, no pool): a fresh process per cuBLAS setting (kpipe's
+- **probe** (A/B of the timing method, no pool; runs before kpipe, which takes what is left of the budget): a fresh process per cuBLAS setting (kpipe's
   children set ``CUBLAS_WORKSPACE_CONFIG=:4096:8``; KernelBench sets nothing) times each task's
   eager reference and candidate with KernelBench's ``time_execution_with_cuda_event`` and with
   kpipe's ``time_forward`` in variants (start event after a host synchronize or behind the flush,
@@ -172,7 +172,7 @@ def read_trace(path: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
-PHASE_GROUPS = ("start (device init)", "load", "build", "correctness", "eval mode", "ghost replay", "waiting at the gate",
+PHASE_GROUPS = ("start (device init)", "prepare", "load", "build", "correctness", "eval mode", "ghost replay", "waiting at the gate",
                 "timing", "re-check", "profiling", "integrity", "write result")
 
 
@@ -192,7 +192,7 @@ def grouped_phases(stats: dict[str, Any] | None) -> dict[str, float]:
 
 def phase_table(pairs: list[dict[str, str]], kpipe: dict[str, Any], trace: dict[str, dict[str, Any]]) -> list[str]:
     """Per evaluation: where the seconds went (parent and children) and GPU memory."""
-    cols = ("start (device init)", "load", "build", "correctness", "eval mode", "ghost replay", "waiting at the gate", "timing",
+    cols = ("start (device init)", "prepare", "load", "build", "correctness", "eval mode", "ghost replay", "waiting at the gate", "timing",
             "re-check", "profiling", "write result", "outside")
     lines = ["| task | rep | total s | ref child s | cand child s | " + " | ".join(f"cand {c}" for c in cols)
              + " | GPU used at cand start MiB | cand peak reserved MiB | judge RSS MiB |",
@@ -379,8 +379,8 @@ def main() -> None:
     parser.add_argument("--harnesses", default="kb-spawn,kb-inproc,kpipe,probe")
     parser.add_argument("--kpipe-repeats", type=int, default=5)
     parser.add_argument("--timeout-s", type=float, default=600)
-    parser.add_argument("--budget-s", type=float, default=500, help="the whole run; kpipe's repeats stop early rather than overrun it")
-    parser.add_argument("--probe-reserve-s", type=float, default=75, help="kept for the probes after kpipe")
+    parser.add_argument("--budget-s", type=float, default=500, help="the whole run; kpipe (last) stops its repeats early rather than overrun it")
+    parser.add_argument("--probe-timeout-s", type=float, default=60, help="the first probe's limit (the second gets 0.6 of it)")
     parser.add_argument("--probe-trials", type=int, default=50)
     parser.add_argument("--shrink", type=int, default=0, help="divide sizes down (a CPU smoke run of the kpipe part)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
@@ -426,12 +426,16 @@ def main() -> None:
         import torch
 
         torch.cuda.empty_cache()  # what KernelBench's in-process run leaves is not kpipe's
+    if "probe" in harnesses:  # bounded: what is left of the budget goes to kpipe's repeats
+        extra["probe_cublas"] = run_probe(args, ":4096:8", False, out_dir, args.probe_timeout_s)
+        save()
+        extra["probe_nocublas"] = run_probe(args, None, True, out_dir, args.probe_timeout_s * 0.6)
+        save()
     trace_path = out_dir / "kpipe_trace.jsonl"
     kpipe: dict[str, Any] = {}
     if "kpipe" in harnesses:
         trace_path.unlink(missing_ok=True)
-        reserve = args.probe_reserve_s if "probe" in harnesses else 0.0
-        kpipe = run_kpipe(pairs, args.kpipe_repeats, deadline - reserve, trace_path, save)
+        kpipe = run_kpipe(pairs, args.kpipe_repeats, deadline, trace_path, save)
         extra["kpipe"] = kpipe
         for r, rows in enumerate(kpipe["repeats"]):
             results[f"kpipe rep {r + 1}"] = rows
@@ -442,12 +446,6 @@ def main() -> None:
             report_rate("kpipe, repeat 1", [{}] * len(pairs), kpipe["repeat_s"][0], " (references run)")
             if len(kpipe["repeat_s"]) > 1:
                 report_rate("kpipe, repeats 2+", [{}] * (evaluations - len(pairs)), sum(kpipe["repeat_s"][1:]), " (references reused)")
-    if "probe" in harnesses:
-        left = deadline - time.monotonic()
-        extra["probe_cublas"] = run_probe(args, ":4096:8", False, out_dir, left * 0.65)
-        save()
-        extra["probe_nocublas"] = run_probe(args, None, True, out_dir, deadline - time.monotonic())
-        save()
 
     names = list(results)
     lines += ["", "## Per task: verdict / speedup vs eager / eager ms (ratio to the published H100 eager ms)", "",

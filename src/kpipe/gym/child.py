@@ -544,6 +544,7 @@ def timed_span(spans: list[list[float]]) -> Iterator[None]:
 
 
 def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir: Path, phase: Phase) -> dict[str, Any]:
+    phase("prepare (lazy torch state, hooks)")
     clocks = Clocks(device)
     prime_lazy_state(device, protocol.profile)
     instrument.install()

@@ -76,6 +76,14 @@ class GymPool:
     a future per job (the HTTP service uses it). Results come back in job order: EvalResult
     objects, or for a reference that itself fails, a ``reference_error`` mapping (as
     ``LocalEvaluator`` returns). Identical jobs are evaluated once (in flight and via `cache`).
+
+    `reuse_reference` (default on): each worker runs a task's reference once (outputs, eager /
+    ``torch.compile`` timings) and judges later candidates of that task against it for up to
+    ``evaluation.REFERENCE_MAX_AGE_S``. The run is kept in the judging worker's memory, which no
+    candidate runs in (candidates are forked from the zygote, which never holds one), and the
+    worker holds the reference's outputs during every candidate run either way. It halves an
+    evaluation's cost and gives all candidates of a task one baseline; off, the baseline is
+    re-timed next to each candidate.
     """
 
     def __init__(
@@ -83,7 +91,7 @@ class GymPool:
         protocol: Protocol | None = None,
         workers: int | None = None,
         cache: ResultCache | None = None,
-        reuse_reference: bool = False,
+        reuse_reference: bool = True,
         fork: bool = True,
         progress: bool = True,
         gpus: Sequence[str] | None = None,

@@ -1,0 +1,51 @@
+"""Host memory of a pool does not grow with the number of evaluations (CPU, interpreter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kpipe.gym import Protocol
+from kpipe.gym.pool import GymPool
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gym"
+REFERENCE = (FIXTURES / "relu_reference.py").read_text()
+LEGIT = (FIXTURES / "relu_legit.py").read_text()
+PROTOCOL = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu", timeout_s=60)
+WARM, MORE = 8, 32
+SLACK_MB = 40.0  # allocator noise; a per-evaluation leak of a result or a reference run would pass it
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def test_pool_host_memory_does_not_grow_over_many_evaluations() -> None:
+    """The judging worker and its zygote hold what they held after a warm-up, however many
+    evaluations follow (results, child outputs and reused references are not kept); memory is
+    read between evaluations, when no evaluation child exists."""
+    with GymPool(PROTOCOL, workers=1, reuse_reference=True, progress=False) as pool:
+        worker = pool.workers()[0]["pid"]
+
+        def held() -> dict[int, float]:
+            return {pid: rss_mb(pid) for pid in [worker, *descendants(worker)]}
+
+        results = [pool.evaluate(REFERENCE, f"{LEGIT}\n# {i}\n") for i in range(WARM)]
+        warm = held()
+        results += [pool.evaluate(REFERENCE, f"{LEGIT}\n# {i}\n") for i in range(WARM, WARM + MORE)]
+        after = held()
+    assert [r.status for r in results] == ["pass"] * (WARM + MORE)
+    assert set(after) == set(warm) and len(warm) == 2, (warm, after)  # worker and zygote, no leftover child
+    growth = {pid: after[pid] - warm[pid] for pid in warm}
+    assert all(g < SLACK_MB for g in growth.values()), growth
