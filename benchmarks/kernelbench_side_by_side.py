@@ -244,6 +244,10 @@ def probe_main(args: argparse.Namespace) -> None:
         times = kb_timing.time_execution_with_cuda_event(forward, input_sets[0], num_warmup=3, num_trials=trials, verbose=False,
                                                           device=torch.device("cuda:0"))
         row["kb"] = stats(times)
+        with torch.no_grad():  # KernelBench times with autograd on; kpipe under no_grad
+            times = kb_timing.time_execution_with_cuda_event(forward, input_sets[0], num_warmup=3, num_trials=trials, verbose=False,
+                                                              device=torch.device("cuda:0"))
+        row["kb under no_grad"] = stats(times)
         options = {
             "kpipe": {},
             "kpipe, start behind flush": {"sync_before_start": False},
@@ -380,8 +384,8 @@ def main() -> None:
     parser.add_argument("--kpipe-repeats", type=int, default=5)
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--budget-s", type=float, default=500, help="the whole run; kpipe (last) stops its repeats early rather than overrun it")
-    parser.add_argument("--probe-timeout-s", type=float, default=60, help="the first probe's limit (the second gets 0.6 of it)")
-    parser.add_argument("--probe-trials", type=int, default=50)
+    parser.add_argument("--probe-timeout-s", type=float, default=75, help="the first probe's limit (the second gets 0.6 of it)")
+    parser.add_argument("--probe-trials", type=int, default=40)
     parser.add_argument("--shrink", type=int, default=0, help="divide sizes down (a CPU smoke run of the kpipe part)")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-json", help=argparse.SUPPRESS)
