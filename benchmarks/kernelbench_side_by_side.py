@@ -499,7 +499,7 @@ def main() -> None:
         probe = extra.get(key)
         if not probe:
             continue
-        lines += ["", f"## Timing A/B, {title}: median ms (KernelBench: mean / median), {args.probe_trials} trials each", ""]
+        lines += ["", f"## Timing A/B, {title}: median ms (KernelBench's function: mean / median; the published table holds means), {args.probe_trials} trials each", ""]
         if probe.get("error"):
             lines.append(f"probe error: {probe['error'][-400:]}")
         for what in ("eager", "candidate"):
@@ -507,10 +507,16 @@ def main() -> None:
             if not tasks:
                 continue
             variants = list(next(iter(tasks.values())))
-            lines += ["", f"{what}:", "", "| task | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
+            by_task = {pair["task"]: published[f"level{pair['level']}"].get(pair["file"], {}).get("mean") for pair in pairs}
+            lines += ["", f"{what}" + (" (ratio to the published H100 eager ms)" if what == "eager" else "") + ":", "",
+                      "| task | " + ("published | " if what == "eager" else "") + " | ".join(variants) + " |",
+                      "|---|" + ("---|" if what == "eager" else "") + "---|" * len(variants)]
             for task, row in tasks.items():
-                cells = [f"{row[v]['mean']:.4g} / {row[v]['median']:.4g}" if v == "kb" else f"{row[v]['median']:.4g}" for v in variants]
-                lines.append(f"| {task} | " + " | ".join(cells) + " |")
+                pub = by_task.get(task) if what == "eager" else None
+                ratio = (lambda ms: f" ({ms / pub:.3f}x)" if pub else "")  # noqa: E731
+                cells = [f"{row[v]['mean']:.4g} / {row[v]['median']:.4g}{ratio(row[v]['mean'])}" if v.startswith("kb")
+                         else f"{row[v]['median']:.4g}{ratio(row[v]['median'])}" for v in variants]
+                lines.append(f"| {task} | " + (f"{fmt(pub)} | " if what == "eager" else "") + " | ".join(cells) + " |")
         for task, row in probe.get("tasks", {}).items():
             if "profile" in row:
                 for harness, prof in row["profile"].items():
