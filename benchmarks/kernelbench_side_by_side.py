@@ -127,14 +127,14 @@ def run_kb_spawn(pairs: list[dict[str, str]], package_root: Path, timeout_s: flo
 
 
 def run_kpipe(pairs: list[dict[str, str]], repeats: int, deadline: float, trace_path: Path,
-              save: Any) -> dict[str, Any]:
+              save: Any, overrides: dict[str, Any]) -> dict[str, Any]:
     """One pool; every candidate `repeats` times (a repeat is the ten tasks in order), the
     references run once and reused. Stops before a repeat that would overrun `deadline`."""
     from kpipe.gym import Protocol
     from kpipe.gym.pool import GymPool
 
     os.environ["KPIPE_GYM_TRACE"] = str(trace_path)  # the worker inherits it; children never see it
-    protocol = Protocol(baseline="eager", correct_trials=5, perf_trials=100, timeout_s=300)
+    protocol = Protocol(**{"baseline": "eager", "correct_trials": 5, "perf_trials": 100, "timeout_s": 300, **overrides})
     out: dict[str, Any] = {"repeats": [], "repeat_s": [], "memory": []}
     started = time.monotonic()
     with GymPool(protocol, workers=1, progress=False, reuse_reference=True) as pool:
@@ -382,6 +382,7 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--harnesses", default="kb-spawn,kb-inproc,kpipe,probe")
     parser.add_argument("--kpipe-repeats", type=int, default=5)
+    parser.add_argument("--kpipe-protocol", default="{}", help='protocol settings for kpipe, JSON, e.g. \'{"timing_start": "behind_flush"}\'')
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--budget-s", type=float, default=500, help="the whole run; kpipe (last) stops its repeats early rather than overrun it")
     parser.add_argument("--probe-timeout-s", type=float, default=75, help="the first probe's limit (the second gets 0.6 of it)")
@@ -439,7 +440,9 @@ def main() -> None:
     kpipe: dict[str, Any] = {}
     if "kpipe" in harnesses:
         trace_path.unlink(missing_ok=True)
-        kpipe = run_kpipe(pairs, args.kpipe_repeats, deadline, trace_path, save)
+        kpipe = run_kpipe(pairs, args.kpipe_repeats, deadline, trace_path, save, json.loads(args.kpipe_protocol))
+        if args.kpipe_protocol != "{}":
+            lines.insert(3, f"kpipe's protocol settings beyond the defaults: {args.kpipe_protocol}")
         extra["kpipe"] = kpipe
         for r, rows in enumerate(kpipe["repeats"]):
             results[f"kpipe rep {r + 1}"] = rows

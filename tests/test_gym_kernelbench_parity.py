@@ -81,3 +81,28 @@ def test_copies_behave_like_fresh_seeded_constructions() -> None:
         torch.manual_seed(42)
         build_model(cls, [16], 42, "cpu")  # reset the RNG as a construction leaves it
         assert torch.equal(out_copy, constructed(x))
+
+
+def test_timing_options_keep_earlier_protocols_and_keys() -> None:
+    """`timing_start` and `cublas_workspace_config` (the A/B knobs of issue 14) appear in the
+    protocol's JSON only when set: every earlier protocol serialises, and keys, as before."""
+    from kpipe.gym.evaluation import eval_key
+
+    default = Protocol(baseline="eager")
+    assert "timing_start" not in default.to_json() and "cublas_workspace_config" not in default.to_json()
+    kb_like = Protocol(baseline="eager", timing_start="behind_flush", cublas_workspace_config="")
+    assert Protocol.from_json(kb_like.to_json()) == Protocol.from_dict(kb_like.to_dict())
+    assert Protocol.from_json(kb_like.to_json()).timing_start == "behind_flush"
+    assert eval_key("r", "c", default, "cpu") != eval_key("r", "c", kb_like, "cpu")
+
+
+def test_kernelbench_like_timing_options_run_end_to_end() -> None:
+    from pathlib import Path
+
+    from kpipe.gym import evaluate
+
+    fixtures = Path(__file__).parent / "fixtures" / "gym"
+    protocol = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu",
+                        timing_start="behind_flush", cublas_workspace_config="")
+    result = evaluate((fixtures / "relu_reference.py").read_text(), (fixtures / "relu_legit.py").read_text(), protocol)
+    assert result.status == "pass", result.diagnostic

@@ -519,14 +519,16 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     if protocol.wants_eager:
         phase("reference eager timing")
         with timed_span(result["timed_spans"]):
-            result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), keep)
+            result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), keep,
+                                              sync_before_start=protocol.timing_start == "after_sync")
     if protocol.wants_compile:
         phase("reference torch.compile timing")
         try:
             compiled = torch.compile(model)
             # compilation happens inside the warm-up
             with timed_span(result["timed_spans"]):
-                result["compile"] = time_forward(compiled, input_sets, protocol.perf_trials, max(protocol.warmup, 1), clocks, l2, set(), keep)
+                result["compile"] = time_forward(compiled, input_sets, protocol.perf_trials, max(protocol.warmup, 1), clocks, l2, set(), keep,
+                                              sync_before_start=protocol.timing_start == "after_sync")
         except Exception as exc:  # a baseline that cannot compile is reported, not fatal
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     return result
@@ -635,7 +637,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
     result["timed_spans"] = []
     with timed_span(result["timed_spans"]):
-        result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed)
+        result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed,
+                                        sync_before_start=protocol.timing_start == "after_sync")
     result["launches"]["timed"] = sorted(timed_names)
     # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
     result["calls_without_launch"] = calls_without_launch[0]
@@ -650,7 +653,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         ]
         trials = max(min(protocol.perf_trials, 20), RECHECK_SETS)
         with timed_span(result["timed_spans"]):
-            recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep)
+            recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep,
+                                   sync_before_start=protocol.timing_start == "after_sync")
         result["recheck"] = recheck
 
     if protocol.profile:
@@ -750,7 +754,10 @@ def run_child(job: dict[str, Any]) -> None:
     device = job["device"]
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if protocol.cublas_workspace_config:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", protocol.cublas_workspace_config)
+    else:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     warnings.filterwarnings("ignore")
     phase = Phase(job.get("phase_path"))
     started_unix = time.time()

@@ -15,6 +15,13 @@ from typing import Any
 PROTOCOL_VERSION = "kgym-2"
 
 BASELINES = ("eager", "compile", "both")
+# where a timed call's start event is recorded: after a host synchronize (the GPU idle, so the
+# call's launch overhead is inside the region) or queued behind the L2 flush (KernelBench: the
+# launch overhead hides behind the flush)
+TIMING_STARTS = ("after_sync", "behind_flush")
+# fields added after kgym-2 whose defaults keep kgym-2's meaning: serialised only when they
+# differ from these, so every earlier protocol's JSON and cache keys stay what they were
+LATER_FIELDS = {"timing_start": "after_sync", "cublas_workspace_config": ":4096:8"}
 DEVICES = ("auto", "cuda", "cpu")
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
@@ -68,6 +75,10 @@ class Protocol:
     memory_limit_mb: int | None = None
     seed: int = 42
     l2_flush_mb: int = 256
+    timing_start: str = "after_sync"  # TIMING_STARTS
+    # CUBLAS_WORKSPACE_CONFIG of the children ("" : unset, cuBLAS's default workspace, as
+    # KernelBench runs); an inherited setting wins over the default
+    cublas_workspace_config: str = ":4096:8"
     version: str = field(default=PROTOCOL_VERSION)
 
     def __post_init__(self) -> None:
@@ -77,6 +88,8 @@ class Protocol:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.correct_trials < 1 or self.perf_trials < 1 or self.warmup < 0:
             raise ValueError("correct_trials and perf_trials must be >= 1 and warmup >= 0")
+        if self.timing_start not in TIMING_STARTS:
+            raise ValueError(f"timing_start must be one of {TIMING_STARTS}, got {self.timing_start!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if not isinstance(self.reject_findings, tuple):
@@ -93,6 +106,9 @@ class Protocol:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["reject_findings"] = sorted(self.reject_findings)
+        for name, default in LATER_FIELDS.items():
+            if data[name] == default:
+                del data[name]
         return data
 
     def to_json(self) -> str:
