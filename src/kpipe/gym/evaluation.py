@@ -170,7 +170,7 @@ def write_trace(record: dict[str, Any]) -> None:
     try:
         with open(path, "a") as handle:
             handle.write(json.dumps(record, default=str) + "\n")
-    except OSError:
+    except (OSError, ValueError, TypeError):  # instrumentation never fails an evaluation
         pass
 
 
