@@ -17,8 +17,9 @@ per table, matched by the file's path relative to the tree plus the table's key 
   whether there is one.
 
 Everything else counts: statuses, correct/hacked, codes, responses, rewards, returns,
-advantages, losses (floats equal within ``--rtol``). Prints one summary line per table (and the
-first differing rows) and exits 1 on any difference, 0 when every table holds the same rows.
+advantages, losses (floats equal within ``--rtol``); ``--ignore NAME`` leaves out more columns or
+train_metrics metrics. Prints one summary line per table (and the first differing rows) and
+exits 1 on any difference, 0 when every table holds the same rows.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ def table_rows(files: dict[str, Path], table: str, extra_ignored: Sequence[str])
     rows = []
     for relative, path in sorted(files.items()):
         for row in pq.read_table(path).to_pylist():
-            if table == "train_metrics" and TIMING_METRIC.search(str(row.get("name", ""))):
+            if table == "train_metrics" and (TIMING_METRIC.search(str(row.get("name", "")))
+                                             or row.get("name") in extra_ignored):
                 continue
             kept = {column: comparable(column, value) for column, value in row.items()
                     if not ignored(column, extra_ignored)}
@@ -191,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results_a", type=Path)
     parser.add_argument("results_b", type=Path)
-    parser.add_argument("--ignore", action="append", default=[], metavar="COLUMN",
-                        help="leave this column out too (repeatable)")
+    parser.add_argument("--ignore", action="append", default=[], metavar="NAME",
+                        help="leave this column (or train_metrics metric, e.g. fast@1) out too (repeatable)")
     parser.add_argument("--rtol", type=float, default=1e-9, help="relative tolerance of float columns")
     parser.add_argument("--show", type=int, default=5, help="differing rows (and files) shown per table")
     args = parser.parse_args(argv)

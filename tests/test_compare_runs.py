@@ -115,3 +115,6 @@ def test_the_command_exits_non_zero_on_a_difference(tmp_path: Path) -> None:
     different = subprocess.run([sys.executable, str(SCRIPT), str(a), str(c)], capture_output=True, text=True)
     assert different.returncode == 1
     assert "train_metrics: 1 / 1 file(s), 1 / 1 row(s): DIFFERENT: 1 row(s) differ in value (1)" in different.stdout
+    ignored = subprocess.run([sys.executable, str(SCRIPT), str(a), str(c), "--ignore", "loss"], capture_output=True,
+                             text=True)
+    assert ignored.returncode == 0, ignored.stdout  # the metric left out
