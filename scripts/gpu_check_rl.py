@@ -2,8 +2,8 @@
 the time of one step split into generation, evaluation and training, per `rl.async` mode.
 
     PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 python scripts/gpu_check_rl.py        # ~4 minutes on one H100
-    ... scripts/gpu_check_rl.py --async off eval --sft-steps 300              # before/after overlap
-    ... scripts/gpu_check_rl.py --async off off_policy_1 --steps 2            # one-step off-policy
+    ... scripts/gpu_check_rl.py --async off eval off                           # before/after overlap
+    ... scripts/gpu_check_rl.py --async off off_policy_1 off --steps 2         # one-step off-policy
 
 1. Builds a Qwen3-0.6B-sized model from config (random weights, no download) with a BPE
    tokenizer trained on the prompts and the bank's kernels, and SFTs it (kpipe.train.sft) on the
@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=400, help="generated tokens per turn")
     parser.add_argument("--async", dest="modes", nargs="+", default=["off"], choices=("off", "eval", "off_policy_1"),
-                        help="rl.async modes to run, one iteration each, in this order")
+                        help="rl.async modes to run, one iteration each, in this order; the first also warms up "
+                             "CUDA and generate(), so repeat it last (e.g. off eval off) for a fair comparison")
     parser.add_argument("--steps", type=int, default=1, help="steps per iteration (off_policy_1 overlaps from the 2nd)")
     parser.add_argument("--generation-batch-size", type=int, default=16,
                         help="HF sequences per generate() call (16: a turn's answers in one call)")
@@ -117,16 +118,17 @@ def main() -> None:
         runs: dict[str, dict] = {}
         # one warm pool for every mode: no start-up in the comparison
         with open_evaluator(gym, reuse_reference=not torch.cuda.is_available()) as pool:
-            for mode in args.modes:
+            for index, mode in enumerate(args.modes):
+                label = mode if args.modes.count(mode) == 1 else f"{mode} ({args.modes[:index + 1].count(mode)})"
                 cfg = replace(settings, async_mode=mode)
-                out = root / f"rl-{mode}"
+                out = root / f"rl-{index}"
                 started = time.perf_counter()
                 run_iteration(cfg, tasks, sft.model_dir, out / "model", out / "trajectories.parquet",
                               out / "metrics.parquet", out / "scratch", run="gpu-check", iteration=0, gym=gym,
                               evaluator=pool)
                 metrics = read_table(out / "metrics.parquet", "train_metrics").to_pandas()
                 trajectories = read_table(out / "trajectories.parquet", "trajectories").to_pandas()
-                runs[mode] = {
+                runs[label] = {
                     "iteration_s": time.perf_counter() - started,
                     "steps": {int(step): {name: float(value) for name, value in zip(group.name, group.value)
                                           if name in STEP_METRICS} for step, group in metrics.groupby("step")},
@@ -136,7 +138,7 @@ def main() -> None:
                                     .head(len(tasks) * args.rollouts).sort_values(["task_id", "sample"])
                                     .response_token_ids],
                 }
-                print(f"rl.async {mode}: {json.dumps(runs[mode]['steps'], default=str)}", flush=True)
+                print(f"rl.async {label}: {json.dumps(runs[label]['steps'], default=str)}", flush=True)
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
