@@ -472,15 +472,20 @@ def column_of(label: str) -> str:
     return label.split(":")[0].split("#")[0] + (f"#{run}" if run else "")
 
 
-def shard_of(pairs: list[dict[str, Any]], section: str) -> list[dict[str, Any]]:
+def shard_of(pairs: list[dict[str, Any]], section: str, start: float = 0.0) -> list[dict[str, Any]]:
+    """Pairs K, K+N, ... of a shard, begun at fraction `start` of them and wrapped around: lanes
+    sharing one GPU start at different places, so they do not reach the largest tasks (level 1's
+    multi-GiB tensors) together and run out of GPU memory, which a lane alone never does."""
     shard = section.split("#")[0].partition(":")[2]
-    if not shard:
-        return pairs
-    k, n = (int(x) for x in shard.split("/"))
-    return pairs[k::n]
+    chosen = pairs
+    if shard:
+        k, n = (int(x) for x in shard.split("/"))
+        chosen = pairs[k::n]
+    first = int(len(chosen) * start)
+    return chosen[first:] + chosen[:first]
 
 
-def run_lane(lane: list[str], pairs: list[dict[str, Any]], perf_trials: int, work: Path, header: list[str]) -> dict[str, Any]:
+def run_lane(lane: list[str], pairs: list[dict[str, Any]], perf_trials: int, work: Path, header: list[str], start: float = 0.0) -> dict[str, Any]:
     """Run one lane's sections in order in this process: per section its rows (keyed by pair),
     wall time, cold/warm figures and check verdict; each saved under $OUT as it ends."""
     runners = {"pool": run_pool, "service": run_service, "ray": run_ray, "eval": run_eval}
@@ -500,7 +505,7 @@ def run_lane(lane: list[str], pairs: list[dict[str, Any]], perf_trials: int, wor
             done[label] = {"check": name, "ok": ok, "lines": lines, "wall_s": round(wall, 1), **extra}
             save(f"gym_paths_{tag}", "\n".join([*header, "", f"## {label} ({wall:.0f} s)", "", *lines]) + "\n", done[label])
             continue
-        chosen = shard_of(pairs, label)
+        chosen = shard_of(pairs, label, start)
         runner = runners[name]
         if name == "eval" and shard_index(label) > 0:  # the CLI itself runs on the first shard's pairs only
             runner = functools.partial(run_eval, cli_pairs=0)
@@ -580,6 +585,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the plan (lanes, GPUs, pairs per section) and stop")
     parser.add_argument("--merge", nargs="+", type=Path, help="combine the gym_paths_*.json of earlier runs' $OUT folders")
     parser.add_argument("--lane-result", type=Path, help=argparse.SUPPRESS)  # set for a lane's own process
+    parser.add_argument("--start-fraction", type=float, default=0.0, help=argparse.SUPPRESS)  # where a lane sharing a GPU begins its pairs
     args = parser.parse_args()
     global SIZE_CAP, LIMIT
     SIZE_CAP, LIMIT = args.size_cap, args.limit
@@ -609,7 +615,7 @@ def main() -> None:
               f"{'sizes capped at ' + str(SIZE_CAP) if SIZE_CAP else 'full KernelBench main sizes'}.", ""]
     started = time.monotonic()
     if len(lanes) == 1:
-        sections = run_lane(lanes[0], pairs, args.perf_trials, work, header)
+        sections = run_lane(lanes[0], pairs, args.perf_trials, work, header, args.start_fraction)
         if args.lane_result:  # a lane of a parent run: hand the sections back, the parent reports
             args.lane_result.write_text(json.dumps(sections, default=str))
             shutil.rmtree(work, ignore_errors=True)
@@ -624,6 +630,8 @@ def main() -> None:
             env["CUDA_VISIBLE_DEVICES"] = gpu if gpu is not None else ""
             result = work / f"lane{i}.json"
             passed = ["--perf-trials", str(args.perf_trials), "--stride", str(args.stride)]
+            shared = sum(1 for g in lane_gpus if g == gpu)
+            passed += ["--start-fraction", str(lane_gpus[:i].count(gpu) / shared)] if shared > 1 else []
             passed += ["--limit", str(args.limit)] if args.limit else []
             passed += ["--size-cap", str(args.size_cap)] if args.size_cap else []
             procs.append((subprocess.Popen([sys.executable, __file__, "--sections", ",".join(s.split("#")[0] for s in lane), "--lane-result", str(result), *passed], env=env), result, i, gpu))
