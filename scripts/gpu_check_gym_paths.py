@@ -435,6 +435,7 @@ def caches_check(perf_trials: int, work: Path) -> tuple[list[str], bool, dict[st
 def save(stem: str, text: str, rows: Any) -> None:
     """Write the report so far under $OUT (a later section that runs out of time loses nothing)."""
     if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         Path(os.environ["OUT"], f"{stem}.md").write_text(text)
         Path(os.environ["OUT"], f"{stem}.json").write_text(json.dumps(rows, default=str))
 
