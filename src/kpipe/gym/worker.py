@@ -45,12 +45,13 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     ``(job_id, reference_src, candidate_src)``; out: ``("ready", info)`` once, then
     ``(job_id, kind, payload)`` with kind ``ok`` (a result row), ``reference_error`` or
     ``worker_error`` (the judge itself raised: the pool treats it like a dead worker)."""
+    # the zygote imports torch and triton in its own interpreter while this one does the same
+    zygote: Zygote | None = Zygote(dict(os.environ)) if fork else None
     from kpipe.gym import evaluation
     from kpipe.gym.isolate import fresh_interpreter
 
     conn = Connection(conn_fd)
     protocol = Protocol.from_json(protocol_json)
-    zygote: Zygote | None = None
 
     def current_zygote() -> Zygote:
         nonlocal zygote
@@ -62,7 +63,7 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     try:
         info["device_kind"] = evaluation.device_kind(evaluation.resolve_device(protocol))
         if fork:
-            current_zygote()
+            current_zygote().wait_ready()
     except Exception as exc:  # noqa: BLE001 - reported to the pool, which refuses to start
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return

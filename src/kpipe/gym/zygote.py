@@ -149,7 +149,10 @@ class ZygoteDied(RuntimeError):
 
 
 class Zygote:
-    """The worker's handle on its fork server."""
+    """The worker's handle on its fork server.
+
+    Starting one returns at once; the first ``spawn`` (or ``wait_ready``) waits for its
+    imports, so a worker can start its zygote first and import torch itself meanwhile."""
 
     def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -162,15 +165,26 @@ class Zygote:
         )
         theirs.close()
         self.sock = ours
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        if self.ready:
+            return
         self.sock.settimeout(ZYGOTE_START_TIMEOUT_S)
-        if self.sock.recv(MESSAGE_BYTES) != b"ready":
+        try:
+            message = self.sock.recv(MESSAGE_BYTES)
+        except OSError as exc:
+            raise ZygoteDied(f"the fork server failed to start ({exc})") from None
+        if message != b"ready":
             raise ZygoteDied(f"the fork server failed to start (exit code {self.process.poll()})")
         self.sock.settimeout(None)
+        self.ready = True
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def spawn(self, job_path: Path, stdout_w: int, stderr_w: int, timeout_s: float) -> ForkedProcess:
+        self.wait_ready()
         try:
             socket.send_fds(self.sock, [f"{timeout_s} {job_path}".encode()], [stdout_w, stderr_w])
             reply = self.sock.recv(MESSAGE_BYTES).decode()
