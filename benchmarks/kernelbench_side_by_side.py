@@ -225,7 +225,9 @@ def probe_main(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(kernelbench_package(args.anchors)))
     from kernelbench import timing as kb_timing
     from kpipe.gym import instrument
-    from kpipe.gym.child import Clocks, build_model, flush_l2_kernelbench, l2_flush_buffer, load_module, make_inputs, time_forward, trial_seed
+    from kpipe.gym.child import build_model, load_module
+    from kpipe.gym.timing import Clocks, flush_l2_kernelbench, l2_flush_buffer, time_forward
+    from kpipe.gym.trial_data import make_inputs, trial_seed
     from kpipe.gym.protocol import Protocol
 
     pairs = bank_pairs(args.tasks.split(","))
@@ -296,7 +298,7 @@ def profile_regions(model: Any, input_sets: list[Any], kb_timing: Any, clocks: A
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kpipe.gym.child import time_forward
+    from kpipe.gym.timing import time_forward
 
     def timeline(prof: Any) -> list[str]:
         rows = []

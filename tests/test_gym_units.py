@@ -235,7 +235,7 @@ def test_timing_sanity_checks_in_the_parent():
 
 
 def test_huge_outputs_are_compared_on_a_sample_including_the_tail():
-    from kpipe.gym.child import digest
+    from kpipe.gym.trial_data import digest
     from kpipe.gym.compare import compare_output
 
     reference = torch.rand(1000, 100)

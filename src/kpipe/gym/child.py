@@ -12,6 +12,10 @@
 
 The parent never trusts this file for correctness: it compares the saved outputs itself
 (``kpipe.gym.compare``) and checks the reported times against the wall time it observed.
+The phases' tools live beside it: a trial's inputs and output digests in ``kpipe.gym.trial_data``,
+the timed region in ``kpipe.gym.timing``, PR in ``kpipe.gym.profiling``; this module is the
+order they run in and what is recorded.
+
 The job is a plain dict so a warm pool can fork and call ``run_child`` unchanged; this
 module's ``__main__`` is the fresh-interpreter path: ``python -m kpipe.gym.child JOBFILE``.
 """
@@ -29,8 +33,8 @@ import time
 import traceback
 import types
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +43,16 @@ import torch
 from kpipe.gym import instrument
 from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
+from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
+from kpipe.gym.timing import Clocks, l2_flush_buffer, sample_trials, time_forward
+from kpipe.gym.trial_data import clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs, trial_seed
 
 RECHECK_SEED_OFFSET = 1000
 RECHECK_SETS = 2
 # input sets kept on the device for timing (the first correctness trials' inputs): enough to
 # change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
 TIMING_SETS = 2
-
-
-def trial_seed(protocol_seed: int, trial: int) -> int:
-    """Inputs of correctness trial `trial`: fresh per trial, identical in both children."""
-    return protocol_seed * 7919 + trial
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -66,90 +68,6 @@ def load_module(source: str, name: str, directory: Path) -> types.ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def to_device(value: Any, device: str) -> Any:
-    """Move tensors to `device` keeping their dtype (integer inputs stay integers)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_device(v, device) for v in value)
-    return value
-
-
-def make_inputs(get_inputs: Callable[[], list[Any]], seed: int, device: str) -> list[Any]:
-    """Seeded inputs created on the device itself (multi-GB KernelBench inputs are slow to
-    draw on the host); both children draw them identically."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return [to_device(v, device) for v in get_inputs()]
-
-
-def clone_inputs(inputs: list[Any]) -> list[Any]:
-    return [v.clone() if isinstance(v, torch.Tensor) else v for v in inputs]
-
-
-def copy_inputs(destination: list[Any], source: list[Any]) -> None:
-    """Refresh input values in place: same pointers, new contents (defeats pointer caches)."""
-    for dst, src in zip(destination, source):
-        if isinstance(dst, torch.Tensor):
-            dst.copy_(src)
-
-
-def flatten_output(output: Any) -> list[torch.Tensor]:
-    """A forward's result as a list of tensors (tuples flattened, Python scalars wrapped)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in flatten_output(item)]
-    if isinstance(output, (bool, int, float)):
-        return [torch.tensor(output)]
-    raise TypeError(f"forward returned {type(output).__name__}, expected tensors")
-
-
-def subclass_outputs(outputs: list[torch.Tensor]) -> list[str]:
-    return [type(t).__name__ for t in outputs if type(t) not in (torch.Tensor, torch.nn.Parameter)]
-
-
-@functools.lru_cache(maxsize=8)
-def sample_positions(numel: int, count: int, seed: int) -> torch.Tensor:
-    """Flat positions compared for a huge output: its head and tail (where missing masks
-    show) and random positions in between, identical in both children (cached: every trial
-    of one evaluation samples the same positions)."""
-    edge = min(count // 4, numel // 2)
-    generator = torch.Generator().manual_seed(seed)
-    middle = torch.randint(0, numel, (count - 2 * edge,), generator=generator)
-    return torch.cat([torch.arange(edge), middle, torch.arange(numel - edge, numel)])
-
-
-def digest(outputs: list[torch.Tensor], max_elements: int, seed: int) -> list[dict[str, Any]]:
-    """What the parent compares: a plain CPU copy of each output, or for outputs above
-    `max_elements` (multi-GB KernelBench outputs) a sample at `sample_positions`."""
-    digests = []
-    for tensor in outputs:
-        tensor = tensor.detach().as_subclass(torch.Tensor)  # subclasses are reported separately
-        if tensor.numel() <= max_elements:
-            digests.append({"full": tensor.to("cpu", copy=True)})
-            continue
-        positions = sample_positions(tensor.numel(), max_elements, seed).to(tensor.device)
-        digests.append({
-            "sample": tensor.reshape(-1)[positions].cpu(),
-            "shape": list(tensor.shape),
-            "dtype": str(tensor.dtype),
-        })
-    return digests
-
-
-def fingerprint(inputs: list[Any]) -> list[tuple[float, float]]:
-    """Cheap, copy-free summary of the input values (to notice a forward writing into them)."""
-    prints = []
-    for value in inputs:
-        if isinstance(value, torch.Tensor) and value.numel():
-            accumulate = torch.float64 if value.is_floating_point() else torch.int64
-            total = torch.nansum(value, dtype=accumulate) if value.is_floating_point() else value.sum(dtype=accumulate)
-            spread = torch.linalg.vector_norm(torch.nan_to_num(value) if value.is_floating_point() else value.double(), dtype=torch.float64)
-            prints.append((float(total), float(spread)))
-    return prints
 
 
 def build_model(cls: type, init_inputs: list[Any], seed: int, device: str) -> torch.nn.Module:
@@ -209,26 +127,6 @@ def poisoned_memory() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
         torch.utils.deterministic.fill_uninitialized_memory = previous[2]
-
-
-class Clocks:
-    """References to the timing functions taken before any candidate code ran, so a
-    candidate that patches them cannot change what we measure (the patch is also reported)."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        self.perf_counter = time.perf_counter
-        self.cuda = device == "cuda"
-        if self.cuda:
-            self.synchronize = torch.cuda.synchronize
-            self.event = torch.cuda.Event
-            self.record = torch.cuda.Event.record
-            self.event_synchronize = torch.cuda.Event.synchronize
-            self.elapsed_time = torch.cuda.Event.elapsed_time
-
-    def sync(self) -> None:
-        if self.cuda:
-            self.synchronize()
 
 
 def watched_objects() -> dict[str, Any]:
@@ -306,176 +204,6 @@ def apply_limits(protocol: Protocol) -> None:
     if protocol.memory_limit_mb:
         limit = protocol.memory_limit_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-# ----------------------------------------------------------------------------- timing
-
-
-def flush_l2(buffer: torch.Tensor | None) -> None:
-    if buffer is not None:
-        buffer.zero_()
-
-
-def flush_l2_kernelbench(device: str = "cuda") -> None:
-    """KernelBench's ``clear_l2_cache``: a new 256 MB int64 tensor from the caching allocator,
-    filled, freed (compared with ours, a persistent buffer zeroed, in the side-by-side benchmark)."""
-    dummy = torch.empty((32, 1024, 1024), dtype=torch.int64, device=device)
-    dummy.fill_(42)
-    del dummy
-
-
-def time_forward(
-    forward: Callable[..., Any],
-    input_sets: list[list[Any]],
-    trials: int,
-    warmup: int,
-    clocks: Clocks,
-    l2_buffer: torch.Tensor | None,
-    sample: set[int],
-    keep: Callable[[list[torch.Tensor]], list[dict[str, Any]]],
-    on_call: Callable[[], Any] | None = None,
-    *,
-    sync_before_start: bool = True,
-    end_after_sync: bool = True,
-    fresh_inputs: bool = True,
-    flush: Callable[[], None] | None = None,
-    both_ends: bool = False,
-) -> dict[str, Any]:
-    """Median-ready per-trial times of `forward`.
-
-    Before every call (outside the timed region) the inputs are refreshed in place from the
-    next input set and the L2 cache is flushed. On CUDA the region is bracketed by events
-    with a device-wide synchronize before the end event (side-stream work counts); a host
-    clock brackets the same region independently. Outputs of the `sample` trials are kept
-    for the parent to check.
-
-    The keyword options exist to measure the protocol against other harnesses (the defaults
-    are the protocol): `sync_before_start=False` records the start event while the flush may
-    still run (KernelBench: the call's launch overhead hides behind the flush),
-    `end_after_sync=False` records the end event right after the call, `fresh_inputs=False`
-    times the first input set every trial, `flush` replaces the buffer zeroing, and
-    `both_ends` also records an end event right after the call (``ms_call_end``: the region
-    without the trailing synchronize).
-    """
-    buffers = clone_inputs(input_sets[0])
-    device_ms: list[float] = []
-    host_ms: list[float] = []
-    call_end_ms: list[float] = []
-    samples: list[dict[str, Any]] = []
-    for i in range(warmup + trials):
-        which = i % len(input_sets) if fresh_inputs else 0
-        if fresh_inputs:
-            copy_inputs(buffers, input_sets[which])
-        if flush is not None:
-            flush()
-        else:
-            flush_l2(l2_buffer)
-        if sync_before_start:
-            clocks.sync()
-        context = on_call() if on_call else nullcontext()
-        with context, torch.no_grad():
-            if clocks.cuda:
-                start, end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
-                call_end = clocks.event(enable_timing=True) if both_ends else None
-                t0 = clocks.perf_counter()
-                clocks.record(start)
-                output = forward(*buffers)
-                if call_end is not None:
-                    clocks.record(call_end)
-                if end_after_sync:
-                    clocks.synchronize()
-                    clocks.record(end)
-                else:
-                    clocks.record(end)
-                    clocks.synchronize()
-                clocks.event_synchronize(end)
-                t1 = clocks.perf_counter()
-                elapsed = clocks.elapsed_time(start, end)
-                if call_end is not None:
-                    call_end_ms.append(float(clocks.elapsed_time(start, call_end)))
-            else:
-                t0 = clocks.perf_counter()
-                output = forward(*buffers)
-                t1 = clocks.perf_counter()
-                elapsed = (t1 - t0) * 1e3
-        if i >= warmup:
-            device_ms.append(float(elapsed))
-            host_ms.append((t1 - t0) * 1e3)
-            if i - warmup in sample:
-                samples.append({"trial": i - warmup, "input_set": which, "outputs": keep(flatten_output(output))})
-    timing: dict[str, Any] = {"ms": device_ms, "host_ms": host_ms, "samples": samples}
-    if both_ends:
-        timing["ms_call_end"] = call_end_ms[warmup:]
-    return timing
-
-
-def sample_trials(count: int, trials: int, seed: int) -> set[int]:
-    """Which timed trials have their outputs checked (always the last one)."""
-    generator = torch.Generator().manual_seed(seed)
-    chosen = {trials - 1}
-    if trials > 1 and count > 1:
-        chosen.update(torch.randperm(trials - 1, generator=generator)[: count - 1].tolist())
-    return chosen
-
-
-def l2_flush_buffer(protocol: Protocol, device: str) -> torch.Tensor | None:
-    if device != "cuda" or protocol.l2_flush_mb <= 0:
-        return None
-    return torch.empty(protocol.l2_flush_mb * 1024 * 1024 // 4, dtype=torch.int32, device=device)
-
-
-# ----------------------------------------------------------------------------- profiling
-
-
-def profile_cuda(forward: Callable[[], Any], launched: set[str], runs: int = 3) -> dict[str, Any]:
-    """Paper Eq. 7: PR = device time of the launched Triton kernels (exact names) / device
-    time of all GPU kernels (memcpy/memset are not kernels)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    forward()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            forward()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = {}
-    for event in prof.events():
-        name = getattr(event, "trace_name", None) or event.name  # trace_name: not shortened
-        if event.device_type != DeviceType.CUDA or name.startswith(("Memcpy", "Memset")):
-            continue
-        per_kernel[name] = per_kernel.get(name, 0.0) + event.time_range.elapsed_us() / 1e3 / runs
-    return profile_summary(per_kernel, launched | instrument.COMPILED_NAMES, "cuda")
-
-
-def profile_cpu(forward: Callable[[], Any], clocks: Clocks, runs: int = 2) -> dict[str, Any]:
-    """CPU estimate (no GPU profile under the interpreter): host time inside Triton launches
-    / host time of the whole forward."""
-    per_kernel: dict[str, float] = {}
-    total = 0.0
-    for _ in range(runs):
-        with instrument.recording() as log:
-            t0 = clocks.perf_counter()
-            forward()
-            total += clocks.perf_counter() - t0
-        for name, seconds in log.per_kernel_seconds.items():
-            per_kernel[name] = per_kernel.get(name, 0.0) + seconds * 1e3 / runs
-    generated_ms = sum(per_kernel.values())
-    other_ms = max(total * 1e3 / runs - generated_ms, 0.0)
-    if other_ms > 0:
-        per_kernel["(host: torch ops and Python)"] = other_ms
-    return profile_summary(per_kernel, {n for n in per_kernel if not n.startswith("(")}, "cpu")
-
-
-def profile_summary(per_kernel_ms: dict[str, float], generated: set[str], kind: str) -> dict[str, Any]:
-    total = sum(per_kernel_ms.values())
-    generated_ms = sum(ms for name, ms in per_kernel_ms.items() if name in generated)
-    kernels = sorted(per_kernel_ms.items(), key=lambda kv: -kv[1])
-    return {
-        "kind": kind,
-        "pr": generated_ms / total if total > 0 else None,
-        "kernels": [{"name": n, "ms": ms, "generated": n in generated} for n, ms in kernels],
-    }
 
 
 # ----------------------------------------------------------------------------- roles

@@ -61,7 +61,7 @@ Output = torch.Tensor | dict[str, Any]
 
 
 def compare_output(candidate: Output, reference: Output, tol: Tolerance) -> Comparison:
-    """Compare two outputs as the children saved them (``kpipe.gym.child.digest``): full
+    """Compare two outputs as the children saved them (``kpipe.gym.trial_data.digest``): full
     tensors, or for huge outputs the same sampled positions of each."""
     c = candidate if isinstance(candidate, dict) else {"full": candidate}
     r = reference if isinstance(reference, dict) else {"full": reference}

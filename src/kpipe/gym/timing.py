@@ -1,0 +1,149 @@
+"""How a child times a forward pass: CUDA events (or host clocks under the interpreter) taken
+before any candidate code ran, an L2 flush before every trial, fresh inputs between trials, and a
+sample of the timed outputs kept for checking. The options of ``time_forward`` exist for the
+side-by-side comparison with KernelBench's harness (benchmarks/kernelbench_side_by_side.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from kpipe.gym.trial_data import clone_inputs, copy_inputs, flatten_output
+from kpipe.gym.protocol import Protocol
+
+
+class Clocks:
+    """References to the timing functions taken before any candidate code ran, so a
+    candidate that patches them cannot change what we measure (the patch is also reported)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.perf_counter = time.perf_counter
+        self.cuda = device == "cuda"
+        if self.cuda:
+            self.synchronize = torch.cuda.synchronize
+            self.event = torch.cuda.Event
+            self.record = torch.cuda.Event.record
+            self.event_synchronize = torch.cuda.Event.synchronize
+            self.elapsed_time = torch.cuda.Event.elapsed_time
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.synchronize()
+
+
+def flush_l2(buffer: torch.Tensor | None) -> None:
+    if buffer is not None:
+        buffer.zero_()
+
+
+def flush_l2_kernelbench(device: str = "cuda") -> None:
+    """KernelBench's ``clear_l2_cache``: a new 256 MB int64 tensor from the caching allocator,
+    filled, freed (compared with ours, a persistent buffer zeroed, in the side-by-side benchmark)."""
+    dummy = torch.empty((32, 1024, 1024), dtype=torch.int64, device=device)
+    dummy.fill_(42)
+    del dummy
+
+
+def time_forward(
+    forward: Callable[..., Any],
+    input_sets: list[list[Any]],
+    trials: int,
+    warmup: int,
+    clocks: Clocks,
+    l2_buffer: torch.Tensor | None,
+    sample: set[int],
+    keep: Callable[[list[torch.Tensor]], list[dict[str, Any]]],
+    on_call: Callable[[], Any] | None = None,
+    *,
+    sync_before_start: bool = True,
+    end_after_sync: bool = True,
+    fresh_inputs: bool = True,
+    flush: Callable[[], None] | None = None,
+    both_ends: bool = False,
+) -> dict[str, Any]:
+    """Median-ready per-trial times of `forward`.
+
+    Before every call (outside the timed region) the inputs are refreshed in place from the
+    next input set and the L2 cache is flushed. On CUDA the region is bracketed by events
+    with a device-wide synchronize before the end event (side-stream work counts); a host
+    clock brackets the same region independently. Outputs of the `sample` trials are kept
+    for the parent to check.
+
+    The keyword options exist to measure the protocol against other harnesses (the defaults
+    are the protocol): `sync_before_start=False` records the start event while the flush may
+    still run (KernelBench: the call's launch overhead hides behind the flush),
+    `end_after_sync=False` records the end event right after the call, `fresh_inputs=False`
+    times the first input set every trial, `flush` replaces the buffer zeroing, and
+    `both_ends` also records an end event right after the call (``ms_call_end``: the region
+    without the trailing synchronize).
+    """
+    buffers = clone_inputs(input_sets[0])
+    device_ms: list[float] = []
+    host_ms: list[float] = []
+    call_end_ms: list[float] = []
+    samples: list[dict[str, Any]] = []
+    for i in range(warmup + trials):
+        which = i % len(input_sets) if fresh_inputs else 0
+        if fresh_inputs:
+            copy_inputs(buffers, input_sets[which])
+        if flush is not None:
+            flush()
+        else:
+            flush_l2(l2_buffer)
+        if sync_before_start:
+            clocks.sync()
+        context = on_call() if on_call else nullcontext()
+        with context, torch.no_grad():
+            if clocks.cuda:
+                start, end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
+                call_end = clocks.event(enable_timing=True) if both_ends else None
+                t0 = clocks.perf_counter()
+                clocks.record(start)
+                output = forward(*buffers)
+                if call_end is not None:
+                    clocks.record(call_end)
+                if end_after_sync:
+                    clocks.synchronize()
+                    clocks.record(end)
+                else:
+                    clocks.record(end)
+                    clocks.synchronize()
+                clocks.event_synchronize(end)
+                t1 = clocks.perf_counter()
+                elapsed = clocks.elapsed_time(start, end)
+                if call_end is not None:
+                    call_end_ms.append(float(clocks.elapsed_time(start, call_end)))
+            else:
+                t0 = clocks.perf_counter()
+                output = forward(*buffers)
+                t1 = clocks.perf_counter()
+                elapsed = (t1 - t0) * 1e3
+        if i >= warmup:
+            device_ms.append(float(elapsed))
+            host_ms.append((t1 - t0) * 1e3)
+            if i - warmup in sample:
+                samples.append({"trial": i - warmup, "input_set": which, "outputs": keep(flatten_output(output))})
+    timing: dict[str, Any] = {"ms": device_ms, "host_ms": host_ms, "samples": samples}
+    if both_ends:
+        timing["ms_call_end"] = call_end_ms[warmup:]
+    return timing
+
+
+def sample_trials(count: int, trials: int, seed: int) -> set[int]:
+    """Which timed trials have their outputs checked (always the last one)."""
+    generator = torch.Generator().manual_seed(seed)
+    chosen = {trials - 1}
+    if trials > 1 and count > 1:
+        chosen.update(torch.randperm(trials - 1, generator=generator)[: count - 1].tolist())
+    return chosen
+
+
+def l2_flush_buffer(protocol: Protocol, device: str) -> torch.Tensor | None:
+    if device != "cuda" or protocol.l2_flush_mb <= 0:
+        return None
+    return torch.empty(protocol.l2_flush_mb * 1024 * 1024 // 4, dtype=torch.int32, device=device)

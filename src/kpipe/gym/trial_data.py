@@ -1,0 +1,99 @@
+"""A trial's data: seeded inputs on the device, refreshed in place between timed calls, and the
+outputs flattened and digested (a bounded sample of elements) for the parent's comparison."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def trial_seed(protocol_seed: int, trial: int) -> int:
+    """Inputs of correctness trial `trial`: fresh per trial, identical in both children."""
+    return protocol_seed * 7919 + trial
+
+
+def to_device(value: Any, device: str) -> Any:
+    """Move tensors to `device` keeping their dtype (integer inputs stay integers)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def make_inputs(get_inputs: Callable[[], list[Any]], seed: int, device: str) -> list[Any]:
+    """Seeded inputs created on the device itself (multi-GB KernelBench inputs are slow to
+    draw on the host); both children draw them identically."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return [to_device(v, device) for v in get_inputs()]
+
+
+def clone_inputs(inputs: list[Any]) -> list[Any]:
+    return [v.clone() if isinstance(v, torch.Tensor) else v for v in inputs]
+
+
+def copy_inputs(destination: list[Any], source: list[Any]) -> None:
+    """Refresh input values in place: same pointers, new contents (defeats pointer caches)."""
+    for dst, src in zip(destination, source):
+        if isinstance(dst, torch.Tensor):
+            dst.copy_(src)
+
+
+def flatten_output(output: Any) -> list[torch.Tensor]:
+    """A forward's result as a list of tensors (tuples flattened, Python scalars wrapped)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (list, tuple)):
+        return [t for item in output for t in flatten_output(item)]
+    if isinstance(output, (bool, int, float)):
+        return [torch.tensor(output)]
+    raise TypeError(f"forward returned {type(output).__name__}, expected tensors")
+
+
+def subclass_outputs(outputs: list[torch.Tensor]) -> list[str]:
+    return [type(t).__name__ for t in outputs if type(t) not in (torch.Tensor, torch.nn.Parameter)]
+
+
+@functools.lru_cache(maxsize=8)
+def sample_positions(numel: int, count: int, seed: int) -> torch.Tensor:
+    """Flat positions compared for a huge output: its head and tail (where missing masks
+    show) and random positions in between, identical in both children (cached: every trial
+    of one evaluation samples the same positions)."""
+    edge = min(count // 4, numel // 2)
+    generator = torch.Generator().manual_seed(seed)
+    middle = torch.randint(0, numel, (count - 2 * edge,), generator=generator)
+    return torch.cat([torch.arange(edge), middle, torch.arange(numel - edge, numel)])
+
+
+def digest(outputs: list[torch.Tensor], max_elements: int, seed: int) -> list[dict[str, Any]]:
+    """What the parent compares: a plain CPU copy of each output, or for outputs above
+    `max_elements` (multi-GB KernelBench outputs) a sample at `sample_positions`."""
+    digests = []
+    for tensor in outputs:
+        tensor = tensor.detach().as_subclass(torch.Tensor)  # subclasses are reported separately
+        if tensor.numel() <= max_elements:
+            digests.append({"full": tensor.to("cpu", copy=True)})
+            continue
+        positions = sample_positions(tensor.numel(), max_elements, seed).to(tensor.device)
+        digests.append({
+            "sample": tensor.reshape(-1)[positions].cpu(),
+            "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype),
+        })
+    return digests
+
+
+def fingerprint(inputs: list[Any]) -> list[tuple[float, float]]:
+    """Cheap, copy-free summary of the input values (to notice a forward writing into them)."""
+    prints = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.numel():
+            accumulate = torch.float64 if value.is_floating_point() else torch.int64
+            total = torch.nansum(value, dtype=accumulate) if value.is_floating_point() else value.sum(dtype=accumulate)
+            spread = torch.linalg.vector_norm(torch.nan_to_num(value) if value.is_floating_point() else value.double(), dtype=torch.float64)
+            prints.append((float(total), float(spread)))
+    return prints
