@@ -1,6 +1,6 @@
 """The RL math of Dr. Kernel after the rewards, as small pure functions (cf. verl's ``core_algos.py``):
 returns, advantages, sample filters, TritonForge's group buffer, the policy loss. What one turn
-earns (the rewards) is :mod:`kpipe.train.turn_rewards`; its names are re-exported here.
+earns (the rewards) is :mod:`kpipe.train.turn_rewards`.
 
 Equation numbers refer to the Dr. Kernel paper (``papers/dr-kernel.md``). Where the
 authors' released code (hkust-nlp/KernelGYM on a patched verl) differs from the paper,
@@ -21,26 +21,7 @@ from typing import Literal
 
 import torch
 
-# the per-turn rewards live in kpipe.train.turn_rewards; re-exported for `algos.<name>` callers
-from kpipe.train.turn_rewards import (  # noqa: F401
-    KEVIN_CORRECTNESS_WEIGHT,
-    RELEASED_CODE_WEIGHT,
-    REWARDS,
-    SPEEDUP_CAP,
-    TRITONFORGE_COMPILED_REWARD,
-    TRITONFORGE_CORRECT_REWARD,
-    TRITONFORGE_NOT_COMPILED,
-    RewardFn,
-    clipped_speedup,
-    earns_reward,
-    kernel_compiled,
-    reward_fn,
-    reward_kevin,
-    reward_paper,
-    reward_released_code,
-    reward_tritonforge,
-    turn_reward,
-)
+from kpipe.train.turn_rewards import kernel_compiled
 
 GroupKeys = Sequence[Hashable] | torch.Tensor
 Singleton = Literal["zero", "return"]

@@ -23,9 +23,9 @@ from kpipe.agent.loop import GENERATION_ERROR, AgentTask, Sampling, run_episodes
 from kpipe.data import metrics as kmetrics
 from kpipe.llm.extract import FORMAT_ERROR
 from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
-from kpipe.train import algos
 from kpipe.train.rl_config import RLConfig
 from kpipe.train.sft import batch_indices
+from kpipe.train.turn_rewards import turn_reward
 
 STAGE = "rl"
 FAST_PS = (1.0, 1.2)
@@ -88,7 +88,7 @@ def rollout_rows(tasks: Sequence[AgentTask], engine: Any, evaluator: Any, cfg: R
     return run_episodes(
         tasks, engine, evaluator, make_policy(cfg.history, cfg.history_window), n_samples=cfg.rollouts_per_prompt,
         max_turns=cfg.max_turns, sampling=sampling,
-        reward_fn=algos.turn_reward(cfg.reward, cfg.use_pr, cfg.baseline, cfg.speedup_cap),
+        reward_fn=turn_reward(cfg.reward, cfg.use_pr, cfg.baseline, cfg.speedup_cap),
         run=run, stage=STAGE, iteration=iteration, seed=step_seed(cfg.seed, global_step),
         max_context_tokens=cfg.max_context_tokens, progress=progress, overlap=cfg.async_mode != "off",
     )

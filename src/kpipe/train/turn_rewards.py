@@ -4,8 +4,7 @@ A reward maps one KernelGym result (correct, hacked, speedup, PR, status) to a n
 the Dr. Kernel paper (``papers/dr-kernel.md``) and its PR term (Eq. 8), the authors' released
 code's weighting, Kevin's score and TritonForge's tiers; ``rl.reward`` picks one by name
 (:data:`REWARDS`). Plain Python on scalars: what the trainer then does with the rewards
-(returns, advantages, filters, the loss) is :mod:`kpipe.train.algos`, which re-exports these
-names for its callers.
+(returns, advantages, filters, the loss) is :mod:`kpipe.train.algos`.
 """
 
 from __future__ import annotations
