@@ -157,6 +157,12 @@ def test_faults_are_classified_and_the_caller_survives(candidate, status, detail
     assert "Status: " + status in result.feedback
 
 
+def test_a_failure_names_the_phase_it_happened_in():
+    # the child times its "write result" phase too: that must not overwrite where it failed
+    result = run(fixture("faults/runtime_exception.py"), RUNTIME_ONLY)
+    assert "(during candidate correctness trial 0)" in result.diagnostic, result.diagnostic
+
+
 def test_infinite_loop_times_out():
     protocol = Protocol.from_dict({**RUNTIME_ONLY.to_dict(), "timeout_s": 8})
     result = run(fixture("faults/infinite_loop.py"), protocol)

@@ -188,9 +188,11 @@ class Phase:
         self.path = path
         self.marks: list[tuple[str, float]] = []
 
-    def __call__(self, name: str) -> None:
+    def __call__(self, name: str, announce: bool = True) -> None:
+        """Start phase `name`; `announce=False` times it without overwriting the file, which
+        then still names the phase a failed run failed in (the parent reads it afterwards)."""
         self.marks.append((name, time.perf_counter()))
-        if self.path:
+        if self.path and announce:
             Path(self.path).write_text(name)
 
     def durations(self) -> list[list[Any]]:
@@ -508,7 +510,7 @@ def run_child(job: dict[str, Any]) -> None:
         payload["error"] = summary
         payload["traceback"] = candidate_traceback(exc)
         payload["phase"] = Path(job["phase_path"]).read_text() if job.get("phase_path") else ""
-    phase("write result")
+    phase("write result", announce=payload["status"] == "ok")
     try:  # instrumentation only (kpipe.gym.evaluation's trace): never part of a verdict
         payload["stats"] = {"phases": phase.durations(), "started_unix": started_unix,
                             "memory": memory_stats(device, device_used_at_start)}
