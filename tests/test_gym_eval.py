@@ -161,6 +161,8 @@ def test_a_failure_names_the_phase_it_happened_in():
     # the child times its "write result" phase too: that must not overwrite where it failed
     result = run(fixture("faults/runtime_exception.py"), RUNTIME_ONLY)
     assert "(during candidate correctness trial 0)" in result.diagnostic, result.diagnostic
+    # the traceback names the candidate's file, not its scratch directory or the install location
+    assert 'File "kpipe_candidate.py", line' in result.diagnostic and "kgym-" not in result.diagnostic
 
 
 def test_infinite_loop_times_out():

@@ -114,3 +114,21 @@ def test_recognises_every_bank_task_from_its_capped_reference():
         messages = first_turn_messages(shrink_sizes(problems[key].code, 40))
         assert real.recognise(messages) == key
         assert extract_code(real.respond(ChatRequest(messages, seed=0)).text).code is not None
+
+
+def test_answers_after_feedback_depend_on_its_statuses_not_on_run_specific_text():
+    """Timings, a wrong kernel's garbage values and scratch paths differ between two runs of the
+    same pipeline; the teacher's answers must not (a rerun gets the same trajectories)."""
+    t = teacher(p_first_legit=0.0, p_fix=0.5)
+    first = t.respond(ChatRequest(first_turn_messages(REFERENCE), seed=1)).text
+
+    def second_answers(feedback: str) -> list[str]:
+        return [
+            t.respond(ChatRequest(first_turn_messages(REFERENCE) + [{"role": "assistant", "content": first}, refine_message(feedback, 1)], seed=seed)).text
+            for seed in range(20)
+        ]
+
+    run_a = "Status: mismatch (wrong output)\ntrial 0: max abs diff 6.64e+36\n  File \"/tmp/kgym-candidate-abc/kpipe_candidate.py\""
+    run_b = "Status: mismatch (wrong output)\ntrial 0: 1 NaN/Inf values\n  File \"/tmp/kgym-candidate-xyz/kpipe_candidate.py\""
+    assert second_answers(run_a) == second_answers(run_b)
+    assert second_answers(run_a) != second_answers("Status: compilation_error (compilation error)")

@@ -27,7 +27,9 @@ import importlib.util
 import json
 import os
 import resource
+import site
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -454,10 +456,28 @@ def write_result(path: str, payload: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def short_path(filename: str, prefixes: list[tuple[str, str]]) -> str:
+    """`filename` with the first matching machine-specific prefix replaced by its label."""
+    for prefix, label in prefixes:
+        if filename.startswith(prefix):
+            return label + filename[len(prefix):]
+    return filename
+
+
 def candidate_traceback(exc: BaseException) -> str:
-    """The traceback without KernelGym's own frames: what the kernel author needs."""
+    """The traceback without KernelGym's own frames: what the kernel author needs. Paths are
+    shortened (the candidate's file by its name, libraries below ``<site-packages>``): the
+    scratch directory and the install location are noise to a model and differ per run."""
+    prefixes = sorted(
+        [(os.getcwd() + os.sep, ""), *((path + os.sep, "<site-packages>/") for path in site.getsitepackages()),
+         (sysconfig.get_paths()["purelib"] + os.sep, "<site-packages>/"), (sysconfig.get_paths()["stdlib"] + os.sep, "<python>/")],
+        key=lambda pair: -len(pair[0]),
+    )
     summary = traceback.TracebackException.from_exception(exc)
-    summary.stack = traceback.StackSummary.from_list([f for f in summary.stack if "/kpipe/gym/" not in f.filename])
+    frames = [f for f in summary.stack if "/kpipe/gym/" not in f.filename]
+    for frame in frames:
+        frame.filename = short_path(frame.filename, prefixes)
+    summary.stack = traceback.StackSummary.from_list(frames)
     return "".join(summary.format())[-6000:]
 
 

@@ -4,8 +4,8 @@ It answers from the bank of known solutions (`kpipe.gym.bank`): it recognises th
 from the reference code in the first user turn, and behaves like a model that learns from
 feedback — often a buggy variant first (compile error, wrong index, missing mask, wrong
 dtype), the legit solution after feedback, and the legit one again once it has passed.
-Every choice is seeded by the request's content, so a rerun gets the same answers (and the
-response cache's hashes stay valid). Unknown tasks get a code-less answer or a generic
+Every choice is seeded by the request's content (feedback by its statuses), so a rerun gets the
+same answers (and the response cache's hashes stay valid). Unknown tasks get a code-less answer or a generic
 attempt (the reference renamed to ModelNew, which KernelGym rejects): feedback still flows.
 """
 
@@ -70,9 +70,20 @@ def code_fingerprint(src: str) -> str:
     return hashlib.sha256(normalise_source(src).encode()).hexdigest()[:16]
 
 
+FEEDBACK_STATUS_RE = re.compile(r"Status: (\w+)")
+
+
 def content_rng(request: ChatRequest) -> random.Random:
-    """A generator seeded by the whole request, so the same request gets the same answer."""
-    payload = json.dumps({"messages": request.messages, "seed": request.seed}, sort_keys=True)
+    """A generator seeded by the request, so the same request gets the same answer. Feedback
+    turns count by their KernelGym statuses only: their timings, memory garbage in a wrong
+    kernel's outputs and scratch paths differ from run to run, and a rerun must still get the
+    same answers."""
+    first_user = next((i for i, m in enumerate(request.messages) if m["role"] == "user"), -1)
+    seen = [
+        m if m["role"] != "user" or i == first_user else {"role": "user", "statuses": FEEDBACK_STATUS_RE.findall(m["content"])}
+        for i, m in enumerate(request.messages)
+    ]
+    payload = json.dumps({"messages": seen, "seed": request.seed}, sort_keys=True)
     return random.Random(hashlib.sha256(payload.encode()).hexdigest())
 
 
