@@ -41,8 +41,8 @@ REFERENCE_MAX_AGE_S = 1800.0
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
 # what a tampered (well-formed pickle, wrong structure) result file raises while judged
 MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
-_reference_cache: OrderedDict[str, dict[str, Any]] = OrderedDict()
-_reference_ran_at: dict[str, float] = {}
+# reference runs by key: (when it ran, its payload), least recently used first
+_reference_cache: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
 
 
 class ReferenceFailure(RuntimeError):
@@ -123,9 +123,9 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
     """The reference child's payload, and whether it ran now (False: reused from this
     process's cache)."""
     cache_key = hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
-    if reuse and cache_key in _reference_cache and time.monotonic() - _reference_ran_at.get(cache_key, 0.0) < REFERENCE_MAX_AGE_S:
+    if reuse and cache_key in _reference_cache and time.monotonic() - _reference_cache[cache_key][0] < REFERENCE_MAX_AGE_S:
         _reference_cache.move_to_end(cache_key)
-        return _reference_cache[cache_key], False
+        return _reference_cache[cache_key][1], False
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
     run = run_isolated(job, protocol.timeout_s, launch=launch)
     if run.payload is None or run.payload.get("status") != "ok":
@@ -134,11 +134,9 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
         raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
     run.payload.setdefault("stats", {})["wall_s"] = run.wall_s
     if reuse:
-        _reference_cache[cache_key] = run.payload
+        _reference_cache[cache_key] = (time.monotonic(), run.payload)
         _reference_cache.move_to_end(cache_key)
-        _reference_ran_at[cache_key] = time.monotonic()
         while len(_reference_cache) > REFERENCE_CACHE_SIZE:
-            _reference_ran_at.pop(next(iter(_reference_cache)), None)
             _reference_cache.popitem(last=False)
     return run.payload, True
 
