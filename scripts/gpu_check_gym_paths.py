@@ -3,6 +3,7 @@
 
     . scripts/device_env.sh && python scripts/gpu_check_gym_paths.py --sections pool,service,ray,eval,placement,caches
     . scripts/device_env.sh && python scripts/gpu_check_gym_paths.py --sections "pool,service+eval:0/2+eval:1/2"
+    . scripts/device_env.sh && python scripts/gpu_check_gym_paths.py --sections "service,ray" --pairs L1_19/legit,L1_47/legit
     python scripts/gpu_check_gym_paths.py --merge OUT1 OUT2 ...   # one status table from earlier runs' outputs
 
 Before anything runs, ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` point at new empty
@@ -35,6 +36,21 @@ a lane sees one GPU, so ``placement`` belongs in a one-lane run. ``pool``, ``ser
 ``eval`` take a shard, ``eval:K/N`` (pairs K, K+N, ... of the selection), to spread one path over
 lanes or calls. A section named twice in one lane runs twice: the second run (``pool#2``) is the
 warm figure (compile caches filled by the first; a new result cache, so everything re-runs).
+
+``--limit N`` and ``--stride K`` narrow the bank (first N pairs, then every K-th); ``--pairs KEYS``
+then keeps only the listed pairs, comma-separated keys as in the rows' ``pair`` field
+(``L1_19/legit,L1_47/wrong_dtype``), in bank order; a key the bank does not have, or one that
+``--limit``/``--stride`` left out, is an error that names it. Lanes get the same selection.
+
+``--merge DIR ...`` reads the ``gym_paths_*.json`` of earlier runs' $OUT folders (an eval section
+that ran out of time counts by its ``.partial`` file, the pairs it finished) and makes one status
+table, one column per path (``pool``, ``service``, ``ray``, ``eval``; a repeated run such as
+``pool#2`` is its own column; shards of one path fill one column). Per column, a folder later on
+the command line supersedes the earlier folders' rows for the pairs it ran; every other pair keeps
+its row from the last folder that ran it. So a full run followed by a rerun of a few pairs
+(``--merge FULL RERUN``) shows the rerun's status for those pairs and the full run's for the
+rest, and the report says per column how many rows came from which folder. The verdict is the
+merged table's: a section whose rows were superseded no longer fails the merge by itself.
 
 Every path must give the bank's expected full-size status, and all paths the same status per
 pair. Exit status 1 if any check fails. ``--dry-run`` prints the plan only.
@@ -126,6 +142,29 @@ def bank_pairs(limit: int | None) -> list[dict[str, Any]]:
         for s in list_solutions()
     ]
     return pairs[:limit] if limit else pairs
+
+
+def select_pairs(every: list[dict[str, Any]], limit: int | None, stride: int, keys: str | None) -> list[dict[str, Any]]:
+    """The bank pairs a run uses: the first `limit`, every `stride`-th of those, then only the
+    pairs named in `keys` (comma-separated, as the rows' ``pair`` field: ``L1_19/legit``), in bank
+    order. ValueError naming any key the bank lacks or the limit/stride left out."""
+    chosen = (every[:limit] if limit else every)[::stride]
+    if keys is None:
+        return chosen
+    wanted = list(dict.fromkeys(k.strip() for k in keys.split(",") if k.strip()))
+    if not wanted:
+        raise ValueError("--pairs names no pair")
+    known = {p["key"] for p in every}
+    unknown = [k for k in wanted if k not in known]
+    if unknown:
+        raise ValueError(f"--pairs: unknown pair key(s) {', '.join(unknown)} (keys look like "
+                         f"{', '.join(p['key'] for p in every[:2])}; the bank has {len(known)})")
+    kept = {p["key"] for p in chosen}
+    dropped = [k for k in wanted if k not in kept]
+    if dropped:
+        raise ValueError(f"--pairs: pair key(s) {', '.join(dropped)} are in the bank but not in the selection "
+                         f"--limit/--stride leave ({len(chosen)} pairs)")
+    return [p for p in chosen if p["key"] in set(wanted)]
 
 
 def protocol_args(perf_trials: int, baseline: str = "eager") -> list[str]:
@@ -531,26 +570,64 @@ def run_lane(lane: list[str], pairs: list[dict[str, Any]], perf_trials: int, wor
     return done
 
 
-def combined_report(pairs: list[dict[str, Any]], sections: dict[str, Any], lane_of: dict[str, str]) -> tuple[list[str], bool]:
+def rows_per_path(sections: dict[str, Any], origin: dict[str, int]) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, int]], dict[str, int]]:
+    """The status-table columns: per column (path, or repeated run), the row of each pair, and
+    the index of the folder it came from. `origin` gives each section's folder index (its place
+    on the --merge command line; 0 for every section of one run). A row from a later folder
+    supersedes an earlier folder's row of that pair in that column; within one folder the later
+    section wins (as it always did). Also returns, per section, how many of its rows a later
+    folder superseded."""
+    by_path: dict[str, dict[str, dict[str, Any]]] = {}
+    source: dict[str, dict[str, int]] = {}
+    owner: dict[str, dict[str, str]] = {}
+    for label, done in sections.items():
+        if "check" in done:
+            continue
+        column, rank = done.get("column") or done["path"], origin.get(label, 0)
+        rows, came, who = by_path.setdefault(column, {}), source.setdefault(column, {}), owner.setdefault(column, {})
+        for row in done["rows"]:
+            if row["pair"] in came and came[row["pair"]] > rank:  # a later folder's row stays
+                continue
+            rows[row["pair"]], came[row["pair"]], who[row["pair"]] = row, rank, label
+    superseded = {label: 0 for label in sections}
+    for label, done in sections.items():
+        if "check" not in done:
+            column, rank = done.get("column") or done["path"], origin.get(label, 0)
+            superseded[label] = sum(1 for r in done["rows"] if source[column][r["pair"]] > rank)
+    return by_path, source, superseded
+
+
+def combined_report(pairs: list[dict[str, Any]], sections: dict[str, Any], lane_of: dict[str, str],
+                    origin: dict[str, int] | None = None, folders: list[str] | None = None) -> tuple[list[str], bool]:
     """Per-section figures, then one status table over every path that ran (shards of one
-    path merged; a repeated run is its own column)."""
+    path merged; a repeated run is its own column). With `origin` (section -> index into
+    `folders`, from --merge), a later folder's rows supersede an earlier one's per pair and
+    column (`rows_per_path`), and the report says per column which folder each row came from."""
+    origin = origin or {}
+    by_path, source, superseded = rows_per_path(sections, origin)
     lines = ["| section | lane (GPU) | pairs | wall s | first eval s (cold) | warm median s | expected statuses |",
              "|---|---|---|---|---|---|---|"]
     ok = True
-    by_path: dict[str, dict[str, dict[str, Any]]] = {}
     for label, done in sections.items():
-        ok &= bool(done.get("ok"))
+        if not superseded.get(label):  # a section a later folder reran in part is judged by the merged table
+            ok &= bool(done.get("ok"))
         if "check" in done:
             lines.append(f"| {label} | {lane_of.get(label, '')} | — | {done['wall_s']} | — | — | {'ok' if done['ok'] else 'FAIL'} |")
             continue
-        lines.append(f"| {label} | {lane_of.get(label, '')} | {done['pairs']} | {done['wall_s']} | {done['first_eval_s']} | "
+        note = f" ({superseded[label]} superseded by a later folder)" if superseded.get(label) else ""
+        lines.append(f"| {label} | {lane_of.get(label, '')} | {done['pairs']}{note} | {done['wall_s']} | {done['first_eval_s']} | "
                      f"{done['median_warm_eval_s']} | {'all' if done['ok'] else 'NOT all'} |")
-        by_path.setdefault(done.get("column") or done["path"], {}).update({r["pair"]: r for r in done["rows"]})
     if by_path:
         table, agree, counts = status_table(pairs, by_path)
         ok &= agree
-        lines += ["", "## Statuses per path", "", "Pairs run: " + ", ".join(f"{p} {n}/{len(pairs)}" for p, n in counts.items()), "",
-                  *table, "", f"Every status run is the bank's expected one (so all paths agree per pair): {'yes' if agree else 'NO'}"]
+        lines += ["", "## Statuses per path", "", "Pairs run: " + ", ".join(f"{p} {n}/{len(pairs)}" for p, n in counts.items()), ""]
+        if folders and len(folders) > 1:
+            lines += ["Rows per path by folder (a later folder on the command line supersedes an earlier one's row of the same pair):", ""]
+            for column, came in source.items():
+                per = [sum(1 for rank in came.values() if rank == i) for i in range(len(folders))]
+                lines.append(f"- {column}: " + ", ".join(f"{n} pairs from {folders[i]}" for i, n in enumerate(per) if n))
+            lines.append("")
+        lines += [*table, "", f"Every status run is the bank's expected one (so all paths agree per pair): {'yes' if agree else 'NO'}"]
     for label, done in sections.items():
         if "check" in done:
             lines += ["", f"## {label} ({done['wall_s']} s)", "", *done["lines"]]
@@ -558,10 +635,12 @@ def combined_report(pairs: list[dict[str, Any]], sections: dict[str, Any], lane_
 
 
 def merge(dirs: list[Path], pairs: list[dict[str, Any]]) -> tuple[list[str], bool]:
-    """The combined report from the gym_paths_*.json files of earlier runs (one per section)."""
+    """The combined report from the gym_paths_*.json files of earlier runs (one per section);
+    per path, a later folder's rows supersede an earlier folder's for the pairs it ran."""
     sections: dict[str, Any] = {}
+    origin: dict[str, int] = {}
     expected = {p["key"]: p["expected"] for p in pairs}
-    for folder in dirs:
+    for rank, folder in enumerate(dirs):
         for path in sorted(folder.glob("gym_paths_*.json")):
             data = json.loads(path.read_text())
             stem = path.stem.removeprefix("gym_paths_")
@@ -572,7 +651,8 @@ def merge(dirs: list[Path], pairs: list[dict[str, Any]]) -> tuple[list[str], boo
                         "median_warm_eval_s": None, "ok": all(r.get("status") == expected.get(r.get("pair")) for r in data)}
             if isinstance(data, dict) and ("path" in data or "check" in data) and "lanes" not in data:
                 sections[f"{stem} ({folder})"] = data
-    return combined_report(pairs, sections, {})
+                origin[f"{stem} ({folder})"] = rank
+    return combined_report(pairs, sections, {}, origin, [str(d) for d in dirs])
 
 
 def main() -> None:
@@ -582,6 +662,8 @@ def main() -> None:
     parser.add_argument("--perf-trials", type=int, default=20)
     parser.add_argument("--limit", type=int, default=None, help="first N bank pairs only (a quick try)")
     parser.add_argument("--stride", type=int, default=1, help="every K-th bank pair only (a quick try)")
+    parser.add_argument("--pairs", default=None, metavar="KEYS",
+                        help="only these pairs (after --limit/--stride): comma-separated keys as in the rows' 'pair' field, e.g. L1_19/legit,L1_47/wrong_dtype")
     parser.add_argument("--size-cap", type=int, default=None, help="shrink the problems (a CPU smoke test of the script)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (lanes, GPUs, pairs per section) and stop")
     parser.add_argument("--merge", nargs="+", type=Path, help="combine the gym_paths_*.json of earlier runs' $OUT folders")
@@ -594,7 +676,10 @@ def main() -> None:
         lanes = parse_sections(args.sections)
     except ValueError as exc:
         parser.error(str(exc))
-    pairs = bank_pairs(args.limit)[:: args.stride]
+    try:
+        pairs = select_pairs(bank_pairs(None), args.limit, args.stride, args.pairs)
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.merge:
         lines, ok = merge(args.merge, pairs)
         text = "\n".join([f"# KernelGym paths, merged from {', '.join(str(d) for d in args.merge)}", "", *lines]) + "\n"
@@ -607,7 +692,7 @@ def main() -> None:
             + ", ".join(f"{s} ({len(shard_of(pairs, s)) if s.split(':')[0].split('#')[0] in PATHS else '-'} pairs)" for s in lane)
             for i, (lane, g) in enumerate(zip(lanes, lane_gpus))]
     if args.dry_run:
-        print("\n".join([f"{len(pairs)} bank pairs; GPUs: {[d['index'] + ' ' + d['name'] for d in devices] or 'none'}", *plan]))
+        print("\n".join([f"{len(pairs)} bank pairs{' (--pairs)' if args.pairs else ''}; GPUs: {[d['index'] + ' ' + d['name'] for d in devices] or 'none'}", *plan]))
         return
     fresh = cold_start(move_home=args.lane_result is None)
     work = Path(tempfile.mkdtemp(prefix="gym-paths-"))
@@ -634,6 +719,7 @@ def main() -> None:
             shared = sum(1 for g in lane_gpus if g == gpu)
             passed += ["--start-fraction", str(lane_gpus[:i].count(gpu) / shared)] if shared > 1 else []
             passed += ["--limit", str(args.limit)] if args.limit else []
+            passed += ["--pairs", args.pairs] if args.pairs else []
             passed += ["--size-cap", str(args.size_cap)] if args.size_cap else []
             procs.append((subprocess.Popen([sys.executable, __file__, "--sections", ",".join(s.split("#")[0] for s in lane), "--lane-result", str(result), *passed], env=env), result, i, gpu))
         sections, lane_of = {}, {}
