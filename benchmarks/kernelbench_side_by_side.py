@@ -15,11 +15,12 @@ KernelBench ``main`` sizes; 5 correctness + 100 timed trials; eager baseline. Ha
   the reference run once per task and reused (``reuse_reference=True``), every candidate
   evaluated ``--kpipe-repeats`` times (the run-to-run spread), each evaluation's seconds by phase
   (parent and children: ``KPIPE_GYM_TRACE``) and its GPU memory;
-- **probe** (A/B of the timing method, no pool; runs before kpipe, which takes what is left of the budget): a fresh process per cuBLAS setting (kpipe's
-  children set ``CUBLAS_WORKSPACE_CONFIG=:4096:8``; KernelBench sets nothing) times each task's
-  eager reference and candidate with KernelBench's ``time_execution_with_cuda_event`` and with
-  kpipe's ``time_forward`` in variants (start event after a host synchronize or behind the flush,
-  end event after or before the trailing synchronize, fresh or fixed inputs, our L2 flush or
+- **probe** (A/B of the timing method, no pool; runs before kpipe, which takes what is left of
+  the budget): a fresh process per cuBLAS setting (``CUBLAS_WORKSPACE_CONFIG`` unset, as
+  KernelBench and kgym-3 run, and ``:4096:8``, as kgym-2's children did) times each task's eager
+  reference and candidate with KernelBench's ``time_execution_with_cuda_event`` and with kpipe's
+  ``time_forward`` in variants (start event behind the flush or after a host synchronize, region
+  ended at the call or at the device-wide synchronize, fresh or fixed inputs, our L2 flush or
   KernelBench's, launch recording on or off), and traces one timed trial of each harness on L1_40
   with ``torch.profiler`` (the GPU timeline of the timed region).
 
@@ -250,15 +251,15 @@ def probe_main(args: argparse.Namespace) -> None:
             times = kb_timing.time_execution_with_cuda_event(forward, input_sets[0], num_warmup=3, num_trials=trials, verbose=False,
                                                               device=torch.device("cuda:0"))
         row["kb under no_grad"] = stats(times)
-        options = {
+        options = {  # the region ends at the call ("ms") and at the device-wide synchronize ("ms_synced")
             "kpipe": {},
-            "kpipe, start behind flush": {"sync_before_start": False},
-            "kpipe, start behind flush, fixed inputs, KB flush": {"sync_before_start": False, "fresh_inputs": False, "flush": flush_l2_kernelbench},
+            "kpipe, start after a host synchronize (kgym-2)": {"start_behind_flush": False},
+            "kpipe, fixed inputs, KB flush": {"fresh_inputs": False, "flush": flush_l2_kernelbench},
         }
         for name, kwargs in options.items():
-            timed = time_forward(forward, input_sets, trials, warmup, clocks, l2, set(), lambda outs: [], both_ends=True, **kwargs)
+            timed = time_forward(forward, input_sets, trials, warmup, clocks, l2, set(), lambda outs: [], **kwargs)
             row[name] = stats(timed["ms"])
-            row[name + " (end event before sync)"] = stats(timed["ms_call_end"])
+            row[name + " (to the synchronize)"] = stats(timed["ms_synced"])
         if recording:  # what the candidate child does: every call inside a launch recording
             instrument.install()
             timed = time_forward(forward, input_sets, trials, warmup, clocks, l2, set(), lambda outs: [], on_call=instrument.recording)
@@ -323,8 +324,8 @@ def profile_regions(model: Any, input_sets: list[Any], kb_timing: Any, clocks: A
     if out_dir:
         prof.export_chrome_trace(str(Path(out_dir) / "L1_40_trace_kb.json"))
     with profile(activities=activities) as prof:
-        timed = time_forward(model, input_sets, 1, 0, clocks, l2, set(), lambda outs: [], both_ends=True)
-    summary["kpipe"] = {"ms": timed["ms"], "ms_call_end": timed["ms_call_end"], "timeline": timeline(prof)[-40:]}
+        timed = time_forward(model, input_sets, 1, 0, clocks, l2, set(), lambda outs: [])
+    summary["kpipe"] = {"ms": timed["ms"], "ms_synced": timed["ms_synced"], "timeline": timeline(prof)[-40:]}
     if out_dir:
         prof.export_chrome_trace(str(Path(out_dir) / "L1_40_trace_kpipe.json"))
     return summary
@@ -434,9 +435,9 @@ def main() -> None:
 
         torch.cuda.empty_cache()  # what KernelBench's in-process run leaves is not kpipe's
     if "probe" in harnesses:  # bounded: what is left of the budget goes to kpipe's repeats
-        extra["probe_cublas"] = run_probe(args, ":4096:8", False, out_dir, args.probe_timeout_s)
+        extra["probe_nocublas"] = run_probe(args, None, False, out_dir, args.probe_timeout_s)
         save()
-        extra["probe_nocublas"] = run_probe(args, None, True, out_dir, args.probe_timeout_s * 0.6)
+        extra["probe_cublas"] = run_probe(args, ":4096:8", True, out_dir, args.probe_timeout_s * 0.6)
         save()
     trace_path = out_dir / "kpipe_trace.jsonl"
     kpipe: dict[str, Any] = {}
@@ -500,7 +501,7 @@ def main() -> None:
             f"{m['when']}: " + ", ".join(f"{k}={v}" for k, v in m.items() if k != "when") for m in kpipe.get("memory", []))]
         if kpipe.get("stopped"):
             lines += ["", f"kpipe stopped {kpipe['stopped']}"]
-    for key, title in (("probe_cublas", "CUBLAS_WORKSPACE_CONFIG=:4096:8 (as kpipe's children)"), ("probe_nocublas", "CUBLAS_WORKSPACE_CONFIG unset (as KernelBench)")):
+    for key, title in (("probe_nocublas", "CUBLAS_WORKSPACE_CONFIG unset (as KernelBench and kgym-3)"), ("probe_cublas", "CUBLAS_WORKSPACE_CONFIG=:4096:8 (as kgym-2's children)")):
         probe = extra.get(key)
         if not probe:
             continue
@@ -526,7 +527,7 @@ def main() -> None:
             if "profile" in row:
                 for harness, prof in row["profile"].items():
                     lines += ["", f"{task} profiled timed trial, {harness}: reported ms {prof.get('ms')} "
-                                  f"{'(end event before sync: ' + str(prof.get('ms_call_end')) + ')' if prof.get('ms_call_end') else ''}", "", "```"]
+                                  f"{'(to the synchronize: ' + str(prof.get('ms_synced')) + ')' if prof.get('ms_synced') else ''}", "", "```"]
                     lines += prof.get("timeline", [])
                     lines += ["```"]
     lines += ["", f"Whole run: {time.monotonic() - run_started:.0f} s"]

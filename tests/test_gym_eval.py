@@ -194,3 +194,54 @@ def test_cli_eval_exits_zero_on_a_failing_kernel(tmp_path):
     assert json.loads(failing.output)["status"] == "compilation_error"
     usage = runner.invoke(main, [*args, "--candidate", str(tmp_path / "missing.py")])
     assert usage.exit_code != 0
+
+
+def test_kept_references_are_budgeted_by_bytes_not_count(monkeypatch):
+    """A batch cycling through more tasks than a fixed count of entries never reused one (10 tasks
+    against 8 entries on the H100): the cache keeps references until their bytes exceed the budget."""
+    from kpipe.gym import evaluation
+    from kpipe.gym.isolate import ChildRun
+
+    runs: list[str] = []
+
+    def fake_run(job, timeout_s, launch):
+        runs.append(job["reference_src"])
+        return ChildRun({"status": "ok"}, None, 0, False, 0.1, "", "", 0, "done", result_bytes=30 << 20)
+
+    monkeypatch.setattr(evaluation, "run_isolated", fake_run)
+    monkeypatch.setattr(evaluation, "_reference_cache", evaluation.OrderedDict())
+    sources = [f"# task {i}\n" for i in range(10)]
+    for _ in range(2):
+        for source in sources:
+            evaluation.run_reference(source, FAST, "cpu", reuse=True)
+    assert runs == sources  # the second round reused all ten
+
+    monkeypatch.setattr(evaluation, "REFERENCE_CACHE_BYTES", 95 << 20)  # room for three
+    monkeypatch.setattr(evaluation, "_reference_cache", evaluation.OrderedDict())
+    runs.clear()
+    for source in sources[:4] + sources[1:4] + sources[:1]:
+        evaluation.run_reference(source, FAST, "cpu", reuse=True)
+    assert runs == sources[:4] + sources[:1]  # 1-3 kept; 0, least recently used, evicted
+
+
+def test_work_left_running_after_the_call_is_timed_to_the_synchronize():
+    """kgym-3 ends the timed region at the call's own event; a candidate whose GPU work outlasts
+    it (a side stream the call never joined) by more than the reference's synchronize latency
+    is timed to the device-wide synchronize, so what it hid counts again."""
+    from kpipe.gym.evaluation import candidate_times
+
+    reference = {"eager": {"ms": [2.0, 2.0, 2.0], "ms_synced": [2.02, 2.02, 2.02]}}
+    honest = {"ms": [0.30, 0.30, 0.30], "ms_synced": [0.325, 0.32, 0.33]}
+    assert candidate_times(honest, reference, Protocol()) == (honest["ms"], "")
+    hidden = {"ms": [0.01, 0.01, 0.01], "ms_synced": [0.31, 0.31, 0.32]}
+    times, note = candidate_times(hidden, reference, Protocol())
+    assert times == hidden["ms_synced"] and "did not wait for" in note
+    # a kgym-2 protocol already ends the region after the synchronize
+    assert candidate_times(hidden, reference, Protocol(timing_end="after_sync")) == (hidden["ms"], "")
+    # a kernel of a few microseconds hides less than the synchronize's jitter, but its region
+    # cannot be shorter than its own kernels' device time
+    tiny = {"ms": [0.002, 0.002, 0.002], "ms_synced": [0.03, 0.03, 0.03]}
+    profile = {"kind": "cuda", "kernels": [{"name": "relu_kernel", "ms": 0.008, "generated": True}]}
+    assert candidate_times(tiny, reference, Protocol())[0] == tiny["ms"]
+    times, note = candidate_times(tiny, reference, Protocol(), profile)
+    assert times == tiny["ms_synced"] and "shorter than its own kernels" in note

@@ -3,6 +3,7 @@ copies of the model that must behave like fresh seeded constructions."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -83,26 +84,31 @@ def test_copies_behave_like_fresh_seeded_constructions() -> None:
         assert torch.equal(out_copy, constructed(x))
 
 
-def test_timing_options_keep_earlier_protocols_and_keys() -> None:
-    """`timing_start` and `cublas_workspace_config` (the A/B knobs of issue 14) appear in the
-    protocol's JSON only when set: every earlier protocol serialises, and keys, as before."""
+def test_protocol_times_as_kernelbench_and_earlier_protocols_keep_their_meaning() -> None:
+    """kgym-3 times KernelBench's region with cuBLAS's default workspace; a kgym-2 protocol
+    (written before the timing fields existed) still means kgym-2's region, and keys apart."""
     from kpipe.gym.evaluation import eval_key
 
     default = Protocol(baseline="eager")
-    assert "timing_start" not in default.to_json() and "cublas_workspace_config" not in default.to_json()
-    kb_like = Protocol(baseline="eager", timing_start="behind_flush", cublas_workspace_config="")
-    assert Protocol.from_json(kb_like.to_json()) == Protocol.from_dict(kb_like.to_dict())
-    assert Protocol.from_json(kb_like.to_json()).timing_start == "behind_flush"
-    assert eval_key("r", "c", default, "cpu") != eval_key("r", "c", kb_like, "cpu")
+    assert (default.timing_start, default.timing_end, default.cublas_workspace_config) == ("behind_flush", "call", "")
+    kgym2 = {k: v for k, v in default.to_dict().items() if k not in ("timing_start", "timing_end", "cublas_workspace_config")}
+    kgym2["version"] = "kgym-2"
+    earlier = Protocol.from_dict(kgym2)
+    assert (earlier.timing_start, earlier.timing_end, earlier.cublas_workspace_config) == ("after_sync", "after_sync", ":4096:8")
+    assert Protocol.from_json(earlier.to_json()).to_json() == earlier.to_json()
+    assert Protocol.from_json(default.to_json()).to_json() == default.to_json()
+    assert eval_key("r", "c", default, "cpu") != eval_key("r", "c", earlier, "cpu")
+    with pytest.raises(ValueError, match="timing_end"):
+        Protocol(timing_end="later")
 
 
-def test_kernelbench_like_timing_options_run_end_to_end() -> None:
+def test_kgym2_timing_options_still_run_end_to_end() -> None:
     from pathlib import Path
 
     from kpipe.gym import evaluate
 
     fixtures = Path(__file__).parent / "fixtures" / "gym"
     protocol = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu",
-                        timing_start="behind_flush", cublas_workspace_config="")
+                        timing_start="after_sync", timing_end="after_sync", cublas_workspace_config=":4096:8")
     result = evaluate((fixtures / "relu_reference.py").read_text(), (fixtures / "relu_legit.py").read_text(), protocol)
     assert result.status == "pass", result.diagnostic

@@ -33,7 +33,20 @@ DIAGNOSTIC_MAX_CHARS = 3000
 # a candidate's event time may not exceed what the host clock around the same region saw
 EVENT_HOST_SLACK_MS = 0.05
 HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-timed one
-REFERENCE_CACHE_SIZE = 8
+# a candidate whose GPU work outlasts its call's end event by more than the reference's does
+# (the synchronize's own latency, ~10-30 us) plus this much has work on a stream the call did
+# not wait for, and is timed to the device-wide synchronize instead: what it hid counts again
+UNJOINED_SLACK_MS = 0.02
+UNJOINED_SLACK_FRACTION = 0.05
+# ... and so is one whose region is shorter than this share of its own kernels' device time
+# (profiled without the L2 flush, so an honest region is never shorter): on kernels of a few
+# microseconds the synchronize's jitter would hide the excess above
+REGION_MIN_KERNEL_FRACTION = 0.8
+# host memory the kept reference runs may take (their outputs dominate: ~30 MB for a full-size
+# KernelBench task). A count would be wrong both ways: a batch cycling through more tasks than
+# the count never hits (10 tasks against 8 entries did not, on the H100), and a few huge
+# tasks can hold gigabytes
+REFERENCE_CACHE_BYTES = 2 << 30
 # a reused reference run older than this is run again (its baseline timed anew)
 REFERENCE_MAX_AGE_S = 1800.0
 # where the judging process appends one JSON line per evaluation: the seconds of each phase
@@ -41,8 +54,8 @@ REFERENCE_MAX_AGE_S = 1800.0
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
 # what a tampered (well-formed pickle, wrong structure) result file raises while judged
 MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
-# reference runs by key: (when it ran, its payload), least recently used first
-_reference_cache: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+# reference runs by key: (when it ran, its payload, its result file's bytes), least recently used first
+_reference_cache: OrderedDict[str, tuple[float, dict[str, Any], int]] = OrderedDict()
 
 
 class ReferenceFailure(RuntimeError):
@@ -134,9 +147,9 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
         raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
     run.payload.setdefault("stats", {})["wall_s"] = run.wall_s
     if reuse:
-        _reference_cache[cache_key] = (time.monotonic(), run.payload)
+        _reference_cache[cache_key] = (time.monotonic(), run.payload, run.result_bytes)
         _reference_cache.move_to_end(cache_key)
-        while len(_reference_cache) > REFERENCE_CACHE_SIZE:
+        while len(_reference_cache) > 1 and sum(entry[2] for entry in _reference_cache.values()) > REFERENCE_CACHE_BYTES:
             _reference_cache.popitem(last=False)
     return run.payload, True
 
@@ -241,11 +254,37 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
             if not compare_outputs(sample["outputs"], reference["recheck_outputs"][sample["input_set"]], tol).ok:
                 reasons.append("recheck_output_mismatch: wrong output on fresh inputs during the speedup re-check")
                 break
-        event_speedup = speedup(ref_ms, median(timing["ms"]))
+        event_speedup = speedup(ref_ms, median(candidate_times(timing, reference, protocol, candidate.get("profile"))[0]))
         host_speedup = speedup(ref_ms, median(recheck["host_ms"]))
         if event_speedup and host_speedup is not None and host_speedup < HOST_RECHECK_MIN_RATIO * event_speedup:
             reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {host_speedup:.3g}x by the host clock on fresh inputs")
     return reasons
+
+
+def busy_after_call_ms(timing: dict[str, Any]) -> float:
+    """How long the GPU stayed busy after the call's end event (medians): the synchronize's
+    latency, plus any work on streams the call did not join."""
+    return median(timing.get("ms_synced", timing["ms"])) - median(timing["ms"])
+
+
+def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol: Protocol,
+                    profile: dict[str, Any] | None = None) -> tuple[list[float], str]:
+    """The candidate's per-trial times, and a note when they had to be taken to the
+    device-wide synchronize (kgym-3's region ends at the call's own event, which work left on
+    a side stream would escape)."""
+    if protocol.timing_end != "call" or "ms_synced" not in timing:
+        return timing["ms"], ""
+    call_ms = median(timing["ms"])
+    baseline = reference.get("eager") or reference.get("compile")
+    excess = busy_after_call_ms(timing) - (busy_after_call_ms(baseline) if baseline else 0.0)
+    kernels_ms = sum(float(k["ms"]) for k in profile["kernels"]) if profile and profile.get("kind") == "cuda" else 0.0
+    if excess > max(UNJOINED_SLACK_MS, UNJOINED_SLACK_FRACTION * call_ms):
+        why = f"the GPU stayed busy {excess:.3g} ms longer after the call returned than after the reference's"
+    elif call_ms < REGION_MIN_KERNEL_FRACTION * kernels_ms:
+        why = f"the call's region ({call_ms:.3g} ms) is shorter than its own kernels' device time ({kernels_ms:.3g} ms)"
+    else:
+        return timing["ms"], ""
+    return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
 
 
 def reported_spans(payload: dict[str, Any]) -> list[list[float]]:
@@ -399,20 +438,21 @@ def judge(
         return finish("mismatch", diagnostic=check.detail, **common)
 
     timing = payload["timing"]
-    cand_ms = median(timing["ms"])
+    candidate_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
+    cand_ms = median(candidate_ms)
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck) + integrity_reasons(payload)
         reasons = sorted(set(reasons), key=reasons.index)
         if reasons:
             return finish("hacked", hack_reasons=reasons, **common)
     profile = payload.get("profile")
-    notes = [reference["compile_error"]] if reference.get("compile_error") else []
+    notes = [f"torch.compile baseline failed: {reference['compile_error']}"] if reference.get("compile_error") else []
     return finish(
         "pass",
         profile=profile,
-        diagnostic="; ".join(f"torch.compile baseline failed: {n}" for n in notes),
+        diagnostic="; ".join(notes + ([unjoined] if unjoined else [])),
         candidate_ms=cand_ms,
-        candidate_ms_iqr=iqr(timing["ms"]),
+        candidate_ms_iqr=iqr(candidate_ms),
         eager_ms=ref_eager,
         eager_ms_iqr=iqr(reference["eager"]["ms"]) if "eager" in reference else None,
         compile_ms=ref_compile,

@@ -68,6 +68,7 @@ class ChildRun:
     stderr: str
     output_bytes: int
     phase: str
+    result_bytes: int = 0  # size of the result file (what keeping the payload costs, roughly)
 
 
 def load_payload(path: Path) -> dict[str, Any] | None:
@@ -162,8 +163,9 @@ def run_isolated(
             capture.join(timeout=5)
             capture.stream.close()
         phase_file = scratch / "phase"
+        result_file = scratch / "result.pt"
         return ChildRun(
-            payload=None if timed_out else load_payload(scratch / "result.pt"),
+            payload=None if timed_out else load_payload(result_file),
             partial=partial,
             returncode=proc.returncode,
             timed_out=timed_out,
@@ -172,6 +174,7 @@ def run_isolated(
             stderr=captures[1].text(),
             output_bytes=captures[0].total + captures[1].total,
             phase=phase_file.read_text() if phase_file.exists() else "",
+            result_bytes=result_file.stat().st_size if result_file.exists() else 0,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -1,7 +1,9 @@
 """How a child times a forward pass: CUDA events (or host clocks under the interpreter) taken
 before any candidate code ran, an L2 flush before every trial, fresh inputs between trials, and a
-sample of the timed outputs kept for checking. The options of ``time_forward`` exist for the
-side-by-side comparison with KernelBench's harness (benchmarks/kernelbench_side_by_side.py)."""
+sample of the timed outputs kept for checking. The region is KernelBench's (start behind the
+flush, end right after the call) plus a device-wide synchronize, so work left on side streams is
+seen; the options of ``time_forward`` are the protocol's choices and the side-by-side
+comparison's A/B (benchmarks/kernelbench_side_by_side.py)."""
 
 from __future__ import annotations
 
@@ -60,32 +62,28 @@ def time_forward(
     keep: Callable[[list[torch.Tensor]], list[dict[str, Any]]],
     on_call: Callable[[], Any] | None = None,
     *,
-    sync_before_start: bool = True,
-    end_after_sync: bool = True,
+    start_behind_flush: bool = True,
+    end_at_call: bool = True,
     fresh_inputs: bool = True,
     flush: Callable[[], None] | None = None,
-    both_ends: bool = False,
 ) -> dict[str, Any]:
     """Median-ready per-trial times of `forward`.
 
     Before every call (outside the timed region) the inputs are refreshed in place from the
-    next input set and the L2 cache is flushed. On CUDA the region is bracketed by events
-    with a device-wide synchronize before the end event (side-stream work counts); a host
-    clock brackets the same region independently. Outputs of the `sample` trials are kept
-    for the parent to check.
+    next input set and the L2 cache is flushed. On CUDA the start event is queued behind the
+    flush (`start_behind_flush=False`: recorded after a host synchronize, the GPU idle); an
+    event right after the call ends the region (``ms``), and a device-wide synchronize followed
+    by a second event gives ``ms_synced``, which also covers work the call left running on
+    other streams (`end_at_call=False`: ``ms`` is that region too). A host clock brackets the
+    whole. Outputs of the `sample` trials are kept for the parent to check.
 
-    The keyword options exist to measure the protocol against other harnesses (the defaults
-    are the protocol): `sync_before_start=False` records the start event while the flush may
-    still run (KernelBench: the call's launch overhead hides behind the flush),
-    `end_after_sync=False` records the end event right after the call, `fresh_inputs=False`
-    times the first input set every trial, `flush` replaces the buffer zeroing, and
-    `both_ends` also records an end event right after the call (``ms_call_end``: the region
-    without the trailing synchronize).
+    `fresh_inputs=False` times the first input set every trial and `flush` replaces the buffer
+    zeroing (the side-by-side benchmark's A/B against KernelBench's harness).
     """
     buffers = clone_inputs(input_sets[0])
-    device_ms: list[float] = []
+    call_ms: list[float] = []
+    synced_ms: list[float] = []
     host_ms: list[float] = []
-    call_end_ms: list[float] = []
     samples: list[dict[str, Any]] = []
     for i in range(warmup + trials):
         which = i % len(input_sets) if fresh_inputs else 0
@@ -95,43 +93,33 @@ def time_forward(
             flush()
         else:
             flush_l2(l2_buffer)
-        if sync_before_start:
+        if not start_behind_flush:
             clocks.sync()
         context = on_call() if on_call else nullcontext()
         with context, torch.no_grad():
             if clocks.cuda:
-                start, end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
-                call_end = clocks.event(enable_timing=True) if both_ends else None
+                start, call_end, synced = (clocks.event(enable_timing=True) for _ in range(3))
                 t0 = clocks.perf_counter()
                 clocks.record(start)
                 output = forward(*buffers)
-                if call_end is not None:
-                    clocks.record(call_end)
-                if end_after_sync:
-                    clocks.synchronize()
-                    clocks.record(end)
-                else:
-                    clocks.record(end)
-                    clocks.synchronize()
-                clocks.event_synchronize(end)
+                clocks.record(call_end)
+                clocks.synchronize()
+                clocks.record(synced)
+                clocks.event_synchronize(synced)
                 t1 = clocks.perf_counter()
-                elapsed = clocks.elapsed_time(start, end)
-                if call_end is not None:
-                    call_end_ms.append(float(clocks.elapsed_time(start, call_end)))
+                call, whole = float(clocks.elapsed_time(start, call_end)), float(clocks.elapsed_time(start, synced))
             else:
                 t0 = clocks.perf_counter()
                 output = forward(*buffers)
                 t1 = clocks.perf_counter()
-                elapsed = (t1 - t0) * 1e3
+                call = whole = (t1 - t0) * 1e3
         if i >= warmup:
-            device_ms.append(float(elapsed))
+            call_ms.append(call)
+            synced_ms.append(whole)
             host_ms.append((t1 - t0) * 1e3)
             if i - warmup in sample:
                 samples.append({"trial": i - warmup, "input_set": which, "outputs": keep(flatten_output(output))})
-    timing: dict[str, Any] = {"ms": device_ms, "host_ms": host_ms, "samples": samples}
-    if both_ends:
-        timing["ms_call_end"] = call_end_ms[warmup:]
-    return timing
+    return {"ms": call_ms if end_at_call else synced_ms, "ms_synced": synced_ms, "host_ms": host_ms, "samples": samples}
 
 
 def sample_trials(count: int, trials: int, seed: int) -> set[int]:
@@ -147,3 +135,8 @@ def l2_flush_buffer(protocol: Protocol, device: str) -> torch.Tensor | None:
     if device != "cuda" or protocol.l2_flush_mb <= 0:
         return None
     return torch.empty(protocol.l2_flush_mb * 1024 * 1024 // 4, dtype=torch.int32, device=device)
+
+
+def timed_region(protocol: Protocol) -> dict[str, bool]:
+    """`time_forward`'s region options as the protocol chooses them."""
+    return {"start_behind_flush": protocol.timing_start == "behind_flush", "end_at_call": protocol.timing_end == "call"}
