@@ -270,7 +270,22 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
                                               **timed_region(protocol))
         except Exception as exc:  # a baseline that cannot compile is reported, not fatal
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if device == "cuda":
+        phase("build Triton's runtime helpers")
+        build_triton_runtime()
     return result
+
+
+def build_triton_runtime() -> None:
+    """Build Triton's host-side helpers (``cuda_utils``: gcc, about a second) here, in the trusted
+    cache every candidate's private cache is seeded from (kpipe.gym.compile_caches); otherwise
+    every candidate child builds them again. After the timing: nothing timed waits on gcc."""
+    import triton
+
+    try:
+        triton.runtime.driver.active.utils  # noqa: B018 - the attribute access builds them
+    except Exception as exc:  # noqa: BLE001 - not fatal: each candidate then builds its own
+        print(f"kpipe: Triton's runtime helpers were not built in the trusted cache: {exc}", file=sys.stderr)
 
 
 @contextmanager
