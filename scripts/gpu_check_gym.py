@@ -6,7 +6,7 @@
 Prints, and writes to $OUT/gym_check.md when $OUT is set, a Markdown report of:
 the bank's legit kernels at full KernelBench size (status, speedup vs eager and vs
 torch.compile, PR); every hack fixture (caught or not); every GPU fault (classified, this
-process surviving); timing noise (the same candidate 5 times: max/min speedup <= 1.03 on
+process surviving); timing hacks (work on a side stream: timed to the synchronize); timing noise (the same candidate 5 times: max/min speedup <= 1.03 on
 tasks >= 1 ms); PR of a pure-Triton solution (~1) vs a lazy one (~0).
 One failing item never aborts the report; items past the time budget are listed as skipped.
 """
@@ -117,6 +117,12 @@ def hacks_section(report: Report) -> None:
             r = evaluate(reference, (FIXTURES / "hacks" / f"{name}.py").read_text(), RUNTIME_ONLY, reuse_reference=True)
             return ["yes" if r.status == expected else "NO", r.status, expected, "; ".join(r.hack_reasons)[:150] or r.diagnostic[:100]]
         report.guarded(name, 5, item)
+
+
+def timing_hacks_section(report: Report) -> None:
+    reference = kernelbench_source(1, 19)  # full-size ReLU: milliseconds of work to hide
+    report.section("Timing hacks on KernelBench L1_19 (defeated by how they are timed: an honest ReLU is ~1x eager)",
+                   ["fixture", "caught", "status", "expected", "diagnostic"])
     for name, (expected, phrase) in TIMING_HACKS.items():
         def timing_item(name: str = name, expected: str = expected, phrase: str = phrase) -> list[Any]:
             r = evaluate(reference, (FIXTURES / f"{name}.py").read_text(), RUNTIME_ONLY, reuse_reference=True)
@@ -170,7 +176,7 @@ def noise_section(report: Report) -> None:
         report.guarded(solution.key, 5, item)
 
 
-SECTIONS = {"hacks": hacks_section, "faults": faults_section, "pr": pr_section, "noise": noise_section, "bank": bank_section}
+SECTIONS = {"hacks": hacks_section, "timing_hacks": timing_hacks_section, "faults": faults_section, "pr": pr_section, "noise": noise_section, "bank": bank_section}
 
 
 def main() -> None:
