@@ -91,10 +91,10 @@ def test_protocol_times_as_kernelbench_and_earlier_protocols_keep_their_meaning(
 
     default = Protocol(baseline="eager")
     assert (default.timing_start, default.timing_end, default.cublas_workspace_config) == ("behind_flush", "call", "")
-    kgym2 = {k: v for k, v in default.to_dict().items() if k not in ("timing_start", "timing_end", "cublas_workspace_config")}
+    kgym2 = {k: v for k, v in default.to_dict().items() if k not in ("timing_start", "timing_end", "cublas_workspace_config", "warmup_ms")}
     kgym2["version"] = "kgym-2"
     earlier = Protocol.from_dict(kgym2)
-    assert (earlier.timing_start, earlier.timing_end, earlier.cublas_workspace_config) == ("after_sync", "after_sync", ":4096:8")
+    assert (earlier.timing_start, earlier.timing_end, earlier.cublas_workspace_config, earlier.warmup_ms) == ("after_sync", "after_sync", ":4096:8", 0.0)
     assert Protocol.from_json(earlier.to_json()).to_json() == earlier.to_json()
     assert Protocol.from_json(default.to_json()).to_json() == default.to_json()
     assert eval_key("r", "c", default, "cpu") != eval_key("r", "c", earlier, "cpu")

@@ -292,3 +292,54 @@ def test_an_orphaned_child_dies_with_its_parent(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the child outlived its parent")
+
+
+class FakeCudaClocks:
+    """CUDA-shaped clocks: the host clock advances 10 ms per reading; events are numbered as
+    made (start, call end, synchronized end), and say the call took 1 ms, the synchronize 0.02."""
+
+    cuda = True
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.events = 0
+
+    def perf_counter(self) -> float:
+        self.now += 0.010
+        return self.now
+
+    def sync(self) -> None:
+        pass
+
+    synchronize = sync
+
+    def event(self, enable_timing: bool) -> int:
+        self.events += 1
+        return self.events
+
+    def record(self, event: int) -> None:
+        pass
+
+    def event_synchronize(self, event: int) -> None:
+        pass
+
+    def elapsed_time(self, start: int, end: int) -> float:
+        return 1.0 if end - start == 1 else 1.02
+
+
+def test_warm_up_on_a_gpu_lasts_warmup_ms_and_both_region_ends_are_kept():
+    from kpipe.gym.timing import time_forward
+
+    calls = []
+
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return t
+
+    x = [torch.ones(2)]
+    timed = time_forward(forward, [x], 3, 2, FakeCudaClocks(), None, set(), lambda o: [], warmup_ms=100.0)  # type: ignore[arg-type]
+    # each call reads the host clock twice (20 ms) and the loop once more: 100 ms takes 4 warm-up calls, not 2
+    assert len(calls) == 3 + 4
+    assert timed["ms"] == [1.0] * 3 and timed["ms_synced"] == [1.02] * 3
+    timed = time_forward(forward, [x], 3, 2, FakeCudaClocks(), None, set(), lambda o: [], end_at_call=False)  # type: ignore[arg-type]
+    assert timed["ms"] == [1.02] * 3

@@ -13,7 +13,8 @@ from typing import Any
 
 # Bump when the meaning of a result changes (a new check, a different statistic).
 # kgym-3: the timed region is KernelBench's (start event queued behind the L2 flush, end event
-# right after the call) and cuBLAS runs with its default workspace; kgym-2 started after a host
+# right after the call), cuBLAS runs with its default workspace and warm-up lasts at least
+# warmup_ms on a GPU; kgym-2 started after a host
 # synchronize, ended after a device-wide synchronize and limited cuBLAS's workspace (6-16 % over
 # KernelBench's published H100 eager times, 20-25 % lower speedups on sub-millisecond kernels:
 # docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md)
@@ -29,7 +30,8 @@ TIMING_STARTS = ("behind_flush", "after_sync")
 # an event after the device-wide synchronize (its latency inside the region)
 TIMING_ENDS = ("call", "after_sync")
 # what fields added since mean in a protocol written by an earlier version
-EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8"}}
+EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8",
+                               "warmup_ms": 0.0}}
 DEVICES = ("auto", "cuda", "cpu")
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
@@ -56,6 +58,9 @@ class Protocol:
     correct_trials: int = 5
     perf_trials: int = 100
     warmup: int = 10
+    # ... and on a GPU at least this long: clocks drop while a candidate child waits for the
+    # parent's verdict, and 10 calls of a 2 ms kernel do not bring them back
+    warmup_ms: float = 100.0
     atol: float = 1e-2
     rtol: float = 1e-2
     # ||cand - ref|| / ||ref|| must stay below this: all-zeros output cannot pass on
@@ -96,8 +101,8 @@ class Protocol:
             raise ValueError(f"baseline must be one of {BASELINES}, got {self.baseline!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.correct_trials < 1 or self.perf_trials < 1 or self.warmup < 0:
-            raise ValueError("correct_trials and perf_trials must be >= 1 and warmup >= 0")
+        if self.correct_trials < 1 or self.perf_trials < 1 or self.warmup < 0 or self.warmup_ms < 0:
+            raise ValueError("correct_trials and perf_trials must be >= 1, warmup and warmup_ms >= 0")
         if self.timing_start not in TIMING_STARTS:
             raise ValueError(f"timing_start must be one of {TIMING_STARTS}, got {self.timing_start!r}")
         if self.timing_end not in TIMING_ENDS:

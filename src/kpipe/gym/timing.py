@@ -64,6 +64,7 @@ def time_forward(
     *,
     start_behind_flush: bool = True,
     end_at_call: bool = True,
+    warmup_ms: float = 0.0,
     fresh_inputs: bool = True,
     flush: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
@@ -75,17 +76,16 @@ def time_forward(
     event right after the call ends the region (``ms``), and a device-wide synchronize followed
     by a second event gives ``ms_synced``, which also covers work the call left running on
     other streams (`end_at_call=False`: ``ms`` is that region too). A host clock brackets the
-    whole. Outputs of the `sample` trials are kept for the parent to check.
+    whole. Outputs of the `sample` trials are kept for the parent to check. Warm-up runs
+    `warmup` calls and, on CUDA, for at least `warmup_ms`: a GPU that idled (a candidate child
+    waits for the parent's verdict before it is timed) is back at full clocks.
 
     `fresh_inputs=False` times the first input set every trial and `flush` replaces the buffer
     zeroing (the side-by-side benchmark's A/B against KernelBench's harness).
     """
     buffers = clone_inputs(input_sets[0])
-    call_ms: list[float] = []
-    synced_ms: list[float] = []
-    host_ms: list[float] = []
-    samples: list[dict[str, Any]] = []
-    for i in range(warmup + trials):
+
+    def trial(i: int) -> tuple[float, float, float, int, Any]:
         which = i % len(input_sets) if fresh_inputs else 0
         if fresh_inputs:
             copy_inputs(buffers, input_sets[which])
@@ -107,18 +107,29 @@ def time_forward(
                 clocks.record(synced)
                 clocks.event_synchronize(synced)
                 t1 = clocks.perf_counter()
-                call, whole = float(clocks.elapsed_time(start, call_end)), float(clocks.elapsed_time(start, synced))
-            else:
-                t0 = clocks.perf_counter()
-                output = forward(*buffers)
-                t1 = clocks.perf_counter()
-                call = whole = (t1 - t0) * 1e3
-        if i >= warmup:
-            call_ms.append(call)
-            synced_ms.append(whole)
-            host_ms.append((t1 - t0) * 1e3)
-            if i - warmup in sample:
-                samples.append({"trial": i - warmup, "input_set": which, "outputs": keep(flatten_output(output))})
+                return float(clocks.elapsed_time(start, call_end)), float(clocks.elapsed_time(start, synced)), (t1 - t0) * 1e3, which, output
+            t0 = clocks.perf_counter()
+            output = forward(*buffers)
+            t1 = clocks.perf_counter()
+            return (t1 - t0) * 1e3, (t1 - t0) * 1e3, (t1 - t0) * 1e3, which, output
+
+    warmed = 0
+    warm_until = clocks.perf_counter() + (warmup_ms / 1e3 if clocks.cuda else 0.0)
+    while warmed < warmup or clocks.perf_counter() < warm_until:
+        trial(warmed)
+        warmed += 1
+    call_ms: list[float] = []
+    synced_ms: list[float] = []
+    host_ms: list[float] = []
+    samples: list[dict[str, Any]] = []
+    for t in range(trials):
+        call, whole, host, which, output = trial(warmed + t)
+        call_ms.append(call)
+        synced_ms.append(whole)
+        host_ms.append(host)
+        if t in sample:
+            samples.append({"trial": t, "input_set": which, "outputs": keep(flatten_output(output))})
+        del output
     return {"ms": call_ms if end_at_call else synced_ms, "ms_synced": synced_ms, "host_ms": host_ms, "samples": samples}
 
 
@@ -139,4 +150,5 @@ def l2_flush_buffer(protocol: Protocol, device: str) -> torch.Tensor | None:
 
 def timed_region(protocol: Protocol) -> dict[str, bool]:
     """`time_forward`'s region options as the protocol chooses them."""
-    return {"start_behind_flush": protocol.timing_start == "behind_flush", "end_at_call": protocol.timing_end == "call"}
+    return {"start_behind_flush": protocol.timing_start == "behind_flush", "end_at_call": protocol.timing_end == "call",
+            "warmup_ms": protocol.warmup_ms}
