@@ -33,7 +33,6 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
