@@ -13,11 +13,11 @@ from typing import Any
 
 # Bump when the meaning of a result changes (a new check, a different statistic).
 # kgym-3: the timed region is KernelBench's (start event queued behind the L2 flush, end event
-# right after the call), cuBLAS runs with its default workspace and warm-up lasts at least
-# warmup_ms on a GPU; kgym-2 started after a host
-# synchronize, ended after a device-wide synchronize and limited cuBLAS's workspace (6-16 % over
-# KernelBench's published H100 eager times, 20-25 % lower speedups on sub-millisecond kernels:
-# docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md)
+# right after the call), cuBLAS runs with its default workspace, and warm-up lasts at least
+# warmup_ms on a GPU. kgym-2 started after a host synchronize, ended after a device-wide
+# synchronize and limited cuBLAS's workspace: 6-16 % over KernelBench's published H100 eager
+# times, 20-25 % lower speedups on sub-millisecond kernels
+# (docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md)
 PROTOCOL_VERSION = "kgym-3"
 
 BASELINES = ("eager", "compile", "both")
