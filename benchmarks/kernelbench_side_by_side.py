@@ -151,7 +151,7 @@ def run_kpipe(pairs: list[dict[str, str]], repeats: int, deadline: float, trace_
             results = pool.evaluate_many([(p["reference"], p["candidate"] + f"\n# repeat {repeat}\n") for p in pairs])
             out["repeat_s"].append(time.monotonic() - t0)
             out["repeats"].append([{"correct": r.status == "pass", "status": r.status, "runtime_ms": r.candidate_ms, "ref_ms": r.eager_ms,
-                                    "speedup": r.speedup_eager, "wall_s": r.wall_s, "key": r.key, "pr": r.pr,
+                                    "speedup": r.speedup_eager, "wall_s": r.wall_s, "key": r.key, "pr": r.pr, "gpu_drift": r.gpu_drift,
                                     "diagnostic": r.diagnostic[:200], "hack_reasons": r.hack_reasons} for r in results])
             out["memory"].append({"when": f"after repeat {repeat + 1}", **gpu_memory_by_pid()})
             save()
@@ -475,8 +475,10 @@ def main() -> None:
         for i, pair in enumerate(pairs):
             values = [speedup(results[n][i]) for n in kpipe_runs]
             cand = [results[n][i].get("runtime_ms") for n in kpipe_runs]
+            drifts = [results[n][i].get("gpu_drift") for n in kpipe_runs]
+            drift = f", GPU drift {min(drifts):.3f}-{max(drifts):.3f}" if all(drifts) else ""  # type: ignore[type-var]
             if all(values):
-                spreads.append(f"{pair['task']} {max(values) / min(values):.3f} (candidate ms {min(cand):.3g}-{max(cand):.3g})")  # type: ignore[type-var]
+                spreads.append(f"{pair['task']} {max(values) / min(values):.3f} (candidate ms {min(cand):.3g}-{max(cand):.3g}{drift})")  # type: ignore[type-var]
         lines += ["", f"kpipe speedup max/min over {len(kpipe_runs)} evaluations of each candidate: " + ", ".join(spreads)]
     if kpipe:
         trace = read_trace(trace_path)

@@ -8,13 +8,15 @@ On the H100, the same candidate's median moved 3-8 % between re-timings in one p
 task of the side-by-side workload and in one process, `--rounds` rounds of
 
 - a candidate block and a reference block (``time_forward``, the protocol's region and trial count),
+- the two interleaved as kgym-4 times them (``time_forward(reference=...)``: chunks of candidate
+  trials, each followed by its share of the protocol's reference trials),
 - an interleaved block: reference and candidate alternate trial by trial,
 - an idle pause, as between two evaluations,
 
 with the SM clock, power and clock-event reasons sampled through NVML during every block, and
 prints how much each estimate of the speedup moves across rounds: the candidate's median against
 one reference timing (what a reference cache gives), the ratio of adjacent blocks' medians and
-means, and the interleaved block's ratio. Every per-trial time goes to `--out` for a closer look.
+means, and the two interleaved blocks' ratios. Every per-trial time goes to `--out` for a closer look.
 """
 
 from __future__ import annotations
@@ -129,6 +131,10 @@ def measure_task(pair: dict[str, Any], rounds: int, pause_s: float, sampler: Clo
         row: dict[str, Any] = {}
         for name in ("candidate", "reference"):
             row[name], row[f"{name}_clock"] = block(models[name], protocol.perf_trials)
+        with sampler:
+            paired = time_forward(models["candidate"], input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), lambda outs: [],
+                                  reference=models["reference"], reference_trials=protocol.paired_reference_trials, **timed_region(protocol))
+        row["kgym4"] = {"candidate": paired["ms"], "reference": paired["reference_ms"]}
         who.clear()
         both, row["interleaved_clock"] = block(alternate, 2 * protocol.perf_trials)
         timed_who = who[-len(both):]
@@ -153,10 +159,12 @@ def summarize(task: str, data: dict[str, Any]) -> list[str]:
         cached = [first_ref[stat] / estimates(r["candidate"])[stat] for r in rounds]
         adjacent = [estimates(r["reference"])[stat] / estimates(r["candidate"])[stat] for r in rounds]
         interleaved = [estimates(r["interleaved"]["reference"])[stat] / estimates(r["interleaved"]["candidate"])[stat] for r in rounds]
-        lines.append(f"| {task} | {stat} | {statistics.median(adjacent):.3f} | {spread(cached):.3f} | {spread(adjacent):.3f} | {spread(interleaved):.3f} |")
+        chunked = [estimates(r["kgym4"]["reference"])[stat] / estimates(r["kgym4"]["candidate"])[stat] for r in rounds]
+        lines.append(f"| {task} | {stat} | {statistics.median(adjacent):.3f} | {spread(cached):.3f} | {spread(adjacent):.3f} | "
+                     f"{spread(interleaved):.3f} | {spread(chunked):.3f} | {statistics.median(chunked):.3f} |")
     clocks = [r["candidate_clock"].get("sm_mhz_mean") for r in rounds if r["candidate_clock"]]
     if clocks:
-        lines.append(f"| {task} | SM MHz in candidate blocks | {', '.join(f'{c:.0f}' for c in clocks)} | | | |")
+        lines.append(f"| {task} | SM MHz in candidate blocks | {', '.join(f'{c:.0f}' for c in clocks)} | | | | | |")
     return lines
 
 
@@ -175,8 +183,9 @@ def main() -> None:
     sampler = ClockSampler()
     started = time.monotonic()
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "tasks": {}}
-    print("| task | estimate | speedup | max/min, one reference timing | max/min, adjacent blocks | max/min, interleaved |")
-    print("|---|---|---|---|---|---|")
+    print("| task | estimate | speedup | max/min, one reference timing | max/min, adjacent blocks | max/min, interleaved trials "
+          "| max/min, kgym-4 (chunks) | kgym-4 speedup |")
+    print("|---|---|---|---|---|---|---|---|")
     for pair in bank_pairs(args.tasks.split(",")):
         data = measure_task(pair, args.rounds, args.pause_s, sampler)
         results["tasks"][pair["task"]] = data

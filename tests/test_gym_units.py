@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -343,3 +345,97 @@ def test_warm_up_on_a_gpu_lasts_warmup_ms_and_both_region_ends_are_kept():
     assert timed["ms"] == [1.0] * 3 and timed["ms_synced"] == [1.02] * 3
     timed = time_forward(forward, [x], 3, 2, FakeCudaClocks(), None, set(), lambda o: [], end_at_call=False)  # type: ignore[arg-type]
     assert timed["ms"] == [1.02] * 3
+
+
+def test_reference_trials_are_interleaved_in_chunks_and_timed_like_the_candidates():
+    """kgym-4: the reference's trials are spread over the same stretch of time as the candidate's,
+    in chunks (each chunk of candidate trials followed by the reference trials due by then)."""
+    from kpipe.gym.timing import interleaving, time_forward
+
+    order = interleaving(100, 50, chunk=10)
+    assert order.count(True) == 100 and order.count(False) == 50
+    assert order[:15] == [True] * 10 + [False] * 5 and order[-5:] == [False] * 5
+    assert interleaving(7, 0) == [True] * 7
+    uneven = interleaving(25, 9, chunk=10)  # 10 -> 4 due, 20 -> 7, 25 -> 9
+    assert uneven == [True] * 10 + [False] * 4 + [True] * 10 + [False] * 3 + [True] * 5 + [False] * 2
+
+    calls: list[str] = []
+
+    def candidate(t: torch.Tensor) -> torch.Tensor:
+        calls.append("candidate")
+        return t * 2
+
+    def reference(t: torch.Tensor) -> torch.Tensor:
+        calls.append("reference")
+        return t
+
+    recorded: list[int] = []
+
+    @contextmanager
+    def on_call() -> Iterator[None]:
+        recorded.append(len(calls))
+        yield
+
+    inputs = [[torch.ones(2)], [torch.zeros(2)]]
+    timed = time_forward(candidate, inputs, 20, 1, FakeCudaClocks(), None, {19}, lambda outs: [o.tolist() for o in outs],  # type: ignore[arg-type]
+                         on_call, reference=reference, reference_trials=10)
+    assert len(timed["ms"]) == 20 and len(timed["reference_ms"]) == 10
+    warm = calls[:2]
+    assert warm == ["candidate", "reference"]
+    assert calls[2:] == ["candidate"] * 10 + ["reference"] * 5 + ["candidate"] * 10 + ["reference"] * 5
+    assert len(recorded) == 1 + 20  # the hook sees the candidate's calls only
+    assert timed["samples"] == [{"trial": 19, "input_set": 0, "outputs": [[2.0, 2.0]]}]  # trial 19 after 1 warm-up: input set 0
+    assert "reference_ms" not in time_forward(candidate, inputs, 3, 0, FakeCudaClocks(), None, set(), lambda o: [])  # type: ignore[arg-type]
+
+
+def test_gpu_drift_divides_out_the_references_slowdown_within_bounds():
+    """speedup = ref_alone / (cand / drift) with drift = median(ref beside cand) / median(ref alone),
+    i.e. median(ref beside) / median(cand): the ratio of two programs timed side by side."""
+    from kpipe.gym.evaluation import gpu_drift
+
+    protocol = Protocol()
+    alone = {"eager": {"ms": [2.0, 2.0, 2.1]}}
+    assert gpu_drift({"ms": [1.0]}, alone, protocol) == (None, "")
+    assert gpu_drift({"ms": [1.0], "reference_ms": [2.1, 2.1, 2.1]}, {}, protocol) == (None, "")
+    drift, note = gpu_drift({"ms": [1.0], "reference_ms": [2.06, 2.08, 2.1]}, alone, protocol)
+    assert drift == pytest.approx(1.04) and note == ""
+    drift, note = gpu_drift({"ms": [1.0], "reference_ms": [2.3, 2.3, 2.3]}, alone, protocol)
+    assert drift == pytest.approx(1.15) and "not corrected" in note and "1.150x" in note
+    assert gpu_drift({"ms": [1.0], "reference_ms": [1.8, 1.8, 1.8]}, alone, protocol)[1]  # faster beyond the bound too
+    assert gpu_drift({"ms": [1.0], "reference_ms": [2.3]}, alone, Protocol(max_gpu_drift=0.2))[1] == ""
+
+
+def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked():
+    current = Protocol()
+    assert current.paired_reference_trials == 50 and current.version == "kgym-4"
+    kgym3 = {k: v for k, v in current.to_dict().items() if k not in ("paired_reference_trials", "max_gpu_drift")}
+    kgym3["version"] = "kgym-3"
+    earlier = Protocol.from_dict(kgym3)
+    assert earlier.paired_reference_trials == 0 and earlier.timing_end == "call"
+    with pytest.raises(ValueError, match="paired_reference_trials"):
+        Protocol(paired_reference_trials=-1)
+    with pytest.raises(ValueError, match="max_gpu_drift"):
+        Protocol(max_gpu_drift=0.0)
+
+
+def test_the_judge_reports_drift_corrected_times_and_the_drift():
+    from kpipe.gym.compare import Comparison
+    from kpipe.gym.evaluation import judge
+
+    protocol = Protocol(hacking_check=False, baseline="eager")
+    reference = {"eager": {"ms": [2.0] * 5}}
+    verdict = {"check": Comparison(True, "", 0.0, 0.0), "reasons": []}
+
+    def run(reference_beside: list[float]) -> dict:
+        payload = {"launches": {"train": ["k"], "eval": ["k"]},
+                   "timing": {"ms": [1.1] * 5, "ms_synced": [1.12] * 5, "host_ms": [1.2] * 5, "samples": [],
+                              "reference_ms": reference_beside}}
+        return judge(payload, verdict, reference, protocol, 10.0, 2.0, None, lambda status, **fields: {"status": status, **fields}, {})
+
+    slow_gpu = run([2.2] * 5)  # the GPU ran 10 % slow beside the candidate: beyond 5 %, left as measured
+    assert slow_gpu["candidate_ms"] == pytest.approx(1.1) and "not corrected" in slow_gpu["diagnostic"]
+    drifted = run([2.08] * 5)
+    assert drifted["gpu_drift"] == pytest.approx(1.04) and drifted["diagnostic"] == ""
+    assert drifted["candidate_ms"] == pytest.approx(1.1 / 1.04)
+    assert drifted["speedup_eager"] == pytest.approx(2.08 / 1.1)  # the side-by-side ratio
+    assert run([])["gpu_drift"] is None

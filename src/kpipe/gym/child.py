@@ -314,6 +314,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     threading.Thread.start = start_and_record  # type: ignore[method-assign]
     threads_before = set(threading.enumerate())
     reference = load_module(job["reference_src"], "kpipe_reference", workdir)
+    reference_model = reference.Model  # taken before candidate code runs (it could rebind the module's name)
     watched = watched_objects()
     result: dict[str, Any] = {"outputs": [], "launches": {}, "mutates_inputs": False}
 
@@ -389,10 +390,12 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         timed_names.update(log.names)
         calls_without_launch[0] += not log.names
 
+    paired = paired_reference(reference_model, init_inputs, protocol, device)
     result["timed_spans"] = []
     with timed_span(result["timed_spans"]):
         result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed,
-                                        **timed_region(protocol))
+                                        reference=paired, reference_trials=protocol.paired_reference_trials, **timed_region(protocol))
+    del paired
     result["launches"]["timed"] = sorted(timed_names)
     # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
     result["calls_without_launch"] = calls_without_launch[0]
@@ -425,6 +428,17 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     phase("candidate integrity")
     result.update(integrity())
     return result
+
+
+def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protocol, device: str) -> torch.nn.Module | None:
+    """The reference model the candidate's trials are interleaved with (protocol kgym-4), on a
+    GPU only: the drift it measures is the GPU's speed, and the host clock of the interpreter
+    path has none to correct. Built with the random state saved and restored, so the candidate's
+    timed calls draw what they drew without it."""
+    if device != "cuda" or protocol.paired_reference_trials <= 0 or not protocol.wants_eager:
+        return None
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        return build_model(model_class, init_inputs, protocol.seed, device)
 
 
 def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:

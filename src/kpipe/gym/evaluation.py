@@ -287,6 +287,23 @@ def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol:
     return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
 
 
+def gpu_drift(timing: dict[str, Any], reference: dict[str, Any], protocol: Protocol) -> tuple[float | None, str]:
+    """How much slower the GPU ran the reference beside the candidate than in the reference's
+    own timing: median(reference beside the candidate) / median(reference alone); None when it
+    was not timed beside it. The candidate's times are divided by it (protocol kgym-4): both
+    programs slow down together when the GPU does, so the ratio holds still where each median
+    moves by 3-10 %. Returns also a note when the drift exceeds ``max_gpu_drift`` and is left
+    uncorrected: a candidate that slows the reference beside it gains at most that much."""
+    paired, solo = timing.get("reference_ms"), reference.get("eager")
+    if not paired or not solo:
+        return None, ""
+    drift = median(paired) / median(solo["ms"])
+    if abs(drift - 1.0) > protocol.max_gpu_drift:
+        return drift, (f"not corrected for GPU drift: the reference ran {drift:.3f}x its own timing beside the candidate "
+                       f"(beyond max_gpu_drift {protocol.max_gpu_drift:g})")
+    return drift, ""
+
+
 def reported_spans(payload: dict[str, Any]) -> list[list[float]]:
     """The child's timed regions as [start, end] pairs; nothing if it wrote something else."""
     try:
@@ -439,6 +456,9 @@ def judge(
 
     timing = payload["timing"]
     candidate_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
+    drift, drift_note = gpu_drift(timing, reference, protocol)
+    if drift is not None and not drift_note:
+        candidate_ms = [ms / drift for ms in candidate_ms]
     cand_ms = median(candidate_ms)
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck) + integrity_reasons(payload)
@@ -450,7 +470,7 @@ def judge(
     return finish(
         "pass",
         profile=profile,
-        diagnostic="; ".join(notes + ([unjoined] if unjoined else [])),
+        diagnostic="; ".join(notes + [note for note in (unjoined, drift_note) if note]),
         candidate_ms=cand_ms,
         candidate_ms_iqr=iqr(candidate_ms),
         eager_ms=ref_eager,
@@ -460,5 +480,6 @@ def judge(
         speedup_eager=speedup(ref_eager, cand_ms),
         speedup_compile=speedup(ref_compile, cand_ms),
         pr=profile.get("pr") if profile else None,
+        gpu_drift=drift,
         **common,
     )

@@ -18,7 +18,12 @@ from typing import Any
 # synchronize and limited cuBLAS's workspace: 6-16 % over KernelBench's published H100 eager
 # times, 20-25 % lower speedups on sub-millisecond kernels
 # (docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md)
-PROTOCOL_VERSION = "kgym-3"
+# kgym-4: on a GPU the candidate child also times the reference, interleaved with the
+# candidate's trials, and the candidate's times are divided by how far the GPU's speed had
+# drifted from the reference's own timing (max_gpu_drift bounds it): the same candidate's
+# speedup moved 3-10 % between evaluations with kgym-3 on an H100 with unlocked clocks
+# (docs/gpu-results/timing_noise_2026-11-25_H100.md)
+PROTOCOL_VERSION = "kgym-4"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch
@@ -31,7 +36,8 @@ TIMING_STARTS = ("behind_flush", "after_sync")
 TIMING_ENDS = ("call", "after_sync")
 # what fields added since mean in a protocol written by an earlier version
 EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8",
-                               "warmup_ms": 0.0}}
+                               "warmup_ms": 0.0, "paired_reference_trials": 0},
+                    "kgym-3": {"paired_reference_trials": 0}}
 DEVICES = ("auto", "cuda", "cpu")
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
@@ -94,6 +100,13 @@ class Protocol:
     # KernelBench and its published timings run; ":4096:8" made cuBLAS GEMMs 3-11 % slower
     # on the H100); an inherited setting wins
     cublas_workspace_config: str = ""
+    # reference trials the candidate child times on a GPU between its own timed trials (0: none):
+    # their median over the reference child's is the GPU's drift since the baseline was timed,
+    # divided out of the candidate's times (needs the eager baseline)
+    paired_reference_trials: int = 50
+    # ... unless it exceeds this fraction either way: then the candidate's times stand as measured
+    # and the result says why. It bounds what a candidate slowing the reference beside it could gain
+    max_gpu_drift: float = 0.05
     version: str = field(default=PROTOCOL_VERSION)
 
     def __post_init__(self) -> None:
@@ -107,6 +120,8 @@ class Protocol:
             raise ValueError(f"timing_start must be one of {TIMING_STARTS}, got {self.timing_start!r}")
         if self.timing_end not in TIMING_ENDS:
             raise ValueError(f"timing_end must be one of {TIMING_ENDS}, got {self.timing_end!r}")
+        if self.paired_reference_trials < 0 or not 0 < self.max_gpu_drift < 1:
+            raise ValueError("paired_reference_trials must be >= 0 and max_gpu_drift in (0, 1)")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if not isinstance(self.reject_findings, tuple):

@@ -57,6 +57,9 @@ class EvalResult:
     compile_ms_iqr: float | None = None
     speedup_eager: float | None = None
     speedup_compile: float | None = None
+    # the reference's median beside the candidate over its median alone (kgym-4, GPU): what
+    # candidate_ms was divided by, unless the diagnostic says it was beyond max_gpu_drift
+    gpu_drift: float | None = None
     pr: float | None = None
     launched_kernels: list[str] = field(default_factory=list)
     timing_kind: str = "cpu"
