@@ -382,13 +382,14 @@ def test_reference_trials_are_interleaved_in_chunks_and_timed_like_the_candidate
     assert len(timed["ms"]) == 20 and len(timed["reference_ms"]) == 10
     warm = calls[:2]
     assert warm == ["candidate", "reference"]
-    assert calls[2:] == ["candidate"] * 10 + ["reference"] * 5 + ["candidate"] * 10 + ["reference"] * 5
-    assert len(recorded) == 1 + 20  # the hook sees the candidate's calls only
+    # each chunk after one untimed call of its program
+    assert calls[2:] == ["candidate"] * 10 + ["reference"] * 6 + ["candidate"] * 11 + ["reference"] * 6
+    assert len(recorded) == 1 + 20 + 1  # the hook sees the candidate's calls only
     assert timed["samples"] == [{"trial": 19, "input_set": 0, "outputs": [[2.0, 2.0]]}]  # trial 19 after 1 warm-up: input set 0
     assert "reference_ms" not in time_forward(candidate, inputs, 3, 0, FakeCudaClocks(), None, set(), lambda o: [])  # type: ignore[arg-type]
 
 
-def test_gpu_drift_divides_out_the_references_slowdown_within_bounds():
+def test_gpu_drift_divides_out_the_references_slowdown_up_to_a_cap():
     """speedup = ref_alone / (cand / drift) with drift = median(ref beside cand) / median(ref alone),
     i.e. median(ref beside) / median(cand): the ratio of two programs timed side by side."""
     from kpipe.gym.evaluation import gpu_drift
@@ -400,8 +401,8 @@ def test_gpu_drift_divides_out_the_references_slowdown_within_bounds():
     drift, note = gpu_drift({"ms": [1.0], "reference_ms": [2.06, 2.08, 2.1]}, alone, protocol)
     assert drift == pytest.approx(1.04) and note == ""
     drift, note = gpu_drift({"ms": [1.0], "reference_ms": [2.3, 2.3, 2.3]}, alone, protocol)
-    assert drift == pytest.approx(1.15) and "not corrected" in note and "1.150x" in note
-    assert gpu_drift({"ms": [1.0], "reference_ms": [1.8, 1.8, 1.8]}, alone, protocol)[1]  # faster beyond the bound too
+    assert drift == pytest.approx(1.05) and "capped at 1.050" in note and "1.150x" in note
+    assert gpu_drift({"ms": [1.0], "reference_ms": [1.8, 1.8, 1.8]}, alone, protocol)[0] == pytest.approx(0.95)  # both ways
     assert gpu_drift({"ms": [1.0], "reference_ms": [2.3]}, alone, Protocol(max_gpu_drift=0.2))[1] == ""
 
 
@@ -432,8 +433,8 @@ def test_the_judge_reports_drift_corrected_times_and_the_drift():
                               "reference_ms": reference_beside}}
         return judge(payload, verdict, reference, protocol, 10.0, 2.0, None, lambda status, **fields: {"status": status, **fields}, {})
 
-    slow_gpu = run([2.2] * 5)  # the GPU ran 10 % slow beside the candidate: beyond 5 %, left as measured
-    assert slow_gpu["candidate_ms"] == pytest.approx(1.1) and "not corrected" in slow_gpu["diagnostic"]
+    slow_gpu = run([2.2] * 5)  # the GPU ran 10 % slow beside the candidate: corrected by the cap, 5 %
+    assert slow_gpu["candidate_ms"] == pytest.approx(1.1 / 1.05) and "capped at 1.050" in slow_gpu["diagnostic"]
     drifted = run([2.08] * 5)
     assert drifted["gpu_drift"] == pytest.approx(1.04) and drifted["diagnostic"] == ""
     assert drifted["candidate_ms"] == pytest.approx(1.1 / 1.04)

@@ -292,15 +292,17 @@ def gpu_drift(timing: dict[str, Any], reference: dict[str, Any], protocol: Proto
     own timing: median(reference beside the candidate) / median(reference alone); None when it
     was not timed beside it. The candidate's times are divided by it (protocol kgym-4): both
     programs slow down together when the GPU does, so the ratio holds still where each median
-    moves by 3-10 %. Returns also a note when the drift exceeds ``max_gpu_drift`` and is left
-    uncorrected: a candidate that slows the reference beside it gains at most that much."""
+    moves by 3-10 %. It is capped at 1 ± ``max_gpu_drift`` (with a note saying so): a candidate
+    that slows the reference beside it gains at most that much. Capped, not dropped: a switch
+    between corrected and uncorrected is itself a jump of the cap's size between evaluations."""
     paired, solo = timing.get("reference_ms"), reference.get("eager")
     if not paired or not solo:
         return None, ""
     drift = median(paired) / median(solo["ms"])
-    if abs(drift - 1.0) > protocol.max_gpu_drift:
-        return drift, (f"not corrected for GPU drift: the reference ran {drift:.3f}x its own timing beside the candidate "
-                       f"(beyond max_gpu_drift {protocol.max_gpu_drift:g})")
+    bounded = min(max(drift, 1.0 - protocol.max_gpu_drift), 1.0 + protocol.max_gpu_drift)
+    if bounded != drift:
+        return bounded, (f"GPU drift correction capped at {bounded:.3f}: the reference ran {drift:.3f}x its own timing "
+                         f"beside the candidate (max_gpu_drift {protocol.max_gpu_drift:g})")
     return drift, ""
 
 
@@ -457,7 +459,7 @@ def judge(
     timing = payload["timing"]
     candidate_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
     drift, drift_note = gpu_drift(timing, reference, protocol)
-    if drift is not None and not drift_note:
+    if drift is not None:
         candidate_ms = [ms / drift for ms in candidate_ms]
     cand_ms = median(candidate_ms)
     if protocol.hacking_check:

@@ -104,8 +104,8 @@ class Protocol:
     # their median over the reference child's is the GPU's drift since the baseline was timed,
     # divided out of the candidate's times (needs the eager baseline)
     paired_reference_trials: int = 50
-    # ... unless it exceeds this fraction either way: then the candidate's times stand as measured
-    # and the result says why. It bounds what a candidate slowing the reference beside it could gain
+    # ... capped at this fraction either way (the result says when): what a candidate slowing the
+    # reference beside it could gain
     max_gpu_drift: float = 0.05
     version: str = field(default=PROTOCOL_VERSION)
 

@@ -57,8 +57,8 @@ class EvalResult:
     compile_ms_iqr: float | None = None
     speedup_eager: float | None = None
     speedup_compile: float | None = None
-    # the reference's median beside the candidate over its median alone (kgym-4, GPU): what
-    # candidate_ms was divided by, unless the diagnostic says it was beyond max_gpu_drift
+    # the reference's median beside the candidate over its median alone (kgym-4, GPU), capped
+    # at 1 +- max_gpu_drift (the diagnostic says when): what candidate_ms was divided by
     gpu_drift: float | None = None
     pr: float | None = None
     launched_kernels: list[str] = field(default_factory=list)

@@ -87,9 +87,10 @@ def time_forward(
     waits for the parent's verdict before it is timed) is back at full clocks.
 
     With `reference`, `reference_trials` calls of it are timed the same way, interleaved with
-    the timed trials in chunks (``interleaving``): the GPU's speed drifts by a few per cent over
-    tenths of a second on unlocked clocks, and the two medians taken side by side drift alike
-    (``reference_ms``; the judge divides it out, kpipe.gym.evaluation.gpu_drift).
+    the timed trials in chunks (``interleaving``), each chunk after one untimed call of its
+    program: the GPU's speed drifts by a few per cent over tenths of a second on unlocked
+    clocks, and the two medians taken side by side drift alike (``reference_ms``; the judge
+    divides it out, kpipe.gym.evaluation.gpu_drift).
 
     `fresh_inputs=False` times the first input set every trial and `flush` replaces the buffer
     zeroing (the side-by-side benchmark's A/B against KernelBench's harness).
@@ -139,7 +140,11 @@ def time_forward(
     reference_call_ms: list[float] = []
     reference_synced_ms: list[float] = []
     t = 0
+    previous = True
     for is_candidate in interleaving(trials, reference_trials if reference is not None else 0):
+        if is_candidate != previous:  # an untimed call first: L1_1's reference ran 4 % fast right after the candidate's chunk
+            trial(0, forward if is_candidate else reference, on_call if is_candidate else None)
+            previous = is_candidate
         if not is_candidate:
             call, whole, _, _, output = trial(len(reference_call_ms), reference, None)
             reference_call_ms.append(call)
