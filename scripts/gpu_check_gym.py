@@ -130,6 +130,18 @@ def timing_hacks_section(report: Report) -> None:
             return ["yes" if caught else "NO", r.status, f"{expected}, timed to the synchronize", f"{r.diagnostic[:120]} (speedup {fmt(r.speedup_eager)})"]
         report.guarded(name, 5, timing_item)
 
+    from kpipe.gym.bank import list_solutions
+
+    honest = [s for s in list_solutions("legit") if (s.level, s.problem_id) == (1, 19)]
+
+    def paired_item() -> list[Any]:  # kgym-4's GPU-only path: the reference timed inside the candidate child
+        r = evaluate(reference, honest[0].source, RUNTIME_ONLY, reuse_reference=True)
+        ran = r.status == "pass" and r.gpu_drift is not None and 0.8 < (r.speedup_eager or 0) < 1.25
+        return ["yes" if ran else "NO", r.status, "pass, timed beside the reference",
+                f"GPU drift {fmt(r.gpu_drift)} {r.diagnostic[:80]} (speedup {fmt(r.speedup_eager)})"]
+    if honest:
+        report.guarded("bank legit ReLU (kgym-4: reference timed beside it)", 5, paired_item)
+
 
 def faults_section(report: Report) -> None:
     reference = (FIXTURES / "relu_reference.py").read_text()

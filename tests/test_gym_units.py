@@ -394,7 +394,7 @@ def test_gpu_drift_divides_out_the_references_slowdown_up_to_a_cap():
     i.e. median(ref beside) / median(cand): the ratio of two programs timed side by side."""
     from kpipe.gym.evaluation import gpu_drift
 
-    protocol = Protocol()
+    protocol = Protocol(max_gpu_drift=0.05)
     alone = {"eager": {"ms": [2.0, 2.0, 2.1]}}
     assert gpu_drift({"ms": [1.0]}, alone, protocol) == (None, "")
     assert gpu_drift({"ms": [1.0], "reference_ms": [2.1, 2.1, 2.1]}, {}, protocol) == (None, "")
@@ -423,7 +423,7 @@ def test_the_judge_reports_drift_corrected_times_and_the_drift():
     from kpipe.gym.compare import Comparison
     from kpipe.gym.evaluation import judge
 
-    protocol = Protocol(hacking_check=False, baseline="eager")
+    protocol = Protocol(hacking_check=False, baseline="eager", max_gpu_drift=0.05)
     reference = {"eager": {"ms": [2.0] * 5}}
     verdict = {"check": Comparison(True, "", 0.0, 0.0), "reasons": []}
 

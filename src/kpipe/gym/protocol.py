@@ -106,7 +106,7 @@ class Protocol:
     paired_reference_trials: int = 50
     # ... capped at this fraction either way (the result says when): what a candidate slowing the
     # reference beside it could gain
-    max_gpu_drift: float = 0.05
+    max_gpu_drift: float = 0.08
     version: str = field(default=PROTOCOL_VERSION)
 
     def __post_init__(self) -> None:
