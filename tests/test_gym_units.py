@@ -389,6 +389,16 @@ def test_reference_trials_are_interleaved_in_chunks_and_timed_like_the_candidate
     assert "reference_ms" not in time_forward(candidate, inputs, 3, 0, FakeCudaClocks(), None, set(), lambda o: [])  # type: ignore[arg-type]
 
 
+def test_a_launch_bound_forward_is_timed_without_the_reference_beside_it(monkeypatch: pytest.MonkeyPatch):
+    from kpipe.gym import timing
+
+    monkeypatch.setattr(timing, "PAIRED_MIN_MS", 1.5)  # the fake clocks' calls take 1 ms
+    calls: list[str] = []
+    timed = timing.time_forward(lambda t: calls.append("candidate") or t, [[torch.ones(2)]], 5, 2, FakeCudaClocks(), None, set(),  # type: ignore[arg-type]
+                                lambda o: [], reference=lambda t: calls.append("reference") or t, reference_trials=5)
+    assert "reference_ms" not in timed and calls == ["candidate"] * 7
+
+
 def test_gpu_drift_divides_out_the_references_slowdown_up_to_a_cap():
     """speedup = ref_alone / (cand / drift) with drift = median(ref beside cand) / median(ref alone),
     i.e. median(ref beside) / median(cand): the ratio of two programs timed side by side."""

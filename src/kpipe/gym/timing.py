@@ -20,6 +20,10 @@ from kpipe.gym.protocol import Protocol
 # candidate trials between two runs of reference trials when both are timed side by side: about
 # 30 ms of a 2 ms kernel, inside the tenths of a second the GPU's speed holds steady
 PAIRED_CHUNK_TRIALS = 10
+# ... and only for a forward of at least this long (its warm-up median): shorter calls are bound by
+# the host's launches, which the GPU's drift does not move and the reference's chunks do
+# (L2_14's 0.16 ms candidate measured up to 0.24 ms between them on the H100)
+PAIRED_MIN_MS = 1.0
 
 
 class Clocks:
@@ -86,11 +90,11 @@ def time_forward(
     `warmup` calls and, on CUDA, for at least `warmup_ms`: a GPU that idled (a candidate child
     waits for the parent's verdict before it is timed) is back at full clocks.
 
-    With `reference`, `reference_trials` calls of it are timed the same way, interleaved with
-    the timed trials in chunks (``interleaving``), each chunk after one untimed call of its
-    program: the GPU's speed drifts by a few per cent over tenths of a second on unlocked
-    clocks, and the two medians taken side by side drift alike (``reference_ms``; the judge
-    divides it out, kpipe.gym.evaluation.gpu_drift).
+    With `reference` (and a forward of at least ``PAIRED_MIN_MS``), `reference_trials` calls of
+    it are timed the same way, interleaved with the timed trials in chunks (``interleaving``),
+    each chunk after one untimed call of its program: the GPU's speed drifts by a few per cent
+    over tenths of a second on unlocked clocks, and the two medians taken side by side drift
+    alike (``reference_ms``; the judge divides it out, kpipe.gym.evaluation.gpu_drift).
 
     `fresh_inputs=False` times the first input set every trial and `flush` replaces the buffer
     zeroing (the side-by-side benchmark's A/B against KernelBench's harness).
@@ -126,10 +130,13 @@ def time_forward(
             return (t1 - t0) * 1e3, (t1 - t0) * 1e3, (t1 - t0) * 1e3, which, output
 
     warmed = 0
+    warm_ms: list[float] = []
     warm_until = clocks.perf_counter() + (warmup_ms / 1e3 if clocks.cuda else 0.0)
     while warmed < warmup or clocks.perf_counter() < warm_until:
-        trial(warmed)
+        warm_ms.append(trial(warmed)[0])
         warmed += 1
+    if warm_ms and sorted(warm_ms)[len(warm_ms) // 2] < PAIRED_MIN_MS:
+        reference = None
     if reference is not None:
         for w in range(warmup):
             trial(w, reference, None)
