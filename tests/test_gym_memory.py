@@ -11,7 +11,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 REFERENCE = (FIXTURES / "relu_reference.py").read_text()
 LEGIT = (FIXTURES / "relu_legit.py").read_text()
 PROTOCOL = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu", timeout_s=60)
-WARM, MORE = 8, 32
+WARM, MORE = 20, 180  # a 200-evaluation batch (issue 14)
 SLACK_MB = 40.0  # allocator noise; a per-evaluation leak of a result or a reference run would pass it
 
 
@@ -41,9 +41,9 @@ def test_pool_host_memory_does_not_grow_over_many_evaluations() -> None:
         def held() -> dict[int, float]:
             return {pid: rss_mb(pid) for pid in [worker, *descendants(worker)]}
 
-        results = [pool.evaluate(REFERENCE, f"{LEGIT}\n# {i}\n") for i in range(WARM)]
+        results = pool.evaluate_many([(REFERENCE, f"{LEGIT}\n# {i}\n") for i in range(WARM)])
         warm = held()
-        results += [pool.evaluate(REFERENCE, f"{LEGIT}\n# {i}\n") for i in range(WARM, WARM + MORE)]
+        results += pool.evaluate_many([(REFERENCE, f"{LEGIT}\n# {i}\n") for i in range(WARM, WARM + MORE)])
         after = held()
     assert [r.status for r in results] == ["pass"] * (WARM + MORE)
     assert set(after) == set(warm) and len(warm) == 2, (warm, after)  # worker and zygote, no leftover child
