@@ -399,21 +399,31 @@ def test_a_launch_bound_forward_is_timed_without_the_reference_beside_it(monkeyp
     assert "reference_ms" not in timed and calls == ["candidate"] * 7
 
 
-def test_gpu_drift_divides_out_the_references_slowdown_up_to_a_cap():
-    """speedup = ref_alone / (cand / drift) with drift = median(ref beside cand) / median(ref alone),
-    i.e. median(ref beside) / median(cand): the ratio of two programs timed side by side."""
-    from kpipe.gym.evaluation import gpu_drift
+def test_each_candidate_trial_is_divided_by_the_drift_of_the_reference_chunk_after_it():
+    """kgym-4: trial t of chunk k is divided by median(reference chunk k) / median(reference alone),
+    capped at 1 +- max_gpu_drift; the reported factor takes the median to the corrected median."""
+    from kpipe.gym.evaluation import drift_by_chunk, drift_corrected
+
+    # 20 candidate trials, 10 reference trials: chunks of 10 candidate trials, 5 reference trials after each
+    assert drift_by_chunk(20, [2.2] * 5 + [2.0] * 5, 2.0) == [pytest.approx(1.1)] * 10 + [pytest.approx(1.0)] * 10
+    # fewer reference trials than chunks: a chunk with none after it takes the next chunk's
+    assert drift_by_chunk(30, [2.2, 2.4], 2.0) == [pytest.approx(1.1)] * 10 + [pytest.approx(1.2)] * 20
 
     protocol = Protocol(max_gpu_drift=0.05)
     alone = {"eager": {"ms": [2.0, 2.0, 2.1]}}
-    assert gpu_drift({"ms": [1.0]}, alone, protocol) == (None, "")
-    assert gpu_drift({"ms": [1.0], "reference_ms": [2.1, 2.1, 2.1]}, {}, protocol) == (None, "")
-    drift, note = gpu_drift({"ms": [1.0], "reference_ms": [2.06, 2.08, 2.1]}, alone, protocol)
-    assert drift == pytest.approx(1.04) and note == ""
-    drift, note = gpu_drift({"ms": [1.0], "reference_ms": [2.3, 2.3, 2.3]}, alone, protocol)
-    assert drift == pytest.approx(1.05) and "capped at 1.050" in note and "1.150x" in note
-    assert gpu_drift({"ms": [1.0], "reference_ms": [1.8, 1.8, 1.8]}, alone, protocol)[0] == pytest.approx(0.95)  # both ways
-    assert gpu_drift({"ms": [1.0], "reference_ms": [2.3]}, alone, Protocol(max_gpu_drift=0.2))[1] == ""
+    slow_then_fast = {"ms": [1.04] * 10 + [0.96] * 10, "reference_ms": [2.08] * 5 + [1.92] * 5}
+    times, drift, note = drift_corrected(slow_then_fast["ms"], slow_then_fast, alone, protocol)
+    assert times == pytest.approx([1.0] * 20) and note == ""  # both halves back to the same time
+    assert drift == pytest.approx(1.0)
+    assert drift_corrected([1.0], {"ms": [1.0]}, alone, protocol) == ([1.0], None, "")
+    assert drift_corrected([1.0], {"ms": [1.0], "reference_ms": [2.0]}, {}, protocol) == ([1.0], None, "")
+    far = {"ms": [1.0] * 10, "reference_ms": [2.3] * 5}  # 1.15x: capped at 1.05
+    times, drift, note = drift_corrected(far["ms"], far, alone, protocol)
+    assert times == pytest.approx([1.0 / 1.05] * 10) and drift == pytest.approx(1.05)
+    assert "capped at 1 +- 0.05" in note and "1.150" in note
+    fast = {"ms": [1.0] * 10, "reference_ms": [1.8] * 5}
+    assert drift_corrected(fast["ms"], fast, alone, protocol)[1] == pytest.approx(0.95)  # both ways
+    assert drift_corrected(far["ms"], far, alone, Protocol(max_gpu_drift=0.2))[2] == ""
 
 
 def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked():
@@ -444,7 +454,7 @@ def test_the_judge_reports_drift_corrected_times_and_the_drift():
         return judge(payload, verdict, reference, protocol, 10.0, 2.0, None, lambda status, **fields: {"status": status, **fields}, {})
 
     slow_gpu = run([2.2] * 5)  # the GPU ran 10 % slow beside the candidate: corrected by the cap, 5 %
-    assert slow_gpu["candidate_ms"] == pytest.approx(1.1 / 1.05) and "capped at 1.050" in slow_gpu["diagnostic"]
+    assert slow_gpu["candidate_ms"] == pytest.approx(1.1 / 1.05) and "capped at 1 +- 0.05" in slow_gpu["diagnostic"]
     drifted = run([2.08] * 5)
     assert drifted["gpu_drift"] == pytest.approx(1.04) and drifted["diagnostic"] == ""
     assert drifted["candidate_ms"] == pytest.approx(1.1 / 1.04)

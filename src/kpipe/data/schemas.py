@@ -65,7 +65,7 @@ EVALS = pa.schema(
         ("compile_ms_iqr", pa.float64()),
         ("speedup_eager", pa.float64()),
         ("speedup_compile", pa.float64()),
-        ("gpu_drift", pa.float64()),  # reference beside the candidate / alone; candidate_ms divided by it (kgym-4)
+        ("gpu_drift", pa.float64()),  # measured candidate median / candidate_ms: the GPU's drift divided out (kgym-4)
         ("pr", pa.float64()),
         ("launched_kernels", pa.list_(pa.string())),
         ("timing_kind", pa.string()),  # "cuda" | "cpu" (interpreter timings)
@@ -104,7 +104,7 @@ TRAJECTORIES = pa.schema(
         ("hacked", pa.bool_()),
         ("speedup_eager", pa.float64()),
         ("speedup_compile", pa.float64()),
-        ("gpu_drift", pa.float64()),  # reference beside the candidate / alone; candidate_ms divided by it (kgym-4)
+        ("gpu_drift", pa.float64()),  # measured candidate median / candidate_ms: the GPU's drift divided out (kgym-4)
         ("pr", pa.float64()),
         ("feedback", pa.string()),
         ("reward", pa.float64()),

@@ -28,6 +28,7 @@ from kpipe.gym.isolate import ChildRun, Launcher, fresh_interpreter, run_isolate
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult
 from kpipe.gym.screen import screen
+from kpipe.gym.timing import interleaving
 
 DIAGNOSTIC_MAX_CHARS = 3000
 # a candidate's event time may not exceed what the host clock around the same region saw
@@ -287,23 +288,50 @@ def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol:
     return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
 
 
-def gpu_drift(timing: dict[str, Any], reference: dict[str, Any], protocol: Protocol) -> tuple[float | None, str]:
-    """How much slower the GPU ran the reference beside the candidate than in the reference's
-    own timing: median(reference beside the candidate) / median(reference alone); None when it
-    was not timed beside it. The candidate's times are divided by it (protocol kgym-4): both
-    programs slow down together when the GPU does, so the ratio holds still where each median
-    moves by 3-10 %. It is capped at 1 ± ``max_gpu_drift`` (with a note saying so): a candidate
-    that slows the reference beside it gains at most that much. Capped, not dropped: a switch
-    between corrected and uncorrected is itself a jump of the cap's size between evaluations."""
+def drift_by_chunk(candidate_count: int, paired: list[float], solo_ms: float) -> list[float]:
+    """Per candidate trial, the GPU's drift measured by the reference chunk timed right after its
+    own chunk (kpipe.gym.timing.interleaving): median(that chunk's reference trials) / the
+    reference's median alone. A chunk followed by no reference trial takes the next one's."""
+    chunks: list[tuple[int, list[float]]] = []  # (candidate trials in the chunk, reference trials after it)
+    r = 0
+    for is_candidate in interleaving(candidate_count, len(paired)):
+        if is_candidate:
+            if not chunks or chunks[-1][1]:
+                chunks.append((0, []))
+            chunks[-1] = (chunks[-1][0] + 1, chunks[-1][1])
+        else:
+            chunks[-1][1].append(paired[r])
+            r += 1
+    drifts: list[float] = []
+    following = median(paired) / solo_ms
+    for count, after in reversed(chunks):
+        following = median(after) / solo_ms if after else following
+        drifts = [following] * count + drifts
+    return drifts
+
+
+def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference: dict[str, Any],
+                    protocol: Protocol) -> tuple[list[float], float | None, str]:
+    """The candidate's times with the GPU's drift divided out (protocol kgym-4), the factor that
+    took its median (``gpu_drift``: None when the reference was not timed beside it), and a note
+    when the cap bit. Each trial is divided by the drift of the reference chunk timed right after
+    it: both programs slow down together when the GPU does, in level shifts of tens of trials,
+    so the ratio holds still where each median moves by 3-10 % (locally rather than over the
+    whole window: L2_59's worst spread over four rounds, 1.031 with one factor per evaluation,
+    1.013 by chunk). Each chunk's drift is capped at 1 +- ``max_gpu_drift``: a candidate that
+    slows the reference beside it gains at most that much. Capped, not dropped: a switch between
+    corrected and uncorrected would itself be a jump of the cap's size between evaluations."""
     paired, solo = timing.get("reference_ms"), reference.get("eager")
-    if not paired or not solo:
-        return None, ""
-    drift = median(paired) / median(solo["ms"])
-    bounded = min(max(drift, 1.0 - protocol.max_gpu_drift), 1.0 + protocol.max_gpu_drift)
-    if bounded != drift:
-        return bounded, (f"GPU drift correction capped at {bounded:.3f}: the reference ran {drift:.3f}x its own timing "
-                         f"beside the candidate (max_gpu_drift {protocol.max_gpu_drift:g})")
-    return drift, ""
+    if not paired or not solo or len(candidate_ms) != len(timing["ms"]):
+        return candidate_ms, None, ""
+    low, high = 1.0 - protocol.max_gpu_drift, 1.0 + protocol.max_gpu_drift
+    drifts = drift_by_chunk(len(candidate_ms), paired, median(solo["ms"]))
+    corrected = [ms / min(max(d, low), high) for ms, d in zip(candidate_ms, drifts)]
+    note = ""
+    if not low <= min(drifts) <= max(drifts) <= high:
+        note = (f"GPU drift correction capped at 1 +- {protocol.max_gpu_drift:g}: the reference ran "
+                f"{min(drifts):.3f}-{max(drifts):.3f}x its own timing beside the candidate")
+    return corrected, median(candidate_ms) / median(corrected), note
 
 
 def reported_spans(payload: dict[str, Any]) -> list[list[float]]:
@@ -458,9 +486,7 @@ def judge(
 
     timing = payload["timing"]
     candidate_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
-    drift, drift_note = gpu_drift(timing, reference, protocol)
-    if drift is not None:
-        candidate_ms = [ms / drift for ms in candidate_ms]
+    candidate_ms, drift, drift_note = drift_corrected(candidate_ms, timing, reference, protocol)
     cand_ms = median(candidate_ms)
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck) + integrity_reasons(payload)

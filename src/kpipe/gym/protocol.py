@@ -101,8 +101,8 @@ class Protocol:
     # on the H100); an inherited setting wins
     cublas_workspace_config: str = ""
     # reference trials the candidate child times on a GPU between its own timed trials (0: none):
-    # their median over the reference child's is the GPU's drift since the baseline was timed,
-    # divided out of the candidate's times (needs the eager baseline)
+    # each chunk's median over the reference child's is the GPU's drift since the baseline was
+    # timed, divided out of the candidate trials before it (needs the eager baseline)
     paired_reference_trials: int = 50
     # ... capped at this fraction either way (the result says when): what a candidate slowing the
     # reference beside it could gain

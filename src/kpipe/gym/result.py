@@ -57,8 +57,9 @@ class EvalResult:
     compile_ms_iqr: float | None = None
     speedup_eager: float | None = None
     speedup_compile: float | None = None
-    # the reference's median beside the candidate over its median alone (kgym-4, GPU), capped
-    # at 1 +- max_gpu_drift (the diagnostic says when): what candidate_ms was divided by
+    # the GPU's drift divided out of candidate_ms (kgym-4, GPU): its median as measured over
+    # candidate_ms. Each trial was divided by median(the reference chunk timed after it) /
+    # median(the reference alone), capped at 1 +- max_gpu_drift (the diagnostic says when)
     gpu_drift: float | None = None
     pr: float | None = None
     launched_kernels: list[str] = field(default_factory=list)
