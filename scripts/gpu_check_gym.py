@@ -142,19 +142,6 @@ def timing_hacks_section(report: Report) -> None:
     if honest:
         report.guarded("bank legit ReLU (kgym-4: reference timed beside it)", 5, paired_item)
 
-    gemm = [s for s in list_solutions("legit") if (s.level, s.problem_id) == (2, 59)]
-    # the candidate takes all but 14 GiB of the GPU at import: its own run (12.4 GiB peak) fits, the
-    # reference's 4 GiB weight beside it does not; it must be timed alone, not fail as oom
-    crowded = "import torch as _torch\n_HELD = _torch.empty(max(_torch.cuda.mem_get_info()[0] - (14 << 30), 0), dtype=_torch.uint8, device='cuda')\n"
-
-    def crowded_item() -> list[Any]:
-        r = evaluate(kernelbench_source(2, 59), crowded + gemm[0].source, RUNTIME_ONLY, reuse_reference=True)
-        ok = r.status == "pass" and r.gpu_drift is None
-        return ["yes" if ok else "NO", r.status, "pass, timed alone (no room for the reference beside it)",
-                f"GPU drift {fmt(r.gpu_drift)} {r.diagnostic[:100]} (speedup {fmt(r.speedup_eager)})"]
-    if gemm:
-        report.guarded("bank legit L2_59 on a GPU it fills (kgym-4's fallback)", 5, crowded_item)
-
 
 def faults_section(report: Report) -> None:
     reference = (FIXTURES / "relu_reference.py").read_text()

@@ -390,24 +390,11 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         timed_names.update(log.names)
         calls_without_launch[0] += not log.names
 
-    def timed(reference_beside: torch.nn.Module | None) -> dict[str, Any]:
-        return time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed,
-                            reference=reference_beside, reference_trials=protocol.paired_reference_trials, **timed_region(protocol))
-
     paired = paired_reference(reference_model, init_inputs, protocol, device)
     result["timed_spans"] = []
     with timed_span(result["timed_spans"]):
-        try:
-            timing = timed(paired)
-        except torch.OutOfMemoryError:
-            if paired is None:
-                raise
-            timing = None  # retried below, once the failed attempt's frames (holding the reference) are gone
-        if timing is None:  # the candidate fits, the reference beside it does not: timed alone, as kgym-3
-            paired = None
-            torch.cuda.empty_cache()
-            timing = timed(None)
-        result["timing"] = timing
+        result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed,
+                                        reference=paired, reference_trials=protocol.paired_reference_trials, **timed_region(protocol))
     del paired
     result["launches"]["timed"] = sorted(timed_names)
     # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
@@ -451,10 +438,7 @@ def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protoc
     if device != "cuda" or protocol.paired_reference_trials <= 0 or not protocol.wants_eager:
         return None
     with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-        try:
-            return build_model(model_class, init_inputs, protocol.seed, device)
-        except torch.OutOfMemoryError:  # no room beside the candidate: it is timed alone (no drift correction)
-            return None
+        return build_model(model_class, init_inputs, protocol.seed, device)
 
 
 def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
