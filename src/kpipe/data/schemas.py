@@ -104,7 +104,6 @@ TRAJECTORIES = pa.schema(
         ("hacked", pa.bool_()),
         ("speedup_eager", pa.float64()),
         ("speedup_compile", pa.float64()),
-        ("gpu_drift", pa.float64()),  # measured candidate median / candidate_ms: the GPU's drift divided out (kgym-4)
         ("pr", pa.float64()),
         ("feedback", pa.string()),
         ("reward", pa.float64()),

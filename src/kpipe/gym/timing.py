@@ -94,7 +94,7 @@ def time_forward(
     it are timed the same way, interleaved with the timed trials in chunks (``interleaving``),
     each chunk after one untimed call of its program: the GPU's speed drifts by a few per cent
     over tenths of a second on unlocked clocks, and the two medians taken side by side drift
-    alike (``reference_ms``; the judge divides it out, kpipe.gym.evaluation.gpu_drift).
+    alike (``reference_ms``; the judge divides it out, kpipe.gym.evaluation.drift_corrected).
 
     `fresh_inputs=False` times the first input set every trial and `flush` replaces the buffer
     zeroing (the side-by-side benchmark's A/B against KernelBench's harness).
