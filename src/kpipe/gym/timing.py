@@ -149,7 +149,7 @@ def time_forward(
     t = 0
     previous = True
     for is_candidate in interleaving(trials, reference_trials if reference is not None else 0):
-        if is_candidate != previous:  # an untimed call first: L1_1's reference ran 4 % fast right after the candidate's chunk
+        if is_candidate != previous:  # an untimed call first: L1_1's reference ran 4 % fast right after a candidate chunk
             trial(0, forward if is_candidate else reference, on_call if is_candidate else None)
             previous = is_candidate
         if not is_candidate:
@@ -177,7 +177,8 @@ def interleaving(trials: int, reference_trials: int, chunk: int = PAIRED_CHUNK_T
     each followed by the reference trials due by then (their share, rounded), so the two
     sample the same stretch of time. Most calls follow a call of the same program: a
     launch-bound kernel timed right after a 3 ms GEMM was 20-40 % slower on the H100
-    (benchmarks/timing_noise.py), in chunks it is not."""
+    (benchmarks/timing_noise.py); kernels of a millisecond or more, timed in chunks after an
+    untimed call, were not (shorter ones are not paired: ``PAIRED_MIN_MS``)."""
     order: list[bool] = []
     done = 0
     for start in range(0, trials, chunk):
