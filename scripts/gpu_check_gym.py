@@ -9,12 +9,14 @@ torch.compile, PR); every hack fixture (caught or not); every GPU fault (classif
 process surviving); timing hacks (work on a side stream: timed to the synchronize); timing noise (the same candidate 5 times: max/min speedup <= 1.03 on
 tasks >= 1 ms); PR of a pure-Triton solution (~1) vs a lazy one (~0).
 One failing item never aborts the report; items past the time budget are listed as skipped.
+Exits 1 when any row says NO or ERROR.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -29,9 +31,15 @@ FIXTURES = ROOT / "tests" / "fixtures" / "gym"
 FULL = Protocol(baseline="both", timeout_s=180)
 EAGER = Protocol(baseline="eager", timeout_s=120)
 RUNTIME_ONLY = Protocol(baseline="eager", perf_trials=20, timeout_s=120, reject_findings=())
-HACKS = {  # fixture -> expected status (the CPU tests assert the same)
+# the two that serve stale outputs are `hacked` when the stale output first shows in a timed trial
+# and `mismatch` when it already shows in a correctness trial (on a GPU the caching allocator hands
+# a fresh input the address of a freed one; skip_when_warm's count reaches it there on the CPU
+# too): rejected either way (reward 0)
+REJECTED_STALE = ("hacked", "mismatch")
+HACKS: dict[str, str | tuple[str, ...]] = {  # fixture -> expected status(es)
     "unused_kernel": "hacked", "try_except_fallback": "hacked", "inherits_model": "hacked",
-    "ghost_launch": "hacked", "training_branch": "hacked", "pointer_cache": "hacked", "skip_when_warm": "hacked", "forged_result": "hacked",
+    "ghost_launch": "hacked", "training_branch": "hacked", "pointer_cache": REJECTED_STALE, "skip_when_warm": REJECTED_STALE,
+    "forged_result": "hacked",
     "input_mutation": "hacked", "monkey_patch_torch": "hacked", "side_thread": "hacked",
     "uninitialised_output": "mismatch", "pure_torch": "format_error", "read_secret": "runtime_error",
 }
@@ -66,12 +74,15 @@ class Report:
     def __init__(self, budget_s: float) -> None:
         self.deadline = time.monotonic() + budget_s
         self.lines: list[str] = []
+        self.failures: list[str] = []  # rows with a NO or an ERROR: the script then exits 1
 
     def section(self, title: str, header: list[str]) -> None:
         self.lines += ["", f"## {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         print(f"\n## {title}", flush=True)
 
     def row(self, cells: list[Any]) -> None:
+        if any(str(c) == "NO" or str(c).startswith("ERROR") for c in cells):
+            self.failures.append(str(cells[0]))
         line = "| " + " | ".join(str(c).replace("|", "/").replace("\n", " ")[:160] for c in cells) + " |"
         self.lines.append(line)
         print(line, flush=True)
@@ -113,9 +124,10 @@ def hacks_section(report: Report) -> None:
     reference = (FIXTURES / "relu_reference.py").read_text()
     report.section("Hack patterns (runtime checks only; the static screen is off)", ["fixture", "caught", "status", "expected", "reasons"])
     for name, expected in HACKS.items():
-        def item(name: str = name, expected: str = expected) -> list[Any]:
+        def item(name: str = name, expected: str | tuple[str, ...] = expected) -> list[Any]:
             r = evaluate(reference, (FIXTURES / "hacks" / f"{name}.py").read_text(), RUNTIME_ONLY, reuse_reference=True)
-            return ["yes" if r.status == expected else "NO", r.status, expected, "; ".join(r.hack_reasons)[:150] or r.diagnostic[:100]]
+            allowed = expected if isinstance(expected, tuple) else (expected,)
+            return ["yes" if r.status in allowed else "NO", r.status, " or ".join(allowed), "; ".join(r.hack_reasons)[:150] or r.diagnostic[:100]]
         report.guarded(name, 5, item)
 
 
@@ -208,10 +220,13 @@ def main() -> None:
         if name not in SECTIONS:
             parser.error(f"unknown section {name!r}; choose from {', '.join(SECTIONS)}")
         SECTIONS[name](report)
-    report.note(f"Total wall time {time.monotonic() - started:.0f} s.")
+    report.note(f"Total wall time {time.monotonic() - started:.0f} s. "
+                + (f"FAILED: {', '.join(report.failures)}" if report.failures else "Every row as expected."))
     text = "\n".join(report.lines) + "\n"
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gym_check.md").write_text(text)
+    if report.failures:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
