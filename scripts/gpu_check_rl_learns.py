@@ -320,7 +320,8 @@ def save(report: dict[str, Any], out: Path) -> None:
     report["wall_s"] = elapsed()
     out.mkdir(parents=True, exist_ok=True)
     (out / "rl_learns.json").write_text(json.dumps(report, indent=2, default=str))
-    (out / "rl_learns.md").write_text(markdown(report))
+    if "verdict" in report:  # a run that stopped early has no tables to write: its JSON and traceback say where
+        (out / "rl_learns.md").write_text(markdown(report))
 
 
 # --------------------------------------------------------------------------- the run

@@ -68,3 +68,12 @@ def test_cpu_smoke_runs_every_stage_and_the_enforced_check_fails_without_learnin
     assert report["verdict"]["ok"] is False and "does not rise" in report["verdict"]["why"]
     table = (out / "rl_learns.md").read_text()
     assert "| iteration | rollouts | mean reward |" in table and "**FAIL**" in table
+
+
+def test_a_run_that_stops_early_keeps_its_json_and_raises_its_own_error(tmp_path):
+    """save() of a report cut off before the tasks were set writes the JSON, not a KeyError of its own."""
+    check = load_script()
+    partial = {"device": "cpu", "settings": {}, "stages": [], "iterations": [], "task_speedups": {}}
+    check.save(partial, tmp_path)
+    assert json.loads((tmp_path / "rl_learns.json").read_text())["device"] == "cpu"
+    assert not (tmp_path / "rl_learns.md").exists()
