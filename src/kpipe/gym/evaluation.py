@@ -292,22 +292,19 @@ def drift_by_chunk(candidate_count: int, paired: list[float], solo_ms: float) ->
     """Per candidate trial, the GPU's drift measured by the reference chunk timed right after its
     own chunk (kpipe.gym.timing.interleaving): median(that chunk's reference trials) / the
     reference's median alone. A chunk followed by no reference trial takes the next one's."""
-    chunks: list[tuple[int, list[float]]] = []  # (candidate trials in the chunk, reference trials after it)
-    r = 0
-    for is_candidate in interleaving(candidate_count, len(paired)):
-        if is_candidate:
-            if not chunks or chunks[-1][1]:
-                chunks.append((0, []))
-            chunks[-1] = (chunks[-1][0] + 1, chunks[-1][1])
-        else:
-            chunks[-1][1].append(paired[r])
-            r += 1
     drifts: list[float] = []
     following = median(paired) / solo_ms
-    for count, after in reversed(chunks):
-        following = median(after) / solo_ms if after else following
-        drifts = [following] * count + drifts
-    return drifts
+    after: list[float] = []  # the reference trials met since the last candidate trial, walking backwards
+    r = len(paired)
+    for is_candidate in reversed(interleaving(candidate_count, len(paired))):
+        if not is_candidate:
+            r -= 1
+            after.append(paired[r])
+            continue
+        if after:
+            following, after = median(after) / solo_ms, []
+        drifts.append(following)
+    return drifts[::-1]
 
 
 def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference: dict[str, Any],
