@@ -98,7 +98,7 @@ def test_stts_window_reruns_only_windowed_stts_and_readers(workdir, edited_confi
     edited_config(lambda cfg: cfg["stts"].update(window=3))
     counts = job_counts(snakemake(workdir, "-n"))
     # the top-w STTS job of each model (tiny-sft, tiny-rl) and what reads them; not eval, not the vanilla (full) ones
-    assert counts == {"stts": 2, "build_db": 1, "tables": 1, "figures": 1, "viewer": 1, "all": 1}
+    assert counts == {"stts": 2, "export_evals": 1, "build_db": 1, "tables": 1, "figures": 1, "viewer": 1, "all": 1}
 
 
 def test_the_default_run_learns(workdir):
@@ -125,6 +125,21 @@ def test_every_stage_wrote_its_table(workdir):
     assert sorted((row["trajectories"], row["turns"]) for row in budget) == [("2", "4"), ("4", "2"), ("8", "1")]
     for name in ["fig6_stts", "fig_kevin_budget"]:
         assert (workdir / "results" / "figures" / f"{name}.png").stat().st_size > 0
+
+
+def test_trajectories_join_their_evaluations(workdir):
+    """The stages' evaluations live in the result cache; export_evals makes it the `evals` table
+    that trajectories.eval_key joins (one row per key)."""
+    query = subprocess.run(
+        [sys.executable, "-m", "kpipe.cli", "query", "--db", str(workdir / "results" / "kpipe.duckdb"), "--format", "json",
+         "select count(*) as evals, count(distinct key) as keys, "
+         "(select count(*) from trajectories t join evals e on t.eval_key = e.key) as joined from evals"],
+        capture_output=True, text=True,
+    )
+    assert query.returncode == 0, query.stderr
+    [counts] = json.loads(query.stdout)
+    assert counts["evals"] > 0 and counts["keys"] == counts["evals"], counts
+    assert counts["joined"] > 0, counts
 
 
 def test_report_contains_tables_and_figures(workdir):

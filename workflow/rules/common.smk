@@ -90,19 +90,32 @@ def sft_settings(base_inputs):
     return {**job_settings(config["sft"], drop=("gpus",)), "base_model": base_model, "run": RUN}
 
 
+# The `evals` table of the DAG: the KernelGym result cache (gym.cache) written out by rules/db.smk
+EVALS_EXPORT = f"{RESULTS}/evals/gym_cache.parquet"
+
+
+def trajectory_parts():
+    """The trajectory files of every stage, all of which evaluate through KernelGym (and so fill
+    gym.cache; the released cold start, read rather than generated, is the one exception)."""
+    return [
+        *coldstart_parts(),
+        *rl_parts("trajectories"),
+        *rl_validation_parts(),
+        *eval_parts(),
+        *budget_parts(),
+        *stts_parts(),
+    ]
+
+
 def table_inputs():
     """Every Parquet file the database views read: the outputs of all stages."""
     return [
         f"{RESULTS}/tasks/tasks.parquet",
         f"{RESULTS}/queries/queries.parquet",
-        *coldstart_parts(),
         f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet",
-        *rl_parts("trajectories"),
         *rl_parts("train_metrics"),
-        *rl_validation_parts(),
-        *eval_parts(),
-        *budget_parts(),
-        *stts_parts(),
+        *trajectory_parts(),
+        EVALS_EXPORT,
     ]
 
 

@@ -1,4 +1,23 @@
 # The DuckDB database: views over every table's Parquet files, plus workflow/sql/views.sql.
+# Every stage's evaluations go to KernelGym's result cache (gym.cache), not to Parquet: export_evals
+# writes the cache out as the `evals` table once every stage that evaluates has finished.
+
+
+rule export_evals:
+    """kpipe.gym.cache.export_evals: the KernelGym result cache (gym.cache) as the evals table."""
+    input:
+        trajectory_parts(),
+    output:
+        EVALS_EXPORT,
+    params:
+        cache=config["gym"]["cache"],
+        code=code_version("gym/cache.py", "gym/result.py", "data/io.py", "data/schemas.py"),
+    log:
+        f"{LOGS}/export_evals.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/export_evals.py"
 
 
 rule build_db:

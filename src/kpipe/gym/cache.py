@@ -8,6 +8,10 @@ first result stored under a key wins: equal keys describe the same evaluation.
 
 Only real results are stored: a job that lost its worker twice is answered ``crashed``
 but not cached, so the next run tries it again.
+
+The pipeline's stages keep only a result's key (``eval_key``) and a few of its fields in their
+``trajectories`` rows; ``export_evals`` writes the whole cache as the ``evals`` table that key
+joins to.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from kpipe.data.io import write_table
 from kpipe.gym.result import EvalResult
 
 BUSY_TIMEOUT_S = 60.0
@@ -76,6 +81,11 @@ class ResultCache:
                 found[key] = EvalResult.from_row(json.loads(text))
         return found
 
+    def results(self) -> Iterator[EvalResult]:
+        """Every stored result, in key order (so an export of the same cache is the same file)."""
+        for (text,) in self._connection().execute("SELECT result FROM results ORDER BY key"):
+            yield EvalResult.from_row(json.loads(text))
+
     def put(self, result: EvalResult) -> bool:
         """Store `result` under its key; False if the key was already there (first one wins)."""
         cursor = self._connection().execute(
@@ -95,3 +105,23 @@ class ResultCache:
         if conn is not None:
             conn.close()
             self._local.conn = None
+
+
+def export_evals(cache_path: str | os.PathLike[str] | None, output: str | os.PathLike[str]) -> int:
+    """Write every result of the cache at `cache_path` to `output` as the ``evals`` table; the row count.
+
+    One row per key (the cache's primary key, the ``eval_key`` of ``trajectories``). `output` is
+    rewritten whole, so exporting again replaces the rows instead of adding to them. No cache
+    (`cache_path` None, as with ``gym.cache: null``, or no file: a backend that keeps none here)
+    gives an empty table, without creating one.
+    """
+    if cache_path is None or not Path(cache_path).exists():
+        write_table([], output, "evals")
+        return 0
+    cache = ResultCache(cache_path)
+    try:
+        rows = [result.to_row() for result in cache.results()]
+    finally:
+        cache.close()
+    write_table(rows, output, "evals")
+    return len(rows)
