@@ -11,16 +11,18 @@ each builds the candidate `--builds` times (a dummy allocation of a different si
 so its tensors land elsewhere) and times each build `--retimes` times with kgym-4's paired timing,
 every other re-timing with the candidate child's launch hook recording (``instrument.recording``).
 
-Prints, per task, the max/min of the judged speedup (each trial divided by its chunk's drift, as
-``kpipe.gym.evaluation.drift_corrected``) over: re-timings of one build, builds in one process,
-processes, and hooked against plain; every per-trial time goes to `--out`, so other estimators can
-be compared on the same trials without the GPU (``--replay``).
+Prints, per task and for each ``Protocol.paired_statistic``, the max/min of the judged speedup
+(``kpipe.gym.evaluation.drift_corrected``) over: re-timings of one build, builds in one process,
+processes, and hooked against plain; its coefficient of variation over every timing, and how
+often five timings drawn from them spread beyond 1.03 (issue 14's bound). Every per-trial time goes
+to `--out`, so estimators can be compared on the same trials without the GPU (``--replay``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -31,6 +33,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "src"))
+
+from kpipe.gym.protocol import PAIRED_STATISTICS  # noqa: E402
 
 
 def measure(tasks: list[str], builds: int, retimes: int) -> dict[str, Any]:
@@ -78,17 +83,18 @@ def measure(tasks: list[str], builds: int, retimes: int) -> dict[str, Any]:
     return out
 
 
-def judged_speedup(row: dict[str, Any]) -> float:
-    """The released estimator, with this timing's own reference median as the solo timing (the
-    pool uses the reference child's; any constant gives the same spread away from the cap)."""
+def judged_speedup(row: dict[str, Any], statistic: str) -> float:
+    """The judge's estimate under `statistic` (``Protocol.paired_statistic``), with this timing's
+    own reference median as the solo timing (the pool uses the reference child's; any constant
+    gives the same spread away from the cap)."""
     from kpipe.gym.evaluation import drift_corrected, median
     from kpipe.gym.protocol import Protocol
 
     if not row["reference"]:
         return 1.0 / median(row["candidate"])
     solo = {"eager": {"ms": row["reference"]}}
-    corrected = drift_corrected(row["candidate"], {"ms": row["candidate"], "reference_ms": row["reference"]}, solo, Protocol())[0]
-    return median(row["reference"]) / median(corrected)
+    timing = {"ms": row["candidate"], "reference_ms": row["reference"]}
+    return median(row["reference"]) / drift_corrected(row["candidate"], timing, solo, Protocol(paired_statistic=statistic))[1]
 
 
 def spread(values: list[float]) -> str:
@@ -96,28 +102,32 @@ def spread(values: list[float]) -> str:
 
 
 def report(data: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
-    """`data`: task -> one list of rows per process."""
-    lines = ["| task | re-timings of one build (worst) | builds in one process (worst) | processes (first timing each) "
-             "| processes (median of each) | hooked / plain (median) | candidate ms |",
-             "|---|---|---|---|---|---|---|"]
+    """`data`: task -> one list of rows per process; one line per task and paired statistic."""
+    draws = random.Random(0)
+    lines = ["| task | paired statistic | re-timings of one build (worst) | builds in one process (worst) | processes (first timing each) "
+             "| hooked / plain (median) | CV over all timings | P(5 timings spread > 1.03) | candidate ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for task, processes in data.items():
-        same_build, across_builds, firsts, medians, hook_ratio, cand_ms = [], [], [], [], [], []
-        for rows in processes:
-            speedups = [judged_speedup(row) for row in rows]
-            medians.append(statistics.median(speedups))
-            firsts.append(speedups[0])
-            builds = sorted({row["build"] for row in rows})
-            per_build = {b: [s for s, row in zip(speedups, rows) if row["build"] == b] for b in builds}
-            same_build += [max(v) / min(v) for v in per_build.values() if len(v) > 1]
-            across_builds.append(max(v[0] for v in per_build.values()) / min(v[0] for v in per_build.values()))
-            plain = [s for s, row in zip(speedups, rows) if not row["hooked"]]
-            hooked = [s for s, row in zip(speedups, rows) if row["hooked"]]
-            if plain and hooked:
-                hook_ratio.append(statistics.median(hooked) / statistics.median(plain))
-            cand_ms += [statistics.median(row["candidate"]) for row in rows]
-        lines.append(f"| {task} | {max(same_build, default=1.0):.3f} | {max(across_builds):.3f} | {spread(firsts)} | "
-                     f"{spread(medians)} | {statistics.median(hook_ratio) if hook_ratio else float('nan'):.3f} | "
-                     f"{min(cand_ms):.3f}-{max(cand_ms):.3f} |")
+        for statistic in PAIRED_STATISTICS:
+            same_build, across_builds, firsts, hook_ratio, cand_ms, every = [], [], [], [], [], []
+            for rows in processes:
+                speedups = [judged_speedup(row, statistic) for row in rows]
+                every += speedups
+                firsts.append(speedups[0])
+                per_build: dict[int, list[float]] = {}
+                for value, row in zip(speedups, rows):
+                    per_build.setdefault(row["build"], []).append(value)
+                same_build += [max(v) / min(v) for v in per_build.values() if len(v) > 1]
+                across_builds.append(max(v[0] for v in per_build.values()) / min(v[0] for v in per_build.values()))
+                plain = [s for s, row in zip(speedups, rows) if not row["hooked"]]
+                hooked = [s for s, row in zip(speedups, rows) if row["hooked"]]
+                if plain and hooked:
+                    hook_ratio.append(statistics.median(hooked) / statistics.median(plain))
+                cand_ms += [statistics.median(row["candidate"]) for row in rows]
+            over = sum(max(pick) / min(pick) > 1.03 for pick in (draws.sample(every, 5) for _ in range(2000))) / 2000 if len(every) >= 5 else float("nan")
+            lines.append(f"| {task} | {statistic} | {max(same_build, default=1.0):.3f} | {max(across_builds):.3f} | {spread(firsts)} | "
+                         f"{statistics.median(hook_ratio) if hook_ratio else float('nan'):.3f} | "
+                         f"{statistics.pstdev(every) / statistics.fmean(every):.2%} | {over:.2f} | {min(cand_ms):.3f}-{max(cand_ms):.3f} |")
     return lines
 
 

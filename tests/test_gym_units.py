@@ -382,9 +382,9 @@ def test_reference_trials_are_interleaved_in_chunks_and_timed_like_the_candidate
     assert len(timed["ms"]) == 20 and len(timed["reference_ms"]) == 10
     warm = calls[:2]
     assert warm == ["candidate", "reference"]
-    # each chunk after one untimed call of its program
-    assert calls[2:] == ["candidate"] * 10 + ["reference"] * 6 + ["candidate"] * 11 + ["reference"] * 6
-    assert len(recorded) == 1 + 20 + 1  # the hook sees the candidate's calls only
+    # each chunk after one untimed call of its program, the first one too (the reference's warm-up ran last)
+    assert calls[2:] == ["candidate"] * 11 + ["reference"] * 6 + ["candidate"] * 11 + ["reference"] * 6
+    assert len(recorded) == 1 + 20 + 2  # the hook sees the candidate's calls only
     assert timed["samples"] == [{"trial": 19, "input_set": 0, "outputs": [[2.0, 2.0]]}]  # trial 19 after 1 warm-up: input set 0
     assert "reference_ms" not in time_forward(candidate, inputs, 3, 0, FakeCudaClocks(), None, set(), lambda o: [])  # type: ignore[arg-type]
 
@@ -399,40 +399,85 @@ def test_a_launch_bound_forward_is_timed_without_the_reference_beside_it(monkeyp
     assert "reference_ms" not in timed and calls == ["candidate"] * 7
 
 
-def test_each_candidate_trial_is_divided_by_the_drift_of_the_reference_chunk_after_it():
+def test_paired_trials_are_grouped_as_the_interleaving_ran_them():
+    from kpipe.gym.evaluation import paired_chunks
+
+    candidate = [float(t) for t in range(20)]
+    chunks = paired_chunks(candidate, [2.2] * 5 + [2.0] * 5)
+    assert chunks == [(candidate[:10], [2.2] * 5), (candidate[10:], [2.0] * 5)]
+    # fewer reference trials than chunks: a chunk with none after it joins the next
+    assert paired_chunks([1.0] * 30, [2.2, 2.4]) == [([1.0] * 10, [2.2]), ([1.0] * 20, [2.4])]
+
+
+def test_trimmed_mean_drops_one_value_at_each_end():
+    from kpipe.gym.evaluation import trimmed_mean
+
+    assert trimmed_mean([1.0, 2.0, 3.0, 100.0, 0.0]) == pytest.approx(2.0)  # a stray trial moves nothing
+    assert trimmed_mean([1.0, 3.0]) == pytest.approx(2.0)  # too few to trim: the plain mean
+    assert trimmed_mean([5.0, 1.0, 2.0, 3.0], cut=0) == pytest.approx(2.75)
+
+
+def test_kgym4_divides_each_trial_by_its_reference_chunks_median_and_takes_the_median():
     """kgym-4: trial t of chunk k is divided by median(reference chunk k) / median(reference alone),
-    capped at 1 +- max_gpu_drift; the reported factor takes the median to the corrected median."""
-    from kpipe.gym.evaluation import drift_by_chunk, drift_corrected
+    capped at 1 +- max_gpu_drift; the candidate's time is the corrected trials' median and the
+    reported factor takes the uncorrected median to it."""
+    from kpipe.gym.evaluation import drift_corrected
 
-    # 20 candidate trials, 10 reference trials: chunks of 10 candidate trials, 5 reference trials after each
-    assert drift_by_chunk(20, [2.2] * 5 + [2.0] * 5, 2.0) == [pytest.approx(1.1)] * 10 + [pytest.approx(1.0)] * 10
-    # fewer reference trials than chunks: a chunk with none after it takes the next chunk's
-    assert drift_by_chunk(30, [2.2, 2.4], 2.0) == [pytest.approx(1.1)] * 10 + [pytest.approx(1.2)] * 20
-
-    protocol = Protocol(max_gpu_drift=0.05)
+    protocol = Protocol(max_gpu_drift=0.05, paired_statistic="median")
     alone = {"eager": {"ms": [2.0, 2.0, 2.1]}}
     slow_then_fast = {"ms": [1.04] * 10 + [0.96] * 10, "reference_ms": [2.08] * 5 + [1.92] * 5}
-    times, drift, note = drift_corrected(slow_then_fast["ms"], slow_then_fast, alone, protocol)
-    assert times == pytest.approx([1.0] * 20) and note == ""  # both halves back to the same time
+    times, ms, drift, note = drift_corrected(slow_then_fast["ms"], slow_then_fast, alone, protocol)
+    assert times == pytest.approx([1.0] * 20) and ms == pytest.approx(1.0) and note == ""  # both halves back to the same time
     assert drift == pytest.approx(1.0)
-    assert drift_corrected([1.0], {"ms": [1.0]}, alone, protocol) == ([1.0], None, "")
-    assert drift_corrected([1.0], {"ms": [1.0], "reference_ms": [2.0]}, {}, protocol) == ([1.0], None, "")
+    # the reference's median, not its mean: one slow reference trial per chunk moves nothing
+    outlier = {"ms": [1.0] * 10, "reference_ms": [2.0, 2.0, 2.0, 2.0, 9.0]}
+    assert drift_corrected(outlier["ms"], outlier, alone, protocol)[1] == pytest.approx(1.0)
+    assert drift_corrected([1.0], {"ms": [1.0]}, alone, protocol) == ([1.0], 1.0, None, "")
+    assert drift_corrected([1.0], {"ms": [1.0], "reference_ms": [2.0]}, {}, protocol) == ([1.0], 1.0, None, "")
     far = {"ms": [1.0] * 10, "reference_ms": [2.3] * 5}  # 1.15x: capped at 1.05
-    times, drift, note = drift_corrected(far["ms"], far, alone, protocol)
-    assert times == pytest.approx([1.0 / 1.05] * 10) and drift == pytest.approx(1.05)
+    times, ms, drift, note = drift_corrected(far["ms"], far, alone, protocol)
+    assert times == pytest.approx([1.0 / 1.05] * 10) and ms == pytest.approx(1.0 / 1.05) and drift == pytest.approx(1.05)
     assert "capped at 1 +- 0.05" in note and "1.150" in note
     fast = {"ms": [1.0] * 10, "reference_ms": [1.8] * 5}
-    assert drift_corrected(fast["ms"], fast, alone, protocol)[1] == pytest.approx(0.95)  # both ways
-    assert drift_corrected(far["ms"], far, alone, Protocol(max_gpu_drift=0.2))[2] == ""
+    assert drift_corrected(fast["ms"], fast, alone, protocol)[2] == pytest.approx(0.95)  # both ways
+    assert drift_corrected(far["ms"], far, alone, Protocol(max_gpu_drift=0.2, paired_statistic="median"))[3] == ""
 
 
-def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked():
+def test_kgym5_takes_the_mean_over_chunks_of_trimmed_means_over_the_reference_chunks():
+    """kgym-5: drift_k = trimmed mean(reference chunk k) / median(reference alone), capped; the
+    candidate's time = mean over chunks of trimmed mean(candidate chunk k) / drift_k."""
+    from kpipe.gym.evaluation import drift_corrected
+
+    protocol = Protocol(max_gpu_drift=0.08)
+    assert protocol.paired_statistic == "chunk_mean"
+    alone = {"eager": {"ms": [2.0] * 3}}
+    # chunk 1: GPU 4 % slow, a context switch in one candidate trial; chunk 2: the reference flips
+    # between two levels (2.0 and 2.1): its trimmed mean 2.0333 where its median would say 2.0
+    first = [1.04] * 9 + [5.0]
+    second = [1.0] * 10
+    timing = {"ms": first + second, "reference_ms": [2.08, 2.08, 2.08, 1.0, 3.0] + [2.0, 2.0, 2.1, 2.1, 2.0]}
+    times, ms, drift, note = drift_corrected(timing["ms"], timing, alone, protocol)
+    drift_2 = (2.0 + 2.0 + 2.1) / 3 / 2.0
+    assert times[:9] == pytest.approx([1.0] * 9) and times[10:] == pytest.approx([1.0 / drift_2] * 10)
+    assert ms == pytest.approx((1.0 + 1.0 / drift_2) / 2)  # the stray trial trimmed away
+    assert drift == pytest.approx((1.04 + 1.0) / 2 / ms) and note == ""
+    capped = {"ms": [1.0] * 10, "reference_ms": [2.4] * 5}
+    assert drift_corrected(capped["ms"], capped, alone, protocol)[1] == pytest.approx(1.0 / 1.08)
+    assert "capped at 1 +- 0.08" in drift_corrected(capped["ms"], capped, alone, protocol)[3]
+
+
+def test_earlier_protocols_load_with_their_pairing_and_pairing_settings_are_checked():
     current = Protocol()
-    assert current.paired_reference_trials == 50 and current.version == "kgym-4"
-    kgym3 = {k: v for k, v in current.to_dict().items() if k not in ("paired_reference_trials", "max_gpu_drift")}
+    assert current.paired_reference_trials == 50 and current.version == "kgym-5" and current.paired_statistic == "chunk_mean"
+    kgym3 = {k: v for k, v in current.to_dict().items() if k not in ("paired_reference_trials", "max_gpu_drift", "paired_statistic")}
     kgym3["version"] = "kgym-3"
     earlier = Protocol.from_dict(kgym3)
     assert earlier.paired_reference_trials == 0 and earlier.timing_end == "call"
+    kgym4 = {k: v for k, v in current.to_dict().items() if k != "paired_statistic"}
+    kgym4["version"] = "kgym-4"
+    assert Protocol.from_dict(kgym4).paired_statistic == "median" and Protocol.from_dict(kgym4).paired_reference_trials == 50
+    with pytest.raises(ValueError, match="paired_statistic"):
+        Protocol(paired_statistic="mean")
     with pytest.raises(ValueError, match="paired_reference_trials"):
         Protocol(paired_reference_trials=-1)
     with pytest.raises(ValueError, match="max_gpu_drift"):

@@ -431,7 +431,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
 
 def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protocol, device: str) -> torch.nn.Module | None:
-    """The reference model the candidate's trials are interleaved with (protocol kgym-4), on a
+    """The reference model the candidate's trials are interleaved with (protocol kgym-4 and later), on a
     GPU only: the drift it measures is the GPU's speed, and the host clock of the interpreter
     path has none to correct. Built with the random state saved and restored, so the candidate's
     timed calls draw what they drew without it."""

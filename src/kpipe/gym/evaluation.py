@@ -288,47 +288,79 @@ def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol:
     return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
 
 
-def drift_by_chunk(candidate_count: int, paired: list[float], solo_ms: float) -> list[float]:
-    """Per candidate trial, the GPU's drift measured by the reference chunk timed right after its
-    own chunk (kpipe.gym.timing.interleaving): median(that chunk's reference trials) / the
-    reference's median alone. A chunk followed by no reference trial takes the next one's."""
-    drifts: list[float] = []
-    following = median(paired) / solo_ms
-    after: list[float] = []  # the reference trials met since the last candidate trial, walking backwards
-    r = len(paired)
-    for is_candidate in reversed(interleaving(candidate_count, len(paired))):
-        if not is_candidate:
-            r -= 1
-            after.append(paired[r])
-            continue
-        if after:
-            following, after = median(after) / solo_ms, []
-        drifts.append(following)
-    return drifts[::-1]
+def trimmed_mean(values: list[float], cut: int = 1) -> float:
+    """The mean without the `cut` lowest and highest values (of all, when too few remain): a
+    chunk's level, robust to one stray trial (a context switch) yet using the rest of the chunk,
+    where a median of five reference trials moves with which of two levels it lands on."""
+    ordered = sorted(values)
+    if len(ordered) > 2 * cut:
+        ordered = ordered[cut:len(ordered) - cut]
+    return sum(ordered) / len(ordered)
+
+
+def paired_chunks(candidate_ms: list[float], paired: list[float]) -> list[tuple[list[float], list[float]]]:
+    """The timed trials as ``kpipe.gym.timing.interleaving`` ran them: per chunk, the candidate's
+    trials and the reference trials timed right after them. A chunk followed by no reference
+    trial joins the next one (the last, the one before it)."""
+    chunks: list[tuple[list[float], list[float]]] = []
+    candidate: list[float] = []
+    reference: list[float] = []
+    c = r = 0
+    for is_candidate in interleaving(len(candidate_ms), len(paired)):
+        if is_candidate and reference:
+            chunks.append((candidate, reference))
+            candidate, reference = [], []
+        if is_candidate:
+            candidate.append(candidate_ms[c])
+            c += 1
+        else:
+            reference.append(paired[r])
+            r += 1
+    if reference or not chunks:
+        chunks.append((candidate, reference))
+    else:
+        chunks[-1][0].extend(candidate)
+    return chunks
 
 
 def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference: dict[str, Any],
-                    protocol: Protocol) -> tuple[list[float], float | None, str]:
-    """The candidate's times with the GPU's drift divided out (protocol kgym-4), the factor that
-    took its median (``gpu_drift``: None when the reference was not timed beside it), and a note
-    when the cap bit. Each trial is divided by the drift of the reference chunk timed right after
-    it: both programs slow down together when the GPU does, in level shifts of tens of trials,
-    so the ratio holds still where each median moves by 3-10 % (locally rather than over the
-    whole window: L2_59's worst spread over four rounds, 1.031 with one factor per evaluation,
-    1.013 by chunk). Each chunk's drift is capped at 1 +- ``max_gpu_drift``: a candidate that
-    slows the reference beside it gains at most that much. Capped, not dropped: a switch between
-    corrected and uncorrected would itself be a jump of the cap's size between evaluations."""
+                    protocol: Protocol) -> tuple[list[float], float, float | None, str]:
+    """The candidate's trials with the GPU's drift divided out (protocol kgym-4 and later), the
+    candidate's time taken from them, the factor between the uncorrected and corrected time
+    (``gpu_drift``: None when the reference was not timed beside it) and a note when the cap bit.
+
+    Each chunk of trials is divided by the drift the reference chunk timed right after it
+    measured: its level over the reference's median alone. Both programs slow down together when
+    the GPU does, in level shifts of tens of trials, so the ratio holds still where each median
+    moves by 3-10 %. ``paired_statistic`` says what level and time: kgym-4 took each reference
+    chunk's median and the median of the corrected trials; kgym-5 takes trimmed means and the mean
+    over chunks (each chunk's trimmed mean), which repeats better: a reference chunk flips
+    between levels the candidate does not share (docs/kernelgym.md, "GPU drift"). Each drift is
+    capped at 1 +- ``max_gpu_drift``: a candidate that slows the reference beside it gains at
+    most that much. Capped, not dropped: a switch between corrected and uncorrected would itself
+    be a jump of the cap's size between evaluations."""
     paired, solo = timing.get("reference_ms"), reference.get("eager")
     if not paired or not solo or len(candidate_ms) != len(timing["ms"]):
-        return candidate_ms, None, ""
+        return candidate_ms, median(candidate_ms), None, ""
+    by_chunk = protocol.paired_statistic == "chunk_mean"
+    level = trimmed_mean if by_chunk else median
     low, high = 1.0 - protocol.max_gpu_drift, 1.0 + protocol.max_gpu_drift
-    drifts = drift_by_chunk(len(candidate_ms), paired, median(solo["ms"]))
-    corrected = [ms / min(max(d, low), high) for ms, d in zip(candidate_ms, drifts)]
+    solo_ms = median(solo["ms"])
+    chunks = paired_chunks(candidate_ms, paired)
+    drifts = [level(beside) / solo_ms for _, beside in chunks]
+    corrected = [[ms / min(max(d, low), high) for ms in trials] for (trials, _), d in zip(chunks, drifts)]
+
+    def time_of(trials_by_chunk: list[list[float]]) -> float:
+        if by_chunk:
+            return sum(trimmed_mean(trials) for trials in trials_by_chunk) / len(trials_by_chunk)
+        return median([ms for trials in trials_by_chunk for ms in trials])
+
+    candidate_time = time_of(corrected)
     note = ""
     if not low <= min(drifts) <= max(drifts) <= high:
         note = (f"GPU drift correction capped at 1 +- {protocol.max_gpu_drift:g}: the reference ran "
                 f"{min(drifts):.3f}-{max(drifts):.3f}x its own timing beside the candidate")
-    return corrected, median(candidate_ms) / median(corrected), note
+    return [ms for trials in corrected for ms in trials], candidate_time, time_of([trials for trials, _ in chunks]) / candidate_time, note
 
 
 def reported_spans(payload: dict[str, Any]) -> list[list[float]]:
@@ -483,8 +515,7 @@ def judge(
 
     timing = payload["timing"]
     candidate_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
-    candidate_ms, drift, drift_note = drift_corrected(candidate_ms, timing, reference, protocol)
-    cand_ms = median(candidate_ms)
+    candidate_ms, cand_ms, drift, drift_note = drift_corrected(candidate_ms, timing, reference, protocol)
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck) + integrity_reasons(payload)
         reasons = sorted(set(reasons), key=reasons.index)

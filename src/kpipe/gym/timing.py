@@ -147,7 +147,7 @@ def time_forward(
     reference_call_ms: list[float] = []
     reference_synced_ms: list[float] = []
     t = 0
-    previous = True
+    previous = reference is None  # after the reference's warm-up the first chunk gets its untimed call too
     for is_candidate in interleaving(trials, reference_trials if reference is not None else 0):
         if is_candidate != previous:  # an untimed call first: L1_1's reference ran 4 % fast right after a candidate chunk
             trial(0, forward if is_candidate else reference, on_call if is_candidate else None)
