@@ -84,11 +84,9 @@ def warm_triton_compiler() -> bool:
     a process's first compile took about a second where the next took 0.04 s, and every candidate
     child compiles its kernels anew into its private cache (kpipe.gym.compile_caches). The
     artifacts go to a throwaway directory no child reads. The driver is never called (the target
-    is given), which the end of this function checks: a zygote that loaded libcuda here would
+    is given), which the end of this function checks: a zygote that initialised the driver would
     fork children with a CUDA state they cannot use. Returns whether the kernel compiled."""
     import tempfile
-
-    driver_before = "libcuda" in Path("/proc/self/maps").read_text()
 
     import triton
     import triton.language as tl
@@ -116,9 +114,21 @@ def warm_triton_compiler() -> bool:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-    if not driver_before and "libcuda" in Path("/proc/self/maps").read_text():
-        raise RuntimeError("the fork server loaded the CUDA driver while warming Triton's compiler")
+    if cuda_driver_initialised():
+        raise RuntimeError("the fork server initialised the CUDA driver while warming Triton's compiler")
     return warmed
+
+
+def cuda_driver_initialised() -> bool:
+    """Whether this process has called ``cuInit``, asked without initialising anything: before
+    it, every other driver call answers CUDA_ERROR_NOT_INITIALIZED (3). (Importing torch and
+    triton maps libcuda without initialising it.)"""
+    if "libcuda" not in Path("/proc/self/maps").read_text():
+        return False
+    import ctypes
+
+    context = ctypes.c_void_p()
+    return ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(context)) != 3
 
 
 def supervise(pid: int, sock: socket.socket, backstop_s: float) -> int | None:
