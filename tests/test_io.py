@@ -61,3 +61,15 @@ def test_every_table_has_a_versioned_schema():
         meta = schema_of(name).metadata
         assert meta[b"kpipe.table"] == name.encode()
         assert int(meta[b"kpipe.schema_version"]) >= 1
+
+
+def test_written_files_take_the_umasks_permissions(tmp_path):
+    """Not mkstemp's 0600: results shared by a group on a cluster stay readable."""
+    import os
+
+    previous = os.umask(0o022)
+    try:
+        path = write_table([], tmp_path / "evals.parquet", "evals")
+    finally:
+        os.umask(previous)
+    assert path.stat().st_mode & 0o777 == 0o644

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,13 +44,14 @@ def write_table(data: pa.Table | Iterable[Mapping[str, Any]], path: str | os.Pat
     arrow = arrow.replace_schema_metadata(schema.metadata)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    # a unique name rather than mkstemp's file: the Parquet file then gets the umask's permissions
+    # (mkstemp's 0600 would survive the rename and lock a shared results folder to one user)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
     try:
         pq.write_table(arrow, tmp)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
