@@ -389,6 +389,24 @@ def test_reference_trials_are_interleaved_in_chunks_and_timed_like_the_candidate
     assert "reference_ms" not in time_forward(candidate, inputs, 3, 0, FakeCudaClocks(), None, set(), lambda o: [])  # type: ignore[arg-type]
 
 
+def test_the_paired_reference_model_is_built_only_when_first_called():
+    """time_forward calls it only for a candidate long enough to pair, so a short candidate's
+    child never builds (or holds memory for) the reference model; on the CPU there is none."""
+    from kpipe.gym.child import paired_reference
+
+    built: list[int] = []
+
+    class Reference(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            built.append(1)
+
+    assert callable(paired_reference(Reference, [], Protocol(), "cuda")) and built == []
+    assert paired_reference(Reference, [], Protocol(), "cpu") is None
+    assert paired_reference(Reference, [], Protocol(paired_reference_trials=0), "cuda") is None
+    assert paired_reference(Reference, [], Protocol(baseline="compile"), "cuda") is None
+
+
 def test_a_launch_bound_forward_is_timed_without_the_reference_beside_it(monkeypatch: pytest.MonkeyPatch):
     from kpipe.gym import timing
 

@@ -35,7 +35,7 @@ import time
 import traceback
 import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -430,15 +430,24 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     return result
 
 
-def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protocol, device: str) -> torch.nn.Module | None:
-    """The reference model the candidate's trials are interleaved with (protocol kgym-4 and later), on a
-    GPU only: the drift it measures is the GPU's speed, and the host clock of the interpreter
-    path has none to correct. Built with the random state saved and restored, so the candidate's
-    timed calls draw what they drew without it."""
+def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protocol, device: str) -> Callable[..., Any] | None:
+    """The reference model's forward the candidate's trials are interleaved with (protocol kgym-4
+    and later), on a GPU only: the drift it measures is the GPU's speed, and the host clock of the
+    interpreter path has none to correct. The model is built at the first call, which
+    ``time_forward`` makes only for a candidate long enough to pair (``PAIRED_MIN_MS``), so a
+    short candidate never pays for it in time or memory; built with the random state saved and
+    restored, so the candidate's timed calls draw what they drew without it."""
     if device != "cuda" or protocol.paired_reference_trials <= 0 or not protocol.wants_eager:
         return None
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-        return build_model(model_class, init_inputs, protocol.seed, device)
+    built: list[torch.nn.Module] = []
+
+    def forward(*inputs: Any) -> Any:
+        if not built:
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+                built.append(build_model(model_class, init_inputs, protocol.seed, device))
+        return built[0](*inputs)
+
+    return forward
 
 
 def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
