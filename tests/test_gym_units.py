@@ -427,21 +427,13 @@ def test_paired_trials_are_grouped_as_the_interleaving_ran_them():
     assert paired_chunks([1.0] * 30, [2.2, 2.4]) == [([1.0] * 10, [2.2]), ([1.0] * 20, [2.4])]
 
 
-def test_trimmed_mean_drops_one_value_at_each_end():
-    from kpipe.gym.evaluation import trimmed_mean
-
-    assert trimmed_mean([1.0, 2.0, 3.0, 100.0, 0.0]) == pytest.approx(2.0)  # a stray trial moves nothing
-    assert trimmed_mean([1.0, 3.0]) == pytest.approx(2.0)  # too few to trim: the plain mean
-    assert trimmed_mean([5.0, 1.0, 2.0, 3.0], cut=0) == pytest.approx(2.75)
-
-
-def test_kgym4_divides_each_trial_by_its_reference_chunks_median_and_takes_the_median():
+def test_each_candidate_trial_is_divided_by_its_reference_chunks_drift_and_the_median_taken():
     """kgym-4: trial t of chunk k is divided by median(reference chunk k) / median(reference alone),
     capped at 1 +- max_gpu_drift; the candidate's time is the corrected trials' median and the
     reported factor takes the uncorrected median to it."""
     from kpipe.gym.evaluation import drift_corrected
 
-    protocol = Protocol(max_gpu_drift=0.05, paired_statistic="median")
+    protocol = Protocol(max_gpu_drift=0.05)
     alone = {"eager": {"ms": [2.0, 2.0, 2.1]}}
     slow_then_fast = {"ms": [1.04] * 10 + [0.96] * 10, "reference_ms": [2.08] * 5 + [1.92] * 5}
     times, ms, drift, note = drift_corrected(slow_then_fast["ms"], slow_then_fast, alone, protocol)
@@ -458,44 +450,19 @@ def test_kgym4_divides_each_trial_by_its_reference_chunks_median_and_takes_the_m
     assert "capped at 1 +- 0.05" in note and "1.150" in note
     fast = {"ms": [1.0] * 10, "reference_ms": [1.8] * 5}
     assert drift_corrected(fast["ms"], fast, alone, protocol)[2] == pytest.approx(0.95)  # both ways
-    assert drift_corrected(far["ms"], far, alone, Protocol(max_gpu_drift=0.2, paired_statistic="median"))[3] == ""
+    assert drift_corrected(far["ms"], far, alone, Protocol(max_gpu_drift=0.2))[3] == ""
+    # a candidate that skips its work on 4 calls in 10 gains nothing (a mean over chunks would give it 20 %)
+    skipping = {"ms": ([0.5] * 4 + [1.0] * 6) * 10, "reference_ms": [2.0] * 50}
+    assert drift_corrected(skipping["ms"], skipping, alone, protocol)[1] == pytest.approx(1.0)
 
 
-def test_kgym5_takes_the_mean_over_chunks_of_trimmed_means_over_the_reference_chunks():
-    """kgym-5: drift_k = trimmed mean(reference chunk k) / median(reference alone), capped; the
-    candidate's time = mean over chunks of trimmed mean(candidate chunk k) / drift_k."""
-    from kpipe.gym.evaluation import drift_corrected
-
-    protocol = Protocol(max_gpu_drift=0.08)
-    assert protocol.paired_statistic == "chunk_mean"
-    alone = {"eager": {"ms": [2.0] * 3}}
-    # chunk 1: GPU 4 % slow, a context switch in one candidate trial; chunk 2: the reference flips
-    # between two levels (2.0 and 2.1): its trimmed mean 2.0333 where its median would say 2.0
-    first = [1.04] * 9 + [5.0]
-    second = [1.0] * 10
-    timing = {"ms": first + second, "reference_ms": [2.08, 2.08, 2.08, 1.0, 3.0] + [2.0, 2.0, 2.1, 2.1, 2.0]}
-    times, ms, drift, note = drift_corrected(timing["ms"], timing, alone, protocol)
-    drift_2 = (2.0 + 2.0 + 2.1) / 3 / 2.0
-    assert times[:9] == pytest.approx([1.0] * 9) and times[10:] == pytest.approx([1.0 / drift_2] * 10)
-    assert ms == pytest.approx((1.0 + 1.0 / drift_2) / 2)  # the stray trial trimmed away
-    assert drift == pytest.approx((1.04 + 1.0) / 2 / ms) and note == ""
-    capped = {"ms": [1.0] * 10, "reference_ms": [2.4] * 5}
-    assert drift_corrected(capped["ms"], capped, alone, protocol)[1] == pytest.approx(1.0 / 1.08)
-    assert "capped at 1 +- 0.08" in drift_corrected(capped["ms"], capped, alone, protocol)[3]
-
-
-def test_earlier_protocols_load_with_their_pairing_and_pairing_settings_are_checked():
+def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked():
     current = Protocol()
-    assert current.paired_reference_trials == 50 and current.version == "kgym-5" and current.paired_statistic == "chunk_mean"
-    kgym3 = {k: v for k, v in current.to_dict().items() if k not in ("paired_reference_trials", "max_gpu_drift", "paired_statistic")}
+    assert current.paired_reference_trials == 50 and current.version == "kgym-4"
+    kgym3 = {k: v for k, v in current.to_dict().items() if k not in ("paired_reference_trials", "max_gpu_drift")}
     kgym3["version"] = "kgym-3"
     earlier = Protocol.from_dict(kgym3)
     assert earlier.paired_reference_trials == 0 and earlier.timing_end == "call"
-    kgym4 = {k: v for k, v in current.to_dict().items() if k != "paired_statistic"}
-    kgym4["version"] = "kgym-4"
-    assert Protocol.from_dict(kgym4).paired_statistic == "median" and Protocol.from_dict(kgym4).paired_reference_trials == 50
-    with pytest.raises(ValueError, match="paired_statistic"):
-        Protocol(paired_statistic="mean")
     with pytest.raises(ValueError, match="paired_reference_trials"):
         Protocol(paired_reference_trials=-1)
     with pytest.raises(ValueError, match="max_gpu_drift"):

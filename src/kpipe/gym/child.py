@@ -431,8 +431,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
 
 def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protocol, device: str) -> Callable[..., Any] | None:
-    """The reference model's forward the candidate's trials are interleaved with (protocol kgym-4
-    and later), on a GPU only: the drift it measures is the GPU's speed, and the host clock of the
+    """The reference model's forward the candidate's trials are interleaved with (protocol kgym-4),
+    on a GPU only: the drift it measures is the GPU's speed, and the host clock of the
     interpreter path has none to correct. The model is built at the first call, which
     ``time_forward`` makes only for a candidate long enough to pair (``PAIRED_MIN_MS``), so a
     short candidate never pays for it in time or memory; built with the random state saved and

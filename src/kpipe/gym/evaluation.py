@@ -288,16 +288,6 @@ def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol:
     return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
 
 
-def trimmed_mean(values: list[float], cut: int = 1) -> float:
-    """The mean without the `cut` lowest and highest values (of all, when too few remain): a
-    chunk's level, robust to one stray trial (a context switch) yet using the rest of the chunk,
-    where a median of five reference trials moves with which of two levels it lands on."""
-    ordered = sorted(values)
-    if len(ordered) > 2 * cut:
-        ordered = ordered[cut:len(ordered) - cut]
-    return sum(ordered) / len(ordered)
-
-
 def paired_chunks(candidate_ms: list[float], paired: list[float]) -> list[tuple[list[float], list[float]]]:
     """The timed trials as ``kpipe.gym.timing.interleaving`` ran them: per chunk, the candidate's
     trials and the reference trials timed right after them. A chunk followed by no reference
@@ -325,42 +315,33 @@ def paired_chunks(candidate_ms: list[float], paired: list[float]) -> list[tuple[
 
 def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference: dict[str, Any],
                     protocol: Protocol) -> tuple[list[float], float, float | None, str]:
-    """The candidate's trials with the GPU's drift divided out (protocol kgym-4 and later), the
-    candidate's time taken from them, the factor between the uncorrected and corrected time
-    (``gpu_drift``: None when the reference was not timed beside it) and a note when the cap bit.
+    """The candidate's trials with the GPU's drift divided out (protocol kgym-4), their median (the
+    candidate's time), the factor between the uncorrected and corrected medians (``gpu_drift``:
+    None when the reference was not timed beside it) and a note when the cap bit.
 
     Each chunk of trials is divided by the drift the reference chunk timed right after it
-    measured: its level over the reference's median alone. Both programs slow down together when
-    the GPU does, in level shifts of tens of trials, so the ratio holds still where each median
-    moves by 3-10 %. ``paired_statistic`` says what level and time: kgym-4 took each reference
-    chunk's median and the median of the corrected trials; kgym-5 takes trimmed means and the mean
-    over chunks (each chunk's trimmed mean), which repeats better: a reference chunk flips
-    between levels the candidate does not share (docs/kernelgym.md, "GPU drift"). Each drift is
-    capped at 1 +- ``max_gpu_drift``: a candidate that slows the reference beside it gains at
-    most that much. Capped, not dropped: a switch between corrected and uncorrected would itself
-    be a jump of the cap's size between evaluations."""
+    measured: its median over the median of the reference alone. Both programs slow down together
+    when the GPU does, in level shifts of tens of trials, so the ratio holds still where each
+    median moves by 3-10 %. Each drift is capped at 1 +- ``max_gpu_drift``: a candidate that slows
+    the reference beside it gains at most that much. Capped, not dropped: a switch between
+    corrected and uncorrected would itself be a jump of the cap's size between evaluations. The
+    candidate's time stays a median over all its trials: a mean over chunks repeated better on the
+    H100 (benchmarks/timing_residual.py) but would let a candidate that skips its work on a
+    minority of calls gain, where a median moves only when most calls do (and the sampled timed
+    outputs then catch them)."""
     paired, solo = timing.get("reference_ms"), reference.get("eager")
     if not paired or not solo or len(candidate_ms) != len(timing["ms"]):
         return candidate_ms, median(candidate_ms), None, ""
-    by_chunk = protocol.paired_statistic == "chunk_mean"
-    level = trimmed_mean if by_chunk else median
     low, high = 1.0 - protocol.max_gpu_drift, 1.0 + protocol.max_gpu_drift
     solo_ms = median(solo["ms"])
     chunks = paired_chunks(candidate_ms, paired)
-    drifts = [level(beside) / solo_ms for _, beside in chunks]
-    corrected = [[ms / min(max(d, low), high) for ms in trials] for (trials, _), d in zip(chunks, drifts)]
-
-    def time_of(trials_by_chunk: list[list[float]]) -> float:
-        if by_chunk:
-            return sum(trimmed_mean(trials) for trials in trials_by_chunk) / len(trials_by_chunk)
-        return median([ms for trials in trials_by_chunk for ms in trials])
-
-    candidate_time = time_of(corrected)
+    drifts = [median(beside) / solo_ms for _, beside in chunks]
+    corrected = [ms / min(max(d, low), high) for (trials, _), d in zip(chunks, drifts) for ms in trials]
     note = ""
     if not low <= min(drifts) <= max(drifts) <= high:
         note = (f"GPU drift correction capped at 1 +- {protocol.max_gpu_drift:g}: the reference ran "
                 f"{min(drifts):.3f}-{max(drifts):.3f}x its own timing beside the candidate")
-    return [ms for trials in corrected for ms in trials], candidate_time, time_of([trials for trials, _ in chunks]) / candidate_time, note
+    return corrected, median(corrected), median(candidate_ms) / median(corrected), note
 
 
 def reported_spans(payload: dict[str, Any]) -> list[list[float]]:

@@ -23,11 +23,7 @@ from typing import Any
 # drifted from the reference's own timing (max_gpu_drift bounds it): the same candidate's
 # speedup moved 3-10 % between evaluations with kgym-3 on an H100 with unlocked clocks
 # (docs/gpu-results/timing_noise_2026-11-25_H100.md)
-# kgym-5: the paired candidate's time is the mean over chunks of each chunk's trimmed mean over
-# the reference chunk's (kgym-4: the median of all trials, each over its reference chunk's
-# median): over 40 timings per task on an H100 the speedup's spread fell on all seven paired tasks
-# (coefficient of variation 0.61-1.00 % -> 0.58-0.93 %; docs/gpu-results/timing_residual_2026-11-25_H100.md)
-PROTOCOL_VERSION = "kgym-5"
+PROTOCOL_VERSION = "kgym-4"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch
@@ -38,15 +34,10 @@ TIMING_STARTS = ("behind_flush", "after_sync")
 # parent uses instead when the candidate left work running that the call did not wait for) or
 # an event after the device-wide synchronize (its latency inside the region)
 TIMING_ENDS = ("call", "after_sync")
-# how the paired candidate's time is taken from its chunks (``paired_statistic``): the median of
-# all trials, each divided by its reference chunk's median (kgym-4), or the mean over chunks of the
-# candidate chunk's trimmed mean over the reference chunk's (kpipe.gym.evaluation.drift_corrected)
-PAIRED_STATISTICS = ("median", "chunk_mean")
 # what fields added since mean in a protocol written by an earlier version
 EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8",
-                               "warmup_ms": 0.0, "paired_reference_trials": 0, "paired_statistic": "median"},
-                    "kgym-3": {"paired_reference_trials": 0, "paired_statistic": "median"},
-                    "kgym-4": {"paired_statistic": "median"}}
+                               "warmup_ms": 0.0, "paired_reference_trials": 0},
+                    "kgym-3": {"paired_reference_trials": 0}}
 DEVICES = ("auto", "cuda", "cpu")
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
@@ -116,7 +107,6 @@ class Protocol:
     # ... capped at this fraction either way (the result says when): what a candidate slowing the
     # reference beside it could gain
     max_gpu_drift: float = 0.08
-    paired_statistic: str = "chunk_mean"  # PAIRED_STATISTICS
     version: str = field(default=PROTOCOL_VERSION)
 
     def __post_init__(self) -> None:
@@ -132,8 +122,6 @@ class Protocol:
             raise ValueError(f"timing_end must be one of {TIMING_ENDS}, got {self.timing_end!r}")
         if self.paired_reference_trials < 0 or not 0 < self.max_gpu_drift < 1:
             raise ValueError("paired_reference_trials must be >= 0 and max_gpu_drift in (0, 1)")
-        if self.paired_statistic not in PAIRED_STATISTICS:
-            raise ValueError(f"paired_statistic must be one of {PAIRED_STATISTICS}, got {self.paired_statistic!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if not isinstance(self.reject_findings, tuple):

@@ -57,10 +57,10 @@ class EvalResult:
     compile_ms_iqr: float | None = None
     speedup_eager: float | None = None
     speedup_compile: float | None = None
-    # the GPU's drift divided out of candidate_ms (kgym-4 and later, GPU): the candidate's time as
-    # measured over candidate_ms. Each chunk of trials was divided by the level of the reference
-    # chunk timed after it over median(the reference alone), capped at 1 +- max_gpu_drift (the
-    # diagnostic says when; kpipe.gym.evaluation.drift_corrected)
+    # the GPU's drift divided out of candidate_ms (kgym-4, GPU): the candidate's median as measured
+    # over candidate_ms. Each chunk of trials was divided by median(the reference chunk timed after
+    # it) / median(the reference alone), capped at 1 +- max_gpu_drift (the diagnostic says when;
+    # kpipe.gym.evaluation.drift_corrected)
     gpu_drift: float | None = None
     pr: float | None = None
     launched_kernels: list[str] = field(default_factory=list)
