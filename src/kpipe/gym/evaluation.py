@@ -28,7 +28,7 @@ from kpipe.gym.isolate import ChildRun, Launcher, fresh_interpreter, run_isolate
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult
 from kpipe.gym.screen import screen
-from kpipe.gym.timing import interleaving
+from kpipe.gym.timing import PAIRED_CHUNK_TRIALS, interleaving
 
 DIAGNOSTIC_MAX_CHARS = 3000
 # a candidate's event time may not exceed what the host clock around the same region saw
@@ -288,7 +288,7 @@ def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol:
     return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
 
 
-def paired_chunks(candidate_ms: list[float], paired: list[float]) -> list[tuple[list[float], list[float]]]:
+def paired_chunks(candidate_ms: list[float], paired: list[float], chunk: int = PAIRED_CHUNK_TRIALS) -> list[tuple[list[float], list[float]]]:
     """The timed trials as ``kpipe.gym.timing.interleaving`` ran them: per chunk, the candidate's
     trials and the reference trials timed right after them. A chunk followed by no reference
     trial joins the next one (the last, the one before it)."""
@@ -296,7 +296,7 @@ def paired_chunks(candidate_ms: list[float], paired: list[float]) -> list[tuple[
     candidate: list[float] = []
     reference: list[float] = []
     c = r = 0
-    for is_candidate in interleaving(len(candidate_ms), len(paired)):
+    for is_candidate in interleaving(len(candidate_ms), len(paired), chunk):
         if is_candidate and reference:
             chunks.append((candidate, reference))
             candidate, reference = [], []

@@ -77,6 +77,8 @@ def time_forward(
     flush: Callable[[], None] | None = None,
     reference: Callable[..., Any] | None = None,
     reference_trials: int = 0,
+    chunk: int = PAIRED_CHUNK_TRIALS,
+    switch_calls: bool = True,
 ) -> dict[str, Any]:
     """Median-ready per-trial times of `forward`.
 
@@ -148,8 +150,8 @@ def time_forward(
     reference_synced_ms: list[float] = []
     t = 0
     previous = reference is None  # after the reference's warm-up the first chunk gets its untimed call too
-    for is_candidate in interleaving(trials, reference_trials if reference is not None else 0):
-        if is_candidate != previous:  # an untimed call first: L1_1's reference ran 4 % fast right after a candidate chunk
+    for is_candidate in interleaving(trials, reference_trials if reference is not None else 0, chunk):
+        if switch_calls and is_candidate != previous:  # an untimed call first: L1_1's reference ran 4 % fast right after a candidate chunk
             trial(0, forward if is_candidate else reference, on_call if is_candidate else None)
             previous = is_candidate
         if not is_candidate:

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Which way of timing the reference beside the candidate repeats best, and how far is it from the
+ratio of the two timed alone?
+
+    . scripts/device_env.sh && python benchmarks/pairing_methods.py --out pairing.json
+
+kgym-4 times 50 reference trials in chunks of 5 after every 10 candidate trials, each chunk after an
+untimed call (``kpipe.gym.timing.interleaving``); what it leaves is each timing window's own
+offset (benchmarks/timing_residual.py). Trials interleaved one by one tracked the GPU more closely
+in one process (docs/gpu-results/timing_noise_2026-11-25_H100.md) but slowed launch-bound kernels
+after a GEMM call; the pool pairs only candidates of at least 1 ms now. This compares, per task, in
+`--processes` fresh interpreters, `--rounds` rounds of each method in turn (so all sample the same
+stretch of GPU state) and of the two programs timed alone:
+
+- ``chunks of 10``: kgym-4 (10 candidate trials, 5 reference trials, an untimed call at each switch);
+- ``pairs``: 2 candidate trials, 1 reference trial, no untimed calls;
+- ``alternate``: one candidate trial, one reference trial (100 of each), no untimed calls.
+
+Prints per method the judge's speedup (each chunk of candidate trials divided by its reference
+chunk's median over the reference's median alone, then the median), its coefficient of variation
+over every round, how often five rounds spread beyond 1.03, and its ratio to the speedup of the two
+timed alone (mean over rounds): the bias a method's switching adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+# name: (candidate trials per chunk, reference trials, untimed call at each switch)
+METHODS = {"chunks of 10": (10, 50, True), "pairs": (2, 50, False), "alternate": (1, 100, False)}
+
+
+def measure(tasks: list[str], rounds: int) -> dict[str, Any]:
+    import torch
+
+    from kernelbench_side_by_side import bank_pairs
+    from kpipe.gym.child import TIMING_SETS, build_model, load_module
+    from kpipe.gym.protocol import Protocol
+    from kpipe.gym.timing import Clocks, l2_flush_buffer, time_forward, timed_region
+    from kpipe.gym.trial_data import make_inputs, trial_seed
+
+    protocol = Protocol()
+    clocks = Clocks("cuda")
+    l2 = l2_flush_buffer(protocol, "cuda")
+    workdir = Path(tempfile.mkdtemp(prefix="pairing-"))
+    out: dict[str, Any] = {}
+    for pair in bank_pairs(tasks):
+        reference = load_module(pair["reference"], f"ref_{pair['task']}", workdir)
+        candidate = load_module(pair["candidate"], f"cand_{pair['task']}", workdir)
+        init_inputs = reference.get_init_inputs()
+        models = {"reference": build_model(reference.Model, init_inputs, protocol.seed, "cuda"),
+                  "candidate": build_model(candidate.ModelNew, init_inputs, protocol.seed, "cuda")}
+        input_sets = [make_inputs(reference.get_inputs, trial_seed(protocol.seed, k), "cuda") for k in range(TIMING_SETS)]
+
+        def timed(forward: Any, **paired: Any) -> dict[str, Any]:
+            return time_forward(forward, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), lambda outs: [],
+                                **paired, **timed_region(protocol))
+
+        rows = []
+        for _ in range(rounds):
+            row: dict[str, Any] = {"alone": {name: timed(model)["ms"] for name, model in models.items()}}
+            for method, (chunk, reference_trials, switch_calls) in METHODS.items():
+                result = timed(models["candidate"], reference=models["reference"], reference_trials=reference_trials,
+                               chunk=chunk, switch_calls=switch_calls)
+                row[method] = {"candidate": result["ms"], "reference": result["reference_ms"]}
+            rows.append(row)
+        out[pair["task"]] = rows
+        models.clear()
+        input_sets.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
+def judged(candidate: list[float], reference: list[float], chunk: int) -> float:
+    from kpipe.gym.evaluation import median, paired_chunks
+
+    solo = median(reference)
+    corrected = [ms / (median(beside) / solo) for trials, beside in paired_chunks(candidate, reference, chunk) for ms in trials]
+    return solo / median(corrected)
+
+
+def report(data: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """`data`: task -> every round of every process."""
+    draws = random.Random(0)
+    lines = ["| task | method | speedup (median) | CV over rounds | P(5 rounds spread > 1.03) | vs the two timed alone |",
+             "|---|---|---|---|---|---|"]
+    for task, rows in data.items():
+        alone = statistics.fmean(statistics.median(r["alone"]["reference"]) / statistics.median(r["alone"]["candidate"]) for r in rows)
+        for method, (chunk, _, _) in METHODS.items():
+            values = [judged(r[method]["candidate"], r[method]["reference"], chunk) for r in rows]
+            over = sum(max(p) / min(p) > 1.03 for p in (draws.sample(values, 5) for _ in range(2000))) / 2000
+            lines.append(f"| {task} | {method} | {statistics.median(values):.3f} | {statistics.pstdev(values) / statistics.fmean(values):.2%} | "
+                         f"{over:.2f} | {statistics.fmean(values) / alone:.3f} |")
+        lines.append(f"| {task} | the two timed alone | {alone:.3f} | | | |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default="L1_1,L2_9,L2_12,L2_59,L2_76,L2_86")
+    parser.add_argument("--processes", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", type=Path, help="every per-trial time, as JSON")
+    parser.add_argument("--replay", type=Path, help="print the report of an earlier --out file (no GPU)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.replay:
+        print("\n".join(report(json.loads(args.replay.read_text())["tasks"])))
+        return
+    tasks = args.tasks.split(",")
+    if args.child:
+        print(json.dumps(measure(tasks, args.rounds)))
+        return
+    import torch
+
+    started = time.monotonic()
+    data: dict[str, list[Any]] = {task: [] for task in tasks}
+    for p in range(args.processes):
+        done = subprocess.run([sys.executable, __file__, "--child", "--tasks", args.tasks, "--rounds", str(args.rounds)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"process {p} failed:\n{done.stderr[-3000:]}")
+        for task, rows in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            data[task] += rows
+        print(f"process {p + 1}/{args.processes} done ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+    print("\n".join(report(data)))
+    print(f"\n{torch.cuda.get_device_name(0)}; {args.processes} processes x {args.rounds} rounds; whole run {time.monotonic() - started:.0f} s")
+    if args.out:
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "tasks": data}))
+
+
+if __name__ == "__main__":
+    main()
