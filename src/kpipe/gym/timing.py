@@ -99,7 +99,9 @@ def time_forward(
     alike (``reference_ms``; the judge divides it out, kpipe.gym.evaluation.drift_corrected).
 
     `fresh_inputs=False` times the first input set every trial and `flush` replaces the buffer
-    zeroing (the side-by-side benchmark's A/B against KernelBench's harness).
+    zeroing (the side-by-side benchmark's A/B against KernelBench's harness); `chunk` and
+    `switch_calls=False` (no untimed call at a switch) are other ways of pairing, compared in
+    benchmarks/pairing_methods.py.
     """
     buffers = clone_inputs(input_sets[0])
 
