@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from noise_runs import in_fresh_processes, save, share_spread_beyond  # noqa: E402
 
 # name: (candidate trials per chunk, reference trials, untimed call at each switch)
 METHODS = {"chunks of 10": (10, 50, True), "pairs": (2, 50, False), "alternate": (1, 100, False)}
@@ -93,14 +93,13 @@ def judged(candidate: list[float], reference: list[float], chunk: int) -> float:
 
 def report(data: dict[str, list[dict[str, Any]]]) -> list[str]:
     """`data`: task -> every round of every process."""
-    draws = random.Random(0)
     lines = ["| task | method | speedup (median) | CV over rounds | P(5 rounds spread > 1.03) | vs the two timed alone |",
              "|---|---|---|---|---|---|"]
     for task, rows in data.items():
         alone = statistics.fmean(statistics.median(r["alone"]["reference"]) / statistics.median(r["alone"]["candidate"]) for r in rows)
         for method, (chunk, _, _) in METHODS.items():
             values = [judged(r[method]["candidate"], r[method]["reference"], chunk) for r in rows]
-            over = sum(max(p) / min(p) > 1.03 for p in (draws.sample(values, 5) for _ in range(2000))) / 2000
+            over = share_spread_beyond(values)
             lines.append(f"| {task} | {method} | {statistics.median(values):.3f} | {statistics.pstdev(values) / statistics.fmean(values):.2%} | "
                          f"{over:.2f} | {statistics.fmean(values) / alone:.3f} |")
         lines.append(f"| {task} | the two timed alone | {alone:.3f} | | | |")
@@ -126,19 +125,11 @@ def main() -> None:
     import torch
 
     started = time.monotonic()
-    data: dict[str, list[Any]] = {task: [] for task in tasks}
-    for p in range(args.processes):
-        done = subprocess.run([sys.executable, __file__, "--child", "--tasks", args.tasks, "--rounds", str(args.rounds)],
-                              capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"process {p} failed:\n{done.stderr[-3000:]}")
-        for task, rows in json.loads(done.stdout.strip().splitlines()[-1]).items():
-            data[task] += rows
-        print(f"process {p + 1}/{args.processes} done ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+    per_process = in_fresh_processes(__file__, ["--tasks", args.tasks, "--rounds", str(args.rounds)], args.processes)
+    data = {task: [row for rows in processes for row in rows] for task, processes in per_process.items()}
     print("\n".join(report(data)))
     print(f"\n{torch.cuda.get_device_name(0)}; {args.processes} processes x {args.rounds} rounds; whole run {time.monotonic() - started:.0f} s")
-    if args.out:
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "tasks": data}))
+    save(args.out, torch.cuda.get_device_name(0), data)
 
 
 if __name__ == "__main__":

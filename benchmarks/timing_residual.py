@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from noise_runs import in_fresh_processes, save, share_spread_beyond  # noqa: E402
 
 
 def measure(tasks: list[str], builds: int, retimes: int) -> dict[str, Any]:
@@ -115,7 +115,6 @@ STATISTICS = ("judge", "chunk mean")
 
 def report(data: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
     """`data`: task -> one list of rows per process; one line per task and paired statistic."""
-    draws = random.Random(0)
     lines = ["| task | estimate | re-timings of one build (worst) | builds in one process (worst) | processes (first timing each) "
              "| hooked / plain (median) | CV over all timings | P(5 timings spread > 1.03) | candidate ms |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -136,7 +135,7 @@ def report(data: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
                 if plain and hooked:
                     hook_ratio.append(statistics.median(hooked) / statistics.median(plain))
                 cand_ms += [statistics.median(row["candidate"]) for row in rows]
-            over = sum(max(pick) / min(pick) > 1.03 for pick in (draws.sample(every, 5) for _ in range(2000))) / 2000 if len(every) >= 5 else float("nan")
+            over = share_spread_beyond(every)
             lines.append(f"| {task} | {statistic} | {max(same_build, default=1.0):.3f} | {max(across_builds):.3f} | {spread(firsts)} | "
                          f"{statistics.median(hook_ratio) if hook_ratio else float('nan'):.3f} | "
                          f"{statistics.pstdev(every) / statistics.fmean(every):.2%} | {over:.2f} | {min(cand_ms):.3f}-{max(cand_ms):.3f} |")
@@ -163,20 +162,11 @@ def main() -> None:
     import torch
 
     started = time.monotonic()
-    data: dict[str, list[Any]] = {task: [] for task in tasks}
-    for p in range(args.processes):
-        done = subprocess.run([sys.executable, __file__, "--child", "--tasks", args.tasks, "--builds", str(args.builds),
-                               "--retimes", str(args.retimes)], capture_output=True, text=True)
-        if done.returncode != 0:
-            sys.exit(f"process {p} failed:\n{done.stderr[-3000:]}")
-        for task, rows in json.loads(done.stdout.strip().splitlines()[-1]).items():
-            data[task].append(rows)
-        print(f"process {p + 1}/{args.processes} done ({time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
+    data = in_fresh_processes(__file__, ["--tasks", args.tasks, "--builds", str(args.builds), "--retimes", str(args.retimes)], args.processes)
     print("\n".join(report(data)))
     print(f"\n{torch.cuda.get_device_name(0)}; {args.processes} processes x {args.builds} builds x {args.retimes} timings "
           f"(kgym-4 paired, judged speedup); whole run {time.monotonic() - started:.0f} s")
-    if args.out:
-        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(0), "tasks": data}))
+    save(args.out, torch.cuda.get_device_name(0), data)
 
 
 if __name__ == "__main__":
