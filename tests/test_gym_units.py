@@ -219,21 +219,21 @@ def test_timing_sanity_checks_in_the_parent():
 
     reference = {"outputs": [[torch.ones(4)]], "recheck_outputs": [[torch.ones(4)]]}
     honest = _timed_payload([1.0, 1.1, 1.0], [1.05, 1.15, 1.05])
-    assert timing_reasons(honest, reference, Protocol(), wall_s=10.0, ref_ms=2.0) == []
+    assert timing_reasons(honest, reference, Protocol(), wall_s=10.0, ref_ms=2.0, measured_ms=honest["timing"]["ms"]) == []
     # a cached (stale) output on a timed trial
     stale = _timed_payload([1.0, 1.1, 1.0], [1.05, 1.15, 1.05], sample_value=0.0)
-    assert timing_reasons(stale, reference, Protocol(), 10.0, 2.0)[0].startswith("timed_output_mismatch")
+    assert timing_reasons(stale, reference, Protocol(), 10.0, 2.0, stale["timing"]["ms"])[0].startswith("timed_output_mismatch")
     # more time reported than the parent saw the child live
-    assert any(r.startswith("timing_inconsistent") for r in timing_reasons(honest, reference, Protocol(), 0.001, 2.0))
+    assert any(r.startswith("timing_inconsistent") for r in timing_reasons(honest, reference, Protocol(), 0.001, 2.0, honest["timing"]["ms"]))
     # a speedup the host clock on fresh inputs does not reproduce
     fast = _timed_payload([0.01] * 3, [0.02] * 3)
     fast["recheck"] = {"host_ms": [1.0, 1.0], "samples": [{"trial": 0, "input_set": 0, "outputs": [torch.ones(4)]}]}
-    reasons = timing_reasons(fast, reference, Protocol(), 10.0, 2.0)
+    reasons = timing_reasons(fast, reference, Protocol(), 10.0, 2.0, fast["timing"]["ms"])
     assert any(r.startswith("speedup_not_reproduced") for r in reasons)
     # no launch in the timed path
     silent = _timed_payload([1.0], [1.1])
     silent["launches"]["timed"] = []
-    assert timing_reasons(silent, reference, Protocol(), 10.0, 2.0)[0].startswith("no_triton_launch")
+    assert timing_reasons(silent, reference, Protocol(), 10.0, 2.0, silent["timing"]["ms"])[0].startswith("no_triton_launch")
 
 
 def test_huge_outputs_are_compared_on_a_sample_including_the_tail():

@@ -232,7 +232,10 @@ def integrity_reasons(candidate: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, wall_s: float, ref_ms: float | None) -> list[str]:
+def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, wall_s: float, ref_ms: float | None,
+                   measured_ms: list[float]) -> list[str]:
+    """Why the timed run cannot be trusted; `measured_ms`: the candidate's trials as measured
+    (``candidate_times``, before the drift correction)."""
     reasons = []
     timing = candidate["timing"]
     if not candidate["launches"].get("timed"):
@@ -255,7 +258,7 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
             if not compare_outputs(sample["outputs"], reference["recheck_outputs"][sample["input_set"]], tol).ok:
                 reasons.append("recheck_output_mismatch: wrong output on fresh inputs during the speedup re-check")
                 break
-        event_speedup = speedup(ref_ms, median(candidate_times(timing, reference, protocol, candidate.get("profile"))[0]))
+        event_speedup = speedup(ref_ms, median(measured_ms))
         host_speedup = speedup(ref_ms, median(recheck["host_ms"]))
         if event_speedup and host_speedup is not None and host_speedup < HOST_RECHECK_MIN_RATIO * event_speedup:
             reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {host_speedup:.3g}x by the host clock on fresh inputs")
@@ -495,10 +498,10 @@ def judge(
         return finish("mismatch", diagnostic=check.detail, **common)
 
     timing = payload["timing"]
-    candidate_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
-    candidate_ms, cand_ms, drift, drift_note = drift_corrected(candidate_ms, timing, reference, protocol)
+    measured_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
+    candidate_ms, cand_ms, drift, drift_note = drift_corrected(measured_ms, timing, reference, protocol)
     if protocol.hacking_check:
-        reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck) + integrity_reasons(payload)
+        reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)
         reasons = sorted(set(reasons), key=reasons.index)
         if reasons:
             return finish("hacked", hack_reasons=reasons, **common)
