@@ -166,8 +166,8 @@ def summarize(task: str, data: dict[str, Any]) -> list[str]:
     from kpipe.gym.protocol import Protocol
 
     solo = {"eager": {"ms": rounds[0]["reference"]}}  # the reference child's timing, as the pool reuses it
-    judged = [median(rounds[0]["reference"]) / drift_corrected(r["kgym4"]["candidate"], {"ms": r["kgym4"]["candidate"],
-              "reference_ms": r["kgym4"]["reference"]}, solo, Protocol())[1] for r in rounds]
+    judged = [median(rounds[0]["reference"]) / median(drift_corrected(r["kgym4"]["candidate"], {"ms": r["kgym4"]["candidate"],
+              "reference_ms": r["kgym4"]["reference"]}, solo, Protocol())[0]) for r in rounds]
     lines.append(f"| {task} | kgym-4 as judged (each trial by its chunk's drift) | {statistics.median(judged):.3f} | | | | {spread(judged):.3f} | |")
     clocks = [r["candidate_clock"].get("sm_mhz_mean") for r in rounds if r["candidate_clock"]]
     if clocks:

@@ -95,7 +95,7 @@ def judged_speedup(row: dict[str, Any], statistic: str) -> float:
         return 1.0 / median(row["candidate"])
     if statistic == "judge":
         timing = {"ms": row["candidate"], "reference_ms": row["reference"]}
-        return median(row["reference"]) / drift_corrected(row["candidate"], timing, {"eager": {"ms": row["reference"]}}, Protocol())[1]
+        return median(row["reference"]) / median(drift_corrected(row["candidate"], timing, {"eager": {"ms": row["reference"]}}, Protocol())[0])
     chunks = paired_chunks(row["candidate"], row["reference"])
     return 1.0 / statistics.fmean(trimmed_mean(trials) / trimmed_mean(beside) for trials, beside in chunks)
 

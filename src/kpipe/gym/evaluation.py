@@ -317,8 +317,8 @@ def paired_chunks(candidate_ms: list[float], paired: list[float], chunk: int = P
 
 
 def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference: dict[str, Any],
-                    protocol: Protocol) -> tuple[list[float], float, float | None, str]:
-    """The candidate's trials with the GPU's drift divided out (protocol kgym-4), their median (the
+                    protocol: Protocol) -> tuple[list[float], float | None, str]:
+    """The candidate's trials with the GPU's drift divided out (protocol kgym-4; their median is the
     candidate's time), the factor between the uncorrected and corrected medians (``gpu_drift``:
     None when the reference was not timed beside it) and a note when the cap bit.
 
@@ -334,7 +334,7 @@ def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference
     outputs then catch them)."""
     paired, solo = timing.get("reference_ms"), reference.get("eager")
     if not paired or not solo or len(candidate_ms) != len(timing["ms"]):
-        return candidate_ms, median(candidate_ms), None, ""
+        return candidate_ms, None, ""
     low, high = 1.0 - protocol.max_gpu_drift, 1.0 + protocol.max_gpu_drift
     solo_ms = median(solo["ms"])
     chunks = paired_chunks(candidate_ms, paired)
@@ -344,7 +344,7 @@ def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference
     if not low <= min(drifts) <= max(drifts) <= high:
         note = (f"GPU drift correction capped at 1 +- {protocol.max_gpu_drift:g}: the reference ran "
                 f"{min(drifts):.3f}-{max(drifts):.3f}x its own timing beside the candidate")
-    return corrected, median(corrected), median(candidate_ms) / median(corrected), note
+    return corrected, median(candidate_ms) / median(corrected), note
 
 
 def reported_spans(payload: dict[str, Any]) -> list[list[float]]:
@@ -499,7 +499,8 @@ def judge(
 
     timing = payload["timing"]
     measured_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
-    candidate_ms, cand_ms, drift, drift_note = drift_corrected(measured_ms, timing, reference, protocol)
+    candidate_ms, drift, drift_note = drift_corrected(measured_ms, timing, reference, protocol)
+    cand_ms = median(candidate_ms)
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)
         reasons = sorted(set(reasons), key=reasons.index)
