@@ -93,15 +93,18 @@ def warm_triton_compiler() -> bool:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kpipe.gym.compile_caches import cache_variables
+
     @triton.jit
     def add_one(x_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         offsets = tl.arange(0, BLOCK)
         tl.store(x_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < n) + 1, mask=offsets < n)
 
     warmed = False
-    saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR")}
     with tempfile.TemporaryDirectory(prefix="kpipe-zygote-warm-") as scratch:
-        os.environ.update({"TRITON_CACHE_DIR": scratch, "TRITON_HOME": scratch, "TRITON_DUMP_DIR": scratch, "TRITON_OVERRIDE_DIR": scratch})
+        throwaway = cache_variables(Path(scratch))
+        saved = {name: os.environ.get(name) for name in throwaway}
+        os.environ.update(throwaway)
         try:
             source = ASTSource(add_one, {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, constexprs={"BLOCK": 128})
             triton.compile(source, target=GPUTarget("cuda", 90, 32))
