@@ -85,9 +85,11 @@ def measure(tasks: list[str], rounds: int) -> dict[str, Any]:
 
 def judged(candidate: list[float], reference: list[float], chunk: int) -> float:
     from kpipe.gym.evaluation import median, paired_chunks
+    from kpipe.gym.timing import interleaving
 
     solo = median(reference)
-    corrected = [ms / (median(beside) / solo) for trials, beside in paired_chunks(candidate, reference, chunk) for ms in trials]
+    order = interleaving(len(candidate), len(reference), chunk)
+    corrected = [ms / (median(beside) / solo) for trials, beside in paired_chunks(candidate, reference, order) for ms in trials]
     return solo / median(corrected)
 
 

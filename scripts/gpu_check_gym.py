@@ -45,7 +45,10 @@ HACKS: dict[str, str | tuple[str, ...]] = {  # fixture -> expected status(es)
 }
 # GPU-only hacks defeated by how they are timed rather than by a status: fixture -> expected
 # status and a phrase the result's diagnostic must contain
-TIMING_HACKS = {"gpu/side_stream": ("pass", "did not wait for")}
+# fixture -> (status, phrase in the diagnostic): all its work on a side stream (a call region of
+# microseconds: timed trial by trial, to the synchronize), or half of it (a region of milliseconds:
+# timed beside the reference, back to back, and charged by its chunks' spans under kgym-5)
+TIMING_HACKS = {"gpu/side_stream": ("pass", "did not wait for"), "gpu/side_stream_half": ("pass", "chunks' spans")}
 GPU_FAULTS = {
     "gpu/illegal_memory_access": "illegal_memory_access",
     "gpu/device_assert": "device_assert",
@@ -138,21 +141,21 @@ def timing_hacks_section(report: Report) -> None:
     for name, (expected, phrase) in TIMING_HACKS.items():
         def timing_item(name: str = name, expected: str = expected, phrase: str = phrase) -> list[Any]:
             r = evaluate(reference, (FIXTURES / f"{name}.py").read_text(), RUNTIME_ONLY, reuse_reference=True)
-            caught = r.status == expected and phrase in r.diagnostic
-            return ["yes" if caught else "NO", r.status, f"{expected}, timed to the synchronize", f"{r.diagnostic[:120]} (speedup {fmt(r.speedup_eager)})"]
+            caught = r.status == expected and phrase in r.diagnostic and (r.speedup_eager or 0) < 1.25
+            return ["yes" if caught else "NO", r.status, f"{expected}, '{phrase}', speedup < 1.25", f"{r.diagnostic[:160]} (speedup {fmt(r.speedup_eager)})"]
         report.guarded(name, 5, timing_item)
 
     from kpipe.gym.bank import list_solutions
 
     honest = [s for s in list_solutions("legit") if (s.level, s.problem_id) == (1, 19)]
 
-    def paired_item() -> list[Any]:  # kgym-4's GPU-only path: the reference timed inside the candidate child
+    def paired_item() -> list[Any]:  # kgym-4/5's GPU-only path: the reference timed inside the candidate child
         r = evaluate(reference, honest[0].source, RUNTIME_ONLY, reuse_reference=True)
         ran = r.status == "pass" and r.gpu_drift is not None and 0.8 < (r.speedup_eager or 0) < 1.25
         return ["yes" if ran else "NO", r.status, "pass, timed beside the reference",
                 f"GPU drift {fmt(r.gpu_drift)} {r.diagnostic[:80]} (speedup {fmt(r.speedup_eager)})"]
     if honest:
-        report.guarded("bank legit ReLU (kgym-4: reference timed beside it)", 5, paired_item)
+        report.guarded("bank legit ReLU (kgym-5: reference timed beside it, back to back)", 5, paired_item)
 
 
 def faults_section(report: Report) -> None:

@@ -260,6 +260,10 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         with timed_span(result["timed_spans"]):
             result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), keep,
                                               **timed_region(protocol))
+            if pairs_back_to_back(protocol, device):
+                # what a candidate's paired reference chunks are measured against (kpipe.gym.evaluation.drift_corrected)
+                result["eager_back_to_back"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(),
+                                                            keep, back_to_back=True, **timed_region(protocol))
     if protocol.wants_compile:
         phase("reference torch.compile timing")
         try:
@@ -394,7 +398,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     result["timed_spans"] = []
     with timed_span(result["timed_spans"]):
         result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed,
-                                        reference=paired, reference_trials=protocol.paired_reference_trials, **timed_region(protocol))
+                                        reference=paired, reference_trials=protocol.paired_reference_trials,
+                                        back_to_back=paired is not None and pairs_back_to_back(protocol, device), **timed_region(protocol))
     del paired
     result["launches"]["timed"] = sorted(timed_names)
     # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
@@ -430,8 +435,14 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     return result
 
 
+def pairs_back_to_back(protocol: Protocol, device: str) -> bool:
+    """Whether paired timing queues a chunk's trials back to back (kgym-5): then the reference
+    child also times the reference that way, alone."""
+    return device == "cuda" and protocol.paired_reference_trials > 0 and protocol.wants_eager and protocol.paired_host_sync == "chunk"
+
+
 def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protocol, device: str) -> Callable[..., Any] | None:
-    """The reference model's forward the candidate's trials are interleaved with (protocol kgym-4),
+    """The reference model's forward the candidate's trials are interleaved with (protocol kgym-4 on),
     on a GPU only: the drift it measures is the GPU's speed, and the host clock of the
     interpreter path has none to correct. The model is built at the first call, which
     ``time_forward`` makes only for a candidate long enough to pair (``PAIRED_MIN_MS``), so a

@@ -39,6 +39,8 @@ HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-tim
 # not wait for, and is timed to the device-wide synchronize instead: what it hid counts again
 UNJOINED_SLACK_MS = 0.02
 UNJOINED_SLACK_FRACTION = 0.05
+# back-to-back chunks (kgym-5) the GPU must stay busy after before the candidate is charged by spans
+UNJOINED_LATE_CHUNKS = 2
 # ... and so is one whose region is shorter than this share of its own kernels' device time
 # (profiled without the L2 flush, so an honest region is never shorter): on kernels of a few
 # microseconds the synchronize's jitter would hide the excess above
@@ -273,33 +275,80 @@ def busy_after_call_ms(timing: dict[str, Any]) -> float:
 
 def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol: Protocol,
                     profile: dict[str, Any] | None = None) -> tuple[list[float], str]:
-    """The candidate's per-trial times, and a note when they had to be taken to the
-    device-wide synchronize (kgym-3's region ends at the call's own event, which work left on
-    a side stream would escape)."""
-    if protocol.timing_end != "call" or "ms_synced" not in timing:
+    """The candidate's per-trial times, and a note when they had to be taken past the call's
+    own end event, which work left on a side stream would escape: to the device-wide synchronize
+    (kgym-3's region), or, for trials timed back to back (kgym-5), to what their chunk's span
+    leaves once the reference's gaps and synchronize latency are taken out (``span_charged``)."""
+    if protocol.timing_end != "call" or ("ms_synced" not in timing and "tails_ms" not in timing):
         return timing["ms"], ""
     call_ms = median(timing["ms"])
-    baseline = reference.get("eager") or reference.get("compile")
-    excess = busy_after_call_ms(timing) - (busy_after_call_ms(baseline) if baseline else 0.0)
+    slack = max(UNJOINED_SLACK_MS, UNJOINED_SLACK_FRACTION * call_ms)
     kernels_ms = sum(float(k["ms"]) for k in profile["kernels"]) if profile and profile.get("kind") == "cuda" else 0.0
-    if excess > max(UNJOINED_SLACK_MS, UNJOINED_SLACK_FRACTION * call_ms):
-        why = f"the GPU stayed busy {excess:.3g} ms longer after the call returned than after the reference's"
+    if "tails_ms" in timing:
+        late = unjoined_chunks(timing, slack)
+        busy = f"the GPU stayed busy past the last call of {late} of {len(timing['tails_ms'])} chunks" if late >= UNJOINED_LATE_CHUNKS else ""
+    else:
+        baseline = reference.get("eager") or reference.get("compile")
+        excess = busy_after_call_ms(timing) - (busy_after_call_ms(baseline) if baseline else 0.0)
+        busy = f"the GPU stayed busy {excess:.3g} ms longer after the call returned than after the reference's" if excess > slack else ""
+    if busy:
+        why = busy
     elif call_ms < REGION_MIN_KERNEL_FRACTION * kernels_ms:
         why = f"the call's region ({call_ms:.3g} ms) is shorter than its own kernels' device time ({kernels_ms:.3g} ms)"
     else:
         return timing["ms"], ""
+    if "tails_ms" in timing:
+        return span_charged(timing), f"timed by its chunks' spans: {why} (work on a stream the call did not wait for)"
     return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
 
 
-def paired_chunks(candidate_ms: list[float], paired: list[float], chunk: int = PAIRED_CHUNK_TRIALS) -> list[tuple[list[float], list[float]]]:
-    """The timed trials as ``kpipe.gym.timing.interleaving`` ran them: per chunk, the candidate's
-    trials and the reference trials timed right after them. A chunk followed by no reference
-    trial joins the next one (the last, the one before it)."""
+def unjoined_chunks(timing: dict[str, Any], slack: float) -> int:
+    """How many back-to-back chunks (kgym-5) the GPU stayed busy after, beyond the reference's
+    synchronize latency (median over its chunks, timed beside the candidate) by more than `slack`.
+    A chunk's end cannot be foreseen (random lengths), so work left running after a call shows at
+    every chunk end it falls on; one late chunk may be the host's, two are the candidate's."""
+    latency = median(timing.get("reference_tails_ms") or timing["tails_ms"])
+    return sum(tail - latency > slack for tail in timing["tails_ms"])
+
+
+def span_charged(timing: dict[str, Any]) -> list[float]:
+    """Per trial of a back-to-back timing: its chunk's span (first start to the closing
+    synchronize) less the reference's median gap between calls (the next trial's input copy and
+    flush) and its synchronize latency, shared by the chunk's trials: every piece of work the
+    chunk's calls left on the GPU is in the span."""
+    gap = median(timing.get("reference_gaps_ms") or [0.0])
+    latency = median(timing.get("reference_tails_ms") or [0.0])
+    sizes = run_lengths(timing["order"], True)
+    charged: list[float] = []
+    for span, size in zip(timing["spans_ms"], sizes):
+        charged += [max(span - (size - 1) * gap - latency, 0.0) / size] * size
+    return charged
+
+
+def run_lengths(order: list[bool], value: bool) -> list[int]:
+    """The lengths of the runs of `value` in `order` (a timing's chunks of one program)."""
+    runs: list[int] = []
+    previous = not value
+    for item in order:
+        if item == value:
+            if previous == value:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        previous = item
+    return runs
+
+
+def paired_chunks(candidate_ms: list[float], paired: list[float], order: list[bool] | None = None) -> list[tuple[list[float], list[float]]]:
+    """The timed trials as they ran (`order`, the timing's; without it kgym-4's
+    ``kpipe.gym.timing.interleaving`` in chunks of ``PAIRED_CHUNK_TRIALS``): per chunk, the
+    candidate's trials and the reference trials timed right after them. A chunk followed by no
+    reference trial joins the next one (the last, the one before it)."""
     chunks: list[tuple[list[float], list[float]]] = []
     candidate: list[float] = []
     reference: list[float] = []
     c = r = 0
-    for is_candidate in interleaving(len(candidate_ms), len(paired), chunk):
+    for is_candidate in order if order is not None else interleaving(len(candidate_ms), len(paired), PAIRED_CHUNK_TRIALS):
         if is_candidate and reference:
             chunks.append((candidate, reference))
             candidate, reference = [], []
@@ -318,28 +367,33 @@ def paired_chunks(candidate_ms: list[float], paired: list[float], chunk: int = P
 
 def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference: dict[str, Any],
                     protocol: Protocol) -> tuple[list[float], float | None, str]:
-    """The candidate's trials with the GPU's drift divided out (protocol kgym-4; their median is the
+    """The candidate's trials with the GPU's drift divided out (protocol kgym-4 on; their median is the
     candidate's time), the factor between the uncorrected and corrected medians (``gpu_drift``:
     None when the reference was not timed beside it) and a note when the cap bit.
 
     Each chunk of trials is divided by the drift the reference chunk timed right after it
-    measured: its median over the median of the reference alone. Both programs slow down together
-    when the GPU does, in level shifts of tens of trials, so the ratio holds still where each
-    median moves by 3-10 %. Each drift is capped at 1 +- ``max_gpu_drift``: a candidate that slows
-    the reference beside it gains at most that much. Capped, not dropped: a switch between
-    corrected and uncorrected would itself be a jump of the cap's size between evaluations. The
-    candidate's time stays a median over all its trials: a mean over chunks repeated better on the
-    H100 (benchmarks/timing_residual.py) but would let a candidate that skips its work on a
-    minority of calls gain, where a median moves only when most calls do (and the sampled timed
-    outputs then catch them)."""
-    paired, solo = timing.get("reference_ms"), reference.get("eager")
-    if not paired or not solo or len(candidate_ms) != len(timing["ms"]):
+    measured: its median over the median of the reference alone, timed the same way (kgym-5:
+    back to back, ``eager_back_to_back``). Both programs slow down together when the GPU does,
+    in level shifts of tens of trials, so the ratio holds still where each median moves by
+    3-10 %. Each drift is capped at 1 +- ``max_gpu_drift``: a candidate that slows the reference
+    beside it gains at most that much. Capped, not dropped: a switch between corrected and
+    uncorrected would itself be a jump of the cap's size between evaluations. Trials timed back to
+    back are then scaled by the reference's own synchronised over back-to-back medians, so
+    ``candidate_ms`` stays on the scale of ``eager_ms`` (KernelBench's region) and their ratio is
+    the one the two programs showed back to back. The candidate's time stays a median over all its
+    trials: a mean over chunks repeated better on the H100 (benchmarks/timing_residual.py) but
+    would let a candidate that skips its work on a minority of calls gain, where a median moves
+    only when most calls do (and the sampled timed outputs then catch them)."""
+    paired, eager = timing.get("reference_ms"), reference.get("eager")
+    if not paired or not eager or len(candidate_ms) != len(timing["ms"]):
         return candidate_ms, None, ""
+    solo = reference.get("eager_back_to_back", eager) if "tails_ms" in timing else eager
     low, high = 1.0 - protocol.max_gpu_drift, 1.0 + protocol.max_gpu_drift
     solo_ms = median(solo["ms"])
-    chunks = paired_chunks(candidate_ms, paired)
+    scale = median(eager["ms"]) / solo_ms
+    chunks = paired_chunks(candidate_ms, paired, timing.get("order"))
     drifts = [median(beside) / solo_ms for _, beside in chunks]
-    corrected = [ms / min(max(d, low), high) for (trials, _), d in zip(chunks, drifts) for ms in trials]
+    corrected = [ms / min(max(d, low), high) * scale for (trials, _), d in zip(chunks, drifts) for ms in trials]
     note = ""
     if not low <= min(drifts) <= max(drifts) <= high:
         note = (f"GPU drift correction capped at 1 +- {protocol.max_gpu_drift:g}: the reference ran "

@@ -23,7 +23,11 @@ from typing import Any
 # drifted from the reference's own timing (max_gpu_drift bounds it): the same candidate's
 # speedup moved 3-10 % between evaluations with kgym-3 on an H100 with unlocked clocks
 # (docs/gpu-results/timing_noise_2026-11-25_H100.md)
-PROTOCOL_VERSION = "kgym-4"
+# kgym-5: those paired trials run back to back, the host synchronising only between chunks of
+# random length: after every synchronised trial the GPU idled while the host queued the next,
+# and that idling set an offset per timing window that pairing could not divide out (speedup CV
+# 0.5-0.9 % -> 0.04-0.44 % on an H100, docs/gpu-results/window_state_2026-11-25_H100.md)
+PROTOCOL_VERSION = "kgym-5"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch
@@ -34,10 +38,14 @@ TIMING_STARTS = ("behind_flush", "after_sync")
 # parent uses instead when the candidate left work running that the call did not wait for) or
 # an event after the device-wide synchronize (its latency inside the region)
 TIMING_ENDS = ("call", "after_sync")
+# when the host synchronises during paired timing: after every trial (kgym-4), or only between
+# chunks, the trials of a chunk queued back to back (kgym-5; kpipe.gym.timing.time_back_to_back)
+PAIRED_HOST_SYNCS = ("trial", "chunk")
 # what fields added since mean in a protocol written by an earlier version
 EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8",
-                               "warmup_ms": 0.0, "paired_reference_trials": 0},
-                    "kgym-3": {"paired_reference_trials": 0}}
+                               "warmup_ms": 0.0, "paired_reference_trials": 0, "paired_host_sync": "trial"},
+                    "kgym-3": {"paired_reference_trials": 0, "paired_host_sync": "trial"},
+                    "kgym-4": {"paired_host_sync": "trial"}}
 DEVICES = ("auto", "cuda", "cpu")
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
@@ -107,6 +115,8 @@ class Protocol:
     # ... capped at this fraction either way (the result says when): what a candidate slowing the
     # reference beside it could gain
     max_gpu_drift: float = 0.08
+    # PAIRED_HOST_SYNCS
+    paired_host_sync: str = "chunk"
     version: str = field(default=PROTOCOL_VERSION)
 
     def __post_init__(self) -> None:
@@ -120,6 +130,8 @@ class Protocol:
             raise ValueError(f"timing_start must be one of {TIMING_STARTS}, got {self.timing_start!r}")
         if self.timing_end not in TIMING_ENDS:
             raise ValueError(f"timing_end must be one of {TIMING_ENDS}, got {self.timing_end!r}")
+        if self.paired_host_sync not in PAIRED_HOST_SYNCS:
+            raise ValueError(f"paired_host_sync must be one of {PAIRED_HOST_SYNCS}, got {self.paired_host_sync!r}")
         if self.paired_reference_trials < 0 or not 0 < self.max_gpu_drift < 1:
             raise ValueError("paired_reference_trials must be >= 0 and max_gpu_drift in (0, 1)")
         if self.timeout_s <= 0:

@@ -7,6 +7,7 @@ comparison's A/B (benchmarks/kernelbench_side_by_side.py)."""
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -79,6 +80,7 @@ def time_forward(
     reference_trials: int = 0,
     chunk: int = PAIRED_CHUNK_TRIALS,
     switch_calls: bool = True,
+    back_to_back: bool = False,
 ) -> dict[str, Any]:
     """Median-ready per-trial times of `forward`.
 
@@ -97,6 +99,16 @@ def time_forward(
     each chunk after one untimed call of its program: the GPU's speed drifts by a few per cent
     over tenths of a second on unlocked clocks, and the two medians taken side by side drift
     alike (``reference_ms``; the judge divides it out, kpipe.gym.evaluation.drift_corrected).
+
+    `back_to_back` (kgym-5, CUDA; for a paired timing only when it pairs): the host synchronises
+    only between chunks, so within a chunk each trial's copy and flush run on the GPU right after
+    the previous call instead of after the GPU idled while the host woke up and queued them; on the
+    H100 that idling set each window's offset (benchmarks/window_state.py). Chunks have random
+    lengths (``chunk_sizes``) and each ends after the device-wide synchronize, whose latency after
+    the chunk's last call is its ``tails_ms`` (``spans_ms``: first start to that synchronize;
+    ``gaps_ms``: between one call's end and the next call's start), so work a call leaves on a
+    stream it never joined shows at chunk ends the candidate cannot foresee. A sampled trial ends
+    its chunk (its outputs are read after the synchronize). ``order`` is the order the calls ran in.
 
     `fresh_inputs=False` times the first input set every trial and `flush` replaces the buffer
     zeroing (the side-by-side benchmark's A/B against KernelBench's harness); `chunk` and
@@ -139,11 +151,16 @@ def time_forward(
     while warmed < warmup or clocks.perf_counter() < warm_until:
         warm_ms.append(trial(warmed)[0])
         warmed += 1
+    paired = reference is not None
     if warm_ms and sorted(warm_ms)[len(warm_ms) // 2] < PAIRED_MIN_MS:
         reference = None
     if reference is not None:
         for w in range(warmup):
             trial(w, reference, None)
+    if back_to_back and clocks.cuda and (reference is not None or not paired):
+        return time_back_to_back(forward, reference, reference_trials if reference is not None else 0, buffers, input_sets,
+                                 trials, warmed, chunk, clocks, sample, keep, on_call, fresh_inputs,
+                                 flush if flush is not None else lambda: flush_l2(l2_buffer))
     call_ms: list[float] = []
     synced_ms: list[float] = []
     host_ms: list[float] = []
@@ -176,21 +193,100 @@ def time_forward(
     return result
 
 
-def interleaving(trials: int, reference_trials: int, chunk: int = PAIRED_CHUNK_TRIALS) -> list[bool]:
-    """The order of timed calls, True for the timed forward: chunks of `chunk` of its trials,
-    each followed by the reference trials due by then (their share, rounded), so the two
-    sample the same stretch of time. Most calls follow a call of the same program: a
-    launch-bound kernel timed right after a 3 ms GEMM was 20-40 % slower on the H100
-    (benchmarks/timing_noise.py); kernels of a millisecond or more, timed in chunks after an
-    untimed call, were not (shorter ones are not paired: ``PAIRED_MIN_MS``)."""
-    order: list[bool] = []
+def time_back_to_back(forward: Callable[..., Any], reference: Callable[..., Any] | None, reference_trials: int, buffers: list[Any],
+                      input_sets: list[list[Any]], trials: int, warmed: int, chunk: int, clocks: Clocks, sample: set[int],
+                      keep: Callable[[list[torch.Tensor]], list[dict[str, Any]]], on_call: Callable[[], Any] | None,
+                      fresh_inputs: bool, flush: Callable[[], None]) -> dict[str, Any]:
+    """``time_forward``'s `back_to_back` timing (CUDA): per chunk, a device-wide synchronize, one
+    untimed call, then the chunk's calls queued without waiting for the GPU, each between two
+    events, and a device-wide synchronize whose event closes the chunk. Only the chunk's last
+    output outlives its call (a sampled trial is always last: ``chunk_sizes``' `ends`)."""
+    order = interleaving(trials, reference_trials, chunk_sizes(trials, chunk, random.SystemRandom(), sample))
+    result: dict[str, Any] = {"ms": [], "host_ms": [], "samples": [], "order": order, "tails_ms": [], "spans_ms": [], "gaps_ms": []}
+    if reference is not None:
+        result.update(reference_ms=[], reference_tails_ms=[], reference_gaps_ms=[])
+    done = {True: 0, False: 0}
+    position = 0
+    with torch.no_grad():
+        while position < len(order):
+            is_candidate = order[position]
+            count = next((k for k, who in enumerate(order[position:]) if who != is_candidate), len(order) - position)
+            program, hook = (forward, on_call) if is_candidate else (reference, None)
+            first = warmed + done[True] if is_candidate else done[False]
+            clocks.synchronize()
+            t0 = clocks.perf_counter()  # the host clock brackets the chunk's calls, the untimed one too
+            events: list[tuple[Any, Any]] = []
+            for index in [first] + list(range(first, first + count)):  # the first call untimed: the GPU idled in the synchronize
+                which = index % len(input_sets) if fresh_inputs else 0
+                if fresh_inputs:
+                    copy_inputs(buffers, input_sets[which])
+                flush()
+                start, call_end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
+                with hook() if hook else nullcontext():
+                    clocks.record(start)
+                    output = program(*buffers)
+                    clocks.record(call_end)
+                events.append((start, call_end))
+            clocks.synchronize()
+            synced = clocks.event(enable_timing=True)
+            clocks.record(synced)
+            clocks.event_synchronize(synced)
+            host_ms = (clocks.perf_counter() - t0) * 1e3
+            timed = events[1:]
+            times = [float(clocks.elapsed_time(start, end)) for start, end in timed]
+            gaps = [float(clocks.elapsed_time(timed[k][1], timed[k + 1][0])) for k in range(count - 1)]
+            tail = float(clocks.elapsed_time(timed[-1][1], synced))
+            if is_candidate:
+                last = done[True] + count - 1
+                if last in sample:
+                    result["samples"].append({"trial": last, "input_set": which, "outputs": keep(flatten_output(output))})
+                result["ms"] += times
+                result["host_ms"] += [host_ms / count] * count
+                result["tails_ms"].append(tail)
+                result["spans_ms"].append(float(clocks.elapsed_time(timed[0][0], synced)))
+                result["gaps_ms"] += gaps
+            else:
+                result["reference_ms"] += times
+                result["reference_tails_ms"].append(tail)
+                result["reference_gaps_ms"] += gaps
+            del output
+            done[is_candidate] += count
+            position += count
+    return result
+
+
+def chunk_sizes(trials: int, chunk: int, rng: random.Random | None = None, ends: set[int] = frozenset()) -> list[int]:
+    """How many of `trials` each chunk holds: `chunk` each, or with `rng`, each drawn from
+    chunk/2 .. 3*chunk/2 (so where a chunk ends cannot be foreseen), and a chunk also ending at
+    every trial in `ends`."""
+    sizes: list[int] = []
     done = 0
-    for start in range(0, trials, chunk):
-        count = min(chunk, trials - start)
+    while done < trials:
+        size = min(rng.randint(max(chunk // 2, 1), chunk + chunk // 2) if rng else chunk, trials - done)
+        cut = next((t for t in sorted(ends) if done <= t < done + size), None)
+        if cut is not None:
+            size = cut - done + 1
+        sizes.append(size)
+        done += size
+    return sizes
+
+
+def interleaving(trials: int, reference_trials: int, chunk: list[int] | int = PAIRED_CHUNK_TRIALS) -> list[bool]:
+    """The order of timed calls, True for the timed forward: its trials in chunks of `chunk`
+    (one size for every chunk, or the list of sizes), each followed by the reference trials due by then
+    (their share, rounded), so the two sample the same stretch of time. Most calls follow a
+    call of the same program: a launch-bound kernel timed right after a 3 ms GEMM was 20-40 %
+    slower on the H100 (benchmarks/timing_noise.py); kernels of a millisecond or more, timed in
+    chunks after an untimed call, were not (shorter ones are not paired: ``PAIRED_MIN_MS``)."""
+    sizes = chunk_sizes(trials, chunk) if isinstance(chunk, int) else chunk
+    order: list[bool] = []
+    done = due_done = 0
+    for count in sizes:
         order += [True] * count
-        due = round(reference_trials * (start + count) / trials)
-        order += [False] * (due - done)
-        done = due
+        done += count
+        due = round(reference_trials * done / trials)
+        order += [False] * (due - due_done)
+        due_done = due
     return order
 
 
