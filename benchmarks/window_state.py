@@ -12,7 +12,7 @@ same stretch of GPU state):
 
 - ``kgym-4``: ``time_forward`` as kgym-4 pairs (100 candidate trials in chunks of 10, 50 reference trials,
   the host synchronising after every trial);
-- ``kgym-5``: ``time_forward(back_to_back=True)``, as the protocol now pairs (chunks of random length,
+- ``kgym-6``: ``time_forward(back_to_back=True)``, as the protocol now pairs (chunks of random length,
   the host synchronising only between chunks);
 - ``100 reference trials``: the same with a reference chunk as long as the candidate's;
 - ``placement shuffled``: the allocator's cache emptied and a block of random size held before the
@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from noise_runs import in_fresh_processes, save, share_spread_beyond  # noqa: E402
 
-VARIANTS = ("kgym-4", "kgym-5", "100 reference trials", "placement shuffled", "no host sync inside chunks", "GPU held 0.2 ms", "GPU held 1 ms")
+VARIANTS = ("kgym-4", "kgym-6", "100 reference trials", "placement shuffled", "no host sync inside chunks", "GPU held 0.2 ms", "GPU held 1 ms")
 DEFAULT_VARIANTS = ("kgym-4", "no host sync inside chunks", "GPU held 0.2 ms", "GPU held 1 ms")
 READINGS = ("sm_mhz", "mem_mhz", "power_w", "gpu_c", "mem_c")
 
@@ -196,7 +196,7 @@ def measure(tasks: list[str], rounds: int, variants: list[str]) -> dict[str, Any
                         flush = held_flush[0.2] if variant == "GPU held 0.2 ms" else held_flush[1.0] if variant == "GPU held 1 ms" else None
                         paired = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), lambda outs: [],
                                               reference=reference_model, reference_trials=reference_trials, flush=flush,
-                                              back_to_back=variant == "kgym-5", **timed_region(protocol))
+                                              back_to_back=variant == "kgym-6", **timed_region(protocol))
                         timing = {"candidate": paired["ms"], "reference": paired.get("reference_ms", []), "order": paired.get("order")}
                 rows.append({"round": r, "variant": variant, "at_s": at, **timing, **telemetry.means()})
                 del held

@@ -47,7 +47,7 @@ HACKS: dict[str, str | tuple[str, ...]] = {  # fixture -> expected status(es)
 # status and a phrase the result's diagnostic must contain
 # fixture -> (status, phrase in the diagnostic): all its work on a side stream (a call region of
 # microseconds: timed trial by trial, to the synchronize), or half of it (a region of milliseconds:
-# timed beside the reference, back to back, and charged by its chunks' spans under kgym-5)
+# timed beside the reference, back to back, and charged by its chunks' spans under kgym-6)
 TIMING_HACKS = {"gpu/side_stream": ("pass", "did not wait for"), "gpu/side_stream_half": ("pass", "chunks' spans")}
 GPU_FAULTS = {
     "gpu/illegal_memory_access": "illegal_memory_access",
@@ -155,7 +155,7 @@ def timing_hacks_section(report: Report) -> None:
         return ["yes" if ran else "NO", r.status, "pass, timed beside the reference",
                 f"GPU drift {fmt(r.gpu_drift)} {r.diagnostic[:80]} (speedup {fmt(r.speedup_eager)})"]
     if honest:
-        report.guarded("bank legit ReLU (kgym-5: reference timed beside it, back to back)", 5, paired_item)
+        report.guarded("bank legit ReLU (kgym-6: reference timed beside it, back to back)", 5, paired_item)
 
 
 def faults_section(report: Report) -> None:

@@ -1,4 +1,4 @@
-"""kgym-5's back-to-back paired timing (kpipe.gym.timing.time_back_to_back) and how the judge
+"""kgym-6's back-to-back paired timing (kpipe.gym.timing.time_back_to_back) and how the judge
 reads it (kpipe.gym.evaluation): on a fake GPU timeline, so the order of calls, events and
 synchronizes is checked without CUDA (scripts/gpu_check_gym.py checks it on a GPU)."""
 
@@ -87,7 +87,7 @@ def test_chunk_sizes_are_fixed_or_drawn_and_end_at_every_sampled_trial():
 
 
 def test_paired_trials_run_back_to_back_within_chunks_of_random_length():
-    """kgym-5: the host synchronises once per chunk (not per trial); each chunk starts with one
+    """kgym-6: the host synchronises once per chunk (not per trial); each chunk starts with one
     untimed call of its program; every sampled trial ends its chunk, its output read after the
     synchronize; the tails, spans and gaps come from the same events."""
     clocks = TimelineClocks()
@@ -178,7 +178,7 @@ def test_work_left_running_past_chunk_ends_is_charged_by_the_chunks_spans():
 
 
 def test_back_to_back_trials_are_corrected_by_the_reference_timed_the_same_way_and_put_on_the_eager_scale():
-    """kgym-5: drift = median(reference chunk) / median(reference alone, back to back); the
+    """kgym-6: drift = median(reference chunk) / median(reference alone, back to back); the
     corrected trials are scaled by the reference's synchronised / back-to-back medians, so
     candidate_ms sits on eager_ms's scale and eager_ms / candidate_ms is the back-to-back ratio."""
     order = [True] * 10 + [False] * 5 + [True] * 10 + [False] * 5
@@ -193,9 +193,9 @@ def test_back_to_back_trials_are_corrected_by_the_reference_timed_the_same_way_a
     assert [len(c) for c, _ in paired_chunks(timing["ms"], timing["reference_ms"], order)] == [10, 10]
 
 
-def test_kgym5_pairs_back_to_back_and_earlier_protocols_synchronise_every_trial():
+def test_kgym6_pairs_back_to_back_and_earlier_protocols_synchronise_every_trial():
     current = Protocol()
-    assert current.version == "kgym-5" and current.paired_host_sync == "chunk"
+    assert current.version == "kgym-6" and current.paired_host_sync == "chunk"
     kgym4 = {k: v for k, v in current.to_dict().items() if k != "paired_host_sync"}
     kgym4["version"] = "kgym-4"
     assert Protocol.from_dict(kgym4).paired_host_sync == "trial"

@@ -436,7 +436,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
 
 def pairs_back_to_back(protocol: Protocol, device: str) -> bool:
-    """Whether paired timing queues a chunk's trials back to back (kgym-5): then the reference
+    """Whether paired timing queues a chunk's trials back to back (kgym-6): then the reference
     child also times the reference that way, alone."""
     return device == "cuda" and protocol.paired_reference_trials > 0 and protocol.wants_eager and protocol.paired_host_sync == "chunk"
 

@@ -39,7 +39,7 @@ HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-tim
 # not wait for, and is timed to the device-wide synchronize instead: what it hid counts again
 UNJOINED_SLACK_MS = 0.02
 UNJOINED_SLACK_FRACTION = 0.05
-# back-to-back chunks (kgym-5) the GPU must stay busy after before the candidate is charged by spans
+# back-to-back chunks (kgym-6) the GPU must stay busy after before the candidate is charged by spans
 UNJOINED_LATE_CHUNKS = 2
 # ... and so is one whose region is shorter than this share of its own kernels' device time
 # (profiled without the L2 flush, so an honest region is never shorter): on kernels of a few
@@ -277,7 +277,7 @@ def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol:
                     profile: dict[str, Any] | None = None) -> tuple[list[float], str]:
     """The candidate's per-trial times, and a note when they had to be taken past the call's
     own end event, which work left on a side stream would escape: to the device-wide synchronize
-    (kgym-3's region), or, for trials timed back to back (kgym-5), to what their chunk's span
+    (kgym-3's region), or, for trials timed back to back (kgym-6), to what their chunk's span
     leaves once the reference's gaps and synchronize latency are taken out (``span_charged``)."""
     if protocol.timing_end != "call" or ("ms_synced" not in timing and "tails_ms" not in timing):
         return timing["ms"], ""
@@ -303,7 +303,7 @@ def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol:
 
 
 def unjoined_chunks(timing: dict[str, Any], slack: float) -> int:
-    """How many back-to-back chunks (kgym-5) the GPU stayed busy after, beyond the reference's
+    """How many back-to-back chunks (kgym-6) the GPU stayed busy after, beyond the reference's
     synchronize latency (median over its chunks, timed beside the candidate) by more than `slack`.
     A chunk's end cannot be foreseen (random lengths), so work left running after a call shows at
     every chunk end it falls on; one late chunk may be the host's, two are the candidate's."""
@@ -372,7 +372,7 @@ def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference
     None when the reference was not timed beside it) and a note when the cap bit.
 
     Each chunk of trials is divided by the drift the reference chunk timed right after it
-    measured: its median over the median of the reference alone, timed the same way (kgym-5:
+    measured: its median over the median of the reference alone, timed the same way (kgym-6:
     back to back, ``eager_back_to_back``). Both programs slow down together when the GPU does,
     in level shifts of tens of trials, so the ratio holds still where each median moves by
     3-10 %. Each drift is capped at 1 +- ``max_gpu_drift``: a candidate that slows the reference

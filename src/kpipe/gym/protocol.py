@@ -23,11 +23,11 @@ from typing import Any
 # drifted from the reference's own timing (max_gpu_drift bounds it): the same candidate's
 # speedup moved 3-10 % between evaluations with kgym-3 on an H100 with unlocked clocks
 # (docs/gpu-results/timing_noise_2026-11-25_H100.md)
-# kgym-5: those paired trials run back to back, the host synchronising only between chunks of
+# kgym-6: those paired trials run back to back, the host synchronising only between chunks of
 # random length: after every synchronised trial the GPU idled while the host queued the next,
 # and that idling set an offset per timing window that pairing could not divide out (speedup CV
 # 0.5-0.9 % -> 0.04-0.44 % on an H100, docs/gpu-results/window_state_2026-11-25_H100.md)
-PROTOCOL_VERSION = "kgym-5"
+PROTOCOL_VERSION = "kgym-6"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch
@@ -39,13 +39,15 @@ TIMING_STARTS = ("behind_flush", "after_sync")
 # an event after the device-wide synchronize (its latency inside the region)
 TIMING_ENDS = ("call", "after_sync")
 # when the host synchronises during paired timing: after every trial (kgym-4), or only between
-# chunks, the trials of a chunk queued back to back (kgym-5; kpipe.gym.timing.time_back_to_back)
+# chunks, the trials of a chunk queued back to back (kgym-6; kpipe.gym.timing.time_back_to_back)
 PAIRED_HOST_SYNCS = ("trial", "chunk")
 # what fields added since mean in a protocol written by an earlier version
 EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8",
                                "warmup_ms": 0.0, "paired_reference_trials": 0, "paired_host_sync": "trial"},
                     "kgym-3": {"paired_reference_trials": 0, "paired_host_sync": "trial"},
-                    "kgym-4": {"paired_host_sync": "trial"}}
+                    "kgym-4": {"paired_host_sync": "trial"},
+                    # briefly the chunk-mean statistic (commit 5fe75e2, withdrawn): synchronised per trial
+                    "kgym-5": {"paired_host_sync": "trial"}}
 DEVICES = ("auto", "cuda", "cpu")
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the

@@ -100,7 +100,7 @@ def time_forward(
     over tenths of a second on unlocked clocks, and the two medians taken side by side drift
     alike (``reference_ms``; the judge divides it out, kpipe.gym.evaluation.drift_corrected).
 
-    `back_to_back` (kgym-5, CUDA; for a paired timing only when it pairs): the host synchronises
+    `back_to_back` (kgym-6, CUDA; for a paired timing only when it pairs): the host synchronises
     only between chunks, so within a chunk each trial's copy and flush run on the GPU right after
     the previous call instead of after the GPU idled while the host woke up and queued them; on the
     H100 that idling set each window's offset (benchmarks/window_state.py). Chunks have random
