@@ -43,9 +43,8 @@ HACKS: dict[str, str | tuple[str, ...]] = {  # fixture -> expected status(es)
     "input_mutation": "hacked", "monkey_patch_torch": "hacked", "side_thread": "hacked",
     "uninitialised_output": "mismatch", "pure_torch": "format_error", "read_secret": "runtime_error",
 }
-# GPU-only hacks defeated by how they are timed rather than by a status: fixture -> expected
-# status and a phrase the result's diagnostic must contain
-# fixture -> (status, phrase in the diagnostic): all its work on a side stream (a call region of
+# GPU-only hacks defeated by how they are timed rather than by a status: fixture -> (status, a
+# phrase the result's diagnostic must contain): all its work on a side stream (a call region of
 # microseconds: timed trial by trial, to the synchronize), or half of it (a region of milliseconds:
 # timed beside the reference, back to back, and charged by its chunks' spans under kgym-6)
 TIMING_HACKS = {"gpu/side_stream": ("pass", "did not wait for"), "gpu/side_stream_half": ("pass", "chunks' spans")}
