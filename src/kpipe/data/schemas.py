@@ -65,7 +65,7 @@ EVALS = pa.schema(
         ("compile_ms_iqr", pa.float64()),
         ("speedup_eager", pa.float64()),
         ("speedup_compile", pa.float64()),
-        ("gpu_drift", pa.float64()),  # measured candidate median / candidate_ms: the GPU's drift divided out (kgym-4)
+        ("gpu_drift", pa.float64()),  # measured candidate median / candidate_ms: the GPU's drift divided out (kgym-4 on; kgym-6: with the back-to-back scaling)
         ("pr", pa.float64()),
         ("launched_kernels", pa.list_(pa.string())),
         ("timing_kind", pa.string()),  # "cuda" | "cpu" (interpreter timings)

@@ -57,10 +57,11 @@ class EvalResult:
     compile_ms_iqr: float | None = None
     speedup_eager: float | None = None
     speedup_compile: float | None = None
-    # the GPU's drift divided out of candidate_ms (kgym-4, GPU): the candidate's median as measured
+    # the GPU's drift divided out of candidate_ms (kgym-4 on, GPU): the candidate's median as measured
     # over candidate_ms. Each chunk of trials was divided by median(the reference chunk timed after
     # it) / median(the reference alone), capped at 1 +- max_gpu_drift (the diagnostic says when;
-    # kpipe.gym.evaluation.drift_corrected)
+    # kpipe.gym.evaluation.drift_corrected); under kgym-6 it also holds the back-to-back trials'
+    # scaling to eager_ms's synchronised region (the reference's own ratio, about 0.93-0.99)
     gpu_drift: float | None = None
     pr: float | None = None
     launched_kernels: list[str] = field(default_factory=list)
