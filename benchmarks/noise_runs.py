@@ -1,16 +1,54 @@
-"""What the timing-noise probes share (benchmarks/timing_residual.py, pairing_methods.py): their
-measurements run in fresh interpreters, one JSON line each, and their reports ask how often five
-evaluations would spread beyond issue 14's bound."""
+"""What the timing-noise probes share (benchmarks/timing_residual.py, pairing_methods.py,
+window_state.py): their command line, their measurements run in fresh interpreters (one JSON line
+each), the report of a saved run re-read without the GPU, and how often five evaluations would
+spread beyond issue 14's bound."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+
+def probe_parser(doc: str | None, tasks: str, processes: int) -> argparse.ArgumentParser:
+    """The options every probe has; each adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default=tasks)
+    parser.add_argument("--processes", type=int, default=processes)
+    parser.add_argument("--out", type=Path, help="every per-trial time, as JSON")
+    parser.add_argument("--replay", type=Path, help="print the report of an earlier --out file (no GPU)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def run_probe(script: str, args: argparse.Namespace, child_args: list[str], measure: Callable[[], Any],
+              report: Callable[[dict[str, Any]], list[str]], describe: str,
+              merge: Callable[[dict[str, list[Any]]], dict[str, Any]] | None = None) -> None:
+    """A probe after its options are read: ``--replay`` prints the report of a saved run;
+    ``--child`` measures in this process and prints one JSON line; otherwise `args.processes`
+    fresh processes measure (their rows per task, or `merge` of them), and the report, the GPU and
+    the run's length are printed and the trials saved to ``--out``."""
+    if args.replay:
+        print("\n".join(report(json.loads(args.replay.read_text())["tasks"])))
+        return
+    if args.child:
+        print(json.dumps(measure()))
+        return
+    import torch
+
+    started = time.monotonic()
+    per_process = in_fresh_processes(script, child_args, args.processes)
+    data = merge(per_process) if merge else per_process
+    print("\n".join(report(data)))
+    gpu = torch.cuda.get_device_name(0)
+    print(f"\n{gpu}; {describe}; whole run {time.monotonic() - started:.0f} s")
+    save(args.out, gpu, data)
 
 
 def in_fresh_processes(script: str, child_args: list[str], processes: int) -> dict[str, list[Any]]:

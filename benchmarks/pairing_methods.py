@@ -24,19 +24,16 @@ timed alone (mean over rounds): the bias a method's switching adds.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from noise_runs import in_fresh_processes, save, share_spread_beyond  # noqa: E402
+from noise_runs import probe_parser, run_probe, share_spread_beyond  # noqa: E402
 
 # name: (candidate trials per chunk, reference trials, untimed call at each switch)
 METHODS = {"chunks of 10": (10, 50, True), "pairs": (2, 50, False), "alternate": (1, 100, False)}
@@ -109,29 +106,12 @@ def report(data: dict[str, list[dict[str, Any]]]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="L1_1,L2_9,L2_12,L2_59,L2_76,L2_86")
-    parser.add_argument("--processes", type=int, default=3)
+    parser = probe_parser(__doc__, "L1_1,L2_9,L2_12,L2_59,L2_76,L2_86", 3)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", type=Path, help="every per-trial time, as JSON")
-    parser.add_argument("--replay", type=Path, help="print the report of an earlier --out file (no GPU)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.replay:
-        print("\n".join(report(json.loads(args.replay.read_text())["tasks"])))
-        return
-    tasks = args.tasks.split(",")
-    if args.child:
-        print(json.dumps(measure(tasks, args.rounds)))
-        return
-    import torch
-
-    started = time.monotonic()
-    per_process = in_fresh_processes(__file__, ["--tasks", args.tasks, "--rounds", str(args.rounds)], args.processes)
-    data = {task: [row for rows in processes for row in rows] for task, processes in per_process.items()}
-    print("\n".join(report(data)))
-    print(f"\n{torch.cuda.get_device_name(0)}; {args.processes} processes x {args.rounds} rounds; whole run {time.monotonic() - started:.0f} s")
-    save(args.out, torch.cuda.get_device_name(0), data)
+    run_probe(__file__, args, ["--tasks", args.tasks, "--rounds", str(args.rounds)], lambda: measure(args.tasks.split(","), args.rounds),
+              report, f"{args.processes} processes x {args.rounds} rounds",
+              merge=lambda per_process: {task: [row for rows in processes for row in rows] for task, processes in per_process.items()})
 
 
 if __name__ == "__main__":

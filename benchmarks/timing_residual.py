@@ -21,19 +21,16 @@ to `--out`, so estimators can be compared on the same trials without the GPU (``
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from noise_runs import in_fresh_processes, save, share_spread_beyond  # noqa: E402
+from noise_runs import probe_parser, run_probe, share_spread_beyond  # noqa: E402
 
 
 def measure(tasks: list[str], builds: int, retimes: int) -> dict[str, Any]:
@@ -143,30 +140,13 @@ def report(data: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="L1_1,L2_9,L2_12,L2_59,L2_63,L2_76,L2_86")
-    parser.add_argument("--processes", type=int, default=5)
+    parser = probe_parser(__doc__, "L1_1,L2_9,L2_12,L2_59,L2_63,L2_76,L2_86", 5)
     parser.add_argument("--builds", type=int, default=2)
     parser.add_argument("--retimes", type=int, default=4)
-    parser.add_argument("--out", type=Path, help="every per-trial time, as JSON")
-    parser.add_argument("--replay", type=Path, help="print the report of an earlier --out file (no GPU)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.replay:
-        print("\n".join(report(json.loads(args.replay.read_text())["tasks"])))
-        return
-    tasks = args.tasks.split(",")
-    if args.child:
-        print(json.dumps(measure(tasks, args.builds, args.retimes)))
-        return
-    import torch
-
-    started = time.monotonic()
-    data = in_fresh_processes(__file__, ["--tasks", args.tasks, "--builds", str(args.builds), "--retimes", str(args.retimes)], args.processes)
-    print("\n".join(report(data)))
-    print(f"\n{torch.cuda.get_device_name(0)}; {args.processes} processes x {args.builds} builds x {args.retimes} timings "
-          f"(kgym-4 paired, judged speedup); whole run {time.monotonic() - started:.0f} s")
-    save(args.out, torch.cuda.get_device_name(0), data)
+    run_probe(__file__, args, ["--tasks", args.tasks, "--builds", str(args.builds), "--retimes", str(args.retimes)],
+              lambda: measure(args.tasks.split(","), args.builds, args.retimes), report,
+              f"{args.processes} processes x {args.builds} builds x {args.retimes} timings (kgym-4 paired, judged speedup)")
 
 
 if __name__ == "__main__":

@@ -32,8 +32,6 @@ correlates with each NVML reading and with time. Every per-trial time and readin
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import random
 import statistics
@@ -47,7 +45,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from noise_runs import in_fresh_processes, save, share_spread_beyond  # noqa: E402
+from noise_runs import probe_parser, run_probe, share_spread_beyond  # noqa: E402
 
 VARIANTS = ("kgym-4", "kgym-6", "100 reference trials", "placement shuffled", "no host sync inside chunks", "GPU held 0.2 ms", "GPU held 1 ms")
 DEFAULT_VARIANTS = ("kgym-4", "no host sync inside chunks", "GPU held 0.2 ms", "GPU held 1 ms")
@@ -252,32 +250,17 @@ def report(data: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="L2_9,L2_12,L2_59,L2_63,L2_76,L2_86")
-    parser.add_argument("--processes", type=int, default=2)
+    parser = probe_parser(__doc__, "L2_9,L2_12,L2_59,L2_63,L2_76,L2_86", 2)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
-    parser.add_argument("--out", type=Path, help="every per-trial time and NVML reading, as JSON")
-    parser.add_argument("--replay", type=Path, help="print the report of an earlier --out file (no GPU)")
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.replay:
-        print("\n".join(report(json.loads(args.replay.read_text())["tasks"])))
-        return
-    if args.child:
-        print(json.dumps(measure(args.tasks.split(","), args.rounds, args.variants.split(","))))
-        return
-    import torch
-
-    started = time.monotonic()
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
-    data = in_fresh_processes(__file__, ["--tasks", args.tasks, "--rounds", str(args.rounds), "--variants", args.variants], args.processes)
-    print("\n".join(report(data)))
-    print(f"\n{torch.cuda.get_device_name(0)}; {args.processes} processes x {args.rounds} rounds x {len(args.variants.split(','))} variants; "
-          f"whole run {time.monotonic() - started:.0f} s")
-    save(args.out, torch.cuda.get_device_name(0), data)
+    run_probe(__file__, args, ["--tasks", args.tasks, "--rounds", str(args.rounds), "--variants", args.variants],
+              lambda: measure(args.tasks.split(","), args.rounds, variants), report,
+              f"{args.processes} processes x {args.rounds} rounds x {len(variants)} variants")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The timing-noise probes' reports (benchmarks/timing_residual.py, pairing_methods.py) on small
+"""The timing-noise probes' reports (benchmarks/timing_residual.py, pairing_methods.py, window_state.py) on small
 synthetic trials: what their GPU runs print is computed here the same way (they also re-read a
 run's saved trials with --replay)."""
 
@@ -50,3 +50,22 @@ def test_pairing_report_compares_each_method_with_the_two_timed_alone():
     table = pairing_methods.report({"L2_12": [round_] * 6})
     assert "| L2_12 | chunks of 10 | 1.400 | 0.00% | 0.00 | 0.933 |" in table
     assert "| L2_12 | the two timed alone | 1.500 | | | |" in table
+
+
+def test_window_state_report_gives_each_variant_its_spread_and_reads_kgym6_trials_in_the_order_they_ran():
+    import window_state
+
+    order = [True] * 7 + [False] * 4 + [True] * 13 + [False] * 6  # kgym-6: chunks of random length
+    steady = {"sm_mhz": 1980.0, "mem_mhz": 2619.0, "power_w": 500.0, "gpu_c": 60.0, "mem_c": float("nan")}
+    rows = []
+    for r in range(6):
+        level = 1.0 + 0.02 * (r % 2)  # kgym-4's windows move 2 % against the reference; kgym-6's hold
+        rows.append({"round": r, "variant": "kgym-4", "at_s": float(r), "candidate": [2.0 * level] * 20, "reference": [2.8] * 10, **steady})
+        rows.append({"round": r, "variant": "kgym-6", "at_s": r + 0.5, "candidate": [2.0] * 7 + [1.9] * 13,
+                     "reference": [2.8] * 4 + [2.66] * 6, "order": order, **steady})
+    table = window_state.report({"L2_76": [rows]})
+    kgym4 = next(line for line in table if "| kgym-4 |" in line)
+    kgym6 = next(line for line in table if "| kgym-6 |" in line)
+    assert "| 0.99% |" in kgym4
+    # each kgym-6 chunk against the reference chunk after it: 2.0 / 2.8 and 1.9 / 2.66 are one ratio
+    assert kgym6.startswith("| L2_76 | kgym-6 | 1.400 | 0.00% | 0.00 |")
