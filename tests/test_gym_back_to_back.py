@@ -11,9 +11,10 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from kpipe.gym.evaluation import candidate_times, drift_corrected, median, paired_chunks, run_lengths
+from kpipe.gym import timing
+from kpipe.gym.evaluation import candidate_times, drift_corrected, median, paired_chunks
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.timing import chunk_sizes, interleaving, time_forward
+from kpipe.gym.timing import chunk_runs, chunk_sizes, interleaving, time_forward
 
 
 class TimelineClocks:
@@ -83,7 +84,10 @@ def test_chunk_sizes_are_fixed_or_drawn_and_end_at_every_sampled_trial():
     assert len(drawn) > 1  # where a chunk ends differs between timings
     order = interleaving(30, 10, [12, 8, 10])  # 12 -> 4 due, 20 -> 7, 30 -> 10
     assert order == [True] * 12 + [False] * 4 + [True] * 8 + [False] * 3 + [True] * 10 + [False] * 3
-    assert run_lengths(order, True) == [12, 8, 10] and run_lengths(order, False) == [4, 3, 3]
+    assert chunk_runs(order, [12, 8, 10]) == [(True, 12), (False, 4), (True, 8), (False, 3), (True, 10), (False, 3)]
+    # a chunk with no reference trial due after it (9 * 10 / 20 rounds to 4, as 8 did) stays a chunk of its own
+    assert chunk_runs(interleaving(20, 10, [8, 1, 7, 4]), [8, 1, 7, 4]) == [(True, 8), (False, 4), (True, 1), (True, 7), (False, 4),
+                                                                           (True, 4), (False, 2)]
 
 
 def test_paired_trials_run_back_to_back_within_chunks_of_random_length():
@@ -107,7 +111,8 @@ def test_paired_trials_run_back_to_back_within_chunks_of_random_length():
     order = timed["order"]
     assert order.count(True) == 100 and order.count(False) == 50
     assert timed["ms"] == pytest.approx([1.0] * 100) and timed["reference_ms"] == pytest.approx([1.5] * 50)
-    candidate_chunks, reference_chunks = run_lengths(order, True), run_lengths(order, False)
+    runs = chunk_runs(order, timed["chunk_sizes"])
+    candidate_chunks, reference_chunks = [n for who, n in runs if who], [n for who, n in runs if not who]
     assert len(timed["tails_ms"]) == len(timed["spans_ms"]) == len(candidate_chunks)
     assert len(timed["reference_tails_ms"]) == len(reference_chunks)
     assert timed["tails_ms"] == pytest.approx([TimelineClocks.LATENCY_MS] * len(candidate_chunks))
@@ -117,17 +122,31 @@ def test_paired_trials_run_back_to_back_within_chunks_of_random_length():
     assert clocks.synchronizes == 2 * 2 + 2 * (len(candidate_chunks) + len(reference_chunks))
     timed_calls = calls[4:]
     expected: list[str] = []
-    for who in [order[0]] + [b for a, b in zip(order, order[1:]) if a != b]:
-        count = (candidate_chunks if who else reference_chunks).pop(0)
+    for who, count in runs:
         expected += ["candidate" if who else "reference"] * (count + 1)
     assert timed_calls == expected
-    assert len(hooked) == 2 + 100 + len(run_lengths(order, True))  # the hook sees the candidate's calls only
-    ends = {sum(run_lengths(order, True)[: k + 1]) - 1 for k in range(len(run_lengths(order, True)))}
+    assert len(hooked) == 2 + 100 + len(candidate_chunks)  # the hook sees the candidate's calls only
+    ends = {sum(candidate_chunks[: k + 1]) - 1 for k in range(len(candidate_chunks))}
     assert sample <= ends
     assert [s["trial"] for s in timed["samples"]] == sorted(sample)
     for s in timed["samples"]:  # trial t after 2 warm-up calls read input set (t + 2) % 2
         assert s["input_set"] == (s["trial"] + 2) % 2 and s["outputs"] == [[2.0, 2.0] if s["input_set"] == 0 else [0.0, 0.0]]
     assert candidate_times(timed, {}, Protocol()) == (timed["ms"], "")
+
+
+def test_a_sampled_trial_in_a_chunk_with_no_reference_after_it_is_still_checked(monkeypatch: pytest.MonkeyPatch):
+    """Trial 8 ends a chunk of its own with no reference trial due after it: it is still a chunk
+    (synchronize, untimed call, the trial, synchronize), so its output is read before the next call."""
+    monkeypatch.setattr(timing, "chunk_sizes", lambda trials, chunk, rng, ends: [8, 1, 7, 4])
+    clocks = TimelineClocks()
+    calls: list[str] = []
+    candidate, reference, flush = programs(clocks, calls)
+    timed = time_forward(candidate, [[torch.ones(2)], [torch.zeros(2)]], 20, 0, clocks, None, {8}, lambda outs: [o.tolist() for o in outs],  # type: ignore[arg-type]
+                         reference=reference, reference_trials=10, flush=flush, back_to_back=True)
+    assert [s["trial"] for s in timed["samples"]] == [8] and timed["samples"][0]["outputs"] == [[2.0, 2.0]]  # input set 8 % 2
+    assert len(timed["tails_ms"]) == len(timed["spans_ms"]) == 4 and timed["chunk_sizes"] == [8, 1, 7, 4]
+    assert calls == ["candidate"] * 9 + ["reference"] * 5 + ["candidate"] * 2 + ["candidate"] * 8 + ["reference"] * 5 \
+        + ["candidate"] * 5 + ["reference"] * 3
 
 
 def test_back_to_back_is_for_paired_timing_of_long_forwards_and_the_reference_alone():

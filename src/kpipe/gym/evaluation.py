@@ -318,25 +318,10 @@ def span_charged(timing: dict[str, Any]) -> list[float]:
     chunk's calls left on the GPU is in the span."""
     gap = median(timing.get("reference_gaps_ms") or [0.0])
     latency = median(timing.get("reference_tails_ms") or [0.0])
-    sizes = run_lengths(timing["order"], True)
     charged: list[float] = []
-    for span, size in zip(timing["spans_ms"], sizes):
+    for span, size in zip(timing["spans_ms"], timing["chunk_sizes"]):
         charged += [max(span - (size - 1) * gap - latency, 0.0) / size] * size
     return charged
-
-
-def run_lengths(order: list[bool], value: bool) -> list[int]:
-    """The lengths of the runs of `value` in `order` (a timing's chunks of one program)."""
-    runs: list[int] = []
-    previous = not value
-    for item in order:
-        if item == value:
-            if previous == value:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-        previous = item
-    return runs
 
 
 def paired_chunks(candidate_ms: list[float], paired: list[float], order: list[bool] | None = None) -> list[tuple[list[float], list[float]]]:

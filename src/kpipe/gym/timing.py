@@ -201,16 +201,15 @@ def time_back_to_back(forward: Callable[..., Any], reference: Callable[..., Any]
     untimed call, then the chunk's calls queued without waiting for the GPU, each between two
     events, and a device-wide synchronize whose event closes the chunk. Only the chunk's last
     output outlives its call (a sampled trial is always last: ``chunk_sizes``' `ends`)."""
-    order = interleaving(trials, reference_trials, chunk_sizes(trials, chunk, random.SystemRandom(), sample))
-    result: dict[str, Any] = {"ms": [], "host_ms": [], "samples": [], "order": order, "tails_ms": [], "spans_ms": [], "gaps_ms": []}
+    sizes = chunk_sizes(trials, chunk, random.SystemRandom(), sample)
+    order = interleaving(trials, reference_trials, sizes)
+    result: dict[str, Any] = {"ms": [], "host_ms": [], "samples": [], "order": order, "chunk_sizes": sizes, "tails_ms": [],
+                              "spans_ms": [], "gaps_ms": []}
     if reference is not None:
         result.update(reference_ms=[], reference_tails_ms=[], reference_gaps_ms=[])
     done = {True: 0, False: 0}
-    position = 0
     with torch.no_grad():
-        while position < len(order):
-            is_candidate = order[position]
-            count = next((k for k, who in enumerate(order[position:]) if who != is_candidate), len(order) - position)
+        for is_candidate, count in chunk_runs(order, sizes):
             program, hook = (forward, on_call) if is_candidate else (reference, None)
             first = warmed + done[True] if is_candidate else done[False]
             clocks.synchronize()
@@ -251,8 +250,22 @@ def time_back_to_back(forward: Callable[..., Any], reference: Callable[..., Any]
                 result["reference_gaps_ms"] += gaps
             del output
             done[is_candidate] += count
-            position += count
     return result
+
+
+def chunk_runs(order: list[bool], sizes: list[int]) -> list[tuple[bool, int]]:
+    """The chunks of `order` (``interleaving(..., sizes)``) as (is the timed forward, calls): each
+    of its chunks of `sizes` on its own, even where no reference trial fell due between two."""
+    runs: list[tuple[bool, int]] = []
+    position = 0
+    for size in sizes:
+        runs.append((True, size))
+        position += size
+        following = next((k for k, who in enumerate(order[position:]) if who), len(order) - position)
+        if following:
+            runs.append((False, following))
+        position += following
+    return runs
 
 
 def chunk_sizes(trials: int, chunk: int, rng: random.Random | None = None, ends: set[int] = frozenset()) -> list[int]:
