@@ -78,3 +78,13 @@ def test_key_order_does_not_matter(schema):
     a = validate_config({"queries": {"sources": [{"name": "kb", "kind": "kernelbench"}]}, "kernelbench": {"version": "v0", "levels": [1]}}, schema)
     b = validate_config({"kernelbench": {"levels": [1], "version": "v0"}, "queries": {"sources": [{"kind": "kernelbench", "name": "kb"}]}}, schema)
     assert repr(a) == repr(b)
+
+
+def test_every_protocol_field_can_be_set_in_the_config(schema):
+    """`gym.protocol` accepts exactly kpipe.gym.Protocol's fields (its version comes from the code)."""
+    import dataclasses
+
+    from kpipe.gym.protocol import Protocol
+
+    fields = {f.name for f in dataclasses.fields(Protocol)} - {"version"}
+    assert set(schema["properties"]["gym"]["properties"]["protocol"]["properties"]) == fields
