@@ -399,7 +399,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     with timed_span(result["timed_spans"]):
         result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed,
                                         reference=paired, reference_trials=protocol.paired_reference_trials,
-                                        back_to_back=paired is not None and pairs_back_to_back(protocol, device), **timed_region(protocol))
+                                        back_to_back=pairs_back_to_back(protocol, device), **timed_region(protocol))
     del paired
     result["launches"]["timed"] = sorted(timed_names)
     # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
@@ -435,20 +435,26 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     return result
 
 
+def pairs_with_reference(protocol: Protocol, device: str) -> bool:
+    """Whether the candidate child times the reference beside its own trials (kgym-4 on): on a GPU
+    only (the drift it measures is the GPU's speed; the interpreter's host clock has none to
+    correct), and against the eager baseline."""
+    return device == "cuda" and protocol.paired_reference_trials > 0 and protocol.wants_eager
+
+
 def pairs_back_to_back(protocol: Protocol, device: str) -> bool:
     """Whether paired timing queues a chunk's trials back to back (kgym-6): then the reference
     child also times the reference that way, alone."""
-    return device == "cuda" and protocol.paired_reference_trials > 0 and protocol.wants_eager and protocol.paired_host_sync == "chunk"
+    return pairs_with_reference(protocol, device) and protocol.paired_host_sync == "chunk"
 
 
 def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protocol, device: str) -> Callable[..., Any] | None:
     """The reference model's forward the candidate's trials are interleaved with (protocol kgym-4 on),
-    on a GPU only: the drift it measures is the GPU's speed, and the host clock of the
-    interpreter path has none to correct. The model is built at the first call, which
+    where ``pairs_with_reference``. The model is built at the first call, which
     ``time_forward`` makes only for a candidate long enough to pair (``PAIRED_MIN_MS``), so a
     short candidate never pays for it in time or memory; built with the random state saved and
     restored, so the candidate's timed calls draw what they drew without it."""
-    if device != "cuda" or protocol.paired_reference_trials <= 0 or not protocol.wants_eager:
+    if not pairs_with_reference(protocol, device):
         return None
     built: list[torch.nn.Module] = []
 

@@ -284,20 +284,19 @@ def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol:
     call_ms = median(timing["ms"])
     slack = max(UNJOINED_SLACK_MS, UNJOINED_SLACK_FRACTION * call_ms)
     kernels_ms = sum(float(k["ms"]) for k in profile["kernels"]) if profile and profile.get("kind") == "cuda" else 0.0
-    if "tails_ms" in timing:
+    back_to_back = "tails_ms" in timing
+    if back_to_back:
         late = unjoined_chunks(timing, slack)
-        busy = f"the GPU stayed busy past the last call of {late} of {len(timing['tails_ms'])} chunks" if late >= UNJOINED_LATE_CHUNKS else ""
+        why = f"the GPU stayed busy past the last call of {late} of {len(timing['tails_ms'])} chunks" if late >= UNJOINED_LATE_CHUNKS else ""
     else:
         baseline = reference.get("eager") or reference.get("compile")
         excess = busy_after_call_ms(timing) - (busy_after_call_ms(baseline) if baseline else 0.0)
-        busy = f"the GPU stayed busy {excess:.3g} ms longer after the call returned than after the reference's" if excess > slack else ""
-    if busy:
-        why = busy
-    elif call_ms < REGION_MIN_KERNEL_FRACTION * kernels_ms:
+        why = f"the GPU stayed busy {excess:.3g} ms longer after the call returned than after the reference's" if excess > slack else ""
+    if not why and call_ms < REGION_MIN_KERNEL_FRACTION * kernels_ms:
         why = f"the call's region ({call_ms:.3g} ms) is shorter than its own kernels' device time ({kernels_ms:.3g} ms)"
-    else:
+    if not why:
         return timing["ms"], ""
-    if "tails_ms" in timing:
+    if back_to_back:
         return span_charged(timing), f"timed by its chunks' spans: {why} (work on a stream the call did not wait for)"
     return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
 
@@ -307,7 +306,7 @@ def unjoined_chunks(timing: dict[str, Any], slack: float) -> int:
     synchronize latency (median over its chunks, timed beside the candidate) by more than `slack`.
     A chunk's end cannot be foreseen (random lengths), so work left running after a call shows at
     every chunk end it falls on; one late chunk may be the host's, two are the candidate's."""
-    latency = median(timing.get("reference_tails_ms") or timing["tails_ms"])
+    latency = median(timing["reference_tails_ms"])
     return sum(tail - latency > slack for tail in timing["tails_ms"])
 
 
@@ -316,8 +315,8 @@ def span_charged(timing: dict[str, Any]) -> list[float]:
     synchronize) less the reference's median gap between calls (the next trial's input copy and
     flush) and its synchronize latency, shared by the chunk's trials: every piece of work the
     chunk's calls left on the GPU is in the span."""
-    gap = median(timing.get("reference_gaps_ms") or [0.0])
-    latency = median(timing.get("reference_tails_ms") or [0.0])
+    gap = median(timing["reference_gaps_ms"] or [0.0])  # none when every reference chunk held one trial
+    latency = median(timing["reference_tails_ms"])
     charged: list[float] = []
     for span, size in zip(timing["spans_ms"], timing["chunk_sizes"]):
         charged += [max(span - (size - 1) * gap - latency, 0.0) / size] * size
