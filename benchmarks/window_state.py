@@ -13,12 +13,11 @@ same stretch of GPU state):
 - ``kgym-4``: ``time_forward`` as kgym-4 pairs (100 candidate trials in chunks of 10, 50 reference trials,
   the host synchronising after every trial);
 - ``kgym-6``: ``time_forward(back_to_back=True)``, as the protocol now pairs (chunks of random length,
-  the host synchronising only between chunks);
+  the host synchronising only between chunks; the saved runs 1 and 2 hold its forerunner, ``no host
+  sync inside chunks``, a loop of this file with kgym-4's fixed chunks, which kgym-6 replaced);
 - ``100 reference trials``: the same with a reference chunk as long as the candidate's;
 - ``placement shuffled``: the allocator's cache emptied and a block of random size held before the
   window, so the outputs and intermediates of both programs land elsewhere;
-- ``no host sync inside chunks``: the same calls and events, the host synchronising only when the
-  program switches (the GPU never waits for the host between two trials of a chunk);
 - ``GPU held 0.2 ms`` / ``GPU held 1 ms``: kgym-4 with the GPU kept busy (``torch.cuda._sleep``) that
   long after the flush, before the start event: the host has then queued the forward's first kernels
   before the GPU reaches the start, so the region holds no wait for the host.
@@ -47,8 +46,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from noise_runs import probe_parser, run_probe, share_spread_beyond  # noqa: E402
 
-VARIANTS = ("kgym-4", "kgym-6", "100 reference trials", "placement shuffled", "no host sync inside chunks", "GPU held 0.2 ms", "GPU held 1 ms")
-DEFAULT_VARIANTS = ("kgym-4", "no host sync inside chunks", "GPU held 0.2 ms", "GPU held 1 ms")
+VARIANTS = ("kgym-4", "kgym-6", "100 reference trials", "placement shuffled", "GPU held 0.2 ms", "GPU held 1 ms")
+DEFAULT_VARIANTS = ("kgym-4", "kgym-6", "GPU held 0.2 ms", "GPU held 1 ms")
 READINGS = ("sm_mhz", "mem_mhz", "power_w", "gpu_c", "mem_c")
 
 
@@ -97,52 +96,6 @@ class Telemetry:
         return {name: statistics.fmean(s[i] for s in self.samples) for i, name in enumerate(READINGS)} if self.samples else {}
 
 
-def time_without_inner_syncs(forward: Any, reference: Any, input_sets: list[list[Any]], trials: int, reference_trials: int,
-                             warmup: int, l2: Any) -> dict[str, list[float]]:
-    """kgym-4's order of calls (``interleaving``, an untimed call at each switch, fresh inputs and an L2
-    flush before each call, start event behind the flush, end event after the call), with the host
-    synchronising only at a switch: between two trials of a chunk the GPU runs the next one's copy and
-    flush at once instead of waiting for the host."""
-    import torch
-
-    from kpipe.gym.timing import flush_l2, interleaving
-    from kpipe.gym.trial_data import clone_inputs, copy_inputs
-
-    buffers = clone_inputs(input_sets[0])
-    pending: list[tuple[bool, Any, Any]] = []
-    times: dict[bool, list[float]] = {True: [], False: []}
-
-    def call(program: Any, i: int, timed_as: bool | None) -> None:
-        copy_inputs(buffers, input_sets[i % len(input_sets)])
-        flush_l2(l2)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        program(*buffers)
-        end.record()
-        if timed_as is not None:
-            pending.append((timed_as, start, end))
-
-    def drain() -> None:
-        torch.cuda.synchronize()
-        for is_candidate, start, end in pending:
-            times[is_candidate].append(start.elapsed_time(end))
-        pending.clear()
-
-    with torch.no_grad():
-        for w in range(warmup):
-            call(forward, w, None)
-            call(reference, w, None)
-        previous = False
-        for n, is_candidate in enumerate(interleaving(trials, reference_trials)):
-            if is_candidate != previous:
-                drain()
-                call(forward if is_candidate else reference, 0, None)
-                previous = is_candidate
-            call(forward if is_candidate else reference, n, is_candidate)
-        drain()
-    return {"candidate": times[True], "reference": times[False]}
-
-
 def gpu_cycles(ms: float) -> int:
     """``torch.cuda._sleep``'s argument for about `ms` at the GPU's maximum SM clock."""
     import pynvml
@@ -186,16 +139,12 @@ def measure(tasks: list[str], rounds: int, variants: list[str]) -> dict[str, Any
                     held = torch.empty(shuffle.randrange(1, 512) * 1024 * 1024, dtype=torch.uint8, device="cuda")
                 with telemetry:
                     at = time.perf_counter() - started
-                    if variant == "no host sync inside chunks":
-                        timing = time_without_inner_syncs(model, reference_model, input_sets, protocol.perf_trials,
-                                                          protocol.paired_reference_trials, protocol.warmup, l2)
-                    else:
-                        reference_trials = protocol.perf_trials if variant == "100 reference trials" else protocol.paired_reference_trials
-                        flush = held_flush[0.2] if variant == "GPU held 0.2 ms" else held_flush[1.0] if variant == "GPU held 1 ms" else None
-                        paired = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), lambda outs: [],
-                                              reference=reference_model, reference_trials=reference_trials, flush=flush,
-                                              back_to_back=variant == "kgym-6", **timed_region(protocol))
-                        timing = {"candidate": paired["ms"], "reference": paired.get("reference_ms", []), "order": paired.get("order")}
+                    reference_trials = protocol.perf_trials if variant == "100 reference trials" else protocol.paired_reference_trials
+                    flush = held_flush[0.2] if variant == "GPU held 0.2 ms" else held_flush[1.0] if variant == "GPU held 1 ms" else None
+                    paired = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), lambda outs: [],
+                                          reference=reference_model, reference_trials=reference_trials, flush=flush,
+                                          back_to_back=variant == "kgym-6", **timed_region(protocol))
+                    timing = {"candidate": paired["ms"], "reference": paired.get("reference_ms", []), "order": paired.get("order")}
                 rows.append({"round": r, "variant": variant, "at_s": at, **timing, **telemetry.means()})
                 del held
         out[pair["task"]] = rows
@@ -205,13 +154,10 @@ def measure(tasks: list[str], rounds: int, variants: list[str]) -> dict[str, Any
 
 
 def judged(row: dict[str, Any]) -> float:
-    """The window's speedup as the judge takes it (``drift_corrected``, in the order the calls ran), its own
-    reference median as the solo time."""
-    from kpipe.gym.evaluation import drift_corrected, median
-    from kpipe.gym.protocol import Protocol
+    """The window's speedup as the judge takes it, its own reference median as the solo time."""
+    from timing_residual import judged_speedup
 
-    timing = {"ms": row["candidate"], "reference_ms": row["reference"], "order": row.get("order")}
-    return median(row["reference"]) / median(drift_corrected(row["candidate"], timing, {"eager": {"ms": row["reference"]}}, Protocol())[0])
+    return judged_speedup(row, "judge")
 
 
 def correlation(xs: list[float], ys: list[float]) -> float:
