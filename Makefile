@@ -6,6 +6,15 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# Beside the CPU torch pin, a Triton whose wheel lies on our machines' disk, so setup does not
+# download the newest 285 MB wheel (a dropped download failed CI once). 3.8.0, not the GPU device's
+# 3.6.0: 3.6's interpreter breaks on numpy 2.4 (L1_1's legit GEMM: "only 0-dimensional arrays can be
+# converted to Python scalars"). With any other TORCH, torch picks its Triton.
+TRITON ?= $(if $(filter torch==2.13.0,$(TORCH)),triton==3.8.0,)
+# A dropped download (seen in CI) reruns the command, up to three times; pip's own resume retries first.
+RETRY = for attempt in 1 2 3; do $(1) && break; if [ $$attempt = 3 ]; then exit 1; fi; \
+	echo "setup step failed (attempt $$attempt of 3); retrying in 15 s" >&2; sleep 15; done
+PIP_INSTALL = $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --resume-retries 10 $(1))
 CORES ?= 2
 SNAKEMAKE_ARGS ?=
 BIN := $(VENV)/bin
@@ -15,9 +24,9 @@ STAMP := $(VENV)/.kpipe-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(call RETRY,$(BIN)/python -m pip install -q --retries 10 --upgrade pip)
+	$(call PIP_INSTALL,"$(TORCH)" $(TRITON))
+	$(call PIP_INSTALL,-e ".[dev]")
 	touch $(STAMP)
 
 setup: $(STAMP)
