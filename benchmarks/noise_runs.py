@@ -1,7 +1,8 @@
 """What the timing-noise probes share (benchmarks/timing_residual.py, pairing_methods.py,
-window_state.py): their command line, their measurements run in fresh interpreters (one JSON line
-each), the report of a saved run re-read without the GPU, and how often five evaluations would
-spread beyond issue 14's bound."""
+window_state.py; timing_noise.py and timing_placement.py load their pairs here too): their command
+line, the bank's pairs loaded as the gym's child loads them, their measurements run in fresh
+interpreters (one JSON line each), the report of a saved run re-read without the GPU, and how often
+five evaluations would spread beyond issue 14's bound."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
@@ -49,6 +53,51 @@ def run_probe(script: str, args: argparse.Namespace, child_args: list[str], meas
     gpu = torch.cuda.get_device_name(0)
     print(f"\n{gpu}; {describe}; whole run {time.monotonic() - started:.0f} s")
     save(args.out, gpu, data)
+
+
+@dataclass(frozen=True)
+class LoadedPair:
+    """A task's KernelBench reference and the bank's legit kernel, loaded from files as
+    kpipe.gym.child loads them; models and inputs built with the protocol's seed (the weights and
+    inputs an evaluation uses) on `device`."""
+
+    task: str
+    reference: ModuleType
+    candidate: ModuleType
+    init_inputs: list[Any]
+    seed: int
+    device: str
+
+    def reference_model(self) -> Any:
+        from kpipe.gym.child import build_model
+
+        return build_model(self.reference.Model, self.init_inputs, self.seed, self.device)
+
+    def candidate_model(self) -> Any:
+        from kpipe.gym.child import build_model
+
+        return build_model(self.candidate.ModelNew, self.init_inputs, self.seed, self.device)
+
+    def input_sets(self, count: int | None = None) -> list[Any]:
+        """The evaluation's timing input sets (`count`, default the child's TIMING_SETS)."""
+        from kpipe.gym.child import TIMING_SETS
+        from kpipe.gym.trial_data import make_inputs, trial_seed
+
+        return [make_inputs(self.reference.get_inputs, trial_seed(self.seed, k), self.device)
+                for k in range(TIMING_SETS if count is None else count)]
+
+
+def loaded_pairs(tasks: list[str], device: str = "cuda", shrink: int = 0) -> Iterator[LoadedPair]:
+    """Each task's pair (kernelbench_side_by_side.bank_pairs), loaded when the loop reaches it."""
+    from kernelbench_side_by_side import bank_pairs
+    from kpipe.gym.child import load_module
+    from kpipe.gym.protocol import Protocol
+
+    workdir = Path(tempfile.mkdtemp(prefix="bank-pairs-"))
+    for pair in bank_pairs(tasks, shrink):
+        reference = load_module(pair["reference"], f"ref_{pair['task']}", workdir)
+        candidate = load_module(pair["candidate"], f"cand_{pair['task']}", workdir)
+        yield LoadedPair(pair["task"], reference, candidate, reference.get_init_inputs(), Protocol().seed, device)
 
 
 def in_fresh_processes(script: str, child_args: list[str], processes: int) -> dict[str, list[Any]]:

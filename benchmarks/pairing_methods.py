@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from noise_runs import probe_parser, run_probe, share_spread_beyond  # noqa: E402
+from noise_runs import loaded_pairs, probe_parser, run_probe, share_spread_beyond  # noqa: E402
 
 # name: (candidate trials per chunk, reference trials, untimed call at each switch)
 METHODS = {"chunks of 10": (10, 50, True), "pairs": (2, 50, False), "alternate": (1, 100, False)}
@@ -42,24 +41,16 @@ METHODS = {"chunks of 10": (10, 50, True), "pairs": (2, 50, False), "alternate":
 def measure(tasks: list[str], rounds: int) -> dict[str, Any]:
     import torch
 
-    from kernelbench_side_by_side import bank_pairs
-    from kpipe.gym.child import TIMING_SETS, build_model, load_module
     from kpipe.gym.protocol import Protocol
     from kpipe.gym.timing import Clocks, l2_flush_buffer, time_forward, timed_region
-    from kpipe.gym.trial_data import make_inputs, trial_seed
 
     protocol = Protocol()
     clocks = Clocks("cuda")
     l2 = l2_flush_buffer(protocol, "cuda")
-    workdir = Path(tempfile.mkdtemp(prefix="pairing-"))
     out: dict[str, Any] = {}
-    for pair in bank_pairs(tasks):
-        reference = load_module(pair["reference"], f"ref_{pair['task']}", workdir)
-        candidate = load_module(pair["candidate"], f"cand_{pair['task']}", workdir)
-        init_inputs = reference.get_init_inputs()
-        models = {"reference": build_model(reference.Model, init_inputs, protocol.seed, "cuda"),
-                  "candidate": build_model(candidate.ModelNew, init_inputs, protocol.seed, "cuda")}
-        input_sets = [make_inputs(reference.get_inputs, trial_seed(protocol.seed, k), "cuda") for k in range(TIMING_SETS)]
+    for pair in loaded_pairs(tasks):
+        models = {"reference": pair.reference_model(), "candidate": pair.candidate_model()}
+        input_sets = pair.input_sets()
 
         def timed(forward: Any, **paired: Any) -> dict[str, Any]:
             return time_forward(forward, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), lambda outs: [],
@@ -73,7 +64,7 @@ def measure(tasks: list[str], rounds: int) -> dict[str, Any]:
                                chunk=chunk, switch_calls=switch_calls)
                 row[method] = {"candidate": result["ms"], "reference": result["reference_ms"]}
             rows.append(row)
-        out[pair["task"]] = rows
+        out[pair.task] = rows
         models.clear()
         input_sets.clear()
         torch.cuda.empty_cache()

@@ -26,7 +26,6 @@ import itertools
 import json
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from noise_runs import LoadedPair, loaded_pairs  # noqa: E402
 
 
 class ClockSampler:
@@ -93,24 +93,17 @@ def estimates(ms: list[float]) -> dict[str, float]:
             "p20": ordered[n // 5], "min": ordered[0]}
 
 
-def measure_task(pair: dict[str, Any], rounds: int, pause_s: float, sampler: ClockSampler) -> dict[str, Any]:
+def measure_task(pair: LoadedPair, rounds: int, pause_s: float, sampler: ClockSampler) -> dict[str, Any]:
     import torch
 
-    from kpipe.gym.child import TIMING_SETS, build_model, load_module
     from kpipe.gym.protocol import Protocol
     from kpipe.gym.timing import Clocks, l2_flush_buffer, time_forward, timed_region
-    from kpipe.gym.trial_data import make_inputs, trial_seed
 
     protocol = Protocol()
     clocks = Clocks("cuda")
     l2 = l2_flush_buffer(protocol, "cuda")
-    workdir = Path(tempfile.mkdtemp(prefix="noise-"))
-    reference = load_module(pair["reference"], f"ref_{pair['task']}", workdir)
-    candidate = load_module(pair["candidate"], f"cand_{pair['task']}", workdir)
-    init_inputs = reference.get_init_inputs()
-    models = {"reference": build_model(reference.Model, init_inputs, 42, "cuda"),
-              "candidate": build_model(candidate.ModelNew, init_inputs, 42, "cuda")}
-    input_sets = [make_inputs(reference.get_inputs, trial_seed(42, k), "cuda") for k in range(TIMING_SETS)]
+    models = {"reference": pair.reference_model(), "candidate": pair.candidate_model()}
+    input_sets = pair.input_sets()
 
     def block(forward: Any, trials: int) -> tuple[list[float], dict[str, Any]]:
         with sampler:
@@ -185,18 +178,16 @@ def main() -> None:
 
     import torch
 
-    from kernelbench_side_by_side import bank_pairs
-
     sampler = ClockSampler()
     started = time.monotonic()
     results: dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "tasks": {}}
     print("| task | estimate | speedup | max/min, one reference timing | max/min, adjacent blocks | max/min, interleaved trials "
           "| max/min, kgym-4 (chunks) | kgym-4 speedup |")
     print("|---|---|---|---|---|---|---|---|")
-    for pair in bank_pairs(args.tasks.split(",")):
+    for pair in loaded_pairs(args.tasks.split(",")):
         data = measure_task(pair, args.rounds, args.pause_s, sampler)
-        results["tasks"][pair["task"]] = data
-        print("\n".join(summarize(pair["task"], data)), flush=True)
+        results["tasks"][pair.task] = data
+        print("\n".join(summarize(pair.task, data)), flush=True)
     print(f"\n{results['gpu']}; {args.rounds} rounds per task; whole run {time.monotonic() - started:.0f} s")
     if args.out:
         args.out.write_text(json.dumps(results))

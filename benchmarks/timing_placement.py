@@ -24,34 +24,27 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from noise_runs import loaded_pairs  # noqa: E402
 
 
 def measure(tasks: list[str], builds: int, same: int, trials: int) -> dict[str, Any]:
     """In this process: per task, `builds` fresh builds then `same` re-timings of the last one."""
     import torch
 
-    from kernelbench_side_by_side import bank_pairs
-    from kpipe.gym.child import build_model, load_module
     from kpipe.gym.protocol import Protocol
     from kpipe.gym.timing import Clocks, l2_flush_buffer, time_forward, timed_region
-    from kpipe.gym.trial_data import make_inputs, trial_seed
 
     protocol = Protocol()
     clocks = Clocks("cuda")
     l2 = l2_flush_buffer(protocol, "cuda")
-    workdir = Path(tempfile.mkdtemp(prefix="placement-"))
     out: dict[str, Any] = {}
-    for pair in bank_pairs(tasks):
-        reference = load_module(pair["reference"], f"ref_{pair['task']}", workdir)
-        candidate = load_module(pair["candidate"], f"cand_{pair['task']}", workdir)
-        init_inputs = reference.get_init_inputs()
+    for pair in loaded_pairs(tasks):
 
         def timed(model: Any, input_sets: list[Any]) -> float:
             result = time_forward(model, input_sets, trials, protocol.warmup, clocks, l2, set(), lambda outs: [], **timed_region(protocol))
@@ -61,8 +54,7 @@ def measure(tasks: list[str], builds: int, same: int, trials: int) -> dict[str, 
         across_builds, same_build = [], []
         for b in range(builds):
             shift = torch.empty((b + 1) * 37 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # moves what comes next
-            model = build_model(candidate.ModelNew, init_inputs, 42, "cuda")
-            input_sets = [make_inputs(reference.get_inputs, trial_seed(42, k), "cuda") for k in range(2)]
+            model, input_sets = pair.candidate_model(), pair.input_sets(2)
             with torch.no_grad():
                 model(*input_sets[0])
             torch.cuda.synchronize()
@@ -71,7 +63,7 @@ def measure(tasks: list[str], builds: int, same: int, trials: int) -> dict[str, 
                 same_build = [timed(model, input_sets) for _ in range(same)]
             del model, input_sets, shift
             torch.cuda.empty_cache()
-        out[pair["task"]] = {"across_builds": across_builds, "same_build": same_build}
+        out[pair.task] = {"across_builds": across_builds, "same_build": same_build}
     return out
 
 

@@ -23,43 +23,34 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from noise_runs import probe_parser, run_probe, share_spread_beyond  # noqa: E402
+from noise_runs import loaded_pairs, probe_parser, run_probe, share_spread_beyond  # noqa: E402
 
 
 def measure(tasks: list[str], builds: int, retimes: int) -> dict[str, Any]:
     """In this process: per task, `builds` builds of the candidate, each timed `retimes` times."""
     import torch
 
-    from kernelbench_side_by_side import bank_pairs
     from kpipe.gym import instrument
-    from kpipe.gym.child import TIMING_SETS, build_model, load_module
     from kpipe.gym.protocol import Protocol
     from kpipe.gym.timing import Clocks, l2_flush_buffer, time_forward, timed_region
-    from kpipe.gym.trial_data import make_inputs, trial_seed
 
     protocol = Protocol()
     clocks = Clocks("cuda")
     l2 = l2_flush_buffer(protocol, "cuda")
-    workdir = Path(tempfile.mkdtemp(prefix="residual-"))
     instrument.install()
     out: dict[str, Any] = {}
-    for pair in bank_pairs(tasks):
-        reference = load_module(pair["reference"], f"ref_{pair['task']}", workdir)
-        candidate = load_module(pair["candidate"], f"cand_{pair['task']}", workdir)
-        init_inputs = reference.get_init_inputs()
-        reference_model = build_model(reference.Model, init_inputs, protocol.seed, "cuda")
+    for pair in loaded_pairs(tasks):
+        reference_model = pair.reference_model()
         rows = []
         for b in range(builds):
             shift = torch.empty((b + 1) * 37 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # moves what comes next
-            model = build_model(candidate.ModelNew, init_inputs, protocol.seed, "cuda")
-            input_sets = [make_inputs(reference.get_inputs, trial_seed(protocol.seed, k), "cuda") for k in range(TIMING_SETS)]
+            model, input_sets = pair.candidate_model(), pair.input_sets()
             with torch.no_grad():
                 model(*input_sets[0])
             torch.cuda.synchronize()
@@ -72,7 +63,7 @@ def measure(tasks: list[str], builds: int, retimes: int) -> dict[str, Any]:
                              "reference": timing.get("reference_ms", [])})
             del model, input_sets, shift
             torch.cuda.empty_cache()
-        out[pair["task"]] = rows
+        out[pair.task] = rows
         del reference_model
         torch.cuda.empty_cache()
     return out

@@ -35,7 +35,6 @@ import math
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -44,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from noise_runs import probe_parser, run_probe, share_spread_beyond  # noqa: E402
+from noise_runs import loaded_pairs, probe_parser, run_probe, share_spread_beyond  # noqa: E402
 
 VARIANTS = ("kgym-4", "kgym-6", "100 reference trials", "placement shuffled", "GPU held 0.2 ms", "GPU held 1 ms")
 DEFAULT_VARIANTS = ("kgym-4", "kgym-6", "GPU held 0.2 ms", "GPU held 1 ms")
@@ -108,28 +107,19 @@ def measure(tasks: list[str], rounds: int, variants: list[str]) -> dict[str, Any
     """In this process: per task, `rounds` rounds of `variants`, one window each."""
     import torch
 
-    from kernelbench_side_by_side import bank_pairs
-    from kpipe.gym.child import TIMING_SETS, build_model, load_module
     from kpipe.gym.protocol import Protocol
     from kpipe.gym.timing import Clocks, flush_l2, l2_flush_buffer, time_forward, timed_region
-    from kpipe.gym.trial_data import make_inputs, trial_seed
 
     protocol = Protocol()
     clocks = Clocks("cuda")
     l2 = l2_flush_buffer(protocol, "cuda")
     telemetry = Telemetry()
     held_flush = {ms: (lambda cycles=gpu_cycles(ms): (flush_l2(l2), torch.cuda._sleep(cycles))) for ms in (0.2, 1.0)}
-    workdir = Path(tempfile.mkdtemp(prefix="window-state-"))
     shuffle = random.Random(0)
     started = time.perf_counter()
     out: dict[str, Any] = {}
-    for pair in bank_pairs(tasks):
-        reference = load_module(pair["reference"], f"ref_{pair['task']}", workdir)
-        candidate = load_module(pair["candidate"], f"cand_{pair['task']}", workdir)
-        init_inputs = reference.get_init_inputs()
-        reference_model = build_model(reference.Model, init_inputs, protocol.seed, "cuda")
-        model = build_model(candidate.ModelNew, init_inputs, protocol.seed, "cuda")
-        input_sets = [make_inputs(reference.get_inputs, trial_seed(protocol.seed, k), "cuda") for k in range(TIMING_SETS)]
+    for pair in loaded_pairs(tasks):
+        reference_model, model, input_sets = pair.reference_model(), pair.candidate_model(), pair.input_sets()
         rows = []
         for r in range(rounds):
             for variant in variants:
@@ -147,7 +137,7 @@ def measure(tasks: list[str], rounds: int, variants: list[str]) -> dict[str, Any
                     timing = {"candidate": paired["ms"], "reference": paired.get("reference_ms", []), "order": paired.get("order")}
                 rows.append({"round": r, "variant": variant, "at_s": at, **timing, **telemetry.means()})
                 del held
-        out[pair["task"]] = rows
+        out[pair.task] = rows
         del model, reference_model, input_sets
         torch.cuda.empty_cache()
     return out

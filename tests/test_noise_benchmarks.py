@@ -1,6 +1,6 @@
-"""The timing-noise probes' reports (benchmarks/timing_residual.py, pairing_methods.py, window_state.py) on small
-synthetic trials: what their GPU runs print is computed here the same way (they also re-read a
-run's saved trials with --replay)."""
+"""The timing-noise probes (benchmarks/noise_runs.py, timing_residual.py, pairing_methods.py, window_state.py): their
+reports on small synthetic trials, computed here as their GPU runs print them (they also re-read a run's saved
+trials with --replay), and the bank pairs they time, loaded on the CPU."""
 
 from __future__ import annotations
 
@@ -69,3 +69,20 @@ def test_window_state_report_gives_each_variant_its_spread_and_reads_kgym6_trial
     assert "| 0.99% |" in kgym4
     # each kgym-6 chunk against the reference chunk after it: 2.0 / 2.8 and 1.9 / 2.66 are one ratio
     assert kgym6.startswith("| L2_76 | kgym-6 | 1.400 | 0.00% | 0.00 |")
+
+
+def test_the_probes_load_each_pair_as_the_child_does_and_its_candidate_computes_the_reference(monkeypatch):
+    """What every probe's GPU run times, built here on the CPU (Triton interpreter, sizes capped)."""
+    import torch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from kpipe.gym.child import TIMING_SETS
+
+    pair = next(noise_runs.loaded_pairs(["L1_19"], device="cpu", shrink=64))
+    assert pair.task == "L1_19" and pair.seed == 42  # the protocol's seed
+    inputs = pair.input_sets()
+    assert len(inputs) == TIMING_SETS and len(pair.input_sets(2)) == 2
+    assert not torch.equal(inputs[0][0], inputs[1][0])  # a fresh input set per trial seed
+    assert torch.equal(pair.input_sets(1)[0][0], inputs[0][0])  # and the same set for the same seed
+    with torch.no_grad():
+        torch.testing.assert_close(pair.candidate_model()(*inputs[0]), pair.reference_model()(*inputs[0]))
