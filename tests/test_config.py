@@ -40,6 +40,8 @@ def test_defaults_are_filled(schema):
         ({"device": "gpu"}, "config error: device: 'gpu' is not one of"),
         ({"queries": {"decontamination": {"threshold": "high"}}}, "config error: queries.decontamination.threshold: 'high' is not of type 'number'"),
         ({"bogus": 1}, "config error: bogus: unknown key"),
+        ({"gym": {"protocol": {"reject_findings": ["thread", "cuda_streams"]}}},
+         "config error: gym.protocol.reject_findings.1: 'cuda_streams' is not one of"),
     ],
 )
 def test_bad_config_gives_one_line_naming_the_key(schema, patch, expected):
@@ -88,3 +90,17 @@ def test_every_protocol_field_can_be_set_in_the_config(schema):
 
     fields = {f.name for f in dataclasses.fields(Protocol)} - {"version"}
     assert set(schema["properties"]["gym"]["properties"]["protocol"]["properties"]) == fields
+
+
+def test_reject_findings_are_the_screens_codes_in_the_schema_and_the_protocol(schema):
+    """A misspelt code would reject nothing; the schema, the protocol and the screen agree on the list."""
+    from kpipe.gym.protocol import Protocol
+    from kpipe.gym.screen import FINDING_CODES
+
+    item = schema["properties"]["gym"]["properties"]["protocol"]["properties"]["reject_findings"]["items"]
+    assert item["enum"] == list(FINDING_CODES)
+    with pytest.raises(ValueError, match="reject_findings names no screen finding: cuda_streams"):
+        Protocol(reject_findings=("thread", "cuda_streams"))
+    with pytest.raises(ValueError, match="names no screen finding"):
+        Protocol.from_dict({"reject_findings": ["monkeypatch"]})
+    assert Protocol(reject_findings=FINDING_CODES).reject_findings == FINDING_CODES

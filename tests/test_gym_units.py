@@ -77,22 +77,32 @@ def k(x):
 """
 
 
-@pytest.mark.parametrize(
-    ("snippet", "code"),
-    [
-        ("class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        try:\n            return x\n        except Exception:\n            return x", "try_except"),
-        ("class Model(torch.nn.Module):\n    pass\nclass ModelNew(Model):\n    pass", "inherits_model"),
-        ("import threading\nclass ModelNew: pass", "thread"),
-        ("torch.matmul = None\nclass ModelNew: pass", "monkey_patch"),
-        ("import time\nsetattr(time, 'perf_counter', None)\nclass ModelNew: pass", "monkey_patch"),
-        ("class Lazy(torch.Tensor): pass\nclass ModelNew: pass", "tensor_subclass"),
-        ("import gc\nclass ModelNew: pass", "introspection"),
-        ("import os\nkey = os.environ['OPENAI_API_KEY']\nclass ModelNew: pass", "env_access"),
-        ("import subprocess\nclass ModelNew: pass", "subprocess"),
-        ("s = torch.cuda.Stream()\nclass ModelNew: pass", "cuda_stream"),
-        ("class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)", "torch_op_in_forward"),
-    ],
-)
+SCREEN_CASES = [
+    ("class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        try:\n            return x\n        except Exception:\n            return x", "try_except"),
+    ("class Model(torch.nn.Module):\n    pass\nclass ModelNew(Model):\n    pass", "inherits_model"),
+    ("import threading\nclass ModelNew: pass", "thread"),
+    ("torch.matmul = None\nclass ModelNew: pass", "monkey_patch"),
+    ("import time\nsetattr(time, 'perf_counter', None)\nclass ModelNew: pass", "monkey_patch"),
+    ("class Lazy(torch.Tensor): pass\nclass ModelNew: pass", "tensor_subclass"),
+    ("import gc\nclass ModelNew: pass", "introspection"),
+    ("import os\nkey = os.environ['OPENAI_API_KEY']\nclass ModelNew: pass", "env_access"),
+    ("import subprocess\nclass ModelNew: pass", "subprocess"),
+    ("s = torch.cuda.Stream()\nclass ModelNew: pass", "cuda_stream"),
+    ("class ModelNew(torch.nn.Module):\n    def forward(self, x):\n        return torch.relu(x)", "torch_op_in_forward"),
+    ("data = open('/tmp/answers.pt', 'rb').read()\nclass ModelNew: pass", "file_io"),
+    ("import socket\nclass ModelNew: pass", "network"),
+    ("import ctypes\nclass ModelNew: pass", "ctypes"),
+    ("import sys\nsys.exit(0)\nclass ModelNew: pass", "process_exit"),
+]
+
+
+def test_every_screen_finding_code_has_a_case():
+    from kpipe.gym.screen import FINDING_CODES
+
+    assert {code for _, code in SCREEN_CASES} == set(FINDING_CODES)
+
+
+@pytest.mark.parametrize(("snippet", "code"), SCREEN_CASES)
 def test_screen_findings(snippet, code):
     result = screen(KERNEL + snippet)
     assert code in result.codes()

@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kpipe.gym.screen import FINDING_CODES
+
 # Bump when the meaning of a result changes (a new check, a different statistic).
 # kgym-3: the timed region is KernelBench's (start event queued behind the L2 flush, end event
 # right after the call), cuBLAS runs with its default workspace, and warm-up lasts at least
@@ -140,6 +142,10 @@ class Protocol:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if not isinstance(self.reject_findings, tuple):
             object.__setattr__(self, "reject_findings", tuple(self.reject_findings))
+        unknown = sorted(set(self.reject_findings) - set(FINDING_CODES))
+        if unknown:
+            raise ValueError(f"reject_findings names no screen finding: {', '.join(unknown)} "
+                             f"(the codes are {', '.join(FINDING_CODES)})")
 
     @property
     def wants_eager(self) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
+# Every code the screen reports; the protocol's reject_findings must name only these (a
+# misspelt code would otherwise reject nothing, silently).
 FINDING_CODES = (
     "try_except",  # a fallback path around the kernel
     "inherits_model",  # ModelNew(Model): reference code reachable
@@ -114,6 +116,8 @@ def triton_kernels(tree: ast.Module) -> list[str]:
 
 
 def _finding(code: str, detail: str, node: ast.AST) -> str:
+    if code not in FINDING_CODES:
+        raise ValueError(f"unregistered screen finding code {code!r}: add it to FINDING_CODES")
     return f"{code}: {detail} (line {getattr(node, 'lineno', '?')})"
 
 
