@@ -52,6 +52,7 @@ def test_markdown_states_the_convention_and_shows_last_turn_and_dagger(built):
     _, out, _ = built
     md = (out / "table1_fastp_eager.md").read_text()
     assert "speedup >= p" in md and "hacked counts" in md
+    assert "The paper's rows (source = paper): 8 samples per task, 3 turns, turn 3 reported" in md
     lines = [line for line in md.splitlines() if line.startswith("| kpipe")]
     assert len(lines) == 4  # models m and single, each at its last turn and best of history (†)
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]

@@ -21,7 +21,7 @@ from tabulate import tabulate
 
 from kpipe.data import metrics
 from kpipe.infra.config import REPO_ROOT
-from kpipe.report.paper_numbers import FAST_COLUMNS, HACKING_RATIO, KEVIN_BUDGET, TABLE1_EAGER, TABLE2_COMPILE, FastRow
+from kpipe.report.paper_numbers import FAST_COLUMNS, HACKING_RATIO, KEVIN_BUDGET, REPORTING, TABLE1_EAGER, TABLE2_COMPILE, FastRow
 
 DEFAULT_SQL_DIR = REPO_ROOT / "workflow" / "sql"
 VIEWS_FILE = "views.sql"  # not a table: the views every table reads
@@ -255,7 +255,8 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
         paper_long = paper_fast_rows(rows, baseline)
         body = markdown_frame(fast_wide(table, paper_long), preformatted=True)
         notes = notes + ["", f"Our rows: the last evaluated turn and (†) the best of turns 1..T; "
-                         f"95% task-bootstrap intervals ({n_boot} replicates) in the CSV (`*_lo`, `*_hi`)."]
+                         f"95% task-bootstrap intervals ({n_boot} replicates) in the CSV (`*_lo`, `*_hi`).",
+                         f"The paper's rows (source = paper): {REPORTING}"]
         csv = pd.concat([table.assign(source="kpipe"), paper_long], ignore_index=True)
     else:
         paper = PAPER_ROWS[name]() if name in PAPER_ROWS else None
