@@ -14,7 +14,7 @@ TRITON ?= $(if $(filter torch==2.13.0,$(TORCH)),triton==3.8.0,)
 # A dropped download (seen in CI) reruns the command, up to three times; pip's own resume retries first.
 RETRY = for attempt in 1 2 3; do $(1) && break; if [ $$attempt = 3 ]; then exit 1; fi; \
 	echo "setup step failed (attempt $$attempt of 3); retrying in 15 s" >&2; sleep 15; done
-PIP_INSTALL = $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --resume-retries 10 $(1))
+PIP_INSTALL = echo "pip install $(1)"; $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --resume-retries 10 $(1))
 CORES ?= 2
 SNAKEMAKE_ARGS ?=
 BIN := $(VENV)/bin
@@ -24,9 +24,9 @@ STAMP := $(VENV)/.kpipe-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(call RETRY,$(BIN)/python -m pip install -q --retries 10 --upgrade pip)
-	$(call PIP_INSTALL,"$(TORCH)" $(TRITON))
-	$(call PIP_INSTALL,-e ".[dev]")
+	@echo "pip install --upgrade pip"; $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --upgrade pip)
+	@$(call PIP_INSTALL,"$(TORCH)" $(TRITON))
+	@$(call PIP_INSTALL,-e ".[dev]")
 	touch $(STAMP)
 
 setup: $(STAMP)
