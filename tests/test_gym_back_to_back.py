@@ -14,7 +14,7 @@ import torch
 from kpipe.gym import timing
 from kpipe.gym.evaluation import candidate_times, drift_corrected, median, paired_chunks
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.timing import chunk_runs, chunk_sizes, interleaving, time_forward
+from kpipe.gym.timing import chunk_sizes, interleaving, paired_runs, time_forward
 
 
 class TimelineClocks:
@@ -84,10 +84,9 @@ def test_chunk_sizes_are_fixed_or_drawn_and_end_at_every_sampled_trial():
     assert len(drawn) > 1  # where a chunk ends differs between timings
     order = interleaving(30, 10, [12, 8, 10])  # 12 -> 4 due, 20 -> 7, 30 -> 10
     assert order == [True] * 12 + [False] * 4 + [True] * 8 + [False] * 3 + [True] * 10 + [False] * 3
-    assert chunk_runs(order, [12, 8, 10]) == [(True, 12), (False, 4), (True, 8), (False, 3), (True, 10), (False, 3)]
+    assert paired_runs(30, 10, [12, 8, 10]) == [(True, 12), (False, 4), (True, 8), (False, 3), (True, 10), (False, 3)]
     # a chunk with no reference trial due after it (9 * 10 / 20 rounds to 4, as 8 did) stays a chunk of its own
-    assert chunk_runs(interleaving(20, 10, [8, 1, 7, 4]), [8, 1, 7, 4]) == [(True, 8), (False, 4), (True, 1), (True, 7), (False, 4),
-                                                                           (True, 4), (False, 2)]
+    assert paired_runs(20, 10, [8, 1, 7, 4]) == [(True, 8), (False, 4), (True, 1), (True, 7), (False, 4), (True, 4), (False, 2)]
 
 
 def test_paired_trials_run_back_to_back_within_chunks_of_random_length():
@@ -111,7 +110,7 @@ def test_paired_trials_run_back_to_back_within_chunks_of_random_length():
     order = timed["order"]
     assert order.count(True) == 100 and order.count(False) == 50
     assert timed["ms"] == pytest.approx([1.0] * 100) and timed["reference_ms"] == pytest.approx([1.5] * 50)
-    runs = chunk_runs(order, timed["chunk_sizes"])
+    runs = paired_runs(100, 50, timed["chunk_sizes"])
     candidate_chunks, reference_chunks = [n for who, n in runs if who], [n for who, n in runs if not who]
     assert len(timed["tails_ms"]) == len(timed["spans_ms"]) == len(candidate_chunks)
     assert len(timed["reference_tails_ms"]) == len(reference_chunks)

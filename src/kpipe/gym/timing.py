@@ -202,14 +202,14 @@ def time_back_to_back(forward: Callable[..., Any], reference: Callable[..., Any]
     events, and a device-wide synchronize whose event closes the chunk. Only the chunk's last
     output outlives its call (a sampled trial is always last: ``chunk_sizes``' `ends`)."""
     sizes = chunk_sizes(trials, chunk, random.SystemRandom(), sample)
-    order = interleaving(trials, reference_trials, sizes)
-    result: dict[str, Any] = {"ms": [], "host_ms": [], "samples": [], "order": order, "chunk_sizes": sizes, "tails_ms": [],
+    runs = paired_runs(trials, reference_trials, sizes)
+    result: dict[str, Any] = {"ms": [], "host_ms": [], "samples": [], "order": flattened(runs), "chunk_sizes": sizes, "tails_ms": [],
                               "spans_ms": [], "gaps_ms": []}
     if reference is not None:
         result.update(reference_ms=[], reference_tails_ms=[], reference_gaps_ms=[])
     done = {True: 0, False: 0}
     with torch.no_grad():
-        for is_candidate, count in chunk_runs(order, sizes):
+        for is_candidate, count in runs:
             program, hook = (forward, on_call) if is_candidate else (reference, None)
             first = warmed + done[True] if is_candidate else done[False]
             clocks.synchronize()
@@ -253,21 +253,6 @@ def time_back_to_back(forward: Callable[..., Any], reference: Callable[..., Any]
     return result
 
 
-def chunk_runs(order: list[bool], sizes: list[int]) -> list[tuple[bool, int]]:
-    """The chunks of `order` (``interleaving(..., sizes)``) as (is the timed forward, calls): each
-    of its chunks of `sizes` on its own, even where no reference trial fell due between two."""
-    runs: list[tuple[bool, int]] = []
-    position = 0
-    for size in sizes:
-        runs.append((True, size))
-        position += size
-        following = next((k for k, who in enumerate(order[position:]) if who), len(order) - position)
-        if following:
-            runs.append((False, following))
-        position += following
-    return runs
-
-
 def chunk_sizes(trials: int, chunk: int, rng: random.Random | None = None, ends: set[int] = frozenset()) -> list[int]:
     """How many of `trials` each chunk holds: `chunk` each, or with `rng`, each drawn from
     chunk/2 .. 3*chunk/2 (so where a chunk ends cannot be foreseen), and a chunk also ending at
@@ -284,23 +269,35 @@ def chunk_sizes(trials: int, chunk: int, rng: random.Random | None = None, ends:
     return sizes
 
 
-def interleaving(trials: int, reference_trials: int, chunk: list[int] | int = PAIRED_CHUNK_TRIALS) -> list[bool]:
-    """The order of timed calls, True for the timed forward: its trials in chunks of `chunk`
-    (one size for every chunk, or the list of sizes), each followed by the reference trials due by then
-    (their share, rounded), so the two sample the same stretch of time. Most calls follow a
-    call of the same program: a launch-bound kernel timed right after a 3 ms GEMM was 20-40 %
-    slower on the H100 (benchmarks/timing_noise.py); kernels of a millisecond or more, timed in
-    chunks after an untimed call, were not (shorter ones are not paired: ``PAIRED_MIN_MS``)."""
+def paired_runs(trials: int, reference_trials: int, chunk: list[int] | int = PAIRED_CHUNK_TRIALS) -> list[tuple[bool, int]]:
+    """The schedule of timed calls as runs of (is the timed forward, calls): its trials in chunks
+    of `chunk` (one size for every chunk, or the list of sizes), each followed by the reference
+    trials due by then (their share, rounded; none where none fell due, the next chunk then a run
+    of its own), so the two sample the same stretch of time. Most calls follow a call of the same
+    program: a launch-bound kernel timed right after a 3 ms GEMM was 20-40 % slower on the H100
+    (benchmarks/timing_noise.py); kernels of a millisecond or more, timed in chunks after an
+    untimed call, were not (shorter ones are not paired: ``PAIRED_MIN_MS``)."""
     sizes = chunk_sizes(trials, chunk) if isinstance(chunk, int) else chunk
-    order: list[bool] = []
+    runs: list[tuple[bool, int]] = []
     done = due_done = 0
     for count in sizes:
-        order += [True] * count
+        runs.append((True, count))
         done += count
         due = round(reference_trials * done / trials)
-        order += [False] * (due - due_done)
+        if due > due_done:
+            runs.append((False, due - due_done))
         due_done = due
-    return order
+    return runs
+
+
+def flattened(runs: list[tuple[bool, int]]) -> list[bool]:
+    """One entry per call of `runs`, True for the timed forward."""
+    return [is_candidate for is_candidate, count in runs for _ in range(count)]
+
+
+def interleaving(trials: int, reference_trials: int, chunk: list[int] | int = PAIRED_CHUNK_TRIALS) -> list[bool]:
+    """The order of timed calls (``paired_runs``, call by call), True for the timed forward."""
+    return flattened(paired_runs(trials, reference_trials, chunk))
 
 
 def sample_trials(count: int, trials: int, seed: int) -> set[int]:
