@@ -4,17 +4,24 @@ only bad usage exits non-zero."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
 
 from kpipe.gym.protocol import BASELINES, DEVICES, Protocol
+from kpipe.gym.sandbox import OPT_OUT_VARIABLE, SandboxUnavailable
 from kpipe.gym.scale_cli import eval_batch_command, serve_command, workers_command
 
 
 @click.group()
-def gym() -> None:
+@click.option("--unconfined", is_flag=True, envvar=OPT_OUT_VARIABLE,
+              help=f"Run candidates without the kernel's confinement (kpipe.gym.sandbox), where the machine cannot "
+                   f"confine them. Candidates are hostile code: only for trusted programs. Same as {OPT_OUT_VARIABLE}=1.")
+def gym(unconfined: bool) -> None:
     """KernelGym: isolated, hack-resistant evaluation of Triton kernels."""
+    if unconfined:  # the workers and children this process starts inherit the opt-out
+        os.environ[OPT_OUT_VARIABLE] = "1"
 
 
 @gym.command("eval")
@@ -53,7 +60,7 @@ def eval_command(
         result = evaluate(reference_path.read_text(), candidate_path.read_text(), protocol)
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc)) from None
-    except ReferenceFailure as exc:  # the reference itself is broken: not a candidate's result
+    except (ReferenceFailure, SandboxUnavailable) as exc:  # a broken reference, or no confinement: no result
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(result.to_json())

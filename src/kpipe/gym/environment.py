@@ -11,6 +11,7 @@ with no ``PATH``, so gcc, Inductor's C++ compiler and ``CUDA_VISIBLE_DEVICES`` w
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 SECRET_MARKERS = ("_KEY", "_TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
@@ -27,6 +28,22 @@ DROPPED_VARIABLES = ("TRITON_KERNEL_OVERRIDE", "TRITON_KERNEL_DUMP", "TRITON_CAC
 def is_secret(name: str) -> bool:
     upper = name.upper()
     return any(m in upper for m in SECRET_MARKERS) or upper.startswith(SECRET_PREFIXES)
+
+
+# shorter values ("1", "true") are settings, not secrets: replacing them would garble feedback
+REDACT_MIN_CHARS = 8
+
+
+def redact_secrets(text: str, environ: Mapping[str, str] | None = None) -> str:
+    """`text` with the value of every secret variable of `environ` (this process's by default)
+    replaced by ``[redacted NAME]``: the second line of defence behind the sandbox
+    (kpipe.gym.sandbox), applied to every diagnostic and feedback before it is stored or sent."""
+    environ = os.environ if environ is None else environ
+    secrets = sorted(((v, k) for k, v in environ.items() if is_secret(k) and len(v) >= REDACT_MIN_CHARS), key=lambda p: -len(p[0]))
+    for value, name in secrets:
+        if value in text:
+            text = text.replace(value, f"[redacted {name}]")
+    return text
 
 
 def scrubbed_environment(env: Mapping[str, str]) -> dict[str, str]:

@@ -27,6 +27,7 @@ from kpipe.gym.feedback import build_feedback, clip
 from kpipe.gym.isolate import ChildRun, Launcher, fresh_interpreter, run_isolated
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult
+from kpipe.gym.sandbox import opted_out
 from kpipe.gym.screen import screen
 from kpipe.gym.timing import PAIRED_CHUNK_TRIALS, interleaving
 
@@ -85,8 +86,10 @@ def speedup(reference_ms: float | None, candidate_ms: float | None) -> float | N
 
 
 def eval_key(reference_src: str, candidate_src: str, protocol: Protocol, device_kind: str) -> str:
-    """Content hash of everything that determines a result: the result cache's key."""
-    blob = json.dumps([reference_src, candidate_src, protocol.to_json(), device_kind])
+    """Content hash of everything that determines a result: the result cache's key. A result
+    of an unconfined candidate (the user's named opt-out) never stands in for a confined one."""
+    confinement = ["unconfined"] if opted_out() else []
+    blob = json.dumps([reference_src, candidate_src, protocol.to_json(), device_kind, *confinement])
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -445,6 +448,7 @@ def evaluate(
         result.hacked = status == "hacked"
         result.wall_s = time.monotonic() - started
         result.feedback = build_feedback(result, profile, protocol.feedback_max_chars)
+        result.redact()
         if os.environ.get(TRACE_VARIABLE):
             write_trace({"key": result.key, "candidate_hash": result.candidate_hash, "status": status,
                          "wall_s": result.wall_s, "judge_rss_mb": host_rss_mb(), **trace})

@@ -1,8 +1,10 @@
 """Running one child in isolation: a fresh interpreter in its own session and scratch
 directory, with the environment ``kpipe.gym.environment`` builds (secrets scrubbed, compile
-caches per ``kpipe.gym.compile_caches``), a wall-clock timeout that kills its whole process
-group, bounded capture of stdout/stderr (kept for diagnostics, never parsed for results), and
-an optional gate between its correctness and timing stages."""
+caches per ``kpipe.gym.compile_caches``, a candidate's home and temporary directory inside its
+scratch), a candidate confined by the kernel to that scratch (``kpipe.gym.sandbox``), a
+wall-clock timeout that kills its whole process group, bounded capture of stdout/stderr (kept
+for diagnostics, never parsed for results), and an optional gate between its correctness and
+timing stages."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 
 from kpipe.gym.compile_caches import process_caches
 from kpipe.gym.environment import child_environment
+from kpipe.gym.sandbox import require_confinement, sandbox_for
 from kpipe.infra.process import tied_to_this_process
 
 HEAD_BYTES = 2048
@@ -72,7 +75,10 @@ class ChildRun:
 
 
 def load_payload(path: Path) -> dict[str, Any] | None:
-    """Read a child's result file. weights_only=True: a forged pickle cannot run code here."""
+    """Read a child's result file. weights_only=True: a forged pickle cannot run code here; a
+    link (to another evaluation's result, say) is not followed."""
+    if path.is_symlink():
+        return {"status": "crashed", "error": "the result file is a symbolic link"}
     if not path.exists():
         return None
     try:
@@ -98,9 +104,10 @@ returncode) and its stdout and stderr streams."""
 
 
 def fresh_interpreter(job_file: Path, env: dict[str, str], timeout_s: float) -> tuple[Any, list[IO[bytes]]]:
-    """A new Python interpreter per child: slow to start, shares nothing with anyone."""
+    """A new Python interpreter per child: slow to start, shares nothing with anyone. It enters
+    the job's sandbox (if any) before torch starts threads, then runs the child."""
     proc = subprocess.Popen(
-        tied_to_this_process([sys.executable, "-m", "kpipe.gym.child", str(job_file)]),
+        tied_to_this_process([sys.executable, "-m", "kpipe.gym.sandbox", str(job_file)]),
         cwd=job_file.parent,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -129,6 +136,8 @@ def run_isolated(
     try:
         cache_env = caches.for_reference() if trusted else caches.for_candidate(scratch / "compile-cache")
         env = child_environment(job["device"], os.environ, cache_env)
+        if not trusted:
+            job = {**job, **candidate_confinement(scratch, env)}
         job = {
             **job,
             "workdir": str(scratch),
@@ -178,6 +187,16 @@ def run_isolated(
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def candidate_confinement(scratch: Path, env: dict[str, str]) -> dict[str, Any]:
+    """A candidate's home and temporary files go to its scratch (where the sandbox lets it
+    write), and, unless the user opted out by name, the sandbox it runs in. `env` is updated."""
+    (scratch / "tmp").mkdir()
+    env.update(HOME=str(scratch), TMPDIR=str(scratch / "tmp"))
+    if not require_confinement():
+        return {}
+    return {"sandbox": sandbox_for(scratch, env).to_dict()}
 
 
 def wait_at_gate(

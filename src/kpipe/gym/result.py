@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kpipe.gym.environment import redact_secrets
+
 # Every status an evaluation can end in. The GPU fault subclasses refine `runtime_error`
 # where the CUDA error says what happened, so feedback and statistics can tell them apart.
 STATUSES = (
@@ -81,6 +83,14 @@ class EvalResult:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"unknown status {self.status!r}")
+        self.redact()
+
+    def redact(self) -> None:
+        """Strip this process's secret values from the text a candidate could have filled
+        (kpipe.gym.environment.redact_secrets): every result is built or read through here."""
+        self.diagnostic = redact_secrets(self.diagnostic)
+        self.feedback = redact_secrets(self.feedback)
+        self.hack_reasons = [redact_secrets(reason) for reason in self.hack_reasons]
 
     def to_row(self) -> dict[str, Any]:
         """A dict row for ``kpipe.data.io.write_table(rows, path, "evals")``."""

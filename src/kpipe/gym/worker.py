@@ -24,6 +24,8 @@ from typing import Any
 from kpipe.gym.environment import worker_environment
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import REFERENCE_ERROR
+from kpipe.gym.sandbox import require_confinement
+from kpipe.infra.process import PR_SET_DUMPABLE, prctl
 from kpipe.gym.zygote import Zygote, kill_process_group, zygote_launcher
 
 WORKER_START_TIMEOUT_S = 300.0
@@ -45,6 +47,7 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     ``(job_id, reference_src, candidate_src)``; out: ``("ready", info)`` once, then
     ``(job_id, kind, payload)`` with kind ``ok`` (a result row), ``reference_error`` or
     ``worker_error`` (the judge itself raised: the pool treats it like a dead worker)."""
+    prctl(PR_SET_DUMPABLE, 0)  # no process of the same user reads this judge's memory or /proc entries
     # the zygote imports torch and triton in its own interpreter while this one does the same
     zygote: Zygote | None = Zygote(dict(os.environ)) if fork else None
     from kpipe.gym import evaluation
@@ -61,6 +64,7 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
 
     info = {"pid": os.getpid(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") or None, "fork": fork}
     try:
+        info["confined"] = require_confinement()  # refuses to serve where candidates cannot be confined
         info["device_kind"] = evaluation.device_kind(evaluation.resolve_device(protocol))
         if fork:
             current_zygote().wait_ready()

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 
-from kpipe.infra.process import become_subreaper, kill_children
+from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, kill_children, prctl
 
 # what every child would otherwise import itself (torch._dynamo and the profiler alone cost
 # a child about a second: kpipe.gym.child.prime_lazy_state imports them); none touches CUDA
@@ -47,6 +47,7 @@ def zygote_main(sock_fd: int) -> None:
     """
     import importlib
 
+    prctl(PR_SET_DUMPABLE, 0)  # its children start non-dumpable too, until they enter their sandbox
     for name in PRELOAD:
         importlib.import_module(name)
     if os.environ.get("TRITON_INTERPRET") != "1":  # interpreter children never compile
@@ -160,10 +161,12 @@ def supervise(pid: int, sock: socket.socket, backstop_s: float) -> int | None:
 
 def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int) -> None:
     """Become an isolated evaluation child: own session, scrubbed environment, bounded pipes
-    for stdout/stderr, then the core's ``run_child`` exactly as its ``__main__`` runs it."""
+    for stdout/stderr, the job's sandbox (a fork is single-threaded, as entering one needs), then
+    the core's ``run_child`` exactly as its ``__main__`` runs it."""
     code = 1
     try:
         from kpipe.gym.child import run_child  # preloaded by the zygote
+        from kpipe.gym.sandbox import Sandbox, enter_sandbox
         from kpipe.infra.process import die_with_parent
 
         os.setsid()
@@ -182,6 +185,10 @@ def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int
         # never rebuilt here from an environment that is being replaced
         os.environ.clear()
         os.environ.update(job["environment"])
+        if job.get("sandbox"):  # a candidate: confined before any of its code runs (kpipe.gym.isolate)
+            enter_sandbox(Sandbox.from_dict(job["sandbox"]))
+        else:
+            prctl(PR_SET_DUMPABLE, 1)  # a reference child: as a fresh interpreter would be
         os.chdir(job["workdir"])
         run_child(job)
         code = 0

@@ -1,0 +1,387 @@
+"""Confinement of a candidate process: what a program written by a model rewarded for passing
+KernelGym may see and touch.
+
+A candidate is hostile code. A static screen is defeated by string tricks
+(``getattr(__import__("built" + "ins"), "op" + "en")``) and a scrubbed environment by reading
+an ancestor's ``/proc/<pid>/environ``, so the operating system confines it
+(``enter_sandbox``, in a single-threaded process, before any candidate code runs):
+
+- **user namespace**: the candidate's uid maps to the caller's, and every capability is then
+  dropped (bounding set included, ``SECBIT_NOROOT`` locked, ``no_new_privs``): a candidate
+  started by root has none of root's power, and cannot regain it through ``execve``;
+- **PID namespace** with its own ``/proc``: the candidate is pid 1 of a namespace holding only
+  itself and its own children, so it sees no other process's ``/proc`` entry, environment or
+  memory, and cannot name one to signal (``getppid()`` is 0);
+- **network namespace** (no interface but a downed loopback) and **IPC namespace**;
+- **Landlock** (the kernel's unprivileged access-control LSM, ABI >= 1): reads and execution
+  only under the interpreter, its site-packages, the system's libraries and toolchains and the
+  GPU's device nodes; writes only inside the evaluation's scratch directory. From ABI 4 it
+  also refuses TCP bind/connect, from ABI 6 signals to processes outside the sandbox and
+  abstract UNIX sockets, and always ``ptrace``-class access (``/proc/<pid>/mem``,
+  ``environ``) to processes outside it.
+
+Why these rather than bubblewrap or nsjail: the same kernel mechanisms, reached from Python
+through five syscalls, with no binary to install (bubblewrap is not on PyPI) and no exec in the
+warm-fork path, where a fork of the zygote must stay a fork (kpipe.gym.zygote). Why not a
+different uid: the interpreter of many installs lives under a 0700 home (``/root/.pyenv`` on our
+machines), which another uid cannot read; Landlock bounds the file system instead, whatever the
+uid owns. seccomp is not used: the namespaces and Landlock already deny what a syscall filter
+would, and a filter strict enough to matter breaks the CUDA driver's ioctls.
+
+Where the kernel lacks a mechanism, ``probe()`` says which, once, and KernelGym refuses to start
+unless the user opted out by name (``KPIPE_GYM_UNCONFINED=1``); it never runs unconfined silently.
+
+Only the standard library is imported here: the fresh-interpreter path confines itself in
+``python -m kpipe.gym.sandbox`` before torch starts its threads (a multi-threaded process
+cannot enter a user namespace), then execs the child.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import os
+import resource
+import signal
+import site
+import struct
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from kpipe.infra.process import PR_SET_DUMPABLE, PR_SET_PDEATHSIG
+
+OPT_OUT_VARIABLE = "KPIPE_GYM_UNCONFINED"
+
+# linux/sched.h
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
+# linux/mount.h
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
+# linux/prctl.h, linux/securebits.h, linux/capability.h
+PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 24, 28, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+SECBIT_NOROOT, SECBIT_NOROOT_LOCKED, SECBIT_NO_SETUID_FIXUP, SECBIT_NO_SETUID_FIXUP_LOCKED = 1, 2, 4, 8
+SECBIT_KEEP_CAPS_LOCKED, SECBIT_NO_CAP_AMBIENT_RAISE, SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED = 32, 64, 128
+LOCKED_SECUREBITS = (SECBIT_NOROOT | SECBIT_NOROOT_LOCKED | SECBIT_NO_SETUID_FIXUP | SECBIT_NO_SETUID_FIXUP_LOCKED
+                     | SECBIT_KEEP_CAPS_LOCKED | SECBIT_NO_CAP_AMBIENT_RAISE | SECBIT_NO_CAP_AMBIENT_RAISE_LOCKED)
+LINUX_CAPABILITY_VERSION_3 = 0x20080522
+# linux/landlock.h: syscall numbers are the same on every architecture (asm-generic)
+SYS_LANDLOCK_CREATE_RULESET, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT_SELF = 444, 445, 446
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
+LANDLOCK_CREATE_RULESET_VERSION = 1
+LANDLOCK_RULE_PATH_BENEATH = 1
+FS_EXECUTE, FS_WRITE_FILE, FS_READ_FILE, FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+FS_REMOVE_DIR, FS_REMOVE_FILE, FS_MAKE_CHAR, FS_MAKE_DIR, FS_MAKE_REG = 1 << 4, 1 << 5, 1 << 6, 1 << 7, 1 << 8
+FS_MAKE_SOCK, FS_MAKE_FIFO, FS_MAKE_BLOCK, FS_MAKE_SYM = 1 << 9, 1 << 10, 1 << 11, 1 << 12
+FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3, 5
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+
+READ = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+WRITE = (FS_WRITE_FILE | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE_DIR | FS_MAKE_REG | FS_MAKE_SYM | FS_MAKE_FIFO
+         | FS_MAKE_SOCK | FS_REFER | FS_TRUNCATE)
+DEVICE = FS_READ_FILE | FS_WRITE_FILE | FS_IOCTL_DEV
+
+# System locations a Python process with torch, Triton and a C compiler reads: libraries,
+# compilers (Triton builds its launchers with gcc; ptxas ships in the triton wheel), headers.
+SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/opt/conda", "/usr/local/cuda",
+               "/proc", "/sys", "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+               "/etc/localtime", "/etc/nsswitch.conf", "/etc/passwd", "/etc/group", "/etc/os-release")
+# Device nodes: the null devices, randomness, and the NVIDIA driver's nodes (CUDA opens them all
+# when it initialises; CUDA_VISIBLE_DEVICES, set by the worker, picks the GPU).
+DEVICE_GLOBS = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/nvidia*",
+                "/dev/nvidia-caps/*", "/dev/dri/*")
+
+
+class SandboxUnavailable(RuntimeError):
+    """The kernel cannot confine candidates here (no Landlock, no user namespaces, ...)."""
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """What one candidate process may touch: `scratch` read-write, `read` read-only (and
+    executable), `devices` read-write with ioctls."""
+
+    scratch: str
+    read: tuple[str, ...]
+    devices: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        return {"scratch": self.scratch, "read": list(self.read), "devices": list(self.devices)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> Sandbox:
+        return cls(str(data["scratch"]), tuple(data["read"]), tuple(data["devices"]))  # type: ignore[arg-type]
+
+
+def install_roots() -> list[str]:
+    """The interpreter's own files: its prefixes, standard library and site-packages, and the
+    directory the ``kpipe`` package is imported from (an editable install's ``src``). Not
+    ``sys.path`` as a whole: its first entry is the working directory, often a checkout or a
+    home directory."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable)), *sysconfig.get_paths().values(),
+             *site.getsitepackages(), site.getusersitepackages(),
+             str(Path(__file__).resolve().parents[2])}
+    return sorted(p for p in paths if p)
+
+
+def mapped_library_dirs() -> list[str]:
+    """Directories of the shared libraries this process has loaded (a CUDA driver under
+    ``/usr/local/nvidia``, a conda prefix): whatever they live beside, a child loads too."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    dirs = {os.path.dirname(line.split(maxsplit=5)[5]) for line in maps.splitlines()
+            if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith("/")}
+    return sorted(d for d in dirs if d and not d.startswith(("/tmp", "/dev", "/proc", "/memfd")))
+
+
+def toolchain_dirs(environ: dict[str, str]) -> list[str]:
+    """Where CUDA, the linker and Triton's tools were pointed: ``CUDA_HOME``/``CUDA_PATH``,
+    ``LD_LIBRARY_PATH`` and the ``TRITON_*_PATH`` tool overrides."""
+    dirs = [environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", "")]
+    dirs += environ.get("LD_LIBRARY_PATH", "").split(":")
+    dirs += [os.path.dirname(v) for k, v in environ.items() if k.startswith("TRITON_") and k.endswith("_PATH")]
+    return [d for d in dirs if d and os.path.isabs(d)]
+
+
+def sandbox_for(scratch: Path, environ: dict[str, str], extra_read: tuple[str, ...] = ()) -> Sandbox:
+    """The sandbox of a candidate whose scratch directory is `scratch` and whose environment
+    (the child's, from kpipe.gym.environment) is `environ`."""
+    read = {*SYSTEM_READ, *install_roots(), *mapped_library_dirs(), *toolchain_dirs(environ), *extra_read}
+    devices = {path for pattern in DEVICE_GLOBS for path in glob.glob(pattern)}
+    return Sandbox(str(scratch), tuple(sorted(p for p in read if os.path.exists(p))), tuple(sorted(devices)))
+
+
+# ----------------------------------------------------------------------------- syscalls
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check(result: int, what: str) -> int:
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise SandboxUnavailable(f"{what} failed: {os.strerror(errno)} (errno {errno})")
+    return result
+
+
+def prctl(option: int, arg: int = 0) -> None:
+    check(_libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)), f"prctl({option})")
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version; 0 where it has none (or it is disabled)."""
+    result = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    return max(result, 0)
+
+
+def handled_access(abi: int) -> tuple[int, int, int]:
+    """(file system, network, scope) rights this ABI knows: every one is handled, so whatever
+    no rule grants is denied."""
+    fs = (1 << 13) - 1
+    fs |= FS_REFER if abi >= 2 else 0
+    fs |= FS_TRUNCATE if abi >= 3 else 0
+    fs |= FS_IOCTL_DEV if abi >= 5 else 0
+    net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0
+    scope = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
+    return fs, net, scope
+
+
+def restrict_file_system(sandbox: Sandbox, abi: int) -> None:
+    """Landlock this process (and everything it starts) to `sandbox`."""
+    fs, net, scope = handled_access(abi)
+    attr = struct.pack("QQQ", fs, net, scope)
+    size = 8 if abi < 4 else (16 if abi < 6 else 24)
+    ruleset = check(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.c_char_p(attr), ctypes.c_size_t(size), ctypes.c_uint32(0)),
+                    "landlock_create_ruleset")
+    try:
+        rules = [(path, READ) for path in sandbox.read] + [(path, DEVICE) for path in sandbox.devices]
+        rules.append((sandbox.scratch, READ | WRITE))
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone since the sandbox was planned: nothing to grant
+            try:
+                if not os.path.isdir(path):  # a file takes only file rights
+                    access &= FS_EXECUTE | FS_READ_FILE | FS_WRITE_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+                rule = struct.pack("=Qi", access & fs, fd)
+                check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
+                                    ctypes.c_char_p(rule), ctypes.c_uint32(0)), f"landlock_add_rule({path})")
+            finally:
+                os.close(fd)
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+
+
+def write_id_maps(uid: int, gid: int) -> None:
+    """Map the namespace's root to the caller's own uid and gid (the one mapping an
+    unprivileged process may write)."""
+    Path("/proc/self/setgroups").write_text("deny")
+    Path("/proc/self/uid_map").write_text(f"0 {uid} 1")
+    Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
+
+
+def drop_capabilities() -> None:
+    """No capability in any set, none to regain: ambient cleared, bounding set emptied, root's
+    execve privileges locked off (SECBIT_NOROOT), then the effective/permitted/inheritable sets
+    zeroed."""
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+    last_cap = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    for cap in range(last_cap + 1):
+        prctl(PR_CAPBSET_DROP, cap)
+    prctl(PR_SET_SECUREBITS, LOCKED_SECUREBITS)
+    header = struct.pack("Ii", LINUX_CAPABILITY_VERSION_3, 0)
+    data = bytes(24)  # two __user_cap_data_struct of zeros
+    number = SYS_CAPSET.get(os.uname().machine)
+    if number is None:
+        raise SandboxUnavailable(f"no capset syscall number known for {os.uname().machine}")
+    check(_libc.syscall(number, ctypes.c_char_p(header), ctypes.c_char_p(data)), "capset")
+
+
+def mount_own_proc() -> None:
+    """Replace /proc by the PID namespace's own (it lists only this sandbox's processes)."""
+    check(_libc.mount(b"none", b"/", None, ctypes.c_ulong(MS_REC | MS_PRIVATE), None), "making mounts private")
+    check(_libc.mount(b"proc", b"/proc", b"proc", ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC), None), "mounting /proc")
+
+
+def enter_sandbox(sandbox: Sandbox) -> None:
+    """Confine the calling process: on return it is pid 1 of a fresh PID namespace, in its own
+    user, mount, network and IPC namespaces, Landlocked to `sandbox`, with no capabilities.
+
+    Must be called single-threaded (after a fork, or before torch starts threads). Forks once:
+    the caller's process stays outside as the sandbox's waiter and exits with its status (a
+    signal death is re-raised), so whoever started it sees one process that exits as the
+    candidate did, and killing its process group kills both. Raises SandboxUnavailable if any
+    step fails, before anything of the candidate runs.
+    """
+    abi = landlock_abi()
+    if abi < 1:
+        raise SandboxUnavailable("the kernel has no Landlock (Linux >= 5.13 with landlock in the lsm= list)")
+    uid, gid = os.geteuid(), os.getegid()
+    check(_libc.unshare(ctypes.c_int(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC)),
+          "unshare(user, mount, pid, net, ipc namespaces)")
+    write_id_maps(uid, gid)
+    read_end, write_end = os.pipe()  # the sandboxed side reports a failed set-up before it runs anything
+    pid = os.fork()
+    if pid:
+        os.close(write_end)
+        wait_as_outside(pid, read_end)
+    os.close(read_end)
+    try:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the waiter outside dies (a timeout's SIGKILL): so do we
+        mount_own_proc()
+        restrict_file_system(sandbox, abi)
+        drop_capabilities()
+        prctl(PR_SET_DUMPABLE, 1)  # its own /proc entries stay its own (a forked zygote child inherits 0)
+    except BaseException as exc:
+        os.write(write_end, f"{type(exc).__name__}: {exc}".encode()[:4000])
+        os._exit(SETUP_FAILED)
+    os.close(write_end)
+
+
+SETUP_FAILED = 121  # the sandbox's set-up failed: nothing of the candidate ran
+
+
+def wait_as_outside(pid: int, failure_pipe: int) -> None:
+    """The waiter outside the sandbox: exit as the sandboxed process did. Never returns."""
+    try:
+        message = b""
+        while chunk := os.read(failure_pipe, 4096):
+            message += chunk
+        _, status = os.waitpid(pid, 0)
+        if message:
+            os.write(2, b"kpipe sandbox: " + message + b"\n")
+        if os.WIFSIGNALED(status):  # die of the same signal, without a core file
+            signum = os.WTERMSIG(status)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        os._exit(os.waitstatus_to_exitcode(status))
+    finally:
+        os._exit(1)
+
+
+_probed: str | None = None
+
+
+def probe() -> str | None:
+    """Why candidates cannot be confined here, or None if they can: a throwaway interpreter
+    enters a sandbox and must then fail to read a file planted beside its scratch directory.
+    Asked once per process (about 0.1 s)."""
+    global _probed
+    if _probed is None:
+        import subprocess
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="kgym-probe-") as root:
+            canary = Path(root, "canary")
+            canary.write_text("outside the sandbox")
+            (Path(root) / "scratch").mkdir()
+            run = subprocess.run([sys.executable, "-m", "kpipe.gym.sandbox", "--probe", root], capture_output=True, text=True,
+                                 stdin=subprocess.DEVNULL, timeout=120)
+        _probed = "" if run.returncode == 0 else (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
+    return _probed or None
+
+
+def probe_main(root: str) -> None:
+    """The probe's sandboxed side (``python -m kpipe.gym.sandbox --probe ROOT``)."""
+    try:
+        enter_sandbox(sandbox_for(Path(root, "scratch"), dict(os.environ)))
+    except SandboxUnavailable as exc:
+        print(exc, file=sys.stderr)
+        os._exit(SETUP_FAILED)
+    try:
+        Path(root, "canary").read_text()
+    except OSError:
+        os._exit(0)
+    print("a sandboxed process could still read a file outside its sandbox", file=sys.stderr)
+    os._exit(1)
+
+
+def opted_out(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    return environ.get(OPT_OUT_VARIABLE, "") not in ("", "0")
+
+
+def require_confinement() -> bool:
+    """Whether candidates are confined: True where the kernel can; False only where the user
+    opted out by name. Raises SandboxUnavailable (saying why, and how to opt out) otherwise."""
+    if opted_out():
+        return False
+    reason = probe()
+    if reason is not None:
+        raise SandboxUnavailable(
+            f"KernelGym cannot confine candidate programs on this machine: {reason}. It needs Landlock and "
+            f"unprivileged user, mount, PID and network namespaces (docs/kernelgym.md, 'Confinement'). "
+            f"To run candidates unconfined anyway, set {OPT_OUT_VARIABLE}=1."
+        )
+    return True
+
+
+def main(argv: list[str]) -> None:
+    """``python -m kpipe.gym.sandbox JOBFILE``: confine this fresh interpreter as the job's
+    ``sandbox`` says (a job without one runs unconfined), then run ``kpipe.gym.child`` on it in
+    this process: torch is imported only inside."""
+    if argv[0] == "--probe":
+        probe_main(argv[1])
+    job = json.loads(Path(argv[0]).read_text())
+    if "sandbox" in job:
+        try:
+            enter_sandbox(Sandbox.from_dict(job["sandbox"]))
+        except SandboxUnavailable as exc:
+            print(f"kpipe sandbox: {exc}", file=sys.stderr)
+            os._exit(SETUP_FAILED)
+    import runpy
+
+    sys.argv = [sys.argv[0], argv[0]]
+    runpy.run_module("kpipe.gym.child", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
