@@ -252,14 +252,17 @@ def mount_own_proc() -> None:
 
 
 def enter_sandbox(sandbox: Sandbox) -> None:
-    """Confine the calling process: on return it is pid 1 of a fresh PID namespace, in its own
+    """Confine the calling process: on return it is pid 2 of a fresh PID namespace, in its own
     user, mount, network and IPC namespaces, Landlocked to `sandbox`, with no capabilities.
 
-    Must be called single-threaded (after a fork, or before torch starts threads). Forks once:
-    the caller's process stays outside as the sandbox's waiter and exits with its status (a
-    signal death is re-raised), so whoever started it sees one process that exits as the
-    candidate did, and killing its process group kills both. Raises SandboxUnavailable if any
-    step fails, before anything of the candidate runs.
+    Must be called single-threaded (after a fork, or before torch starts threads). Forks twice.
+    The caller's process stays outside as the waiter; pid 1 inside mounts the namespace's /proc,
+    reaps, and reports the candidate's end through a pipe (the candidate is not pid 1 itself:
+    the kernel ignores a namespace's init's own fatal signals, so ``os.killpg(0, SIGKILL)`` or
+    ``abort()`` would not end it). The waiter then exits as the candidate did (a signal death
+    is re-raised): whoever started it sees one process, and killing its process group kills all
+    three. Raises SandboxUnavailable if the namespaces cannot be made; a later failure ends the
+    process with SETUP_FAILED and the reason on stderr, before anything of the candidate runs.
     """
     abi = landlock_abi()
     if abi < 1:
@@ -268,40 +271,67 @@ def enter_sandbox(sandbox: Sandbox) -> None:
     check(_libc.unshare(ctypes.c_int(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC)),
           "unshare(user, mount, pid, net, ipc namespaces)")
     write_id_maps(uid, gid)
-    read_end, write_end = os.pipe()  # the sandboxed side reports a failed set-up before it runs anything
-    pid = os.fork()
-    if pid:
-        os.close(write_end)
-        wait_as_outside(pid, read_end)
-    os.close(read_end)
+    report_r, report_w = os.pipe()  # set-up failures and the candidate's end, for the waiter
+    init = os.fork()
+    if init:
+        os.close(report_w)
+        wait_as_outside(init, report_r)
+    os.close(report_r)
     try:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the waiter outside dies (a timeout's SIGKILL): so do we
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the waiter outside dies (a timeout's SIGKILL): so does the namespace
         mount_own_proc()
+    except BaseException as exc:
+        os.write(report_w, f"failed {type(exc).__name__}: {exc}\n".encode()[:4000])
+        os._exit(SETUP_FAILED)
+    candidate = os.fork()
+    if candidate:
+        reap_until(candidate, report_w)
+    try:
         restrict_file_system(sandbox, abi)
         drop_capabilities()
         prctl(PR_SET_DUMPABLE, 1)  # its own /proc entries stay its own (a forked zygote child inherits 0)
     except BaseException as exc:
-        os.write(write_end, f"{type(exc).__name__}: {exc}".encode()[:4000])
+        os.write(report_w, f"failed {type(exc).__name__}: {exc}\n".encode()[:4000])
         os._exit(SETUP_FAILED)
-    os.close(write_end)
+    os.close(report_w)  # from here on, only trusted code (pid 1) reports
 
 
 SETUP_FAILED = 121  # the sandbox's set-up failed: nothing of the candidate ran
 
 
-def wait_as_outside(pid: int, failure_pipe: int) -> None:
-    """The waiter outside the sandbox: exit as the sandboxed process did. Never returns."""
+def reap_until(candidate: int, report: int) -> None:
+    """Pid 1 of the sandbox: reap every process the namespace orphans until the candidate ends,
+    report its wait status, and exit (which ends whatever is left inside). Never returns."""
     try:
-        message = b""
-        while chunk := os.read(failure_pipe, 4096):
-            message += chunk
-        _, status = os.waitpid(pid, 0)
-        if message:
-            os.write(2, b"kpipe sandbox: " + message + b"\n")
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == candidate:
+                os.write(report, f"status {status}\n".encode())
+                break
+    finally:
+        os._exit(0)
+
+
+def wait_as_outside(init: int, report: int) -> None:
+    """The waiter outside the sandbox: exit as the candidate did. Never returns."""
+    try:
+        lines = b""
+        while chunk := os.read(report, 4096):
+            lines += chunk
+        os.waitpid(init, 0)
+        status = None
+        for line in lines.decode(errors="replace").splitlines():
+            if line.startswith("failed "):
+                os.write(2, f"kpipe sandbox: {line[len('failed '):]}\n".encode())
+            elif line.startswith("status "):
+                status = int(line.split()[1])
+        if status is None:  # the namespace died first (killed from outside)
+            os._exit(SETUP_FAILED if b"failed " in lines else 128 + signal.SIGKILL)
         if os.WIFSIGNALED(status):  # die of the same signal, without a core file
             signum = os.WTERMSIG(status)
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            signal.signal(signum, signal.SIG_DFL)
+            if signum not in (signal.SIGKILL, signal.SIGSTOP):  # those two take no handler
+                signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         os._exit(os.waitstatus_to_exitcode(status))
     finally:
