@@ -191,6 +191,10 @@ def handled_access(abi: int) -> tuple[int, int, int]:
     return fs, net, scope
 
 
+PROC_SELF = "/proc/self"
+_pinned: list[int] = []
+
+
 def restrict_file_system(sandbox: Sandbox, abi: int) -> None:
     """Landlock this process (and everything it starts) to `sandbox`."""
     fs, net, scope = handled_access(abi)
@@ -201,6 +205,10 @@ def restrict_file_system(sandbox: Sandbox, abi: int) -> None:
     try:
         rules = [(path, READ) for path in sandbox.read] + [(path, DEVICE) for path in sandbox.devices]
         rules.append((sandbox.scratch, READ | WRITE))
+        # its own /proc entry (the rule binds to this process's directory, not to the link): the
+        # CUDA driver's threads name themselves there (fopen("/proc/self/task/<tid>/comm", "w"):
+        # write and truncate), and CUDA fails to initialise (cudaErrorOperatingSystem) when they cannot
+        rules.append((PROC_SELF, FS_READ_FILE | FS_READ_DIR | FS_WRITE_FILE | FS_TRUNCATE))
         for path, access in rules:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
@@ -213,7 +221,13 @@ def restrict_file_system(sandbox: Sandbox, abi: int) -> None:
                 check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(LANDLOCK_RULE_PATH_BENEATH),
                                     ctypes.c_char_p(rule), ctypes.c_uint32(0)), f"landlock_add_rule({path})")
             finally:
-                os.close(fd)
+                if path == PROC_SELF:
+                    # A rule lives on the inode, and the kernel may free an unused /proc/<pid> inode
+                    # under memory pressure (a later lookup makes a new one the rule does not know):
+                    # this descriptor keeps it alive
+                    _pinned.append(fd)
+                else:
+                    os.close(fd)
         prctl(PR_SET_NO_NEW_PRIVS, 1)
         check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock_restrict_self")
     finally:
