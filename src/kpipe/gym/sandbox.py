@@ -43,6 +43,7 @@ import glob
 import json
 import os
 import resource
+import shutil
 import signal
 import site
 import struct
@@ -141,11 +142,18 @@ def mapped_library_dirs() -> list[str]:
 
 
 def toolchain_dirs(environ: dict[str, str]) -> list[str]:
-    """Where CUDA, the linker and Triton's tools were pointed: ``CUDA_HOME``/``CUDA_PATH``,
-    ``LD_LIBRARY_PATH`` and the ``TRITON_*_PATH`` tool overrides."""
+    """Where CUDA, the linker, Triton's tools and the C compiler were pointed: ``CUDA_HOME``/
+    ``CUDA_PATH``, ``LD_LIBRARY_PATH``, the ``TRITON_*_PATH`` tool overrides, and the install
+    prefix of the C compiler Triton builds its launchers with (``$CC``, else cc/gcc/clang on
+    ``PATH``: ``/opt/gcc`` for ``/opt/gcc/bin/gcc``, its headers and ``cc1`` included)."""
     dirs = [environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", "")]
     dirs += environ.get("LD_LIBRARY_PATH", "").split(":")
     dirs += [os.path.dirname(v) for k, v in environ.items() if k.startswith("TRITON_") and k.endswith("_PATH")]
+    for compiler in (environ.get("CC", ""), "cc", "gcc", "clang"):
+        found = shutil.which(compiler, path=environ.get("PATH")) if compiler else None
+        if found:
+            binary = Path(found).resolve()
+            dirs.append(str(binary.parent.parent if binary.parent.name == "bin" else binary.parent))
     return [d for d in dirs if d and os.path.isabs(d)]
 
 

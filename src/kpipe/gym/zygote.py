@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -87,7 +88,6 @@ def warm_triton_compiler() -> bool:
     artifacts go to a throwaway directory no child reads. The driver is never called (the target
     is given), which the end of this function checks: a zygote that initialised the driver would
     fork children with a CUDA state they cannot use. Returns whether the kernel compiled."""
-    import tempfile
 
     import triton
     import triton.language as tl
@@ -185,6 +185,7 @@ def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int
         # never rebuilt here from an environment that is being replaced
         os.environ.clear()
         os.environ.update(job["environment"])
+        tempfile.tempdir = None  # cached by the zygote's compiler warm-up; the child's TMPDIR is its own scratch
         if job.get("sandbox"):  # a candidate: confined before any of its code runs (kpipe.gym.isolate)
             enter_sandbox(Sandbox.from_dict(job["sandbox"]))
         else:
