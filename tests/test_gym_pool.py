@@ -15,6 +15,7 @@ from kpipe.gym.cache import ResultCache
 from kpipe.gym.pool import MAX_ATTEMPTS, GymPool, default_slots
 from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.result import EvalResult
+from kpipe.gym.sandbox import OPT_OUT_VARIABLE
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
@@ -69,6 +70,17 @@ def pool() -> GymPool:
         yield pool
 
 
+@pytest.fixture(scope="module")
+def unconfined_pool() -> GymPool:
+    """A pool whose candidates run unconfined (the named opt-out): only there can a candidate
+    kill its worker or fork server, which stands in for every other way a worker is lost (the
+    OOM killer, a bug in the judge)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(OPT_OUT_VARIABLE, "1")
+        with GymPool(PROTOCOL, workers=2, progress=False) as pool:
+            yield pool
+
+
 def status(result: object) -> str:
     return result.status if isinstance(result, EvalResult) else result["status"]
 
@@ -94,7 +106,8 @@ def test_forked_children_match_the_fresh_interpreter_path() -> None:
         assert (a.key, a.status, a.correct, a.launched_kernels) == (b.key, b.status, b.correct, b.launched_kernels)
 
 
-def test_a_lost_worker_is_replaced_and_its_job_retried_once(pool: GymPool, tmp_path: Path) -> None:
+def test_a_lost_worker_is_replaced_and_its_job_retried_once(unconfined_pool: GymPool, tmp_path: Path) -> None:
+    pool = unconfined_pool
     once = KILL_WORKER.format(legit=LEGIT, marker=str(tmp_path / "killed-once"))
     always = KILL_WORKER.format(legit=LEGIT, marker=None)
     restarts_before = sum(w["restarts"] for w in pool.workers())
@@ -106,9 +119,20 @@ def test_a_lost_worker_is_replaced_and_its_job_retried_once(pool: GymPool, tmp_p
     assert status(pool.evaluate(REFERENCE, variant(LEGIT, "after losses"))) == "pass"
 
 
-def test_a_candidate_that_kills_the_fork_server_is_one_crashed_result(pool: GymPool) -> None:
-    kill_zygote = LEGIT + "\nimport os\n\nclass ModelNew(ModelNew):\n    def forward(self, x):\n        os.kill(os.getppid(), 9)\n        return super().forward(x)\n"
-    results = pool.evaluate_many([(REFERENCE, kill_zygote), (REFERENCE, variant(LEGIT, "after zygote"))])
+KILL_ZYGOTE = LEGIT + "\nimport os\n\nclass ModelNew(ModelNew):\n    def forward(self, x):\n        os.kill(os.getppid(), 9)\n        return super().forward(x)\n"
+
+
+def test_a_confined_candidate_cannot_signal_its_parent(pool: GymPool) -> None:
+    """Its parent is the sandbox's pid 1, outside its Landlock domain: the kill is refused."""
+    restarts_before = sum(w["restarts"] for w in pool.workers())
+    results = pool.evaluate_many([(REFERENCE, KILL_ZYGOTE), (REFERENCE, variant(LEGIT, "after a refused kill"))])
+    assert [status(r) for r in results] == ["runtime_error", "pass"]
+    assert "PermissionError" in results[0].diagnostic
+    assert sum(w["restarts"] for w in pool.workers()) == restarts_before
+
+
+def test_an_unconfined_candidate_that_kills_the_fork_server_is_one_crashed_result(unconfined_pool: GymPool) -> None:
+    results = unconfined_pool.evaluate_many([(REFERENCE, KILL_ZYGOTE), (REFERENCE, variant(LEGIT, "after zygote"))])
     assert [status(r) for r in results] == ["crashed", "pass"]
 
 
