@@ -195,13 +195,25 @@ def test_prs_eq9_soft_and_hard():
     correct = [True] * 6 + [False, True]
     hacked = [False] * 6 + [None, True]  # a null flag (Parquet) is False
     p = algos.prs_keep_probability(pr, correct, hacked)
-    assert close(p, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])  # incorrect / hacked rows kept (code)
-    p_all = algos.prs_keep_probability(pr, correct, hacked, correct_only=False)
-    assert close(p_all, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.0, 1.0])
-    hard = algos.prs_hard_keep(pr, correct, hacked)
+    assert close(p, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.0, 1.0])  # Eq. 9 on every sample: PR alone decides
+    p_code = algos.prs_keep_probability(pr, correct, hacked, scope="correct")
+    assert close(p_code, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])  # released code: incorrect / hacked kept
+    hard = algos.prs_hard_keep(pr, correct, hacked, scope="correct")
     assert hard.tolist() == [False, True, True, True, True, False, True, True]
     with pytest.raises(ValueError, match="softness"):
         algos.prs_keep_probability(pr, correct, hacked, softness=0.0)
+    with pytest.raises(ValueError, match="scope"):
+        algos.prs_keep_probability(pr, correct, hacked, scope="some")
+
+
+def test_prs_default_scope_is_eq9_for_every_sample():
+    """Eq. 9: "For each sample (i, t), we retain it with probability clip((PR - tau)/s, 0, 1)". An
+    incorrect turn has no profile (PR = 0 < tau): p = 0 (the old default kept it with p = 1)."""
+    tau, s = 0.3, 0.1
+    pr, correct, hacked = [None, 0.05, 0.37, None], [False, True, True, True], [False, False, False, True]
+    expected = [min(max(((value or 0.0) - tau) / s, 0.0), 1.0) for value in pr]
+    assert close(algos.prs_keep_probability(pr, correct, hacked), expected)
+    assert algos.prs_hard_keep(pr, correct, hacked).tolist() == [False, False, True, False]
 
 
 def test_bernoulli_keep_frequency():

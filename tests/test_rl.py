@@ -165,13 +165,16 @@ def test_tritonforge_buffer_rows_kept_and_their_advantages(buffer):
     assert rl_advantages.buffer_masks(rows, returns, RLConfig()) == {}
 
 
-def test_prs_filters_only_correct_turns_by_their_profiling_ratio():
+def test_prs_filters_every_turn_by_its_profiling_ratio_and_the_released_scope_only_correct_ones():
     rows = [turn_row("a", 0, 1, 2.0, pr=0.05), turn_row("a", 1, 1, 2.0, pr=0.9), turn_row("a", 2, 1, 0.0)]
-    masks = rl_advantages.filter_masks(rows, RLConfig(prs=True), torch.ones(3, dtype=torch.bool),
-                            torch.Generator().manual_seed(0))
-    assert masks["prs"].tolist() == [False, True, True]  # p = clip((PR - 0.3) / 0.1, 0, 1); incorrect: kept
-    hard = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_hard=True, prs_tau=0.85), torch.ones(3, dtype=torch.bool),
-                           torch.Generator())
+    keep = torch.ones(3, dtype=torch.bool)
+    masks = rl_advantages.filter_masks(rows, RLConfig(prs=True), keep, torch.Generator().manual_seed(0))
+    assert masks["prs"].tolist() == [False, True, False]  # Eq. 9 on every sample; incorrect: PR = 0
+    code = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_scope="correct"), keep,
+                                      torch.Generator().manual_seed(0))
+    assert code["prs"].tolist() == [False, True, True]  # released code: incorrect turns kept
+    hard = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_hard=True, prs_tau=0.85, prs_scope="correct"),
+                                      keep, torch.Generator())
     assert hard["prs"].tolist() == [False, True, True]
 
 

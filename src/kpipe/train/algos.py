@@ -26,6 +26,8 @@ from kpipe.train.turn_rewards import kernel_compiled
 GroupKeys = Sequence[Hashable] | torch.Tensor
 Singleton = Literal["zero", "return"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+PRSScope = Literal["all", "correct"]
+PRS_SCOPES: tuple[PRSScope, ...] = ("all", "correct")
 
 KEVIN_GAMMA = 0.4  # Kevin §4.3: discount of the sum over later turns' scores
 MRS_DELTA = 1e-3  # Eq. 6: keep w in [1 - delta, 1 + delta]
@@ -329,25 +331,33 @@ def _prs_inputs(
     return pr, eligible
 
 
+def _prs_scoped(keep: torch.Tensor, eligible: torch.Tensor, scope: PRSScope) -> torch.Tensor:
+    """Eq. 9 filters every sample (scope "all"); the released code only correct, non-hacked ones ("correct")."""
+    if scope == "all":
+        return keep
+    if scope == "correct":
+        return torch.where(eligible, keep, torch.ones_like(keep))
+    raise ValueError(f"PRS scope must be one of {PRS_SCOPES}, got {scope!r}")
+
+
 def prs_keep_probability(
     pr: torch.Tensor | Sequence[float | None],
     correct: torch.Tensor | Sequence[bool],
     hacked: torch.Tensor | Sequence[bool],
     tau: float = PRS_TAU,
     softness: float = PRS_SOFTNESS,
-    correct_only: bool = True,
+    scope: PRSScope = "all",
 ) -> torch.Tensor:
-    """Eq. 9 (PRS): p = clip((PR - tau) / s, 0, 1).
+    """Eq. 9 (PRS): p_{i,t} = clip((PR_{i,t} - tau) / s, 0, 1) "for each sample (i, t)".
 
-    PR exists only for correct kernels (Eq. 8), so by default PRS filters correct,
-    non-hacked turns and keeps the others (p = 1), as the released code does. With
-    ``correct_only=False`` every row is filtered by its PR, a missing PR counting as 0.
+    A missing PR (no profile: an incorrect, hacked or unprofiled kernel) counts as 0, so with the
+    paper's scope ``"all"`` such a sample is dropped. ``scope="correct"`` is the released code:
+    only correct, non-hacked turns are filtered; the others are kept (p = 1).
     """
     if softness <= 0:
         raise ValueError(f"PRS softness s must be > 0, got {softness} (use prs_hard_keep for a hard cut)")
     pr, eligible = _prs_inputs(pr, correct, hacked)
-    probability = ((pr - tau) / softness).clamp(0.0, 1.0)
-    return torch.where(eligible, probability, torch.ones_like(probability)) if correct_only else probability
+    return _prs_scoped(((pr - tau) / softness).clamp(0.0, 1.0), eligible, scope)
 
 
 def prs_hard_keep(
@@ -355,12 +365,11 @@ def prs_hard_keep(
     correct: torch.Tensor | Sequence[bool],
     hacked: torch.Tensor | Sequence[bool],
     tau: float = PRS_TAU,
-    correct_only: bool = True,
+    scope: PRSScope = "all",
 ) -> torch.Tensor:
     """Appendix D ablation "w/o s": keep iff PR >= tau (same scope as `prs_keep_probability`)."""
     pr, eligible = _prs_inputs(pr, correct, hacked)
-    keep = pr >= tau
-    return torch.where(eligible, keep, torch.ones_like(keep)) if correct_only else keep
+    return _prs_scoped(pr >= tau, eligible, scope)
 
 
 def bernoulli_keep(probability: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

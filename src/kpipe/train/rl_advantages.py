@@ -63,9 +63,10 @@ def filter_masks(rows: Sequence[dict[str, Any]], cfg: RLConfig, mrs_keep: torch.
     if cfg.prs:
         pr, correct, hacked = ([row.get(k) for row in rows] for k in ("pr", "correct", "hacked"))
         if cfg.prs_hard:
-            masks["prs"] = algos.prs_hard_keep(pr, correct, hacked, cfg.prs_tau)
+            masks["prs"] = algos.prs_hard_keep(pr, correct, hacked, cfg.prs_tau, cfg.prs_scope)
         else:
-            probability = algos.prs_keep_probability(pr, correct, hacked, cfg.prs_tau, cfg.prs_softness)
+            probability = algos.prs_keep_probability(pr, correct, hacked, cfg.prs_tau, cfg.prs_softness,
+                                                     cfg.prs_scope)
             masks["prs"] = algos.bernoulli_keep(probability, generator)
     return masks
 

@@ -18,6 +18,7 @@ from kpipe.train.algos import (
     ADVANTAGES,
     MRS_DELTA,
     MRS_TOKEN_VETO,
+    PRS_SCOPES,
     PRS_SOFTNESS,
     PRS_TAU,
     TRITONFORGE_MIN_VALID_GROUP_RATIO,
@@ -88,6 +89,7 @@ class RLConfig:
     prs_tau: float = PRS_TAU
     prs_softness: float = PRS_SOFTNESS
     prs_hard: bool = False  # Appendix D "w/o s": keep iff PR >= tau
+    prs_scope: str = "all"  # Eq. 9: every sample | correct: the released code (correct, non-hacked turns only)
     zero_variance_filter: bool = False  # released code only
     zero_variance_min_std: float = ZERO_VARIANCE_MIN_STD
     regression_filter: bool = False  # released code only
@@ -138,6 +140,7 @@ class RLConfig:
              "counts (prompts, rollouts, turns, tokens, steps, mini_batches, ppo_epochs, batch sizes) must be >= 1"),
             (self.lr > 0 and self.temperature > 0, "lr and temperature must be positive"),
             (0 < self.mrs_delta < 1 and 0 < self.mrs_token_veto < 1, "mrs_delta and mrs_token_veto must be in (0, 1)"),
+            (self.prs_scope in PRS_SCOPES, f"prs_scope must be one of {PRS_SCOPES}"),
             (self.prs_softness > 0, "prs_softness must be > 0 (prs_hard gives the hard threshold)"),
             (self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 or null"),
         ]
