@@ -47,6 +47,38 @@ def test_reward_kevin():
         turn_rewards.reward_kevin(True, False, 1.0, pr=0.5, use_pr=True)
 
 
+def test_kevin_preset_matches_kevin_32b():
+    """Kevin §4.3 / App. B.2: score 0.3·correct + speedup (raw speedup, no cap), the discounted sum of the
+    current and later turns' scores with gamma = 0.4; §6: 0 for a kernel using PyTorch functional ops."""
+    from kpipe.train.rl_config import RLConfig
+
+    cfg = RLConfig.from_dict({}, "kevin")
+    assert (cfg.reward, cfg.gamma, cfg.return_aggregate, cfg.advantage, cfg.history) == (
+        "kevin", 0.4, "sum", "kevin", "kevin")
+    score = turn_rewards.turn_reward(cfg.reward, speedup_cap=cfg.speedup_cap)
+    fast = {"correct": True, "hacked": False, "speedup_eager": 5.0, "findings": ["try_except: x (line 2)"]}
+    assert score(fast) == pytest.approx(0.3 + 5.0)  # uncapped (the old cap of 3 gave 3.3)
+    lazy = {**fast, "findings": ["torch_op_in_forward: torch.nn.functional.conv2d (line 9)"]}
+    assert score(lazy) == 0.0
+    rewards = [0.3 + 1.1, 0.0, 0.3 + 2.0]
+    g = [rewards[0] + 0.4 * rewards[1] + 0.4**2 * rewards[2], rewards[1] + 0.4 * rewards[2], rewards[2]]
+    assert close(algos.returns_by_trajectory(rewards, ["t"] * 3, [1, 2, 3], cfg.gamma, cfg.return_aggregate), g)
+
+
+def test_kevin_advantages_normalise_per_task_over_all_turns():
+    """Kevin §4: "For each task, we normalize the rewards across the samples": one group per task, every
+    trajectory and turn in it (Eq. 3/5 group by (prompt, turn) instead)."""
+    returns = [1.0, 3.0, 2.0, 6.0, 5.0, 9.0]
+    tasks = ["a", "a", "a", "a", "b", "b"]
+    valid = [True, True, True, False, True, True]
+    a = [1.0, 3.0, 2.0]
+    mean, std = statistics.fmean(a), statistics.stdev(a)
+    expected = [(g - mean) / (std + 1e-6) for g in a] + [0.0]
+    b = [5.0, 9.0]
+    expected += [(g - statistics.fmean(b)) / (statistics.stdev(b) + 1e-6) for g in b]
+    assert close(algos.kevin_advantages(returns, tasks, valid), expected)
+
+
 def test_reward_tritonforge_tiers():
     reward = turn_rewards.reward_tritonforge
     assert reward(False, False, None) == 0.0  # no code / request failed (nothing compiled)

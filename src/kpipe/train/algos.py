@@ -263,6 +263,17 @@ def grpo_std_advantages(
     return grpo_advantages(returns, group_keys, valid, normalize_std=True)
 
 
+def kevin_advantages(
+    returns: torch.Tensor | Sequence[float],
+    prompt_ids: Sequence[Hashable],
+    valid: torch.Tensor | Sequence[bool] | None = None,
+) -> torch.Tensor:
+    """Kevin §4: "For each task, we normalize the rewards across the samples for advantage calculation":
+    A = (G - mean) / std over every valid row of the task, all its trajectories and turns together
+    (not per (prompt, turn) as Eq. 3 / Eq. 5), then the GRPO loss."""
+    return grpo_advantages(returns, list(prompt_ids), valid, normalize_std=True)
+
+
 AdvantageFn = Callable[..., torch.Tensor]
 # Estimators over per-row returns grouped by (prompt, turn): fn(returns, group_keys, valid).
 ADVANTAGES: dict[str, AdvantageFn] = {

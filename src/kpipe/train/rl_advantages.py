@@ -116,11 +116,14 @@ def rejection_reasons(has_tokens: torch.Tensor, masks: dict[str, torch.Tensor]) 
 
 def row_advantages(rows: Sequence[dict[str, Any]], returns: torch.Tensor, valid: torch.Tensor,
                    cfg: RLConfig) -> torch.Tensor:
-    """Advantages over (prompt, turn) groups of the valid rows (Eq. 3 / Eq. 5), or trajectory RLOO."""
+    """Advantages over (prompt, turn) groups of the valid rows (Eq. 3 / Eq. 5), trajectory RLOO, or Kevin's
+    per-task normalisation."""
     prompts = [row["task_id"] for row in rows]
     if cfg.advantage == "rloo_trajectory":
         rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
         return algos.rloo_trajectory_advantages(rewards, prompts, trajectory_keys(rows), valid, cfg.singleton)
+    if cfg.advantage == "kevin":
+        return algos.kevin_advantages(returns, prompts, valid)
     keys = algos.prompt_turn_keys(prompts, [row["turn"] for row in rows])
     if cfg.advantage == "trloo":
         return algos.trloo_advantages(returns, keys, valid, cfg.singleton)

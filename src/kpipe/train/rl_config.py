@@ -10,12 +10,14 @@ is a `run` of the same DAG that differs in exactly the keys listed.
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from kpipe.train.algos import (
     ADVANTAGES,
+    KEVIN_GAMMA,
     MRS_DELTA,
     MRS_TOKEN_VETO,
     PRS_SCOPES,
@@ -29,7 +31,7 @@ from kpipe.train.sft import PRECISIONS, accepted_types
 from kpipe.train.turn_rewards import REWARDS, SPEEDUP_CAP
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-ADVANTAGE_NAMES = (*ADVANTAGES, "rloo_trajectory")
+ADVANTAGE_NAMES = (*ADVANTAGES, "rloo_trajectory", "kevin")
 RETURN_AGGREGATES = ("sum", "max")
 SINGLETONS = ("zero", "return")
 BASELINES = ("eager", "compile")
@@ -73,7 +75,7 @@ class RLConfig:
     gamma: float = 1.0
     return_aggregate: str = "sum"  # sum (Eq. 2) | max (Kevin's alternative)
     # --- advantages (Eq. 3, 5)
-    advantage: str = "trloo"  # trloo | grpo | grpo_std | rloo_trajectory
+    advantage: str = "trloo"  # trloo | grpo | grpo_std | rloo_trajectory | kevin (per task over all turns)
     singleton: str = "zero"  # a group of one valid rollout: 0 (paper) or its return (released code)
     baseline_includes_rejected: bool = False  # released code: filtered rows still count in the baseline
     # --- TritonForge's group buffer: filter and normalise each (prompt, turn) group's returns before the
@@ -125,7 +127,7 @@ class RLConfig:
             (self.engine in ENGINES, f"engine must be one of {ENGINES}"),
             (self.async_mode in ASYNC_MODES, f"async must be one of {ASYNC_MODES}"),
             (self.buffer in BUFFERS, f"buffer must be one of {BUFFERS}"),
-            (self.buffer == "none" or self.advantage != "rloo_trajectory",
+            (self.buffer == "none" or self.advantage not in ("rloo_trajectory", "kevin"),
              "a buffer normalises (prompt, turn) groups: use it with trloo, grpo or grpo_std"),
             (0 < self.buffer_min_valid_group_ratio <= 1 and 0.5 <= self.buffer_min_valid_item_ratio <= 1,
              "buffer_min_valid_group_ratio must be in (0, 1], buffer_min_valid_item_ratio in [0.5, 1] "
@@ -187,6 +189,12 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "prs_hard": {"mrs": True, "use_pr": True, "prs": True, "prs_hard": True},
     "tritonforge": {"reward": "tritonforge", "buffer": "tritonforge", "advantage": "grpo"},
     "tritonforge_released": {"reward": "tritonforge", "buffer": "tritonforge_released", "advantage": "grpo"},
+    # Kevin-32B (papers/kevin.md): 0.3·C + uncapped speedup, 0 for kernels using torch ops (§6.2), the discounted
+    # sum of later turns' scores with gamma = 0.4 (§4.3), rewards normalised per task over every sample (§4),
+    # earlier turns shown as summaries with their chains of thought dropped (§4.1). Its batch shape (8 tasks x
+    # 16 trajectories x 4 turns) is config/ablations/kevin.yaml's, not the recipe's
+    "kevin": {"reward": "kevin", "speedup_cap": math.inf, "gamma": KEVIN_GAMMA,
+              "advantage": "kevin", "history": "kevin"},
 }
 
 
