@@ -260,6 +260,12 @@ SQL_DIR = (Path(workflow.current_basedir) / ".." / "sql").resolve()
 TABLE_NAMES = [path.stem for path in table_sql_files(SQL_DIR)]
 
 
+def own_models():
+    """The models the Fast@p tables report at their last turn (tables.own_models; default: kind pipeline)."""
+    named = config["tables"]["own_models"]
+    return named if named is not None else [entry["name"] for entry in config["models"] if entry["kind"] == "pipeline"]
+
+
 def report_tables():
     outputs = []
     for name in TABLE_NAMES:
