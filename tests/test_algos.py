@@ -433,3 +433,24 @@ def test_prs_hard_keeps_pr_exactly_at_tau_from_python_floats():
     """PR arrives as Python floats; a float32 round trip would put 0.9 below tau = 0.9."""
     keep = algos.prs_hard_keep([0.9], [True], [False], tau=0.9)
     assert keep.tolist() == [True]
+
+
+def test_kl_estimators_are_schulmans_k1_and_k3():
+    """k1 = log(pi/pi_ref), k3 = pi_ref/pi - log(pi_ref/pi) - 1 per sampled token; both average to
+    KL(pi || pi_ref) over tokens drawn from pi, k3 with lower variance and never below 0."""
+    torch.manual_seed(0)
+    pi = torch.softmax(0.5 * torch.randn(5, dtype=torch.float64), -1)  # close enough that no estimate hits the clamp
+    ref = torch.softmax(0.5 * torch.randn(5, dtype=torch.float64), -1)
+    exact = float((pi * (pi / ref).log()).sum())
+    tokens = torch.multinomial(pi, 200000, replacement=True, generator=torch.Generator().manual_seed(1))
+    logp, ref_logp = pi.log()[tokens], ref.log()[tokens]
+    k1, k3 = algos.kl_per_token(logp, ref_logp, "k1"), algos.kl_per_token(logp, ref_logp, "low_var_kl")
+    assert close(k1.mean(), exact, tol=0.01) and close(k3.mean(), exact, tol=0.01)
+    assert bool((k3 >= 0).all()) and float(k3.var()) < float(k1.var())
+    ratio = (ref / pi)[tokens[:3]]
+    assert close(k3[:3], ratio - ratio.log() - 1)
+    mask = torch.tensor([[1, 1, 0]])
+    lp, rp = torch.tensor([[-1.0, -2.0, -9.0]]), torch.tensor([[-1.5, -1.0, 0.0]])
+    assert close(algos.kl_loss(lp, rp, mask, "k1", "seq-mean-token-sum"), [0.5 + -1.0])
+    with pytest.raises(ValueError, match="KL estimator"):
+        algos.kl_per_token(lp, rp, "k2")

@@ -27,6 +27,9 @@ GroupKeys = Sequence[Hashable] | torch.Tensor
 Singleton = Literal["zero", "return"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 PRSScope = Literal["all", "correct"]
+KLEstimator = Literal["k1", "low_var_kl"]
+KL_ESTIMATORS: tuple[KLEstimator, ...] = ("k1", "low_var_kl")
+KL_CLAMP = 10.0  # verl / slime clamp of the low_var_kl estimate
 PRS_SCOPES: tuple[PRSScope, ...] = ("all", "correct")
 
 KEVIN_GAMMA = 0.4  # Kevin §4.3: discount of the sum over later turns' scores
@@ -643,6 +646,26 @@ def ppo_clip_policy_loss(
         stats["dual_clip_frac"] = masked_mean(dual_bound.to(logp.dtype), mask).item()
     stats["approx_kl"] = masked_mean(-log_ratio, mask).item()
     return aggregate_loss(loss, mask, agg_mode), stats
+
+
+def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "low_var_kl") -> torch.Tensor:
+    """A per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens' log-probs (Schulman's estimators).
+
+    k1: log pi - log pi_ref (unbiased, can be negative); low_var_kl (k3): exp(r) - r - 1 with r = log pi_ref -
+    log pi (unbiased, never negative, lower variance), clamped to [-10, 10] as verl and slime's ``low_var_kl``.
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "low_var_kl":
+        log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
+        return (log_ratio.exp() - log_ratio - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
+    raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def kl_loss(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: KLEstimator,
+            agg_mode: AggMode) -> torch.Tensor:
+    """The KL regulariser added to the policy loss (kl_coef times this), aggregated as the policy loss is."""
+    return aggregate_loss(kl_per_token(logp, ref_logp, estimator), mask, agg_mode)
 
 
 def log_probs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
