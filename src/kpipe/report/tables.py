@@ -161,7 +161,7 @@ def turn_rule(model: str, report_turn: str, own_models: Collection[str]) -> str:
     return report_turn
 
 
-def reported_rows(table: pd.DataFrame, report_turn: str = "last", own_models: Collection[str] = ()) -> pd.DataFrame:
+def reported_rows(table: pd.DataFrame, report_turn: str = "paper", own_models: Collection[str] = ()) -> pd.DataFrame:
     """Per (run, iteration, model): the rows of the turn its row reports (`turn_rule`) and, for the best
     of history (†), of its last turn (best of turns 1..T), with `reported` = "last" or "best"."""
     parts = []
@@ -191,7 +191,7 @@ def _turn_label(history: str, turn: int, rule: str, last: int) -> str:
     return f"{turn} (best of 1..{last})" if rule == "best" else str(turn)
 
 
-def fast_wide(table: pd.DataFrame, paper: pd.DataFrame, report_turn: str = "last",
+def fast_wide(table: pd.DataFrame, paper: pd.DataFrame, report_turn: str = "paper",
               own_models: Collection[str] = ()) -> pd.DataFrame:
     """The paper's layout: one row per model, history and hack definition, Fast@p columns per level; ours at
     the turn `report_turn` picks, each as kpipe's definition and the paper's (a range where samples only
