@@ -47,6 +47,38 @@ def test_reward_kevin():
         turn_rewards.reward_kevin(True, False, 1.0, pr=0.5, use_pr=True)
 
 
+def test_kevin_preset_matches_kevin_32b():
+    """Kevin §4.3 / App. B.2: score 0.3·correct + speedup (raw speedup, no cap), the discounted sum of the
+    current and later turns' scores with gamma = 0.4; §6: 0 for a kernel using PyTorch functional ops."""
+    from kpipe.train.rl_config import RLConfig
+
+    cfg = RLConfig.from_dict({}, "kevin")
+    assert (cfg.reward, cfg.gamma, cfg.return_aggregate, cfg.advantage, cfg.history) == (
+        "kevin", 0.4, "sum", "kevin", "kevin")
+    score = turn_rewards.turn_reward(cfg.reward, speedup_cap=cfg.speedup_cap)
+    fast = {"correct": True, "hacked": False, "speedup_eager": 5.0, "findings": ["try_except: x (line 2)"]}
+    assert score(fast) == pytest.approx(0.3 + 5.0)  # uncapped (the old cap of 3 gave 3.3)
+    lazy = {**fast, "findings": ["torch_op_in_forward: torch.nn.functional.conv2d (line 9)"]}
+    assert score(lazy) == 0.0
+    rewards = [0.3 + 1.1, 0.0, 0.3 + 2.0]
+    g = [rewards[0] + 0.4 * rewards[1] + 0.4**2 * rewards[2], rewards[1] + 0.4 * rewards[2], rewards[2]]
+    assert close(algos.returns_by_trajectory(rewards, ["t"] * 3, [1, 2, 3], cfg.gamma, cfg.return_aggregate), g)
+
+
+def test_kevin_advantages_normalise_per_task_over_all_turns():
+    """Kevin §4: "For each task, we normalize the rewards across the samples": one group per task, every
+    trajectory and turn in it (Eq. 3/5 group by (prompt, turn) instead)."""
+    returns = [1.0, 3.0, 2.0, 6.0, 5.0, 9.0]
+    tasks = ["a", "a", "a", "a", "b", "b"]
+    valid = [True, True, True, False, True, True]
+    a = [1.0, 3.0, 2.0]
+    mean, std = statistics.fmean(a), statistics.stdev(a)
+    expected = [(g - mean) / (std + 1e-6) for g in a] + [0.0]
+    b = [5.0, 9.0]
+    expected += [(g - statistics.fmean(b)) / (statistics.stdev(b) + 1e-6) for g in b]
+    assert close(algos.kevin_advantages(returns, tasks, valid), expected)
+
+
 def test_reward_tritonforge_tiers():
     reward = turn_rewards.reward_tritonforge
     assert reward(False, False, None) == 0.0  # no code / request failed (nothing compiled)
@@ -195,13 +227,25 @@ def test_prs_eq9_soft_and_hard():
     correct = [True] * 6 + [False, True]
     hacked = [False] * 6 + [None, True]  # a null flag (Parquet) is False
     p = algos.prs_keep_probability(pr, correct, hacked)
-    assert close(p, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])  # incorrect / hacked rows kept (code)
-    p_all = algos.prs_keep_probability(pr, correct, hacked, correct_only=False)
-    assert close(p_all, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.0, 1.0])
-    hard = algos.prs_hard_keep(pr, correct, hacked)
+    assert close(p, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 0.0, 1.0])  # Eq. 9 on every sample: PR alone decides
+    p_code = algos.prs_keep_probability(pr, correct, hacked, scope="correct")
+    assert close(p_code, [0.0, 0.0, 0.5, 1.0, 1.0, 0.0, 1.0, 1.0])  # released code: incorrect / hacked kept
+    hard = algos.prs_hard_keep(pr, correct, hacked, scope="correct")
     assert hard.tolist() == [False, True, True, True, True, False, True, True]
     with pytest.raises(ValueError, match="softness"):
         algos.prs_keep_probability(pr, correct, hacked, softness=0.0)
+    with pytest.raises(ValueError, match="scope"):
+        algos.prs_keep_probability(pr, correct, hacked, scope="some")
+
+
+def test_prs_default_scope_is_eq9_for_every_sample():
+    """Eq. 9: "For each sample (i, t), we retain it with probability clip((PR - tau)/s, 0, 1)". An
+    incorrect turn has no profile (PR = 0 < tau): p = 0 (the old default kept it with p = 1)."""
+    tau, s = 0.3, 0.1
+    pr, correct, hacked = [None, 0.05, 0.37, None], [False, True, True, True], [False, False, False, True]
+    expected = [min(max(((value or 0.0) - tau) / s, 0.0), 1.0) for value in pr]
+    assert close(algos.prs_keep_probability(pr, correct, hacked), expected)
+    assert algos.prs_hard_keep(pr, correct, hacked).tolist() == [False, False, True, False]
 
 
 def test_bernoulli_keep_frequency():
@@ -389,3 +433,24 @@ def test_prs_hard_keeps_pr_exactly_at_tau_from_python_floats():
     """PR arrives as Python floats; a float32 round trip would put 0.9 below tau = 0.9."""
     keep = algos.prs_hard_keep([0.9], [True], [False], tau=0.9)
     assert keep.tolist() == [True]
+
+
+def test_kl_estimators_are_schulmans_k1_and_k3():
+    """k1 = log(pi/pi_ref), k3 = pi_ref/pi - log(pi_ref/pi) - 1 per sampled token; both average to
+    KL(pi || pi_ref) over tokens drawn from pi, k3 with lower variance and never below 0."""
+    torch.manual_seed(0)
+    pi = torch.softmax(0.5 * torch.randn(5, dtype=torch.float64), -1)  # close enough that no estimate hits the clamp
+    ref = torch.softmax(0.5 * torch.randn(5, dtype=torch.float64), -1)
+    exact = float((pi * (pi / ref).log()).sum())
+    tokens = torch.multinomial(pi, 200000, replacement=True, generator=torch.Generator().manual_seed(1))
+    logp, ref_logp = pi.log()[tokens], ref.log()[tokens]
+    k1, k3 = algos.kl_per_token(logp, ref_logp, "k1"), algos.kl_per_token(logp, ref_logp, "low_var_kl")
+    assert close(k1.mean(), exact, tol=0.01) and close(k3.mean(), exact, tol=0.01)
+    assert bool((k3 >= 0).all()) and float(k3.var()) < float(k1.var())
+    ratio = (ref / pi)[tokens[:3]]
+    assert close(k3[:3], ratio - ratio.log() - 1)
+    mask = torch.tensor([[1, 1, 0]])
+    lp, rp = torch.tensor([[-1.0, -2.0, -9.0]]), torch.tensor([[-1.5, -1.0, 0.0]])
+    assert close(algos.kl_loss(lp, rp, mask, "k1", "seq-mean-token-sum"), [0.5 + -1.0])
+    with pytest.raises(ValueError, match="KL estimator"):
+        algos.kl_per_token(lp, rp, "k2")

@@ -75,14 +75,17 @@ def test_eval_tasks_shards_levels_and_skips_validation(tmp_path):
 
 def test_model_entries_are_checked_and_turned_into_engine_specs():
     models = models_by_name([{"name": "sft", "kind": "pipeline", "source": "sft"},
+                             {"name": "rl", "kind": "pipeline", "source": "rl", "rl_run": "drkernel"},
                              {"name": "gpt-5", "kind": "openai", "model": "gpt-5", "api_key_env": "OPENAI_API_KEY"}])
     checkpoint = "results/models/sft-default"
     assert engine_spec(models["sft"], checkpoint) == {"kind": "hf", "path": checkpoint}
+    assert engine_spec(models["rl"], checkpoint) == {"kind": "hf", "path": checkpoint}  # rl_run: the DAG's, not the engine's
     assert engine_spec(models["gpt-5"])["kind"] == "openai" and engine_spec(models["gpt-5"])["model"] == "gpt-5"
     for bad, message in [({"name": "a b", "kind": "hf", "path": "x"}, "needs a `name`"),
                          ({"name": "a", "kind": "torch"}, "kind 'torch' is not one of"),
                          ({"name": "a", "kind": "hf"}, "needs a `path`"),
-                         ({"name": "a", "kind": "pipeline", "source": "ppo"}, "source: sft")]:
+                         ({"name": "a", "kind": "pipeline", "source": "ppo"}, "source: sft"),
+                         ({"name": "a", "kind": "pipeline", "source": "sft", "rl_run": "x"}, "`rl_run` names")]:
         with pytest.raises(ValueError, match=message):
             check_model(bad)
     with pytest.raises(ValueError, match="used twice"):

@@ -93,8 +93,10 @@ def test_ablation_overlay_files_name_the_papers_ablations():
     for path in files:
         runs.update(yaml.safe_load(path.read_text())["rl"]["runs"])
     assert set(runs) == set(ABLATIONS)
-    for name, overlay in runs.items():
-        assert RLConfig.from_dict(overlay) == with_ablation(RLConfig(), name)
+    for name, overlay in runs.items():  # a preset may add its batch shape (kevin.yaml: 8 x 16 x 4)
+        shape = {key: value for key, value in overlay.items() if key != "ablation"}
+        assert not set(shape) & set(ABLATIONS[name])
+        assert RLConfig.from_dict(overlay) == with_ablation(RLConfig(**shape), name)
 
 
 # ----------------------------------------------------------------------------- filters and advantages
@@ -144,7 +146,7 @@ def test_tritonforge_buffer_rows_kept_and_their_advantages(buffer):
     statuses = ["compilation_error", "mismatch", "pass", "pass"]
     rows = [turn_row("a", i, 1, r, status=s) for i, (r, s) in enumerate(zip([0.0, 0.1, 0.3, 1.3], statuses))]
     rows += [turn_row("b", i, 1, 0.3, status="pass") for i in range(4)]
-    cfg = with_ablation(RLConfig(rollouts_per_prompt=4), buffer)
+    cfg = dataclasses.replace(with_ablation(RLConfig(), buffer), rollouts_per_prompt=4)  # groups of 4 here (TritonForge: 8)
     returns = rl_advantages.row_returns(rows, cfg)
     masks = rl_advantages.buffer_masks(rows, returns, cfg)
     reasons = rl_advantages.rejection_reasons(torch.ones(8, dtype=torch.bool), masks)
@@ -165,13 +167,16 @@ def test_tritonforge_buffer_rows_kept_and_their_advantages(buffer):
     assert rl_advantages.buffer_masks(rows, returns, RLConfig()) == {}
 
 
-def test_prs_filters_only_correct_turns_by_their_profiling_ratio():
+def test_prs_filters_every_turn_by_its_profiling_ratio_and_the_released_scope_only_correct_ones():
     rows = [turn_row("a", 0, 1, 2.0, pr=0.05), turn_row("a", 1, 1, 2.0, pr=0.9), turn_row("a", 2, 1, 0.0)]
-    masks = rl_advantages.filter_masks(rows, RLConfig(prs=True), torch.ones(3, dtype=torch.bool),
-                            torch.Generator().manual_seed(0))
-    assert masks["prs"].tolist() == [False, True, True]  # p = clip((PR - 0.3) / 0.1, 0, 1); incorrect: kept
-    hard = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_hard=True, prs_tau=0.85), torch.ones(3, dtype=torch.bool),
-                           torch.Generator())
+    keep = torch.ones(3, dtype=torch.bool)
+    masks = rl_advantages.filter_masks(rows, RLConfig(prs=True), keep, torch.Generator().manual_seed(0))
+    assert masks["prs"].tolist() == [False, True, False]  # Eq. 9 on every sample; incorrect: PR = 0
+    code = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_scope="correct"), keep,
+                                      torch.Generator().manual_seed(0))
+    assert code["prs"].tolist() == [False, True, True]  # released code: incorrect turns kept
+    hard = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_hard=True, prs_tau=0.85, prs_scope="correct"),
+                                      keep, torch.Generator())
     assert hard["prs"].tolist() == [False, True, True]
 
 
@@ -248,6 +253,32 @@ def test_micro_batching_leaves_the_gradient_unchanged(nano_model, agg):
         grads.append(optimizer.grads)
     for whole, accumulated in zip(*grads):
         assert torch.allclose(whole, accumulated, atol=1e-6)
+
+
+def test_the_kl_term_adds_kl_coef_times_the_reference_kl_to_the_loss(nano_model):
+    """TritonForge's "standard KL": loss = PPO loss + kl_coef · KL(pi || pi_ref), k3 per token, aggregated as
+    the loss; with pi_ref = pi the term is 0, and its gradient pulls the policy towards the reference."""
+    from accelerate import Accelerator
+
+    model, tokenizer = rl.load_policy(nano_model, RLConfig())
+    sample = rl_update.TokenSample(list(range(40, 45)), list(range(60, 63)))
+    pi = rl_update.policy_log_probs(model, [sample], 1.0, 10_000, tokenizer.pad_token_id, torch.device("cpu"))[0]
+
+    def update(ref_logp, **cfg):
+        optimizer = RecordingOptimizer(model)
+        item = rl_update.TrainItem(("t", 0, 1), sample, 0.0, pi, ref_logp)  # advantage 0: only the KL term acts
+        stats = rl_update.update_policy(Accelerator(cpu=True), model, optimizer, [item],
+                                        RLConfig(grad_clip=1e9, **cfg), tokenizer.pad_token_id,
+                                        torch.Generator().manual_seed(0))
+        return stats, torch.cat([g.flatten() for g in optimizer.grads])
+
+    stats, grads = update(pi, kl_coef=0.1)
+    assert stats["kl"] == pytest.approx(0.0, abs=1e-6) and grads.abs().max() < 1e-6
+    far = pi - 1.0  # a reference that finds every sampled token e times less likely
+    stats, grads = update(far, kl_coef=0.1, kl_estimator="k1")
+    assert stats["kl"] == pytest.approx(3.0, abs=1e-4)  # k1 summed over 3 tokens (seq-mean-token-sum)
+    assert stats["loss"] == pytest.approx(0.1 * 3.0, abs=1e-4) and grads.abs().max() > 0
+    assert "kl" not in update(far)[0]  # kl_coef 0 (the default): no term
 
 
 # ----------------------------------------------------------------------------- one iteration, killed and resumed

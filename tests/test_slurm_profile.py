@@ -124,3 +124,24 @@ def test_cpu_jobs_ask_for_cpus_and_no_gpu(paper_plan) -> None:
 def test_profile_passes_lint(workdir: Path, profile_form: str) -> None:
     result = snakemake(workdir, "--lint", profile_form, "workflow/profiles/slurm", *PAPER)
     assert "Congratulations" in result.stdout + result.stderr
+
+
+PAPER_14B = [*PAPER, "config/paper_14b.yaml"]
+KEVIN = [*PAPER, "config/ablations/kevin.yaml"]
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "workflow/profiles/slurm"]], ids=["local", "slurm"])
+def test_the_14b_run_and_the_kevin_preset_are_planned(workdir: Path, profile: list[str]) -> None:
+    result = snakemake(workdir, "-n", *profile, *PAPER_14B)
+    plan = planned_resources(result.stdout)
+    paper_14b = yaml.safe_load((ROOT / "config" / "paper_14b.yaml").read_text())
+    assert len(plan["rl_iter"]) == paper_14b["rl"]["iterations"]  # only the full recipe: base_run false
+    assert "results/models/rl-drkernel/iter=59" in result.stdout and "rl-paper-14b" not in result.stdout
+    assert "results/models/sft-paper-14b" in result.stdout
+    if profile:  # the 14B's GPUs: 8 per SFT / RL job, tensor parallel 2 for its evaluations
+        assert {job["gpu"] for job in plan["rl_iter"] + plan["sft"]} == {8}
+        served = [job for job in plan["eval"] if job["gpu"] == 2]
+        assert len(served) == 6  # drkernel-14b-sft and -rl x 3 levels
+        assert all(job["runtime"] > 0 and job["mem_mb"] > 0 for jobs in plan.values() for job in jobs)
+    kevin = planned_resources(snakemake(workdir, "-n", *profile, *KEVIN).stdout)
+    assert len(kevin["rl_iter"]) == 3 * yaml.safe_load((ROOT / "config" / "paper.yaml").read_text())["rl"]["iterations"]

@@ -17,7 +17,7 @@ REPO_REPORT = DEFAULT_SQL_DIR.parent / "report"
 def built(tmp_path):
     db = write_fixture(tmp_path)
     out = tmp_path / "tables"
-    return db, out, build_tables(db, out, n_boot=200)
+    return db, out, build_tables(db, out, n_boot=200, own_models=("m", "single"))  # both the pipeline's own
 
 
 def test_every_sql_file_gives_csv_and_markdown(built):
@@ -54,10 +54,10 @@ def test_markdown_states_the_convention_and_shows_last_turn_and_dagger(built):
     assert "speedup >= p" in md and "hacked counts" in md
     assert "The paper's rows (source = paper): 8 samples per task, 3 turns, turn 3 reported" in md
     lines = [line for line in md.splitlines() if line.startswith("| kpipe")]
-    assert len(lines) == 4  # models m and single, each at its last turn and best of history (†)
+    assert len(lines) == 8  # models m and single, at their last turn and best of history (†), both hack definitions
     cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
     m_last = next(row for row in cells if row[1] == "m")
-    assert m_last[4] == "3" and m_last[6] == "50.0"  # model m, turn 3, level 1 Fast@1
+    assert m_last[4] == "3" and m_last[6] == "kpipe" and m_last[8] == "50.0"  # model m, turn 3, level 1 Fast@1
     assert next(row for row in cells if row[1] == "m †")[4] == "1..3"
     paper = [row[1] for row in ([c.strip() for c in line.strip("|").split("|")] for line in md.splitlines()
                                 if line.startswith("| paper"))]

@@ -120,6 +120,11 @@ def test_every_stage_wrote_its_table(workdir):
     for name in ["table1_fastp_eager", "table2_fastp_compile", "hacking_ratio", "stts_curves", "rl_validation",
                  "kevin_budget"]:
         assert "| default " in (workdir / "results" / "tables" / f"{name}.md").read_text()  # rows of this run
+    table1 = (workdir / "results" / "tables" / "table1_fastp_eager.md").read_text()
+    hacks = {line.split("|")[7].strip() for line in table1.splitlines() if line.startswith("| kpipe ")}
+    assert hacks == {"kpipe", "paper"}  # both hack definitions, from the same rows (issue 30)
+    with open(workdir / "results" / "tables" / "hacking_ratio.csv") as handle:
+        assert {"hacking_ratio", "hacking_ratio_paper", "checks"} <= set(next(csv.DictReader(handle)))
     with open(workdir / "results" / "tables" / "kevin_budget.csv") as handle:
         budget = [row for row in csv.DictReader(handle) if row["source"] == "kpipe" and row["full_budget"] == "True"]
     assert sorted((row["trajectories"], row["turns"]) for row in budget) == [("2", "4"), ("4", "2"), ("8", "1")]

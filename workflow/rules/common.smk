@@ -128,8 +128,10 @@ def final_targets():
 # RL iterations (rules/rl.smk)
 RL = config["rl"]
 RL_ITERATIONS = RL["iterations"]
-RL_DAG_KEYS = ("iterations", "runs", "gpus", "keep_optimizer_states", "validation")  # not a result of rl_iter
-RL_RUNS = {RUN: {}, **RL["runs"]}
+RL_DAG_KEYS = ("iterations", "runs", "base_run", "gpus", "keep_optimizer_states", "validation")  # not a result of rl_iter
+RL_RUNS = {**({RUN: {}} if RL["base_run"] else {}), **RL["runs"]}
+if not RL_RUNS:
+    raise ValueError("config error: rl.base_run is false and rl.runs is empty: no RL run to train")
 
 
 def rl_settings(run):
@@ -213,7 +215,10 @@ def pipeline_checkpoint(name):
         return []
     if entry["source"] == "sft":
         return f"{RESULTS}/models/sft-{RUN}"
-    return rl_final_model()  # rules/rl.smk: the directory of the last RL iteration's checkpoint
+    run = entry.get("rl_run") or RUN  # which RL run's last checkpoint (rules/rl.smk)
+    if run not in RL_RUNS:
+        raise ValueError(f"config error: models.{name}.rl_run: {run!r} is not an RL run ({', '.join(RL_RUNS)})")
+    return rl_final_model(run)
 
 
 def eval_parts():
@@ -258,6 +263,12 @@ def stts_parts():
 # Tables and figures (rules/tables.smk)
 SQL_DIR = (Path(workflow.current_basedir) / ".." / "sql").resolve()
 TABLE_NAMES = [path.stem for path in table_sql_files(SQL_DIR)]
+
+
+def own_models():
+    """The models the Fast@p tables report at their last turn (tables.own_models; default: kind pipeline)."""
+    named = config["tables"]["own_models"]
+    return named if named is not None else [entry["name"] for entry in config["models"] if entry["kind"] == "pipeline"]
 
 
 def report_tables():

@@ -17,6 +17,7 @@ rule rl_iter:
     input:
         queries=f"{RESULTS}/queries/queries.parquet",
         model=rl_init_model,
+        reference=f"{RESULTS}/models/sft-{RUN}",  # the KL term's reference policy (rl.kl_coef > 0)
     output:
         model=directory(f"{RESULTS}/models/rl-{{run}}/iter={{iter}}"),
         trajectories=f"{RESULTS}/trajectories/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",

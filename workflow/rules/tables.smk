@@ -13,6 +13,8 @@ rule tables:
         *report_tables(),
     params:
         n_boot=config["tables"]["n_boot"],
+        report_turn=config["tables"]["report_turn"],
+        own_models=own_models(),
         sql_dir=str(SQL_DIR),
         code=code_version("report/tables.py", "report/paper_numbers.py", "data/metrics.py"),
     log:

@@ -9,4 +9,5 @@ job = snakemake  # noqa: F821 (injected by Snakemake)
 rl_job(job.input.queries, job.input.model, job.output.model, job.output.trajectories, job.output.metrics,
        job.params.scratch, run=job.wildcards.run, iteration=int(job.wildcards.iter),
        init_state=job.params.init_state, state_out=job.params.state, drop_init_state=job.params.drop_init_state,
-       settings=job.params.settings, gym=job.params.gym, gpus=int(job.resources.gpu), log=job.log[0])
+       settings=job.params.settings, gym=job.params.gym, gpus=int(job.resources.gpu), log=job.log[0],
+       reference_model=job.input.reference)

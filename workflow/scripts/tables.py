@@ -9,5 +9,7 @@ with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
 
     out_dir = Path(job.output[0]).parent
     sql_dir = Path(job.params.sql_dir)  # the checkout's SQL (the inputs are its rerun triggers)
-    for name, path in build_tables(Path(job.input.db), out_dir, sql_dir, n_boot=job.params.n_boot).items():
+    written = build_tables(Path(job.input.db), out_dir, sql_dir, n_boot=job.params.n_boot,
+                           report_turn=job.params.report_turn, own_models=job.params.own_models)
+    for name, path in written.items():
         print(f"{name}: {path}")

@@ -2,10 +2,38 @@
 -- The base views (tasks, queries, evals, trajectories, train_metrics) are created over
 -- results/<table>/**/*.parquet by kpipe.data.db.build_db before this file runs.
 
--- Every turn with its task's KernelBench level and name (queries have no level row here).
+-- Which KernelGym check a hack reason (evals.hack_reasons, kpipe.gym.evaluation) comes from. The
+-- paper's one check is `no_triton_launch`: "no Triton kernel executed in training or evaluation mode"
+-- (reason "no_triton_launch: no Triton kernel ran in train() / eval() mode"). Every other code is one of
+-- kpipe's stricter checks: `static_screen` (reject_findings), `no_triton_launch_timed` (the timed calls
+-- launched none), ghost_replay, monkey_patch, side_thread, tensor_subclass, input_mutation,
+-- timed_output_mismatch, timing_inconsistent, speedup_not_reproduced, integrity.
+CREATE OR REPLACE MACRO hack_check(reason) AS
+    CASE WHEN reason LIKE 'static %' THEN 'static_screen'
+         WHEN reason LIKE 'no_triton_launch: no Triton kernel ran in %' THEN 'no_triton_launch'
+         WHEN reason LIKE 'no_triton_launch:%' THEN 'no_triton_launch_timed'
+         ELSE split_part(reason, ':', 1) END;
+
+-- Every turn with its task's KernelBench level and name (queries have no level row here), and for a
+-- hacked turn the checks that fired: hack_checks (its hack_check codes, sorted, comma-separated;
+-- 'unrecorded' when the evals table has no reasons for it) and hacked_paper
+-- (hacked by the paper's definition: its no_triton_launch check fired).
 CREATE OR REPLACE VIEW turns AS
-SELECT t.*, k.level, k.name AS task_name, k.version AS kernelbench_version
-FROM trajectories t
+WITH reasons AS (
+    SELECT key AS eval_key, any_value(hack_reasons) AS hack_reasons FROM evals GROUP BY key
+),
+checks AS (
+    SELECT t.*, r.hack_reasons,
+           CASE WHEN coalesce(t.hacked, false) THEN
+               coalesce(nullif(array_to_string(list_sort(list_distinct(list_transform(r.hack_reasons, lambda x: hack_check(x)))), ','), ''),
+                        'unrecorded') END AS hack_checks
+    FROM trajectories t
+    LEFT JOIN reasons r USING (eval_key)
+)
+SELECT c.*, k.level, k.name AS task_name, k.version AS kernelbench_version,
+       coalesce(c.hacked, false) AND coalesce(list_contains(string_split(c.hack_checks, ','), 'no_triton_launch'), false)
+           AS hacked_paper
+FROM checks c
 LEFT JOIN tasks k USING (task_id);
 
 -- Training curves: one row per (run, stage, iteration, step, metric).
@@ -25,11 +53,15 @@ ORDER BY run, stage, iteration, step, name;
 -- ---------------------------------------------------------------------------------------
 
 -- Every trajectory of the eval, stts, rl_val (RL validation) and budget (Kevin's test-time budget)
--- stages x every turn 1..last_turn of its group.
+-- stages x every turn 1..last_turn of its group. `correct` is kpipe's definition (any check hacked
+-- counts as incorrect). The paper's ("hacked" = its no_triton_launch check fired) from the same rows:
+-- a turn only kpipe's stricter checks rejected (`unjudged`) was never timed, as KernelGym stops at the
+-- first failed check, so under the paper's definition its correctness and speedup are unknown; the
+-- paper-definition Fast@p lies between kpipe's and kpipe's with every unjudged turn counted as fast.
 CREATE OR REPLACE VIEW sample_turns AS
 WITH evaluated AS (
     SELECT run, stage, iteration, model, level, task_id, sample, turn, status, correct, hacked,
-           speedup_eager, speedup_compile
+           hack_checks, hacked_paper, speedup_eager, speedup_compile
     FROM turns
     WHERE stage IN ('eval', 'stts', 'rl_val', 'budget')
 ),
@@ -49,6 +81,9 @@ SELECT g.run, g.stage, g.iteration, g.model, g.level, g.task_id, g.sample, g.tur
        e.turn IS NOT NULL AS reached,
        e.status,
        coalesce(e.hacked, false) AS hacked,
+       e.hack_checks,
+       coalesce(e.hacked_paper, false) AS hacked_paper,
+       coalesce(e.hacked, false) AND NOT coalesce(e.hacked_paper, false) AS unjudged,
        coalesce(e.correct, false) AND NOT coalesce(e.hacked, false) AS correct,
        CASE WHEN coalesce(e.correct, false) AND NOT coalesce(e.hacked, false) AND NOT isnan(e.speedup_eager)
             THEN e.speedup_eager END AS speedup_eager,
@@ -60,6 +95,8 @@ LEFT JOIN evaluated e USING (run, stage, iteration, model, task_id, sample, turn
 -- One row per (trajectory, turn, baseline, history): whether it counts toward Fast@p.
 -- history = 'last': the kernel of that turn; 'best': the best correct kernel of turns 1..turn
 -- (the paper's † rows, Figure 6 right). source_turn: the turn whose kernel the row stands for.
+-- hacked, hacked_paper, hack_checks: the kernel of `turn`; unjudged: that kernel ('last') or one of
+-- turns 1..turn ('best') was rejected only by kpipe's stricter checks (see sample_turns).
 CREATE OR REPLACE VIEW fastp_samples AS
 WITH running AS (
     SELECT *,
@@ -68,26 +105,28 @@ WITH running AS (
            max(speedup_compile) OVER history AS best_compile,
            arg_max(turn, speedup_eager) OVER history AS best_eager_turn,
            arg_max(turn, speedup_compile) OVER history AS best_compile_turn,
-           max(CASE WHEN correct THEN turn END) OVER history AS last_correct_turn
+           max(CASE WHEN correct THEN turn END) OVER history AS last_correct_turn,
+           bool_or(unjudged) OVER history AS best_unjudged
     FROM sample_turns
     WINDOW history AS (PARTITION BY run, stage, iteration, model, task_id, sample ORDER BY turn
                        ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
 ),
 cells AS (
-    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn,
-           'eager' AS baseline, 'last' AS history, correct, speedup_eager AS speedup, turn AS source_turn
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn, hacked, hacked_paper, hack_checks,
+           'eager' AS baseline, 'last' AS history, correct, speedup_eager AS speedup, turn AS source_turn,
+           unjudged
     FROM running
     UNION ALL
-    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn,
-           'compile', 'last', correct, speedup_compile, turn
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn, hacked, hacked_paper, hack_checks,
+           'compile', 'last', correct, speedup_compile, turn, unjudged
     FROM running
     UNION ALL
-    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn,
-           'eager', 'best', best_correct, best_eager, coalesce(best_eager_turn, last_correct_turn)
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn, hacked, hacked_paper, hack_checks,
+           'eager', 'best', best_correct, best_eager, coalesce(best_eager_turn, last_correct_turn), best_unjudged
     FROM running
     UNION ALL
-    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn,
-           'compile', 'best', best_correct, best_compile, coalesce(best_compile_turn, last_correct_turn)
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn, hacked, hacked_paper, hack_checks,
+           'compile', 'best', best_correct, best_compile, coalesce(best_compile_turn, last_correct_turn), best_unjudged
     FROM running
 )
 SELECT *,

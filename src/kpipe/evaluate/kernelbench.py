@@ -52,7 +52,7 @@ MODEL_KINDS = ("hf", "vllm", "openai", "offline_teacher", "pipeline")
 API_KINDS = ("openai", "offline_teacher")  # answers cost money or time: cache them
 CHECKPOINT_KINDS = ("hf", "vllm", "pipeline")  # a local checkpoint: may be served with `serve: vllm`
 SERVERS = ("vllm",)
-NOT_ENGINE_KEYS = ("name", "kind", "source", "engine", "serve", "vllm_server", "sampling")  # the entry's, not the engine's
+NOT_ENGINE_KEYS = ("name", "kind", "source", "rl_run", "engine", "serve", "vllm_server", "sampling")  # the entry's, not the engine's
 SERVER_SET_CLIENT_KEYS = {"model", "base_url", "api_key_env", "progress"}  # set by the job for a served model
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # Paper §6.1: 8 samples, 3 turns, 8,192 generated tokens per turn, 32,768 in all.
@@ -74,6 +74,8 @@ def check_model(entry: Mapping[str, Any]) -> None:
         raise ValueError(f"models.{name}: kind openai needs the served `model` name")
     if kind == "pipeline" and entry.get("source") not in ("sft", "rl"):
         raise ValueError(f"models.{name}: kind pipeline needs `source: sft` or `source: rl`")
+    if "rl_run" in entry and (kind != "pipeline" or entry.get("source") != "rl"):
+        raise ValueError(f"models.{name}: `rl_run` names the RL run of a `kind: pipeline, source: rl` model")
     serve = entry.get("serve")
     if serve is not None and (serve not in SERVERS or kind not in CHECKPOINT_KINDS):
         raise ValueError(f"models.{name}: `serve: {serve}` needs serve: {' | '.join(SERVERS)} and a checkpoint kind "

@@ -3,7 +3,7 @@ candidate's own Triton kernels, from the torch profiler on a GPU or host clocks 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -13,9 +13,7 @@ from kpipe.gym.timing import Clocks
 
 
 def profile_cuda(forward: Callable[[], Any], launched: set[str], runs: int = 3) -> dict[str, Any]:
-    """Paper Eq. 7: PR = device time of the launched Triton kernels (exact names) / device
-    time of all GPU kernels (memcpy/memset are not kernels)."""
-    from torch.autograd import DeviceType
+    """Paper Eq. 7: PR = device time of the launched Triton kernels (exact names) / total CUDA time."""
     from torch.profiler import ProfilerActivity, profile
 
     forward()
@@ -24,13 +22,21 @@ def profile_cuda(forward: Callable[[], Any], launched: set[str], runs: int = 3) 
         for _ in range(runs):
             forward()
         torch.cuda.synchronize()
-    per_kernel: dict[str, float] = {}
-    for event in prof.events():
-        name = getattr(event, "trace_name", None) or event.name  # trace_name: not shortened
-        if event.device_type != DeviceType.CUDA or name.startswith(("Memcpy", "Memset")):
+    return profile_summary(cuda_time_per_name(prof.events(), runs), launched | instrument.COMPILED_NAMES, "cuda")
+
+
+def cuda_time_per_name(events: Iterable[Any], runs: int) -> dict[str, float]:
+    """Mean device ms per run of every CUDA event by name. Eq. 7's T_total is "the overall CUDA execution
+    time", so memcpy and memset count too: a kernel that adds copies is charged for them."""
+    from torch.autograd import DeviceType
+
+    per_name: dict[str, float] = {}
+    for event in events:
+        if event.device_type != DeviceType.CUDA:
             continue
-        per_kernel[name] = per_kernel.get(name, 0.0) + event.time_range.elapsed_us() / 1e3 / runs
-    return profile_summary(per_kernel, launched | instrument.COMPILED_NAMES, "cuda")
+        name = getattr(event, "trace_name", None) or event.name  # trace_name: not shortened
+        per_name[name] = per_name.get(name, 0.0) + event.time_range.elapsed_us() / 1e3 / runs
+    return per_name
 
 
 def profile_cpu(forward: Callable[[], Any], clocks: Clocks, runs: int = 2) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from kpipe.infra.config import REPO_ROOT
-from kpipe.report.tables import DEFAULT_SQL_DIR, build_tables
+from kpipe.report.tables import DEFAULT_SQL_DIR, REPORT_TURNS, build_tables
 
 @click.group()
 def tables() -> None:
@@ -23,10 +23,16 @@ def tables() -> None:
               type=click.Path(file_okay=False))
 @click.option("--sql-dir", default=str(DEFAULT_SQL_DIR), show_default=True, type=click.Path(file_okay=False))
 @click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates per Fast@p cell (0: none).")
-def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int) -> None:
+@click.option("--report-turn", type=click.Choice(REPORT_TURNS), default="paper", show_default=True,
+              help="Turn of the Fast@p rows: paper (own models last, baselines best), last or best.")
+@click.option("--own-model", "own_models", multiple=True,
+              help="A model of this pipeline (reported at its last turn under --report-turn paper); repeatable.")
+def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int, report_turn: str,
+                  own_models: tuple[str, ...]) -> None:
     """Write results/tables/<name>.md and .csv for every workflow/sql/<name>.sql."""
     try:
-        written = build_tables(Path(db_path), Path(out_dir), Path(sql_dir), n_boot)
+        written = build_tables(Path(db_path), Path(out_dir), Path(sql_dir), n_boot, report_turn=report_turn,
+                               own_models=own_models)
     except (FileNotFoundError, RuntimeError) as error:
         raise click.ClickException(str(error)) from None
     for name, path in written.items():

@@ -10,7 +10,7 @@ task are correlated.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -29,6 +29,14 @@ FAST_TABLES = {"table1_fastp_eager": ("eager", TABLE1_EAGER), "table2_fastp_comp
 FAST_KEYS = ["run", "iteration", "model", "level", "baseline", "turn", "history"]
 FAST_LABELS = {"fast_1": "Fast@1", "fast_1_2": "Fast@1.2", "fast_1_5": "Fast@1.5", "fast_2": "Fast@2"}
 LEVELS = (1, 2, 3)
+HACK_DEFINITIONS = ("kpipe", "paper")  # any KernelGym check; the paper's (no Triton kernel in train or eval mode)
+REPORT_TURNS = ("paper", "last", "best")  # config tables.report_turn (turn_rule)
+REPORT_TURN_NOTES = {
+    "paper": "the pipeline's own models at their last turn, every other model (a baseline) at its best turn "
+             "by mean Fast@p (the last unless an earlier one is better), as paper §6.1",
+    "last": "every model at its last evaluated turn",
+    "best": "every model at its best turn by mean Fast@p",
+}
 STTS_PAPER_LEVELS = {1: (18.8, 25.1), 2: (31.6, 47.8), 3: (3.0, 7.3)}  # Table 1, Dr. Kernel-14B-STTS(†) Fast@1.2
 
 
@@ -134,37 +142,82 @@ def paper_fast_rows(rows: Sequence[FastRow], baseline: str) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
-def last_turn_rows(table: pd.DataFrame) -> pd.DataFrame:
-    """Per (run, iteration, model): the rows of its last evaluated turn (what the paper reports)."""
-    last = table.groupby(["run", "iteration", "model"])["turn"].transform("max")
-    return table[table["turn"] == last]
+def best_turn(rows: pd.DataFrame) -> int:
+    """§6.1's "best average performance" of one model: the turn whose Fast@p, averaged over p and levels,
+    is highest (ties: the later turn, so a model without a better earlier turn reports its last)."""
+    means = rows.groupby("turn")[list(FAST_COLUMNS)].mean().mean(axis=1)
+    return int(max(means.index, key=lambda turn: (means[turn], turn)))
+
+
+def turn_rule(model: str, report_turn: str, own_models: Collection[str]) -> str:
+    """Which turn a model's row reports: `last` or `best`. ``paper`` (§6.1): "turn 3 for our models and for
+    most baselines [...] For baselines whose best average performance is achieved at an earlier turn, we
+    instead report their best-performing turn": the pipeline's own models at the last turn, baselines at
+    their best (which is the last unless an earlier turn is better)."""
+    if report_turn not in REPORT_TURNS:
+        raise ValueError(f"report_turn must be one of {REPORT_TURNS}, got {report_turn!r}")
+    if report_turn == "paper":
+        return "last" if model in own_models else "best"
+    return report_turn
+
+
+def reported_rows(table: pd.DataFrame, report_turn: str = "paper", own_models: Collection[str] = ()) -> pd.DataFrame:
+    """Per (run, iteration, model): the rows of the turn its row reports (`turn_rule`) and, for the best
+    of history (†), of its last turn (best of turns 1..T), with `reported` = "last" or "best"."""
+    parts = []
+    for (_, _, model), rows in table.groupby(["run", "iteration", "model"], sort=False, dropna=False):
+        last = int(rows["turn"].max())
+        rule = turn_rule(model, report_turn, own_models)
+        per_turn = rows[rows["history"] == "last"]
+        turn = best_turn(per_turn) if rule == "best" and not per_turn.empty else last
+        chosen = rows[((rows["history"] == "last") & (rows["turn"] == turn))
+                      | ((rows["history"] == "best") & (rows["turn"] == last))]
+        parts.append(chosen.assign(reported=rule, last_turn=last))
+    return pd.concat(parts) if parts else table.assign(reported=pd.Series(dtype=str), last_turn=pd.Series(dtype=int))
 
 
 def _cell(value: float | None) -> str:
     return "—" if value is None or pd.isna(value) else f"{value:.1f}"
 
 
-def fast_wide(table: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """The paper's layout: one row per model (and history), Fast@p columns per level; ours at
-    the last turn, then the paper's rows."""
+def _range_cell(low: float | None, high: float | None) -> str:
+    """A paper-definition cell: one number when no sample is unjudged, else the interval it lies in."""
+    return _cell(low) if low is None or pd.isna(low) or high == low else f"{low:.1f}–{high:.1f}"
+
+
+def _turn_label(history: str, turn: int, rule: str, last: int) -> str:
+    if history == "best":
+        return f"1..{turn}"
+    return f"{turn} (best of 1..{last})" if rule == "best" else str(turn)
+
+
+def fast_wide(table: pd.DataFrame, paper: pd.DataFrame, report_turn: str = "paper",
+              own_models: Collection[str] = ()) -> pd.DataFrame:
+    """The paper's layout: one row per model, history and hack definition, Fast@p columns per level; ours at
+    the turn `report_turn` picks, each as kpipe's definition and the paper's (a range where samples only
+    kpipe's checks rejected leave it open), then the paper's rows (their own definition)."""
     records = []
-    ours = last_turn_rows(table)
+    ours = reported_rows(table, report_turn, own_models)
     for (run, iteration, model, history), group in ours.groupby(["run", "iteration", "model", "history"], sort=False):
         by_level = group.set_index("level")
         turn = int(group["turn"].iloc[0])
-        record = {"source": "kpipe", "model": model + (" †" if history == "best" else ""), "run": run,
-                  "iteration": iteration, "turn": turn if history == "last" else f"1..{turn}",
+        common = {"model": model + (" †" if history == "best" else ""), "run": run, "iteration": iteration,
+                  "turn": _turn_label(history, turn, group["reported"].iloc[0], int(group["last_turn"].iloc[0])),
                   "n per level": "/".join(str(int(by_level.loc[lv, "n_samples"])) if lv in by_level.index else "—"
                                           for lv in LEVELS)}
-        for level in LEVELS:
-            for column in FAST_COLUMNS:
-                value = by_level.loc[level, column] if level in by_level.index else None
-                record[f"L{level} {FAST_LABELS[column]}"] = _cell(value)
-        records.append(record)
+        for hacks in HACK_DEFINITIONS:
+            column = "n_hacked" if hacks == "kpipe" else "n_hacked_paper"
+            record = {"source": "kpipe", **common, "hacks": hacks, "hacked": int(group[column].sum())}
+            for level in LEVELS:
+                for fast in FAST_COLUMNS:
+                    low = by_level.loc[level, fast] if level in by_level.index else None
+                    high = by_level.loc[level, f"{fast}_paper_hi"] if level in by_level.index else None
+                    record[f"L{level} {FAST_LABELS[fast]}"] = _cell(low) if hacks == "kpipe" else _range_cell(low, high)
+            records.append(record)
     for (model, history, turn), group in paper.groupby(["model", "history", "reported_turn"], sort=False):
         by_level = group.set_index("level")
         record = {"source": "paper", "model": model + (" †" if history == "best" else ""), "run": "", "iteration": "",
-                  "turn": turn, "n per level": ""}
+                  "turn": turn, "n per level": "", "hacks": "paper", "hacked": ""}
         for level in LEVELS:
             for column in FAST_COLUMNS:
                 record[f"L{level} {FAST_LABELS[column]}"] = _cell(by_level.loc[level, column])
@@ -243,8 +296,10 @@ def markdown(name: str, notes: list[str], body: str, paper: pd.DataFrame | None)
     return "\n".join(parts) + "\n"
 
 
-def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """Run one table's SQL and write its .csv and .md; returns the CSV frame."""
+def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000, seed: int = 0,
+                report_turn: str = "paper", own_models: Collection[str] = ()) -> pd.DataFrame:
+    """Run one table's SQL and write its .csv and .md; returns the CSV frame. `report_turn` and `own_models`
+    (the pipeline's own models, the rest being baselines) choose the turn of the Fast@p rows (`turn_rule`)."""
     name = sql_file.stem
     notes = header_comment(sql_file.read_text())
     table = run_table_sql(db_path, sql_file)
@@ -253,9 +308,13 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
         baseline, rows = FAST_TABLES[name]
         table = with_bootstrap_ci(table, fast_samples(db_path, baseline), n_boot, seed)
         paper_long = paper_fast_rows(rows, baseline)
-        body = markdown_frame(fast_wide(table, paper_long), preformatted=True)
-        notes = notes + ["", f"Our rows: the last evaluated turn and (†) the best of turns 1..T; "
+        body = markdown_frame(fast_wide(table, paper_long, report_turn, own_models), preformatted=True)
+        notes = notes + ["", f"Our rows: {REPORT_TURN_NOTES[report_turn]}, and (†) the best of turns 1..T; "
                          f"95% task-bootstrap intervals ({n_boot} replicates) in the CSV (`*_lo`, `*_hi`).",
+                         "hacks = kpipe: any KernelGym check rejects; hacks = paper: only \"no Triton kernel "
+                         "executed in training or evaluation mode\" does. A range (a–b) is open because "
+                         "KernelGym never timed samples only kpipe's checks rejected; `hacked`: samples hacked "
+                         "by that definition at the reported turns (all levels).",
                          f"The paper's rows (source = paper): {REPORTING}"]
         csv = pd.concat([table.assign(source="kpipe"), paper_long], ignore_index=True)
     else:
@@ -272,12 +331,12 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
 
 
 def build_tables(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR, n_boot: int = 1000,
-                 seed: int = 0) -> dict[str, Path]:
+                 seed: int = 0, report_turn: str = "paper", own_models: Collection[str] = ()) -> dict[str, Path]:
     """Every table of `sql_dir` into `out_dir`; returns name -> markdown path."""
     if not Path(db_path).exists():
         raise FileNotFoundError(f"no database at {db_path}: build it first (kpipe query --rebuild)")
     written = {}
     for sql_file in table_sql_files(sql_dir):
-        build_table(Path(db_path), sql_file, Path(out_dir), n_boot, seed)
+        build_table(Path(db_path), sql_file, Path(out_dir), n_boot, seed, report_turn, own_models)
         written[sql_file.stem] = Path(out_dir) / f"{sql_file.stem}.md"
     return written

@@ -26,6 +26,11 @@ from kpipe.train.turn_rewards import kernel_compiled
 GroupKeys = Sequence[Hashable] | torch.Tensor
 Singleton = Literal["zero", "return"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+PRSScope = Literal["all", "correct"]
+KLEstimator = Literal["k1", "low_var_kl"]
+KL_ESTIMATORS: tuple[KLEstimator, ...] = ("k1", "low_var_kl")
+KL_CLAMP = 10.0  # verl / slime clamp of the low_var_kl estimate
+PRS_SCOPES: tuple[PRSScope, ...] = ("all", "correct")
 
 KEVIN_GAMMA = 0.4  # Kevin §4.3: discount of the sum over later turns' scores
 MRS_DELTA = 1e-3  # Eq. 6: keep w in [1 - delta, 1 + delta]
@@ -261,6 +266,17 @@ def grpo_std_advantages(
     return grpo_advantages(returns, group_keys, valid, normalize_std=True)
 
 
+def kevin_advantages(
+    returns: torch.Tensor | Sequence[float],
+    prompt_ids: Sequence[Hashable],
+    valid: torch.Tensor | Sequence[bool] | None = None,
+) -> torch.Tensor:
+    """Kevin §4: "For each task, we normalize the rewards across the samples for advantage calculation":
+    A = (G - mean) / std over every valid row of the task, all its trajectories and turns together
+    (not per (prompt, turn) as Eq. 3 / Eq. 5), then the GRPO loss."""
+    return grpo_advantages(returns, list(prompt_ids), valid, normalize_std=True)
+
+
 AdvantageFn = Callable[..., torch.Tensor]
 # Estimators over per-row returns grouped by (prompt, turn): fn(returns, group_keys, valid).
 ADVANTAGES: dict[str, AdvantageFn] = {
@@ -329,25 +345,33 @@ def _prs_inputs(
     return pr, eligible
 
 
+def _prs_scoped(keep: torch.Tensor, eligible: torch.Tensor, scope: PRSScope) -> torch.Tensor:
+    """Eq. 9 filters every sample (scope "all"); the released code only correct, non-hacked ones ("correct")."""
+    if scope == "all":
+        return keep
+    if scope == "correct":
+        return torch.where(eligible, keep, torch.ones_like(keep))
+    raise ValueError(f"PRS scope must be one of {PRS_SCOPES}, got {scope!r}")
+
+
 def prs_keep_probability(
     pr: torch.Tensor | Sequence[float | None],
     correct: torch.Tensor | Sequence[bool],
     hacked: torch.Tensor | Sequence[bool],
     tau: float = PRS_TAU,
     softness: float = PRS_SOFTNESS,
-    correct_only: bool = True,
+    scope: PRSScope = "all",
 ) -> torch.Tensor:
-    """Eq. 9 (PRS): p = clip((PR - tau) / s, 0, 1).
+    """Eq. 9 (PRS): p_{i,t} = clip((PR_{i,t} - tau) / s, 0, 1) "for each sample (i, t)".
 
-    PR exists only for correct kernels (Eq. 8), so by default PRS filters correct,
-    non-hacked turns and keeps the others (p = 1), as the released code does. With
-    ``correct_only=False`` every row is filtered by its PR, a missing PR counting as 0.
+    A missing PR (no profile: an incorrect, hacked or unprofiled kernel) counts as 0, so with the
+    paper's scope ``"all"`` such a sample is dropped. ``scope="correct"`` is the released code:
+    only correct, non-hacked turns are filtered; the others are kept (p = 1).
     """
     if softness <= 0:
         raise ValueError(f"PRS softness s must be > 0, got {softness} (use prs_hard_keep for a hard cut)")
     pr, eligible = _prs_inputs(pr, correct, hacked)
-    probability = ((pr - tau) / softness).clamp(0.0, 1.0)
-    return torch.where(eligible, probability, torch.ones_like(probability)) if correct_only else probability
+    return _prs_scoped(((pr - tau) / softness).clamp(0.0, 1.0), eligible, scope)
 
 
 def prs_hard_keep(
@@ -355,12 +379,11 @@ def prs_hard_keep(
     correct: torch.Tensor | Sequence[bool],
     hacked: torch.Tensor | Sequence[bool],
     tau: float = PRS_TAU,
-    correct_only: bool = True,
+    scope: PRSScope = "all",
 ) -> torch.Tensor:
     """Appendix D ablation "w/o s": keep iff PR >= tau (same scope as `prs_keep_probability`)."""
     pr, eligible = _prs_inputs(pr, correct, hacked)
-    keep = pr >= tau
-    return torch.where(eligible, keep, torch.ones_like(keep)) if correct_only else keep
+    return _prs_scoped(pr >= tau, eligible, scope)
 
 
 def bernoulli_keep(probability: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -623,6 +646,26 @@ def ppo_clip_policy_loss(
         stats["dual_clip_frac"] = masked_mean(dual_bound.to(logp.dtype), mask).item()
     stats["approx_kl"] = masked_mean(-log_ratio, mask).item()
     return aggregate_loss(loss, mask, agg_mode), stats
+
+
+def kl_per_token(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "low_var_kl") -> torch.Tensor:
+    """A per-token estimate of KL(pi_theta || pi_ref) from the sampled tokens' log-probs (Schulman's estimators).
+
+    k1: log pi - log pi_ref (unbiased, can be negative); low_var_kl (k3): exp(r) - r - 1 with r = log pi_ref -
+    log pi (unbiased, never negative, lower variance), clamped to [-10, 10] as verl and slime's ``low_var_kl``.
+    """
+    if estimator == "k1":
+        return logp - ref_logp
+    if estimator == "low_var_kl":
+        log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)
+        return (log_ratio.exp() - log_ratio - 1.0).clamp(-KL_CLAMP, KL_CLAMP)
+    raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def kl_loss(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: KLEstimator,
+            agg_mode: AggMode) -> torch.Tensor:
+    """The KL regulariser added to the policy loss (kl_coef times this), aggregated as the policy loss is."""
+    return aggregate_loss(kl_per_token(logp, ref_logp, estimator), mask, agg_mode)
 
 
 def log_probs_from_logits(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

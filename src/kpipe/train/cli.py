@@ -147,9 +147,11 @@ def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Pat
 @click.option("--drop-init-state", is_flag=True, help="delete --init-state once this iteration is done")
 @click.option("--settings", default="{}", help="RLConfig values as a JSON/YAML mapping (the `rl` config section)")
 @click.option("--gym", "gym_settings", default="{}", help="the `gym` config section as a JSON/YAML mapping")
+@click.option("--reference-model", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="the KL term's reference policy (the run's SFT model); used when kl_coef > 0")
 def rl_command(queries: Path, init_model: Path, model_out: Path, trajectories_path: Path, metrics_path: Path,
                scratch: Path, run: str, iteration: int, init_state: Path | None, state_out: Path | None,
-               drop_init_state: bool, settings: str, gym_settings: str) -> None:
+               drop_init_state: bool, settings: str, gym_settings: str, reference_model: Path | None) -> None:
     """One RL iteration; rerunning resumes its unfinished work. Several GPUs: under `kpipe launch`."""
     from accelerate import PartialState
 
@@ -163,7 +165,8 @@ def rl_command(queries: Path, init_model: Path, model_out: Path, trajectories_pa
         raise click.UsageError(str(error)) from error
     result = run_iteration(cfg, training_tasks(queries, cfg.max_prompts), init_model, model_out, trajectories_path,
                            metrics_path, scratch, run=run, iteration=iteration, init_state=init_state,
-                           state_out=state_out, gym=yaml_mapping(gym_settings, "--gym"))
+                           state_out=state_out, gym=yaml_mapping(gym_settings, "--gym"),
+                           reference_model=reference_model)
     if PartialState().is_main_process:
         if drop_init_state and init_state is not None:
             drop_optimizer_state(init_state)  # the next iteration needs only this one's

@@ -47,9 +47,10 @@ def sft_job(trajectories: Sequence[PathLike], work_dir: PathLike, settings: Mapp
 def rl_arguments(queries: PathLike, init_model: PathLike, model_out: PathLike, trajectories: PathLike,
                  metrics: PathLike, scratch: PathLike, *, run: str, iteration: int, init_state: PathLike | None,
                  state_out: PathLike, drop_init_state: bool, settings: Mapping[str, Any] | str,
-                 gym: Mapping[str, Any] | str) -> list[str]:
+                 gym: Mapping[str, Any] | str, reference_model: PathLike | None = None) -> list[str]:
     """``train rl ...``: one iteration from `init_model` (and the previous iteration's optimizer
-    state `init_state`, none for iteration 0), partial work in `scratch`."""
+    state `init_state`, none for iteration 0), partial work in `scratch`; `reference_model`: the KL
+    term's reference policy."""
     args = ["train", "rl", "--queries", str(queries), "--init-model", str(init_model), "--model-out", str(model_out),
             "--trajectories", str(trajectories), "--metrics", str(metrics), "--scratch", str(scratch),
             "--run", run, "--iteration", str(iteration)]
@@ -58,15 +59,18 @@ def rl_arguments(queries: PathLike, init_model: PathLike, model_out: PathLike, t
     args += ["--state-out", str(state_out)]
     if drop_init_state:
         args.append("--drop-init-state")
+    if reference_model:
+        args += ["--reference-model", str(reference_model)]
     return [*args, "--settings", _settings(settings), "--gym", _settings(gym)]
 
 
 def rl_job(queries: PathLike, init_model: PathLike, model_out: PathLike, trajectories: PathLike, metrics: PathLike,
            scratch: PathLike, *, run: str, iteration: int, init_state: PathLike | None, state_out: PathLike,
            drop_init_state: bool, settings: Mapping[str, Any] | str, gym: Mapping[str, Any] | str, gpus: int,
-           log: PathLike | None = None) -> NoReturn:
+           log: PathLike | None = None, reference_model: PathLike | None = None) -> NoReturn:
     """Rule `rl_iter`: one RL iteration (``kpipe.train.rl.run_iteration``) on `gpus` GPUs; this
     process becomes the launch."""
     exec_launch(gpus, rl_arguments(queries, init_model, model_out, trajectories, metrics, scratch, run=run,
                                    iteration=iteration, init_state=init_state, state_out=state_out,
-                                   drop_init_state=drop_init_state, settings=settings, gym=gym), log)
+                                   drop_init_state=drop_init_state, settings=settings, gym=gym,
+                                   reference_model=reference_model), log)

@@ -187,10 +187,11 @@ def gym_protocol(cfg: RLConfig, base: Mapping[str, Any] | None) -> Any:
 
 def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: Any, model: Any, optimizer: Any,
                       tokenizer: Any, filter_generator: torch.Generator, shuffle_generator: torch.Generator,
-                      progress: bool) -> dict[str, float]:
+                      progress: bool, reference: Any | None = None) -> dict[str, float]:
     """Steps 2–5 of the module docstring on this process's rollouts; annotates `rows` and returns the
     step's metrics over every process's rows. `filter_generator` draws PRS's coin flips,
-    `shuffle_generator` the mini-batches (the same state on every process)."""
+    `shuffle_generator` the mini-batches (the same state on every process); `reference` is the
+    reference policy of the KL term (`rl.kl_coef` > 0)."""
     samples = token_samples(rows, tokenizer)
     has_tokens = torch.tensor([bool(s.response_ids) for s in samples], dtype=torch.bool)
     pad_id = tokenizer.pad_token_id
@@ -198,6 +199,9 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
     with accelerator.autocast():  # the same precision as the update: PPO's ratio starts at 1
         train_logp = policy_log_probs(model, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
                                       accelerator.device, progress, partial(max_over_processes, accelerator))
+        # the reference is a whole copy in every process: no collective, so no shared pass count
+        ref_logp = (policy_log_probs(reference, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
+                                     accelerator.device) if reference is not None else [None] * len(rows))
     model.train()
     rollout_logp = [list(row.get("response_logprobs") or []) for row in rows]
     for row, sample, logp in zip(rows, samples, rollout_logp, strict=True):
@@ -213,7 +217,7 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
     advantages = row_advantages(rows, buffer_values(rows, returns, masks, cfg), valid, cfg)
     annotate_rows(rows, returns, advantages, reasons)
 
-    items = [TrainItem(row_key(rows[i]), samples[i], float(advantages[i]), train_logp[i])
+    items = [TrainItem(row_key(rows[i]), samples[i], float(advantages[i]), train_logp[i], ref_logp[i])
              for i in range(len(rows)) if kept[i]]
     values = update_policy(accelerator, model, optimizer, items, cfg, pad_id, shuffle_generator, progress)
     with_tokens = float(has_tokens.sum())
@@ -246,6 +250,7 @@ def run_iteration(
     gym: Mapping[str, Any] | None = None,
     evaluator: Evaluator | None = None,
     progress: bool = True,
+    reference_model: str | os.PathLike | None = None,
 ) -> IterationResult:
     """RL iteration `iteration` of `run`, starting from the HF model `init_model`.
 
@@ -255,6 +260,7 @@ def run_iteration(
     optimizer state to `state_out`, the rollouts to `trajectories_path` and the step metrics
     to `metrics_path`. `gym` is the `gym` config section (backend, workers, cache, protocol);
     `evaluator` replaces the backend it names (tests, an evaluator shared across iterations).
+    `reference_model`: the KL term's reference policy (the run's SFT model), loaded only if `kl_coef` > 0.
     """
     from accelerate import Accelerator
 
@@ -269,12 +275,15 @@ def run_iteration(
     if init_state is None and iteration > 0:
         log.warning("RL iteration %d of %s starts with a fresh optimizer: no state from iteration %d",
                     iteration, run, iteration - 1)
+    reference_model = Path(reference_model) if reference_model is not None and cfg.kl_coef > 0 else None
     identity = directory_identity(init_model) + directory_identity(init_state)
+    if reference_model is not None:
+        identity += directory_identity(reference_model)
     fingerprint = iteration_fingerprint(cfg, run, iteration, identity, tasks, protocol.to_json())
     accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
     check_processes(cfg, min(cfg.prompts_per_step, len(tasks)), accelerator.num_processes)
     trainer = IterationTrainer(accelerator, cfg, Path(init_model), init_state, Path(scratch), fingerprint, run,
-                               iteration, progress)
+                               iteration, progress, reference_model)
     with contextlib.ExitStack() as stack:
         if evaluator is None:
             # one reference run per task saves minutes on a CPU; on a GPU each candidate is timed next to it
@@ -298,7 +307,8 @@ class IterationTrainer:
     the update changes the policy's own weights."""
 
     def __init__(self, accelerator: Any, cfg: RLConfig, init_model: Path, init_state: Path | None, scratch: Path,
-                 fingerprint: str, run: str, iteration: int, progress: bool) -> None:
+                 fingerprint: str, run: str, iteration: int, progress: bool,
+                 reference_model: Path | None = None) -> None:
         from accelerate.utils import set_seed
 
         self.accelerator, processes = accelerator, accelerator.num_processes
@@ -315,6 +325,12 @@ class IterationTrainer:
         needs_copy = processes > 1 or (cfg.async_mode == "off_policy_1" and cfg.engine == "hf")
         self.rollout_model = (copy.deepcopy(model).to(self.accelerator.device, dtype=rollout_dtype).eval()
                               if needs_copy else None)
+        self.reference = None  # the KL term's frozen reference policy, a whole copy in every process
+        if cfg.kl_coef > 0:
+            if reference_model is None:
+                raise ValueError("rl.kl_coef > 0 needs a reference model (the run's SFT checkpoint)")
+            self.reference = load_policy(reference_model, cfg)[0].to(self.accelerator.device,
+                                                                      dtype=rollout_dtype).eval()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                       fused=torch.cuda.is_available())
         # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
@@ -378,7 +394,7 @@ class IterationTrainer:
                          if ahead else None)
             train_started = time.perf_counter()
             values = train_on_rollouts(rows, cfg, accelerator, self.model, self.optimizer, self.tokenizer,
-                                       self.filter_generator, self.shuffle_generator, self.progress)
+                                       self.filter_generator, self.shuffle_generator, self.progress, self.reference)
             train_s = time.perf_counter() - train_started
             if next_rows is not None:
                 self.save_rollouts(step + 1, next_rows.result())

@@ -63,9 +63,10 @@ def filter_masks(rows: Sequence[dict[str, Any]], cfg: RLConfig, mrs_keep: torch.
     if cfg.prs:
         pr, correct, hacked = ([row.get(k) for row in rows] for k in ("pr", "correct", "hacked"))
         if cfg.prs_hard:
-            masks["prs"] = algos.prs_hard_keep(pr, correct, hacked, cfg.prs_tau)
+            masks["prs"] = algos.prs_hard_keep(pr, correct, hacked, cfg.prs_tau, cfg.prs_scope)
         else:
-            probability = algos.prs_keep_probability(pr, correct, hacked, cfg.prs_tau, cfg.prs_softness)
+            probability = algos.prs_keep_probability(pr, correct, hacked, cfg.prs_tau, cfg.prs_softness,
+                                                     cfg.prs_scope)
             masks["prs"] = algos.bernoulli_keep(probability, generator)
     return masks
 
@@ -115,11 +116,14 @@ def rejection_reasons(has_tokens: torch.Tensor, masks: dict[str, torch.Tensor]) 
 
 def row_advantages(rows: Sequence[dict[str, Any]], returns: torch.Tensor, valid: torch.Tensor,
                    cfg: RLConfig) -> torch.Tensor:
-    """Advantages over (prompt, turn) groups of the valid rows (Eq. 3 / Eq. 5), or trajectory RLOO."""
+    """Advantages over (prompt, turn) groups of the valid rows (Eq. 3 / Eq. 5), trajectory RLOO, or Kevin's
+    per-task normalisation."""
     prompts = [row["task_id"] for row in rows]
     if cfg.advantage == "rloo_trajectory":
         rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
         return algos.rloo_trajectory_advantages(rewards, prompts, trajectory_keys(rows), valid, cfg.singleton)
+    if cfg.advantage == "kevin":
+        return algos.kevin_advantages(returns, prompts, valid)
     keys = algos.prompt_turn_keys(prompts, [row["turn"] for row in rows])
     if cfg.advantage == "trloo":
         return algos.trloo_advantages(returns, keys, valid, cfg.singleton)

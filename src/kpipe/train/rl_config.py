@@ -10,14 +10,18 @@ is a `run` of the same DAG that differs in exactly the keys listed.
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from kpipe.train.algos import (
     ADVANTAGES,
+    KEVIN_GAMMA,
+    KL_ESTIMATORS,
     MRS_DELTA,
     MRS_TOKEN_VETO,
+    PRS_SCOPES,
     PRS_SOFTNESS,
     PRS_TAU,
     TRITONFORGE_MIN_VALID_GROUP_RATIO,
@@ -28,7 +32,7 @@ from kpipe.train.sft import PRECISIONS, accepted_types
 from kpipe.train.turn_rewards import REWARDS, SPEEDUP_CAP
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-ADVANTAGE_NAMES = (*ADVANTAGES, "rloo_trajectory")
+ADVANTAGE_NAMES = (*ADVANTAGES, "rloo_trajectory", "kevin")
 RETURN_AGGREGATES = ("sum", "max")
 SINGLETONS = ("zero", "return")
 BASELINES = ("eager", "compile")
@@ -36,6 +40,8 @@ HISTORIES = ("full", "top_w", "best_window", "kevin")
 ENGINES = ("hf", "vllm")
 BUFFERS = ("none", "tritonforge", "tritonforge_released")
 ASYNC_MODES = ("off", "eval", "off_policy_1")
+TRITONFORGE_GROUP_SIZE = 8  # TritonForge §3: "n_samples_per_prompt = 8"; its scripts: --n-samples-per-prompt 8
+TRITONFORGE_KL_COEF = 1e-3  # not TritonForge's (its text gives none, its scripts 0): verl's GRPO example value
 
 
 @dataclass
@@ -72,7 +78,7 @@ class RLConfig:
     gamma: float = 1.0
     return_aggregate: str = "sum"  # sum (Eq. 2) | max (Kevin's alternative)
     # --- advantages (Eq. 3, 5)
-    advantage: str = "trloo"  # trloo | grpo | grpo_std | rloo_trajectory
+    advantage: str = "trloo"  # trloo | grpo | grpo_std | rloo_trajectory | kevin (per task over all turns)
     singleton: str = "zero"  # a group of one valid rollout: 0 (paper) or its return (released code)
     baseline_includes_rejected: bool = False  # released code: filtered rows still count in the baseline
     # --- TritonForge's group buffer: filter and normalise each (prompt, turn) group's returns before the
@@ -88,6 +94,7 @@ class RLConfig:
     prs_tau: float = PRS_TAU
     prs_softness: float = PRS_SOFTNESS
     prs_hard: bool = False  # Appendix D "w/o s": keep iff PR >= tau
+    prs_scope: str = "all"  # Eq. 9: every sample | correct: the released code (correct, non-hacked turns only)
     zero_variance_filter: bool = False  # released code only
     zero_variance_min_std: float = ZERO_VARIANCE_MIN_STD
     regression_filter: bool = False  # released code only
@@ -99,6 +106,10 @@ class RLConfig:
     eps_high: float = 0.28
     dual_clip: float | None = 3.0
     loss_agg: str = "seq-mean-token-sum"
+    # KL regulariser against the reference policy (the run's SFT model), aggregated as the loss: off in the
+    # paper and its code; TritonForge's "standard KL" (its scripts: low_var_kl against the SFT checkpoint)
+    kl_coef: float = 0.0
+    kl_estimator: str = "low_var_kl"  # k1 | low_var_kl (k3)
     grad_clip: float = 1.0
     mini_batches: int = 1  # optimizer steps per rollout step (PPO mini-batches)
     ppo_epochs: int = 1
@@ -123,7 +134,7 @@ class RLConfig:
             (self.engine in ENGINES, f"engine must be one of {ENGINES}"),
             (self.async_mode in ASYNC_MODES, f"async must be one of {ASYNC_MODES}"),
             (self.buffer in BUFFERS, f"buffer must be one of {BUFFERS}"),
-            (self.buffer == "none" or self.advantage != "rloo_trajectory",
+            (self.buffer == "none" or self.advantage not in ("rloo_trajectory", "kevin"),
              "a buffer normalises (prompt, turn) groups: use it with trloo, grpo or grpo_std"),
             (0 < self.buffer_min_valid_group_ratio <= 1 and 0.5 <= self.buffer_min_valid_item_ratio <= 1,
              "buffer_min_valid_group_ratio must be in (0, 1], buffer_min_valid_item_ratio in [0.5, 1] "
@@ -138,6 +149,9 @@ class RLConfig:
              "counts (prompts, rollouts, turns, tokens, steps, mini_batches, ppo_epochs, batch sizes) must be >= 1"),
             (self.lr > 0 and self.temperature > 0, "lr and temperature must be positive"),
             (0 < self.mrs_delta < 1 and 0 < self.mrs_token_veto < 1, "mrs_delta and mrs_token_veto must be in (0, 1)"),
+            (self.prs_scope in PRS_SCOPES, f"prs_scope must be one of {PRS_SCOPES}"),
+            (self.kl_estimator in KL_ESTIMATORS and self.kl_coef >= 0,
+             f"kl_estimator must be one of {KL_ESTIMATORS} and kl_coef >= 0"),
             (self.prs_softness > 0, "prs_softness must be > 0 (prs_hard gives the hard threshold)"),
             (self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 or null"),
         ]
@@ -182,8 +196,18 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "pr": {"mrs": True, "use_pr": True},
     "prs": {"mrs": True, "use_pr": True, "prs": True},
     "prs_hard": {"mrs": True, "use_pr": True, "prs": True, "prs_hard": True},
-    "tritonforge": {"reward": "tritonforge", "buffer": "tritonforge", "advantage": "grpo"},
-    "tritonforge_released": {"reward": "tritonforge", "buffer": "tritonforge_released", "advantage": "grpo"},
+    # TritonForge (papers/tritonforge.md): groups of n = 8 (text and scripts); its "standard KL" (text, no
+    # coefficient given: TRITONFORGE_KL_COEF is kpipe's) against the SFT model; released: the KL coefficient 0
+    "tritonforge": {"reward": "tritonforge", "buffer": "tritonforge", "advantage": "grpo",
+                    "rollouts_per_prompt": TRITONFORGE_GROUP_SIZE, "kl_coef": TRITONFORGE_KL_COEF},
+    "tritonforge_released": {"reward": "tritonforge", "buffer": "tritonforge_released", "advantage": "grpo",
+                             "rollouts_per_prompt": TRITONFORGE_GROUP_SIZE},
+    # Kevin-32B (papers/kevin.md): 0.3·C + uncapped speedup, 0 for kernels using torch ops (§6.2), the discounted
+    # sum of later turns' scores with gamma = 0.4 (§4.3), rewards normalised per task over every sample (§4),
+    # earlier turns shown as summaries with their chains of thought dropped (§4.1). Its batch shape (8 tasks x
+    # 16 trajectories x 4 turns) is config/ablations/kevin.yaml's, not the recipe's
+    "kevin": {"reward": "kevin", "speedup_cap": math.inf, "gamma": KEVIN_GAMMA,
+              "advantage": "kevin", "history": "kevin"},
 }
 
 

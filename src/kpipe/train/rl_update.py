@@ -143,6 +143,7 @@ class TrainItem:
     sample: TokenSample
     advantage: float
     old_logp: torch.Tensor  # π_train before the update (PPO's old policy)
+    ref_logp: torch.Tensor | None = None  # the reference policy's (rl.kl_coef > 0)
 
 
 def loss_units(agg_mode: str, response_lengths: Sequence[int]) -> int:
@@ -183,14 +184,15 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
     the process count, since DDP/FSDP average gradients over processes. Every process runs as many
     forward passes as the busiest; its extra ones run on a filler with weight 0.
 
-    Returns the means over optimizer steps of loss, grad_norm, clip fractions and approx KL, the
+    Returns the means over optimizer steps of loss, grad_norm, clip fractions, approx KL (and the KL to the
+    reference policy with `kl_coef`), the
     token-mean entropy of the policy on the trained tokens during the first epoch, and the number
     of trained rows (all over every process).
     """
     device, world = accelerator.device, accelerator.num_processes
     units = dict(gather_object([(item.key, len(item.sample.response_ids)) for item in items]))
     keys, mine = sorted(units), {item.key: item for item in items}
-    filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1))
+    filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1), torch.zeros(1))
     stats: dict[str, list[float]] = {}
     entropy = {"sum": 0.0, "tokens": 0.0}
     bar = tqdm(total=cfg.ppo_epochs * min(cfg.mini_batches, len(keys)), desc="update", unit="step",
@@ -222,6 +224,11 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
                     advantages = torch.tensor([item.advantage for item in micro], dtype=logp.dtype, device=device)
                     loss, loss_stats = algos.ppo_clip_policy_loss(logp, old, advantages, mask, cfg.eps_low,
                                                                   cfg.eps_high, cfg.dual_clip, cfg.loss_agg)
+                    if cfg.kl_coef > 0:
+                        ref = right_aligned([item.ref_logp.tolist() for item in micro], width).to(device)
+                        kl = algos.kl_loss(logp, ref, mask, cfg.kl_estimator, cfg.loss_agg)
+                        loss = loss + cfg.kl_coef * kl
+                        loss_stats["kl"] = kl.item()
                     accelerator.backward(loss * weight * world)
                 for name, value in {"loss": loss.item(), **loss_stats}.items():
                     step_totals[name] = step_totals.get(name, 0.0) + value * weight

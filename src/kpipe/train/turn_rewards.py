@@ -10,7 +10,7 @@ code's weighting, Kevin's score and TritonForge's tiers; ``rl.reward`` picks one
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 SPEEDUP_CAP = 3.0  # paper §4.2: speedups above 3x are mostly timing artefacts
@@ -19,6 +19,7 @@ RELEASED_CODE_WEIGHT = 0.5  # released code: every term of the reward weighted b
 TRITONFORGE_COMPILED_REWARD = 0.1  # TritonForge (papers/tritonforge.md, its kernel generator): compiles
 TRITONFORGE_CORRECT_REWARD = 0.3  # correct; + min(max(speedup - 1, 0), 2) when faster
 # statuses of turns whose kernel never compiled: the request failed, no code / no Triton kernel, compiler error
+TORCH_OP_FINDING = "torch_op_in_forward:"  # kpipe.gym.screen's finding for torch compute left in forward
 TRITONFORGE_NOT_COMPILED = ("generation_error", "format_error", "compilation_error", "reference_error")
 
 
@@ -82,17 +83,25 @@ def reward_kevin(
     pr: float | None = None,
     use_pr: bool = False,
     speedup_cap: float = SPEEDUP_CAP,
+    torch_ops: bool = False,
 ) -> float:
-    """Kevin's score 0.3·correct + speedup (speedup only for correct kernels).
+    """Kevin's score 0.3·correct + speedup (speedup only for correct kernels), and 0 for a kernel that
+    uses PyTorch ops (Kevin §6.2: "assign 0 reward to responses with any PyTorch functional operators").
 
-    Kevin itself does not clip the speedup; pass ``speedup_cap=math.inf`` for its exact
-    score. The cap defaults to the paper's 3 so the reward ablations differ in one thing.
+    Kevin does not clip the speedup: its preset (``ablation: kevin``) sets ``speedup_cap`` to infinity.
+    The cap defaults to the paper's 3 so that ``reward: kevin`` alone differs from the base run in one thing.
+    `torch_ops` comes from KernelGym's screen (`uses_torch_ops`).
     """
     if use_pr:
         raise ValueError("Kevin's reward has no profiling (PR) term")
-    if not earns_reward(correct, hacked):
+    if not earns_reward(correct, hacked) or torch_ops:
         return 0.0
     return KEVIN_CORRECTNESS_WEIGHT + clipped_speedup(speedup, speedup_cap)
+
+
+def uses_torch_ops(findings: Sequence[str] | None) -> bool:
+    """Kevin's rule on a kpipe turn: the screen found torch compute (torch.*, F.*) in ModelNew.forward."""
+    return any(finding.startswith(TORCH_OP_FINDING) for finding in findings or ())
 
 
 def kernel_compiled(status: str | None) -> bool:
@@ -161,6 +170,8 @@ def turn_reward(
                 _field(result, f"speedup_{baseline}"), _field(result, "pr"), use_pr, speedup_cap)
         if reward is reward_tritonforge:  # the only reward with a tier for compiling
             return reward(*args, compiled=kernel_compiled(_field(result, "status")))
+        if reward is reward_kevin:  # the only reward that zeroes kernels using PyTorch ops
+            return reward(*args, torch_ops=uses_torch_ops(_field(result, "findings")))
         return reward(*args)
 
     return score

@@ -1,0 +1,85 @@
+"""Issue 30: the tables record which KernelGym check fired per turn and show the paper's hack definition
+("no Triton kernel executed in training or evaluation mode") beside kpipe's from the same rows; the
+Fast@p rows report the turn `tables.report_turn` picks (paper §6.1: baselines at their best turn)."""
+
+import pandas as pd
+import pytest
+from test_fastp_definition import write_fixture
+
+from kpipe.data.db import build_db
+from kpipe.data.io import write_table
+from kpipe.gym.evaluation import hack_reasons_before_timing
+from kpipe.gym.protocol import Protocol
+from kpipe.report.tables import DEFAULT_SQL_DIR, best_turn, build_tables, run_table_sql, turn_rule
+
+PAPER_REASON = hack_reasons_before_timing({"launches": {"train": [], "eval": ["add_kernel"]}}, {}, Protocol(), False)[0]
+GHOST = "ghost_replay: output still correct with every Triton launch suppressed"
+STATIC = "static try_except: try/except around the kernel (line 3)"
+TIMED = "no_triton_launch: the timed calls launched no Triton kernel"
+
+# (task, sample, status, hack reasons, speedup): model h, level 1, one turn
+TURNS = [("t1", 0, "hacked", [PAPER_REASON, GHOST], None), ("t1", 1, "hacked", [GHOST], None),
+         ("t2", 0, "hacked", [STATIC], None), ("t2", 1, "pass", [], 1.5), ("t3", 0, "hacked", [TIMED], None),
+         ("t3", 1, "hacked", None, None)]  # no evals row: reasons unrecorded
+
+
+@pytest.fixture
+def db(tmp_path):
+    write_fixture(tmp_path)
+    rows = [{"run": "r", "stage": "eval", "iteration": 0, "model": "h", "task_id": task, "sample": sample, "turn": 1,
+             "status": status, "correct": status == "pass", "hacked": status == "hacked", "speedup_eager": speedup,
+             "speedup_compile": speedup, "reward": 0.0, "eval_key": f"{task}-{sample}" if reasons is not None else None}
+            for task, sample, status, reasons, speedup in TURNS]
+    evals = [{"key": f"{task}-{sample}", "status": status, "correct": status == "pass", "hacked": status == "hacked",
+              "hack_reasons": reasons} for task, sample, status, reasons, _ in TURNS if reasons is not None]
+    write_table(rows, tmp_path / "trajectories" / "stage=eval" / "run=h" / "part-0.parquet", "trajectories")
+    write_table(evals, tmp_path / "evals" / "part-0.parquet", "evals")
+    build_db(tmp_path, tmp_path / "kpipe.duckdb")
+    return tmp_path / "kpipe.duckdb"
+
+
+def test_kernelgyms_train_and_eval_mode_reason_is_the_papers_check(db):
+    assert PAPER_REASON.startswith("no_triton_launch: no Triton kernel ran in train() mode")
+    checks = run_table_sql(db, DEFAULT_SQL_DIR / "hacking_ratio.sql").query("model == 'h'")
+    row = checks[checks["level"] == 1].iloc[0]
+    assert (row["n_samples"], row["n_hacked"], row["n_hacked_paper"]) == (4, 3, 1)
+    assert row["hacking_ratio"] == 75.0 and row["hacking_ratio_paper"] == 25.0
+    assert row["checks"] == "ghost_replay=2, no_triton_launch=1, static_screen=1"
+    level2 = checks[checks["level"] == 2].iloc[0]  # t3: a timed-call check and a hack without reasons
+    assert level2["n_hacked_paper"] == 0 and level2["checks"] == "no_triton_launch_timed=1, unrecorded=1"
+
+
+def test_fast_p_tables_show_both_definitions_from_the_same_rows(db, tmp_path):
+    table = run_table_sql(db, DEFAULT_SQL_DIR / "table1_fastp_eager.sql")
+    cell = table.query("model == 'h' and level == 1 and history == 'last'").iloc[0]
+    assert (cell["n_hacked"], cell["n_hacked_paper"], cell["n_unjudged"]) == (3, 1, 2)
+    assert cell["fast_1"] == 25.0 and cell["fast_1_paper_hi"] == 75.0  # paper's Fast@1 in [25, 75]: 2 never timed
+    build_tables(db, tmp_path / "tables", n_boot=0)
+    md = (tmp_path / "tables" / "table1_fastp_eager.md").read_text()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| kpipe")]
+    h = {row[6]: row for row in rows if row[1] == "h"}
+    assert h["kpipe"][7] == "5" and h["kpipe"][8] == "25.0"  # hacked over all levels: 3 at level 1, 2 at level 2
+    assert h["paper"][7] == "1" and h["paper"][8] == "25.0–75.0"
+    assert "hacks = paper" in md
+
+
+def test_report_turn_is_a_stated_option_with_the_papers_rule_for_baselines(tmp_path):
+    db = write_fixture(tmp_path)  # model m: turn 2 has the best mean Fast@p, turn 3 is its last
+    table = run_table_sql(db, DEFAULT_SQL_DIR / "table1_fastp_eager.sql")
+    assert best_turn(table[(table["model"] == "m") & (table["history"] == "last")]) == 2
+    assert turn_rule("gpt-5", "paper", own_models=["drkernel"]) == "best"
+    assert turn_rule("drkernel", "paper", own_models=["drkernel"]) == "last"
+
+    def m_turn(**options) -> str:
+        out = tmp_path / "t"
+        build_tables(db, out, n_boot=0, **options)
+        md = (out / "table1_fastp_eager.md").read_text()
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| kpipe")]
+        return next(row[4] for row in rows if row[1] == "m")
+
+    assert m_turn() == "2 (best of 1..3)"  # report_turn paper: m is not one of our models, a baseline
+    assert m_turn(own_models=["m"]) == "3"
+    assert m_turn(report_turn="last") == "3"
+    with pytest.raises(ValueError, match="report_turn"):
+        turn_rule("m", "first", ())
+    assert pd.read_csv(tmp_path / "t" / "table1_fastp_eager.csv")["n_unjudged"].notna().any()
