@@ -7,8 +7,8 @@ rule tables:
     """kpipe.report.tables.build_tables: every workflow/sql/<name>.sql as Markdown and CSV."""
     input:
         db=f"{RESULTS}/kpipe.duckdb",
-        sql=[workflow.source_path(f"../sql/{name}.sql") for name in TABLE_NAMES],
-        views=workflow.source_path("../sql/views.sql"),
+        sql=[sql_file(name) for name in TABLE_NAMES],
+        views=sql_file("views"),
     output:
         *report_tables(),
     params:
@@ -27,7 +27,7 @@ rule figures:
     """kpipe.report.figures.build_figures: the paper's figures as PNG."""
     input:
         db=f"{RESULTS}/kpipe.duckdb",
-        sql=[workflow.source_path(f"../sql/{name}.sql")
+        sql=[sql_file(name)
              for name in ("training_curves", "stts_curves", "hacking_ratio", "rl_validation", "kevin_budget",
                           "rl_reward")],
     output:
