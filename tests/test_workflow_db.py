@@ -128,3 +128,13 @@ def test_released_teacher_without_its_file_stops(tree):
     result = snakemake(tree, "-n", "--config", 'distill={"teacher": "released", "released_path": "nowhere.parquet"}')
     assert result.returncode != 0
     assert "config error: distill.released_path: 'nowhere.parquet' does not exist" in result.stdout + result.stderr
+
+
+def test_nested_config_overrides_take_numbers_and_range_errors_say_range(workflow_copy):
+    """`--config section='{...}'`: Snakemake reads the nested values as strings; they are read as YAML."""
+    planned = snakemake(workflow_copy, "-n", "--config", 'kernelbench={"size_cap": 128}', 'rl={"iterations": 2}')
+    output = ok(planned)
+    assert "rl_iter" in output and "config error" not in output
+    bad = snakemake(workflow_copy, "-n", "--config", 'rl={"iterations": -2}')
+    assert bad.returncode != 0
+    assert "config error: rl.iterations: out of range: -2 is less than the minimum of 1" in bad.stdout + bad.stderr
