@@ -13,7 +13,7 @@ rule tables:
         *report_tables(),
     params:
         n_boot=config["tables"]["n_boot"],
-        sql_dir=str(SQL_DIR),
+        sql_dir=lambda wildcards, input: str(Path(input.sql[0]).parent),
         code=code_version("report/tables.py", "report/paper_numbers.py", "data/metrics.py"),
     log:
         f"{LOGS}/tables.log",
@@ -35,7 +35,7 @@ rule figures:
                  labels={"figure": name}) for name in FIGURE_NAMES],
     params:
         n_boot=config["tables"]["n_boot"],
-        sql_dir=str(SQL_DIR),
+        sql_dir=lambda wildcards, input: str(Path(input.sql[0]).parent),
         code=code_version("report/figures.py", "report/tables.py", "data/metrics.py"),
     log:
         f"{LOGS}/figures.log",
