@@ -104,3 +104,17 @@ def test_reject_findings_are_the_screens_codes_in_the_schema_and_the_protocol(sc
     with pytest.raises(ValueError, match="names no screen finding"):
         Protocol.from_dict({"reject_findings": ["monkeypatch"]})
     assert Protocol(reject_findings=FINDING_CODES).reject_findings == FINDING_CODES
+
+
+def test_nested_command_line_strings_are_read_as_yaml():
+    """Snakemake leaves the values of `--config kernelbench='{"size_cap": 128}'` strings."""
+    from kpipe.infra.config import parse_nested_strings
+
+    assert parse_nested_strings({"size_cap": "128", "ids": {"level_1": ["19", "23"]}, "version": "main", "x": "null"}) == {
+        "size_cap": 128, "ids": {"level_1": [19, 23]}, "version": "main", "x": None}
+
+
+def test_range_errors_say_range(schema):
+    cfg = deep_merge(default_config(), {"rl": {"iterations": -2}})
+    with pytest.raises(ConfigError, match=r"^config error: rl.iterations: out of range: -2 is less than the minimum of 1$"):
+        validate_config(cfg, schema)

@@ -4,13 +4,12 @@ threshold (counted: >= p), NaN speedups, and turns a trajectory never reached (i
 
 import math
 
-import duckdb
 import pandas as pd
 import pytest
 
 from kpipe.data import metrics
 from kpipe.data.io import write_table
-from kpipe.data.db import build_db
+from kpipe.data.db import build_db, connect
 from kpipe.report.tables import DEFAULT_SQL_DIR, run_table_sql
 
 NAN = float("nan")
@@ -133,7 +132,7 @@ def test_sql_fast_p_equals_kpipe_metrics(db, name, column):
 
 
 def test_rows_behind_a_cell_are_listed_by_the_view(db):
-    with duckdb.connect(str(db), read_only=True) as con:
+    with connect(db) as con:
         rows = con.sql("select task_id, sample, source_turn from fastp_samples where stage = 'eval' and model = 'm' "
                        "and level = 1 and baseline = 'eager' and history = 'best' and turn = 3 and fast_1_2 "
                        "order by task_id, sample").fetchall()
@@ -180,7 +179,7 @@ def test_documented_trace_query_reaches_the_trajectory_rows(db):
        and t.sample = f.sample and t.turn = f.source_turn
       where f.stage = 'eval' and f.baseline = 'eager' and f.run = 'r' and f.model = 'm'
         and f.level = 1 and f.turn = 3 and f.history = 'best' and f.fast_1_2 order by 1, 2"""
-    with duckdb.connect(str(db), read_only=True) as con:
+    with connect(db) as con:
         rows = con.sql(sql).fetchall()
     cell = table(db, "table1_fastp_eager").query("model == 'm' and level == 1 and turn == 3 and history == 'best'")
     assert len(rows) == cell["n_fast_1_2"].item() == 3

@@ -219,3 +219,14 @@ def test_cli_builds_the_viewer(database, tmp_path):
     assert result.exit_code == 0, result.output
     assert "3 trajectories, 7 turns, 1 data file(s)" in result.output
     assert (out / "index.html").exists()
+
+
+def test_view_uses_the_current_directory_and_says_when_no_browser_opens(database, tmp_path, monkeypatch):
+    """`kpipe view` reads and writes ./results (not the installed checkout's); `--open` without a
+    browser says so instead of nothing."""
+    monkeypatch.chdir(database.parent.parent)  # the folder holding results/
+    monkeypatch.setattr("webbrowser.open", lambda url: False)
+    result = CliRunner().invoke(view_command, ["--open", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert (database.parent / "viewer" / "index.html").exists()
+    assert "no browser could be started here" in result.output

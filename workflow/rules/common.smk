@@ -1,10 +1,11 @@
 # Shared helpers: config validation, code versions, GPU counts, stage paths, target lists.
+import os
 import sys
 from pathlib import Path
 
 import yaml
 
-from kpipe.infra.config import ConfigError, deep_merge, load_schema, validate_config
+from kpipe.infra.config import ConfigError, deep_merge, load_schema, parse_nested_strings, validate_config
 from kpipe.evaluate.kernelbench import budget_splits, model_gpus, models_by_name, validated_iterations
 from kpipe.report.figures import FIGURE_NAMES
 from kpipe.infra.gpu import gpu_count
@@ -18,6 +19,9 @@ if not workflow.overwrite_configfiles:
     # directive would instead merge --configfile files *into* the default run, leaking its
     # lists and task selection into e.g. config/paper.yaml.)
     config.update(deep_merge(yaml.safe_load(DEFAULT_CONFIG.read_text()), config))
+# nested --config values (kernelbench='{"size_cap": 128}') read as a config file would read them
+config.update(deep_merge(config, {key: parse_nested_strings(value) for key, value in workflow.config_settings.config.items()
+                                  if isinstance(value, (dict, list))}))
 try:
     validate_config(config, load_schema(Path(workflow.basedir) / "schemas" / "config.schema.yaml"))
 except ConfigError as error:
@@ -28,6 +32,10 @@ LOGS = "logs"
 RUN = config["run"]
 DISTILL = config["distill"]
 COLDSTART_DIR = f"{RESULTS}/trajectories/stage=coldstart/run={RUN}/iter=0"
+if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(DISTILL["released_path"]).exists()):
+    # checked here: an earlier run's cold-start file would otherwise satisfy the rule and hide it
+    sys.exit(f"config error: distill.released_path: {DISTILL['released_path']!r} does not exist "
+             "(distill.teacher: released reads it)")
 
 
 # asked once per DAG build (nvidia-smi), not once per rule
@@ -107,22 +115,24 @@ def trajectory_parts():
     ]
 
 
-def table_inputs():
-    """Every Parquet file the database views read: the outputs of all stages."""
-    return [
-        f"{RESULTS}/tasks/tasks.parquet",
-        f"{RESULTS}/queries/queries.parquet",
-        f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet",
-        *rl_parts("train_metrics"),
-        *trajectory_parts(),
-        EVALS_EXPORT,
-    ]
+def table_files():
+    """Every Parquet file the database views read, per table: the outputs of all stages. The views
+    read exactly these (never other files on disk, e.g. left by other settings)."""
+    return {
+        "tasks": [f"{RESULTS}/tasks/tasks.parquet"],
+        "queries": [f"{RESULTS}/queries/queries.parquet"],
+        "train_metrics": [f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet", *rl_parts("train_metrics")],
+        "trajectories": trajectory_parts(),
+        "evals": [EVALS_EXPORT],
+    }
 
 
 def final_targets():
     """The default targets: the database (every stage feeds it), the tables, the figures and the
-    trajectory viewer (rules/viewer.smk)."""
-    return [f"{RESULTS}/kpipe.duckdb", *table_targets(), f"{RESULTS}/viewer"]
+    trajectory viewer (rules/viewer.smk), and every file the database reads: Snakemake reruns a
+    deleted intermediate file (e.g. an interrupted job's output) only when a target asks for it."""
+    return [f"{RESULTS}/kpipe.duckdb", *table_targets(), f"{RESULTS}/viewer",
+            *(path for paths in table_files().values() for path in paths)]
 
 
 # RL iterations (rules/rl.smk)
@@ -261,7 +271,13 @@ def stts_parts():
 
 
 # Tables and figures (rules/tables.smk)
-SQL_DIR = (Path(workflow.current_basedir) / ".." / "sql").resolve()
+# relative to the working directory, as every other path of the DAG: a moved tree reruns nothing
+SQL_DIR = Path(os.path.relpath(Path(workflow.current_basedir).parent / "sql"))
+
+
+def sql_file(name):
+    """workflow/sql/<name>.sql, as a path relative to the working directory."""
+    return str(SQL_DIR / f"{name}.sql")
 TABLE_NAMES = [path.stem for path in table_sql_files(SQL_DIR)]
 
 

@@ -1,4 +1,4 @@
-# The DuckDB database: views over every table's Parquet files, plus workflow/sql/views.sql.
+# The DuckDB database: views over the Parquet files of the DAG, plus workflow/sql/views.sql.
 # Every stage's evaluations go to KernelGym's result cache (gym.cache), not to Parquet: export_evals
 # writes the cache out as the `evals` table once every stage that evaluates has finished.
 
@@ -23,12 +23,14 @@ rule export_evals:
 rule build_db:
     """kpipe.data.db.build_db: results/kpipe.duckdb, views over every table's Parquet files."""
     input:
-        table_inputs(),
-        views=workflow.source_path("../sql/views.sql"),
+        **table_files(),
+        views=sql_file("views"),
     output:
-        f"{RESULTS}/kpipe.duckdb",
+        # update(): Snakemake neither deletes the database before the job nor keeps a failed job's
+        # one (it restores its backup), so a damaged Parquet file never costs the previous database
+        update(f"{RESULTS}/kpipe.duckdb"),
     params:
-        code=code_version("data/db.py", "data/schemas.py"),
+        code=code_version("data/db.py", "data/schemas.py", "data/io.py"),
     log:
         f"{LOGS}/build_db.log",
     conda:

@@ -7,15 +7,15 @@ rule tables:
     """kpipe.report.tables.build_tables: every workflow/sql/<name>.sql as Markdown and CSV."""
     input:
         db=f"{RESULTS}/kpipe.duckdb",
-        sql=[workflow.source_path(f"../sql/{name}.sql") for name in TABLE_NAMES],
-        views=workflow.source_path("../sql/views.sql"),
+        sql=[sql_file(name) for name in TABLE_NAMES],
+        views=sql_file("views"),
     output:
         *report_tables(),
     params:
         n_boot=config["tables"]["n_boot"],
         report_turn=config["tables"]["report_turn"],
         own_models=own_models(),
-        sql_dir=str(SQL_DIR),
+        sql_dir=lambda wildcards, input: str(Path(input.sql[0]).parent),
         code=code_version("report/tables.py", "report/paper_numbers.py", "data/metrics.py"),
     log:
         f"{LOGS}/tables.log",
@@ -29,7 +29,7 @@ rule figures:
     """kpipe.report.figures.build_figures: the paper's figures as PNG."""
     input:
         db=f"{RESULTS}/kpipe.duckdb",
-        sql=[workflow.source_path(f"../sql/{name}.sql")
+        sql=[sql_file(name)
              for name in ("training_curves", "stts_curves", "hacking_ratio", "rl_validation", "kevin_budget",
                           "rl_reward")],
     output:
@@ -37,7 +37,7 @@ rule figures:
                  labels={"figure": name}) for name in FIGURE_NAMES],
     params:
         n_boot=config["tables"]["n_boot"],
-        sql_dir=str(SQL_DIR),
+        sql_dir=lambda wildcards, input: str(Path(input.sql[0]).parent),
         code=code_version("report/figures.py", "report/tables.py", "data/metrics.py"),
     log:
         f"{LOGS}/figures.log",

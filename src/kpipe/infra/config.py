@@ -39,6 +39,9 @@ def _with_defaults(validator_class: type) -> type:
 _Validator = _with_defaults(jsonschema.Draft202012Validator)
 
 
+RANGE_VALIDATORS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
 def _key_path(error: jsonschema.ValidationError) -> str:
     return ".".join(str(p) for p in error.absolute_path) or "(top level)"
 
@@ -51,8 +54,8 @@ def describe(error: jsonschema.ValidationError) -> str:
         prefix = _key_path(error)
         key = f"{prefix}.{extra[0]}" if prefix != "(top level)" else extra[0]
         return f"config error: {key}: unknown key (allowed here: {', '.join(allowed)})"
-    if error.validator == "required":
-        return f"config error: {_key_path(error)}: {error.message}"
+    if error.validator in RANGE_VALIDATORS:
+        return f"config error: {_key_path(error)}: out of range: {error.message}"
     return f"config error: {_key_path(error)}: {error.message}"
 
 
@@ -93,6 +96,24 @@ def load_config(*paths: str | Path, schema: dict[str, Any] | None = None) -> dic
     for path in paths:
         merged = deep_merge(merged, yaml.safe_load(Path(path).read_text()) or {})
     return validate_config(merged, schema)
+
+
+def parse_nested_strings(value: Any) -> Any:
+    """`value` with every string inside a mapping or list read as YAML.
+
+    Snakemake reads a nested ``--config key='{"size_cap": 128}'`` with YAML's BaseLoader, which
+    leaves every scalar a string; a config file would have read 128 as a number."""
+    if isinstance(value, Mapping):
+        return {key: parse_nested_strings(item) if isinstance(item, (Mapping, list)) else _yaml_scalar(item)
+                for key, item in value.items()}
+    if isinstance(value, list):
+        return [parse_nested_strings(item) if isinstance(item, (Mapping, list)) else _yaml_scalar(item)
+                for item in value]
+    return value
+
+
+def _yaml_scalar(item: Any) -> Any:
+    return yaml.safe_load(item) if isinstance(item, str) else item
 
 
 def deep_merge(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,8 @@ def snakemake_job(smk: Any) -> Iterator[Any]:
             stack.enter_context(contextlib.redirect_stdout(_Tee(log_file, sys.__stdout__)))
             stack.enter_context(contextlib.redirect_stderr(_Tee(log_file, sys.__stderr__)))
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True)
+        # httpx (the OpenAI client's transport) logs every request at INFO, between the progress bars' lines
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         gpus = int(getattr(smk.resources, "gpu", 0) or 0)
         leased = stack.enter_context(gpu_lease(gpus))
         log.info("rule %s: %d GPU(s) leased %s", smk.rule, gpus, leased)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import click
 
-from kpipe.infra.config import REPO_ROOT
 from kpipe.report.tables import DEFAULT_SQL_DIR, REPORT_TURNS, build_tables
 
 @click.group()
@@ -17,9 +16,9 @@ def tables() -> None:
 
 
 @tables.command("build")
-@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
+@click.option("--db", "db_path", default="results/kpipe.duckdb", show_default=True,
               type=click.Path(dir_okay=False))
-@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "tables"), show_default=True,
+@click.option("--out", "out_dir", default="results/tables", show_default=True,
               type=click.Path(file_okay=False))
 @click.option("--sql-dir", default=str(DEFAULT_SQL_DIR), show_default=True, type=click.Path(file_okay=False))
 @click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates per Fast@p cell (0: none).")
@@ -40,9 +39,9 @@ def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int, report_
 
 
 @tables.command("figures")
-@click.option("--db", "db_path", default=str(REPO_ROOT / "results" / "kpipe.duckdb"), show_default=True,
+@click.option("--db", "db_path", default="results/kpipe.duckdb", show_default=True,
               type=click.Path(dir_okay=False))
-@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "figures"), show_default=True,
+@click.option("--out", "out_dir", default="results/figures", show_default=True,
               type=click.Path(file_okay=False))
 @click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates of the shaded intervals (0: none).")
 def figures_command(db_path: str, out_dir: str, n_boot: int) -> None:

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import duckdb
 import pandas as pd
 
+from kpipe.data.db import connect
 from kpipe.report.tables import DEFAULT_SQL_DIR, run_table_sql, with_intervals
 
 
@@ -120,7 +121,7 @@ class Source(NamedTuple):
 
 
 def read_provenance(db_path: Path) -> pd.DataFrame:
-    with duckdb.connect(str(db_path), read_only=True) as con:
+    with connect(db_path) as con:
         return con.sql("select run, stage, model, engine, timing_kind from provenance").df()
 
 

@@ -20,6 +20,7 @@ import pandas as pd
 from tabulate import tabulate
 
 from kpipe.data import metrics
+from kpipe.data.db import connect
 from kpipe.infra.config import REPO_ROOT
 from kpipe.report.paper_numbers import FAST_COLUMNS, HACKING_RATIO, KEVIN_BUDGET, REPORTING, TABLE1_EAGER, TABLE2_COMPILE, FastRow
 
@@ -59,7 +60,7 @@ def header_comment(sql: str) -> list[str]:
 
 
 def run_table_sql(db_path: Path, sql_file: Path) -> pd.DataFrame:
-    with duckdb.connect(str(db_path), read_only=True) as con:
+    with connect(db_path) as con:
         try:
             return con.sql(sql_file.read_text()).df()
         except duckdb.Error as error:
@@ -75,7 +76,7 @@ def fast_samples(db_path: Path, baseline: str) -> pd.DataFrame:
     """The per-sample rows behind the Fast@p table of `baseline` (view fastp_samples)."""
     sql = (f"select {', '.join(FAST_KEYS)}, task_id, sample, {', '.join(FAST_COLUMNS)} from fastp_samples "
            f"where stage = 'eval' and baseline = '{baseline}'")
-    with duckdb.connect(str(db_path), read_only=True) as con:
+    with connect(db_path) as con:
         return con.sql(sql).df()
 
 
@@ -124,7 +125,7 @@ INTERVALS = {
 def with_intervals(db_path: Path, name: str, table: pd.DataFrame, n_boot: int, seed: int = 0) -> pd.DataFrame:
     """`table` (the result of `<name>.sql`) with the bootstrap intervals of INTERVALS[name]."""
     spec = INTERVALS[name]
-    with duckdb.connect(str(db_path), read_only=True) as con:
+    with connect(db_path) as con:
         samples = con.sql(spec.samples_sql).df()
     return with_bootstrap_ci(table, samples, n_boot, seed, spec.keys, spec.columns)
 

@@ -42,8 +42,7 @@ from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
-from kpipe.infra.config import REPO_ROOT
-from kpipe.data.db import locate_db
+from kpipe.data.db import connect, locate_db
 
 STAGE_ORDER = ("coldstart", "rl", "rl_val", "eval", "budget", "stts")  # pipeline order, for the default view
 TRAJECTORY_KEY = ("stage", "run", "iteration", "model", "task_id", "sample")
@@ -355,7 +354,7 @@ def render_files(db_path: Path, data_dir: Path, per_file: int, workers: int) -> 
     with ProcessPoolExecutor(workers, mp_context=fork) if workers > 1 else contextlib.nullcontext() as pool:
         if pool is not None:
             pool.submit(int).result()
-        with duckdb.connect(str(db_path), read_only=True) as con:
+        with connect(db_path) as con:
             tasks = {task_id: Task(name, level, src)
                      for task_id, name, level, src in con.execute(REFERENCES_SQL).fetchall()}
             for file_number, chunk in enumerate(batches(trajectories(turn_rows(con)), per_file)):
@@ -398,20 +397,25 @@ def build_viewer(db_path: Path, out_dir: Path, per_file: int = TRAJECTORIES_PER_
 
 
 @click.command("view")
-@click.option("--db", "db_path", help="database path (default: $KPIPE_DB or results/kpipe.duckdb of this checkout)")
-@click.option("--out", "out_dir", default=str(REPO_ROOT / "results" / "viewer"), show_default=True,
-              type=click.Path(file_okay=False), help="folder to write (index.html and data/)")
+@click.option("--results", type=click.Path(file_okay=False),
+              help="the results folder to read (kpipe.duckdb) and write (viewer/); default: ./results")
+@click.option("--db", "db_path", help="database path (default: $KPIPE_DB, else the results folder's kpipe.duckdb)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="folder to write (index.html and data/); default: viewer/ beside the database")
 @click.option("--workers", default=min(8, os.cpu_count() or 1), show_default=True,
               help="processes that render the data files")
 @click.option("--open", "open_browser", is_flag=True, help="open index.html in the default browser when built")
-def view_command(db_path: str | None, out_dir: str, workers: int, open_browser: bool) -> None:
+def view_command(results: str | None, db_path: str | None, out_dir: str | None, workers: int,
+                 open_browser: bool) -> None:
     """Build the static trajectory viewer from the database (opens from disk, no server)."""
-    counts = build_viewer(locate_db(db_path), Path(out_dir), workers=workers)
-    index = Path(out_dir).resolve() / "index.html"
+    db = locate_db(db_path, results)
+    out = Path(out_dir) if out_dir else db.parent / "viewer"
+    counts = build_viewer(db, out, workers=workers)
+    index = out.resolve() / "index.html"
     click.echo(f"{index}: {counts['trajectories']} trajectories, {counts['turns']} turns, "
                f"{counts['files']} data file(s)")
-    if open_browser:
-        webbrowser.open(index.as_uri())
+    if open_browser and not webbrowser.open(index.as_uri()):
+        click.echo(f"no browser could be started here: open {index.as_uri()} yourself", err=True)
 
 
 PAGE_TEMPLATE = """<!DOCTYPE html>

@@ -1,0 +1,140 @@
+"""The database stage in real Snakemake runs over a stand-in results tree: every output of the
+default DAG exists (empty tables of the right schemas, empty model folders) and Snakemake holds
+it up to date (`--touch`), so build_db and the planning run for real in seconds."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kpipe.data.io import write_table
+from kpipe.data.schemas import TABLES
+
+pytestmark = pytest.mark.slow
+
+DB = "results/kpipe.duckdb"
+STTS_PART = "results/trajectories/stage=stts/run=default/model=tiny-rl/strategy=top_w/level=2/part-0.parquet"
+
+
+def snakemake(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
+                          capture_output=True, text=True)
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    return output
+
+
+def query(db: Path, sql: str, cwd: Path = Path("/")) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kpipe.cli", "query", "--db", str(db), "--format", "json", sql],
+                          capture_output=True, text=True, cwd=cwd)
+
+
+def stand_in_outputs(workdir: Path) -> None:
+    """Create every output the default DAG declares (its --summary), then let Snakemake record them."""
+    summary = ok(snakemake(workdir, "--summary"))
+    for line in summary.splitlines():
+        path = line.split("\t")[0]
+        if not path.startswith("results/") or path == DB:
+            continue
+        target = workdir / path
+        table = Path(path).parts[1]
+        if target.suffix == "":
+            target.mkdir(parents=True, exist_ok=True)
+        elif target.suffix == ".parquet" and table in TABLES:
+            write_table([], target, table)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch()
+
+
+@pytest.fixture
+def tree(tmp_path: Path, workflow_copy: Path) -> Path:
+    """A copy of the workflow with a complete, up-to-date stand-in results tree and a real database."""
+    work = tmp_path / "tree"
+    work.mkdir()
+    for name in ("workflow", "config"):
+        shutil.copytree(workflow_copy / name, work / name)
+    stand_in_outputs(work)
+    ok(snakemake(work, "--touch"))
+    ok(snakemake(work, DB))
+    ok(snakemake(work, "--touch"))
+    assert "Nothing to be done" in ok(snakemake(work, "-n"))
+    return work
+
+
+def test_a_deleted_declared_output_is_rebuilt(tree):
+    """An interrupted job's output, deleted by Snakemake, is planned again with what reads it."""
+    (tree / STTS_PART).unlink()
+    output = ok(snakemake(tree, "-n"))
+    assert "Nothing to be done" not in output
+    assert "rule stts:" in output and "rule build_db:" in output
+
+
+def test_views_read_only_the_declared_files(tree):
+    """A file left on disk by other settings (here an STTS strategy no longer configured) is not read."""
+    stale = tree / STTS_PART.replace("strategy=top_w", "strategy=best_window")
+    write_table([{"run": "default", "stage": "stts", "task_id": "x", "turn": 1}], stale, "trajectories")
+    ok(snakemake(tree, DB, "--forcerun", "build_db"))
+    result = query(tree / DB, "select count(*) as n from trajectories")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"n": 0}]
+
+
+def test_a_damaged_table_file_keeps_the_previous_database(tree):
+    """build_db fails naming the file; the previous database survives and its other tables answer."""
+    damaged = tree / STTS_PART
+    damaged.write_bytes(damaged.read_bytes()[:40])  # truncated
+    result = snakemake(tree, DB)
+    assert result.returncode != 0
+    log = (tree / "logs" / "build_db.log").read_text()
+    assert STTS_PART in log and "not a readable Parquet file" in log
+    assert (tree / DB).exists()
+    tasks = query(tree / DB, "select count(*) as n from tasks")
+    assert tasks.returncode == 0, tasks.stderr
+    assert json.loads(tasks.stdout) == [{"n": 0}]
+
+
+def test_the_tree_can_be_moved_and_is_queried_from_the_current_directory(tree, tmp_path):
+    """Views name their files relative to results/: a moved tree needs no rebuild, and `kpipe query`
+    without --db reads ./results of the directory it runs in."""
+    moved = tmp_path / "moved"
+    shutil.move(tree, moved)
+    assert "Nothing to be done" in ok(snakemake(moved, "-n"))
+    result = subprocess.run([sys.executable, "-m", "kpipe.cli", "query", "--format", "json",
+                             "select count(*) as n from trajectories"], capture_output=True, text=True, cwd=moved)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [{"n": 0}]
+    elsewhere = subprocess.run([sys.executable, "-m", "kpipe.cli", "query", "--results", str(moved / "results"),
+                                "select 1"], capture_output=True, text=True, cwd="/")
+    assert elsewhere.returncode == 0, elsewhere.stderr
+
+
+def test_columns_carry_their_meaning(tree):
+    """DuckDB shows each column's meaning from kpipe.data.schemas (DESCRIBE-able via duckdb_columns())."""
+    result = query(tree / DB, "select column_name, comment from duckdb_columns() "
+                              "where table_name = 'trajectories' and column_name = 'eval_key'")
+    assert json.loads(result.stdout) == [{"column_name": "eval_key", "comment": "join key into evals.key"}]
+
+
+def test_released_teacher_without_its_file_stops(tree):
+    """`distill.teacher: released` with a missing released_path fails, even where an earlier run's
+    cold-start file would satisfy the rule."""
+    result = snakemake(tree, "-n", "--config", 'distill={"teacher": "released", "released_path": "nowhere.parquet"}')
+    assert result.returncode != 0
+    assert "config error: distill.released_path: 'nowhere.parquet' does not exist" in result.stdout + result.stderr
+
+
+def test_nested_config_overrides_take_numbers_and_range_errors_say_range(workflow_copy):
+    """`--config section='{...}'`: Snakemake reads the nested values as strings; they are read as YAML."""
+    planned = snakemake(workflow_copy, "-n", "--config", 'kernelbench={"size_cap": 128}', 'rl={"iterations": 2}')
+    output = ok(planned)
+    assert "rl_iter" in output and "config error" not in output
+    bad = snakemake(workflow_copy, "-n", "--config", 'rl={"iterations": -2}')
+    assert bad.returncode != 0
+    assert "config error: rl.iterations: out of range: -2 is less than the minimum of 1" in bad.stdout + bad.stderr
