@@ -29,9 +29,10 @@ from kpipe.gym.screen import FINDING_CODES
 # random length: after every synchronised trial the GPU idled while the host queued the next,
 # and that idling set an offset per timing window that pairing could not divide out (speedup CV
 # 0.5-0.9 % -> 0.04-0.44 % on an H100, docs/gpu-results/window_state_2026-11-25_H100.md)
-# kgym-7: candidates run confined (kpipe.gym.sandbox): a PID namespace of their own (pid 1, no
-# parent), no network, files only in their scratch, whose home and TMPDIR they now are. No timing
-# setting changed; hostile candidates' statuses did (a write into an install now fails the run).
+# kgym-7: candidates run confined (kpipe.gym.sandbox): a PID namespace of their own (no visible
+# parent), no network, files only in their scratch, whose home and TMPDIR they now are; and PR's
+# total (Eq. 7) counts memcpy and memset. No timing setting changed (confined and unconfined
+# throughput and statuses were the same on an H100); hostile candidates' statuses did.
 PROTOCOL_VERSION = "kgym-7"
 
 BASELINES = ("eager", "compile", "both")
