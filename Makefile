@@ -20,7 +20,7 @@ SNAKEMAKE_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kpipe-installed
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean wheelhouse setup-offline
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,23 @@ test: setup
 
 lint: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
+
+# For a machine without internet (HPC clusters, the lent GPU device): the wheels kpipe needs beyond
+# what the target has (HAVE: its `python -m pip list --format=freeze`), for its Python, in parts of
+# at most 60 MiB (scripts/wheelhouse.py). On the target: `make setup-offline` (or install part by part).
+WHEELHOUSE ?= wheelhouse
+TARGET_PYTHON ?= 3.12
+HAVE ?= target-freeze.txt
+wheelhouse: setup
+	$(BIN)/python scripts/wheelhouse.py --have $(HAVE) --python $(TARGET_PYTHON) --out $(WHEELHOUSE)
+
+# On the target, with no index, into the environment $(PYTHON) belongs to (the one holding the
+# machine's CUDA torch; activate it first): kpipe's missing wheels from every part, then kpipe
+# itself, editable, built with the wheelhouse's setuptools. Then run `snakemake --cores N` there.
+setup-offline:
+	$(PYTHON) -m pip install -q --no-index --no-deps $(WHEELHOUSE)/part-*/*.whl
+	$(PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation -e .
+	$(PYTHON) -m pip check
 
 clean:
 	rm -rf results logs .snakemake

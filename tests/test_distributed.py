@@ -18,6 +18,7 @@ from kpipe.gym.distributed import RayGym, default_actor_count, was_evaluated  # 
 from kpipe.gym.pool import MAX_ATTEMPTS, lost_result  # noqa: E402
 from kpipe.gym.result import REFERENCE_ERROR  # noqa: E402
 from kpipe.gym.result import EvalResult  # noqa: E402
+from kpipe.gym.sandbox import OPT_OUT_VARIABLE  # noqa: E402
 
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
 LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
@@ -79,12 +80,18 @@ def test_the_stages_evaluator_factory_evaluates_through_a_local_ray_cluster(tmp_
 
 @pytest.fixture(scope="module")
 def gym():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        with RayGym(PROTOCOL, actors=2, progress=False) as gym:
-            yield gym
-    finally:
-        ray.shutdown()
+    """Two actors whose candidates run unconfined (the named opt-out, in every Ray worker and in
+    this process, whose core evaluations and cache keys the tests compare with): only an
+    unconfined candidate can kill its actor, which stands in for every other way an actor is
+    lost. The evaluator-factory test above runs through Ray confined."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(OPT_OUT_VARIABLE, "1")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {OPT_OUT_VARIABLE: "1"}})
+        try:
+            with RayGym(PROTOCOL, actors=2, progress=False) as gym:
+                yield gym
+        finally:
+            ray.shutdown()
 
 
 def test_default_actor_count_is_one_per_gpu_or_per_two_cpus() -> None:

@@ -2,8 +2,8 @@
 
 - A child's environment is its launcher's minus secrets, on every path (warm pool fork, fresh
   interpreter): PATH, HOME, LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES and TRITON_* /
-  TORCHINDUCTOR_* settings present, a secret-looking variable absent. Checked from inside a
-  real child: the candidate writes ``os.environ`` to a file. (Before the fix, a forked pool
+  TORCHINDUCTOR_* settings present, a secret-looking variable absent, its home and TMPDIR its
+  scratch. Checked from inside a real child: the candidate reports ``os.environ`` in its exception. (Before the fix, a forked pool
   child ran with an empty environment: no PATH, so gcc and Inductor's C++ compiler failed.)
 - No evaluation can change another's result through the compile caches: a candidate that
   plants junk and slowed-down "compiled" code in every cache directory it can find leaves a
@@ -25,6 +25,7 @@ from kpipe.gym.compile_caches import CompileCaches, foreign_entries, snapshot
 from kpipe.gym.environment import child_environment
 from kpipe.gym.evaluation import evaluate
 from kpipe.gym.pool import GymPool
+from kpipe.gym.sandbox import OPT_OUT_VARIABLE
 
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
 LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
@@ -33,13 +34,13 @@ OTHER_LEGIT = next(s.source for s in solutions_for(1, 23) if s.variant == "legit
 # the environment dump below is a static finding; it must run to be observed
 PROTOCOL = Protocol(correct_trials=1, perf_trials=2, warmup=1, baseline="eager", device="cpu", timeout_s=120, reject_findings=())
 
+# a confined candidate can write nowhere but its scratch: it reports what it sees in its exception
 ENV_DUMP = '''
 import json as _json, os as _os
-_dump = {path!r}
-if not _os.path.exists(_dump):
-    with open(_dump, "w") as _f:
-        _json.dump(dict(_os.environ), _f)
+raise RuntimeError("ENV " + _json.dumps({{k: v for k, v in _os.environ.items() if k in {names!r}}}) + " END")
 '''
+REPORTED = ("PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "KPIPE_TEST_CALLER_SETTING", "TRITON_PRINT_AUTOTUNING",
+            "TORCHINDUCTOR_MAX_AUTOTUNE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MY_SERVICE_API_KEY", "HF_TOKEN")
 
 CALLER_SETTINGS = {
     "KPIPE_TEST_CALLER_SETTING": "from-the-caller",
@@ -52,12 +53,10 @@ CALLER_SETTINGS = {
 }
 
 
-def child_env(tmp_path: Path, run: object, tag: str) -> dict[str, str]:
-    dump = tmp_path / f"env-{tag}.json"
-    candidate = ENV_DUMP.format(path=str(dump)) + LEGIT
-    result = run(candidate)
-    assert result.status == "pass", result.diagnostic
-    return json.loads(dump.read_text())
+def child_env(run: object) -> dict[str, str]:
+    result = run(ENV_DUMP.format(names=REPORTED) + LEGIT)
+    assert result.status == "runtime_error" and "ENV " in result.diagnostic, result.diagnostic
+    return json.loads(result.diagnostic.split("ENV ", 1)[1].split(" END", 1)[0])
 
 
 def check_child_env(env: dict[str, str]) -> None:
@@ -70,6 +69,8 @@ def check_child_env(env: dict[str, str]) -> None:
     # the candidate compiles into a private directory, never the caller's shared cache
     assert env["TRITON_CACHE_DIR"] != CALLER_SETTINGS["TRITON_CACHE_DIR"]
     assert "kgym-candidate-" in env["TRITON_CACHE_DIR"] and "kgym-candidate-" in env["TORCHINDUCTOR_CACHE_DIR"]
+    # its home and temporary directory are its scratch, the one place it may write
+    assert "kgym-candidate-" in env["HOME"] and env["TMPDIR"] == env["HOME"] + "/tmp"
 
 
 @pytest.fixture
@@ -78,18 +79,16 @@ def caller_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(name, value)
 
 
-def test_a_forked_pool_child_keeps_its_workers_environment_minus_secrets(tmp_path: Path, caller_env: None) -> None:
+def test_a_forked_pool_child_keeps_its_workers_environment_minus_secrets(caller_env: None) -> None:
     with GymPool(PROTOCOL, workers=1, progress=False) as pool:
-        env = child_env(tmp_path, lambda candidate: pool.evaluate(REFERENCE, candidate), "pool")
+        env = child_env(lambda candidate: pool.evaluate(REFERENCE, candidate))
     check_child_env(env)
     assert env["CUDA_VISIBLE_DEVICES"] == ""  # the CPU worker's pin, not the caller's GPUs
 
 
-def test_a_fresh_interpreter_child_keeps_the_environment_minus_secrets(
-    tmp_path: Path, caller_env: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_fresh_interpreter_child_keeps_the_environment_minus_secrets(caller_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")  # a lease's pin (the CPU protocol never uses it)
-    env = child_env(tmp_path, lambda candidate: evaluate(REFERENCE, candidate, PROTOCOL), "fresh")
+    env = child_env(lambda candidate: evaluate(REFERENCE, candidate, PROTOCOL))
     check_child_env(env)
     assert env["CUDA_VISIBLE_DEVICES"] == "7"
 
@@ -109,6 +108,10 @@ PLANTER = (Path(__file__).parent / "fixtures" / "gym" / "cache_planter.py").read
 
 @pytest.mark.timeout(900)
 def test_planted_cache_entries_change_no_later_evaluation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trusted cache's own defence (digests), behind the sandbox: a confined candidate cannot
+    reach another directory at all (tests/test_gym_confinement.py), so this planter runs
+    unconfined (the named opt-out) to show the cache alone holds."""
+    monkeypatch.setenv(OPT_OUT_VARIABLE, "1")
     # the pool's scratch and trusted directories under this test's own temporary directory
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     protocol = Protocol(correct_trials=1, perf_trials=3, warmup=1, baseline="both", device="cpu", timeout_s=300, reject_findings=())

@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""A wheelhouse for a machine without internet: the wheels kpipe needs beyond what the target
+already has, for the target's Python and platform, in parts of at most 60 MiB.
+
+    python scripts/wheelhouse.py --have target-freeze.txt --python 3.12 --out wheelhouse
+    # on the target, part by part (or all at once):
+    python -m pip install --no-index --find-links wheelhouse/part-1 ... -e . (see README)
+
+``--have`` is ``python -m pip list --format=freeze`` (or a list of names) from the target: every
+package there whose version satisfies what is asked is left out, and not followed (a listing of
+names only counts as satisfying everything). From kpipe's dependencies in ``pyproject.toml``, each
+missing one is fetched for the target's Python and platform with ``pip download --no-deps``
+(binary wheels only, newest that satisfies its specifier), and its ``Requires-Dist`` that apply
+on the target are followed, breadth first. Parts are
+folders ``part-1``, ``part-2``, ... filled in install order of size, none over ``--part-mib``
+(a single larger wheel gets a part of its own and is reported). Why a script and not
+``pip download`` alone: pip cannot leave out what another machine already has, and the GPU
+device this project is checked on takes at most 64 MiB per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+PLATFORMS = ("manylinux_2_39_x86_64", "manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
+             "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64", "linux_x86_64")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed(freeze: Path) -> dict[str, str | None]:
+    """Package name -> version (None where the listing gives names only) of a
+    ``pip list --format=freeze`` listing."""
+    found: dict[str, str | None] = {}
+    for line in freeze.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            found[canonical(re.split(r"[<>@ ;\[]", name, maxsplit=1)[0])] = version.strip() or None
+    return found
+
+
+def satisfied(requirement: Requirement, have: dict[str, str | None]) -> bool:
+    """Whether the target's installed version (if any) meets `requirement`; a name without a
+    version counts as meeting it."""
+    name = canonical(requirement.name)
+    if name not in have:
+        return False
+    version = have[name]
+    return version is None or requirement.specifier.contains(version, prereleases=True)
+
+
+def pip_platform_args(python: str) -> list[str]:
+    args = ["--only-binary=:all:", "--python-version", python, "--implementation", "cp"]
+    for platform in PLATFORMS:
+        args += ["--platform", platform]
+    return args
+
+
+def target_environment(python: str) -> dict[str, str]:
+    """Marker values of the target (Linux x86-64, CPython `python`)."""
+    return {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux", "os_name": "posix",
+            "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+            "platform_python_implementation": "CPython", "extra": ""}
+
+
+def fetch(requirement: Requirement, python: str, dest: Path) -> Path:
+    """The newest binary wheel satisfying `requirement` for the target, without its dependencies;
+    a source-only package is built here, which must give a pure-Python wheel."""
+    before = set(dest.glob("*.whl"))
+    spec = str(Requirement(f"{requirement.name}{requirement.specifier}"))
+    binary = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest),
+                             *pip_platform_args(python), spec], capture_output=True, text=True)
+    if binary.returncode != 0:  # published as a source distribution only: build it here (pure Python ones)
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), spec], check=True)
+        built = [w for w in set(dest.glob("*.whl")) - before]
+        if not built or not built[0].name.endswith("-none-any.whl"):
+            raise SystemExit(f"{spec}: no binary wheel for the target, and its source does not build a pure-Python one")
+    name = canonical(requirement.name)
+    new = [w for w in set(dest.glob("*.whl")) - before] or [w for w in dest.glob("*.whl") if canonical(w.name.split("-")[0]) == name]
+    return new[0]
+
+
+def requirements_of(wheel: Path, extras: set[str], environment: dict[str, str]) -> list[Requirement]:
+    """The wheel's Requires-Dist that apply on the target with `extras`."""
+    with zipfile.ZipFile(wheel) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(metadata).decode().splitlines()
+    found = []
+    for line in lines:
+        if line.startswith("Requires-Dist:"):
+            requirement = Requirement(line.split(":", 1)[1].strip())
+            if requirement.marker is None or any(requirement.marker.evaluate({**environment, "extra": e}) for e in extras | {""}):
+                found.append(requirement)
+    return found
+
+
+def collect(roots: list[Requirement], python: str, have: dict[str, str | None], dest: Path) -> list[Path]:
+    """Every wheel the target lacks, breadth first from `roots`: a package the target has in a
+    version that satisfies the requirement is not followed (its own dependencies are there with it)."""
+    environment = target_environment(python)
+    dest.mkdir(parents=True, exist_ok=True)
+    seen: dict[str, Path] = {}
+    queue = list(roots)
+    while queue:
+        requirement = queue.pop(0)
+        name = canonical(requirement.name)
+        if satisfied(requirement, have) or name in seen:
+            continue
+        wheel = fetch(requirement, python, dest)
+        seen[name] = wheel
+        print(f"  {wheel.name}", flush=True)
+        queue += requirements_of(wheel, set(requirement.extras), environment)
+    return sorted(seen.values())
+
+
+def project_requirements(extras: str) -> list[Requirement]:
+    """kpipe's build and run dependencies (and those of `extras`), from pyproject.toml."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]  # kpipe builds on the target
+    names = [*build, *project["dependencies"]]
+    for extra in filter(None, extras.split(",")):
+        names += project["optional-dependencies"][extra]
+    return [Requirement(n) for n in names]
+
+
+def split_parts(wheels: list[Path], out: Path, part_bytes: int) -> list[list[Path]]:
+    """First-fit decreasing into folders of at most `part_bytes` (a larger wheel alone)."""
+    parts: list[list[Path]] = []
+    sizes: list[int] = []
+    for wheel in sorted(wheels, key=lambda w: -w.stat().st_size):
+        size = wheel.stat().st_size
+        for index, used in enumerate(sizes):
+            if used + size <= part_bytes:
+                parts[index].append(wheel)
+                sizes[index] += size
+                break
+        else:
+            parts.append([wheel])
+            sizes.append(size)
+    for index, members in enumerate(parts, start=1):
+        folder = out / f"part-{index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for wheel in members:
+            shutil.move(str(wheel), folder / wheel.name)
+    return parts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--have", type=Path, required=True, help="the target's `python -m pip list --format=freeze`")
+    parser.add_argument("--python", default="3.12", help="the target's Python version (default 3.12)")
+    parser.add_argument("--out", type=Path, default=ROOT / "wheelhouse")
+    parser.add_argument("--part-mib", type=float, default=60.0)
+    parser.add_argument("--extras", default="", help="extras of kpipe to include, e.g. dev")
+    args = parser.parse_args()
+    have = installed(args.have)
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    staging = args.out / "staging"
+    wheels = collect(project_requirements(args.extras), args.python, have, staging)
+    parts = split_parts(wheels, args.out, int(args.part_mib * 2**20))
+    staging.rmdir()
+    limit = int(args.part_mib * 2**20)
+    for index, members in enumerate(parts, start=1):
+        size = sum((args.out / f"part-{index}" / w.name).stat().st_size for w in members)
+        flag = "  (one wheel over the limit)" if size > limit else ""
+        print(f"part-{index}: {len(members)} wheels, {size / 2**20:.1f} MiB{flag}")
+    print(f"{len(wheels)} wheels the target lacks -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
