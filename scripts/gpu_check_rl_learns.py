@@ -66,8 +66,9 @@ STARTED = time.monotonic()
 RUN = "gpu-learns"
 FAST_TASKS = ((1, 88), (2, 9), (2, 76), (2, 86))  # bank legit faster than eager at full size on an H100
 SLOW_TASKS = ((1, 1), (1, 19))  # bank legit slower than eager there
-# the bank legit kernels' speedups under protocol kgym-3 (docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md,
-# median of five evaluations; L1_19 from gym_paths_2026-11-25_H100)
+# the bank legit kernels' speedups under protocol kgym-3
+# (git show 63b36f8:docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md, median of five
+# evaluations; L1_19 from gym_paths_2026-11-25_H100)
 H100_LEGIT_SPEEDUP = {(1, 1): 0.70, (1, 19): 0.99, (1, 88): 8.87, (2, 9): 1.44, (2, 76): 1.48, (2, 86): 1.42}
 STEP_METRICS = ("gen_s", "eval_s", "train_s", "step_s", "overlap_s", "reward_mean", "correct_frac", "fast@1",
                 "entropy", "kept_frac", "grad_norm", "response_tokens_mean")

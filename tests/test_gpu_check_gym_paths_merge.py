@@ -1,7 +1,7 @@
 """scripts/gpu_check_gym_paths.py: --merge of a full run with a later rerun of some pairs, and --pairs.
 
 The folders here are fake $OUT folders with gym_paths_*.json in the structure the script writes
-(see docs/gpu-results/gym_paths_2026-11-24b_H100/): a section dict with path, column, ok, rows
+(see docs/gpu-results/gym_paths_2026-11-25_H100/): a section dict with path, column, ok, rows
 (each row with pair, status, diagnostic, ...) and figures; an eval section that ran out of time
 as a .partial file holding the rows alone. No GPU, no bank, no KernelBench data.
 """
