@@ -26,6 +26,8 @@ OOM = "the reference program failed (OutOfMemoryError: CUDA out of memory. Tried
 
 
 def load_script():
+    if str(SCRIPT.parent) not in sys.path:  # as for `python scripts/...`: the check imports gpu_harness
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("gpu_check_gym_paths", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -161,7 +163,7 @@ def test_pairs_on_the_command_line(monkeypatch, capsys, tmp_path):
             return 0
 
     monkeypatch.setattr(script.subprocess, "Popen", Lane)
-    monkeypatch.setattr(script, "cold_start", lambda move_home=True: {})
+    monkeypatch.setattr(script.gpu_harness, "cold_caches", lambda move_home=True: {})
     monkeypatch.setattr(script.tempfile, "mkdtemp", lambda prefix="": str(tmp_path / "work"))
     (tmp_path / "work").mkdir()
     monkeypatch.delenv("OUT", raising=False)

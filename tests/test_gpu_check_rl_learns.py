@@ -19,6 +19,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_rl_learns.
 
 
 def load_script():
+    if str(SCRIPT.parent) not in sys.path:  # as for `python scripts/...`: the check imports gpu_harness
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("gpu_check_rl_learns", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
