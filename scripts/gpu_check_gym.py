@@ -3,7 +3,7 @@
 
     python scripts/gpu_check_gym.py [--budget-s 470]
 
-Prints, and writes to $OUT/gym_check.md when $OUT is set, a Markdown report of:
+Prints, and writes to $OUT/gym_check.md when $OUT is set (after each section), a Markdown report of:
 the bank's legit kernels at full KernelBench size (status, speedup vs eager and vs
 torch.compile, PR); every hack fixture (caught or not); every GPU fault (classified, this
 process surviving); timing hacks (work on a side stream: timed to the synchronize); timing noise (the same candidate 5 times: max/min speedup <= 1.03 on
@@ -15,7 +15,6 @@ Exits 1 when any row says NO or ERROR.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
@@ -25,6 +24,8 @@ from typing import Any
 
 from kpipe.data.kernelbench import select_problems
 from kpipe.gym import Protocol, evaluate
+
+import gpu_harness
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "gym"
@@ -205,31 +206,26 @@ def noise_section(report: Report) -> None:
 SECTIONS = {"hacks": hacks_section, "timing_hacks": timing_hacks_section, "faults": faults_section, "pr": pr_section, "noise": noise_section, "bank": bank_section}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=470, help="stop starting new items after this many seconds")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = parser.parse_args()
-    import torch
-
     started = time.monotonic()
     report = Report(args.budget_s)
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU (CPU interpreter)"
-    report.lines += ["# KernelGym GPU check", "", f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {gpu}; torch {torch.__version__}"]
+    report.lines += ["# KernelGym GPU check", "", gpu_harness.facts_line(gpu_harness.device_facts())]
     print(report.lines[-1], flush=True)
     # cheap sections first, so the long bank table (torch.compile per task) cannot starve them
     for name in args.sections.split(","):
         if name not in SECTIONS:
             parser.error(f"unknown section {name!r}; choose from {', '.join(SECTIONS)}")
         SECTIONS[name](report)
+        gpu_harness.write_report("gym_check", "\n".join(report.lines) + "\n")
     report.note(f"Total wall time {time.monotonic() - started:.0f} s. "
                 + (f"FAILED: {', '.join(report.failures)}" if report.failures else "Every row as expected."))
-    text = "\n".join(report.lines) + "\n"
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gym_check.md").write_text(text)
-    if report.failures:
-        sys.exit(1)
+    gpu_harness.write_report("gym_check", "\n".join(report.lines) + "\n")
+    return gpu_harness.exit_status(report.failures)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -74,21 +74,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gpu_harness
+
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-c", "from kpipe.cli import main; main()"]
 PATHS = ("pool", "service", "ray", "eval")  # the evaluation paths: one row per bank pair
 CHECKS = ("placement", "caches")
 SECTIONS = PATHS + CHECKS
-
-
-def cold_start(move_home: bool = True) -> dict[str, str]:
-    """Fresh, empty compile caches for this process and everything it starts."""
-    fresh = {name: tempfile.mkdtemp(prefix=f"cold-{name.lower()}-") for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ.update(fresh)
-    home_triton = Path.home() / ".triton"
-    if move_home and home_triton.exists():
-        home_triton.rename(home_triton.with_name(f".triton.aside-{int(time.time())}"))
-    return fresh
 
 
 def gpus() -> list[dict[str, str]]:
@@ -266,7 +258,7 @@ def run_eval(pairs: list[dict[str, Any]], perf_trials: int, work: Path, tag: str
         except Exception as exc:  # noqa: BLE001 - a reference failure is a row too
             rows.append({"status": "reference_error", "diagnostic": str(exc)})
         rows[-1]["pair"] = pair["key"]
-        save(f"gym_paths_{tag}.partial", f"{len(rows)}/{len(pairs)} pairs\n", rows)
+        gpu_harness.write_report(f"gym_paths_{tag}.partial", f"{len(rows)}/{len(pairs)} pairs\n", rows)
     for pair, row in list(zip(pairs, rows))[:: max(1, len(pairs) // 3)][:cli_pairs]:
         ref, cand = work / f"ref-{tag}.py", work / f"cand-{tag}.py"
         ref.write_text(pair["reference_src"])
@@ -471,14 +463,6 @@ def caches_check(perf_trials: int, work: Path) -> tuple[list[str], bool, dict[st
     return lines, ok, {}
 
 
-def save(stem: str, text: str, rows: Any) -> None:
-    """Write the report so far under $OUT (a later section that runs out of time loses nothing)."""
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        Path(os.environ["OUT"], f"{stem}.md").write_text(text)
-        Path(os.environ["OUT"], f"{stem}.json").write_text(json.dumps(rows, default=str))
-
-
 def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text.replace("/", "of").replace("#", "-run").replace("+", "_and_").replace(",", "-"))
 
@@ -543,7 +527,7 @@ def run_lane(lane: list[str], pairs: list[dict[str, Any]], perf_trials: int, wor
                 lines, ok, extra = [f"- FAIL: {type(exc).__name__}: {exc}"], False, {}
             wall = time.monotonic() - started
             done[label] = {"check": name, "ok": ok, "lines": lines, "wall_s": round(wall, 1), **extra}
-            save(f"gym_paths_{tag}", "\n".join([*header, "", f"## {label} ({wall:.0f} s)", "", *lines]) + "\n", done[label])
+            gpu_harness.write_report(f"gym_paths_{tag}", "\n".join([*header, "", f"## {label} ({wall:.0f} s)", "", *lines]) + "\n", done[label])
             continue
         chosen = shard_of(pairs, label, start)
         runner = runners[name]
@@ -566,7 +550,7 @@ def run_lane(lane: list[str], pairs: list[dict[str, Any]], perf_trials: int, wor
         summary = (f"- {label}: {len(rows)} evaluations in {wall:.0f} s (first {figures['first_eval_s']} s cold; warm median "
                    f"{figures['median_warm_eval_s']} s); expected statuses: {'all' if ok else 'NOT all'}")
         print(summary, flush=True)
-        save(f"gym_paths_{tag}", "\n".join([*header, summary, "", *lines]) + "\n", done[label])
+        gpu_harness.write_report(f"gym_paths_{tag}", "\n".join([*header, summary, "", *lines]) + "\n", done[label])
     return done
 
 
@@ -684,8 +668,8 @@ def main() -> None:
         lines, ok = merge(args.merge, pairs)
         text = "\n".join([f"# KernelGym paths, merged from {', '.join(str(d) for d in args.merge)}", "", *lines]) + "\n"
         print(text, flush=True)
-        save("gym_paths_merged", text, {})
-        sys.exit(0 if ok else 1)
+        gpu_harness.write_report("gym_paths_merged", text, {})
+        sys.exit(gpu_harness.exit_status([] if ok else ["a merged path or check failed (table above)"]))
     devices = gpus()
     lane_gpus = [devices[i % len(devices)]["index"] if devices else None for i in range(len(lanes))] if len(lanes) > 1 else [None]
     plan = [f"lane {i} ({'GPU ' + g if g else 'every visible GPU' if len(lanes) == 1 else 'CPU'}): "
@@ -694,7 +678,7 @@ def main() -> None:
     if args.dry_run:
         print("\n".join([f"{len(pairs)} bank pairs{' (--pairs)' if args.pairs else ''}; GPUs: {[d['index'] + ' ' + d['name'] for d in devices] or 'none'}", *plan]))
         return
-    fresh = cold_start(move_home=args.lane_result is None)
+    fresh = gpu_harness.cold_caches(move_home=args.lane_result is None)
     work = Path(tempfile.mkdtemp(prefix="gym-paths-"))
     header = [f"# KernelGym paths from a cold start — {time.strftime('%Y-%m-%d')}, {', '.join(d['name'] for d in devices) or 'CPU'} x{len(devices)}", "",
               f"Empty caches at start: {fresh}; perf trials {args.perf_trials}, 5 correctness trials, eager baseline, "
@@ -735,9 +719,9 @@ def main() -> None:
     lines, ok = combined_report(pairs, sections, lane_of)
     text = "\n".join([*header, *plan, f"Total wall: {time.monotonic() - started:.0f} s", "", "## Sections", "", *lines]) + "\n"
     print(text, flush=True)
-    save("gym_paths_summary-" + slug(args.sections), text, {"lanes": lanes, "sections": {k: {kk: vv for kk, vv in v.items() if kk != "rows"} for k, v in sections.items()}})
+    gpu_harness.write_report("gym_paths_summary-" + slug(args.sections), text, {"lanes": lanes, "sections": {k: {kk: vv for kk, vv in v.items() if kk != "rows"} for k, v in sections.items()}})
     shutil.rmtree(work, ignore_errors=True)
-    sys.exit(0 if ok else 1)
+    sys.exit(gpu_harness.exit_status([] if ok else ["a path or check failed (sections above)"]))
 
 
 if __name__ == "__main__":

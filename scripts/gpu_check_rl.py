@@ -15,8 +15,8 @@ the time of one step split into generation, evaluation and training, per `rl.asy
    rewards with PR (Eq. 8), PRS (Eq. 9), TRLOO, and the PPO-clip update under bf16 autocast.
 3. Prints each mode's time split (generation, evaluation, training, step wall time, and overlap_s:
    what running them alongside each other saved) and statistics from `train_metrics`, whether the
-   first turn's answers are the same across modes (the overlap must not change what is sampled), and
-   writes $OUT/rl_check.md (+ .json) when $OUT is set.
+   first turn's answers are the same across modes (the overlap must not change what is sampled: exit
+   status 1 when they are not), and writes $OUT/rl_check.md (+ .json) when $OUT is set.
 
 On a CPU (to check the script itself): ``TRITON_INTERPRET=1 python scripts/gpu_check_rl.py
 --size nano --size-cap 48 --sft-steps 2 --max-tokens 16 --rollouts 2``. ``--size nano --lr 1e-2``
@@ -28,13 +28,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
+import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+import gpu_harness
 
 TASKS = ((1, 19), (1, 88))  # KernelBench L1 ReLU and MinGPT GELU: the bank's shortest kernels
 STEP_METRICS = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "overlap_s", "policy_lag", "rows", "trained_rows", "reward_mean",
@@ -58,7 +60,7 @@ def sft_rows(tasks: list) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="qwen3-0.6b", help="kpipe.train.tiny_model size preset")
     parser.add_argument("--size-cap", type=int, default=4096, help="cap on the tasks' module-level size constants")
@@ -86,7 +88,7 @@ def main() -> None:
     from kpipe.train.sft import SFTConfig, train_sft
     from kpipe.train.tiny_model import build_tiny_model
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    facts = gpu_harness.device_facts()
     problems = {(p.level, p.problem_id): p for p in load_problems("main")}
     tasks = [AgentTask(f"kb-main-L{level}-{pid}", shrink_sizes(problems[(level, pid)].code, args.size_cap))
              for level, pid in TASKS]
@@ -144,12 +146,12 @@ def main() -> None:
                     torch.cuda.empty_cache()
     # the overlap must not change what is sampled: step 1's first turns are equal in every mode
     same_first_turn = len({tuple(run.pop("first_turns")) for run in runs.values()}) == 1
-    report = {"device": device, "torch": torch.__version__, "model": args.size, "settings": vars(args),
+    report = {**facts, "model": args.size, "settings": vars(args),
               "timings": timings, "runs": runs, "same_first_turn_answers": same_first_turn}
     print(json.dumps(report, indent=2, default=str))
 
     lines = [
-        f"# RL iteration check on {device}", "",
+        f"# RL iteration check on {facts['device']}", "", gpu_harness.facts_line(facts), "",
         f"Model: `{args.size}` (random init, {args.vocab}-token BPE, + {args.sft_steps} SFT steps on bank kernels, "
         f"final loss {sft.final_loss:.4f}); {args.steps} RL step(s) of "
         f"{len(TASKS)} prompts x {args.rollouts} rollouts x up to {args.turns} turns, {args.max_tokens} tokens per "
@@ -166,13 +168,10 @@ def main() -> None:
         "Iteration wall times (model load, steps, checkpoint export): "
         + ", ".join(f"{mode} {run['iteration_s']:.0f} s" for mode, run in runs.items()) + ".",
     ]
-    if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"])
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "rl_check.md").write_text("\n".join(lines) + "\n")
-        (out / "rl_check.json").write_text(json.dumps(report, indent=2, default=str))
+    gpu_harness.write_report("rl_check", "\n".join(lines) + "\n", report)
     print("\n".join(lines))
+    return gpu_harness.exit_status([] if same_first_turn else ["step 1's first turns differ between rl.async modes"])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

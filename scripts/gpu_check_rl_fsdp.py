@@ -4,24 +4,25 @@ GPU, each evaluating on its own GPU), then the rows and metrics it wrote.
 
     PYTHONPATH=$PWD/src python3 scripts/gpu_check_rl_fsdp.py --gpus 2      # a 2-GPU machine, ~2 minutes
 
-Writes $OUT/rl_fsdp_check.md when $OUT is set.
+Writes $OUT/rl_fsdp_check.md when $OUT is set; exit status 1 when the launch fails or a row is gathered twice.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import gpu_harness
+
 KERNEL_TASKS = ((1, 19), (1, 88))
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=2)
     args = parser.parse_args()
@@ -51,12 +52,15 @@ def main() -> None:
         done = subprocess.run(command, capture_output=True, text=True)
         wall = time.perf_counter() - started
         log = (done.stdout + done.stderr)[-6000:]
-        lines = [f"# Data-parallel RL check ({args.gpus} GPUs)", "", f"`{' '.join(command[2:7])} train rl ...`: "
-                 f"exit {done.returncode} in {wall:.0f} s", ""]
+        lines = [f"# Data-parallel RL check ({args.gpus} GPUs)", "", gpu_harness.facts_line(gpu_harness.device_facts()),
+                 "", f"`{' '.join(command[2:7])} train rl ...`: exit {done.returncode} in {wall:.0f} s", ""]
+        failures = [f"the launch exited {done.returncode}"] if done.returncode else []
         if done.returncode == 0:
             rows = read_table(root / "out" / "traj.parquet", "trajectories").to_pandas()
             metrics = read_table(root / "out" / "metrics.parquet", "train_metrics").to_pandas()
             keys = rows[["task_id", "sample", "turn", "step"]].drop_duplicates() if "step" in rows else rows
+            if len(keys) < len(rows):  # rank 0 gathers each process's rows once
+                failures.append(f"{len(rows) - len(keys)} duplicated trajectory rows")
             lines += [f"rows {len(rows)} (distinct {len(keys)}), statuses {rows.status.value_counts().to_dict()}", "",
                       "| step | name | value |", "|---|---|---|"]
             wanted = ("loss", "grad_norm", "reward_mean", "rows", "trained_rows", "gen_s", "eval_s", "train_s", "step_s",
@@ -67,10 +71,9 @@ def main() -> None:
         lines += ["", "```", log[-3000:], "```"]
     report = "\n".join(lines)
     print(report)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "rl_fsdp_check.md").write_text(report + "\n")
-    sys.exit(done.returncode)
+    gpu_harness.write_report("rl_fsdp_check", report + "\n")
+    return gpu_harness.exit_status(failures)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

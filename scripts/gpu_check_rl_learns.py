@@ -5,9 +5,9 @@
     python scripts/gpu_check_rl_learns.py --cpu                          # smoke test of the path on a CPU
 
 Before torch or Triton is imported, ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` point
-at new empty directories (and, on the GPU, ``~/.triton`` is moved aside), as
-``scripts/gpu_check_gym_paths.py`` does: everything is compiled from nothing in this run. Then the
-default run's recipe (``config/config.yaml``), through the library functions the DAG calls:
+at new empty directories (and, on the GPU, ``~/.triton`` is moved aside; ``scripts/gpu_harness.py``):
+everything is compiled from nothing in this run. Then the default run's recipe
+(``config/config.yaml``), through the library functions the DAG calls:
 
 1. **Policy** (``policy.tiny``): ``kpipe.train.tiny_model.tiny_model_job``: the nano Qwen3 model
    with a 4,000-token BPE trained on the prompt templates, the bank and the KernelBench references.
@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import sys
@@ -61,13 +60,16 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import gpu_harness
+
 ROOT = Path(__file__).resolve().parent.parent
 STARTED = time.monotonic()
 RUN = "gpu-learns"
 FAST_TASKS = ((1, 88), (2, 9), (2, 76), (2, 86))  # bank legit faster than eager at full size on an H100
 SLOW_TASKS = ((1, 1), (1, 19))  # bank legit slower than eager there
-# the bank legit kernels' speedups under protocol kgym-3 (docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md,
-# median of five evaluations; L1_19 from gym_paths_2026-11-25_H100)
+# the bank legit kernels' speedups under protocol kgym-3
+# (git show 63b36f8:docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md, median of five
+# evaluations; L1_19 from gym_paths_2026-11-25_H100)
 H100_LEGIT_SPEEDUP = {(1, 1): 0.70, (1, 19): 0.99, (1, 88): 8.87, (2, 9): 1.44, (2, 76): 1.48, (2, 86): 1.42}
 STEP_METRICS = ("gen_s", "eval_s", "train_s", "step_s", "overlap_s", "reward_mean", "correct_frac", "fast@1",
                 "entropy", "kept_frac", "grad_norm", "response_tokens_mean")
@@ -112,21 +114,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.enforce is None:
         args.enforce = not args.cpu
     return args
-
-
-def cold_caches(move_home: bool) -> dict[str, str]:
-    """Fresh, empty compile caches for this process and everything it starts (the recipe of
-    scripts/gpu_check_gym_paths.py's cold_start); must run before torch or triton is imported."""
-    loaded = [name for name in ("torch", "triton") if name in sys.modules]
-    if loaded:
-        raise RuntimeError(f"{loaded} imported before the compile caches were set")
-    fresh = {name: tempfile.mkdtemp(prefix=f"cold-{name.lower()}-")
-             for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ.update(fresh)
-    home_triton = Path.home() / ".triton"
-    if move_home and home_triton.exists():
-        home_triton.rename(home_triton.with_name(f".triton.aside-{int(time.time())}"))
-    return fresh
 
 
 def elapsed() -> float:
@@ -318,10 +305,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 def save(report: dict[str, Any], out: Path) -> None:
     report["wall_s"] = elapsed()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "rl_learns.json").write_text(json.dumps(report, indent=2, default=str))
-    if "verdict" in report:  # a run that stopped early has no tables to write: its JSON and traceback say where
-        (out / "rl_learns.md").write_text(markdown(report))
+    # a run that stopped early has no tables to write: its JSON and traceback say where
+    gpu_harness.write_report("rl_learns", markdown(report) if "verdict" in report else None, report, default=out)
 
 
 # --------------------------------------------------------------------------- the run
@@ -515,25 +500,22 @@ def main(argv: list[str] | None = None) -> int:
     resolve_defaults(args, config)
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
-    caches = cold_caches(move_home=not args.cpu)  # never touch a shared machine's ~/.triton
+    caches = gpu_harness.cold_caches(move_home=not args.cpu)  # never touch a shared machine's ~/.triton
     src = str(ROOT / "src")  # absolute: the evaluation children run in scratch directories
     if src not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
         sys.path.insert(0, src)
     os.environ.setdefault("TQDM_MININTERVAL", "30")  # progress bars: a line every 30 s, not a flood
-    import torch
-    import triton
-
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else (args.out or ROOT / "results" / "gpu_check_rl_learns")
+    out = gpu_harness.out_dir(args.out or ROOT / "results" / "gpu_check_rl_learns")
     work = Path(tempfile.mkdtemp(prefix="kpipe-rl-learns-"))
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    if not args.cpu and device == "cpu":
+    facts = gpu_harness.device_facts()
+    if not args.cpu and facts["device"] == "cpu":
         print("no GPU visible: run with --cpu for the smoke test", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {"device": device, "torch": torch.__version__, "triton": triton.__version__,
+    report: dict[str, Any] = {**facts,
                               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                               "compile_caches": caches, "stages": [], "iterations": [], "task_speedups": {}}
-    say(f"{device}: work in {work}, results to {out}")
+    say(f"{facts['device']}: work in {work}, results to {out}")
     try:
         run(args, config, out, work, report)
     finally:
@@ -544,9 +526,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(path, ignore_errors=True)
     print(markdown(report), flush=True)
     check = report["verdict"]
-    if not check["ok"]:
-        print(f"{'FAIL' if args.enforce else 'not enforced (smoke run)'}: {check['why']}", file=sys.stderr)
-    return 1 if args.enforce and not check["ok"] else 0
+    if not check["ok"] and not args.enforce:
+        print(f"not enforced (smoke run): {check['why']}", file=sys.stderr)
+    return gpu_harness.exit_status([check["why"]] if args.enforce and not check["ok"] else [])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ both are reported. MFU = tokens/s · F(L) / peak, peak = 989 TFLOP/s (H100/H200 
 
 Then a short end-to-end `train_sft` run (build → train → checkpoint → HF export) on the same
 model size, to show the whole path works on a GPU. Writes $OUT/sft_check.md (+ .json) when
-$OUT is set.
+$OUT is set; exit status 1 when a part failed or the best MFU misses the 35 % target.
 """
 
 from __future__ import annotations
@@ -27,13 +27,17 @@ import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+import gpu_harness  # noqa: E402
+
 PEAK_BF16_FLOPS = 989e12  # H100 SXM / H200 dense bf16 tensor-core peak
+MFU_TARGET = 0.35
 
 
 def matmul_params(model: torch.nn.Module) -> int:
@@ -50,12 +54,12 @@ def flops_per_token(n_matmul: int, n_layers: int, d_attn: int, seq_len: int, cau
 
 
 def environment() -> dict:
+    """The device facts every check reports, and what decides attention's speed here."""
     import accelerate
     import transformers
 
     info = {
-        "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-        "gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda,
+        **gpu_harness.device_facts(), "transformers": transformers.__version__, "accelerate": accelerate.__version__,
         "flash_attn_installed": importlib.util.find_spec("flash_attn") is not None,
         "sdpa_flash": torch.backends.cuda.flash_sdp_enabled(),
         "sdpa_cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
@@ -117,7 +121,7 @@ def end_to_end(work: Path, seq_chars: int) -> dict:
         p.name for p in result.model_dir.iterdir()), "wall_s": time.perf_counter() - started}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", default="4096,8192", help="comma-separated sequence lengths")
     parser.add_argument("--batch", type=int, default=8, help="sequences per optimizer step")
@@ -155,7 +159,7 @@ def main() -> None:
     optimizer = accelerator.prepare(build_optimizer(model, cfg))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     model.train()
-    print(f"model: {n_total / 1e6:.1f}M parameters, {n_matmul / 1e6:.1f}M in per-token matmuls; attention {env['gpu']}")
+    print(f"model: {n_total / 1e6:.1f}M parameters, {n_matmul / 1e6:.1f}M in per-token matmuls; attention {env['device']}")
 
     variants = [(int(L), False) for L in args.seq_lens.split(",")]
     if not args.no_compile:
@@ -201,14 +205,14 @@ def main() -> None:
                 except Exception as error:
                     e2e = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
     print(json.dumps({"end_to_end": e2e}))
-    report(env, n_total, n_matmul, config, results, e2e, time.perf_counter() - t0)
+    return report(env, n_total, n_matmul, config, results, e2e, time.perf_counter() - t0)
 
 
-def report(env: dict, n_total: int, n_matmul: int, config, results: list[dict], e2e: dict, wall_s: float) -> None:
+def report(env: dict, n_total: int, n_matmul: int, config, results: list[dict], e2e: dict, wall_s: float) -> int:
+    """Print and write the report; the exit status: 1 when a part failed or the best MFU misses 35 %."""
     lines = [
         "# SFT step on one GPU: Qwen3-0.6B-sized model (random weights), bf16 autocast, fused AdamW", "",
-        f"- device: {env['gpu']}; torch {env['torch']} (CUDA {env['cuda']}), transformers {env['transformers']}, "
-        f"accelerate {env['accelerate']}",
+        f"- {gpu_harness.facts_line(env)}, transformers {env['transformers']}, accelerate {env['accelerate']}",
         f"- attention: sdpa (flash backend enabled: {env['sdpa_flash']}, cuDNN: {env['sdpa_cudnn']}); "
         f"flash_attn package installed: {env['flash_attn_installed']}",
         f"- model: {n_total / 1e6:.1f}M parameters; N = {n_matmul / 1e6:.1f}M in per-token matmuls; "
@@ -231,19 +235,19 @@ def report(env: dict, n_total: int, n_matmul: int, config, results: list[dict], 
                          f"{r.get('error') or r.get('skipped')} |")
     best = max((r for r in results if "mfu" in r), key=lambda r: r["mfu"], default=None)
     if best is not None:
-        verdict = "meets" if best["mfu"] >= 0.35 else "misses"
+        verdict = "meets" if best["mfu"] >= MFU_TARGET else "misses"
         lines += ["", f"Best: {100 * best['mfu']:.1f}% MFU at L={best['seq_len']}, compile={best['compile']} "
                       f"({verdict} the 35% target)."]
     lines += ["", f"End-to-end train_sft (build 0.6B → 2 steps → checkpoint → HF export): `{json.dumps(e2e)}`",
               "", f"Wall time of this check: {wall_s:.0f} s."]
     text = "\n".join(lines) + "\n"
     print(text)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "sft_check.md").write_text(text)
-        Path(out, "sft_check.json").write_text(json.dumps({"env": env, "results": results, "end_to_end": e2e},
-                                                          indent=2))
+    gpu_harness.write_report("sft_check", text, {"env": env, "results": results, "end_to_end": e2e})
+    failures = [f"L={r['seq_len']} compile={r['compile']}: {r['error']}" for r in results if "error" in r]
+    failures += [f"end-to-end train_sft: {e2e['error']}"] if "error" in e2e else []
+    failures += [f"best MFU {100 * best['mfu']:.1f}% misses the {MFU_TARGET:.0%} target"] if best and best["mfu"] < MFU_TARGET else []
+    return gpu_harness.exit_status(failures)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,21 +1,19 @@
 """scripts/gpu_check_gym_paths.py: --merge of a full run with a later rerun of some pairs, and --pairs.
 
 The folders here are fake $OUT folders with gym_paths_*.json in the structure the script writes
-(see docs/gpu-results/gym_paths_2026-11-24b_H100/): a section dict with path, column, ok, rows
+(see docs/gpu-results/gym_paths_2026-11-25_H100/): a section dict with path, column, ok, rows
 (each row with pair, status, diagnostic, ...) and figures; an eval section that ran out of time
 as a .partial file holding the rows alone. No GPU, no bank, no KernelBench data.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_gym_paths.py"
 
 PAIRS = [
     {"key": "L1_19/legit", "expected": "pass", "reference_src": "", "candidate_src": ""},
@@ -23,13 +21,6 @@ PAIRS = [
     {"key": "L1_1/legit", "expected": "pass", "reference_src": "", "candidate_src": ""},
 ]
 OOM = "the reference program failed (OutOfMemoryError: CUDA out of memory. Tried to allocate 12.00 GiB.)"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check_gym_paths", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def row(pair: str, status: str, diagnostic: str = "") -> dict:
@@ -73,8 +64,8 @@ def table_row(lines: list[str], key: str) -> list[str]:
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
-def test_later_folder_supersedes_rerun_pairs_and_keeps_the_rest(runs):
-    script = load_script()
+def test_later_folder_supersedes_rerun_pairs_and_keeps_the_rest(load_script, runs):
+    script = load_script("gpu_check_gym_paths")
     full, rerun = runs
     lines, ok = script.merge([full, rerun], PAIRS)
     text = "\n".join(lines)
@@ -101,8 +92,8 @@ def test_later_folder_supersedes_rerun_pairs_and_keeps_the_rest(runs):
     assert superseded == {"service (full)": 2, "service (rerun)": 0}
 
 
-def test_command_line_order_decides_not_the_folder_names(runs):
-    script = load_script()
+def test_command_line_order_decides_not_the_folder_names(load_script, runs):
+    script = load_script("gpu_check_gym_paths")
     full, rerun = runs
     lines, ok = script.merge([rerun, full], PAIRS)  # the full run given last supersedes the rerun
     header = table_row(lines, "pair")
@@ -112,8 +103,8 @@ def test_command_line_order_decides_not_the_folder_names(runs):
     assert f"- service: 3 pairs from {full}" in "\n".join(lines)
 
 
-def test_one_folder_per_path_is_unchanged(runs):
-    script = load_script()
+def test_one_folder_per_path_is_unchanged(load_script, runs):
+    script = load_script("gpu_check_gym_paths")
     full, _ = runs
     lines, ok = script.merge([full], PAIRS)
     text = "\n".join(lines)
@@ -122,8 +113,8 @@ def test_one_folder_per_path_is_unchanged(runs):
     assert dict(zip(table_row(lines, "pair"), table_row(lines, "L1_19/legit")))["service"].startswith("reference_error")
 
 
-def test_select_pairs_filters_after_limit_and_stride_and_names_bad_keys():
-    script = load_script()
+def test_select_pairs_filters_after_limit_and_stride_and_names_bad_keys(load_script):
+    script = load_script("gpu_check_gym_paths")
     assert [p["key"] for p in script.select_pairs(PAIRS, None, 1, None)] == [p["key"] for p in PAIRS]
     assert [p["key"] for p in script.select_pairs(PAIRS, None, 1, "L1_1/legit, L1_19/legit")] == ["L1_19/legit", "L1_1/legit"]
     with pytest.raises(ValueError, match="unknown pair key.*L9_99/nope"):
@@ -134,8 +125,8 @@ def test_select_pairs_filters_after_limit_and_stride_and_names_bad_keys():
         script.select_pairs(PAIRS, 2, 1, "L1_1/legit")
 
 
-def test_pairs_on_the_command_line(monkeypatch, capsys, tmp_path):
-    script = load_script()
+def test_pairs_on_the_command_line(load_script, monkeypatch, capsys, tmp_path):
+    script = load_script("gpu_check_gym_paths")
     monkeypatch.setattr(script, "bank_pairs", lambda limit: PAIRS[:limit] if limit else PAIRS)
     monkeypatch.setattr(script, "gpus", lambda: [])
     monkeypatch.setattr(sys, "argv", ["gpu_check_gym_paths.py", "--pairs", "L1_19/legit,L9_99/nope", "--dry-run"])
@@ -161,7 +152,7 @@ def test_pairs_on_the_command_line(monkeypatch, capsys, tmp_path):
             return 0
 
     monkeypatch.setattr(script.subprocess, "Popen", Lane)
-    monkeypatch.setattr(script, "cold_start", lambda move_home=True: {})
+    monkeypatch.setattr(script.gpu_harness, "cold_caches", lambda move_home=True: {})
     monkeypatch.setattr(script.tempfile, "mkdtemp", lambda prefix="": str(tmp_path / "work"))
     (tmp_path / "work").mkdir()
     monkeypatch.delenv("OUT", raising=False)

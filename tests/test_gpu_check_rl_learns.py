@@ -7,7 +7,6 @@ loaded 2-core machine), and the check must fail when the rollouts do not improve
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -18,13 +17,6 @@ import pandas as pd
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_rl_learns.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check_rl_learns", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def iteration(passing: dict[str, int], n: int = 8) -> pd.DataFrame:
     """n rollouts per task, the first `passing[task]` of them correct and fast (reward 2.5)."""
     rows = [{"task_id": task, "reward": 2.5 if i < k else 0.0, "fast1": 1.0 if i < k else 0.0}
@@ -32,8 +24,8 @@ def iteration(passing: dict[str, int], n: int = 8) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def test_verdict_passes_a_rise_and_fails_a_flat_or_short_run():
-    script = load_script()
+def test_verdict_passes_a_rise_and_fails_a_flat_or_short_run(load_script):
+    script = load_script("gpu_check_rl_learns")
     first = iteration({"a": 2, "b": 1, "c": 2})
     learned = iteration({"a": 7, "b": 6, "c": 8})
     check = script.verdict([first, iteration({"a": 4, "b": 3, "c": 5}), learned], iterations=3)
@@ -70,9 +62,9 @@ def test_cpu_smoke_runs_every_stage_and_the_enforced_check_fails_without_learnin
     assert "| iteration | rollouts | mean reward |" in table and "**FAIL**" in table
 
 
-def test_a_run_that_stops_early_keeps_its_json_and_raises_its_own_error(tmp_path):
+def test_a_run_that_stops_early_keeps_its_json_and_raises_its_own_error(load_script, tmp_path):
     """save() of a report cut off before the tasks were set writes the JSON, not a KeyError of its own."""
-    check = load_script()
+    check = load_script("gpu_check_rl_learns")
     partial = {"device": "cpu", "settings": {}, "stages": [], "iterations": [], "task_speedups": {}}
     check.save(partial, tmp_path)
     assert json.loads((tmp_path / "rl_learns.json").read_text())["device"] == "cpu"

@@ -12,13 +12,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kpipe.data.io import read_table
 from kpipe.train.samples import build_samples
+from kpipe.train.mechanics import batch_indices, plan_micro_batches
 from kpipe.train.sft import (
     PRESETS,
     SFTConfig,
-    batch_indices,
     collate,
     lr_factor,
-    plan_micro_batches,
     shard_for_process,
     total_steps,
     train_sft,

@@ -2,6 +2,7 @@
 
 import base64
 import gzip
+import html
 import json
 import re
 import shutil
@@ -20,6 +21,11 @@ FIRST_CODE = "import triton\n\nclass ModelNew:\n    def forward(self, x):\n     
 SECOND_CODE = "import triton\n\nclass ModelNew:\n    def forward(self, x):\n        return relu_kernel(x)\n"
 ATTACK = "<script>alert(1)</script>"
 DOM_SCRIPT = Path(__file__).parent / "fixtures" / "viewer" / "dom.js"
+DRIVER = Path(__file__).parent / "fixtures" / "viewer" / "drive.js"
+# first thing in <head>: every error the page's script throws, synchronously or in a promise
+CATCH_ERRORS = ('<script>window.kpipeTestErrors = [];'
+                'addEventListener("error", (e) => kpipeTestErrors.push(e.message));'
+                'addEventListener("unhandledrejection", (e) => kpipeTestErrors.push(String(e.reason)));</script>')
 needs_node = pytest.mark.skipif(shutil.which("node") is None, reason="node is not installed")
 
 
@@ -211,6 +217,41 @@ def test_page_lists_many_trajectories_a_hundred_at_a_time(tmp_path):
     assert (page["initial"], page["page"], page["nextPage"]) == (100, "page 1 / 3", "page 2 / 3")
     assert page["scripts"] == ["data/page-0002.js"]  # row 101 of 230 lives in the third data file
     assert "kernel_100_turn_2" in page["detail"]
+
+
+def chromium() -> str:
+    """Debian's chromium: the page's script is tested in the browser it runs in (.ci/run installs it)."""
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.fail("no chromium on PATH: apt-get install -y chromium (README, Tests)")
+
+
+def show_in_chromium(out: Path, profile: Path) -> dict:
+    """What tests/fixtures/viewer/drive.js saw as a user of the built page in headless Chromium."""
+    page = (out / "index.html").read_text()
+    driven = out / "driven.html"  # beside index.html, so data/ loads as it does for the page
+    driven.write_text(page.replace("<head>", "<head>" + CATCH_ERRORS, 1)
+                      .replace("</body>", f"<script>{DRIVER.read_text()}</script></body>", 1))
+    shown = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                            "--disable-component-update", "--no-first-run", f"--user-data-dir={profile}",
+                            "--virtual-time-budget=10000", "--dump-dom", driven.as_uri()],
+                           capture_output=True, text=True, timeout=120)
+    report = re.search(r'<pre id="kpipe-test-report">(.*?)</pre>', shown.stdout, re.DOTALL)
+    assert report, f"the driver wrote no report (chromium exit {shown.returncode}): {shown.stderr[-2000:]}"
+    return json.loads(html.unescape(report.group(1)))
+
+
+def test_page_lists_filters_and_shows_a_diff_in_headless_chromium(database, tmp_path):
+    out = tmp_path / "viewer"
+    build_viewer(database, out)
+    page = show_in_chromium(out, tmp_path / "profile")
+    assert page["errors"] == []  # nothing the page's script ran threw
+    assert (page["shown"], page["rows"]) == ("3 of 3 trajectories", 3)
+    assert page["filtered"] == {"shown": "1 of 3 trajectories", "tasks": ["drkernel_rl-7"]}  # status: hacked
+    assert page["heading"].startswith("kb-main-L1-19") and page["turns"] == 3  # loaded from data/page-0000.js
+    assert "-        return x.clamp(min=0)" in page["removed"]
+    assert "+        return relu_kernel(x)" in page["added"]
 
 
 def test_cli_builds_the_viewer(database, tmp_path):

@@ -368,7 +368,7 @@ def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference
     back are then scaled by the reference's own synchronised over back-to-back medians, so
     ``candidate_ms`` stays on the scale of ``eager_ms`` (KernelBench's region) and their ratio is
     the one the two programs showed back to back. The candidate's time stays a median over all its
-    trials: a mean over chunks repeated better on the H100 (benchmarks/timing_residual.py) but
+    trials: a mean over chunks repeated better on the H100 (git show 63b36f8:benchmarks/timing_residual.py) but
     would let a candidate that skips its work on a minority of calls gain, where a median moves
     only when most calls do (and the sampled timed outputs then catch them)."""
     paired, eager = timing.get("reference_ms"), reference.get("eager")

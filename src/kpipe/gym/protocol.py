@@ -19,16 +19,16 @@ from kpipe.gym.screen import FINDING_CODES
 # warmup_ms on a GPU. kgym-2 started after a host synchronize, ended after a device-wide
 # synchronize and limited cuBLAS's workspace: 6-16 % over KernelBench's published H100 eager
 # times, 20-25 % lower speedups on sub-millisecond kernels
-# (docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md)
+# (git show 63b36f8:docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md)
 # kgym-4: on a GPU the candidate child also times the reference, interleaved with the
 # candidate's trials, and the candidate's times are divided by how far the GPU's speed had
 # drifted from the reference's own timing (max_gpu_drift bounds it): the same candidate's
 # speedup moved 3-10 % between evaluations with kgym-3 on an H100 with unlocked clocks
-# (docs/gpu-results/timing_noise_2026-11-25_H100.md)
+# (git show 63b36f8:docs/gpu-results/timing_noise_2026-11-25_H100.md)
 # kgym-6: those paired trials run back to back, the host synchronising only between chunks of
 # random length: after every synchronised trial the GPU idled while the host queued the next,
 # and that idling set an offset per timing window that pairing could not divide out (speedup CV
-# 0.5-0.9 % -> 0.04-0.44 % on an H100, docs/gpu-results/window_state_2026-11-25_H100.md)
+# 0.5-0.9 % -> 0.04-0.44 % on an H100, git show 63b36f8:docs/gpu-results/window_state_2026-11-25_H100.md)
 # kgym-7: candidates run confined (kpipe.gym.sandbox): a PID namespace of their own (no visible
 # parent), no network, files only in their scratch, whose home and TMPDIR they now are; and PR's
 # total (Eq. 7) counts memcpy and memset. No timing setting changed (confined and unconfined

@@ -103,7 +103,7 @@ def time_forward(
     `back_to_back` (kgym-6, CUDA; for a paired timing only when it pairs): the host synchronises
     only between chunks, so within a chunk each trial's copy and flush run on the GPU right after
     the previous call instead of after the GPU idled while the host woke up and queued them; on the
-    H100 that idling set each window's offset (benchmarks/window_state.py). Chunks have random
+    H100 that idling set each window's offset (git show 63b36f8:benchmarks/window_state.py). Chunks have random
     lengths (``chunk_sizes``) and each ends after the device-wide synchronize, whose latency after
     the chunk's last call is its ``tails_ms`` (``spans_ms``: first start to that synchronize;
     ``gaps_ms``: between one call's end and the next call's start), so work a call leaves on a
@@ -113,7 +113,7 @@ def time_forward(
     `fresh_inputs=False` times the first input set every trial and `flush` replaces the buffer
     zeroing (the side-by-side benchmark's A/B against KernelBench's harness); `chunk` and
     `switch_calls=False` (no untimed call at a switch) are other ways of pairing, compared in
-    benchmarks/pairing_methods.py.
+    git show 63b36f8:benchmarks/pairing_methods.py.
     """
     buffers = clone_inputs(input_sets[0])
 
@@ -275,7 +275,7 @@ def paired_runs(trials: int, reference_trials: int, chunk: list[int] | int = PAI
     trials due by then (their share, rounded; none where none fell due, the next chunk then a run
     of its own), so the two sample the same stretch of time. Most calls follow a call of the same
     program: a launch-bound kernel timed right after a 3 ms GEMM was 20-40 % slower on the H100
-    (benchmarks/timing_noise.py); kernels of a millisecond or more, timed in chunks after an
+    (git show 63b36f8:benchmarks/timing_noise.py); kernels of a millisecond or more, timed in chunks after an
     untimed call, were not (shorter ones are not paired: ``PAIRED_MIN_MS``)."""
     sizes = chunk_sizes(trials, chunk) if isinstance(chunk, int) else chunk
     runs: list[tuple[bool, int]] = []

@@ -8,9 +8,11 @@ loads with a ``<script>`` tag on first use (``fetch()`` of local files is blocke
 file:// in Chromium). So 10^4 trajectories open as fast as ten, and the folder is also what
 the Snakemake report embeds.
 
-Everything that came from a model or a task is escaped here (Pygments and ``html.escape``)
-before it reaches any HTML string; the index is JSON, inlined with ``<``, ``>`` and ``&``
-escaped, that the page only writes with ``textContent``.
+The page is web files of this package: ``web/viewer.html.j2`` (a Jinja2 template, autoescaped),
+``web/viewer.css`` and ``web/viewer.js``, inlined into ``index.html`` so that one file opens
+from disk. Everything that came from a model or a task is escaped here (Pygments and
+``html.escape``) before it reaches any HTML string; the index is JSON, inlined with ``<``, ``>``
+and ``&`` escaped, that the page only writes with ``textContent``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from typing import Any
 
 import click
 import duckdb
+import jinja2
+from markupsafe import Markup
 from pygments import highlight
 from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
@@ -293,29 +297,21 @@ def group_counts(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "reward": g["reward"] / g["trajectories"]} for k, g in groups.items()]
 
 
-def counts_table(entries: list[dict[str, Any]]) -> str:
-    header = ("stage", "run", "iteration", "model", "trajectories", "turns", "correct at the last turn",
-              "with a hacked turn", "mean last-turn reward")
-    body = "".join(
-        "<tr>" + "".join(f"<td>{esc(g[k])}</td>" for k in ("stage", "run", "iteration", "model", "trajectories",
-                                                            "turns", "correct", "hacked"))
-        + f"<td>{fmt_number(g['reward'])}</td></tr>"
-        for g in group_counts(entries)
-    )
-    return ('<table class="counts"><tr>' + "".join(f"<th>{esc(h)}</th>" for h in header) + "</tr>" + body
-            + "</table>")
-
-
 def render_index(entries: list[dict[str, Any]], db_path: Path) -> str:
-    n_turns = sum(e["turns"] for e in entries)
-    summary = (f'<p id="totals"><b>{len(entries):,} trajectories</b>, <b>{n_turns:,} turns</b> '
-               f"from <code>{esc(db_path)}</code>. Speedups timed on a CPU are Triton-interpreter timings, "
-               "not GPU performance (each turn's feedback names its clock).</p>")
-    if not entries:
-        summary += '<p class="note">No trajectories in the database yet.</p>'
-    styles = HtmlFormatter(style="default").get_style_defs(".hl")
-    return PAGE_TEMPLATE.format(styles=styles, css=PAGE_CSS, summary=summary, counts=counts_table(entries),
-                                index=json_for_html(entries), script=PAGE_SCRIPT)
+    """The page (web/viewer.html.j2, with its stylesheet and script inlined so it opens from file://)."""
+    return page_template().render(
+        entries=entries, n_turns=sum(e["turns"] for e in entries), db_path=db_path, groups=group_counts(entries),
+        code_styles=Markup(HtmlFormatter(style="default").get_style_defs(".hl")),
+        index=Markup(json_for_html(entries)))  # JSON inside <script>: entities would not be decoded there
+
+
+@lru_cache(maxsize=1)
+def page_template() -> jinja2.Template:
+    """The page template; everything it is given is escaped unless it is Markup (built escaped here)."""
+    env = jinja2.Environment(loader=jinja2.PackageLoader("kpipe.report", "web"), autoescape=True,
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    env.filters |= {"number": fmt_number, "thousands": "{:,}".format, "cell": lambda v: "—" if v is None else v}
+    return env.get_template("viewer.html.j2")
 
 
 def replace_dir(built: Path, out_dir: Path) -> None:
@@ -417,211 +413,3 @@ def view_command(results: str | None, db_path: str | None, out_dir: str | None, 
     if open_browser and not webbrowser.open(index.as_uri()):
         click.echo(f"no browser could be started here: open {index.as_uri()} yourself", err=True)
 
-
-PAGE_TEMPLATE = """<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>kpipe trajectories</title>
-<style>{css}
-{styles}</style></head>
-<body>
-<header><h1>kpipe trajectories</h1>{summary}
-<details><summary>Counts per stage, run, iteration and model</summary>{counts}</details></header>
-<nav id="controls">
-<label>stage <select data-field="stage"></select></label>
-<label>run <select data-field="run"></select></label>
-<label>iteration <select data-field="iteration"></select></label>
-<label>model <select data-field="model"></select></label>
-<label>status (any turn) <select data-field="statuses"></select></label>
-<label>task <input id="task-filter" type="search" placeholder="id or name contains"></label>
-<label>view <select id="sort">
-<option value="default">pipeline order</option>
-<option value="best_speedup">best speedup (correct, not hacked) first</option>
-<option value="hacked">hacked first</option>
-<option value="reward_change">biggest reward change between turns first</option>
-</select></label>
-<span id="shown"></span>
-<button id="prev" type="button">&larr; previous</button> <span id="page"></span>
-<button id="next" type="button">next &rarr;</button>
-</nav>
-<main>
-<section id="list"><table><thead><tr><th>stage</th><th>run</th><th>iter</th><th>model</th><th>task</th>
-<th>sample</th><th>turns</th><th>last status</th><th>best speedup</th><th>hacked turns</th>
-<th>reward change</th><th>last reward</th></tr></thead><tbody id="rows"></tbody></table></section>
-<section id="detail"><p class="note">Pick a trajectory from the list.</p></section>
-</main>
-<script type="application/json" id="kpipe-index">{index}</script>
-<script>{script}</script>
-</body></html>
-"""
-
-PAGE_CSS = """
-body { font-family: system-ui, sans-serif; margin: 0 1em; color: #222; }
-h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-bottom: .2em; } h3 { font-size: 1em; }
-nav { position: sticky; top: 0; background: #f6f6f6; padding: .4em; border-bottom: 1px solid #ccc;
-      display: flex; flex-wrap: wrap; gap: .6em; align-items: center; z-index: 1; }
-main { display: grid; grid-template-columns: minmax(0, 2fr) minmax(0, 3fr); gap: 1em; }
-#list { overflow-x: auto; }
-#list table { border-collapse: collapse; font-size: .85em; width: 100%; }
-#list td, #list th, table.counts td, table.counts th { border-bottom: 1px solid #e3e3e3; padding: .15em .4em;
-      text-align: left; }
-#list tbody tr { cursor: pointer; } #list tbody tr:hover { background: #eef4ff; }
-#list tr.selected { background: #dce8ff; }
-table.kv { font-size: .85em; border-collapse: collapse; } table.kv th { text-align: left; padding-right: 1em;
-      font-weight: normal; color: #555; }
-.turn { border-left: 3px solid #ccd; padding-left: .8em; margin: 1em 0; }
-.hack { background: #fff0f0; border: 1px solid #e99; padding: .3em .6em; }
-.note { color: #666; font-style: italic; }
-.meta { color: #555; }
-pre.text, .hl pre { white-space: pre-wrap; word-break: break-word; font-size: .82em; background: #fafafa;
-      padding: .5em; border: 1px solid #eee; max-height: 40em; overflow: auto; }
-summary { cursor: pointer; font-weight: 600; margin: .3em 0; }
-.status { font-size: .8em; padding: .1em .4em; border-radius: .3em; background: #eee; }
-.status.correct { background: #d6f5d6; } .status.hacked { background: #ffd6d6; }
-.status.failed { background: #fff1cc; }
-"""
-
-# Model and task text reaches the page only as (a) index JSON written with textContent and
-# (b) detail HTML that build_viewer escaped; nothing here builds HTML from strings.
-PAGE_SCRIPT = """
-"use strict";
-const INDEX = JSON.parse(document.getElementById("kpipe-index").textContent);
-const ROWS_PER_PAGE = 100;
-const loaded = new Map();
-const waiting = new Map();
-let shown = INDEX;
-let listPage = 0;
-let selected = null;
-
-window.kpipeViewer = {
-  addPage(fileNumber, packed) {
-    unpack(packed).then((data) => {
-      loaded.set(fileNumber, data);
-      for (const callback of waiting.get(fileNumber) || []) callback(data);
-      waiting.delete(fileNumber);
-    }, (error) => message("Could not unpack data file " + fileNumber + " (a browser with DecompressionStream "
-                          + "is needed: Chrome 80+, Firefox 113+, Safari 16.4+): " + error));
-  },
-};
-
-async function unpack(packed) {
-  const bytes = Uint8Array.from(atob(packed), (c) => c.charCodeAt(0));
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
-  return JSON.parse(await new Response(stream).text());
-}
-
-function loadFile(fileNumber, callback) {
-  if (loaded.has(fileNumber)) return callback(loaded.get(fileNumber));
-  if (waiting.has(fileNumber)) return waiting.get(fileNumber).push(callback);
-  waiting.set(fileNumber, [callback]);
-  const script = document.createElement("script");
-  script.src = "data/page-" + String(fileNumber).padStart(4, "0") + ".js";
-  script.onerror = () => {
-    waiting.delete(fileNumber);
-    message("Could not load " + script.src + ": is the data/ folder next to index.html?");
-  };
-  document.head.appendChild(script);
-}
-
-function message(text) {
-  const detail = document.getElementById("detail");
-  detail.replaceChildren();
-  const p = document.createElement("p");
-  p.className = "note";
-  p.textContent = text;
-  detail.appendChild(p);
-}
-
-function fmt(value) {
-  if (value === null || value === undefined) return "\\u2014";
-  return typeof value === "number" && !Number.isInteger(value) ? +value.toPrecision(3) : value;
-}
-
-const selects = Array.from(document.querySelectorAll("select[data-field]"));
-for (const select of selects) {
-  const field = select.dataset.field;
-  const values = new Set();
-  for (const e of INDEX) for (const v of [].concat(e[field])) values.add(v);
-  const all = document.createElement("option");
-  all.value = "";
-  all.textContent = "all";
-  select.appendChild(all);
-  for (const v of Array.from(values).sort((a, b) => (a < b ? -1 : a > b ? 1 : 0))) {
-    const option = document.createElement("option");
-    option.value = String(v);
-    option.textContent = String(v);
-    select.appendChild(option);
-  }
-  select.addEventListener("change", update);
-}
-document.getElementById("task-filter").addEventListener("input", update);
-document.getElementById("sort").addEventListener("change", update);
-document.getElementById("prev").addEventListener("click", () => { listPage -= 1; renderList(); });
-document.getElementById("next").addEventListener("click", () => { listPage += 1; renderList(); });
-
-const descending = (key) => (a, b) => {
-  const x = key(a), y = key(b);
-  if (x === y) return a.id - b.id;
-  if (x === null) return 1;
-  if (y === null) return -1;
-  return y - x;
-};
-const ORDERS = {
-  default: (a, b) => a.id - b.id,
-  best_speedup: descending((e) => e.best_speedup),
-  hacked: descending((e) => e.hacked_turns),
-  reward_change: descending((e) => (e.reward_change === null ? null : Math.abs(e.reward_change))),
-};
-
-function update() {
-  const wanted = selects.filter((s) => s.value !== "").map((s) => [s.dataset.field, s.value]);
-  const text = document.getElementById("task-filter").value.toLowerCase();
-  shown = INDEX.filter((e) => wanted.every(([field, value]) => [].concat(e[field]).some((v) => String(v) === value))
-    && (!text || e.task.toLowerCase().includes(text) || (e.name || "").toLowerCase().includes(text)));
-  shown.sort(ORDERS[document.getElementById("sort").value]);
-  listPage = 0;
-  renderList();
-}
-
-function renderList() {
-  const pages = Math.max(1, Math.ceil(shown.length / ROWS_PER_PAGE));
-  listPage = Math.min(Math.max(listPage, 0), pages - 1);
-  const body = document.getElementById("rows");
-  body.replaceChildren();
-  for (const e of shown.slice(listPage * ROWS_PER_PAGE, (listPage + 1) * ROWS_PER_PAGE)) {
-    const row = document.createElement("tr");
-    if (e.id === selected) row.className = "selected";
-    for (const value of [e.stage, e.run, e.iteration, e.model, e.task, e.sample, e.turns, e.status,
-                         e.best_speedup, e.hacked_turns, e.reward_change, e.reward]) {
-      const cell = document.createElement("td");
-      cell.textContent = fmt(value);
-      row.appendChild(cell);
-    }
-    row.addEventListener("click", () => openTrajectory(e.id));
-    body.appendChild(row);
-  }
-  document.getElementById("shown").textContent = shown.length + " of " + INDEX.length + " trajectories";
-  document.getElementById("page").textContent = "page " + (listPage + 1) + " / " + pages;
-}
-
-function openTrajectory(id) {
-  const entry = INDEX[id];
-  if (!entry) return;
-  selected = id;
-  history.replaceState(null, "", "#t=" + id);
-  renderList();
-  message("Loading\\u2026");
-  loadFile(entry.file, (data) => {
-    if (selected !== id) return;
-    const detail = document.getElementById("detail");
-    const trajectory = data.trajectories[id];
-    const reference = "<details><summary>Reference (PyTorch)</summary>" + data.references[trajectory.task]
-      + "</details>";
-    detail.innerHTML = trajectory.head + reference + trajectory.turns;  // all escaped at build time
-  });
-}
-
-update();
-const linked = /^#t=(\\d+)$/.exec(location.hash);
-if (linked) openTrajectory(Number(linked[1]));
-"""

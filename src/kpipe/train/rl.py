@@ -99,7 +99,7 @@ from kpipe.train.rl_update import (
     token_totals,
     update_policy,
 )
-from kpipe.train.sft import max_over_processes, resolve_precision
+from kpipe.train.mechanics import max_over_processes, resolve_precision
 
 log = logging.getLogger(__name__)
 

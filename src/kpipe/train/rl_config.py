@@ -28,7 +28,7 @@ from kpipe.train.algos import (
     TRITONFORGE_MIN_VALID_ITEM_RATIO,
     ZERO_VARIANCE_MIN_STD,
 )
-from kpipe.train.sft import PRECISIONS, accepted_types
+from kpipe.train.mechanics import PRECISIONS, accepted_types
 from kpipe.train.turn_rewards import REWARDS, SPEEDUP_CAP
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")

@@ -24,7 +24,7 @@ from kpipe.data import metrics as kmetrics
 from kpipe.llm.extract import FORMAT_ERROR
 from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
 from kpipe.train.rl_config import RLConfig
-from kpipe.train.sft import batch_indices
+from kpipe.train.mechanics import batch_indices
 from kpipe.train.turn_rewards import turn_reward
 
 STAGE = "rl"

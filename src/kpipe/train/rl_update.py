@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from kpipe.llm.hf_engine import plain_chat_prompt
 from kpipe.train import algos
 from kpipe.train.rl_config import RLConfig
-from kpipe.train.sft import max_over_processes, plan_micro_batches
+from kpipe.train.mechanics import max_over_processes, plan_micro_batches
 
 
 def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:

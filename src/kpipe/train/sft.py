@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -31,13 +30,21 @@ import torch
 from tqdm import tqdm
 
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, remove_checkpoints, save_checkpoint
+from kpipe.train.mechanics import (
+    PRECISIONS,
+    accepted_types,
+    batch_indices,
+    max_over_processes,
+    plan_micro_batches,
+    resolve_precision,
+    steps_per_epoch,
+)
 from kpipe.train.metrics_log import MetricsLog
 from kpipe.train.samples import IGNORE_INDEX, OUTCOME_FILTERS, OVERLONG, UNITS, Sample, SampleReport, build_samples
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("cosine", "constant")
-PRECISIONS = ("auto", "bf16", "fp16", "no")
 
 
 @dataclass
@@ -112,16 +119,6 @@ class SFTConfig:
         return replace(base, **values)
 
 
-def accepted_types(annotation: str) -> tuple[type, ...]:
-    """Python types a config field accepts, from its annotation string (ints are fine as floats)."""
-    names = {"float": (int, float), "int": (int,), "str": (str,), "bool": (bool,), "None": (type(None),)}
-    accepted: tuple[type, ...] = ()
-    for part in annotation.split("|"):
-        part = part.strip()
-        accepted += (tuple,) if part.startswith("tuple") else names[part]
-    return accepted
-
-
 PRESETS: dict[str, SFTConfig] = {
     # Paper §6.1: Qwen3-8B-Base, lr 1e-6, batch 256, 4 epochs, 8K five-turn trajectories.
     # Not stated there, taken from verl's SFT trainer defaults (the authors' stack): AdamW betas
@@ -152,10 +149,6 @@ class SFTResult:
 # ---------------------------------------------------------------- pure helpers (tested directly)
 
 
-def steps_per_epoch(n_samples: int, batch_size: int) -> int:
-    return math.ceil(n_samples / batch_size)
-
-
 def total_steps(cfg: SFTConfig, n_samples: int) -> int:
     """Optimizer steps of the whole run: `epochs` passes (a partial last batch counts), capped by max_steps."""
     steps = math.ceil(cfg.epochs * steps_per_epoch(n_samples, cfg.batch_size))
@@ -172,39 +165,10 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def batch_indices(n_samples: int, batch_size: int, seed: int, step: int) -> list[int]:
-    """Sample indices of the global batch of optimizer step `step`: a fresh permutation per epoch."""
-    per_epoch = steps_per_epoch(n_samples, batch_size)
-    epoch, position = divmod(step, per_epoch)
-    order = np.random.default_rng([seed, epoch]).permutation(n_samples)
-    return order[position * batch_size:(position + 1) * batch_size].tolist()
-
-
-def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Group indices into micro-batches of similar length whose padded size (count × longest) fits the budget.
-
-    Sorting by length first keeps padding small; a sample longer than the budget runs alone.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups: list[list[int]] = []
-    for index in order:
-        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
-            groups[-1].append(index)
-        else:
-            groups.append([index])
-    return groups
-
-
 def shard_for_process(indices: Sequence[int], lengths: Sequence[int], rank: int, world: int) -> list[int]:
     """This process's share of a global batch: length-sorted round robin, so token loads stay balanced."""
     by_length = sorted(indices, key=lambda i: -lengths[i])
     return by_length[rank::world]
-
-
-def max_over_processes(accelerator: Any, value: int) -> int:
-    """The largest `value` of all processes: FSDP gathers parameters in every forward pass, so each
-    process must run as many passes as the busiest one."""
-    return int(accelerator.reduce(torch.tensor([value], device=accelerator.device), "max").item())
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -239,15 +203,6 @@ def run_fingerprint(cfg: SFTConfig, samples: Sequence[Sample]) -> str:
 
 
 # ---------------------------------------------------------------- model, tokenizer, accelerator
-
-
-def resolve_precision(requested: str) -> str | None:
-    """'auto' means bf16 on GPU and fp32 on CPU, unless an accelerate config already chose."""
-    if requested != "auto":
-        return requested
-    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
-        return None  # let Accelerator read the launcher's choice
-    return "bf16" if torch.cuda.is_available() else "no"
 
 
 def load_tokenizer(cfg: SFTConfig) -> Any:
