@@ -5,7 +5,7 @@
 
 Workload: the side-by-side's ten tasks (``benchmarks/kernelbench_side_by_side.py``: the bank's
 legit kernels at full KernelBench ``main`` sizes), 5 correctness + 100 timed trials, eager
-baseline, one pool worker, references run per evaluation: one pass, as a job pays it, pool start
+baseline, one pool worker, each task's reference run once per worker (the pool's default): one pass, pool start
 included. Each run is its own process with new empty compile caches, so every run is cold.
 Confined and unconfined (``KPIPE_GYM_UNCONFINED=1``) runs alternate, ``--rounds`` times each,
 on the same GPU in one call. Prints evaluations/min per run, the ratio of the medians, and each

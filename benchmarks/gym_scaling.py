@@ -9,11 +9,11 @@ cycled to ``--evaluations`` distinct candidates (a comment makes each a new cach
 correctness + 100 timed trials, eager baseline, references run per evaluation (the protocol's
 default). Each GPU count runs in its own process with new empty compile caches (every run cold).
 
-Per run: evaluations/min with the pool's start, the start itself, and per worker the seconds its
-evaluations took (from the judge's trace, ``KPIPE_GYM_TRACE``) against the run's wall time: a
-worker busy far less than the wall time waited on something serial (the dispatcher, the result
-cache, a shared lock). Also checks the recorded timed spans: no two timed regions overlap on
-one GPU. Writes $OUT/gym_scaling.md (+ .json) when $OUT is set.
+Per run: evaluations/min with the pool's start, the start itself, per GPU the seconds its
+evaluations took (from the judge's trace, ``KPIPE_GYM_TRACE``) against the run's wall time (a
+worker busy far less than the wall time waited on something serial: the dispatcher, a lock), and
+the mean seconds of each phase (a phase that grows with the GPU count is contended). Also checks
+the recorded timed spans: no two timed regions overlap on one GPU. Writes $OUT/gym_scaling.md (+ .json) when $OUT is set.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def one_run(evaluations: int, gpus: int, trials: int, shrink: int) -> dict[str, 
     os.environ["KPIPE_GYM_TRACE"] = str(trace)
     protocol = Protocol(baseline="eager", correct_trials=5, perf_trials=trials, timeout_s=300)
     started = time.monotonic()
-    with GymPool(protocol, workers=gpus, progress=False) as pool:
+    with GymPool(protocol, workers=gpus, progress=False, reuse_reference=False) as pool:
         start_s = time.monotonic() - started
         results = pool.evaluate_many(jobs)
         workers = pool.workers()
@@ -69,9 +69,15 @@ def one_run(evaluations: int, gpus: int, trials: int, shrink: int) -> dict[str, 
     for result in results:
         busy[result.device_id or "?"] += wall_by_key.get(result.key, 0.0)
     rows = [{"status": r.status, "device_id": r.device_id, "timed_spans": r.timed_spans, "wall_s": r.wall_s} for r in results]
+    phases: dict[str, list[float]] = defaultdict(list)  # where an evaluation's seconds went, mean over the run
+    for record in records:
+        phases["reference child"].append(record.get("reference_s", 0.0))
+        for name, phase_s in (record.get("candidate") or {}).get("phases", []):
+            phases[f"candidate: {name.split(' trial')[0]}"].append(phase_s)
     return {"gpus": gpus, "evaluations": len(results), "seconds": seconds, "start_s": start_s,
             "statuses": sorted({r.status for r in results}), "busy_s_by_gpu": dict(busy),
-            "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows)}
+            "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
+            "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {}}
 
 
 def main() -> None:
@@ -103,6 +109,11 @@ def main() -> None:
         lines.append(f"| {gpus} | {result['evaluations']} | {result['seconds']:.0f} ({result['start_s']:.1f}) | {rate:.1f} | "
                      f"{rate / base:.2f} | {result['done_by_worker']} | {busy} | {result['overlapping_spans']} |")
         print(lines[-1], flush=True)
+    names = list(dict.fromkeys(name for run in runs for name in run["mean_phase_s"]))
+    lines += ["", "Mean seconds per evaluation, by phase (the judge's trace):", "",
+              "| phase | " + " | ".join(f"{r['gpus']} GPU(s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    lines += [f"| {name} | " + " | ".join(f"{r['mean_phase_s'].get(name, 0.0):.2f}" for r in runs) + " |" for name in names]
+    print("\n".join(lines[len(runs) + 2:]))
     print("statuses: " + json.dumps([r["statuses"] for r in runs]))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gym_scaling.md").write_text("\n".join(lines) + "\n")
