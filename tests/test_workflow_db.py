@@ -157,3 +157,22 @@ def test_configfile_layers_over_the_default_config(workflow_copy):
     sources.write_text("queries:\n  sources:\n    - {name: kb, kind: kernelbench, levels: [1]}\n")
     for overlay in (partial, sources):
         assert planned_counts(ok(snakemake(workflow_copy, "-n", "--configfile", overlay.name)))["rl_iter"] == 5
+
+
+def test_until_works_for_every_rule(workflow_copy):
+    """`--until RULE` plans for every rule, rl_iter included (its iterations chain: kpipe/infra/until.py)."""
+    listed = ok(snakemake(workflow_copy, "--list-rules"))
+    rules = [line.split()[0] for line in listed.splitlines() if line and not line.startswith("Using ")]
+    assert "rl_iter" in rules
+    for rule in rules:
+        output = ok(snakemake(workflow_copy, "-n", "--until", rule))
+        assert "BUG" not in output, rule
+    assert planned_counts(ok(snakemake(workflow_copy, "-n", "--until", "rl_iter")))["rl_iter"] == 5
+
+
+def test_until_rl_iter_runs_every_iteration(tree):
+    """A real scheduler run (`--touch`: jobs mark their outputs done) of `--until rl_iter` runs all 5
+    iterations and nothing after them."""
+    output = ok(snakemake(tree, "--touch", "--forcerun", "rl_iter", "--until", "rl_iter"))
+    assert "BUG" not in output
+    assert output.count("rule rl_iter:") == 5 and "rule rl_validate:" not in output

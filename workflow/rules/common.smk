@@ -8,6 +8,7 @@ from kpipe.evaluate.kernelbench import budget_splits, model_gpus, models_by_name
 from kpipe.report.figures import FIGURE_NAMES
 from kpipe.infra.gpu import gpu_count
 from kpipe.infra.provenance import code_version
+from kpipe.infra.until import until_stops_after_chained_rules
 from kpipe.report.tables import table_sql_files
 
 # The default run; Snakemake merges --configfile files, then --config values, over it (mappings
@@ -34,6 +35,9 @@ if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(D
     sys.exit(f"config error: distill.released_path: {DISTILL['released_path']!r} does not exist "
              "(distill.teacher: released reads it)")
 
+
+# `--until rl_iter` runs every iteration (Snakemake would stop after the first: kpipe/infra/until.py)
+until_stops_after_chained_rules()
 
 # asked once per DAG build (nvidia-smi), not once per rule
 VISIBLE_GPUS = gpu_count()
