@@ -460,11 +460,13 @@ body { font-family: system-ui, sans-serif; margin: 0 1em; color: #222; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-bottom: .2em; } h3 { font-size: 1em; }
 nav { position: sticky; top: 0; background: #f6f6f6; padding: .4em; border-bottom: 1px solid #ccc;
       display: flex; flex-wrap: wrap; gap: .6em; align-items: center; z-index: 1; }
-main { display: grid; grid-template-columns: minmax(0, 2fr) minmax(0, 3fr); gap: 1em; }
-#list { overflow-x: auto; }
-#list table { border-collapse: collapse; font-size: .85em; width: 100%; }
-#list td, #list th, table.counts td, table.counts th { border-bottom: 1px solid #e3e3e3; padding: .15em .4em;
+main { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 1em; align-items: start; }
+#list { overflow: auto; max-height: calc(100vh - 5em); }
+#list table { border-collapse: collapse; font-size: .8em; width: 100%; }
+#list td, #list th, table.counts td, table.counts th { border-bottom: 1px solid #e3e3e3; padding: .15em .3em;
       text-align: left; }
+#list thead th { position: sticky; top: 0; background: #fff; vertical-align: bottom; }
+#list td { overflow-wrap: anywhere; }   /* long run, model and task names wrap: every column stays in view */
 #list tbody tr { cursor: pointer; } #list tbody tr:hover { background: #eef4ff; }
 #list tr.selected { background: #dce8ff; }
 table.kv { font-size: .85em; border-collapse: collapse; } table.kv th { text-align: left; padding-right: 1em;
