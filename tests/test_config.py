@@ -118,3 +118,28 @@ def test_range_errors_say_range(schema):
     cfg = deep_merge(default_config(), {"rl": {"iterations": -2}})
     with pytest.raises(ConfigError, match=r"^config error: rl.iterations: out of range: -2 is less than the minimum of 1$"):
         validate_config(cfg, schema)
+
+
+def leaves(value: object, prefix: str = "") -> dict[str, object]:
+    """Every leaf of a nested config as dotted key -> value (an empty mapping is a leaf)."""
+    if isinstance(value, dict) and value:
+        return {key: leaf for name, item in value.items() for key, leaf in leaves(item, f"{prefix}{name}.").items()}
+    return {prefix.rstrip("."): value}
+
+
+@pytest.mark.parametrize("overlays", [["paper.yaml"], ["paper.yaml", "paper_14b.yaml"]])
+def test_paper_configs_layered_over_the_default_inherit_nothing_from_it(schema, overlays):
+    """Snakemake layers --configfile files over config/config.yaml (mappings merge, lists replace):
+    the paper's run must be what its files say, not the small offline run's selection and sizes."""
+    paths = [ROOT / "config" / name for name in overlays]
+    alone = leaves(load_config(*paths, schema=schema))
+    layered = leaves(load_config(ROOT / "config" / "config.yaml", *paths, schema=schema))
+    unused = {"policy.tiny.size", "policy.tiny.tokenizer"}  # read only when policy.base_model is tiny
+    differ = {key for key in alone.keys() | layered.keys() if alone.get(key, "absent") != layered.get(key, "absent")}
+    assert differ == unused
+
+
+def test_null_ids_keep_every_problem(schema):
+    """An overlay drops a lower file's `ids` with null: an empty mapping would merge into them."""
+    cfg = deep_merge(default_config(), {"kernelbench": {"ids": None}})
+    assert validate_config(cfg, schema)["kernelbench"]["ids"] is None

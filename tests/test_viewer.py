@@ -271,3 +271,32 @@ def test_view_uses_the_current_directory_and_says_when_no_browser_opens(database
     assert result.exit_code == 0, result.output
     assert (database.parent / "viewer" / "index.html").exists()
     assert "no browser could be started here" in result.output
+
+
+LAYOUT_PROBE = """<script>
+const box = document.getElementById("list");
+const list = box.getBoundingClientRect();
+const heads = Array.from(box.querySelectorAll("th"));
+document.body.dataset.layout = JSON.stringify({listRight: list.right, listHeight: list.height,
+  viewportHeight: innerHeight, lastColumnRight: heads[heads.length - 1].getBoundingClientRect().right});
+</script></body>"""
+
+
+def test_list_shows_every_column_at_1400_px(tmp_path):
+    """In a 1400 px window, long run, model and task names leave every column of the list in view, and
+    the list scrolls inside the window (a narrower one reaches its scroll bar without paging down)."""
+    results = tmp_path / "results"
+    rows = [turn("rl_val", f"kb-main-L2-{i}", 0, t, run="tritonforge_released", iteration=29,
+                 model="drkernel-14b-rl@16x8", status="compilation_error", reward=0.123, speedup_eager=1.234)
+            for i in range(120) for t in (1, 2)]
+    write_table(rows, results / "trajectories" / "stage=rl_val" / "part-0.parquet", "trajectories")
+    build_db(results, results / "kpipe.duckdb")
+    build_viewer(results / "kpipe.duckdb", tmp_path / "viewer")
+    probe = tmp_path / "viewer" / "probe.html"
+    probe.write_text((tmp_path / "viewer" / "index.html").read_text().replace("</body>", LAYOUT_PROBE))
+    dom = subprocess.run([chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                          "--disable-component-update", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+                          "--window-size=1400,900", "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    layout = json.loads(re.search(r'data-layout="([^"]*)"', dom).group(1).replace("&quot;", '"'))
+    assert layout["lastColumnRight"] <= layout["listRight"], layout
+    assert layout["listHeight"] <= layout["viewportHeight"], layout

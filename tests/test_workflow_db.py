@@ -3,6 +3,7 @@ default DAG exists (empty tables of the right schemas, empty model folders) and 
 it up to date (`--touch`), so build_db and the planning run for real in seconds."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -138,3 +139,40 @@ def test_nested_config_overrides_take_numbers_and_range_errors_say_range(workflo
     bad = snakemake(workflow_copy, "-n", "--config", 'rl={"iterations": -2}')
     assert bad.returncode != 0
     assert "config error: rl.iterations: out of range: -2 is less than the minimum of 1" in bad.stdout + bad.stderr
+
+
+def planned_counts(output: str) -> dict[str, int]:
+    """Rule name -> planned jobs, from a dry run's 'Job stats' table."""
+    stats = output.split("Job stats:")[1].split("total")[0]
+    return {match.group(1): int(match.group(2)) for match in re.finditer(r"^(\w+)\s+(\d+)$", stats, re.M)}
+
+
+def test_configfile_layers_over_the_default_config(workflow_copy):
+    """`--configfile` merges over config/config.yaml, as over any workflow's `configfile:`: a
+    partial overlay plans, and one that sets `queries.sources` keeps config.yaml's other values
+    (its 5 RL iterations, not the schema's 2)."""
+    partial = workflow_copy / "partial.yaml"
+    partial.write_text("rl: {lr: 1.0e-3}\n")
+    sources = workflow_copy / "sources.yaml"
+    sources.write_text("queries:\n  sources:\n    - {name: kb, kind: kernelbench, levels: [1]}\n")
+    for overlay in (partial, sources):
+        assert planned_counts(ok(snakemake(workflow_copy, "-n", "--configfile", overlay.name)))["rl_iter"] == 5
+
+
+def test_until_works_for_every_rule(workflow_copy):
+    """`--until RULE` plans for every rule, rl_iter included (its iterations chain: kpipe/infra/until.py)."""
+    listed = ok(snakemake(workflow_copy, "--list-rules"))
+    rules = [line.split()[0] for line in listed.splitlines() if line and not line.startswith("Using ")]
+    assert "rl_iter" in rules
+    for rule in rules:
+        output = ok(snakemake(workflow_copy, "-n", "--until", rule))
+        assert "BUG" not in output, rule
+    assert planned_counts(ok(snakemake(workflow_copy, "-n", "--until", "rl_iter")))["rl_iter"] == 5
+
+
+def test_until_rl_iter_runs_every_iteration(tree):
+    """A real scheduler run (`--touch`: jobs mark their outputs done) of `--until rl_iter` runs all 5
+    iterations and nothing after them."""
+    output = ok(snakemake(tree, "--touch", "--forcerun", "rl_iter", "--until", "rl_iter"))
+    assert "BUG" not in output
+    assert output.count("rule rl_iter:") == 5 and "rule rl_validate:" not in output

@@ -3,22 +3,20 @@ import os
 import sys
 from pathlib import Path
 
-import yaml
-
 from kpipe.infra.config import ConfigError, deep_merge, load_schema, parse_nested_strings, validate_config
 from kpipe.evaluate.kernelbench import budget_splits, model_gpus, models_by_name, validated_iterations
 from kpipe.report.figures import FIGURE_NAMES
 from kpipe.infra.gpu import gpu_count
 from kpipe.infra.provenance import code_version
+from kpipe.infra.until import until_stops_after_chained_rules
 from kpipe.report.tables import table_sql_files
 
-DEFAULT_CONFIG = Path(workflow.basedir).parent / "config" / "config.yaml"
+# The default run; Snakemake merges --configfile files, then --config values, over it (mappings
+# merge, lists and other values replace), so an overlay names only what it changes
+# (config/paper.yaml sets or nulls every value of the small offline run that it must not inherit).
+configfile: str(Path(workflow.basedir).parent / "config" / "config.yaml")
 
-if not workflow.overwrite_configfiles:
-    # No --configfile: the default run, with any --config values on top. (A `configfile:`
-    # directive would instead merge --configfile files *into* the default run, leaking its
-    # lists and task selection into e.g. config/paper.yaml.)
-    config.update(deep_merge(yaml.safe_load(DEFAULT_CONFIG.read_text()), config))
+
 # nested --config values (kernelbench='{"size_cap": 128}') read as a config file would read them
 config.update(deep_merge(config, {key: parse_nested_strings(value) for key, value in workflow.config_settings.config.items()
                                   if isinstance(value, (dict, list))}))
@@ -37,6 +35,9 @@ if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(D
     sys.exit(f"config error: distill.released_path: {DISTILL['released_path']!r} does not exist "
              "(distill.teacher: released reads it)")
 
+
+# `--until rl_iter` runs every iteration (Snakemake would stop after the first: kpipe/infra/until.py)
+until_stops_after_chained_rules()
 
 # asked once per DAG build (nvidia-smi), not once per rule
 VISIBLE_GPUS = gpu_count()
