@@ -3,6 +3,7 @@ cached jobs are evaluated once, and an actor killed mid-task costs a retry, not 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 import ray
 
+import kpipe  # noqa: E402
 from kpipe.data.kernelbench import select_problems, shrink_sizes  # noqa: E402
 from kpipe.gym import Protocol  # noqa: E402
 from kpipe.gym.bank import solutions_for  # noqa: E402
@@ -70,10 +72,17 @@ def test_the_stages_evaluator_factory_evaluates_through_a_local_ray_cluster(tmp_
     cache_path = tmp_path / "cache.sqlite"
     gym_config = {"backend": "ray", "ray_address": None, "actors": 1, "cache": str(cache_path),
                   "protocol": PROTOCOL.to_dict()}
-    with open_evaluator(gym_config, progress=False) as evaluator:
-        assert isinstance(evaluator, RayGym) and len(evaluator.workers()) == 1
-        [result] = evaluator.evaluate_many([(REFERENCE, LEGIT)])
-    assert status(result) == "pass", result.diagnostic
+    planted = Path(kpipe.__file__).parent / f"planted_by_ray_{os.getpid()}.py"
+    writer = LEGIT + f"\nopen({str(planted)!r}, 'w').write('planted')\n"  # a candidate writing into the kpipe package
+    try:
+        with open_evaluator(gym_config, progress=False) as evaluator:
+            assert isinstance(evaluator, RayGym) and len(evaluator.workers()) == 1
+            result, confined = evaluator.evaluate_many([(REFERENCE, LEGIT), (REFERENCE, writer)])
+        assert status(result) == "pass", result.diagnostic
+        assert status(confined) != "pass" and "PermissionError" in confined.diagnostic  # refused at import: confined
+        assert not planted.exists()
+    finally:
+        planted.unlink(missing_ok=True)
     assert ResultCache(cache_path).get(result.key) is not None
     assert not ray.is_initialized()
 

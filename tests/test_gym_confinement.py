@@ -1,6 +1,7 @@
 """Hostile candidates, run for real through the paths users take: ``kpipe gym eval`` (a fresh
-interpreter per child) and ``kpipe gym eval-batch`` (the pool: children forked from a warm
-zygote), each started as its own process with an API key in its environment.
+interpreter per child), ``kpipe gym eval-batch`` (the pool: children forked from a warm zygote)
+and ``kpipe gym serve`` with its HTTP client, each started as its own process with an API key in
+its environment (the Ray backend runs the same pool: tests/test_distributed.py).
 
 One candidate carries every attack of issue 25 and reports what it got in its exception, the
 loot reversed so that redaction alone could not hide a leak: reading every process's
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -214,6 +216,35 @@ def evaluate_pool(tmp_path: Path, candidates: list[str]) -> list[dict[str, objec
     return pq.read_table(tmp_path / "evals.parquet").to_pylist()
 
 
+def evaluate_service(tmp_path: Path, candidate: str) -> dict[str, object]:
+    """``kpipe gym serve`` (the HTTP service other RL frameworks use) and its client."""
+    from kpipe.gym.client import GymClient
+
+    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = {**os.environ, "OPENAI_API_KEY": SECRET}
+    server = subprocess.Popen([sys.executable, "-m", "kpipe.cli", "gym", "serve", "--port", str(port), "--workers", "1",
+                               "--protocol", str(tmp_path / "protocol.json"), "--cache", str(tmp_path / "cache.sqlite")],
+                              env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        with GymClient(f"http://127.0.0.1:{port}", poll_s=0.2, progress=False) as client:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    client.health()
+                    break
+                except Exception:  # noqa: BLE001 - not up yet
+                    assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()[-3000:] if server.stderr else ""
+                    time.sleep(0.5)
+            result = client.evaluate(RELU_REFERENCE, candidate)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return result.to_row() if isinstance(result, EvalResult) else dict(result)
+
+
 def attack_report(result: dict[str, object]) -> dict[str, list[object] | object]:
     diagnostic = str(result["diagnostic"])
     assert result["status"] == "runtime_error", diagnostic
@@ -240,6 +271,11 @@ def test_every_attack_fails_through_the_pool_and_the_pool_still_passes_legit_ker
     attack, legit = evaluate_pool(tmp_path, [targets.candidate(), LEGIT])
     assert_every_attack_failed(attack_report(attack), attack, targets)
     assert legit["status"] == "pass", legit["diagnostic"]  # confined, a honest kernel compiles, runs and is timed
+
+
+def test_every_attack_fails_through_the_http_service(tmp_path: Path, targets: Targets) -> None:
+    result = evaluate_service(tmp_path, targets.candidate())
+    assert_every_attack_failed(attack_report(result), result, targets)
 
 
 def test_a_correct_kernel_that_writes_into_kpipe_passes_but_writes_nothing(tmp_path: Path, targets: Targets) -> None:
