@@ -136,8 +136,8 @@ def mapped_library_dirs() -> list[str]:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return []
-    dirs = {os.path.dirname(line.split(maxsplit=5)[5]) for line in maps.splitlines()
-            if len(line.split(maxsplit=5)) == 6 and line.split(maxsplit=5)[5].startswith("/")}
+    fields = (line.split(maxsplit=5) for line in maps.splitlines())
+    dirs = {os.path.dirname(f[5]) for f in fields if len(f) == 6 and f[5].startswith("/")}
     return sorted(d for d in dirs if d and not d.startswith(("/tmp", "/dev", "/proc", "/memfd")))
 
 
@@ -157,10 +157,10 @@ def toolchain_dirs(environ: dict[str, str]) -> list[str]:
     return [d for d in dirs if d and os.path.isabs(d)]
 
 
-def sandbox_for(scratch: Path, environ: dict[str, str], extra_read: tuple[str, ...] = ()) -> Sandbox:
+def sandbox_for(scratch: Path, environ: dict[str, str]) -> Sandbox:
     """The sandbox of a candidate whose scratch directory is `scratch` and whose environment
     (the child's, from kpipe.gym.environment) is `environ`."""
-    read = {*SYSTEM_READ, *install_roots(), *mapped_library_dirs(), *toolchain_dirs(environ), *extra_read}
+    read = {*SYSTEM_READ, *install_roots(), *mapped_library_dirs(), *toolchain_dirs(environ)}
     devices = {path for pattern in DEVICE_GLOBS for path in glob.glob(pattern)}
     return Sandbox(str(scratch), tuple(sorted(p for p in read if os.path.exists(p))), tuple(sorted(devices)))
 
