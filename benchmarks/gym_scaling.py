@@ -1,19 +1,23 @@
 #!/usr/bin/env python
-"""Benchmark: do GPUs add up? One pass of N evaluations through ``kpipe gym eval-batch``'s pool at
-1, 2, 4 ... GPUs, pool start included, and where each worker's time went.
+"""Benchmark: KernelGym's throughput on one pass, and do GPUs add up? N evaluations through the
+pool that ``kpipe gym eval-batch`` and every stage use, at G GPUs with P workers each, pool start
+included, beside KernelBench's harness (one spawned process per sample) on the same workload.
 
-    . scripts/device_env.sh && python benchmarks/gym_scaling.py --evaluations 40 --gpus 1,2
+    . scripts/device_env.sh && python benchmarks/gym_scaling.py --evaluations 80 --configs 1x1:20,1x4,2x4,4x4 \
+        --kb-spawn 10 --anchors .device/anchors/kernelbench_harness
 
 Workload: the side-by-side's ten tasks (bank legit kernels, full KernelBench ``main`` sizes),
-cycled to ``--evaluations`` distinct candidates (a comment makes each a new cache key), 5
-correctness + 100 timed trials, eager baseline, references run per evaluation (the protocol's
-default). Each GPU count runs in its own process with new empty compile caches (every run cold).
+cycled to ``--evaluations`` distinct candidates (a comment makes each a new cache key, so each
+task's kernel is evaluated evaluations/10 times: the run-to-run spread), 5 correctness + 100 timed
+trials, eager baseline, references run per evaluation (``kpipe gym eval-batch``'s default). Each
+configuration runs in its own process with new empty compile caches (every run cold); ``1x1`` is
+the scheduling before kgym-8 (one evaluation at a time per GPU).
 
-Per run: evaluations/min with the pool's start, the start itself, per GPU the seconds its
-evaluations took (from the judge's trace, ``KPIPE_GYM_TRACE``) against the run's wall time (a
-worker busy far less than the wall time waited on something serial: the dispatcher, a lock), and
-the mean seconds of each phase (a phase that grows with the GPU count is contended). Also checks
-the recorded timed spans: no two timed regions overlap on one GPU. Writes $OUT/gym_scaling.md (+ .json) when $OUT is set.
+Per run: evaluations/min with the pool's start, the start itself (until the first worker is
+ready), per GPU the seconds its timed regions took against the run's wall time (the GPU's share
+spent timing), the mean seconds of each phase, the recorded timed spans (no two may overlap on one
+GPU) and per task the spread (max/min) of its candidate times and its median speedup, compared
+with the first configuration's. Writes $OUT/gym_scaling.md (+ .json) when $OUT is set.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -45,8 +50,8 @@ def overlapping_spans(rows: list[dict[str, object]]) -> int:
     return count
 
 
-def one_run(evaluations: int, gpus: int, trials: int, shrink: int) -> dict[str, object]:
-    """This process: a pool of `gpus` workers, one pass."""
+def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int) -> dict[str, object]:
+    """This process: a pool of `per_gpu` workers on each of `gpus` GPUs, one pass."""
     from kernelbench_side_by_side import TASKS, bank_pairs
 
     from kpipe.gym import Protocol
@@ -58,66 +63,121 @@ def one_run(evaluations: int, gpus: int, trials: int, shrink: int) -> dict[str, 
     os.environ["KPIPE_GYM_TRACE"] = str(trace)
     protocol = Protocol(baseline="eager", correct_trials=5, perf_trials=trials, timeout_s=300)
     started = time.monotonic()
-    with GymPool(protocol, workers=gpus, progress=False, reuse_reference=False) as pool:
+    with GymPool(protocol, workers=gpus, per_gpu=per_gpu, progress=False, reuse_reference=False) as pool:
         start_s = time.monotonic() - started
         results = pool.evaluate_many(jobs)
         workers = pool.workers()
     seconds = time.monotonic() - started
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
-    wall_by_key = {record["key"]: record["wall_s"] for record in records}
-    busy: dict[str, float] = defaultdict(float)
+    timed: dict[str, float] = defaultdict(float)
     for result in results:
-        busy[result.device_id or "?"] += wall_by_key.get(result.key, 0.0)
+        timed[result.device_id or "?"] += sum(end - begin for begin, end in result.timed_spans)
     rows = [{"status": r.status, "device_id": r.device_id, "timed_spans": r.timed_spans, "wall_s": r.wall_s} for r in results]
     phases: dict[str, list[float]] = defaultdict(list)  # where an evaluation's seconds went, mean over the run
     for record in records:
         phases["reference child"].append(record.get("reference_s", 0.0))
+        phases["candidate: waiting for the timing lease"].append(record.get("candidate_lease_wait_s", 0.0))
         for name, phase_s in (record.get("candidate") or {}).get("phases", []):
             phases[f"candidate: {name.split(' trial')[0]}"].append(phase_s)
-    return {"gpus": gpus, "evaluations": len(results), "seconds": seconds, "start_s": start_s,
-            "statuses": sorted({r.status for r in results}), "busy_s_by_gpu": dict(busy),
+    tasks = [{"task": pairs[i % len(pairs)]["task"], "status": r.status, "candidate_ms": r.candidate_ms, "speedup": r.speedup_eager}
+             for i, r in enumerate(results)]
+    return {"gpus": gpus, "per_gpu": per_gpu, "evaluations": len(results), "seconds": seconds, "start_s": start_s,
+            "statuses": sorted({r.status for r in results}), "timed_s_by_gpu": dict(timed), "tasks": tasks,
             "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
             "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {}}
 
 
+def per_task(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per task: statuses, the spread of its candidate times (max/min) and its median speedup."""
+    from statistics import median
+
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in run["tasks"]:
+        grouped[row["task"]].append(row)
+    out = {}
+    for task, rows in grouped.items():
+        times = [r["candidate_ms"] for r in rows if r["candidate_ms"]]
+        speedups = [r["speedup"] for r in rows if r["speedup"]]
+        out[task] = {"statuses": sorted({r["status"] for r in rows}), "runs": len(rows),
+                     "ms": median(times) if times else None, "spread": max(times) / min(times) if times else None,
+                     "speedup": median(speedups) if speedups else None}
+    return out
+
+
+def kb_spawn_rate(count: int, anchors: Path, shrink: int) -> dict[str, Any]:
+    """KernelBench's harness, one spawned process per sample, on the first `count` jobs' tasks."""
+    from kernelbench_side_by_side import TASKS, bank_pairs, kernelbench_package, run_kb_spawn
+
+    pairs = (bank_pairs(TASKS, shrink) * (count // len(TASKS) + 1))[:count]
+    rows, seconds = run_kb_spawn(pairs, kernelbench_package(anchors), 600)
+    return {"evaluations": len(rows), "seconds": seconds, "correct": sum(bool(r.get("correct")) for r in rows)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--evaluations", type=int, default=40)
-    parser.add_argument("--gpus", default="1,2", help="GPU counts to run, each a pool of that many workers")
+    parser.add_argument("--evaluations", type=int, default=50)
+    parser.add_argument("--configs", default="1x1,1x4,2x4",
+                        help="GPUSxWORKERS-PER-GPU[:EVALUATIONS] runs, in order (the first is the reference)")
     parser.add_argument("--trials", type=int, default=100)
-    parser.add_argument("--shrink", type=int, default=0, help="sizes divided down (a CPU smoke run: --gpus counts CPU workers)")
-    parser.add_argument("--one-run", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--shrink", type=int, default=0, help="sizes divided down (a CPU smoke run: GPUs count CPU workers)")
+    parser.add_argument("--kb-spawn", type=int, default=0, help="also run KernelBench spawned on this many of the jobs")
+    parser.add_argument("--anchors", type=Path, default=ROOT.parent / "shared" / "anchors" / "kernelbench_harness")
+    parser.add_argument("--one-run", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_run:
-        print(json.dumps(one_run(args.evaluations, args.one_run, args.trials, args.shrink)))
+        gpus, per_gpu = (int(n) for n in args.one_run.split("x"))
+        print(json.dumps(one_run(args.evaluations, gpus, per_gpu, args.trials, args.shrink)))
         return
-    runs = []
-    lines = ["| GPUs | evaluations | seconds (pool start) | evaluations/min | x one GPU | evaluations per worker | busy s per GPU | overlapping timed spans |",
-             "|---|---|---|---|---|---|---|---|"]
-    for gpus in [int(g) for g in args.gpus.split(",")]:
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    runs: list[dict[str, Any]] = []
+    lines = ["| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | timed s per GPU | overlapping timed spans |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    if args.kb_spawn:
+        kb = kb_spawn_rate(args.kb_spawn, args.anchors, args.shrink)
+        rate = 60 * kb["evaluations"] / kb["seconds"]
+        lines.append(f"| KernelBench spawned | {kb['evaluations']} | {kb['seconds']:.0f} | {rate:.1f} | {rate:.1f} | | | | |")
+        print(lines[-1], flush=True)
+    for config in args.configs.split(","):
+        config, _, evaluations = config.partition(":")
         caches = {name: tempfile.mkdtemp(prefix="cold-") for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-        run = subprocess.run([sys.executable, __file__, "--one-run", str(gpus), "--evaluations", str(args.evaluations),
+        run = subprocess.run([sys.executable, __file__, "--one-run", config, "--evaluations", evaluations or str(args.evaluations),
                               "--trials", str(args.trials), "--shrink", str(args.shrink)],
                              capture_output=True, text=True, env={**os.environ, **caches}, timeout=1800)
         if run.returncode != 0:
-            raise SystemExit(f"the {gpus}-GPU run failed:\n{run.stderr[-3000:]}")
+            raise SystemExit(f"the {config} run failed:\n{run.stderr[-3000:]}")
         result = json.loads(run.stdout.strip().splitlines()[-1])
         runs.append(result)
         rate = 60 * result["evaluations"] / result["seconds"]
         base = 60 * runs[0]["evaluations"] / runs[0]["seconds"]
-        busy = ", ".join(f"{s:.0f}" for s in result["busy_s_by_gpu"].values())
-        lines.append(f"| {gpus} | {result['evaluations']} | {result['seconds']:.0f} ({result['start_s']:.1f}) | {rate:.1f} | "
-                     f"{rate / base:.2f} | {result['done_by_worker']} | {busy} | {result['overlapping_spans']} |")
+        timed = ", ".join(f"{s:.0f}" for s in result["timed_s_by_gpu"].values())
+        lines.append(f"| {config} | {result['evaluations']} | {result['seconds']:.0f} ({result['start_s']:.1f}) | {rate:.1f} | "
+                     f"{rate / result['gpus']:.1f} | {rate / base:.2f} | {result['done_by_worker']} | {timed} | {result['overlapping_spans']} |")
         print(lines[-1], flush=True)
+        if out:  # what is measured so far survives a cut-off run
+            (out / "gym_scaling.json").write_text(json.dumps(runs, indent=1))
     names = list(dict.fromkeys(name for run in runs for name in run["mean_phase_s"]))
     lines += ["", "Mean seconds per evaluation, by phase (the judge's trace):", "",
-              "| phase | " + " | ".join(f"{r['gpus']} GPU(s)" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+              "| phase | " + " | ".join(f"{r['gpus']}x{r['per_gpu']}" for r in runs) + " |", "|---|" + "---|" * len(runs)]
     lines += [f"| {name} | " + " | ".join(f"{r['mean_phase_s'].get(name, 0.0):.2f}" for r in runs) + " |" for name in names]
-    print("\n".join(lines[len(runs) + 2:]))
-    print("statuses: " + json.dumps([r["statuses"] for r in runs]))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gym_scaling.md").write_text("\n".join(lines) + "\n")
-        Path(os.environ["OUT"], "gym_scaling.json").write_text(json.dumps(runs, indent=1))
+    tables = [per_task(run) for run in runs]
+    lines += ["", "Per task: statuses / median candidate ms / spread (max/min over its runs) / median speedup "
+              "(ratio to the first configuration's):", "",
+              "| task | " + " | ".join(f"{r['gpus']}x{r['per_gpu']}" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    for task in tables[0]:
+        cells = []
+        for table in tables:
+            row, first = table.get(task, {}), tables[0][task]
+            ratio = row["speedup"] / first["speedup"] if row.get("speedup") and first["speedup"] else None
+            cells.append(f"{'/'.join(row.get('statuses', []))} / {fmt(row.get('ms'))} / {fmt(row.get('spread'), '.3f')} / "
+                         f"{fmt(row.get('speedup'))} ({fmt(ratio, '.3f')})")
+        lines.append(f"| {task} | " + " | ".join(cells) + " |")
+    print("\n".join(lines[len(runs) + 2 + bool(args.kb_spawn):]))
+    if out:
+        (out / "gym_scaling.md").write_text("\n".join(lines) + "\n")
+
+
+def fmt(value: float | None, spec: str = ".3g") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ def test_kept_references_are_budgeted_by_bytes_not_count(monkeypatch):
 
     runs: list[str] = []
 
-    def fake_run(job, timeout_s, launch):
+    def fake_run(job, timeout_s, gate, launch, lease):
         runs.append(job["reference_src"])
         return ChildRun({"status": "ok"}, None, 0, False, 0.1, "", "", 0, "done", result_bytes=30 << 20)
 

@@ -253,6 +253,14 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         with torch.no_grad():
             result["recheck_outputs"].append(keep(flatten_output(model(*inputs))))
         del inputs
+    if device == "cuda":
+        phase("build Triton's runtime helpers")
+        build_triton_runtime()
+    if job.get("gate_path"):  # the judge answers once this child holds its device's timing lease
+        phase("reference waiting at the gate")
+        write_result(str(workdir / "partial.pt"), {})
+        if wait_for_gate(Path(job["gate_path"]), job["gate_wait_s"], job["parent_pid"]) != "go":
+            raise RuntimeError("the judge stopped the reference at the gate")
     l2 = l2_flush_buffer(protocol, device)
     result["timed_spans"] = []
     if protocol.wants_eager:
@@ -274,16 +282,15 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
                                               **timed_region(protocol))
         except Exception as exc:  # a baseline that cannot compile is reported, not fatal
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    if device == "cuda":
-        phase("build Triton's runtime helpers")
-        build_triton_runtime()
+    timing_done(workdir, device)
     return result
 
 
 def build_triton_runtime() -> None:
     """Build Triton's host-side helpers (``cuda_utils``: gcc, about a second) here, in the trusted
     cache every candidate's private cache is seeded from (kpipe.gym.compile_caches); otherwise
-    every candidate child builds them again. After the timing: nothing timed waits on gcc."""
+    every candidate child builds them again. Before the gate: gcc runs while another child may be
+    timed, never while this one holds the timing lease."""
     import triton
 
     try:
@@ -377,7 +384,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         phase("candidate waiting at the gate")
         result.update(integrity())
         write_result(str(workdir / "partial.pt"), result)
-        if wait_for_gate(Path(job["gate_path"]), protocol.timeout_s, job["parent_pid"]) != "go":
+        if wait_for_gate(Path(job["gate_path"]), job["gate_wait_s"], job["parent_pid"]) != "go":
             result["stopped_at_gate"] = True
             return result
 
@@ -430,9 +437,19 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         launched = set(train_launches) | set(result["launches"]["eval"])
         result["profile"] = profile_cuda(forward, launched) if device == "cuda" else profile_cpu(forward, clocks)
 
+    timing_done(workdir, device)
     phase("candidate integrity")
     result.update(integrity())
     return result
+
+
+def timing_done(workdir: Path, device: str) -> None:
+    """Tell the judge this child's GPU work is over, so it hands the device's timing lease to
+    the next child while this one writes its result and exits (a context's teardown takes a
+    tenth of a second). A candidate that says so early only lets others' work slow its own."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    (workdir / "timed").touch()
 
 
 def pairs_with_reference(protocol: Protocol, device: str) -> bool:
@@ -550,8 +567,9 @@ def run_child(job: dict[str, Any]) -> None:
     `job` keys: ``role`` ("reference" | "candidate"), ``reference_src``, ``candidate_src``
     (candidate role), ``protocol`` (``Protocol.to_dict()``), ``device`` ("cuda" | "cpu"),
     ``workdir`` (scratch directory; becomes the cwd), ``result_path``, ``phase_path``
-    (optional), ``gate_path`` (optional: stop after correctness, write
-    ``workdir/partial.pt`` and wait for "go"/"stop" in that file), ``recheck_below_ms``
+    (optional), ``gate_path`` (optional: stop before timing — a candidate after its
+    correctness stage — write ``workdir/partial.pt`` and wait for "go"/"stop" in that file, at
+    most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease), ``recheck_below_ms``
     (optional: host-clock re-check when the candidate's median is below it).
     Sets RLIMIT_CORE (and RLIMIT_AS if the protocol asks) and scrubs secrets from
     ``os.environ`` itself, so a forked child of a warm pool is confined the same way.

@@ -11,8 +11,6 @@ import functools
 import hashlib
 import json
 import os
-import shutil
-import subprocess
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -25,6 +23,7 @@ from kpipe.gym.compare import Comparison, Tolerance, compare_outputs
 from kpipe.gym.faults import classify_exit
 from kpipe.gym.feedback import build_feedback, clip
 from kpipe.gym.isolate import ChildRun, Launcher, fresh_interpreter, run_isolated
+from kpipe.gym.lease import TimingLease, device_lease, gpu_identity
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult
 from kpipe.gym.sandbox import opted_out
@@ -53,6 +52,10 @@ REGION_MIN_KERNEL_FRACTION = 0.8
 REFERENCE_CACHE_BYTES = 2 << 30
 # a reused reference run older than this is run again (its baseline timed anew)
 REFERENCE_MAX_AGE_S = 1800.0
+# how long a judge waits for its device's timing lease, in child timeouts: every holder
+# releases it within one (its child's deadline), so this many children would have to be
+# queued ahead on one device (kpipe.gym.pool runs at most a few workers per GPU)
+LEASE_MAX_WAIT_TIMEOUTS = 8
 # where the judging process appends one JSON line per evaluation: the seconds of each phase
 # (parent and children), memory. Instrumentation for benchmarks; children never see it
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
@@ -112,15 +115,8 @@ def device_kind(device: str) -> str:
     """'cpu' or 'cuda:<GPU name>' without initialising CUDA in this process (nvidia-smi)."""
     if device != "cuda":
         return "cpu"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-    if shutil.which("nvidia-smi"):
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", visible],
-            capture_output=True, text=True, timeout=30,
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            return f"cuda:{out.stdout.strip().splitlines()[0]}"
-    return "cuda"
+    name, _ = gpu_identity(os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0")
+    return f"cuda:{name}" if name else "cuda"
 
 
 def check_reference(reference_src: str) -> None:
@@ -138,20 +134,20 @@ def check_reference(reference_src: str) -> None:
 
 
 def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bool,
-                  launch: Launcher = fresh_interpreter) -> tuple[dict[str, Any], bool]:
+                  launch: Launcher = fresh_interpreter, lease: TimingLease | None = None) -> tuple[dict[str, Any], bool]:
     """The reference child's payload, and whether it ran now (False: reused from this
-    process's cache)."""
+    process's cache). With `lease`, it times its baselines holding the device's timing lease."""
     cache_key = hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
     if reuse and cache_key in _reference_cache and time.monotonic() - _reference_cache[cache_key][0] < REFERENCE_MAX_AGE_S:
         _reference_cache.move_to_end(cache_key)
         return _reference_cache[cache_key][1], False
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
-    run = run_isolated(job, protocol.timeout_s, launch=launch)
+    run = run_isolated(job, protocol.timeout_s, gate=(lambda _: True) if lease else None, launch=launch, lease=lease)
     if run.payload is None or run.payload.get("status") != "ok":
         why = "timed out" if run.timed_out else (run.payload or {}).get("error") or classify_exit(run.returncode or 0)[1]
         detail = (run.payload or {}).get("traceback", "") or run.stderr
         raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
-    run.payload.setdefault("stats", {})["wall_s"] = run.wall_s
+    run.payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s)
     if reuse:
         _reference_cache[cache_key] = (time.monotonic(), run.payload, run.result_bytes)
         _reference_cache.move_to_end(cache_key)
@@ -412,6 +408,7 @@ def evaluate(
     *,
     reuse_reference: bool = False,
     launch: Launcher = fresh_interpreter,
+    lease: TimingLease | None = None,
 ) -> EvalResult:
     """Evaluate `candidate_src` (``ModelNew`` + Triton kernels) against `reference_src`.
 
@@ -419,7 +416,9 @@ def evaluate(
     TypeError / ReferenceFailure for bad usage. `reuse_reference` reuses this process's
     cached reference run (outputs and baseline timings) for an identical reference and
     protocol: cheaper, but the baseline is then not timed close to the candidate. `launch`
-    starts each child process (kpipe.gym.pool forks them from a warm zygote).
+    starts each child process (kpipe.gym.pool forks them from a warm zygote). Each child times
+    holding `lease` (default: its device's, ``kpipe.gym.lease``), so no two timed regions on
+    one device overlap, whoever evaluates there.
     """
     protocol = protocol or Protocol()
     check_reference(reference_src)
@@ -428,6 +427,7 @@ def evaluate(
     started = time.monotonic()
     device = resolve_device(protocol)
     kind = device_kind(device)
+    lease = lease or device_lease(device, LEASE_MAX_WAIT_TIMEOUTS * protocol.timeout_s)
     base = {
         "key": eval_key(reference_src, candidate_src, protocol, kind),
         "reference_hash": source_hash(reference_src),
@@ -464,7 +464,7 @@ def evaluate(
         return finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=findings)
 
     reference_started = time.monotonic()
-    reference, reference_ran = run_reference(reference_src, protocol, device, reuse_reference, launch)
+    reference, reference_ran = run_reference(reference_src, protocol, device, reuse_reference, launch, lease)
     trace["reference_s"] = time.monotonic() - reference_started
     trace["reference_reused"] = not reference_ran
     if reference_ran:
@@ -495,9 +495,10 @@ def evaluate(
         "device": device,
         "recheck_below_ms": ref_for_recheck / protocol.recheck_speedup_above if ref_for_recheck else None,
     }
-    run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch)
+    run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease)
     payload = run.payload
     trace["candidate"] = child_stats(payload, run.wall_s)
+    trace["candidate_lease_wait_s"] = run.lease_wait_s
     common: dict[str, Any] = {"findings": findings, "timed_spans": spans}
     if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
         common["device_id"] = str(payload.get("device_id", ""))[:200]

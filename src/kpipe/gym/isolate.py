@@ -4,7 +4,8 @@ caches per ``kpipe.gym.compile_caches``, a candidate's home and temporary direct
 scratch), a candidate confined by the kernel to that scratch (``kpipe.gym.sandbox``), a
 wall-clock timeout that kills its whole process group, bounded capture of stdout/stderr (kept
 for diagnostics, never parsed for results), and an optional gate between its correctness and
-timing stages."""
+timing stages, past which the child runs holding its device's timing lease
+(``kpipe.gym.lease``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -26,6 +28,7 @@ import torch
 
 from kpipe.gym.compile_caches import process_caches
 from kpipe.gym.environment import child_environment
+from kpipe.gym.lease import ChildPauser, TimingLease
 from kpipe.gym.sandbox import require_confinement, sandbox_for
 from kpipe.infra.process import tied_to_this_process
 
@@ -72,6 +75,7 @@ class ChildRun:
     output_bytes: int
     phase: str
     result_bytes: int = 0  # size of the result file (what keeping the payload costs, roughly)
+    lease_wait_s: float = 0.0  # how long it waited at the gate for its device's timing lease
 
 
 def load_payload(path: Path) -> dict[str, Any] | None:
@@ -123,16 +127,22 @@ def run_isolated(
     timeout_s: float,
     gate: Callable[[dict[str, Any]], bool] | None = None,
     launch: Launcher = fresh_interpreter,
+    lease: TimingLease | None = None,
 ) -> ChildRun:
     """Run ``kpipe.gym.child`` on `job` in a fresh process; never raises for what the child does.
 
     With `gate`, the child stops after its correctness stage and writes a partial result;
-    `gate(partial)` (run here, in the parent) decides whether it goes on to timing. `launch`
-    starts the process (the worker pool forks it from a warm zygote instead).
+    `gate(partial)` (run here, in the parent) decides whether it goes on to timing. With `lease`
+    (``kpipe.gym.lease``), a child told to go first waits for its device's timing lease, held
+    until the child says its GPU work is over (or exits), and the child is stopped whenever
+    another child holds the lease; both are added to its deadline (they are nobody's fault).
+    `launch` starts the process (the worker pool forks it from a warm zygote instead). Raises
+    ``LeaseTimeout`` (the child killed) only when the lease never came free.
     """
     scratch = Path(tempfile.mkdtemp(prefix=f"kgym-{job['role']}-"))
     caches = process_caches()
     trusted = job["role"] == "reference"
+    lease_wait_bound = lease.max_wait_s if lease is not None else 0.0
     try:
         cache_env = caches.for_reference() if trusted else caches.for_candidate(scratch / "compile-cache")
         env = child_environment(job["device"], os.environ, cache_env)
@@ -144,29 +154,49 @@ def run_isolated(
             "result_path": str(scratch / "result.pt"),
             "phase_path": str(scratch / "phase"),
             "gate_path": str(scratch / "gate") if gate else None,
+            "gate_wait_s": timeout_s + 2 * lease_wait_bound,
             "environment": env,  # a forked child takes it whole (kpipe.gym.pool)
         }
         job_file = scratch / "job.json"
         job_file.write_text(json.dumps(job))
         start = time.monotonic()
-        proc, streams = launch(job_file, env, timeout_s)
+        proc, streams = launch(job_file, env, timeout_s + 2 * lease_wait_bound)
         captures = [BoundedCapture(stream) for stream in streams]
         for capture in captures:
             capture.start()
+        pauser = ChildPauser(proc.pid, lease) if lease is not None else None
+        if pauser is not None:
+            pauser.start()
         partial = None
         timed_out = False
-        deadline = start + timeout_s
-        try:
-            if gate is not None:
-                partial = wait_at_gate(proc, scratch, deadline, gate)
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            kill_group(proc)  # also reaps anything the child left behind in its group
-            proc.wait()
-            if trusted:
-                caches.seal()
+        lease_wait_s = 0.0
+
+        def deadline() -> float:  # waiting for the lease, or stopped while another child timed, is nobody's fault
+            return start + timeout_s + lease_wait_s + (pauser.paused_s() if pauser is not None else 0.0)
+
+        with ExitStack() as held:
+            try:
+                if gate is not None:
+                    partial, go = wait_at_gate(proc, scratch, deadline, gate)
+                    leased = go and lease is not None
+                    if leased:
+                        lease_wait_s = held.enter_context(lease.hold())  # type: ignore[union-attr]
+                        pauser.take_over()  # type: ignore[union-attr]
+                    if partial is not None:
+                        answer_gate(scratch, go)
+                    if leased:
+                        wait_for_file(proc, scratch / "timed", deadline)
+                        held.close()  # its GPU work is over (or it died): the next child may time
+                wait_for_exit(proc, deadline)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:
+                kill_group(proc)  # also reaps anything the child left behind in its group
+                proc.wait()  # a lease still held (a timeout) is released only after this
+                if pauser is not None:
+                    pauser.finish()
+                if trusted:
+                    caches.seal()
         wall_s = time.monotonic() - start
         for capture in captures:
             capture.join(timeout=5)
@@ -178,12 +208,13 @@ def run_isolated(
             partial=partial,
             returncode=proc.returncode,
             timed_out=timed_out,
-            wall_s=wall_s,
+            wall_s=wall_s - lease_wait_s - (pauser.paused_s() if pauser is not None else 0.0),
             stdout=captures[0].text(),
             stderr=captures[1].text(),
             output_bytes=captures[0].total + captures[1].total,
             phase=phase_file.read_text() if phase_file.exists() else "",
             result_bytes=result_file.stat().st_size if result_file.exists() else 0,
+            lease_wait_s=lease_wait_s,
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -200,20 +231,41 @@ def candidate_confinement(scratch: Path, env: dict[str, str]) -> dict[str, Any]:
 
 
 def wait_at_gate(
-    proc: subprocess.Popen[bytes], scratch: Path, deadline: float, gate: Callable[[dict[str, Any]], bool]
-) -> dict[str, Any] | None:
-    """Wait for the child's partial result (or its exit), then answer go/stop."""
+    proc: subprocess.Popen[bytes], scratch: Path, deadline: Callable[[], float], gate: Callable[[dict[str, Any]], bool]
+) -> tuple[dict[str, Any] | None, bool]:
+    """Wait for the child's partial result (or its exit); return it and the gate's go/stop."""
     partial_path = scratch / "partial.pt"
-    while not partial_path.exists():
+    if not wait_for_file(proc, partial_path, deadline):
+        return None, False
+    partial = load_payload(partial_path)
+    return partial, partial is not None and gate(partial)
+
+
+def wait_for_file(proc: subprocess.Popen[bytes], path: Path, deadline: Callable[[], float]) -> bool:
+    """Whether the child wrote `path` (False: it exited first); TimeoutExpired past `deadline()`."""
+    while not path.exists():
         if proc.poll() is not None:
-            return None
-        if time.monotonic() > deadline:
+            return path.exists()
+        if time.monotonic() > deadline():
             raise subprocess.TimeoutExpired(proc.args, 0)
         time.sleep(GATE_POLL_S)
-    partial = load_payload(partial_path)
-    go = partial is not None and gate(partial)
-    decision = scratch / "gate"
+    return True
+
+
+def wait_for_exit(proc: subprocess.Popen[bytes], deadline: Callable[[], float]) -> None:
+    """Wait for the child's exit; TimeoutExpired past `deadline()`, which may move while it waits."""
+    while True:
+        remaining = deadline() - time.monotonic()
+        if remaining <= 0:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        try:
+            proc.wait(timeout=min(remaining, 0.5))
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def answer_gate(scratch: Path, go: bool) -> None:
     tmp = scratch / "gate.tmp"
     tmp.write_text("go" if go else "stop")
-    os.replace(tmp, decision)
-    return partial
+    os.replace(tmp, scratch / "gate")

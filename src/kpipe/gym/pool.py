@@ -5,9 +5,11 @@ process that forks has touched CUDA or started a thread pool:
 
 - the **pool** (the caller: agent loop, batch CLI, HTTP service) queues jobs, answers
   duplicates from the result cache, and supervises one thread per worker;
-- a **worker** per GPU (``kpipe.gym.worker``: ``CUDA_VISIBLE_DEVICES`` pinned, a fresh
-  interpreter, so a caller that holds a CUDA context is harmless) runs the core's
-  ``evaluate()``: the judgement;
+- a few **workers** per GPU (``kpipe.gym.worker``: ``CUDA_VISIBLE_DEVICES`` pinned, a fresh
+  interpreter, so a caller that holds a CUDA context is harmless) each run the core's
+  ``evaluate()``: the judgement. Their children overlap everything but the timed regions, which
+  take turns under the GPU's timing lease (``kpipe.gym.lease``): one evaluation's imports,
+  Triton compile and correctness trials run while another's candidate is timed;
 - the worker's **zygote** (``kpipe.gym.zygote``) imports torch, triton and ``kpipe.gym.child`` once, never computes,
   and forks one child per reference/candidate run. The child calls the core's ``run_child``
   unchanged in its own session, so a timeout kills its whole process group, exactly as the
@@ -15,6 +17,9 @@ process that forks has touched CUDA or started a thread pool:
 
 A worker that dies (or a judge that raises) is replaced and its job re-queued once; a second
 loss is answered with a ``crashed`` result that says why. Nothing is silently lost.
+
+The pool answers as soon as its first worker is ready; the others join as they come up, so a
+caller waits for one interpreter's start-up, not for the slowest of them.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ if TYPE_CHECKING:
     from kpipe.gym.cache import ResultCache
 
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
+# evaluations in flight per GPU: enough that the host phases of the others fill the GPU while
+# one is timed (H100, kgym-8: a child's timed region is about a third of its wall time)
+MAX_WORKERS_PER_GPU = 4
+CORES_PER_GPU_WORKER = 4  # each in-flight evaluation keeps a judge and a child busy, with threads
 # a judge that does not answer within this much beyond the two child timeouts is hung
 WORKER_SLACK_S = 120.0
 
@@ -57,15 +66,22 @@ class WorkerState:
     alive: bool = False
 
 
-def default_slots(workers: int | None, gpus: Sequence[str] | None = None) -> list[str | None]:
-    """One slot per GPU of `gpus` (default: every visible GPU); without GPUs, `workers`
-    interpreter slots (default: half the cores, at least one — each interpreter child also uses
-    threads)."""
+def default_per_gpu(gpus: int) -> int:
+    """Workers per GPU: ``MAX_WORKERS_PER_GPU``, fewer where the host has fewer cores per GPU."""
+    cores = os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS_PER_GPU, cores // (CORES_PER_GPU_WORKER * max(gpus, 1))))
+
+
+def default_slots(workers: int | None, gpus: Sequence[str] | None = None, per_gpu: int | None = None) -> list[str | None]:
+    """`per_gpu` slots (default ``default_per_gpu``) for each of the first `workers` GPUs of
+    `gpus` (default: every visible GPU); without GPUs, `workers` interpreter slots (default: half
+    the cores, at least one — each interpreter child also uses threads)."""
     from kpipe.infra.gpu import visible_gpus
 
     gpus = list(gpus) if gpus is not None else visible_gpus()
     if gpus:
-        return list(gpus[:workers] if workers else gpus)
+        used = gpus[:workers] if workers else gpus
+        return [gpu for gpu in used for _ in range(per_gpu or default_per_gpu(len(used)))]
     return [None] * (workers or max(1, (os.cpu_count() or 2) // 2))
 
 
@@ -95,55 +111,57 @@ class GymPool:
         fork: bool = True,
         progress: bool = True,
         gpus: Sequence[str] | None = None,
+        per_gpu: int | None = None,
     ) -> None:
         self.protocol = protocol or Protocol()
         self.cache = cache
         self.progress = progress
         self.reuse_reference = reuse_reference
         self.fork = fork
-        slots = default_slots(workers, gpus)
-        self._cpu_threads = None if slots[0] is not None else max(1, (os.cpu_count() or 1) // len(slots))
+        slots = default_slots(workers, gpus, per_gpu)
+        self._cpu_threads = max(1, (os.cpu_count() or 1) // len(slots))
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._started = threading.Condition(self._lock)
         self._in_flight: dict[str, Future[Any]] = {}
         self._next_id = 0
         self._closed = False
+        self._start_errors: list[BaseException] = []
+        self.device_kind: str = ""
         self.states = [WorkerState(slot=i, gpu=gpu) for i, gpu in enumerate(slots)]
-        handles = self._start_all(slots)
-        kinds = {h.info["device_kind"] for h in handles}
-        if len(kinds) != 1:
-            for handle in handles:
-                handle.stop()
-            raise RuntimeError(f"the GPUs differ ({', '.join(sorted(kinds))}): run one pool per GPU kind")
-        self.device_kind: str = kinds.pop()
-        self._threads = [
-            threading.Thread(target=self._serve_slot, args=(state, handle), daemon=True, name=f"kgym-slot-{state.slot}")
-            for state, handle in zip(self.states, handles)
-        ]
+        self._threads = [threading.Thread(target=self._run_slot, args=(state,), daemon=True, name=f"kgym-slot-{state.slot}")
+                         for state in self.states]
         for thread in self._threads:
             thread.start()
+        with self._started:
+            self._started.wait_for(lambda: self.device_kind or len(self._start_errors) == len(self.states))
+        if not self.device_kind:
+            self.close()
+            raise self._start_errors[0]
 
-    def _start_all(self, slots: list[str | None]) -> list[WorkerHandle]:
-        results: list[WorkerHandle | BaseException | None] = [None] * len(slots)
-
-        def start(i: int) -> None:
-            try:
-                results[i] = self._start_worker(self.states[i])
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                results[i] = exc
-
-        threads = [threading.Thread(target=start, args=(i,)) for i in range(len(slots))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            for handle in results:
-                if isinstance(handle, WorkerHandle):
-                    handle.stop()
-            raise errors[0]
-        return results  # type: ignore[return-value]
+    def _run_slot(self, state: WorkerState) -> None:
+        """Start this slot's worker, then serve the queue; a worker that cannot start, or whose
+        GPU is of another kind than the pool's, leaves its slot empty (the others serve)."""
+        try:
+            handle = self._start_worker(state)
+        except BaseException as exc:  # noqa: BLE001 - the constructor raises it if no worker starts
+            state.last_loss = last_line(str(exc))
+            with self._started:
+                self._start_errors.append(exc)
+                self._started.notify_all()
+            return
+        with self._started:
+            kind = handle.info["device_kind"]
+            if self.device_kind and kind != self.device_kind:
+                state.last_loss = f"its GPU is a {kind}, the pool's a {self.device_kind}: run one pool per GPU kind"
+                self._start_errors.append(RuntimeError(state.last_loss))
+            self.device_kind = self.device_kind or kind
+            self._started.notify_all()
+        if state.last_loss:
+            handle.stop()
+            state.alive = False
+            return
+        self._serve_slot(state, handle)
 
     def _start_worker(self, state: WorkerState) -> WorkerHandle:
         handle = WorkerHandle(state.gpu, self.protocol, self.reuse_reference, self.fork, self._cpu_threads)
@@ -226,9 +244,13 @@ class GymPool:
     # ------------------------------------------------------------------ supervision
 
     def _reply_timeout(self) -> float:
-        return 2 * self.protocol.timeout_s + WORKER_SLACK_S
+        """Both children's timeouts, each extended by its longest wait for the timing lease."""
+        from kpipe.gym.evaluation import LEASE_MAX_WAIT_TIMEOUTS
+
+        return 2 * (1 + LEASE_MAX_WAIT_TIMEOUTS) * self.protocol.timeout_s + WORKER_SLACK_S
 
     def _serve_slot(self, state: WorkerState, handle: WorkerHandle | None) -> None:
+        """Evaluate queued jobs on this slot's worker until the pool closes."""
         while True:
             job = self._queue.get()
             if job is None:

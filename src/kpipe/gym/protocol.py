@@ -33,7 +33,11 @@ from kpipe.gym.screen import FINDING_CODES
 # parent), no network, files only in their scratch, whose home and TMPDIR they now are; and PR's
 # total (Eq. 7) counts memcpy and memset. No timing setting changed (confined and unconfined
 # throughput and statuses were the same on an H100); hostile candidates' statuses did.
-PROTOCOL_VERSION = "kgym-7"
+# kgym-8: several evaluations share a GPU, and only timed regions are exclusive: a child times
+# (the reference its baselines, a candidate after the gate) holding the device's timing lease
+# (kpipe.gym.lease), while other children start, compile and run correctness trials beside it.
+# The reference child now also stops at a gate before its timing.
+PROTOCOL_VERSION = "kgym-8"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch

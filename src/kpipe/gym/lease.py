@@ -1,0 +1,184 @@
+"""The timing lease: while one evaluation child times on a device, no other child there runs.
+
+Several evaluations share a GPU (``kpipe.gym.pool`` runs several workers per GPU): their start-up,
+imports, Triton compiles, input generation and correctness trials overlap one another. A timed
+region overlaps none of them: the judge (never the candidate) takes the device's lease for its
+child between the gate and the end of the child's GPU work (``kpipe.gym.isolate.run_isolated``),
+and every other judge on the device stops its own child (SIGSTOP to its process group) while the
+lease is held by someone else, and resumes it after (``ChildPauser``; the paused seconds are added
+to that child's deadline). Overlapping only the timed regions was measured and is not enough: the
+other children's correctness trials on the GPU spread one candidate's speedups over 8 evaluations
+by up to 1.28x on an H200, where one child at a time kept them within 1.006x
+(docs/gpu-results/gym_scaling_2026-11-26_4xH200.md).
+
+The lease is an open-file-description lock on a file named after the GPU's UUID, so every pool,
+service and job on the machine shares it, whatever its own process tree; a holder that dies
+releases it. A candidate cannot reach the lock files (its sandbox reads no ``/tmp`` but its own
+scratch) nor skip the gate without being judged ``hacked``. One that leaves its process group
+escapes the pause: its GPU work then slows the others' timings (which their paired reference
+trials see), never speeds up its own.
+
+On a CPU there is one lease for the host: CPU timings of two children would share its cores.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+LEASE_DIR_VARIABLE = "KPIPE_GYM_LEASE_DIR"
+DEFAULT_LEASE_DIR = "/tmp/kpipe-gym-timing-leases"
+POLL_S = 0.001
+# after taking the lease, before the child may time: the other judges (polling every POLL_S)
+# stop their children, and the GPU finishes what those had queued
+SETTLE_S = 0.01
+# struct flock on Linux (x86_64, aarch64): l_type, l_whence, l_start, l_len, l_pid
+FLOCK = struct.Struct("hhxxxxqqixxxx")
+
+
+class LeaseTimeout(RuntimeError):
+    """The device stayed leased longer than any holder may: the judge gives the job back."""
+
+
+class TimingLease:
+    """Exclusive use of one device for timing, held by a judge for one child at a time."""
+
+    def __init__(self, key: str, max_wait_s: float, lock_dir: Path | None = None) -> None:
+        self.key = key
+        self.max_wait_s = max_wait_s
+        self.lock_dir = lock_dir or Path(os.environ.get(LEASE_DIR_VARIABLE, DEFAULT_LEASE_DIR))
+
+    def open_file(self) -> int:
+        self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return os.open(self.lock_dir / f"{self.key}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+
+    @contextmanager
+    def hold(self) -> Iterator[float]:
+        """Wait for the device (at most ``max_wait_s``), hold it for the block and give the other
+        judges ``SETTLE_S`` to stop their children; yields the seconds waited, which the caller
+        adds to its child's deadline."""
+        fd = self.open_file()
+        started = time.monotonic()
+        try:
+            while True:
+                try:
+                    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+                    break
+                except (BlockingIOError, PermissionError):
+                    if time.monotonic() - started > self.max_wait_s:
+                        raise LeaseTimeout(f"the timing lease of {self.key} was not free within {self.max_wait_s:g} s") from None
+                    time.sleep(POLL_S)
+            time.sleep(SETTLE_S)
+            yield time.monotonic() - started
+        finally:
+            os.close(fd)  # releases the lock
+
+    def held_elsewhere(self, fd: int) -> bool:
+        """Whether an open of the lease other than `fd`'s holds it (asked without taking it)."""
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        return FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
+
+
+class ChildPauser(threading.Thread):
+    """Stops a child's process group whenever another child holds its device's lease, and
+    resumes it when the lease is free or its own judge takes it (``take_over``)."""
+
+    def __init__(self, pgid: int, lease: TimingLease) -> None:
+        super().__init__(daemon=True, name=f"kgym-pauser-{pgid}")
+        self.pgid = pgid
+        self.lease = lease
+        self._fd = lease.open_file()
+        self._state = threading.Lock()
+        self._done = threading.Event()
+        self._own = False
+        self._paused_since: float | None = None
+        self._paused_s = 0.0
+
+    def paused_s(self) -> float:
+        """Seconds this child has spent stopped so far (its deadline moves by as much)."""
+        with self._state:
+            current = time.monotonic() - self._paused_since if self._paused_since is not None else 0.0
+            return self._paused_s + current
+
+    def run(self) -> None:
+        while not self._done.wait(POLL_S):
+            with self._state:
+                if self._own:
+                    return
+                if self.lease.held_elsewhere(self._fd):
+                    if self._paused_since is None:
+                        self._signal(signal.SIGSTOP)
+                        self._paused_since = time.monotonic()
+                elif self._paused_since is not None:
+                    self._resume()
+
+    def take_over(self) -> None:
+        """Its own judge holds the lease now: run the child, and stop watching."""
+        with self._state:
+            self._own = True
+            self._resume()
+
+    def finish(self) -> None:
+        self._done.set()
+        self.join()
+        with self._state:
+            self._resume()
+        os.close(self._fd)
+
+    def _resume(self) -> None:
+        if self._paused_since is not None:
+            self._signal(signal.SIGCONT)
+            self._paused_s += time.monotonic() - self._paused_since
+            self._paused_since = None
+
+    def _signal(self, signum: int) -> None:
+        try:
+            os.killpg(self.pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def lease_key(gpu: str | None) -> str:
+    """The name of a device's lease: ``cpu``, or the GPU's UUID (a pool's GPU ids are indices
+    or UUIDs; two spellings of one GPU must share a lease)."""
+    if gpu is None:
+        return "cpu"
+    if gpu.startswith(("GPU-", "MIG-")):
+        return gpu
+    return gpu_uuid(gpu)
+
+
+def gpu_uuid(index: str) -> str:
+    """The UUID of the GPU with this index; the index itself where nvidia-smi is absent."""
+    return gpu_identity(index)[1] or f"gpu{index}"
+
+
+@functools.lru_cache(maxsize=16)
+def gpu_identity(index: str) -> tuple[str, str]:
+    """nvidia-smi's (name, UUID) of the GPU with this index or UUID, asked once per process (a
+    query takes up to a second where NVML starts cold); empty strings without nvidia-smi."""
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,uuid", "--format=csv,noheader", "-i", index],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            name, _, uuid = out.stdout.strip().splitlines()[0].rpartition(",")
+            return name.strip(), uuid.strip()
+    return "", ""
+
+
+def device_lease(device: str, max_wait_s: float) -> TimingLease:
+    """The lease of the device this process evaluates on: the first visible GPU, or the host."""
+    if device != "cuda":
+        return TimingLease("cpu", max_wait_s)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+    return TimingLease(lease_key(visible), max_wait_s)

@@ -1,0 +1,125 @@
+"""The timing lease (kpipe.gym.lease): evaluations share a device, their timed regions never
+overlap — within a pool of several workers, and between processes that share the machine."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import subprocess
+import sys
+import time
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+
+from kpipe.data.kernelbench import select_problems, shrink_sizes
+from kpipe.gym import Protocol
+from kpipe.gym.bank import solutions_for
+from kpipe.gym.lease import LEASE_DIR_VARIABLE, ChildPauser, LeaseTimeout, TimingLease, lease_key
+from kpipe.gym.pool import GymPool, default_slots
+from kpipe.gym.result import EvalResult
+
+REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
+LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
+# long timed regions (each timed call sleeps), so that two children timed at once would overlap
+SLOW = LEGIT + '''
+
+import time as _time
+
+
+class ModelNew(ModelNew):
+    def forward(self, x):
+        _time.sleep(0.05)
+        return super().forward(x)
+'''
+PROTOCOL = Protocol(correct_trials=1, perf_trials=4, warmup=1, baseline="eager", device="cpu", timeout_s=60, reject_findings=())
+
+
+def hold_for(lock_dir: str, seconds: float, held: multiprocessing.synchronize.Event) -> None:
+    with TimingLease("dev", 5.0, Path(lock_dir)).hold():
+        held.set()
+        time.sleep(seconds)
+
+
+def test_a_second_holder_waits_for_the_first_and_gives_up_past_its_bound(tmp_path: Path) -> None:
+    held = multiprocessing.get_context("spawn").Event()
+    other = multiprocessing.get_context("spawn").Process(target=hold_for, args=(str(tmp_path), 1.0, held))
+    other.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(LeaseTimeout, match="not free within 0.1 s"):
+            with TimingLease("dev", 0.1, tmp_path).hold():
+                pass
+        with TimingLease("dev", 30.0, tmp_path).hold() as waited:
+            assert waited > 0.1  # it had to wait for the other process's release
+        with TimingLease("another device", 0.1, tmp_path).hold() as waited:
+            assert waited < 0.1
+    finally:
+        other.join()
+
+
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_child_is_stopped_while_another_holds_the_lease_and_resumed_for_its_own(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"], start_new_session=True)
+    lease = TimingLease("dev", 5.0, tmp_path)
+    pauser = ChildPauser(child.pid, lease)
+    pauser.start()
+    held = multiprocessing.get_context("spawn").Event()
+    other = multiprocessing.get_context("spawn").Process(target=hold_for, args=(str(tmp_path), 1.0, held))
+    try:
+        time.sleep(0.2)
+        assert state(child.pid) != "T" and pauser.paused_s() == 0.0  # the lease is free
+        other.start()
+        assert held.wait(30)
+        time.sleep(0.2)
+        assert state(child.pid) == "T"  # another child times: this one is stopped
+        other.join()
+        time.sleep(0.2)
+        assert state(child.pid) != "T" and 0.5 < pauser.paused_s() < 1.5  # resumed; its deadline moves by as much
+        with lease.hold():
+            pauser.take_over()
+            time.sleep(0.2)
+            assert state(child.pid) != "T"  # its own judge holds the lease: it runs
+    finally:
+        pauser.finish()
+        child.kill()
+        child.wait()
+
+
+def test_a_device_is_named_by_its_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert lease_key(None) == "cpu"
+    assert lease_key("GPU-8f2c") == "GPU-8f2c"
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert lease_key("3") == "gpu3"
+
+
+def test_a_pool_runs_several_workers_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert default_slots(None, per_gpu=3) == ["0", "0", "0", "1", "1", "1"]
+    assert default_slots(1, per_gpu=2) == ["0", "0"]
+
+
+def overlaps(spans: list[tuple[float, float]]) -> list[tuple[tuple[float, float], tuple[float, float]]]:
+    return [(a, b) for a, b in combinations(sorted(spans), 2) if b[0] < a[1]]
+
+
+def test_evaluations_overlap_but_their_timed_regions_do_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LEASE_DIR_VARIABLE, str(tmp_path / "leases"))
+    monkeypatch.setenv("KPIPE_GYM_TRACE", str(tmp_path / "trace.jsonl"))
+    jobs = [(REFERENCE, f"{SLOW}\n# variant {i}\n") for i in range(4)]
+    with GymPool(PROTOCOL, workers=2, progress=False, reuse_reference=False) as pool:
+        deadline = time.monotonic() + 120
+        while not all(worker["alive"] for worker in pool.workers()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        results = pool.evaluate_many(jobs)
+    assert all(isinstance(r, EvalResult) and r.status == "pass" for r in results), [getattr(r, "diagnostic", r) for r in results]
+    timed = [(start, end) for r in results for start, end in r.timed_spans]
+    assert len(timed) >= 2 * len(jobs)  # every reference's and candidate's timed region
+    assert overlaps(timed) == []
+    traces = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    evaluations = [(t["started_unix"], t["started_unix"] + t["wall_s"]) for t in traces]
+    assert overlaps(evaluations), "the two workers never evaluated at once: the test shows nothing"
