@@ -195,7 +195,8 @@ class Report:
         return f"{self.check}_{date}_{device_label(self.facts)}" + (f".{'+'.join(self.part)}" if self.part else "")
 
     def markdown(self) -> str:
-        lines = [f"# {self.title}", "", f"`python -m checks.gpu {self.check}`: {facts_line(self.facts)}."]
+        command = " ".join(("python -m checks.gpu", self.check, *self.part))
+        lines = [f"# {self.title}", "", f"`{command}`: {facts_line(self.facts)}."]
         for name, section in self.sections.items():
             wall = f", {section['wall_s']:.0f} s" if section["wall_s"] is not None else ", did not finish"
             verdict = "FAIL" if section["failures"] else "ok" if section["done"] else "incomplete"
