@@ -1,12 +1,9 @@
 """Shared test setup: Triton runs through its CPU interpreter; no GPU is assumed."""
 
-import importlib.util
 import os
 import shutil
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -34,19 +31,3 @@ def single_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def load_script(monkeypatch) -> Callable[[str], ModuleType]:
-    """A program of scripts/ as a module, importing as it does when run as `python scripts/NAME.py`
-    (scripts/ on the path: the GPU checks import gpu_harness)."""
-    monkeypatch.syspath_prepend(str(REPOSITORY / "scripts"))
-
-    def load(name: str) -> ModuleType:
-        spec = importlib.util.spec_from_file_location(name, REPOSITORY / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        monkeypatch.setitem(sys.modules, name, module)  # a dataclass looks its module up there
-        spec.loader.exec_module(module)
-        return module
-
-    return load

@@ -1,4 +1,4 @@
-"""scripts/gpu_check_rl_learns.py: its verdict, and its CPU smoke mode end to end (issue 16, item 2).
+"""checks/gpu/rl_learns.py: its verdict, and its CPU smoke mode end to end (issue 16, item 2).
 
 The GPU run itself (5 RL iterations judged by real GPU timing) only runs on the device; here the
 same code path runs with --cpu (TRITON_INTERPRET=1, sizes capped, a few steps; ~30-55 s on a
@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pandas as pd
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check_rl_learns.py"
+from checks.gpu import rl_learns as script
+from checks.gpu.harness import Report, device_facts
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def iteration(passing: dict[str, int], n: int = 8) -> pd.DataFrame:
@@ -24,8 +27,7 @@ def iteration(passing: dict[str, int], n: int = 8) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def test_verdict_passes_a_rise_and_fails_a_flat_or_short_run(load_script):
-    script = load_script("gpu_check_rl_learns")
+def test_verdict_passes_a_rise_and_fails_a_flat_or_short_run():
     first = iteration({"a": 2, "b": 1, "c": 2})
     learned = iteration({"a": 7, "b": 6, "c": 8})
     check = script.verdict([first, iteration({"a": 4, "b": 3, "c": 5}), learned], iterations=3)
@@ -46,10 +48,11 @@ def test_verdict_passes_a_rise_and_fails_a_flat_or_short_run(load_script):
 def test_cpu_smoke_runs_every_stage_and_the_enforced_check_fails_without_learning(tmp_path):
     out = tmp_path / "out"
     # --enforce: a smoke run's 3-step SFT policy writes no kernel, so reward and Fast@1 cannot rise
-    done = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--enforce", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "checks.gpu", "rl_learns", "--cpu", "--enforce", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    report = json.loads((out / "rl_learns.json").read_text())
+    [path] = out.glob("rl_learns_*_cpu.json")
+    report = json.loads(path.read_text())["sections"]["learns"]["data"]
     stages = [stage["stage"] for stage in report["stages"]]
     assert stages[:5] == ["policy (BPE tokenizer + nano model)", "KernelGym pool start",
                           "cold start (teacher + KernelGym)", "SFT", "RL iteration 0"], stages
@@ -58,14 +61,15 @@ def test_cpu_smoke_runs_every_stage_and_the_enforced_check_fails_without_learnin
     for it in report["iterations"]:
         assert it["rollouts"] == 4 and {"gen_s", "eval_s", "train_s", "step_s"} <= set(it["step"])
     assert report["verdict"]["ok"] is False and "does not rise" in report["verdict"]["why"]
-    table = (out / "rl_learns.md").read_text()
-    assert "| iteration | rollouts | mean reward |" in table and "**FAIL**" in table
+    table = path.with_suffix(".md").read_text()
+    assert "| iteration | rollouts | mean reward |" in table and "**FAIL**: learns: " in table
 
 
-def test_a_run_that_stops_early_keeps_its_json_and_raises_its_own_error(load_script, tmp_path):
+def test_a_run_that_stops_early_keeps_its_json_and_raises_its_own_error(tmp_path):
     """save() of a report cut off before the tasks were set writes the JSON, not a KeyError of its own."""
-    check = load_script("gpu_check_rl_learns")
-    partial = {"device": "cpu", "settings": {}, "stages": [], "iterations": [], "task_speedups": {}}
-    check.save(partial, tmp_path)
-    assert json.loads((tmp_path / "rl_learns.json").read_text())["device"] == "cpu"
-    assert not (tmp_path / "rl_learns.md").exists()
+    sink = Report("rl_learns", script.TITLE, device_facts(), out=tmp_path)
+    sink.begin("learns")
+    script.save({"settings": {}, "stages": [], "iterations": [], "task_speedups": {}}, sink)
+    assert sink.data["stages"] == [] and "stopped before the first RL iteration" in sink.current["lines"][0]
+    [saved] = tmp_path.glob("rl_learns_*.json")
+    assert json.loads(saved.read_text())["sections"]["learns"]["data"]["stages"] == []

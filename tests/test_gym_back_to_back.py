@@ -1,6 +1,6 @@
 """kgym-6's back-to-back paired timing (kpipe.gym.timing.time_back_to_back) and how the judge
 reads it (kpipe.gym.evaluation): on a fake GPU timeline, so the order of calls, events and
-synchronizes is checked without CUDA (scripts/gpu_check_gym.py checks it on a GPU)."""
+synchronizes is checked without CUDA (checks/gpu/gym.py checks it on a GPU)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ LEGIT = (FIXTURES / "relu_legit.py").read_text()
 SECRET = "sk-kpipe-confinement-test-0123456789abcdef"
 # runtime checks only: the static screen would reject some of these before they run, and a
 # screen is exactly what a string trick defeats
-# KPIPE_TEST_GYM_DEVICE=cuda runs the same attacks on a GPU (scripts/gpu_check_confinement.sh)
+# KPIPE_TEST_GYM_DEVICE=cuda runs the same attacks on a GPU (python -m checks.gpu confinement)
 PROTOCOL = {"correct_trials": 1, "perf_trials": 2, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
             "device": os.environ.get("KPIPE_TEST_GYM_DEVICE", "cpu")}
 

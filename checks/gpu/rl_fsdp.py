@@ -1,10 +1,10 @@
-"""GPU check of data-parallel RL: one RL iteration of the nano policy on N GPUs through the
-command the `rl_iter` rule runs (`kpipe launch --gpus N -- train rl ...`: FSDP2, one process per
-GPU, each evaluating on its own GPU), then the rows and metrics it wrote.
+"""Data-parallel RL: one RL iteration of the nano policy on N GPUs through the command the `rl_iter`
+rule runs (`kpipe launch --gpus N -- train rl ...`: FSDP2, one process per GPU, each evaluating on its
+own GPU), then the rows and metrics it wrote.
 
-    PYTHONPATH=$PWD/src python3 scripts/gpu_check_rl_fsdp.py --gpus 2      # a 2-GPU machine, ~2 minutes
+    python3 -m checks.gpu rl_fsdp --gpus 2      # a 2-GPU machine, ~2 minutes
 
-Writes $OUT/rl_fsdp_check.md when $OUT is set; exit status 1 when the launch fails or a row is gathered twice.
+Fails when the launch fails or a row is gathered twice.
 """
 
 from __future__ import annotations
@@ -17,16 +17,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import gpu_harness
+from checks.gpu.harness import Report, Section
 
+TITLE = "Data-parallel (FSDP2) RL check"
 KERNEL_TASKS = ((1, 19), (1, 88))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--gpus", type=int, default=2)
-    args = parser.parse_args()
 
+
+def launch(report: Report, args: argparse.Namespace) -> None:
+    """The rl_iter rule's command exits 0 on N GPUs and rank 0 gathers each process's rows once."""
     from kpipe.data.io import read_table, write_table
     from kpipe.data.kernelbench import load_problems, shrink_sizes
     from kpipe.train.tiny_model import build_tiny_model
@@ -52,28 +54,22 @@ def main() -> int:
         done = subprocess.run(command, capture_output=True, text=True)
         wall = time.perf_counter() - started
         log = (done.stdout + done.stderr)[-6000:]
-        lines = [f"# Data-parallel RL check ({args.gpus} GPUs)", "", gpu_harness.facts_line(gpu_harness.device_facts()),
-                 "", f"`{' '.join(command[2:7])} train rl ...`: exit {done.returncode} in {wall:.0f} s", ""]
-        failures = [f"the launch exited {done.returncode}"] if done.returncode else []
+        report.line(f"`{' '.join(command[2:7])} train rl ...` on {args.gpus} GPUs: exit {done.returncode} in {wall:.0f} s", "")
+        report.expect(done.returncode == 0, f"the launch exited {done.returncode}")
         if done.returncode == 0:
             rows = read_table(root / "out" / "traj.parquet", "trajectories").to_pandas()
             metrics = read_table(root / "out" / "metrics.parquet", "train_metrics").to_pandas()
             keys = rows[["task_id", "sample", "turn", "step"]].drop_duplicates() if "step" in rows else rows
-            if len(keys) < len(rows):  # rank 0 gathers each process's rows once
-                failures.append(f"{len(rows) - len(keys)} duplicated trajectory rows")
-            lines += [f"rows {len(rows)} (distinct {len(keys)}), statuses {rows.status.value_counts().to_dict()}", "",
-                      "| step | name | value |", "|---|---|---|"]
+            # rank 0 gathers each process's rows once
+            report.expect(len(keys) == len(rows), f"{len(rows) - len(keys)} duplicated trajectory rows")
+            report.line(f"rows {len(rows)} (distinct {len(keys)}), statuses {rows.status.value_counts().to_dict()}")
+            report.table("step", "name", "value")
             wanted = ("loss", "grad_norm", "reward_mean", "rows", "trained_rows", "gen_s", "eval_s", "train_s", "step_s",
                       "rollout_ppl", "train_ppl")
             for _, row in metrics[metrics.name.isin(wanted)].iterrows():
-                lines.append(f"| {row['step']} | {row['name']} | {row['value']:.4g} |")
-            lines += ["", "Exported model files: " + ", ".join(sorted(p.name for p in (root / "out" / "model").iterdir()))]
-        lines += ["", "```", log[-3000:], "```"]
-    report = "\n".join(lines)
-    print(report)
-    gpu_harness.write_report("rl_fsdp_check", report + "\n")
-    return gpu_harness.exit_status(failures)
+                report.row(row["step"], row["name"], f"{row['value']:.4g}")
+            report.line("", "Exported model files: " + ", ".join(sorted(p.name for p in (root / "out" / "model").iterdir())))
+        report.line("", "```", log[-3000:], "```")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SECTIONS = (Section("launch", 120, launch, gpus=2),)

@@ -1,18 +1,21 @@
-"""scripts/gpu_check_gym_paths.py: --merge of a full run with a later rerun of some pairs, and --pairs.
+"""checks/gpu/gym_paths.py: the merge of a full run with a later rerun of some pairs, and --pairs.
 
-The folders here are fake $OUT folders with gym_paths_*.json in the structure the script writes
-(see docs/gpu-results/gym_paths_2026-11-25_H100/): a section dict with path, column, ok, rows
-(each row with pair, status, diagnostic, ...) and figures; an eval section that ran out of time
-as a .partial file holding the rows alone. No GPU, no bank, no KernelBench data.
+The folders here are fake report folders with gym_paths_*.json as the harness writes them: per
+section its data (path, column, ok, rows, each row with pair, status, diagnostic, ...) and whether it
+finished; an eval section that ran out of time did not, and holds the rows it got to. No GPU, no
+bank, no KernelBench data.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
+
+from checks.gpu import gym_paths as script
+from checks.gpu.harness import CheckFailed
 
 
 PAIRS = [
@@ -35,9 +38,12 @@ def section(path: str, rows: list[dict], expected: dict[str, str]) -> dict:
             "devices": ["GPU-794c4a7e"]}
 
 
-def write(folder: Path, stem: str, data) -> None:
+def write(folder: Path, name: str, data: dict, done: bool = True) -> None:
+    """One call's report of section `name` (as checks.gpu.harness.Report.save writes it)."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"gym_paths_{stem}.json").write_text(json.dumps(data))
+    report = {"check": "gym_paths", "title": "KernelGym paths", "facts": {"date": "2026-11-27 10:00 UTC"}, "part": [name],
+              "sections": {name: {"lines": [], "failures": [], "data": data, "done": done, "wall_s": 1.0 if done else None}}}
+    (folder / f"gym_paths_2026-11-27_H100.{name}.json").write_text(json.dumps(report))
 
 
 @pytest.fixture
@@ -51,11 +57,11 @@ def runs(tmp_path):
     service = [row("L1_19/legit", "reference_error", OOM), row("L1_19/wrong_dtype", "reference_error", OOM), row("L1_1/legit", "pass", "full")]
     write(full, "service", section("service", service, expected))
     eval0 = [row("L1_19/legit", "oom", "full"), row("L1_1/legit", "pass", "full")]
-    write(full, "eval_0of2", section("eval", eval0, expected) | {"cli_pairs": 1})
-    write(full, "eval_0of2.partial", eval0)  # superseded by the finished section in the same folder
-    write(full, "eval_1of2.partial", [row("L1_19/wrong_dtype", "mismatch", "full")])  # ran out of time
+    write(full, "eval0", section("eval", eval0, expected) | {"cli_pairs": 1})
+    # ran out of time after one pair
+    write(full, "eval1", {"path": "eval", "column": "eval", "rows": [row("L1_19/wrong_dtype", "mismatch", "full")]}, done=False)
     write(rerun, "service", section("service", [row("L1_19/legit", "pass", "rerun"), row("L1_19/wrong_dtype", "mismatch", "rerun")], expected))
-    write(rerun, "eval_0of1.partial", [row("L1_19/legit", "pass", "rerun")])
+    write(rerun, "eval0", {"path": "eval", "column": "eval", "rows": [row("L1_19/legit", "pass", "rerun")]}, done=False)
     return full, rerun
 
 
@@ -64,8 +70,7 @@ def table_row(lines: list[str], key: str) -> list[str]:
     return [cell.strip() for cell in line.strip("|").split("|")]
 
 
-def test_later_folder_supersedes_rerun_pairs_and_keeps_the_rest(load_script, runs):
-    script = load_script("gpu_check_gym_paths")
+def test_later_folder_supersedes_rerun_pairs_and_keeps_the_rest(runs):
     full, rerun = runs
     lines, ok = script.merge([full, rerun], PAIRS)
     text = "\n".join(lines)
@@ -83,8 +88,8 @@ def test_later_folder_supersedes_rerun_pairs_and_keeps_the_rest(load_script, run
     assert "(2 superseded by a later folder)" in text  # the full run's service section
 
     # which row each pair got, by the rows' own marks
-    sections = {"service (full)": json.loads((full / "gym_paths_service.json").read_text()),
-                "service (rerun)": json.loads((rerun / "gym_paths_service.json").read_text())}
+    sections = {f"service ({name})": json.loads((folder / "gym_paths_2026-11-27_H100.service.json").read_text())
+                ["sections"]["service"]["data"] for name, folder in (("full", full), ("rerun", rerun))}
     by_path, source, superseded = script.rows_per_path(sections, {"service (full)": 0, "service (rerun)": 1})
     assert {k: r["diagnostic"] for k, r in by_path["service"].items()} == {
         "L1_19/legit": "rerun", "L1_19/wrong_dtype": "rerun", "L1_1/legit": "full"}
@@ -92,8 +97,7 @@ def test_later_folder_supersedes_rerun_pairs_and_keeps_the_rest(load_script, run
     assert superseded == {"service (full)": 2, "service (rerun)": 0}
 
 
-def test_command_line_order_decides_not_the_folder_names(load_script, runs):
-    script = load_script("gpu_check_gym_paths")
+def test_command_line_order_decides_not_the_folder_names(runs):
     full, rerun = runs
     lines, ok = script.merge([rerun, full], PAIRS)  # the full run given last supersedes the rerun
     header = table_row(lines, "pair")
@@ -103,8 +107,7 @@ def test_command_line_order_decides_not_the_folder_names(load_script, runs):
     assert f"- service: 3 pairs from {full}" in "\n".join(lines)
 
 
-def test_one_folder_per_path_is_unchanged(load_script, runs):
-    script = load_script("gpu_check_gym_paths")
+def test_one_folder_per_path_is_unchanged(runs):
     full, _ = runs
     lines, ok = script.merge([full], PAIRS)
     text = "\n".join(lines)
@@ -113,8 +116,7 @@ def test_one_folder_per_path_is_unchanged(load_script, runs):
     assert dict(zip(table_row(lines, "pair"), table_row(lines, "L1_19/legit")))["service"].startswith("reference_error")
 
 
-def test_select_pairs_filters_after_limit_and_stride_and_names_bad_keys(load_script):
-    script = load_script("gpu_check_gym_paths")
+def test_select_pairs_filters_after_limit_and_stride_and_names_bad_keys():
     assert [p["key"] for p in script.select_pairs(PAIRS, None, 1, None)] == [p["key"] for p in PAIRS]
     assert [p["key"] for p in script.select_pairs(PAIRS, None, 1, "L1_1/legit, L1_19/legit")] == ["L1_19/legit", "L1_1/legit"]
     with pytest.raises(ValueError, match="unknown pair key.*L9_99/nope"):
@@ -125,39 +127,27 @@ def test_select_pairs_filters_after_limit_and_stride_and_names_bad_keys(load_scr
         script.select_pairs(PAIRS, 2, 1, "L1_1/legit")
 
 
-def test_pairs_on_the_command_line(load_script, monkeypatch, capsys, tmp_path):
-    script = load_script("gpu_check_gym_paths")
-    monkeypatch.setattr(script, "bank_pairs", lambda limit: PAIRS[:limit] if limit else PAIRS)
-    monkeypatch.setattr(script, "gpus", lambda: [])
-    monkeypatch.setattr(sys, "argv", ["gpu_check_gym_paths.py", "--pairs", "L1_19/legit,L9_99/nope", "--dry-run"])
-    with pytest.raises(SystemExit) as exit_:
-        script.main()
-    assert exit_.value.code == 2 and "L9_99/nope" in capsys.readouterr().err
+def test_a_path_section_runs_the_chosen_pairs_of_its_shard_and_fails_on_a_wrong_status(monkeypatch):
+    monkeypatch.setattr(script, "bank_pairs", lambda size_cap=None: PAIRS)
+    ran: list[str] = []
 
-    monkeypatch.setattr(sys, "argv", ["gpu_check_gym_paths.py", "--sections", "pool+eval:0/2", "--pairs", "L1_19/legit,L1_1/legit", "--dry-run"])
-    script.main()
-    out = capsys.readouterr().out
-    assert "2 bank pairs" in out and "pool (2 pairs)" in out and "eval:0/2 (1 pairs)" in out
+    def fake_eval(pairs, perf_trials, work, report, cli_pairs=3):
+        ran.extend(p["key"] for p in pairs)
+        return [{"status": "pass", "wall_s": 1.0} for _ in pairs], {}
 
-    # lanes: every lane's process gets the same --pairs
-    started = []
+    monkeypatch.setitem(script.RUNNERS, "eval", fake_eval)
+    monkeypatch.setattr(script, "run_eval", fake_eval)
+    options = argparse.Namespace(size_cap=None, limit=None, stride=1, pairs="L1_19/wrong_dtype,L1_1/legit", perf_trials=2)
+    sections = {s.name: s for s in script.SECTIONS}
+    report = script.Report("gym_paths", script.TITLE, {"date": "2026-11-27 10:00 UTC"})
+    report.begin("eval0")
+    sections["eval0"].run(report, options)
+    assert ran == ["L1_19/wrong_dtype"]  # pair 0 of the two chosen: shard 0 of 3
+    assert report.failures == ["eval0: pairs without their expected status (table above)"]
+    report.begin("eval1")
+    sections["eval1"].run(report, options)
+    assert ran[1:] == ["L1_1/legit"] and report.data["ok"] and len(report.failures) == 1
 
-    class Lane:
-        returncode = 0
-
-        def __init__(self, command, env):
-            started.append(command)
-
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(script.subprocess, "Popen", Lane)
-    monkeypatch.setattr(script.gpu_harness, "cold_caches", lambda move_home=True: {})
-    monkeypatch.setattr(script.tempfile, "mkdtemp", lambda prefix="": str(tmp_path / "work"))
-    (tmp_path / "work").mkdir()
-    monkeypatch.delenv("OUT", raising=False)
-    monkeypatch.setattr(sys, "argv", ["gpu_check_gym_paths.py", "--sections", "pool+service", "--pairs", "L1_1/legit"])
-    with pytest.raises(SystemExit):
-        script.main()
-    assert len(started) == 2
-    assert all(c[c.index("--pairs") + 1] == "L1_1/legit" for c in started)
+    options.pairs = "L9_99/nope"
+    with pytest.raises(CheckFailed, match="L9_99/nope"):
+        sections["pool"].run(report, options)

@@ -1,12 +1,9 @@
-#!/usr/bin/env python
-"""GPU check (issue 16, item 2): the whole RL loop learns on one GPU, judged by real GPU timing.
+"""The whole RL loop learns on one GPU, judged by real GPU timing (issue 16, item 2).
 
-    . scripts/device_env.sh && python3 scripts/gpu_check_rl_learns.py    # one H100, ~7-9 minutes
-    python scripts/gpu_check_rl_learns.py --cpu                          # smoke test of the path on a CPU
+    python3 -m checks.gpu rl_learns            # one H100, ~4-9 minutes
+    python -m checks.gpu rl_learns --cpu       # smoke test of the path on a CPU
 
-Before torch or Triton is imported, ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` point
-at new empty directories (and, on the GPU, ``~/.triton`` is moved aside; ``scripts/gpu_harness.py``):
-everything is compiled from nothing in this run. Then the default run's recipe
+Everything is compiled from nothing (the harness's empty compile caches). The default run's recipe
 (``config/config.yaml``), through the library functions the DAG calls:
 
 1. **Policy** (``policy.tiny``): ``kpipe.train.tiny_model.tiny_model_job``: the nano Qwen3 model
@@ -41,9 +38,8 @@ when either does not rise or fewer than ``--iterations`` iterations ran (``--bud
 an iteration that would not fit). ``--cpu`` (TRITON_INTERPRET=1, sizes capped at 48, a few steps)
 reports the verdict without enforcing it: CPU timings make Fast@1 meaningless.
 
-Results: ``$OUT`` (else ``--out``, else ``results/gpu_check_rl_learns``) gets ``rl_learns.json`` and
-``rl_learns.md`` (per-iteration table: reward and Fast@1 with 95% intervals, statuses, new
-evaluations, generation/evaluation/training seconds), rewritten after every stage.
+The report (per-iteration table: reward and Fast@1 with 95% intervals, statuses, new evaluations,
+generation/evaluation/training seconds) is rewritten after every stage.
 """
 
 from __future__ import annotations
@@ -60,9 +56,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-import gpu_harness
+from checks.gpu.harness import CheckFailed, Report, Section
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+TITLE = "The RL loop learns"
 STARTED = time.monotonic()
 RUN = "gpu-learns"
 FAST_TASKS = ((1, 88), (2, 9), (2, 76), (2, 86))  # bank legit faster than eager at full size on an H100
@@ -76,8 +73,7 @@ STEP_METRICS = ("gen_s", "eval_s", "train_s", "step_s", "overlap_s", "reward_mea
 N_BOOT = 2000
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="smoke test: TRITON_INTERPRET=1, sizes capped, 2 tasks, a few steps, verdict not enforced")
     parser.add_argument("--tasks", help="LEVEL:ID,... (default: 1:88,2:9,2:76,2:86,1:1,1:19; --cpu: 1:19,1:88)")
@@ -95,14 +91,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true", help="profile every kernel (PR); off: the reward has no PR")
     parser.add_argument("--no-result-cache", action="store_true",
                         help="no SQLite result cache: a program seen in an earlier iteration is evaluated again")
-    parser.add_argument("--budget-s", type=float,
-                        help="stop before an RL iteration that would end past this many seconds "
-                             "(default 540; --cpu none)")
     parser.add_argument("--enforce", action=argparse.BooleanOptionalAction, default=None,
                         help="exit 1 unless reward and Fast@1 rise (default: on, off with --cpu)")
-    parser.add_argument("--out", type=Path, help="results folder when $OUT is not set")
     parser.add_argument("--keep-work", action="store_true", help="keep the models and Parquet files (printed path)")
-    args = parser.parse_args(argv)
+
+
+def resolve_defaults(args: argparse.Namespace, config: dict[str, Any]) -> None:
+    """Settings left unset take the smoke run's values with --cpu, else the full run's, then the
+    default run's (config/config.yaml); --budget-s stops before an RL iteration that would end past it."""
     smoke = {"tasks": "1:19,1:88", "iterations": 2, "rollouts": 2, "samples": 2, "distill_turns": 1, "sft_steps": 3,
              "max_tokens": 24, "size_cap": 48, "budget_s": None}
     full = {"tasks": ",".join(f"{level}:{pid}" for level, pid in FAST_TASKS + SLOW_TASKS), "iterations": 5,
@@ -113,7 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.enforce is None:
         args.enforce = not args.cpu
-    return args
+    defaults = {"samples": config["distill"]["samples"], "distill_turns": config["distill"]["turns"],
+                "sft_steps": config["sft"]["max_steps"], "max_tokens": config["rl"]["max_tokens"]}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, int(value))
 
 
 def elapsed() -> float:
@@ -241,16 +241,14 @@ def fmt_ci(ci: dict[str, float]) -> str:
     return f"{ci['mean']:.3f} [{ci['low']:.3f}, {ci['high']:.3f}]"
 
 
-def markdown(report: dict[str, Any]) -> str:
+def markdown(report: dict[str, Any]) -> list[str]:
     settings = report["settings"]
     smoke = ("CPU smoke run: every timing is a Triton-interpreter timing (Fast@1 meaningless). "
              if settings["cpu"] else "")
     sizes = f"sizes capped at {settings['size_cap']}" if settings["size_cap"] else "full KernelBench main sizes"
     cache = "off" if settings["no_result_cache"] else "on (a program is timed once, at its first appearance)"
     lines = [
-        f"# The RL loop learns on {report['device']} (issue 16, item 2)", "",
-        f"`scripts/gpu_check_rl_learns.py{' --cpu' if settings['cpu'] else ''}`, torch {report['torch']}, "
-        f"triton {report['triton']}, compile caches empty at start. "
+        f"`python -m checks.gpu rl_learns{' --cpu' if settings['cpu'] else ''}`. "
         f"{smoke}Tasks ({sizes}): "
         f"{', '.join(report['tasks'])}. Recipe: config/config.yaml's default run (nano Qwen3, 4,000-token BPE; "
         f"teacher cold start {settings['samples']} samples x {settings['distill_turns']} turns; SFT "
@@ -260,12 +258,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"result cache {cache}. RL rollouts: rl.async {report.get('rl_config', {}).get('async_mode', '?')} "
         "(off: each turn's answers are evaluated after all are generated, nothing else on the GPU while a kernel "
         "is timed; generation + evaluation + training make up the step).",
-        "", "## Stages", "", "| stage | seconds | what |", "|---|---|---|",
+        "", "### Stages", "", "| stage | seconds | what |", "|---|---|---|",
     ]
     for stage in report["stages"]:
         lines.append(f"| {stage['stage']} | {stage['seconds']:.1f} | {stage.get('what', '')} |")
     if report["iterations"]:
-        lines += ["", "## Per iteration (95% bootstrap intervals, rollouts resampled within each task)", "",
+        lines += ["", "### Per iteration (95% bootstrap intervals, rollouts resampled within each task)", "",
                   "| iteration | rollouts | mean reward | pass rate | Fast@1 | statuses | new programs evaluated "
                   "| generation s | evaluation s | training s | step s | iteration wall s |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -277,7 +275,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{it['step']['eval_s']:.1f} | {it['step']['train_s']:.1f} | {it['step']['step_s']:.1f} | "
                 f"{it['wall_s']:.1f} |")
         first, last = report["iterations"][0], report["iterations"][-1]
-        lines += ["", f"## Per task (iteration {first['iteration']} -> {last['iteration']})", "",
+        lines += ["", f"### Per task (iteration {first['iteration']} -> {last['iteration']})", "",
                   "| task | legit speedup on an H100 (docs) | median speedup of its correct kernels here "
                   "| pass | Fast@1 |", "|---|---|---|---|---|"]
         for task in report["tasks"]:
@@ -289,7 +287,7 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{a.get('fast1', 0):.2f} -> {b.get('fast1', 0):.2f} |")
     check = report.get("verdict")
     if check:
-        lines += ["", "## Verdict", ""]
+        lines += ["", "### Verdict", ""]
         for name in ("reward", "fast@1"):
             if name in check:
                 r = check[name]
@@ -299,14 +297,15 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"- **{'PASS' if check['ok'] else 'FAIL'}**: {check['why']}{enforced}")
     if report.get("stopped"):
         lines += ["", f"Stopped early: {report['stopped']}"]
-    lines += ["", f"Wall time of the script: {report['wall_s']:.0f} s."]
-    return "\n".join(lines) + "\n"
+    lines += ["", f"Wall time of the check: {report['wall_s']:.0f} s."]
+    return lines
 
 
-def save(report: dict[str, Any], out: Path) -> None:
+def save(report: dict[str, Any], sink: Report) -> None:
+    """The tables so far into the harness's report, saved (a run stopped early keeps its JSON)."""
     report["wall_s"] = elapsed()
-    # a run that stopped early has no tables to write: its JSON and traceback say where
-    gpu_harness.write_report("rl_learns", markdown(report) if "verdict" in report else None, report, default=out)
+    sink.current["data"] = report
+    sink.rewrite(*(markdown(report) if "verdict" in report else ["(stopped before the first RL iteration ended)"]))
 
 
 # --------------------------------------------------------------------------- the run
@@ -336,16 +335,7 @@ def task_label(task_id: str) -> str:
     return f"{level}_{pid}"
 
 
-def resolve_defaults(args: argparse.Namespace, config: dict[str, Any]) -> None:
-    """Settings left unset take the default run's values (config/config.yaml)."""
-    defaults = {"samples": config["distill"]["samples"], "distill_turns": config["distill"]["turns"],
-                "sft_steps": config["sft"]["max_steps"], "max_tokens": config["rl"]["max_tokens"]}
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, int(value))
-
-
-def run(args: argparse.Namespace, config: dict[str, Any], out: Path, work: Path, report: dict[str, Any]) -> None:
+def run(args: argparse.Namespace, config: dict[str, Any], sink: Report, work: Path, report: dict[str, Any]) -> None:
     import torch
 
     from kpipe.agent.distill import OFFLINE_TEACHER_MODEL, distill_shard
@@ -368,7 +358,7 @@ def run(args: argparse.Namespace, config: dict[str, Any], out: Path, work: Path,
 
     def stage(name: str, started: float, what: str = "") -> None:
         report["stages"].append({"stage": name, "seconds": time.monotonic() - started, "what": what})
-        save(report, out)
+        save(report, sink)
 
     # KernelGym: the gym section's protocol on the CPU, the paper's on the GPU; eager only, as RL uses
     base_protocol = dict(config["gym"]["protocol"]) if args.cpu else {}
@@ -494,42 +484,31 @@ def run(args: argparse.Namespace, config: dict[str, Any], out: Path, work: Path,
     report["verdict"] = verdict(frames, args.iterations)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def learns(sink: Report, args: argparse.Namespace) -> None:
+    """The last RL iteration's mean reward and Fast@1 rise above the first's (95 % bootstrap interval
+    of the difference above 0), over every iteration asked for."""
     config = load_config()
     resolve_defaults(args, config)
     if args.cpu:
-        os.environ["TRITON_INTERPRET"] = "1"
-    caches = gpu_harness.cold_caches(move_home=not args.cpu)  # never touch a shared machine's ~/.triton
-    src = str(ROOT / "src")  # absolute: the evaluation children run in scratch directories
-    if src not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
-        sys.path.insert(0, src)
+        os.environ["TRITON_INTERPRET"] = "1"  # read by the evaluation children this process starts
+    elif sink.facts["device"] == "cpu":
+        raise CheckFailed("no GPU visible: run with --cpu for the smoke test")
     os.environ.setdefault("TQDM_MININTERVAL", "30")  # progress bars: a line every 30 s, not a flood
-    out = gpu_harness.out_dir(args.out or ROOT / "results" / "gpu_check_rl_learns")
     work = Path(tempfile.mkdtemp(prefix="kpipe-rl-learns-"))
-    facts = gpu_harness.device_facts()
-    if not args.cpu and facts["device"] == "cpu":
-        print("no GPU visible: run with --cpu for the smoke test", file=sys.stderr)
-        return 2
-    report: dict[str, Any] = {**facts,
-                              "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                              "compile_caches": caches, "stages": [], "iterations": [], "task_speedups": {}}
-    say(f"{facts['device']}: work in {work}, results to {out}")
+    report: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                              "stages": [], "iterations": [], "task_speedups": {}}
+    say(f"{sink.facts['device']}: work in {work}")
     try:
-        run(args, config, out, work, report)
+        run(args, config, sink, work, report)
     finally:
-        save(report, out)
+        save(report, sink)
         if not args.keep_work:
             shutil.rmtree(work, ignore_errors=True)
-        for path in caches.values():
-            shutil.rmtree(path, ignore_errors=True)
-    print(markdown(report), flush=True)
     check = report["verdict"]
-    if not check["ok"] and not args.enforce:
+    if args.enforce:
+        sink.expect(check["ok"], check["why"])
+    elif not check["ok"]:
         print(f"not enforced (smoke run): {check['why']}", file=sys.stderr)
-    return gpu_harness.exit_status([check["why"]] if args.enforce and not check["ok"] else [])
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SECTIONS = (Section("learns", 240, learns),)

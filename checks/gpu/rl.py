@@ -1,9 +1,9 @@
-"""GPU check of one RL iteration (kpipe.train.rl.run_iteration) with real KernelGym evaluation:
-the time of one step split into generation, evaluation and training, per `rl.async` mode.
+"""One RL iteration (kpipe.train.rl.run_iteration) with real KernelGym evaluation on one GPU: the
+time of one step split into generation, evaluation and training, per `rl.async` mode.
 
-    PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 python scripts/gpu_check_rl.py        # ~4 minutes on one H100
-    ... scripts/gpu_check_rl.py --async off eval off                           # before/after overlap
-    ... scripts/gpu_check_rl.py --async off off_policy_1 off --steps 2         # one-step off-policy
+    python3 -m checks.gpu rl                                  # ~4 minutes on one H100
+    python3 -m checks.gpu rl --async off eval off             # before/after overlap
+    python3 -m checks.gpu rl --async off off_policy_1 off --steps 2   # one-step off-policy
 
 1. Builds a Qwen3-0.6B-sized model from config (random weights, no download) with a BPE
    tokenizer trained on the prompts and the bank's kernels, and SFTs it (kpipe.train.sft) on the
@@ -15,10 +15,10 @@ the time of one step split into generation, evaluation and training, per `rl.asy
    rewards with PR (Eq. 8), PRS (Eq. 9), TRLOO, and the PPO-clip update under bf16 autocast.
 3. Prints each mode's time split (generation, evaluation, training, step wall time, and overlap_s:
    what running them alongside each other saved) and statistics from `train_metrics`, whether the
-   first turn's answers are the same across modes (the overlap must not change what is sampled: exit
-   status 1 when they are not), and writes $OUT/rl_check.md (+ .json) when $OUT is set.
+   first turn's answers are the same across modes (the overlap must not change what is sampled: the
+   check fails when they are not).
 
-On a CPU (to check the script itself): ``TRITON_INTERPRET=1 python scripts/gpu_check_rl.py
+On a CPU (to check the check itself): ``TRITON_INTERPRET=1 python -m checks.gpu rl
 --size nano --size-cap 48 --sft-steps 2 --max-tokens 16 --rollouts 2``. ``--size nano --lr 1e-2``
 is the offline learning check's policy (tests/test_rl_learning.py) at full speed.
 """
@@ -28,16 +28,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
+from checks.gpu.harness import Report, Section
 
-import gpu_harness
-
+TITLE = "RL iteration check"
 TASKS = ((1, 19), (1, 88))  # KernelBench L1 ReLU and MinGPT GELU: the bank's shortest kernels
 STEP_METRICS = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "overlap_s", "policy_lag", "rows", "trained_rows", "reward_mean",
                 "correct_frac", "hacking_ratio", "fast@1", "kept_frac", "kept_frac_prs", "response_tokens_mean",
@@ -60,8 +58,7 @@ def sft_rows(tasks: list) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--size", default="qwen3-0.6b", help="kpipe.train.tiny_model size preset")
     parser.add_argument("--size-cap", type=int, default=4096, help="cap on the tasks' module-level size constants")
     parser.add_argument("--sft-steps", type=int, default=500)
@@ -77,7 +74,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=1, help="steps per iteration (off_policy_1 overlaps from the 2nd)")
     parser.add_argument("--generation-batch-size", type=int, default=16,
                         help="HF sequences per generate() call (16: a turn's answers in one call)")
-    args = parser.parse_args()
+
+
+def rl_step(report: Report, args: argparse.Namespace) -> None:
+    """Every rl.async mode samples the same first turns (overlap must not change what is sampled);
+    the step's time split is the report's figure."""
+    import torch
 
     from kpipe.agent.evaluator import open_evaluator
     from kpipe.agent.loop import AgentTask
@@ -88,7 +90,6 @@ def main() -> int:
     from kpipe.train.sft import SFTConfig, train_sft
     from kpipe.train.tiny_model import build_tiny_model
 
-    facts = gpu_harness.device_facts()
     problems = {(p.level, p.problem_id): p for p in load_problems("main")}
     tasks = [AgentTask(f"kb-main-L{level}-{pid}", shrink_sizes(problems[(level, pid)].code, args.size_cap))
              for level, pid in TASKS]
@@ -146,12 +147,9 @@ def main() -> int:
                     torch.cuda.empty_cache()
     # the overlap must not change what is sampled: step 1's first turns are equal in every mode
     same_first_turn = len({tuple(run.pop("first_turns")) for run in runs.values()}) == 1
-    report = {**facts, "model": args.size, "settings": vars(args),
-              "timings": timings, "runs": runs, "same_first_turn_answers": same_first_turn}
-    print(json.dumps(report, indent=2, default=str))
-
-    lines = [
-        f"# RL iteration check on {facts['device']}", "", gpu_harness.facts_line(facts), "",
+    report.data.update(model=args.size, settings=vars(args), timings=timings, runs=runs,
+                       same_first_turn_answers=same_first_turn)
+    report.line(
         f"Model: `{args.size}` (random init, {args.vocab}-token BPE, + {args.sft_steps} SFT steps on bank kernels, "
         f"final loss {sft.final_loss:.4f}); {args.steps} RL step(s) of "
         f"{len(TASKS)} prompts x {args.rollouts} rollouts x up to {args.turns} turns, {args.max_tokens} tokens per "
@@ -167,11 +165,8 @@ def main() -> int:
         + "; ".join(f"{mode} {run['statuses']}" for mode, run in runs.items()) + ".",
         "Iteration wall times (model load, steps, checkpoint export): "
         + ", ".join(f"{mode} {run['iteration_s']:.0f} s" for mode, run in runs.items()) + ".",
-    ]
-    gpu_harness.write_report("rl_check", "\n".join(lines) + "\n", report)
-    print("\n".join(lines))
-    return gpu_harness.exit_status([] if same_first_turn else ["step 1's first turns differ between rl.async modes"])
+    )
+    report.expect(same_first_turn, "step 1's first turns differ between rl.async modes")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+SECTIONS = (Section("step", 240, rl_step),)

@@ -1,59 +1,34 @@
-#!/usr/bin/env python
 """KernelGym from a cold start on a GPU machine, through every path users take (issue 13).
 
-    . scripts/device_env.sh && python scripts/gpu_check_gym_paths.py --sections pool,service,ray,eval,placement,caches
-    . scripts/device_env.sh && python scripts/gpu_check_gym_paths.py --sections "pool,service+eval:0/2+eval:1/2"
-    . scripts/device_env.sh && python scripts/gpu_check_gym_paths.py --sections "service,ray" --pairs L1_19/legit,L1_47/legit
-    python scripts/gpu_check_gym_paths.py --merge OUT1 OUT2 ...   # one status table from earlier runs' outputs
+Every path must give each bank pair (legit and every variant, full KernelBench ``main`` sizes) the
+bank's expected full-size status, so all paths agree per pair. Sections:
 
-Before anything runs, ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` point at new empty
-directories and ``~/.triton`` is moved aside, so nothing compiled by an earlier process helps.
-
-Sections (each prints a Markdown table; the reports go to $OUT/gym_paths_*.md and the rows to
-$OUT/gym_paths_*.json when $OUT is set, each as soon as its section ends):
-
-- ``pool``: every bank solution (legit and every variant, full KernelBench ``main`` sizes)
-  through ``kpipe gym eval-batch`` (the pool: what distillation, RL and evaluation use);
+- ``pool``: the pairs through ``kpipe gym eval-batch`` (the pool: what distillation, RL and evaluation
+  use); with confinement on by default, this is also the confined bank check (issue 25);
 - ``service``: the same pairs through ``kpipe gym serve`` and the HTTP client;
 - ``ray``: the same pairs through the Ray backend (``kpipe.gym.distributed.RayGym``) on a local
-  Ray instance this script starts, one actor per visible GPU;
-- ``eval``: the same pairs through the fresh-interpreter path of ``kpipe gym eval``
-  (``evaluate()`` in this process, saved after every pair; plus the CLI itself on three pairs);
+  Ray instance this check starts, one actor per visible GPU;
+- ``eval0``, ``eval1``, ``eval2``: a third of the pairs each (pairs K, K+3, ...) through the
+  fresh-interpreter path of ``kpipe gym eval`` (``evaluate()`` in this process, the report saved after
+  every pair; ``eval0`` also runs the CLI itself on three pairs);
 - ``placement``: one pool worker per visible GPU, then the Ray backend with one actor per GPU:
-  for each, every child of worker (actor) k ran on worker k's GPU (the child's device UUID, and
-  its process ancestry, recorded from inside it), all GPUs were used, no two timed regions
-  overlapped on one GPU, and the same kernel's speedup agrees across GPUs within 3 %;
+  every child of worker (actor) k ran on worker k's GPU (the child's device UUID, and its process
+  ancestry, recorded from inside it), all GPUs were used, no two timed regions overlapped on one
+  GPU, and the same kernel's speedup agrees across GPUs within 3 %;
 - ``caches``: the cost of the compile-cache layout, cold (first evaluation of a task in a new
-  worker: torch.compile and Triton from nothing) and warm (the next ones), and a candidate that
-  plants junk and slowed "compiled" code in every cache it can find: the compile baseline and a
-  legit evaluation afterwards are unchanged.
-
-``--sections`` is a list of lanes separated by ``+``, each a comma-separated list of sections run
-in order. With one lane, everything runs in this process on every visible GPU. With several,
-lane i runs in its own process pinned to GPU i (``CUDA_VISIBLE_DEVICES``, round robin when there
-are more lanes than GPUs: their timings then share a GPU), with its own empty compile caches;
-a lane sees one GPU, so ``placement`` belongs in a one-lane run. ``pool``, ``service``, ``ray`` and
-``eval`` take a shard, ``eval:K/N`` (pairs K, K+N, ... of the selection), to spread one path over
-lanes or calls. A section named twice in one lane runs twice: the second run (``pool#2``) is the
-warm figure (compile caches filled by the first; a new result cache, so everything re-runs).
+  worker) and warm (the next ones), and a candidate that plants junk and slowed "compiled" code in
+  every cache it can find: the compile baseline and a legit evaluation afterwards are unchanged.
 
 ``--limit N`` and ``--stride K`` narrow the bank (first N pairs, then every K-th); ``--pairs KEYS``
-then keeps only the listed pairs, comma-separated keys as in the rows' ``pair`` field
-(``L1_19/legit,L1_47/wrong_dtype``), in bank order; a key the bank does not have, or one that
-``--limit``/``--stride`` left out, is an error that names it. Lanes get the same selection.
+then keeps only the listed pairs (``L1_19/legit,L1_47/wrong_dtype``), in bank order; a key the bank
+does not have, or one that ``--limit``/``--stride`` left out, is an error that names it.
 
-``--merge DIR ...`` reads the ``gym_paths_*.json`` of earlier runs' $OUT folders (an eval section
-that ran out of time counts by its ``.partial`` file, the pairs it finished) and makes one status
-table, one column per path (``pool``, ``service``, ``ray``, ``eval``; a repeated run such as
-``pool#2`` is its own column; shards of one path fill one column). Per column, a folder later on
-the command line supersedes the earlier folders' rows for the pairs it ran; every other pair keeps
-its row from the last folder that ran it. So a full run followed by a rerun of a few pairs
-(``--merge FULL RERUN``) shows the rerun's status for those pairs and the full run's for the
-rest, and the report says per column how many rows came from which folder. The verdict is the
-merged table's: a section whose rows were superseded no longer fails the merge by itself.
-
-Every path must give the bank's expected full-size status, and all paths the same status per
-pair. Exit status 1 if any check fails. ``--dry-run`` prints the plan only.
+``python -m checks.gpu.gym_paths DIR ...`` makes one status table from the reports (``gym_paths_*.json``)
+in earlier runs' folders, one column per path (shards of one path fill one column; a section that did
+not finish counts by the pairs it did). Per column, a folder later on the command line supersedes the
+earlier folders' rows for the pairs it ran, so a full run followed by a rerun of a few pairs shows the
+rerun's status for those and the full run's for the rest; exit status 1 unless every merged status is
+the expected one.
 """
 
 from __future__ import annotations
@@ -63,7 +38,6 @@ import ast
 import functools
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -71,16 +45,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import gpu_harness
+from checks.gpu.harness import CheckFailed, Report, Section
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
+TITLE = "KernelGym paths from a cold start"
 CLI = [sys.executable, "-c", "from kpipe.cli import main; main()"]
-PATHS = ("pool", "service", "ray", "eval")  # the evaluation paths: one row per bank pair
-CHECKS = ("placement", "caches")
-SECTIONS = PATHS + CHECKS
+EVAL_SHARDS = 3  # the fresh-interpreter path evaluates one pair per interpreter: a third of the bank per section
 
 
 def gpus() -> list[dict[str, str]]:
@@ -119,21 +93,17 @@ class GpuPoller(threading.Thread):
             self.stop.wait(self.interval_s)
 
 
-SIZE_CAP: int | None = None  # --size-cap: a CPU smoke test of this script (the small-size statuses apply)
-LIMIT: int | None = None  # --limit: also the number of tasks the placement check uses (at most 6)
-
-
-def bank_pairs(limit: int | None) -> list[dict[str, Any]]:
+def bank_pairs(size_cap: int | None = None) -> list[dict[str, Any]]:
+    """Every bank pair with its expected status: the full-size one, or the small one under `size_cap`."""
     from kpipe.data.kernelbench import select_problems, shrink_sizes
     from kpipe.gym.bank import list_solutions
 
-    references = {(p.level, p.problem_id): shrink_sizes(p.code, SIZE_CAP) if SIZE_CAP else p.code for p in select_problems("main", [1, 2])}
-    pairs = [
+    references = {(p.level, p.problem_id): shrink_sizes(p.code, size_cap) if size_cap else p.code for p in select_problems("main", [1, 2])}
+    return [
         {"key": s.key, "reference_src": references[(s.level, s.problem_id)], "candidate_src": s.source,
-         "expected": s.expected_status if SIZE_CAP else s.expected_status_full}
+         "expected": s.expected_status if size_cap else s.expected_status_full}
         for s in list_solutions()
     ]
-    return pairs[:limit] if limit else pairs
 
 
 def select_pairs(every: list[dict[str, Any]], limit: int | None, stride: int, keys: str | None) -> list[dict[str, Any]]:
@@ -173,14 +143,14 @@ def as_row(result: Any) -> dict[str, Any]:
     return result.to_row() if hasattr(result, "to_row") else dict(result)
 
 
-def run_pool(pairs: list[dict[str, Any]], perf_trials: int, work: Path, tag: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_pool(pairs: list[dict[str, Any]], perf_trials: int, work: Path, report: Report) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    batch = work / f"pairs-{tag}.parquet"
+    batch = work / "pairs.parquet"
     pq.write_table(pa.table({"reference_src": [p["reference_src"] for p in pairs], "candidate_src": [p["candidate_src"] for p in pairs]}), batch)
-    output = work / f"{tag}.parquet"
-    subprocess.run([*CLI, "gym", "eval-batch", "--input", str(batch), "--output", str(output), "--cache", str(work / f"{tag}-cache.sqlite"),
+    output = work / "results.parquet"
+    subprocess.run([*CLI, "gym", "eval-batch", "--input", str(batch), "--output", str(output), "--cache", str(work / "cache.sqlite"),
                     "--reuse-reference", *protocol_args(perf_trials)], check=True)
     return pq.read_table(output).to_pylist(), {}
 
@@ -191,12 +161,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_service(pairs: list[dict[str, Any]], perf_trials: int, work: Path, tag: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_service(pairs: list[dict[str, Any]], perf_trials: int, work: Path, report: Report) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from kpipe.gym.client import GymClient
 
     port = free_port()
     started = time.monotonic()
-    server = subprocess.Popen([*CLI, "gym", "serve", "--port", str(port), "--cache", str(work / f"{tag}-cache.sqlite"),
+    server = subprocess.Popen([*CLI, "gym", "serve", "--port", str(port), "--cache", str(work / "cache.sqlite"),
                                "--reuse-reference", *protocol_args(perf_trials)])
     try:
         client = GymClient(f"http://127.0.0.1:{port}")
@@ -228,7 +198,7 @@ def start_ray() -> tuple[Any, float]:
     return ray, time.monotonic() - started
 
 
-def run_ray(pairs: list[dict[str, Any]], perf_trials: int, work: Path, tag: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_ray(pairs: list[dict[str, Any]], perf_trials: int, work: Path, report: Report) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from kpipe.gym.distributed import RayGym
 
     ray, init_s = start_ray()
@@ -244,7 +214,7 @@ def run_ray(pairs: list[dict[str, Any]], perf_trials: int, work: Path, tag: str)
         ray.shutdown()
 
 
-def run_eval(pairs: list[dict[str, Any]], perf_trials: int, work: Path, tag: str, cli_pairs: int = 3) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run_eval(pairs: list[dict[str, Any]], perf_trials: int, work: Path, report: Report, cli_pairs: int = 3) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The fresh-interpreter path of ``kpipe gym eval``: in this process for every pair (one
     reference run per task, as --reuse-reference does), and the CLI itself on `cli_pairs` pairs.
     The rows so far are saved after every pair (a call that runs out of time keeps them)."""
@@ -258,9 +228,10 @@ def run_eval(pairs: list[dict[str, Any]], perf_trials: int, work: Path, tag: str
         except Exception as exc:  # noqa: BLE001 - a reference failure is a row too
             rows.append({"status": "reference_error", "diagnostic": str(exc)})
         rows[-1]["pair"] = pair["key"]
-        gpu_harness.write_report(f"gym_paths_{tag}.partial", f"{len(rows)}/{len(pairs)} pairs\n", rows)
+        report.data.update(path="eval", column="eval", rows=rows)
+        report.save()
     for pair, row in list(zip(pairs, rows))[:: max(1, len(pairs) // 3)][:cli_pairs]:
-        ref, cand = work / f"ref-{tag}.py", work / f"cand-{tag}.py"
+        ref, cand = work / "reference.py", work / "candidate.py"
         ref.write_text(pair["reference_src"])
         cand.write_text(pair["candidate_src"])
         out = subprocess.run([*CLI, "gym", "eval", "--reference", str(ref), "--candidate", str(cand), "--json", *protocol_args(perf_trials)],
@@ -396,11 +367,11 @@ def placement_verdict(kind: str, devices: list[dict[str, str]], legit: list[dict
     return lines, ok
 
 
-def placement_check(perf_trials: int, work: Path) -> tuple[list[str], bool, dict[str, Any]]:
+def placement_check(perf_trials: int, work: Path, size_cap: int | None, limit: int | None) -> tuple[list[str], bool, dict[str, Any]]:
     """One worker per GPU over a batch of legit kernels (each 2x per GPU), first on the pool,
     then on the Ray backend (one actor per GPU): placement, overlap, agreement."""
     devices = gpus()
-    legit = [p for p in bank_pairs(None) if p["key"].endswith("/legit")][: min(6, LIMIT or 6)]
+    legit = [p for p in bank_pairs(size_cap) if p["key"].endswith("/legit")][: min(6, limit or 6)]
     lines = [f"GPUs: {', '.join(d['index'] + ' ' + d['name'] + ' ' + d['uuid'] for d in devices) or 'none (CPU)'}", ""]
     ok = True
     extra: dict[str, Any] = {}
@@ -428,14 +399,14 @@ def placement_check(perf_trials: int, work: Path) -> tuple[list[str], bool, dict
 PLANTER = (ROOT / "tests" / "fixtures" / "gym" / "cache_planter.py").read_text()
 
 
-def caches_check(perf_trials: int, work: Path) -> tuple[list[str], bool, dict[str, Any]]:
+def caches_check(perf_trials: int, work: Path, size_cap: int | None) -> tuple[list[str], bool, dict[str, Any]]:
     """Cold and warm cost of the cache layout (full protocol, torch.compile baseline, no reuse
     of the reference), and the planted-artifact attack against the compile baseline."""
     from kpipe.gym import Protocol
     from kpipe.gym.pool import GymPool
 
     protocol = Protocol(baseline="both", correct_trials=5, perf_trials=perf_trials, timeout_s=300, reject_findings=())
-    legit = {p["key"]: p for p in bank_pairs(None) if p["key"].endswith("/legit")}
+    legit = {p["key"]: p for p in bank_pairs(size_cap) if p["key"].endswith("/legit")}
     tasks = [k for k in ("L1_19/legit", "L1_88/legit", "L2_76/legit") if k in legit]
     lines = ["| task | run | status | wall s | eager ms | compile ms | speedup compile |", "|---|---|---|---|---|---|---|"]
     ok = True
@@ -463,95 +434,76 @@ def caches_check(perf_trials: int, work: Path) -> tuple[list[str], bool, dict[st
     return lines, ok, {}
 
 
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text.replace("/", "of").replace("#", "-run").replace("+", "_and_").replace(",", "-"))
+def add_options(parser: argparse._ArgumentGroup) -> None:
+    parser.add_argument("--perf-trials", type=int, default=20)
+    parser.add_argument("--limit", type=int, default=None, help="first N bank pairs only (a quick try)")
+    parser.add_argument("--stride", type=int, default=1, help="every K-th bank pair only (a quick try)")
+    parser.add_argument("--pairs", default=None, metavar="KEYS",
+                        help="only these pairs (after --limit/--stride): comma-separated keys as in the rows' "
+                             "'pair' field, e.g. L1_19/legit,L1_47/wrong_dtype")
+    parser.add_argument("--size-cap", type=int, default=None, help="shrink the problems (a CPU smoke test)")
 
 
-def parse_sections(spec: str) -> list[list[str]]:
-    """`a,b+c:0/2` -> [["a", "b"], ["c:0/2"]]; each name checked, repeats labelled name#2."""
-    lanes = [[s.strip() for s in lane.split(",") if s.strip()] for lane in spec.split("+")]
-    for lane in lanes:
-        for i, section in enumerate(lane):
-            name, _, shard = section.partition(":")
-            if name not in SECTIONS:
-                raise ValueError(f"unknown section {name!r}; choose from {SECTIONS}")
-            if shard and (name not in PATHS or not re.fullmatch(r"\d+/\d+", shard) or int(shard.split("/")[0]) >= int(shard.split("/")[1])):
-                raise ValueError(f"bad shard {section!r}: K/N with 0 <= K < N, on {PATHS} only")
-            runs = sum(1 for s in lane[:i] if s == section)
-            if runs:
-                lane[i] = f"{section}#{runs + 1}"
-    if not lanes or not all(lanes):
-        raise ValueError(f"empty lane in {spec!r}")
-    return lanes
+def chosen_pairs(options: argparse.Namespace) -> list[dict[str, Any]]:
+    try:
+        return select_pairs(bank_pairs(options.size_cap), options.limit, options.stride, options.pairs)
+    except ValueError as exc:
+        raise CheckFailed(str(exc)) from None
 
 
-def shard_index(section: str) -> int:
-    shard = section.split("#")[0].partition(":")[2]
-    return int(shard.split("/")[0]) if shard else 0
+RUNNERS = {"pool": run_pool, "service": run_service, "ray": run_ray, "eval": run_eval}
 
 
-def column_of(label: str) -> str:
-    """The status-table column of a section: its path, and its run when repeated (pool#2)."""
-    run = label.partition("#")[2]
-    return label.split(":")[0].split("#")[0] + (f"#{run}" if run else "")
-
-
-def shard_of(pairs: list[dict[str, Any]], section: str, start: float = 0.0) -> list[dict[str, Any]]:
-    """Pairs K, K+N, ... of a shard, begun at fraction `start` of them and wrapped around: lanes
-    sharing one GPU start at different places, so they do not reach the largest tasks (level 1's
-    multi-GiB tensors) together and run out of GPU memory, which a lane alone never does."""
-    shard = section.split("#")[0].partition(":")[2]
-    chosen = pairs
-    if shard:
-        k, n = (int(x) for x in shard.split("/"))
-        chosen = pairs[k::n]
-    first = int(len(chosen) * start)
-    return chosen[first:] + chosen[:first]
-
-
-def run_lane(lane: list[str], pairs: list[dict[str, Any]], perf_trials: int, work: Path, header: list[str], start: float = 0.0) -> dict[str, Any]:
-    """Run one lane's sections in order in this process: per section its rows (keyed by pair),
-    wall time, cold/warm figures and check verdict; each saved under $OUT as it ends."""
-    runners = {"pool": run_pool, "service": run_service, "ray": run_ray, "eval": run_eval}
-    checks = {"placement": placement_check, "caches": caches_check}
-    done: dict[str, Any] = {}
-    for label in lane:
-        name = label.split(":")[0].split("#")[0]
-        tag = slug(label)
+def path_section(path: str, shard: int | None = None) -> Callable[[Report, argparse.Namespace], None]:
+    """A section running the chosen pairs (shard `shard` of EVAL_SHARDS, if given) through `path`:
+    every pair must get the bank's expected status."""
+    def run(report: Report, options: argparse.Namespace) -> None:
+        pairs = chosen_pairs(options)
+        pairs = pairs if shard is None else pairs[shard::EVAL_SHARDS]
+        runner = RUNNERS[path] if shard in (None, 0) else functools.partial(run_eval, cli_pairs=0)  # the CLI on shard 0
         started = time.monotonic()
-        print(f"== {label} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'all')})", flush=True)
-        if name in checks:
-            try:
-                lines, ok, extra = checks[name](perf_trials, work)
-            except Exception as exc:  # noqa: BLE001 - the next section still runs
-                lines, ok, extra = [f"- FAIL: {type(exc).__name__}: {exc}"], False, {}
-            wall = time.monotonic() - started
-            done[label] = {"check": name, "ok": ok, "lines": lines, "wall_s": round(wall, 1), **extra}
-            gpu_harness.write_report(f"gym_paths_{tag}", "\n".join([*header, "", f"## {label} ({wall:.0f} s)", "", *lines]) + "\n", done[label])
-            continue
-        chosen = shard_of(pairs, label, start)
-        runner = runners[name]
-        if name == "eval" and shard_index(label) > 0:  # the CLI itself runs on the first shard's pairs only
-            runner = functools.partial(run_eval, cli_pairs=0)
-        try:
-            rows, info = runner(chosen, perf_trials, work, tag)
-        except Exception as exc:  # noqa: BLE001 - a path that cannot start fails its pairs, the next section still runs
-            rows, info = [{"status": "?", "diagnostic": f"{name} failed: {type(exc).__name__}: {exc}"} for _ in chosen], {"error": str(exc)}
+        with tempfile.TemporaryDirectory(prefix=f"gym-paths-{path}-") as work:
+            rows, info = runner(pairs, options.perf_trials, Path(work), report)
         wall = time.monotonic() - started
-        for pair, row in zip(chosen, rows):
+        for pair, row in zip(pairs, rows):
             row["pair"] = pair["key"]
         walls = [float(r.get("wall_s") or 0.0) for r in rows]
+        warm = sorted(walls[1:])
         figures = {"pairs": len(rows), "wall_s": round(wall, 1), "first_eval_s": round(walls[0], 1) if walls else None,
-                   "median_eval_s": round(sorted(walls)[len(walls) // 2], 1) if walls else None,
-                   "median_warm_eval_s": round(sorted(walls[1:])[len(walls[1:]) // 2], 1) if len(walls) > 1 else None,
+                   "median_warm_eval_s": round(warm[len(warm) // 2], 1) if warm else None,
                    "devices": sorted({str(r.get("device_id", "")).split(" ")[0] for r in rows if r.get("device_id")}), **info}
-        lines, ok, _ = status_table(chosen, {label: {r["pair"]: r for r in rows}})
-        done[label] = {"path": name, "column": column_of(label), "ok": ok, "rows": rows, **figures}
-        summary = (f"- {label}: {len(rows)} evaluations in {wall:.0f} s (first {figures['first_eval_s']} s cold; warm median "
-                   f"{figures['median_warm_eval_s']} s); expected statuses: {'all' if ok else 'NOT all'}")
-        print(summary, flush=True)
-        gpu_harness.write_report(f"gym_paths_{tag}", "\n".join([*header, summary, "", *lines]) + "\n", done[label])
-    return done
+        lines, ok, _ = status_table(pairs, {path: {r["pair"]: r for r in rows}})
+        report.data.update(path=path, column=path, ok=ok, rows=rows, **figures)
+        report.line(f"{len(rows)} evaluations in {wall:.0f} s (first {figures['first_eval_s']} s cold; warm median "
+                    f"{figures['median_warm_eval_s']} s), {'sizes capped at ' + str(options.size_cap) if options.size_cap else 'full KernelBench main sizes'}, "
+                    f"{options.perf_trials} perf trials, 5 correctness trials, eager baseline.", "", *lines)
+        report.expect(ok, "pairs without their expected status (table above)")
+    run.__doc__ = f"Every chosen pair{'' if shard is None else f' of shard {shard}'} gets its expected status through {path}."
+    return run
+
+
+def placement(report: Report, options: argparse.Namespace) -> None:
+    """Each worker's (actor's) children on its GPU, every GPU used, no overlapping timed regions."""
+    with tempfile.TemporaryDirectory(prefix="gym-paths-placement-") as work:
+        lines, ok, extra = placement_check(options.perf_trials, Path(work), options.size_cap, options.limit)
+    report.line(*lines)
+    report.data.update(check="placement", ok=ok, **extra)
+    report.expect(ok, "placement (lines marked FAIL above)")
+
+
+def caches(report: Report, options: argparse.Namespace) -> None:
+    """Cold and warm cost of the compile caches; planted cache junk changes nothing."""
+    with tempfile.TemporaryDirectory(prefix="gym-paths-caches-") as work:
+        lines, ok, extra = caches_check(options.perf_trials, Path(work), options.size_cap)
+    report.line(*lines)
+    report.data.update(check="caches", ok=ok, **extra)
+    report.expect(ok, "compile caches (table above)")
+
+
+SECTIONS = (Section("pool", 240, path_section("pool")), Section("service", 280, path_section("service")),
+            Section("ray", 380, path_section("ray")),
+            *(Section(f"eval{k}", 450, path_section("eval", k)) for k in range(EVAL_SHARDS)),
+            Section("placement", 150, placement), Section("caches", 150, caches))
 
 
 def rows_per_path(sections: dict[str, Any], origin: dict[str, int]) -> tuple[dict[str, dict[str, dict[str, Any]]], dict[str, dict[str, int]], dict[str, int]]:
@@ -581,148 +533,68 @@ def rows_per_path(sections: dict[str, Any], origin: dict[str, int]) -> tuple[dic
     return by_path, source, superseded
 
 
-def combined_report(pairs: list[dict[str, Any]], sections: dict[str, Any], lane_of: dict[str, str],
-                    origin: dict[str, int] | None = None, folders: list[str] | None = None) -> tuple[list[str], bool]:
-    """Per-section figures, then one status table over every path that ran (shards of one
-    path merged; a repeated run is its own column). With `origin` (section -> index into
-    `folders`, from --merge), a later folder's rows supersede an earlier one's per pair and
-    column (`rows_per_path`), and the report says per column which folder each row came from."""
-    origin = origin or {}
+def combined_report(pairs: list[dict[str, Any]], sections: dict[str, Any], origin: dict[str, int],
+                    folders: list[str]) -> tuple[list[str], bool]:
+    """Per-section figures, then one status table over every path that ran (shards of one path
+    merged). With `origin` (section -> index into `folders`), a later folder's rows supersede an
+    earlier one's per pair and column (`rows_per_path`), and the report says per column which folder
+    each row came from."""
     by_path, source, superseded = rows_per_path(sections, origin)
-    lines = ["| section | lane (GPU) | pairs | wall s | first eval s (cold) | warm median s | expected statuses |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| section | pairs | wall s | first eval s (cold) | warm median s | expected statuses |",
+             "|---|---|---|---|---|---|"]
     ok = True
     for label, done in sections.items():
         if not superseded.get(label):  # a section a later folder reran in part is judged by the merged table
             ok &= bool(done.get("ok"))
         if "check" in done:
-            lines.append(f"| {label} | {lane_of.get(label, '')} | — | {done['wall_s']} | — | — | {'ok' if done['ok'] else 'FAIL'} |")
+            lines.append(f"| {label} | — | {done.get('wall_s')} | — | — | {'ok' if done['ok'] else 'FAIL'} |")
             continue
         note = f" ({superseded[label]} superseded by a later folder)" if superseded.get(label) else ""
-        lines.append(f"| {label} | {lane_of.get(label, '')} | {done['pairs']}{note} | {done['wall_s']} | {done['first_eval_s']} | "
-                     f"{done['median_warm_eval_s']} | {'all' if done['ok'] else 'NOT all'} |")
+        lines.append(f"| {label} | {len(done['rows'])}{note} | {done.get('wall_s')} | {done.get('first_eval_s')} | "
+                     f"{done.get('median_warm_eval_s')} | {'all' if done['ok'] else 'NOT all'} |")
     if by_path:
         table, agree, counts = status_table(pairs, by_path)
         ok &= agree
         lines += ["", "## Statuses per path", "", "Pairs run: " + ", ".join(f"{p} {n}/{len(pairs)}" for p, n in counts.items()), ""]
-        if folders and len(folders) > 1:
+        if len(folders) > 1:
             lines += ["Rows per path by folder (a later folder on the command line supersedes an earlier one's row of the same pair):", ""]
             for column, came in source.items():
                 per = [sum(1 for rank in came.values() if rank == i) for i in range(len(folders))]
                 lines.append(f"- {column}: " + ", ".join(f"{n} pairs from {folders[i]}" for i, n in enumerate(per) if n))
             lines.append("")
         lines += [*table, "", f"Every status run is the bank's expected one (so all paths agree per pair): {'yes' if agree else 'NO'}"]
-    for label, done in sections.items():
-        if "check" in done:
-            lines += ["", f"## {label} ({done['wall_s']} s)", "", *done["lines"]]
     return lines, ok
 
 
 def merge(dirs: list[Path], pairs: list[dict[str, Any]]) -> tuple[list[str], bool]:
-    """The combined report from the gym_paths_*.json files of earlier runs (one per section);
-    per path, a later folder's rows supersede an earlier folder's for the pairs it ran."""
+    """The combined status table from the gym_paths reports of earlier runs; a section that did not
+    finish counts by the pairs it did; per path, a later folder's rows supersede an earlier folder's
+    for the pairs it ran."""
     sections: dict[str, Any] = {}
     origin: dict[str, int] = {}
     expected = {p["key"]: p["expected"] for p in pairs}
     for rank, folder in enumerate(dirs):
         for path in sorted(folder.glob("gym_paths_*.json")):
-            data = json.loads(path.read_text())
-            stem = path.stem.removeprefix("gym_paths_")
-            if stem.endswith(".partial"):  # an eval section that ran out of time: the pairs it finished
-                if (folder / f"gym_paths_{stem.removesuffix('.partial')}.json").exists() or not isinstance(data, list):
+            for name, section in json.loads(path.read_text())["sections"].items():
+                data = section["data"]
+                if "path" not in data and "check" not in data:
                     continue
-                data = {"path": "eval", "column": "eval", "rows": data, "pairs": len(data), "wall_s": None, "first_eval_s": None,
-                        "median_warm_eval_s": None, "ok": all(r.get("status") == expected.get(r.get("pair")) for r in data)}
-            if isinstance(data, dict) and ("path" in data or "check" in data) and "lanes" not in data:
-                sections[f"{stem} ({folder})"] = data
-                origin[f"{stem} ({folder})"] = rank
-    return combined_report(pairs, sections, {}, origin, [str(d) for d in dirs])
+                if not section["done"]:  # stopped at the call's limit: the pairs it finished
+                    data = {**data, "ok": all(r.get("status") == expected.get(r.get("pair")) for r in data["rows"])}
+                sections[f"{name} ({folder})"] = data
+                origin[f"{name} ({folder})"] = rank
+    return combined_report(pairs, sections, origin, [str(d) for d in dirs])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="pool,service,ray,eval,placement,caches",
-                        help="lanes separated by '+', sections in a lane by ','; a path may take a shard: eval:0/2")
-    parser.add_argument("--perf-trials", type=int, default=20)
-    parser.add_argument("--limit", type=int, default=None, help="first N bank pairs only (a quick try)")
-    parser.add_argument("--stride", type=int, default=1, help="every K-th bank pair only (a quick try)")
-    parser.add_argument("--pairs", default=None, metavar="KEYS",
-                        help="only these pairs (after --limit/--stride): comma-separated keys as in the rows' 'pair' field, e.g. L1_19/legit,L1_47/wrong_dtype")
-    parser.add_argument("--size-cap", type=int, default=None, help="shrink the problems (a CPU smoke test of the script)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan (lanes, GPUs, pairs per section) and stop")
-    parser.add_argument("--merge", nargs="+", type=Path, help="combine the gym_paths_*.json of earlier runs' $OUT folders")
-    parser.add_argument("--lane-result", type=Path, help=argparse.SUPPRESS)  # set for a lane's own process
-    parser.add_argument("--start-fraction", type=float, default=0.0, help=argparse.SUPPRESS)  # where a lane sharing a GPU begins its pairs
-    args = parser.parse_args()
-    global SIZE_CAP, LIMIT
-    SIZE_CAP, LIMIT = args.size_cap, args.limit
-    try:
-        lanes = parse_sections(args.sections)
-    except ValueError as exc:
-        parser.error(str(exc))
-    try:
-        pairs = select_pairs(bank_pairs(None), args.limit, args.stride, args.pairs)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if args.merge:
-        lines, ok = merge(args.merge, pairs)
-        text = "\n".join([f"# KernelGym paths, merged from {', '.join(str(d) for d in args.merge)}", "", *lines]) + "\n"
-        print(text, flush=True)
-        gpu_harness.write_report("gym_paths_merged", text, {})
-        sys.exit(gpu_harness.exit_status([] if ok else ["a merged path or check failed (table above)"]))
-    devices = gpus()
-    lane_gpus = [devices[i % len(devices)]["index"] if devices else None for i in range(len(lanes))] if len(lanes) > 1 else [None]
-    plan = [f"lane {i} ({'GPU ' + g if g else 'every visible GPU' if len(lanes) == 1 else 'CPU'}): "
-            + ", ".join(f"{s} ({len(shard_of(pairs, s)) if s.split(':')[0].split('#')[0] in PATHS else '-'} pairs)" for s in lane)
-            for i, (lane, g) in enumerate(zip(lanes, lane_gpus))]
-    if args.dry_run:
-        print("\n".join([f"{len(pairs)} bank pairs{' (--pairs)' if args.pairs else ''}; GPUs: {[d['index'] + ' ' + d['name'] for d in devices] or 'none'}", *plan]))
-        return
-    fresh = gpu_harness.cold_caches(move_home=args.lane_result is None)
-    work = Path(tempfile.mkdtemp(prefix="gym-paths-"))
-    header = [f"# KernelGym paths from a cold start — {time.strftime('%Y-%m-%d')}, {', '.join(d['name'] for d in devices) or 'CPU'} x{len(devices)}", "",
-              f"Empty caches at start: {fresh}; perf trials {args.perf_trials}, 5 correctness trials, eager baseline, "
-              f"{'sizes capped at ' + str(SIZE_CAP) if SIZE_CAP else 'full KernelBench main sizes'}.", ""]
-    started = time.monotonic()
-    if len(lanes) == 1:
-        sections = run_lane(lanes[0], pairs, args.perf_trials, work, header, args.start_fraction)
-        if args.lane_result:  # a lane of a parent run: hand the sections back, the parent reports
-            args.lane_result.write_text(json.dumps(sections, default=str))
-            shutil.rmtree(work, ignore_errors=True)
-            return
-        lane_of = {label: "0 (all GPUs)" for label in sections}
-    else:
-        if len(lanes) > max(1, len(devices)):
-            print(f"note: {len(lanes)} lanes on {len(devices)} GPU(s): lanes share GPUs, their timings are not clean", flush=True)
-        procs = []
-        for i, (lane, gpu) in enumerate(zip(lanes, lane_gpus)):
-            env = dict(os.environ)  # the lane's process makes its own empty compile caches
-            env["CUDA_VISIBLE_DEVICES"] = gpu if gpu is not None else ""
-            result = work / f"lane{i}.json"
-            passed = ["--perf-trials", str(args.perf_trials), "--stride", str(args.stride)]
-            shared = sum(1 for g in lane_gpus if g == gpu)
-            passed += ["--start-fraction", str(lane_gpus[:i].count(gpu) / shared)] if shared > 1 else []
-            passed += ["--limit", str(args.limit)] if args.limit else []
-            passed += ["--pairs", args.pairs] if args.pairs else []
-            passed += ["--size-cap", str(args.size_cap)] if args.size_cap else []
-            procs.append((subprocess.Popen([sys.executable, __file__, "--sections", ",".join(s.split("#")[0] for s in lane), "--lane-result", str(result), *passed], env=env), result, i, gpu))
-        sections, lane_of = {}, {}
-        for proc, result, i, gpu in procs:
-            proc.wait()
-            if result.exists():
-                for label, done in json.loads(result.read_text()).items():
-                    label = label if label not in sections else f"{label}@lane{i}"
-                    sections[label] = done
-                    lane_of[label] = f"{i} ({gpu if gpu is not None else 'CPU'})"
-            else:
-                sections[f"lane {i}"] = {"check": "lane", "ok": False, "wall_s": 0, "lines": [f"- lane {i} exited with {proc.returncode} and no result"]}
-    lines, ok = combined_report(pairs, sections, lane_of)
-    text = "\n".join([*header, *plan, f"Total wall: {time.monotonic() - started:.0f} s", "", "## Sections", "", *lines]) + "\n"
-    print(text, flush=True)
-    gpu_harness.write_report("gym_paths_summary-" + slug(args.sections), text, {"lanes": lanes, "sections": {k: {kk: vv for kk, vv in v.items() if kk != "rows"} for k, v in sections.items()}})
-    shutil.rmtree(work, ignore_errors=True)
-    sys.exit(gpu_harness.exit_status([] if ok else ["a path or check failed (sections above)"]))
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one status table from earlier gym_paths runs' report folders")
+    parser.add_argument("folders", nargs="+", type=Path, help="later folders supersede earlier ones' rows per pair")
+    parser.add_argument("--size-cap", type=int, default=None, help="the runs' --size-cap (their expected statuses)")
+    args = parser.parse_args(argv)
+    lines, ok = merge(args.folders, bank_pairs(args.size_cap))
+    print("\n".join([f"# KernelGym paths, merged from {', '.join(str(d) for d in args.folders)}", "", *lines]))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Confined candidates on a GPU (issue 25): every attack of tests/test_gym_confinement.py fails on the
+GPU, and confinement costs KernelGym no throughput. (The bank's 66 pairs through the confined pool,
+with their expected statuses, are the ``pool`` section of ``gym_paths``: candidates run confined by
+default.)"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from checks.gpu.harness import Report, Section
+
+ROOT = Path(__file__).resolve().parents[2]
+TITLE = "Confined candidates on a GPU"
+
+
+def run_logged(report: Report, argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Run `argv` in the repository, its output printed and its tail kept in the report."""
+    done = subprocess.run(argv, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    print(done.stdout + done.stderr, flush=True)
+    report.line("", f"`{' '.join(argv[1:])}`: exit {done.returncode}", "", "```",
+                *(done.stdout + done.stderr).strip().splitlines()[-25:], "```")
+    return done.returncode
+
+
+def attacks(report: Report, options: argparse.Namespace) -> None:
+    """Every attack, through `kpipe gym eval` and `eval-batch`, with the candidates on the GPU."""
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "tests/test_gym_confinement.py"]
+    code = run_logged(report, argv, {"KPIPE_TEST_GYM_DEVICE": "cuda"})
+    report.expect(code == 0, f"an attack was not stopped (pytest exited {code})")
+
+
+def cost(report: Report, options: argparse.Namespace) -> None:
+    """Confined and unconfined throughput, one pass each, with the same statuses
+    (benchmarks/confinement_cost.py; its table lands in $OUT)."""
+    code = run_logged(report, [sys.executable, "benchmarks/confinement_cost.py", "--rounds", "2"])
+    report.expect(code == 0, f"confined and unconfined runs gave different statuses (exit {code})")
+
+
+SECTIONS = (Section("attacks", 240, attacks), Section("cost", 240, cost))
