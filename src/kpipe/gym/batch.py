@@ -96,6 +96,7 @@ def eval_batch(
     cache: ResultCache,
     references: Path | None = None,
     workers: int | None = None,
+    per_gpu: int | None = None,
     reuse_reference: bool = False,
     on_reference_error: str = "fail",
     progress: bool = True,
@@ -119,7 +120,7 @@ def eval_batch(
     results: list[Any] = [cached.get(key) for key in keys]
     missing = [i for i, result in enumerate(results) if result is None]
     if missing:
-        with GymPool(protocol, workers=workers, cache=cache, reuse_reference=reuse_reference, progress=progress) as pool:
+        with GymPool(protocol, workers=workers, per_gpu=per_gpu, cache=cache, reuse_reference=reuse_reference, progress=progress) as pool:
             if pool.device_kind != kind:
                 raise RuntimeError(f"workers run on {pool.device_kind!r} but this process sees {kind!r}")
             for i, result in zip(missing, pool.evaluate_many([jobs[i] for i in missing])):

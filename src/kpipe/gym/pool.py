@@ -5,11 +5,11 @@ process that forks has touched CUDA or started a thread pool:
 
 - the **pool** (the caller: agent loop, batch CLI, HTTP service) queues jobs, answers
   duplicates from the result cache, and supervises one thread per worker;
-- a few **workers** per GPU (``kpipe.gym.worker``: ``CUDA_VISIBLE_DEVICES`` pinned, a fresh
-  interpreter, so a caller that holds a CUDA context is harmless) each run the core's
-  ``evaluate()``: the judgement. Their children overlap everything but the timed regions, which
-  take turns under the GPU's timing lease (``kpipe.gym.lease``): one evaluation's imports,
-  Triton compile and correctness trials run while another's candidate is timed;
+- a **worker** per GPU, or ``per_gpu`` of them (``kpipe.gym.worker``: ``CUDA_VISIBLE_DEVICES``
+  pinned, a fresh interpreter, so a caller that holds a CUDA context is harmless) runs the core's
+  ``evaluate()``: the judgement. Children on one GPU take turns to time under its timing lease
+  (``kpipe.gym.lease``), every other child there stopped meanwhile, so several workers per GPU
+  overlap only their untimed work;
 - the worker's **zygote** (``kpipe.gym.zygote``) imports torch, triton and ``kpipe.gym.child`` once, never computes,
   and forks one child per reference/candidate run. The child calls the core's ``run_child``
   unchanged in its own session, so a timeout kills its whole process group, exactly as the
@@ -43,10 +43,13 @@ if TYPE_CHECKING:
     from kpipe.gym.cache import ResultCache
 
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
-# evaluations in flight per GPU: enough that the host phases of the others fill the GPU while
-# one is timed (H100, kgym-8: a child's timed region is about a third of its wall time)
-MAX_WORKERS_PER_GPU = 4
-CORES_PER_GPU_WORKER = 4  # each in-flight evaluation keeps a judge and a child busy, with threads
+# evaluations in flight per GPU by default. More (``per_gpu``) overlap the children's untimed work
+# outside one another's timed regions (kpipe.gym.lease): 21.7-23.5 evaluations/min on one H200
+# with 4-6, against 11 with one, speedups of candidates of 1 ms or more within 1.009x over 8
+# runs; but launch-bound candidates (0.15-0.22 ms) then spread 1.18-1.49x and one honest one of
+# 8 was judged hacked (docs/gpu-results/gym_scaling_2026-11-26_4xH200.md). Until that is
+# understood, one: a verdict must not depend on the neighbours
+DEFAULT_WORKERS_PER_GPU = 1
 # a judge that does not answer within this much beyond the two child timeouts is hung
 WORKER_SLACK_S = 120.0
 
@@ -66,14 +69,8 @@ class WorkerState:
     alive: bool = False
 
 
-def default_per_gpu(gpus: int) -> int:
-    """Workers per GPU: ``MAX_WORKERS_PER_GPU``, fewer where the host has fewer cores per GPU."""
-    cores = os.cpu_count() or 1
-    return max(1, min(MAX_WORKERS_PER_GPU, cores // (CORES_PER_GPU_WORKER * max(gpus, 1))))
-
-
 def default_slots(workers: int | None, gpus: Sequence[str] | None = None, per_gpu: int | None = None) -> list[str | None]:
-    """`per_gpu` slots (default ``default_per_gpu``) for each of the first `workers` GPUs of
+    """`per_gpu` slots (default ``DEFAULT_WORKERS_PER_GPU``) for each of the first `workers` GPUs of
     `gpus` (default: every visible GPU); without GPUs, `workers` interpreter slots (default: half
     the cores, at least one — each interpreter child also uses threads)."""
     from kpipe.infra.gpu import visible_gpus
@@ -81,7 +78,7 @@ def default_slots(workers: int | None, gpus: Sequence[str] | None = None, per_gp
     gpus = list(gpus) if gpus is not None else visible_gpus()
     if gpus:
         used = gpus[:workers] if workers else gpus
-        return [gpu for gpu in used for _ in range(per_gpu or default_per_gpu(len(used)))]
+        return [gpu for gpu in used for _ in range(per_gpu or DEFAULT_WORKERS_PER_GPU)]
     return [None] * (workers or max(1, (os.cpu_count() or 2) // 2))
 
 

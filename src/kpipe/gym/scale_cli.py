@@ -49,7 +49,8 @@ def protocol_from(ctx: click.Context) -> Protocol:
 
 def pool_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
-        click.option("--workers", type=click.IntRange(min=1), default=None, help="Worker count (default: one per visible GPU; without GPUs, half the cores)."),
+        click.option("--workers", type=click.IntRange(min=1), default=None, help="GPUs to use (default: every visible GPU); without GPUs, worker count (default: half the cores)."),
+        click.option("--per-gpu", type=click.IntRange(min=1), default=None, help="Workers per GPU (default 1): more overlap untimed work, only timed regions take turns (docs/kernelgym-at-scale.md)."),
         click.option("--cache", "cache_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Result cache (SQLite); default $KPIPE_GYM_CACHE or results/gym/cache.sqlite."),
         click.option("--reuse-reference", is_flag=True, help="Run each reference once per worker (cheaper; the baseline is then not timed next to each candidate)."),
     ]
@@ -82,7 +83,7 @@ def eval_batch_command(ctx: click.Context, **_: Any) -> None:
     started = time.monotonic()
     try:
         summary = eval_batch(p["input_path"], p["output_path"], protocol, open_cache(p["cache_path"]),
-                             references=p["references_path"], workers=p["workers"], reuse_reference=p["reuse_reference"],
+                             references=p["references_path"], workers=p["workers"], per_gpu=p["per_gpu"], reuse_reference=p["reuse_reference"],
                              on_reference_error=p["on_reference_error"], progress=not p["quiet"])
     except BatchInputError as exc:
         raise click.UsageError(str(exc)) from None
@@ -108,7 +109,8 @@ def serve_command(ctx: click.Context, **_: Any) -> None:
     p = ctx.params
     if not is_loopback(p["host"]) and not p["token"]:
         raise click.UsageError(f"binding {p['host']} (not loopback) needs --token or KPIPE_GYM_TOKEN")
-    with GymPool(protocol, workers=p["workers"], cache=open_cache(p["cache_path"]), reuse_reference=p["reuse_reference"], progress=False) as pool:
+    with GymPool(protocol, workers=p["workers"], per_gpu=p["per_gpu"], cache=open_cache(p["cache_path"]), reuse_reference=p["reuse_reference"],
+                 progress=False) as pool:
         app = create_app(pool, token=p["token"], max_request_bytes=int(p["max_request_mb"] * 1024 * 1024))
         click.echo(f"KernelGym on http://{p['host']}:{p['port']} ({len(pool.states)} workers, {pool.device_kind})", err=True)
         uvicorn.run(app, host=p["host"], port=p["port"], log_level="info")
