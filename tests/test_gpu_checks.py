@@ -170,7 +170,7 @@ def test_reports_of_several_calls_combine_into_one_per_check(tmp_path, monkeypat
     call("call1", "2026-11-26", "two", "three", fail="three")
     call("call2", "2026-11-27", "one")
     call("rerun", "2026-11-27", "three")
-    assert (tmp_path / "call1" / "fake_2026-11-26_H100.two+three.md").exists()
+    assert (tmp_path / "call1" / "fake_2026-11-26_H100.two-three.md").exists()
     [written] = harness.combine([tmp_path / "call1", tmp_path / "call2", tmp_path / "rerun"], tmp_path / "docs")
     assert written == tmp_path / "docs" / "fake_2026-11-27_H100.md"
     text = written.read_text()

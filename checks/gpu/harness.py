@@ -192,7 +192,7 @@ class Report:
 
     def stem(self) -> str:
         date = self.facts["date"].split()[0]
-        return f"{self.check}_{date}_{device_label(self.facts)}" + (f".{'+'.join(self.part)}" if self.part else "")
+        return f"{self.check}_{date}_{device_label(self.facts)}" + (f".{'-'.join(self.part)}" if self.part else "")
 
     def markdown(self) -> str:
         command = " ".join(("python -m checks.gpu", self.check, *self.part))
