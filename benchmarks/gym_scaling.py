@@ -79,7 +79,8 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int)
         phases["candidate: waiting for the timing lease"].append(record.get("candidate_lease_wait_s", 0.0))
         for name, phase_s in (record.get("candidate") or {}).get("phases", []):
             phases[f"candidate: {name.split(' trial')[0]}"].append(phase_s)
-    tasks = [{"task": pairs[i % len(pairs)]["task"], "status": r.status, "candidate_ms": r.candidate_ms, "speedup": r.speedup_eager}
+    tasks = [{"task": pairs[i % len(pairs)]["task"], "status": r.status, "candidate_ms": r.candidate_ms, "speedup": r.speedup_eager,
+              "eager_ms": r.eager_ms, "gpu_drift": r.gpu_drift, "why": "; ".join(r.hack_reasons) or r.diagnostic[:300]}
              for i, r in enumerate(results)]
     return {"gpus": gpus, "per_gpu": per_gpu, "evaluations": len(results), "seconds": seconds, "start_s": start_s,
             "statuses": sorted({r.status for r in results}), "timed_s_by_gpu": dict(timed), "tasks": tasks,
