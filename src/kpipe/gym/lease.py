@@ -23,6 +23,7 @@ On a CPU there is one lease for the host: CPU timings of two children would shar
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import os
@@ -59,8 +60,21 @@ class TimingLease:
         self.lock_dir = lock_dir or Path(os.environ.get(LEASE_DIR_VARIABLE, DEFAULT_LEASE_DIR))
 
     def open_file(self) -> int:
-        self.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return os.open(self.lock_dir / f"{self.key}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        """The lock file, shared by every user of the machine (a GPU is: the directory is
+        world-writable and sticky, like /tmp, and the files readable and writable by all)."""
+        if not self.lock_dir.is_dir():
+            self.lock_dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(PermissionError):
+                self.lock_dir.chmod(0o1777)
+        path = self.lock_dir / f"{self.key}.lock"
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o666)
+        except PermissionError:
+            raise PermissionError(f"cannot open the timing lease {path}: make it writable for every user of "
+                                  f"the GPU, or set {LEASE_DIR_VARIABLE}") from None
+        with contextlib.suppress(PermissionError):
+            os.fchmod(fd, 0o666)
+        return fd
 
     @contextmanager
     def hold(self) -> Iterator[float]:
