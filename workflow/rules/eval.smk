@@ -16,7 +16,7 @@ rule eval:
     params:
         settings=job_settings(EVAL),
         model=lambda wildcards: MODELS[wildcards.model],
-        gym=config["gym"],
+        gym=GYM,
         num_shards=EVAL["shards"],
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}"
@@ -27,6 +27,7 @@ rule eval:
         level="[123]",
         shard=r"\d+",
     resources:
+        gpu_slots=model_job_slots,
         gpu=model_job_gpus,
         api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
     benchmark:
@@ -53,7 +54,7 @@ rule eval_budget:
     params:
         settings=BUDGET_SETTINGS,
         model=lambda wildcards: MODELS[wildcards.model],
-        gym=config["gym"],
+        gym=GYM,
         num_shards=BUDGET["shards"],
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/budget/run={RUN}/{wildcards.model}-L{wildcards.level}"
@@ -64,6 +65,7 @@ rule eval_budget:
         level="[123]",
         shard=r"\d+",
     resources:
+        gpu_slots=model_job_slots,
         gpu=model_job_gpus,
         api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
     benchmark:
