@@ -69,6 +69,10 @@ def register_default_resources():
 
 
 register_default_resources()
+# whole GPUs a job of a local run may hold: the slot total's (all GPUs, or fewer by --resources gpu_slots=N;
+# a given total is a snakemake Resource, a registered one an int)
+SLOT_TOTAL = workflow.global_resources.get("gpu_slots")
+LOCAL_GPUS = max(1, int(getattr(SLOT_TOTAL, "value", SLOT_TOTAL)) // SLOTS_PER_GPU) if RUNS_HERE else None
 
 # One KernelGym service per run and machine (kpipe.gym.run_service): jobs (child processes of this
 # one) find it through the environment; it stops with the run, or by itself when this process ends.
@@ -96,10 +100,10 @@ TINY_POLICY = config["policy"]["base_model"] == "tiny"
 def gpu_slots(gpus, small):
     """GPU slots of a GPU-stage job: none when the config or the machine says CPU; one when
     `small` (it shares a GPU: the nano policy, a one-task evaluation, STTS), else all slots of
-    its `gpus` GPUs (on this machine at most all of its GPUs)."""
+    its `gpus` GPUs (on this machine at most LOCAL_GPUS)."""
     if not USE_GPUS:
         return 0
-    return 1 if small else (min(gpus, len(RUN_GPUS)) if RUNS_HERE else gpus) * SLOTS_PER_GPU
+    return 1 if small else (gpus if LOCAL_GPUS is None else min(gpus, LOCAL_GPUS)) * SLOTS_PER_GPU
 
 
 def whole_gpus(slots):
