@@ -187,12 +187,15 @@ def ensure_service(run: WorkflowRun, settings: Mapping[str, Any]) -> dict[str, A
         if record is not None:
             log.warning("KernelGym service record %s not used: %s", record_path, why)
             record_path.unlink(missing_ok=True)
-        return start_service(run, settings, record_path, log_path)
+        record = start_service(run, settings, record_path, log_path)
+        if (why := why_unusable(record, settings, run)) is not None:
+            raise RunServiceError(f"the KernelGym service started for this run is not usable: {why} ({log_path})")
+        return record
 
 
 def serve_command(run: WorkflowRun, settings: Mapping[str, Any], record_path: Path) -> list[str]:
     """``kpipe gym serve`` with `settings`, owned by the run's snakemake process."""
-    protocol_path = record_path.with_suffix(".protocol.json")
+    protocol_path = run.directory / f"protocol-{settings_digest(settings)}.json"
     protocol_path.write_text(json.dumps(settings["protocol"]))
     command = [sys.executable, "-m", "kpipe.cli", "gym", *(["--unconfined"] if settings["unconfined"] else []),
                "serve", "--port", "0", "--record", str(record_path), "--owner", str(run.owner),
