@@ -157,3 +157,35 @@ def test_off_runs_a_pool_per_job(workdir):
     assert process.returncode == 0, output[-4000:]
     assert service_starts(workdir) == {} and service_pids(workdir) == set()
     wait_for(lambda: not marked(mark), "the run's processes to end")
+
+
+def most_at_once(output: str, rule: str) -> int:
+    """The most jobs of `rule` running at once, from the order of snakemake's start and finish lines."""
+    running = most = 0
+    current = None
+    for line in output.splitlines():
+        if match := re.match(r"^(?:local)?rule (\w+):", line):
+            current = match.group(1)
+            running += current == rule
+            most = max(most, running)
+        elif match := re.match(rf"^Finished jobid: \d+ \(Rule: {rule}\)", line):
+            running -= 1
+    return most
+
+
+@pytest.mark.parametrize(("service", "slots", "at_once"), [("auto", 1, 2), ("job", 4, 1)])
+def test_small_jobs_share_a_gpu_and_a_whole_gpu_job_takes_all_its_slots(workdir, tmp_path, service, slots, at_once):
+    """On one (pretended) GPU of 4 slots, the teacher's two evaluation jobs take one slot each and run
+    at once; with a pool of each job's own (gym.service: job) they time kernels on it, so each takes
+    the whole GPU and they run one after the other."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "KPIPE_GPU_LOCK_DIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-m", "snakemake", *TARGETS, "--cores", "2", "--configfile",
+                             "config/small.yaml", "--forcerun", "eval", "--config", f'gym={{"service": "{service}"}}'],
+                            cwd=workdir, env=env, capture_output=True, text=True)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert re.findall(r"resources: .*gpu_slots=(\d+)", output) == [str(slots)] * 2
+    assert most_at_once(output, "eval") == at_once
+    for level in (1, 2):
+        log = (workdir / "logs" / "eval" / "run=default" / f"teacher-L{level}-0.log").read_text()
+        assert f"rule eval: {slots} of 4 GPU slot(s) per GPU leased on ['0']" in log
