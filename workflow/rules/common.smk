@@ -267,6 +267,7 @@ def model_job_slots(wildcards):
 
 
 def model_job_gpus(wildcards):
+    """Whole GPUs of an eval/STTS/budget job (its `gpu` resource)."""
     return whole_gpus(model_job_slots(wildcards))
 
 

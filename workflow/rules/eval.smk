@@ -1,5 +1,6 @@
 # KernelBench evaluation (paper §6.1): every model of `eval.models` x level x shard is one job
-# (one GPU each: timing is contention-sensitive; a `serve: vllm` model: its server's GPUs), n samples x
+# (a GPU slot of a small model, whose kernels the run's KernelGym service times; else a whole GPU,
+# or a `serve: vllm` model's server's GPUs: timing and generation are contention-sensitive), n samples x
 # T turns through the one agent loop; rows are `trajectories` with stage=eval. One evaluation
 # times the candidate against eager PyTorch and torch.compile, so Tables 1 and 2 share the rows.
 # Answers of API models and all evaluations are cached under results/cache/eval/ (not outputs:

@@ -47,10 +47,6 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def gpu_count() -> int:
-    return len(visible_gpus())
-
-
 @contextmanager
 def gpu_lease(count: int, lock_dir: Path = LOCK_DIR, wait: bool = True) -> Iterator[list[str]]:
     """Hold `count` GPUs for the duration of the block; CUDA_VISIBLE_DEVICES names them.
