@@ -43,3 +43,31 @@ def test_cluster_preset_is_honoured(monkeypatch):
     assert gpu.visible_gpus() == ["3", "5"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert gpu.visible_gpus() == []
+
+
+def test_shares_fill_one_gpu_and_a_whole_gpu_waits_for_them(four_gpus, monkeypatch):
+    from kpipe.infra.gpu import gpu_slot_lease
+
+    monkeypatch.setattr(gpu, "visible_gpus", lambda: ["0", "1"])
+    with gpu_slot_lease(1, 4, lock_dir=four_gpus) as first, gpu_slot_lease(2, 4, lock_dir=four_gpus) as second:
+        assert first == second == ["0"]  # shares pack onto GPU 0, leaving GPU 1 whole
+        with gpu_slot_lease(2, 4, lock_dir=four_gpus) as third:
+            assert third == ["1"]  # GPU 0 has one slot left
+        with gpu_slot_lease(4, 4, lock_dir=four_gpus) as whole:
+            assert whole == ["1"]  # the GPU no share holds
+            with pytest.raises(GPULeaseError, match="only 0 of 1"):
+                with gpu_slot_lease(4, 4, lock_dir=four_gpus, wait=False):
+                    pass
+            with pytest.raises(GPULeaseError, match="no GPU has 2 free"):
+                with gpu_slot_lease(2, 4, lock_dir=four_gpus, wait=False):
+                    pass
+    with gpu_slot_lease(8, 4, lock_dir=four_gpus) as both:
+        assert both == ["0", "1"]  # every share released
+
+
+def test_slots_neither_a_share_nor_whole_gpus_are_refused(four_gpus):
+    from kpipe.infra.gpu import gpu_slot_lease
+
+    with pytest.raises(GPULeaseError, match="neither a share"):
+        with gpu_slot_lease(6, 4, lock_dir=four_gpus):
+            pass

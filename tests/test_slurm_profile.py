@@ -88,13 +88,14 @@ def test_the_acceptance_command_plans_the_full_paper_run(workdir: Path) -> None:
 
 
 def test_a_local_run_caps_gpu_requests_at_the_visible_gpus(workdir: Path) -> None:
-    def planned_sft_gpus(*args: str) -> int:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}  # what kpipe.infra.gpu.gpu_count() reads first
-        return planned_resources(snakemake(workdir, "-n", *PAPER, *args, env=env).stdout)["sft"][0]["gpu"]
+    def planned_sft(*args: str) -> tuple[int, int]:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}  # what kpipe.infra.gpu.visible_gpus() reads first
+        sft = planned_resources(snakemake(workdir, "-n", *PAPER, *args, env=env).stdout)["sft"][0]
+        return sft["gpu"], sft["gpu_slots"]
 
     assert SFT_GPUS > 2
-    assert planned_sft_gpus() == 2
-    assert planned_sft_gpus("--resources", "gpu=3") == 3
+    assert planned_sft() == (2, 8)  # both GPUs whole, 4 slots each (gpu.slots_per_gpu)
+    assert planned_sft("--resources", "gpu_slots=4") == (1, 4)  # a run given one GPU's slots
 
 
 def test_every_planned_job_has_runtime_and_memory(paper_plan) -> None:

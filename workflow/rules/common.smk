@@ -6,7 +6,8 @@ from pathlib import Path
 from kpipe.infra.config import ConfigError, deep_merge, load_schema, parse_nested_strings, validate_config
 from kpipe.evaluate.kernelbench import budget_splits, model_gpus, models_by_name, validated_iterations
 from kpipe.report.figures import FIGURE_NAMES
-from kpipe.infra.gpu import gpu_count
+from kpipe.gym.run_service import announce, stop_services, withdraw
+from kpipe.infra.gpu import visible_gpus
 from kpipe.infra.provenance import code_version
 from kpipe.infra.until import until_stops_after_chained_rules
 from kpipe.report.tables import table_sql_files
@@ -40,36 +41,80 @@ if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(D
 until_stops_after_chained_rules()
 
 # asked once per DAG build (nvidia-smi), not once per rule
-VISIBLE_GPUS = gpu_count()
-USE_GPUS = config["device"] == "cuda" or (config["device"] == "auto" and VISIBLE_GPUS > 0)
+RUN_GPUS = visible_gpus()
+USE_GPUS = config["device"] == "cuda" or (config["device"] == "auto" and len(RUN_GPUS) > 0)
+SLOTS_PER_GPU = config["gpu"]["slots_per_gpu"]
 DEFAULT_API_JOBS = 4
+# A run on this machine, not a cluster: `workflow.local_exec` cannot tell while the Snakefile is
+# parsed (the executor plugin is set after parsing), but a remote executor needs --jobs
+# (`nodes`), which a local run turns into --cores; a job run by a remote executor (exec mode
+# `remote`) parses this file too, on its own node.
+RUNS_HERE = workflow.resource_settings.nodes is None and not workflow.remote_exec
 
 
 def register_default_resources():
-    """Resource totals nobody gave (--resources, a profile): `api`, and `gpu` for a local run.
+    """Resource totals nobody gave (--resources, a profile): `api`, and `gpu_slots` for a local run.
 
     Not in workflow/profiles/default, which Snakemake applies on top of any --profile: its
     totals would override the cluster profile's and cap every job's request (resources are
-    constrained by the totals). `gpu` is only registered for a run on this machine: on a
-    cluster, an uncapped request is what the executor turns into `sbatch --gpus`.
-    `workflow.local_exec` cannot tell while the Snakefile is parsed (the executor plugin is
-    set after parsing), but a remote executor needs --jobs (`nodes`), which a local run turns
-    into --cores; a job run by a remote executor (exec mode `remote`) keeps its request too.
+    constrained by the totals). `gpu_slots` is only registered for a run on this machine, where
+    jobs share GPUs by slots (kpipe.infra.gpu.gpu_slot_lease); `gpu` (the whole GPUs a job
+    touches) is left uncapped: on a cluster it is what the executor turns into `sbatch --gpus`.
     """
     given = workflow.global_resources
     if "api" not in given:
         workflow.register_resource("api", DEFAULT_API_JOBS)
-    runs_here = workflow.resource_settings.nodes is None and not workflow.remote_exec
-    if "gpu" not in given and runs_here:
-        workflow.register_resource("gpu", VISIBLE_GPUS)
+    if "gpu_slots" not in given and RUNS_HERE:
+        workflow.register_resource("gpu_slots", len(RUN_GPUS) * SLOTS_PER_GPU if USE_GPUS else 0)
 
 
 register_default_resources()
+# whole GPUs a job of a local run may hold: the slot total's (all GPUs, or fewer by --resources gpu_slots=N;
+# a given total is a snakemake Resource, a registered one an int)
+SLOT_TOTAL = workflow.global_resources.get("gpu_slots")
+LOCAL_GPUS = max(1, int(getattr(SLOT_TOTAL, "value", SLOT_TOTAL)) // SLOTS_PER_GPU) if RUNS_HERE else None
+
+# One KernelGym service per run and machine (kpipe.gym.run_service): jobs (child processes of this
+# one) find it through the environment; it stops with the run, or by itself when this process ends.
+GYM_SERVICE_DIR = f"{RESULTS}/.gym"
+SHARED_GYM = config["gym"]["service"] == "auto" and config["gym"]["backend"] == "pool" and RUNS_HERE
+if SHARED_GYM:
+    announce(GYM_SERVICE_DIR, RUN_GPUS if USE_GPUS else [])
+else:
+    withdraw()
 
 
-def gpus_per_job(requested):
-    """GPUs a GPU-stage job asks for: none when the config or the machine says CPU."""
-    return requested if USE_GPUS else 0
+onsuccess:
+    stop_services(GYM_SERVICE_DIR)
+
+
+onerror:
+    stop_services(GYM_SERVICE_DIR)
+
+
+# the `gym` section as rules' params: `service` says where evaluations run, not what they give
+GYM = {key: value for key, value in config["gym"].items() if key != "service"}
+TINY_POLICY = config["policy"]["base_model"] == "tiny"
+
+
+def gpu_slots(gpus, small):
+    """GPU slots of a GPU-stage job: none when the config or the machine says CPU; one when
+    `small` (it shares a GPU: the nano policy, a one-task evaluation, STTS), else all slots of
+    its `gpus` GPUs (on this machine at most LOCAL_GPUS)."""
+    if not USE_GPUS:
+        return 0
+    return 1 if small else (gpus if LOCAL_GPUS is None else min(gpus, LOCAL_GPUS)) * SLOTS_PER_GPU
+
+
+def whole_gpus(slots):
+    """The GPUs a job of `slots` GPU slots touches (its `gpu` resource: process count, sbatch --gpus)."""
+    return -(-slots // SLOTS_PER_GPU)
+
+
+def evaluating_job_slots(small_model=True):
+    """Slots of a job that evaluates: it shares a GPU only when the run's service times its
+    kernels (a pool of its own would time them next to other jobs' work); whole when its model is not small."""
+    return gpu_slots(1, SHARED_GYM and small_model)
 
 
 def query_sources():
@@ -210,9 +255,20 @@ def stage_models(section):
     return names
 
 
+def model_job_slots(wildcards):
+    """GPU slots of an eval/STTS/budget job: one when its model is small (the offline teacher, an
+    API model, the nano pipeline policy in process), else its model's GPUs whole (`vllm serve`'s
+    tensor x data parallel, or one)."""
+    entry = MODELS[wildcards.model]
+    gpus = model_gpus(entry)
+    small = entry["kind"] in ("offline_teacher", "openai") or (entry["kind"] == "pipeline" and TINY_POLICY and gpus == 1
+                                                                and entry.get("serve") != "vllm")
+    return evaluating_job_slots(small) if gpus == 1 else gpu_slots(gpus, False)
+
+
 def model_job_gpus(wildcards):
-    """GPUs of an eval/STTS job: its model's `vllm serve` (tensor x data parallel) or one."""
-    return gpus_per_job(model_gpus(MODELS[wildcards.model]))
+    """Whole GPUs of an eval/STTS/budget job (its `gpu` resource)."""
+    return whole_gpus(model_job_slots(wildcards))
 
 
 def stage_levels(section):

@@ -36,7 +36,7 @@ else:
             f"{COLDSTART_DIR}/part-{{shard}}.parquet",
         params:
             distill=DISTILL,
-            gym=config["gym"],
+            gym=GYM,
             num_shards=DISTILL["shards"],
             run=RUN,
             cache=lambda wildcards: f"{RESULTS}/cache/distill/run={RUN}/shard-{wildcards.shard}.jsonl",
@@ -45,7 +45,8 @@ else:
             shard=r"\d+",
         resources:
             api=1 if DISTILL["teacher"] == "api" else 0,
-            gpu=gpus_per_job(1),
+            gpu_slots=evaluating_job_slots(),
+            gpu=whole_gpus(evaluating_job_slots()),
         log:
             f"{LOGS}/distill/run={RUN}/shard-{{shard}}.log",
         benchmark:

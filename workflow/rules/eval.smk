@@ -1,5 +1,6 @@
 # KernelBench evaluation (paper §6.1): every model of `eval.models` x level x shard is one job
-# (one GPU each: timing is contention-sensitive; a `serve: vllm` model: its server's GPUs), n samples x
+# (a GPU slot of a small model, whose kernels the run's KernelGym service times; else a whole GPU,
+# or a `serve: vllm` model's server's GPUs: timing and generation are contention-sensitive), n samples x
 # T turns through the one agent loop; rows are `trajectories` with stage=eval. One evaluation
 # times the candidate against eager PyTorch and torch.compile, so Tables 1 and 2 share the rows.
 # Answers of API models and all evaluations are cached under results/cache/eval/ (not outputs:
@@ -16,7 +17,7 @@ rule eval:
     params:
         settings=job_settings(EVAL),
         model=lambda wildcards: MODELS[wildcards.model],
-        gym=config["gym"],
+        gym=GYM,
         num_shards=EVAL["shards"],
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}"
@@ -27,6 +28,7 @@ rule eval:
         level="[123]",
         shard=r"\d+",
     resources:
+        gpu_slots=model_job_slots,
         gpu=model_job_gpus,
         api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
     benchmark:
@@ -53,7 +55,7 @@ rule eval_budget:
     params:
         settings=BUDGET_SETTINGS,
         model=lambda wildcards: MODELS[wildcards.model],
-        gym=config["gym"],
+        gym=GYM,
         num_shards=BUDGET["shards"],
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/budget/run={RUN}/{wildcards.model}-L{wildcards.level}"
@@ -64,6 +66,7 @@ rule eval_budget:
         level="[123]",
         shard=r"\d+",
     resources:
+        gpu_slots=model_job_slots,
         gpu=model_job_gpus,
         api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
     benchmark:

@@ -11,6 +11,9 @@
 
 import json
 
+# the nano policy on one GPU shares it (its rollouts are timed by the run's service); else whole GPUs
+RL_SLOTS = gpu_slots(RL["gpus"], SHARED_GYM and TINY_POLICY and RL["gpus"] == 1)
+
 
 rule rl_iter:
     """kpipe.train.jobs.rl_job: `kpipe launch --gpus N -- train rl` (kpipe.train.rl.run_iteration)."""
@@ -24,7 +27,7 @@ rule rl_iter:
         metrics=f"{RESULTS}/train_metrics/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
     params:
         settings=lambda wildcards: json.dumps(rl_settings(wildcards.run), sort_keys=True),
-        gym=json.dumps(config["gym"], sort_keys=True),
+        gym=json.dumps(GYM, sort_keys=True),
         init_state=lambda wildcards: (rl_state_dir(wildcards.run, int(wildcards.iter) - 1)
                                       if int(wildcards.iter) else ""),
         state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),
@@ -32,7 +35,8 @@ rule rl_iter:
         drop_init_state=not RL["keep_optimizer_states"],
         code=code_version("train", "agent", "llm", "gym", "infra/launch.py"),
     resources:
-        gpu=gpus_per_job(RL["gpus"]),
+        gpu_slots=RL_SLOTS,
+        gpu=whole_gpus(RL_SLOTS),
     wildcard_constraints:
         run="[A-Za-z0-9_.-]+",
         iter="[0-9]+",
@@ -62,13 +66,14 @@ rule rl_validate:
     params:
         settings=job_settings(RL_VALIDATION, drop=("every",)),
         rl=lambda wildcards: rl_settings(wildcards.run),
-        gym=config["gym"],
+        gym=GYM,
         run=lambda wildcards: wildcards.run,
         iteration=lambda wildcards: int(wildcards.iter),
         cache=lambda wildcards: f"{RESULTS}/cache/rl_val/run={wildcards.run}/iter={wildcards.iter}.jsonl",
         code=code_version("evaluate/kernelbench.py", "agent", "llm", "gym"),
     resources:
-        gpu=gpus_per_job(1),
+        gpu_slots=evaluating_job_slots(TINY_POLICY),
+        gpu=whole_gpus(evaluating_job_slots(TINY_POLICY)),
     wildcard_constraints:
         run="[A-Za-z0-9_.-]+",
         iter="[0-9]+",

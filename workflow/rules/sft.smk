@@ -8,6 +8,9 @@
 
 import json
 
+# the nano policy on one GPU shares it; a real model takes its GPUs whole
+SFT_SLOTS = gpu_slots(config["sft"]["gpus"], TINY_POLICY and config["sft"]["gpus"] == 1)
+
 
 rule tiny_model:
     """kpipe.train.tiny_model.tiny_model_job: the random-weight tiny policy and its tokenizer."""
@@ -45,7 +48,8 @@ rule sft:
         code=code_version("train/sft.py", "train/samples.py", "train/checkpoint.py", "train/metrics_log.py",
                           "train/cli.py", "train/jobs.py", "data/schemas.py", "infra/launch.py"),
     resources:
-        gpu=gpus_per_job(config["sft"].get("gpus", 1)),
+        gpu_slots=SFT_SLOTS,
+        gpu=whole_gpus(SFT_SLOTS),
     benchmark:
         f"{LOGS}/benchmarks/sft-{RUN}.tsv"
     log:

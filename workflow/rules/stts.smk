@@ -17,7 +17,7 @@ rule stts:
         settings=job_settings(STTS),
         window=lambda wildcards: None if wildcards.strategy == "full" else STTS["window"],
         model=lambda wildcards: MODELS[wildcards.model],
-        gym=config["gym"],
+        gym=GYM,
         num_shards=STTS["shards"],
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/stts/run={RUN}/{wildcards.model}-{wildcards.strategy}"
@@ -29,6 +29,7 @@ rule stts:
         level="[123]",
         shard=r"\d+",
     resources:
+        gpu_slots=model_job_slots,
         gpu=model_job_gpus,
         api=lambda wildcards: 1 if MODELS[wildcards.model]["kind"] == "openai" else 0,
     benchmark:

@@ -10,4 +10,5 @@ rl_job(job.input.queries, job.input.model, job.output.model, job.output.trajecto
        job.params.scratch, run=job.wildcards.run, iteration=int(job.wildcards.iter),
        init_state=job.params.init_state, state_out=job.params.state, drop_init_state=job.params.drop_init_state,
        settings=job.params.settings, gym=job.params.gym, gpus=int(job.resources.gpu), log=job.log[0],
-       reference_model=job.input.reference)
+       reference_model=job.input.reference, gpu_slots=int(job.resources.gpu_slots),
+       slots_per_gpu=job.config["gpu"]["slots_per_gpu"])

@@ -7,4 +7,5 @@ from kpipe.train.jobs import sft_job
 job = snakemake  # noqa: F821 (injected by Snakemake)
 
 sft_job(job.input.trajectories, job.params.work, job.params.settings, job.output.model, job.output.summary,
-        job.output.metrics, gpus=int(job.resources.gpu), log=job.log[0])
+        job.output.metrics, gpus=int(job.resources.gpu), log=job.log[0],
+        gpu_slots=int(job.resources.gpu_slots), slots_per_gpu=job.config["gpu"]["slots_per_gpu"])

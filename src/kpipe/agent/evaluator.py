@@ -189,7 +189,9 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
                    gpus: Sequence[str] | None = None) -> Iterator[Evaluator]:
     """The evaluator the `gym` config section names, closed (workers stopped) on exit.
 
-    backend: pool (default; warm workers, one per GPU or N interpreter workers on a CPU),
+    backend: pool (default; warm workers, one per GPU or N interpreter workers on a CPU; in a
+    job of a Snakemake run with `gym.service: auto`, the run's one service of these settings,
+    `kpipe.gym.run_service`, instead of a pool of the job's own),
     local (a fresh interpreter per evaluation; slow, no shared state), service (a running
     `kpipe gym serve` at `url`, token from $KPIPE_GYM_TOKEN), or ray (`RayGym`: `actors`
     Ray actors, one per GPU by default, on the cluster at `ray_address`, or on a local Ray
@@ -198,6 +200,7 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
     process per GPU evaluates on its own); the other backends place work themselves.
     """
     from kpipe.gym import Protocol
+    from kpipe.gym.run_service import workflow_run
 
     protocol = Protocol.from_dict(dict(gym.get("protocol", {})))
     backend = gym.get("backend", "pool")
@@ -209,6 +212,13 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
         if not gym.get("url"):
             raise ValueError("gym.backend is 'service' but gym.url is not set")
         yield GymClient(gym["url"])
+    elif backend == "pool" and (run := workflow_run()) is not None:
+        from kpipe.gym.run_service import open_run_service, service_settings
+        from kpipe.gym.sandbox import opted_out
+
+        settings = service_settings(protocol, reuse_reference, gym.get("cache"), gym.get("workers"), opted_out())
+        with open_run_service(run, settings, progress=progress) as client:
+            yield client
     elif backend in ("pool", "ray"):
         from kpipe.gym.cache import ResultCache
 

@@ -92,28 +92,69 @@ def eval_batch_command(ctx: click.Context, **_: Any) -> None:
 
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; anything but loopback needs a token.")
-@click.option("--port", type=click.IntRange(1, 65535), default=8765, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True, help="0: any free port (--record tells which).")
 @click.option("--token", envvar="KPIPE_GYM_TOKEN", default=None, help="Bearer token clients must send (env KPIPE_GYM_TOKEN).")
 @click.option("--max-request-mb", type=click.FloatRange(min=0.01), default=16.0, show_default=True)
+@click.option("--no-cache", is_flag=True, help="Keep no result cache (gym.cache: null).")
+@click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Once serving, write the address, token, pid and settings here as JSON (mode 0600); removed at exit.")
+@click.option("--owner", type=click.IntRange(min=1), default=None,
+              help="Exit when this process ends (the snakemake run that owns the service: kpipe.gym.run_service).")
 @pool_options
 @protocol_options
 @click.pass_context
 def serve_command(ctx: click.Context, **_: Any) -> None:
     """Serve KernelGym over HTTP (OpenAPI at /docs) on a pool of workers with one fixed protocol."""
+    import socket
+    import threading
+
     import uvicorn
 
+    from kpipe.gym import run_service
     from kpipe.gym.pool import GymPool
+    from kpipe.gym.sandbox import opted_out
     from kpipe.gym.service import create_app, is_loopback
 
     protocol = protocol_from(ctx)
     p = ctx.params
     if not is_loopback(p["host"]) and not p["token"]:
         raise click.UsageError(f"binding {p['host']} (not loopback) needs --token or KPIPE_GYM_TOKEN")
-    with GymPool(protocol, workers=p["workers"], per_gpu=p["per_gpu"], cache=open_cache(p["cache_path"]), reuse_reference=p["reuse_reference"],
+    if p["owner"] is not None and run_service.process_start(p["owner"]) is None:
+        raise click.ClickException(f"owner process {p['owner']} is not running")
+    # bound before the pool starts: port 0 picks a free port, and the URL is known up front
+    listener = socket.create_server((p["host"], p["port"]), family=socket.AF_INET6 if ":" in p["host"] else socket.AF_INET)
+    host, port = listener.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    cache = None if p["no_cache"] else open_cache(p["cache_path"])
+    with GymPool(protocol, workers=p["workers"], per_gpu=p["per_gpu"], cache=cache, reuse_reference=p["reuse_reference"],
                  progress=False) as pool:
         app = create_app(pool, token=p["token"], max_request_bytes=int(p["max_request_mb"] * 1024 * 1024))
-        click.echo(f"KernelGym on http://{p['host']}:{p['port']} ({len(pool.states)} workers, {pool.device_kind})", err=True)
-        uvicorn.run(app, host=p["host"], port=p["port"], log_level="info")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info"))
+        click.echo(f"KernelGym on {url} ({len(pool.states)} workers, {pool.device_kind})", err=True)
+        if p["owner"] is not None:
+            threading.Thread(target=run_service.exit_with_owner, args=(p["owner"], lambda: setattr(server, "should_exit", True)),
+                             daemon=True, name="owner-watch").start()
+        if p["record_path"] is not None:
+            settings = run_service.service_settings(protocol, p["reuse_reference"], cache.path if cache is not None else None,
+                                                    p["workers"], opted_out())
+            record = run_service.serving_record(url, p["owner"], p["token"], settings)
+            threading.Thread(target=publish_when_serving, args=(server, p["record_path"], record), daemon=True).start()
+        try:
+            server.run(sockets=[listener])
+        finally:
+            if p["record_path"] is not None and (run_service.read_record(p["record_path"]) or {}).get("pid") == os.getpid():
+                p["record_path"].unlink(missing_ok=True)
+
+
+def publish_when_serving(server: Any, path: Path, record: dict[str, Any]) -> None:
+    """Write `record` once uvicorn accepts connections (what a waiting job reads as 'ready')."""
+    from kpipe.gym.run_service import write_record
+
+    while not server.started:
+        if server.should_exit:
+            return
+        time.sleep(0.05)
+    write_record(path, record)
 
 
 @click.command("workers")

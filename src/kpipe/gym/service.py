@@ -84,6 +84,7 @@ class Health(BaseModel):
     pending: int
     device_kind: str
     protocol: dict[str, Any]
+    reuse_reference: bool = Field(description="each worker runs a task's reference once (kpipe.gym.pool.GymPool)")
 
 
 class Worker(BaseModel):
@@ -274,7 +275,8 @@ def create_app(pool: GymPool, token: str | None = None, max_request_bytes: int =
         alive = sum(w["alive"] for w in workers)
         return Health(status="ok" if alive == len(workers) else "degraded", api_version=API_VERSION,
                       workers=len(workers), workers_alive=alive, pending=pool.pending(),
-                      device_kind=pool.device_kind, protocol=pool.protocol.to_dict())
+                      device_kind=pool.device_kind, protocol=pool.protocol.to_dict(),
+                      reuse_reference=pool.reuse_reference)
 
     @app.get("/v1/workers", response_model=list[Worker], dependencies=guarded, responses={401: ERRORS[401]})
     def workers() -> list[dict[str, Any]]:

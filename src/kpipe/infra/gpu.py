@@ -5,6 +5,11 @@ picks free GPUs with file locks shared by every job on the host, and must be tak
 torch is imported (CUDA reads CUDA_VISIBLE_DEVICES once, at initialisation). On a cluster
 that already set CUDA_VISIBLE_DEVICES for the job, the lease honours that set and only checks
 that it is large enough. This module must not import torch.
+
+A job may also lease a share of one GPU: `slots` of the GPU's `slots_per_gpu` (the nano policy,
+a one-task evaluation), so Snakemake can run several such jobs on one GPU at once (its
+`gpu_slots` resource counts them). A share holds one slot lock and a shared lock on the GPU; a
+whole-GPU lease holds the GPU's lock exclusively, so it waits until no share is held.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,10 +47,6 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
-def gpu_count() -> int:
-    return len(visible_gpus())
-
-
 @contextmanager
 def gpu_lease(count: int, lock_dir: Path = LOCK_DIR, wait: bool = True) -> Iterator[list[str]]:
     """Hold `count` GPUs for the duration of the block; CUDA_VISIBLE_DEVICES names them.
@@ -54,12 +55,8 @@ def gpu_lease(count: int, lock_dir: Path = LOCK_DIR, wait: bool = True) -> Itera
     accident. Raises GPULeaseError at once when the machine has fewer than `count` GPUs.
     """
     if count == 0:
-        previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        try:
-            yield []
-        finally:
-            _restore(previous)
+        with _visible([]) as none:
+            yield none
         return
     candidates = visible_gpus()
     if count > len(candidates):
@@ -71,26 +68,90 @@ def gpu_lease(count: int, lock_dir: Path = LOCK_DIR, wait: bool = True) -> Itera
             for gpu in candidates:
                 if len(held) == count or any(g == gpu for g, _ in held):
                     continue
-                fd = os.open(lock_dir / f"gpu{gpu}.lock", os.O_CREAT | os.O_RDWR, 0o666)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = _try_lock(lock_dir / f"gpu{gpu}.lock", fcntl.LOCK_EX)
+                if fd is not None:
                     held.append((gpu, fd))
-                except BlockingIOError:
-                    os.close(fd)
             if len(held) < count:
                 if not wait:
                     raise GPULeaseError(f"only {len(held)} of {count} GPU(s) free")
                 time.sleep(1.0)
-        previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(g for g, _ in held)
-        try:
-            yield [g for g, _ in held]
-        finally:
-            _restore(previous)
+        with _visible([g for g, _ in held]) as gpus:
+            yield gpus
     finally:
-        for _, fd in held:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        _release(fd for _, fd in held)
+
+
+@contextmanager
+def gpu_slot_lease(slots: int, slots_per_gpu: int, lock_dir: Path = LOCK_DIR, wait: bool = True) -> Iterator[list[str]]:
+    """Hold `slots` GPU slots: whole GPUs when `slots` is a multiple of `slots_per_gpu`, else a
+    share of one GPU (fewer slots than it has); CUDA_VISIBLE_DEVICES names the GPU(s)."""
+    if slots % slots_per_gpu == 0:
+        with gpu_lease(slots // slots_per_gpu, lock_dir, wait) as gpus:
+            yield gpus
+        return
+    if slots > slots_per_gpu:
+        raise GPULeaseError(f"{slots} GPU slots are neither a share of one GPU nor whole GPUs of {slots_per_gpu} slots")
+    candidates = visible_gpus()
+    if not candidates:
+        raise GPULeaseError("job asks for a share of a GPU but none is visible")
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    while (held := _share(candidates, slots, slots_per_gpu, lock_dir)) is None:
+        if not wait:
+            raise GPULeaseError(f"no GPU has {slots} free slot(s)")
+        time.sleep(1.0)
+    gpu, fds = held
+    try:
+        with _visible([gpu]) as gpus:
+            yield gpus
+    finally:
+        _release(fds)
+
+
+def _share(candidates: list[str], slots: int, slots_per_gpu: int, lock_dir: Path) -> tuple[str, list[int]] | None:
+    """The first GPU (so shares fill one GPU before the next, leaving others whole) with `slots`
+    free slots, and the locks taken on it; None when no GPU has them now."""
+    for gpu in candidates:
+        whole = _try_lock(lock_dir / f"gpu{gpu}.lock", fcntl.LOCK_SH)
+        if whole is None:
+            continue
+        fds = [whole]
+        for slot in range(slots_per_gpu):
+            if len(fds) == slots + 1:
+                break
+            fd = _try_lock(lock_dir / f"gpu{gpu}.slot{slot}.lock", fcntl.LOCK_EX)
+            if fd is not None:
+                fds.append(fd)
+        if len(fds) == slots + 1:
+            return gpu, fds
+        _release(fds)
+    return None
+
+
+def _try_lock(path: Path, mode: int) -> int | None:
+    """An fd holding `mode` on `path`, or None when another lease holds it."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _release(fds: Iterable[int]) -> None:
+    for fd in fds:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+@contextmanager
+def _visible(gpus: list[str]) -> Iterator[list[str]]:
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield gpus
+    finally:
+        _restore(previous)
 
 
 def _restore(previous: str | None) -> None:

@@ -1,4 +1,4 @@
-"""What every Snakemake script does first: log to the rule's log file and lease its GPUs.
+"""What every Snakemake script does first: log to the rule's log file and lease its GPU slots.
 
 Scripts under ``workflow/scripts`` stay thin: ``with snakemake_job(snakemake) as job:`` and
 then one call into the library. The lease is taken before anything imports torch.
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from kpipe.infra.gpu import gpu_lease
+from kpipe.infra.gpu import gpu_slot_lease
 
 log = logging.getLogger("kpipe")
 
@@ -41,7 +41,8 @@ class _Tee:
 
 @contextlib.contextmanager
 def snakemake_job(smk: Any) -> Iterator[Any]:
-    """Run a Snakemake script body with logging to ``log[0]`` and a GPU lease of ``resources.gpu``."""
+    """Run a Snakemake script body with logging to ``log[0]`` and a lease of ``resources.gpu_slots``
+    (of ``config["gpu"]["slots_per_gpu"]`` per GPU)."""
     log_path = Path(smk.log[0]) if smk.log else None
     stack = contextlib.ExitStack()
     with stack:
@@ -53,11 +54,12 @@ def snakemake_job(smk: Any) -> Iterator[Any]:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True)
         # httpx (the OpenAI client's transport) logs every request at INFO, between the progress bars' lines
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        gpus = int(getattr(smk.resources, "gpu", 0) or 0)
-        leased = stack.enter_context(gpu_lease(gpus))
-        log.info("rule %s: %d GPU(s) leased %s", smk.rule, gpus, leased)
+        slots, per_gpu = int(getattr(smk.resources, "gpu_slots", 0) or 0), int(smk.config["gpu"]["slots_per_gpu"])
+        leased = stack.enter_context(gpu_slot_lease(slots, per_gpu))
+        log.info("rule %s: %d of %d GPU slot(s) per GPU leased on %s", smk.rule, slots, per_gpu, leased)
         try:
             yield smk
         except Exception:
             traceback.print_exc()
             raise
+

@@ -145,12 +145,15 @@ def launch_plan(gpus: int, args: Sequence[str], env: Mapping[str, str], node_tas
     return accelerate_command(gpus, args, node, config_dir)
 
 
-def launch_command(gpus: int, args: Sequence[str]) -> list[str]:
-    """``kpipe launch --gpus N -- ARGS`` as this interpreter runs it."""
-    return [sys.executable, "-m", "kpipe.cli", "launch", "--gpus", str(gpus), "--", *args]
+def launch_command(gpus: int, args: Sequence[str], slots: tuple[int, int] | None = None) -> list[str]:
+    """``kpipe launch --gpus N -- ARGS`` as this interpreter runs it; `slots` (the job's GPU slots,
+    slots per GPU) leases that many slots instead of N whole GPUs (kpipe.infra.gpu.gpu_slot_lease)."""
+    share = ["--gpu-slots", str(slots[0]), "--slots-per-gpu", str(slots[1])] if slots is not None else []
+    return [sys.executable, "-m", "kpipe.cli", "launch", "--gpus", str(gpus), *share, "--", *args]
 
 
-def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = None) -> NoReturn:
+def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = None,
+                slots: tuple[int, int] | None = None) -> NoReturn:
     """Replace this process by ``kpipe launch --gpus N -- ARGS``, stdout and stderr to `log`.
 
     A rule's ``script:`` runs in the job's own process (locally, in a SLURM job step, on a
@@ -158,7 +161,7 @@ def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = 
     over the job's nodes and accelerate's processes happen exactly as for a shell rule running
     ``kpipe launch ... > {log} 2>&1``, and Snakemake sees its exit status.
     """
-    command = launch_command(gpus, args)
+    command = launch_command(gpus, args, slots)
     sys.stdout.flush()
     sys.stderr.flush()
     if log is not None:
@@ -172,12 +175,16 @@ def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})
 @click.option("-n", "--gpus", type=int, required=True, help="GPUs of the job (the rule's `gpu` resource; all nodes together)")
+@click.option("--gpu-slots", type=click.IntRange(min=0), default=None,
+              help="lease this many GPU slots (the rule's `gpu_slots`) instead of N whole GPUs: a share of one GPU")
+@click.option("--slots-per-gpu", type=click.IntRange(min=1), default=1, show_default=True, help="slots of one GPU (config gpu.slots_per_gpu)")
 @click.option("--config-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help=f"accelerate configs (default: ${CONFIG_DIR_ENV} or {DEFAULT_CONFIG_DIR})")
 @click.option("--node-task", is_flag=True, help="internal: this is one node's task of a multi-node job")
 @click.option("--print", "print_only", is_flag=True, help="print the command instead of running it")
 @click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED)
-def launch(gpus: int, config_dir: Path | None, node_task: bool, print_only: bool, args: tuple[str, ...]) -> None:
+def launch(gpus: int, gpu_slots: int | None, slots_per_gpu: int, config_dir: Path | None, node_task: bool,
+           print_only: bool, args: tuple[str, ...]) -> None:
     """Run `kpipe ARGS...` on N GPUs: one process per GPU (FSDP), across nodes under SLURM.
 
     Example: kpipe launch --gpus 8 -- train sft --trajectories results/... --out ... --metrics ...
@@ -191,10 +198,12 @@ def launch(gpus: int, config_dir: Path | None, node_task: bool, print_only: bool
         return
     if command[0] == "srun":
         sys.exit(subprocess.call(command))
-    from kpipe.infra.gpu import GPULeaseError, gpu_lease
+    from kpipe.infra.gpu import GPULeaseError, gpu_lease, gpu_slot_lease
 
+    lease = (gpu_lease(gpus // node_info_from_env(os.environ).nodes) if gpu_slots is None
+             else gpu_slot_lease(gpu_slots, slots_per_gpu))
     try:
-        with gpu_lease(gpus // node_info_from_env(os.environ).nodes):
+        with lease:
             sys.exit(subprocess.call(command))
     except GPULeaseError as error:
         raise click.ClickException(str(error)) from None

@@ -38,10 +38,12 @@ def sft_arguments(trajectories: Sequence[PathLike], work_dir: PathLike, settings
 
 def sft_job(trajectories: Sequence[PathLike], work_dir: PathLike, settings: Mapping[str, Any] | str,
             model_out: PathLike, summary_out: PathLike, metrics_out: PathLike, *, gpus: int,
-            log: PathLike | None = None) -> NoReturn:
+            log: PathLike | None = None, gpu_slots: int | None = None, slots_per_gpu: int = 1) -> NoReturn:
     """Rule `sft`: supervised fine-tuning on the cold-start trajectories (``kpipe.train.sft.train_sft``)
-    on `gpus` GPUs; this process becomes the launch."""
-    exec_launch(gpus, sft_arguments(trajectories, work_dir, settings, model_out, summary_out, metrics_out), log)
+    on `gpus` GPUs, leasing `gpu_slots` of `slots_per_gpu` per GPU (default: the GPUs whole); this
+    process becomes the launch."""
+    exec_launch(gpus, sft_arguments(trajectories, work_dir, settings, model_out, summary_out, metrics_out), log,
+                None if gpu_slots is None else (gpu_slots, slots_per_gpu))
 
 
 def rl_arguments(queries: PathLike, init_model: PathLike, model_out: PathLike, trajectories: PathLike,
@@ -67,10 +69,12 @@ def rl_arguments(queries: PathLike, init_model: PathLike, model_out: PathLike, t
 def rl_job(queries: PathLike, init_model: PathLike, model_out: PathLike, trajectories: PathLike, metrics: PathLike,
            scratch: PathLike, *, run: str, iteration: int, init_state: PathLike | None, state_out: PathLike,
            drop_init_state: bool, settings: Mapping[str, Any] | str, gym: Mapping[str, Any] | str, gpus: int,
-           log: PathLike | None = None, reference_model: PathLike | None = None) -> NoReturn:
-    """Rule `rl_iter`: one RL iteration (``kpipe.train.rl.run_iteration``) on `gpus` GPUs; this
-    process becomes the launch."""
+           log: PathLike | None = None, reference_model: PathLike | None = None, gpu_slots: int | None = None,
+           slots_per_gpu: int = 1) -> NoReturn:
+    """Rule `rl_iter`: one RL iteration (``kpipe.train.rl.run_iteration``) on `gpus` GPUs, leasing
+    `gpu_slots` of `slots_per_gpu` per GPU (default: the GPUs whole); this process becomes the launch."""
     exec_launch(gpus, rl_arguments(queries, init_model, model_out, trajectories, metrics, scratch, run=run,
                                    iteration=iteration, init_state=init_state, state_out=state_out,
                                    drop_init_state=drop_init_state, settings=settings, gym=gym,
-                                   reference_model=reference_model), log)
+                                   reference_model=reference_model), log,
+                None if gpu_slots is None else (gpu_slots, slots_per_gpu))
