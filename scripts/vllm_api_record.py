@@ -3,22 +3,23 @@
 vLLM needs CUDA and a long list of packages, so neither CI nor our CPU machines can import it.
 Its CLI flags, constructor arguments and dataclass fields are plain Python in the wheel, so this
 script reads them from the source with `ast` (nothing is imported or executed) and writes
-`tests/data/vllm_api.json`; `tests/test_vllm_api.py` checks kpipe's `vllm serve` flags, `LLM`
-arguments, `SamplingParams` fields, output fields and environment variables against it.
+`tests/data/vllm_api-<version>.json`, one file per release the `vllm` extra pins;
+`tests/test_vllm_api.py` checks kpipe's `vllm serve` flags, `LLM` arguments, `SamplingParams`
+fields, output fields and environment variables against every one of them.
 
     pip download vllm==0.33.0 --no-deps -d /tmp/v
-    python scripts/vllm_api_record.py /tmp/v/vllm-0.33.0-*.whl
+    python scripts/vllm_api_record.py /tmp/v/vllm-0.33.0-*.whl    # -> tests/data/vllm_api-0.33.0.json
 
-What it reads (paths inside the wheel, vLLM 0.33):
+What it reads (paths inside the wheel; recorded for 0.26.0 and 0.33.0):
 - `vllm serve` flags: the `add_argument` literals of `EngineArgs.add_cli_args` and
   `AsyncEngineArgs.add_cli_args` (engine/arg_utils.py) and of `make_arg_parser`
-  (entrypoints/common/cli_args.py), plus `--<field>` of `BaseFrontendArgs`/`FrontendArgs`, whose
-  flags vLLM derives from the dataclass fields;
+  (entrypoints/common/cli_args.py; entrypoints/openai/cli_args.py up to 0.26), plus `--<field>` of
+  `BaseFrontendArgs`/`FrontendArgs`, whose flags vLLM derives from the dataclass fields;
 - `LLM.__init__` parameters (entrypoints/llm.py) and `EngineArgs` fields (its `**kwargs` become
   `EngineArgs`), and the parameters of the `LLM` methods kpipe calls;
 - `SamplingParams` fields, `CompletionOutput` fields, `RequestOutput.__init__` parameters,
-  the `LogprobsMode` values, the environment variables of envs.py, and the methods both GPU model
-  runners (V1 and V2) define.
+  the `LogprobsMode` and `DistributedExecutorBackend` values, the environment variables of envs.py,
+  and the methods both GPU model runners (V1 and V2) define.
 """
 
 from __future__ import annotations
@@ -30,13 +31,24 @@ import re
 import zipfile
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "vllm_api.json"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 LLM_METHODS = ("chat", "collective_rpc", "reset_prefix_cache")
 MODEL_RUNNERS = ("vllm/v1/worker/gpu_model_runner.py", "vllm/v1/worker/gpu/model_runner.py")
+# where `make_arg_parser` and the frontend dataclasses live: moved out of entrypoints/openai after 0.26
+CLI_ARGS = ("vllm/entrypoints/common/cli_args.py", "vllm/entrypoints/openai/cli_args.py")
 
 
 def parse(wheel: zipfile.ZipFile, path: str) -> ast.Module:
     return ast.parse(wheel.read(path).decode(), filename=path)
+
+
+def parse_first(wheel: zipfile.ZipFile, paths: tuple[str, ...]) -> ast.Module:
+    """The first of `paths` the wheel holds (a module that moved between releases)."""
+    names = set(wheel.namelist())
+    for path in paths:
+        if path in names:
+            return parse(wheel, path)
+    raise LookupError(f"none of {paths} in the wheel")
 
 
 def find_class(module: ast.Module, name: str) -> ast.ClassDef:
@@ -101,7 +113,7 @@ def record(wheel_path: Path) -> dict[str, object]:
     with zipfile.ZipFile(wheel_path) as wheel:
         version = re.search(r"__version__\s*=\s*version\s*=\s*['\"]([^'\"]+)", wheel.read("vllm/_version.py").decode())
         arg_utils = parse(wheel, "vllm/engine/arg_utils.py")
-        cli_args = parse(wheel, "vllm/entrypoints/common/cli_args.py")
+        cli_args = parse_first(wheel, CLI_ARGS)
         llm = find_class(parse(wheel, "vllm/entrypoints/llm.py"), "LLM")
         outputs = parse(wheel, "vllm/outputs.py")
         envs = parse(wheel, "vllm/envs.py")
@@ -123,6 +135,7 @@ def record(wheel_path: Path) -> dict[str, object]:
             "llm_methods": {name: parameters(find_function(llm, name)) for name in LLM_METHODS},
             "sampling_params_fields": fields(find_class(parse(wheel, "vllm/sampling_params.py"), "SamplingParams")),
             "logprobs_modes": literal_values(parse(wheel, "vllm/config/model.py"), "LogprobsMode"),
+            "executor_backends": literal_values(parse(wheel, "vllm/config/parallel.py"), "DistributedExecutorBackend"),
             "completion_output_fields": fields(find_class(outputs, "CompletionOutput")),
             "request_output_params": parameters(find_function(find_class(outputs, "RequestOutput"), "__init__")),
             "env_vars": sorted({node.target.id for node in ast.walk(envs)
@@ -135,13 +148,14 @@ def record(wheel_path: Path) -> dict[str, object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("wheel", type=Path, help="a vllm-*.whl (pip download vllm==X --no-deps)")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, help="default: tests/data/vllm_api-<version>.json")
     args = parser.parse_args()
     api = record(args.wheel)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(api, indent=1, sort_keys=True) + "\n")
+    out = args.out or DATA / f"vllm_api-{api['version']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(api, indent=1, sort_keys=True) + "\n")
     print(f"vLLM {api['version']}: {len(api['serve_flags'])} serve flags, "  # type: ignore[arg-type]
-          f"{len(api['engine_args_fields'])} EngineArgs fields -> {args.out}")  # type: ignore[arg-type]
+          f"{len(api['engine_args_fields'])} EngineArgs fields -> {out}")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 already has, for the target's Python and platform, in parts of at most 60 MiB.
 
     python scripts/wheelhouse.py --have target-freeze.txt --python 3.12 --out wheelhouse
+    python scripts/wheelhouse.py --have target-freeze.txt --also vllm==0.26.0 --out wheelhouse   # with vLLM
     # on the target, part by part (or all at once):
     python -m pip install --no-index --find-links wheelhouse/part-1 ... -e . (see README)
 
@@ -108,23 +109,44 @@ def requirements_of(wheel: Path, extras: set[str], environment: dict[str, str]) 
     return found
 
 
+def wheel_version(wheel: Path) -> str:
+    return wheel.name.split("-")[1]
+
+
+def with_extras(requirement: Requirement, extras: set[str], specifier: object) -> Requirement:
+    listed = f"[{','.join(sorted(extras))}]" if extras else ""
+    return Requirement(f"{requirement.name}{listed}{specifier}")
+
+
 def collect(roots: list[Requirement], python: str, have: dict[str, str | None], dest: Path) -> list[Path]:
     """Every wheel the target lacks, breadth first from `roots`: a package the target has in a
-    version that satisfies the requirement is not followed (its own dependencies are there with it)."""
+    version that satisfies the requirement is not followed (its own dependencies are there with it).
+    A package asked for again is fetched again under both specifiers when its wheel does not meet
+    the new one (vLLM pins many of kpipe's loose ones), and new extras add their dependencies."""
     environment = target_environment(python)
     dest.mkdir(parents=True, exist_ok=True)
-    seen: dict[str, Path] = {}
+    seen: dict[str, tuple[Path, Requirement]] = {}
     queue = list(roots)
     while queue:
         requirement = queue.pop(0)
         name = canonical(requirement.name)
-        if satisfied(requirement, have) or name in seen:
+        if satisfied(requirement, have):
             continue
+        if name in seen:
+            wheel, before = seen[name]
+            extras = set(requirement.extras) | set(before.extras)
+            if requirement.specifier.contains(wheel_version(wheel), prereleases=True):
+                if extras != set(before.extras):
+                    seen[name] = (wheel, with_extras(before, extras, before.specifier))
+                    queue += requirements_of(wheel, extras, environment)
+                continue
+            wheel.unlink()
+            requirement = with_extras(requirement, extras, before.specifier & requirement.specifier)
         wheel = fetch(requirement, python, dest)
-        seen[name] = wheel
+        seen[name] = (wheel, requirement)
         print(f"  {wheel.name}", flush=True)
         queue += requirements_of(wheel, set(requirement.extras), environment)
-    return sorted(seen.values())
+    return sorted(wheel for wheel, _ in seen.values())
 
 
 def project_requirements(extras: str) -> list[Requirement]:
@@ -166,12 +188,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "wheelhouse")
     parser.add_argument("--part-mib", type=float, default=60.0)
     parser.add_argument("--extras", default="", help="extras of kpipe to include, e.g. dev")
+    parser.add_argument("--also", action="append", default=[], type=Requirement, metavar="REQ",
+                        help="a further requirement, e.g. vllm==0.26.0 (the release that fits the target's torch, "
+                             "where the extra's range would resolve to a newer one); repeatable")
     args = parser.parse_args()
     have = installed(args.have)
     if args.out.exists():
         shutil.rmtree(args.out)
     staging = args.out / "staging"
-    wheels = collect(project_requirements(args.extras), args.python, have, staging)
+    wheels = collect([*args.also, *project_requirements(args.extras)], args.python, have, staging)
     parts = split_parts(wheels, args.out, int(args.part_mib * 2**20))
     staging.rmdir()
     limit = int(args.part_mib * 2**20)

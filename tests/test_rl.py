@@ -438,13 +438,14 @@ def test_micro_batch_weights_normalise_by_the_global_mini_batch():
     assert rl_update.micro_batch_weight("seq-mean-token-sum", [2, 4], rl_update.loss_units("seq-mean-token-sum", lengths)) == 0.5
 
 
-def test_prompts_must_split_evenly_over_processes_and_vllm_stays_in_one():
+def test_prompts_must_split_evenly_over_processes_whatever_the_engine():
     rl.check_processes(RLConfig(), 4, 2)
     with pytest.raises(ValueError, match="3 prompts per step cannot be split evenly over 2 processes"):
         rl.check_processes(RLConfig(), 3, 2)
     rl.check_processes(RLConfig(engine="vllm"), 3, 1)
-    with pytest.raises(ValueError, match="engine 'vllm' runs in one process, not 2"):
-        rl.check_processes(RLConfig(engine="vllm"), 4, 2)
+    rl.check_processes(RLConfig(engine="vllm"), 4, 2)  # one engine per process (external_launcher)
+    with pytest.raises(ValueError, match="3 prompts per step cannot be split evenly over 2 processes"):
+        rl.check_processes(RLConfig(engine="vllm"), 3, 2)
     tasks = [AgentTask(name, RELU) for name in "abcd"]
     assert [[t.task_id for t in rl_rollouts.process_tasks(tasks, rank, 2)] for rank in (0, 1)] == [["a", "c"], ["b", "d"]]
 

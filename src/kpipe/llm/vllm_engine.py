@@ -1,7 +1,7 @@
 """vLLM in process, for RL rollouts and evaluation at scale (GPU machines only).
 
 Thin on purpose: vLLM cannot be installed on CPU-only machines, so nothing here runs in CI;
-`tests/test_vllm_api.py` checks the arguments and fields below against vLLM 0.33's source (the
+`tests/test_vllm_api.py` checks the arguments and fields below against the source of vLLM 0.26.0 and 0.33.0 (the
 `vllm` extra's pin). The offline API: `LLM.chat(list_of_conversations,
 sampling_params)` returns one `RequestOutput` per conversation, whose `outputs[0]` carries
 `text`, `token_ids`, `finish_reason` and, with `SamplingParams(logprobs=0)`, `logprobs` =

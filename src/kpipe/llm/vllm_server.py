@@ -7,7 +7,7 @@ any API, and stops it (its whole process group) when done::
     with VLLMServer(VLLMServerConfig(model="results/models/sft-paper", tensor_parallel_size=2)) as server:
         engine = OpenAIEngine(server.openai_config())
 
-Flags are those of ``vllm serve`` in vLLM 0.33 (the `vllm` extra; checked against the release's
+Flags are those of ``vllm serve`` in vLLM 0.26 and 0.33 (the `vllm` extra; checked against each release's
 argument parser source by ``tests/test_vllm_api.py``, never run here): ``--tensor-parallel-size``,
 ``--data-parallel-size``, ``--served-model-name``, ``--max-model-len``,
 ``--gpu-memory-utilization``, ``--dtype``, ``--seed``, ``--enable-prefix-caching``,

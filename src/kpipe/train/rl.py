@@ -31,7 +31,8 @@ fingerprint (config, run, iteration, input checkpoint, tasks) guards the scratch
 
 Several processes (``kpipe launch --gpus N -- train rl ...``: one per GPU, FSDP2) run the same
 step data-parallel: each takes an equal share of the step's prompts, generates and evaluates
-their rollouts itself (on a full-weight copy of the policy and its own GPU), and computes
+their rollouts itself (on its own GPU, with a full-weight copy of the policy for HF `generate` or its
+own in-process vLLM engine, fed the gathered weights before each step), and computes
 returns, filters and advantages locally — the (prompt, turn) groups never straddle processes.
 The update is the one a single process would take on all the rows: mini-batches are drawn from
 every process's rows, each loss is normalised by global counts, DDP/FSDP average the gradients.
@@ -148,10 +149,7 @@ def prepare_scratch(scratch: Path, fingerprint: str) -> bool:
 
 def check_processes(cfg: RLConfig, n_prompts: int, processes: int) -> None:
     """What several processes cannot run, as one-line errors before any work: every process gets
-    the same number of prompts; vLLM rollouts stay in one process (not verified data-parallel)."""
-    if processes > 1 and cfg.engine == "vllm":
-        raise ValueError(f"RL: engine 'vllm' runs in one process, not {processes}: set rl.gpus to 1, "
-                         "or use engine 'hf' for data-parallel rollouts on several GPUs")
+    the same number of prompts."""
     if n_prompts % processes:
         raise ValueError(f"RL: {n_prompts} prompts per step cannot be split evenly over {processes} processes; "
                          "make rl.prompts_per_step (and the number of training prompts) a multiple of rl.gpus")
@@ -300,7 +298,7 @@ def run_iteration(
 
 class IterationTrainer:
     """The state of one iteration in one process: accelerator, policy, optimizer, rollout engine and
-    metrics log. With several processes, rollouts run on `rollout_model`, a full-weight copy of the
+    metrics log. With several processes and the HF engine, rollouts run on `rollout_model`, a full-weight copy of the
     policy refreshed before every step: generation through the sharded policy would need every
     process to run the same number of forward passes, which the processes' episodes do not. With
     `async: off_policy_1` (HF engine) too: the next step's rollouts are generated from that copy while
@@ -322,7 +320,8 @@ class IterationTrainer:
         # bf16 under bf16 autocast (what vLLM would sample from too): half the memory of an fp32 copy,
         # and no autocast cache of its casts held through the rollouts
         rollout_dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
-        needs_copy = processes > 1 or (cfg.async_mode == "off_policy_1" and cfg.engine == "hf")
+        # vLLM holds its own copy of the weights (pushed before each step), so only HF generate needs one
+        needs_copy = cfg.engine == "hf" and (processes > 1 or cfg.async_mode == "off_policy_1")
         self.rollout_model = (copy.deepcopy(model).to(self.accelerator.device, dtype=rollout_dtype).eval()
                               if needs_copy else None)
         self.reference = None  # the KL term's frozen reference policy, a whole copy in every process
@@ -352,7 +351,7 @@ class IterationTrainer:
         policy = self.rollout_model if self.rollout_model is not None else self.accelerator.unwrap_model(self.model)
         # the engine in the rows' model label: figures name where rollouts came from (views.sql provenance)
         self.raw_engine = make_engine(cfg, policy, self.tokenizer, init_model,
-                                      f"{run}/rl-iter{iteration}/{cfg.engine}", self.progress)
+                                      f"{run}/rl-iter{iteration}/{cfg.engine}", self.progress, processes)
         self.engine = TimedEngine(self.raw_engine)
         self.filter_generator, self.shuffle_generator = torch.Generator(), torch.Generator()
 

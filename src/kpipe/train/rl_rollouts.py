@@ -134,21 +134,39 @@ def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Ten
 
 
 def push_weights_to_vllm(engine: Any, model: Any) -> None:
-    """Copy the trainer's weights into an in-process vLLM engine (vLLM 0.33, V1 engine; read in its
-    source, not run: tests/test_vllm_api.py).
+    """Copy the trainer's weights into an in-process vLLM engine (vLLM 0.26 and 0.33, V1 engine; read
+    in their source, not run: tests/test_vllm_api.py).
 
     Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the
     engine is built), so `collective_rpc` calls the function on the worker object directly and
     the tensors are handed over without serialisation; `load_weights` takes HF parameter names.
-    The prefix cache holds KV of the old weights, so it is reset.
+    One tensor at a time: an FSDP2-sharded one is all-gathered first (every process calls this,
+    each for its own engine), so the peak is one full tensor beyond the engine's weights. The
+    prefix cache holds KV of the old weights, so it is reset.
     """
-    weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
-    engine.llm.collective_rpc(_load_weights_on_vllm_worker, args=(weights,))
+    from torch.distributed.tensor import DTensor
+
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        engine.llm.collective_rpc(_load_weights_on_vllm_worker, args=([(name, full.detach())],))
     engine.llm.reset_prefix_cache()
 
 
-def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name: str, progress: bool) -> Any:
-    """The rollout engine: HF generate on the live policy, or an in-process vLLM engine."""
+def vllm_engine_args(cfg: RLConfig, processes: int) -> dict[str, Any]:
+    """`LLM(...)` arguments of the rollout engine. With several processes (``kpipe launch``) each
+    builds its own engine on its GPU with ``distributed_executor_backend="external_launcher"``:
+    vLLM joins the launcher's torch.distributed group (RANK, LOCAL_RANK from the environment) as
+    independent data-parallel engines, TRL's colocate mode and verl's layout of one engine per GPU."""
+    args: dict[str, Any] = {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
+                            "logprobs_mode": "processed_logprobs", "max_model_len": cfg.max_context_tokens}
+    if processes > 1:
+        args["distributed_executor_backend"] = "external_launcher"
+    return args
+
+
+def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name: str, progress: bool,
+                processes: int = 1) -> Any:
+    """The rollout engine: HF generate on the live policy, or an in-process vLLM engine (one per process)."""
     if cfg.engine == "hf":
         from kpipe.llm.hf_engine import HFEngine
 
@@ -157,6 +175,5 @@ def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from kpipe.llm.vllm_engine import VLLMEngine
 
-    return VLLMEngine(str(model_dir), name=name, seed=cfg.seed, gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                      logprobs_mode="processed_logprobs", max_model_len=cfg.max_context_tokens)
+    return VLLMEngine(str(model_dir), name=name, seed=cfg.seed, **vllm_engine_args(cfg, processes))
 
