@@ -34,7 +34,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 LEASE_DIR_VARIABLE = "KPIPE_GYM_LEASE_DIR"
@@ -76,7 +75,7 @@ class TimingLease:
             os.fchmod(fd, 0o666)
         return fd
 
-    @contextmanager
+    @contextlib.contextmanager
     def hold(self) -> Iterator[float]:
         """Wait for the device (at most ``max_wait_s``), hold it for the block and give the other
         judges ``SETTLE_S`` to stop their children; yields the seconds waited, which the caller
@@ -169,12 +168,7 @@ def lease_key(gpu: str | None) -> str:
         return "cpu"
     if gpu.startswith(("GPU-", "MIG-")):
         return gpu
-    return gpu_uuid(gpu)
-
-
-def gpu_uuid(index: str) -> str:
-    """The UUID of the GPU with this index; the index itself where nvidia-smi is absent."""
-    return gpu_identity(index)[1] or f"gpu{index}"
+    return gpu_identity(gpu)[1] or f"gpu{gpu}"  # the index itself where nvidia-smi is absent
 
 
 @functools.lru_cache(maxsize=16)
