@@ -1,0 +1,65 @@
+"""checks/gpu/dag.py on a CPU: Snakemake's log read into jobs, the most jobs at once, and timed regions
+that overlap on one device (what the GPU run's report rests on)."""
+
+from __future__ import annotations
+
+import textwrap
+
+from checks.gpu.dag import Job, most_at_once, overlapping_timed_regions, parse_snakemake_log
+
+LOG = textwrap.dedent("""\
+    Building DAG of jobs...
+    Provided resources: api=Resource("api", 4), gpu_slots=Resource("gpu_slots", 4)
+    [Thu Nov 26 07:37:45 2026]
+    localrule ingest_tasks:
+        output: results/tasks/tasks.parquet
+        jobid: 2
+        resources: tmpdir=/tmp
+    Shell command: None
+    [Thu Nov 26 07:37:45 2026]
+    rule distill:
+        output: results/x.parquet
+        jobid: 7
+        reason: Missing output files: results/x.parquet
+        wildcards: shard=0
+        resources: tmpdir=/tmp, gpu_slots=1, gpu=1
+    Shell command: None
+    [Thu Nov 26 07:37:46 2026]
+    Finished jobid: 2 (Rule: ingest_tasks)
+    1 of 3 steps (33%) done
+    [Thu Nov 26 07:37:47 2026]
+    rule sft:
+        jobid: 9
+        resources: tmpdir=/tmp, gpu_slots=4, gpu=1
+    [Thu Nov 26 07:37:55 2026]
+    Finished jobid: 7 (Rule: distill)
+    [Thu Nov 26 07:38:05 2026]
+    Finished jobid: 9 (Rule: sft)
+    3 of 3 steps (100%) done
+""")
+
+
+def test_the_log_gives_each_job_its_rule_times_and_gpu_slots() -> None:
+    jobs, first, last = parse_snakemake_log(LOG)
+    assert [(job.jobid, job.rule, job.seconds, job.gpu_slots) for job in jobs] == [
+        (2, "ingest_tasks", 1.0, 0), (7, "distill", 10.0, 1), (9, "sft", 18.0, 4)]
+    assert last - first == 20.0
+
+
+def test_a_job_never_finished_has_no_seconds() -> None:
+    jobs, _, _ = parse_snakemake_log(LOG.split("[Thu Nov 26 07:38:05 2026]")[0])
+    assert {job.rule: job.seconds for job in jobs}["sft"] is None
+
+
+def test_most_at_once_counts_overlapping_jobs_only() -> None:
+    jobs = [Job(1, "a", 0, 10, 0), Job(2, "b", 5, 12, 1), Job(3, "c", 6, 7, 1), Job(4, "d", 12, 20, 1)]
+    assert most_at_once(jobs) == 3
+    assert most_at_once([Job(1, "a", 0, 5, 0), Job(2, "b", 5, 9, 0)]) == 1  # one ends as the next starts
+    assert most_at_once([Job(1, "a", 0, None, 0), Job(2, "b", 3, 4, 0)]) == 2
+
+
+def test_overlapping_timed_regions_per_device() -> None:
+    apart = {"GPU-a": [(0.0, 1.0), (1.0, 2.0), (0.0, 1.0)], "GPU-b": [(0.5, 1.5)]}  # a cached copy repeats a span
+    assert overlapping_timed_regions(apart) == []
+    found = overlapping_timed_regions({"GPU-a": [(0.0, 3.0), (1.0, 1.5), (2.0, 4.0)]})
+    assert len(found) == 2 and all(text.startswith("GPU-a: [0.000, 3.000]") for text in found)
