@@ -177,3 +177,18 @@ def test_paper_config_plans(workdir):
     counts = job_counts(snakemake(workdir, "-n", "--configfile", "config/paper.yaml"))
     assert counts["distill"] == 64 and counts["rl_iter"] == 60  # 2 runs x 30 iterations
     assert {"ingest_tasks", "sft", "eval", "stts", "tables"} <= set(counts)
+
+
+def test_gpu_config_plans_on_a_gpu_and_refuses_a_cpu(workflow_copy):
+    """config/gpu.yaml (the README's GPU command) plans the default DAG where a GPU shows, with every
+    GPU job on one slot; with no GPU it stops with one line saying so, before any job runs."""
+    import os
+
+    gpu = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "-n", "--configfile", "config/gpu.yaml"],
+                         cwd=workflow_copy, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    assert job_counts(gpu)["rl_iter"] == 5
+    assert set(re.findall(r"resources: .*gpu_slots=(\d+)", gpu.stdout)) == {"1"}  # every GPU job shares the GPU
+    cpu = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "-n", "--configfile", "config/gpu.yaml"],
+                         cwd=workflow_copy, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert cpu.returncode != 0
+    assert "config error: device: cuda (config/gpu.yaml sets it), but this machine shows no GPU" in cpu.stdout + cpu.stderr

@@ -8,7 +8,7 @@ Sections:
 
 - ``setup``: ``make setup-offline`` from a carried wheelhouse (``make wheelhouse``), timed; skipped
   (said so) when no ``--wheelhouse`` is given and snakemake is already importable.
-- ``run``: the README's GPU command, ``snakemake --cores <nproc>``, in this tree with ``results/``,
+- ``run``: the README's GPU command, ``snakemake --cores <nproc> --configfile config/gpu.yaml``, in this tree with ``results/``,
   ``logs/`` and ``.snakemake/`` removed first. Recorded: wall time and Snakemake's own time (first to
   last line of its log), each rule's jobs and seconds, the most jobs (and GPU jobs) at once, each
   GPU's busy seconds (``nvidia-smi`` utilisation sampled every 200 ms), and the tables. Checked:
@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TITLE = "The default DAG under Snakemake on GPUs"
 RESULTS = ROOT / "results"
 # What a change of stts.window may rerun: the STTS jobs and everything that reads their files.
+GPU_CONFIG = "config/gpu.yaml"
 RUN_NAME = "default"  # config/config.yaml's run
 RERUN_ALLOWED = {"stts", "export_evals", "build_db", "tables", "figures", "viewer", "all"}
 SAMPLE_MS = 200
@@ -220,10 +221,14 @@ def table_markdown(name: str, limit: int = 40) -> list[str]:
     return ["", f"`results/tables/{name}.md`:", "", *lines[:limit]]
 
 
-def snakemake_argv(options: argparse.Namespace, *more: str) -> list[str]:
+def snakemake_argv(options: argparse.Namespace, *overlays: str, dry_run: bool = False) -> list[str]:
+    """The README's command: ``snakemake --cores N`` with ``--configfile config/gpu.yaml`` on a GPU
+    machine, then `overlays`."""
     executable = shutil.which("snakemake")
     base = [executable] if executable else [sys.executable, "-m", "snakemake"]
-    return [*base, "--cores", str(options.cores), *options.snakemake_args.split(), *more]
+    configs = [*([] if options.cpu else [GPU_CONFIG]), *overlays]
+    return [*base, "--cores", str(options.cores), *(["--configfile", *configs] if configs else []),
+            *options.snakemake_args.split(), *(["-n", "--quiet", "rules"] if dry_run else [])]
 
 
 def run_snakemake(report: Report, argv: list[str], log_name: str, timeout_s: float) -> tuple[int, float]:
@@ -360,14 +365,15 @@ def rerun(report: Report, options: argparse.Namespace) -> None:
     window = int(yaml.safe_load((ROOT / "config" / "config.yaml").read_text())["stts"]["window"])
     overlay = Path(tempfile.mkdtemp()) / "change.yaml"
     overlay.write_text(f"stts: {{window: {window - 1}}}\n")
-    report.line(f"the change: `stts: {{window: {window - 1}}}` (was {window}), given as `--configfile change.yaml`")
-    planned = subprocess.run(snakemake_argv(options, "--configfile", str(overlay), "-n", "--quiet", "rules"),
+    report.line(f"the change: `stts: {{window: {window - 1}}}` (was {window}), a file given after the run's own "
+                "(`--configfile ... change.yaml`)")
+    planned = subprocess.run(snakemake_argv(options, str(overlay), dry_run=True),
                              cwd=ROOT, capture_output=True, text=True)
     report.line("", "`snakemake -n --quiet rules` with the change:", "", "```",
                 *(planned.stdout + planned.stderr).strip().splitlines()[-20:], "```")
     logs = ROOT / ".snakemake" / "log"
     before = set(logs.glob("*.snakemake.log"))
-    code, wall = run_snakemake(report, snakemake_argv(options, "--configfile", str(overlay)), "dag-rerun.log", options.timeout)
+    code, wall = run_snakemake(report, snakemake_argv(options, str(overlay)), "dag-rerun.log", options.timeout)
     fresh = [path for path in logs.glob("*.snakemake.log") if path not in before]
     if code != 0 or not fresh:
         raise CheckFailed(f"the rerun exited {code}")

@@ -50,6 +50,10 @@ DEFAULT_API_JOBS = 4
 # (`nodes`), which a local run turns into --cores; a job run by a remote executor (exec mode
 # `remote`) parses this file too, on its own node.
 RUNS_HERE = workflow.resource_settings.nodes is None and not workflow.remote_exec
+if config["device"] == "cuda" and RUNS_HERE and not RUN_GPUS:
+    # a cluster's login node may have none: there the executor places jobs on GPU nodes
+    sys.exit("config error: device: cuda (config/gpu.yaml sets it), but this machine shows no GPU "
+             "(nvidia-smi -L, CUDA_VISIBLE_DEVICES); on a CPU run without --configfile config/gpu.yaml")
 
 
 def register_default_resources():
@@ -91,6 +95,10 @@ onsuccess:
 onerror:
     stop_services(GYM_SERVICE_DIR)
 
+
+# distill -> sft -> rl_iter, the run's longest chain: when jobs compete for GPU slots or cores,
+# Snakemake starts these first (the teacher's evaluations, STTS and the like fit beside them)
+CRITICAL_PATH = 10
 
 # the `gym` section as rules' params: `service` says where evaluations run, not what they give
 GYM = {key: value for key, value in config["gym"].items() if key != "service"}

@@ -43,6 +43,7 @@ else:
             code=code_version("agent", "llm", "gym", "data/schemas.py"),
         wildcard_constraints:
             shard=r"\d+",
+        priority: CRITICAL_PATH
         resources:
             api=1 if DISTILL["teacher"] == "api" else 0,
             gpu_slots=evaluating_job_slots(),

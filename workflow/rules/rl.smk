@@ -34,6 +34,7 @@ rule rl_iter:
         scratch=lambda wildcards: f"{RESULTS}/work/rl-{wildcards.run}/iter={wildcards.iter}/scratch",
         drop_init_state=not RL["keep_optimizer_states"],
         code=code_version("train", "agent", "llm", "gym", "infra/launch.py"),
+    priority: CRITICAL_PATH
     resources:
         gpu_slots=RL_SLOTS,
         gpu=whole_gpus(RL_SLOTS),

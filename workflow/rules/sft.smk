@@ -47,6 +47,7 @@ rule sft:
         work=f"{RESULTS}/work/sft-{RUN}",
         code=code_version("train/sft.py", "train/samples.py", "train/checkpoint.py", "train/metrics_log.py",
                           "train/cli.py", "train/jobs.py", "data/schemas.py", "infra/launch.py"),
+    priority: CRITICAL_PATH
     resources:
         gpu_slots=SFT_SLOTS,
         gpu=whole_gpus(SFT_SLOTS),

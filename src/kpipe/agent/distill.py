@@ -206,8 +206,10 @@ def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, ca
     from kpipe.llm.server import served_in_subprocess
 
     tasks = shard_tasks(queries_path, shard, num_shards, settings.get("max_queries"))
-    gym = dict(gym or {})
-    gym_protocol = Protocol.from_dict(dict(gym.get("protocol", {})))
+    # eager baseline only, as RL (kpipe.train.rl.gym_protocol): the feedback and reward of a cold-start
+    # turn use the eager speedup, and a torch.compile reference would be compiled for every task
+    gym = {**dict(gym or {}), "protocol": {**dict((gym or {}).get("protocol", {})), "baseline": "eager"}}
+    gym_protocol = Protocol.from_dict(gym["protocol"])
     common = dict(
         run=run, n_turns=int(settings.get("turns", 5)), n_samples=int(settings.get("samples", 1)),
         policy=make_policy(settings.get("history", "full"), int(settings.get("window", 4))),

@@ -5,8 +5,7 @@ resource to ``sbatch --gpus`` (the job's total), so `gpus` here is the job's tot
 multi-node allocation each node runs one ``accelerate launch`` with ``gpus / nodes``
 processes, ranked by SLURM's node id. Configs live in ``workflow/accelerate/``:
 
-- 0 GPUs: the command runs in plain Python (accelerate's single-process path, CPU);
-- 1 GPU: ``single_gpu.yaml``;
+- 0 GPUs or 1: the command runs in plain Python (accelerate's single-process path; bf16 on a GPU);
 - several GPUs of one node: ``fsdp_single_node.yaml``;
 - several nodes: ``fsdp_multi_node.yaml``, started once per node through ``srun``.
 
@@ -35,7 +34,7 @@ DEFAULT_CONFIG_DIR = Path("workflow") / "accelerate"
 CONFIG_DIR_ENV = "KPIPE_ACCELERATE_DIR"
 DEFAULT_PORT = 29500
 PORT_SPAN = 10000  # jobs sharing a node get distinct rendezvous ports: 29500 + job id mod span
-SINGLE_GPU, FSDP_SINGLE_NODE, FSDP_MULTI_NODE = "single_gpu.yaml", "fsdp_single_node.yaml", "fsdp_multi_node.yaml"
+FSDP_SINGLE_NODE, FSDP_MULTI_NODE = "fsdp_single_node.yaml", "fsdp_multi_node.yaml"
 
 
 @dataclass(frozen=True)
@@ -85,10 +84,8 @@ def node_info_from_env(env: Mapping[str, str]) -> NodeInfo:
     return NodeInfo(nodes=nodes, rank=rank, main_address=address, main_port=port)
 
 
-def config_name(gpus: int, nodes: int) -> str:
-    if nodes > 1:
-        return FSDP_MULTI_NODE
-    return SINGLE_GPU if gpus == 1 else FSDP_SINGLE_NODE
+def config_name(nodes: int) -> str:
+    return FSDP_MULTI_NODE if nodes > 1 else FSDP_SINGLE_NODE
 
 
 def gpus_per_node(gpus: int, nodes: int) -> int:
@@ -106,14 +103,16 @@ def default_config_dir() -> Path:
 
 def accelerate_command(gpus: int, args: Sequence[str], node: NodeInfo = NodeInfo(),
                        config_dir: Path | None = None, module: str = "kpipe.cli") -> list[str]:
-    """The command this node runs: ``python -m <module> <args>`` under ``accelerate launch``
-    with one process per GPU of the job (`gpus` is the job's total over all nodes)."""
+    """The command this node runs: ``python -m <module> <args>``, under ``accelerate launch`` with one
+    process per GPU of the job when it has several (`gpus` is the job's total over all nodes)."""
     per_node = gpus_per_node(gpus, node.nodes)
-    if per_node == 0:
-        if node.nodes > 1:
-            raise ValueError("a multi-node job needs GPUs")
+    if per_node == 0 and node.nodes > 1:
+        raise ValueError("a multi-node job needs GPUs")
+    if per_node <= 1 and node.nodes == 1:
+        # one process: Accelerator() needs no launcher (its precision is kpipe's `mixed_precision`,
+        # bf16 on a GPU), and `accelerate launch` would import torch once more before it (seconds per job)
         return [sys.executable, "-m", module, *args]
-    config = (config_dir or default_config_dir()) / config_name(gpus, node.nodes)
+    config = (config_dir or default_config_dir()) / config_name(node.nodes)
     if not config.is_file():
         raise FileNotFoundError(f"accelerate config {config} not found (set {CONFIG_DIR_ENV} or run from the repository root)")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
