@@ -17,6 +17,8 @@ Sections:
   per ``device_id``), the teacher's Fast@1 above 0 in ``table1_fastp_eager``, the RL reward higher
   at the last iteration than at the first, and Snakemake's time within ``--budget`` seconds
   (issue 27: 180 on one GPU).
+- ``startup``: where a job's seconds go: an RL job's imports, a CUDA context, and one RL step's
+  generation by the run's policy on the GPU and on CPU threads.
 - ``rerun``: one config change (``stts.window``), then the same command: only the STTS jobs and what
   reads them (the evals export, database, tables, figures, viewer) may run.
 """
@@ -386,4 +388,52 @@ def rerun(report: Report, options: argparse.Namespace) -> None:
     report.expect(ran.get("stts", 0) > 0, "the change reran no STTS job")
 
 
-SECTIONS = (Section("setup", 40, setup), Section("run", 300, run), Section("rerun", 90, rerun))
+def startup(report: Report, options: argparse.Namespace) -> None:
+    """Where a GPU job's seconds go before and during its work: the imports of an RL job, a CUDA
+    context, and the run's last RL policy generating one RL step (64 rollouts of at most 256 tokens,
+    the first prompt of each training query) on the GPU and on CPU threads, each from a fresh process."""
+    report.table("what", "seconds", "how")
+    for name, code in (("python + imports of an RL job", "import kpipe.train.rl"),
+                       ("python + import torch", "import torch"),
+                       ("python + import torch + CUDA context", "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()")):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+        report.row(name, f"{time.monotonic() - started:.1f}", f"`python -c \"{code}\"`", ok=done.returncode == 0)
+    model = RESULTS / "models" / "rl-default" / "iter=4"
+    if not model.exists():
+        raise CheckFailed(f"{model.relative_to(ROOT)} missing: the run did not finish")
+    for device, threads in (("cuda", 0), ("cpu", 4), ("cpu", 16)):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-c", GENERATE, str(model), device, str(threads)], cwd=ROOT,
+                              capture_output=True, text=True)
+        wall = time.monotonic() - started
+        numbers = done.stdout.strip().splitlines()[-1] if done.returncode == 0 else f"failed: {done.stderr[-300:]}"
+        report.row(f"one RL step's generation on {device}" + (f" ({threads} threads)" if threads else ""),
+                   f"{wall:.1f} (process)", numbers, ok=done.returncode == 0)
+
+
+# One RL step's generate() in a fresh process: prints generation seconds and tokens.
+GENERATE = """
+import sys, time, torch, pyarrow.parquet as pq
+model, device, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if threads:
+    torch.set_num_threads(threads)
+from kpipe.llm.hf_engine import HFEngine
+from kpipe.llm.types import ChatRequest
+rows = pq.read_table("results/trajectories/stage=rl/run=default/iter=4/part-0.parquet").to_pylist()
+prompts = {row["task_id"]: row["prompt_messages"] for row in rows}
+engine = HFEngine.from_pretrained(model, device=device, batch_size=64)
+requests = [ChatRequest(messages=messages, max_tokens=256, seed=seed)
+            for messages in prompts.values() for seed in range(64 // len(prompts))]
+started = time.monotonic()
+out = engine.generate(requests)
+if device == "cuda":
+    torch.cuda.synchronize()
+seconds = time.monotonic() - started
+tokens = sum(c.completion_tokens for c in out)
+print(f"generate: {seconds:.1f} s, {tokens} tokens, {tokens / seconds:.0f} tokens/s")
+"""
+
+
+SECTIONS = (Section("setup", 40, setup), Section("run", 300, run), Section("rerun", 90, rerun),
+            Section("startup", 60, startup))
