@@ -281,6 +281,28 @@ def test_the_kl_term_adds_kl_coef_times_the_reference_kl_to_the_loss(nano_model)
     assert "kl" not in update(far)[0]  # kl_coef 0 (the default): no term
 
 
+def test_a_step_whose_gradient_is_not_finite_is_not_taken(nano_model):
+    """A NaN gradient (here from a NaN advantage) would make every weight NaN and the next
+    iteration's sampling fail: the step is dropped and counted, a finite one still taken."""
+    from accelerate import Accelerator
+
+    model, tokenizer = rl.load_policy(nano_model, RLConfig())
+    sample = rl_update.TokenSample(list(range(40, 45)), list(range(60, 63)))
+
+    def update(advantage):
+        optimizer = RecordingOptimizer(model)
+        item = rl_update.TrainItem(("t", 0, 1), sample, advantage, torch.full((3,), -5.0), torch.zeros(3))
+        stats = rl_update.update_policy(Accelerator(cpu=True), model, optimizer, [item],
+                                        RLConfig(mini_batches=1, ppo_epochs=2), tokenizer.pad_token_id,
+                                        torch.Generator().manual_seed(0))
+        return stats, optimizer.grads
+
+    stats, grads = update(float("nan"))
+    assert grads is None and (stats["skipped_steps"], stats["optimizer_steps"]) == (2.0, 0.0)
+    stats, grads = update(1.0)
+    assert grads is not None and (stats["skipped_steps"], stats["optimizer_steps"]) == (0.0, 2.0)
+
+
 # ----------------------------------------------------------------------------- one iteration, killed and resumed
 
 

@@ -91,7 +91,7 @@ def device_facts() -> dict[str, Any]:
     return {"device": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus,
             "driver": driver[0] if driver else "none", "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda or "none", "python": sys.version.split()[0],
-            "commit": _command(["git", "rev-parse", "--short", "HEAD"]) or os.environ.get("KPIPE_COMMIT", "unknown"),
+            "commit": os.environ.get("KPIPE_COMMIT") or _command(["git", "rev-parse", "--short", "HEAD"]) or "unknown",
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 

@@ -184,7 +184,8 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
     the process count, since DDP/FSDP average gradients over processes. Every process runs as many
     forward passes as the busiest; its extra ones run on a filler with weight 0.
 
-    Returns the means over optimizer steps of loss, grad_norm, clip fractions, approx KL (and the KL to the
+    A step whose gradient norm is not finite is not taken (``skipped_steps``; its grad_norm, NaN, is in the
+    mean). Returns the means over optimizer steps of loss, grad_norm, clip fractions, approx KL (and the KL to the
     reference policy with `kl_coef`), the
     token-mean entropy of the policy on the trained tokens during the first epoch, and the number
     of trained rows (all over every process).
@@ -194,6 +195,7 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
     keys, mine = sorted(units), {item.key: item for item in items}
     filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1), torch.zeros(1))
     stats: dict[str, list[float]] = {}
+    skipped = 0
     entropy = {"sum": 0.0, "tokens": 0.0}
     bar = tqdm(total=cfg.ppo_epochs * min(cfg.mini_batches, len(keys)), desc="update", unit="step",
                disable=not progress, leave=False)  # the job log's progress line during the update
@@ -238,7 +240,10 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
                         entropy["sum"] += float((token_entropy * mask).sum())
                         entropy["tokens"] += float(mask.sum())
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
-            optimizer.step()
+            if math.isfinite(float(grad_norm)):  # the global norm: every process decides alike
+                optimizer.step()
+            else:  # a NaN/inf gradient would make every weight NaN (seen once on an H200, bf16): drop the step
+                skipped += 1
             optimizer.zero_grad(set_to_none=True)
             step_totals = summed_over_processes(accelerator, step_totals)
             for name, value in {**step_totals, "grad_norm": float(grad_norm)}.items():
@@ -246,7 +251,8 @@ def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[
             bar.update(1)
     bar.close()
     out = {name: float(np.mean(values)) for name, values in stats.items()}
-    out.update(optimizer_steps=float(len(stats.get("loss", []))), trained_rows=float(len(keys)))
+    out.update(optimizer_steps=float(len(stats.get("loss", [])) - skipped), skipped_steps=float(skipped),
+               trained_rows=float(len(keys)))
     if keys:
         entropy = summed_over_processes(accelerator, entropy)
         out["entropy"] = entropy["sum"] / max(1.0, entropy["tokens"])
