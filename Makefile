@@ -50,10 +50,14 @@ wheelhouse: setup
 	$(BIN)/python scripts/wheelhouse.py --have $(HAVE) --python $(TARGET_PYTHON) --out $(WHEELHOUSE)
 
 # On the target, with no index, into the environment $(PYTHON) belongs to (the one holding the
-# machine's CUDA torch; activate it first): kpipe's missing wheels from every part, then kpipe
-# itself, editable, built with the wheelhouse's setuptools. Then run `snakemake --cores N` there.
+# machine's CUDA torch; activate it first): kpipe's missing wheels from every part (a wheel cut
+# into chunks joined again, every wheel checked against SHA256SUMS), then kpipe itself, editable,
+# built with the wheelhouse's setuptools. Then run `snakemake --cores N` there.
 setup-offline:
-	$(PYTHON) -m pip install -q --no-index --no-deps $(WHEELHOUSE)/part-*/*.whl
+	rm -rf $(WHEELHOUSE)/all && mkdir $(WHEELHOUSE)/all && for p in $(WHEELHOUSE)/part-*; do cp $$p/* $(WHEELHOUSE)/all/; done
+	cd $(WHEELHOUSE)/all && for c in *.chunk-00; do [ -e "$$c" ] || continue; w=$${c%.chunk-00}; \
+		cat "$$w".chunk-* > "$$w" && rm "$$w".chunk-*; done; sha256sum -c --ignore-missing --quiet SHA256SUMS
+	$(PYTHON) -m pip install -q --no-index --no-deps $(WHEELHOUSE)/all/*.whl
 	$(PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation -e .
 	$(PYTHON) -m pip check
 
