@@ -19,9 +19,10 @@ on the target are followed, breadth first. Parts are folders ``part-1``, ``part-
 in install order of size, none over ``--part-mib``. ``--skip NAME`` leaves a package out and
 does not follow it (one shown unneeded where the target runs); ``--pin NAME==VER`` (any
 specifier) narrows every requirement on NAME, as pip's constraints do, to settle a conflict
-between pins of different packages. A wheel larger than a part is cut into ``<wheel>.chunk-00``,
-``-01``, ... that fill parts like wheels; ``SHA256SUMS`` in every part lists every whole wheel.
-On the target, with every part's files in one folder::
+between pins of different packages. ``--drop NAME:PATTERN`` rewrites NAME's wheel without the
+members matching PATTERN (and their RECORD lines). A wheel larger than a part is cut into
+``<wheel>.chunk-00``, ``-01``, ... that fill parts like wheels; ``SHA256SUMS`` in every part lists
+every whole wheel. On the target, with every part's files in one folder::
 
     for c in *.chunk-00; do [ -e "$c" ] || continue; w=${c%.chunk-00}; cat "$w".chunk-* > "$w" && rm "$w".chunk-*; done; sha256sum -c --ignore-missing SHA256SUMS
 
@@ -32,7 +33,10 @@ has, and the GPU device this project is checked on takes at most 64 MiB per call
 from __future__ import annotations
 
 import argparse
+import csv
+import fnmatch
 import hashlib
+import io
 import re
 import shutil
 import subprocess
@@ -175,6 +179,33 @@ def collect(roots: list[Requirement], python: str, have: dict[str, str | None], 
     return sorted(wheel for wheel, _ in seen.values())
 
 
+def drop_members(wheel: Path, patterns: list[str]) -> int:
+    """Rewrite `wheel` without its members that match `patterns` (fnmatch) and their RECORD lines:
+    files the target never loads (vLLM's FlashAttention-2 build on a Hopper GPU) that would cost a
+    whole upload. Returns the bytes saved; a pattern that matches nothing stops the run."""
+    slim = wheel.with_name(wheel.name + ".slim")
+    with zipfile.ZipFile(wheel) as source:
+        names = source.namelist()
+        matches = {p: {n for n in names if fnmatch.fnmatchcase(n, p)} for p in patterns}
+        if unmatched := [p for p, found in matches.items() if not found]:
+            raise SystemExit(f"{wheel.name}: nothing matches {', '.join(unmatched)}")
+        dropped = set().union(*matches.values())
+        with zipfile.ZipFile(slim, "w") as target:
+            for info in source.infolist():
+                if info.filename in dropped:
+                    continue
+                data = source.read(info)
+                if info.filename.endswith(".dist-info/RECORD"):
+                    rows = [row for row in csv.reader(io.StringIO(data.decode())) if row and row[0] not in dropped]
+                    text = io.StringIO()
+                    csv.writer(text, lineterminator="\n").writerows(rows)
+                    data = text.getvalue().encode()
+                target.writestr(info, data)
+    saved = wheel.stat().st_size - slim.stat().st_size
+    slim.replace(wheel)
+    return saved
+
+
 def chunk(wheel: Path, chunk_bytes: int) -> list[Path]:
     """`wheel` cut into ``<wheel>.chunk-NN`` files of at most `chunk_bytes` beside it (the wheel
     itself removed), so that each fits a part; ``cat`` in name order joins them again."""
@@ -256,6 +287,9 @@ def main() -> None:
                         help="a package to leave out, with what only it needs (shown unneeded on the target); repeatable")
     parser.add_argument("--pin", action="append", default=[], type=Requirement, metavar="NAME==VER",
                         help="narrow every requirement on NAME (a constraint, as pip's -c); repeatable")
+    parser.add_argument("--drop", action="append", default=[], metavar="NAME:PATTERN",
+                        help="leave the members matching PATTERN (fnmatch) out of NAME's wheel, e.g. "
+                             "vllm:vllm/vllm-rs (a file shown unused on the target); repeatable")
     args = parser.parse_args()
     have = installed(args.have)
     if args.out.exists():
@@ -264,6 +298,13 @@ def main() -> None:
     roots = [*args.also, *([] if args.without_kpipe else project_requirements(args.extras))]
     pins = {canonical(pin.name): pin.specifier for pin in args.pin}
     wheels = collect(roots, args.python, have, staging, frozenset(map(canonical, args.skip)), pins)
+    drops: dict[str, list[str]] = {}
+    for spec in args.drop:
+        name, _, pattern = spec.partition(":")
+        drops.setdefault(canonical(name), []).append(pattern)
+    for wheel in wheels:
+        if patterns := drops.get(canonical(wheel.name.split("-")[0])):
+            print(f"  {wheel.name}: {drop_members(wheel, patterns) / 2**20:.1f} MiB dropped", flush=True)
     limit = int(args.part_mib * 2**20)
     files, listing = chunk_large(wheels, limit)
     parts = split_parts(files, args.out, limit)

@@ -119,3 +119,21 @@ def test_a_wheel_over_the_part_size_travels_in_chunks_that_cat_joins(tmp_path: P
     subprocess.run(["bash", "-c", one_liner], cwd=joined, check=True, capture_output=True)
     assert (joined / "big-1-py3-none-any.whl").read_bytes() == content
     assert not list(joined.glob("*.chunk-*"))
+
+
+def test_dropped_members_leave_the_wheel_and_its_record(tmp_path: Path) -> None:
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    record = ("demo/__init__.py,sha256=a,1\ndemo/_fa2_C.so,sha256=b,9\n\"demo/odd,name.txt\",sha256=c,2\n"
+              "demo-1.0.dist-info/RECORD,,\n")
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("demo/__init__.py", "x")
+        archive.writestr("demo/_fa2_C.so", b"\0" * 50_000)
+        archive.writestr("demo/odd,name.txt", "kept")
+        archive.writestr("demo-1.0.dist-info/RECORD", record)
+    assert wheelhouse.drop_members(wheel, ["demo/_fa2_*"]) > 0
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.namelist() == ["demo/__init__.py", "demo/odd,name.txt", "demo-1.0.dist-info/RECORD"]
+        assert archive.read("demo-1.0.dist-info/RECORD").decode() == (
+            "demo/__init__.py,sha256=a,1\n\"demo/odd,name.txt\",sha256=c,2\ndemo-1.0.dist-info/RECORD,,\n")
+    with pytest.raises(SystemExit, match="nothing matches demo/typo"):
+        wheelhouse.drop_members(wheel, ["demo/typo"])
