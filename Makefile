@@ -20,7 +20,7 @@ SNAKEMAKE_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kpipe-installed
 
-.PHONY: setup run test lint clean wheelhouse setup-offline
+.PHONY: setup run test lint clean wheelhouse wheelhouse-vllm setup-offline
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,11 +49,34 @@ HAVE ?= target-freeze.txt
 wheelhouse: setup
 	$(BIN)/python scripts/wheelhouse.py --have $(HAVE) --python $(TARGET_PYTHON) --out $(WHEELHOUSE)
 
+# vLLM 0.26.0 alone for the GPU device (docs/vllm-on-the-device.md): what it imports on the paths
+# kpipe takes (in-process LLM, `vllm serve`) beyond the device image (docs/device-freeze.txt), in
+# parts of 58 MiB (a call carries 64 MiB, the repo included). VLLM_SKIP: requirements vLLM never
+# imports there; xgrammar 0.2.7, the newest that takes vLLM's apache-tvm-ffi==0.1.10; VLLM_DROP:
+# files of the vLLM wheel a Hopper GPU never loads (`make wheelhouse-vllm VLLM_DROP=
+# VLLM_WHEELHOUSE=wheelhouse-vllm-full` keeps the wheel whole: 6 calls instead of 3).
+VLLM_SKIP ?= flashinfer-python nvidia-cudnn-frontend nvidia-cutlass-dsl quack-kernels tilelang tokenspeed-mla \
+	humming-kernels torchcodec pynvvideocodec nvtx fastsafetensors numba setuptools depyf setproctitle blake3 \
+	compressed-tensors mistral-common lm-format-enforcer outlines-core lark jsonschema ijson python-json-logger \
+	anthropic mcp opentelemetry-sdk opentelemetry-api opentelemetry-exporter-otlp opentelemetry-semantic-conventions-ai \
+	fastapi-cli fastar python-multipart email-validator pydantic-settings pydantic-extra-types httptools python-dotenv \
+	websockets supervisor
+VLLM_DROP ?= vllm:vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm:vllm/vllm-rs
+VLLM_WHEELHOUSE ?= wheelhouse-vllm
+wheelhouse-vllm: setup
+	$(BIN)/python scripts/wheelhouse.py --have docs/device-freeze.txt --python 3.12 --also vllm==0.26.0 --without-kpipe \
+		$(addprefix --skip ,$(VLLM_SKIP)) --pin xgrammar==0.2.7 $(addprefix --drop ,$(VLLM_DROP)) --part-mib 58 \
+		--out $(VLLM_WHEELHOUSE)
+
 # On the target, with no index, into the environment $(PYTHON) belongs to (the one holding the
-# machine's CUDA torch; activate it first): kpipe's missing wheels from every part, then kpipe
-# itself, editable, built with the wheelhouse's setuptools. Then run `snakemake --cores N` there.
+# machine's CUDA torch; activate it first): kpipe's missing wheels from every part (a wheel cut
+# into chunks joined again, every wheel checked against SHA256SUMS), then kpipe itself, editable,
+# built with the wheelhouse's setuptools. Then run `snakemake --cores N` there.
 setup-offline:
-	$(PYTHON) -m pip install -q --no-index --no-deps $(WHEELHOUSE)/part-*/*.whl
+	rm -rf $(WHEELHOUSE)/all && mkdir $(WHEELHOUSE)/all && for p in $(WHEELHOUSE)/part-*; do cp $$p/* $(WHEELHOUSE)/all/; done
+	cd $(WHEELHOUSE)/all && for c in *.chunk-00; do [ -e "$$c" ] || continue; w=$${c%.chunk-00}; \
+		cat "$$w".chunk-* > "$$w" && rm "$$w".chunk-*; done; sha256sum -c --ignore-missing --quiet SHA256SUMS
+	$(PYTHON) -m pip install -q --no-index --no-deps $(WHEELHOUSE)/all/*.whl
 	$(PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation -e .
 	$(PYTHON) -m pip check
 

@@ -6,22 +6,37 @@ already has, for the target's Python and platform, in parts of at most 60 MiB.
     python scripts/wheelhouse.py --have target-freeze.txt --also vllm==0.26.0 --out wheelhouse   # with vLLM
     # on the target, part by part (or all at once):
     python -m pip install --no-index --find-links wheelhouse/part-1 ... -e . (see README)
+    # vLLM alone, less what it never imports on our paths (docs/vllm-on-the-device.md):
+    python scripts/wheelhouse.py --have docs/device-freeze.txt --also vllm==0.26.0 --without-kpipe \
+        --skip flashinfer-python ... --pin xgrammar==0.2.7 --part-mib 58 --out wheelhouse-vllm
 
 ``--have`` is ``python -m pip list --format=freeze`` (or a list of names) from the target: every
 package there whose version satisfies what is asked is left out, and not followed (a listing of
 names only counts as satisfying everything). From kpipe's dependencies in ``pyproject.toml``, each
 missing one is fetched for the target's Python and platform with ``pip download --no-deps``
 (binary wheels only, newest that satisfies its specifier), and its ``Requires-Dist`` that apply
-on the target are followed, breadth first. Parts are
-folders ``part-1``, ``part-2``, ... filled in install order of size, none over ``--part-mib``
-(a single larger wheel gets a part of its own and is reported). Why a script and not
-``pip download`` alone: pip cannot leave out what another machine already has, and the GPU
-device this project is checked on takes at most 64 MiB per call.
+on the target are followed, breadth first. Parts are folders ``part-1``, ``part-2``, ... filled
+in install order of size, none over ``--part-mib``. ``--skip NAME`` leaves a package out and
+does not follow it (one shown unneeded where the target runs); ``--pin NAME==VER`` (any
+specifier) narrows every requirement on NAME, as pip's constraints do, to settle a conflict
+between pins of different packages. ``--drop NAME:PATTERN`` rewrites NAME's wheel without the
+members matching PATTERN (and their RECORD lines). A wheel larger than a part is cut into
+``<wheel>.chunk-00``, ``-01``, ... that fill parts like wheels; ``SHA256SUMS`` in every part lists
+every whole wheel. On the target, with every part's files in one folder::
+
+    for c in *.chunk-00; do [ -e "$c" ] || continue; w=${c%.chunk-00}; cat "$w".chunk-* > "$w" && rm "$w".chunk-*; done; sha256sum -c --ignore-missing SHA256SUMS
+
+Why a script and not ``pip download`` alone: pip cannot leave out what another machine already
+has, and the GPU device this project is checked on takes at most 64 MiB per call.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import fnmatch
+import hashlib
+import io
 import re
 import shutil
 import subprocess
@@ -31,6 +46,7 @@ import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parent.parent
 PLATFORMS = ("manylinux_2_39_x86_64", "manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
@@ -118,18 +134,32 @@ def with_extras(requirement: Requirement, extras: set[str], specifier: object) -
     return Requirement(f"{requirement.name}{listed}{specifier}")
 
 
-def collect(roots: list[Requirement], python: str, have: dict[str, str | None], dest: Path) -> list[Path]:
+def pinned(requirement: Requirement, pins: dict[str, SpecifierSet]) -> Requirement:
+    """`requirement` narrowed by the pin on its name, if any."""
+    pin = pins.get(canonical(requirement.name))
+    return requirement if pin is None else with_extras(requirement, set(requirement.extras), requirement.specifier & pin)
+
+
+def collect(roots: list[Requirement], python: str, have: dict[str, str | None], dest: Path,
+            skip: frozenset[str] = frozenset(), pins: dict[str, SpecifierSet] | None = None) -> list[Path]:
     """Every wheel the target lacks, breadth first from `roots`: a package the target has in a
-    version that satisfies the requirement is not followed (its own dependencies are there with it).
-    A package asked for again is fetched again under both specifiers when its wheel does not meet
-    the new one (vLLM pins many of kpipe's loose ones), and new extras add their dependencies."""
+    version that satisfies the (pinned) requirement is not followed (its own dependencies are there
+    with it), nor is one in `skip`. A package asked for again is fetched again under both
+    specifiers when its wheel does not meet the new one (vLLM pins many of kpipe's loose ones),
+    and new extras add their dependencies."""
     environment = target_environment(python)
     dest.mkdir(parents=True, exist_ok=True)
     seen: dict[str, tuple[Path, Requirement]] = {}
+    skipped: set[str] = set()
     queue = list(roots)
     while queue:
-        requirement = queue.pop(0)
+        requirement = pinned(queue.pop(0), pins or {})
         name = canonical(requirement.name)
+        if name in skip:
+            if name not in skipped:
+                print(f"  skipped {requirement}", flush=True)
+                skipped.add(name)
+            continue
         if satisfied(requirement, have):
             continue
         if name in seen:
@@ -147,6 +177,67 @@ def collect(roots: list[Requirement], python: str, have: dict[str, str | None], 
         print(f"  {wheel.name}", flush=True)
         queue += requirements_of(wheel, set(requirement.extras), environment)
     return sorted(wheel for wheel, _ in seen.values())
+
+
+def drop_members(wheel: Path, patterns: list[str]) -> int:
+    """Rewrite `wheel` without its members that match `patterns` (fnmatch) and their RECORD lines:
+    files the target never loads (vLLM's FlashAttention-2 build on a Hopper GPU) that would cost a
+    whole upload. Returns the bytes saved; a pattern that matches nothing stops the run."""
+    slim = wheel.with_name(wheel.name + ".slim")
+    with zipfile.ZipFile(wheel) as source:
+        names = source.namelist()
+        matches = {p: {n for n in names if fnmatch.fnmatchcase(n, p)} for p in patterns}
+        if unmatched := [p for p, found in matches.items() if not found]:
+            raise SystemExit(f"{wheel.name}: nothing matches {', '.join(unmatched)}")
+        dropped = set().union(*matches.values())
+        with zipfile.ZipFile(slim, "w") as target:
+            for info in source.infolist():
+                if info.filename in dropped:
+                    continue
+                data = source.read(info)
+                if info.filename.endswith(".dist-info/RECORD"):
+                    rows = [row for row in csv.reader(io.StringIO(data.decode())) if row and row[0] not in dropped]
+                    text = io.StringIO()
+                    csv.writer(text, lineterminator="\n").writerows(rows)
+                    data = text.getvalue().encode()
+                target.writestr(info, data)
+    saved = wheel.stat().st_size - slim.stat().st_size
+    slim.replace(wheel)
+    return saved
+
+
+def chunk(wheel: Path, chunk_bytes: int) -> list[Path]:
+    """`wheel` cut into ``<wheel>.chunk-NN`` files of at most `chunk_bytes` beside it (the wheel
+    itself removed), so that each fits a part; ``cat`` in name order joins them again."""
+    size = wheel.stat().st_size
+    count = -(-size // chunk_bytes)
+    width = max(2, len(str(count - 1)))
+    chunks = []
+    with wheel.open("rb") as source:
+        for index in range(count):
+            piece = wheel.with_name(f"{wheel.name}.chunk-{index:0{width}d}")
+            piece.write_bytes(source.read(chunk_bytes))
+            chunks.append(piece)
+    wheel.unlink()
+    return chunks
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        for block in iter(lambda: source.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def chunk_large(wheels: list[Path], part_bytes: int) -> tuple[list[Path], str]:
+    """The files to pack (each wheel over `part_bytes` replaced by its chunks) and the
+    ``sha256sum`` listing of every whole wheel, taken before any is cut."""
+    listing = "".join(f"{sha256(wheel)}  {wheel.name}\n" for wheel in sorted(wheels))
+    files = []
+    for wheel in wheels:
+        files += chunk(wheel, part_bytes) if wheel.stat().st_size > part_bytes else [wheel]
+    return files, listing
 
 
 def project_requirements(extras: str) -> list[Requirement]:
@@ -191,20 +282,40 @@ def main() -> None:
     parser.add_argument("--also", action="append", default=[], type=Requirement, metavar="REQ",
                         help="a further requirement, e.g. vllm==0.26.0 (the release that fits the target's torch, "
                              "where the extra's range would resolve to a newer one); repeatable")
+    parser.add_argument("--without-kpipe", action="store_true", help="the --also requirements alone, not kpipe's")
+    parser.add_argument("--skip", action="append", default=[], metavar="NAME",
+                        help="a package to leave out, with what only it needs (shown unneeded on the target); repeatable")
+    parser.add_argument("--pin", action="append", default=[], type=Requirement, metavar="NAME==VER",
+                        help="narrow every requirement on NAME (a constraint, as pip's -c); repeatable")
+    parser.add_argument("--drop", action="append", default=[], metavar="NAME:PATTERN",
+                        help="leave the members matching PATTERN (fnmatch) out of NAME's wheel, e.g. "
+                             "vllm:vllm/vllm-rs (a file shown unused on the target); repeatable")
     args = parser.parse_args()
     have = installed(args.have)
     if args.out.exists():
         shutil.rmtree(args.out)
     staging = args.out / "staging"
-    wheels = collect([*args.also, *project_requirements(args.extras)], args.python, have, staging)
-    parts = split_parts(wheels, args.out, int(args.part_mib * 2**20))
-    staging.rmdir()
+    roots = [*args.also, *([] if args.without_kpipe else project_requirements(args.extras))]
+    pins = {canonical(pin.name): pin.specifier for pin in args.pin}
+    wheels = collect(roots, args.python, have, staging, frozenset(map(canonical, args.skip)), pins)
+    drops: dict[str, list[str]] = {}
+    for spec in args.drop:
+        name, _, pattern = spec.partition(":")
+        drops.setdefault(canonical(name), []).append(pattern)
+    for wheel in wheels:
+        if patterns := drops.get(canonical(wheel.name.split("-")[0])):
+            print(f"  {wheel.name}: {drop_members(wheel, patterns) / 2**20:.1f} MiB dropped", flush=True)
     limit = int(args.part_mib * 2**20)
+    files, listing = chunk_large(wheels, limit)
+    parts = split_parts(files, args.out, limit)
+    staging.rmdir()
     for index, members in enumerate(parts, start=1):
-        size = sum((args.out / f"part-{index}" / w.name).stat().st_size for w in members)
-        flag = "  (one wheel over the limit)" if size > limit else ""
-        print(f"part-{index}: {len(members)} wheels, {size / 2**20:.1f} MiB{flag}")
-    print(f"{len(wheels)} wheels the target lacks -> {args.out}")
+        folder = args.out / f"part-{index}"
+        (folder / "SHA256SUMS").write_text(listing)
+        size = sum((folder / f.name).stat().st_size for f in members)
+        print(f"part-{index}: {len(members)} files, {size / 2**20:.1f} MiB")
+    total = sum(f.stat().st_size for f in args.out.glob("part-*/*") if f.name != "SHA256SUMS")
+    print(f"{len(wheels)} wheels the target lacks, {total / 2**20:.1f} MiB -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import shutil
+import subprocess
 import zipfile
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 SPEC = importlib.util.spec_from_file_location("wheelhouse", Path(__file__).parent.parent / "scripts" / "wheelhouse.py")
@@ -52,3 +56,84 @@ def test_parts_stay_under_the_limit_unless_one_wheel_is_larger(tmp_path: Path) -
     totals = sorted(sum(f.stat().st_size for f in folder.iterdir()) // 1024 for folder in folders)
     assert totals == [45, 55, 90]  # largest first, each into the first part it fits: huge | a+d | b+c
     assert not list(staging.glob("*.whl"))
+
+
+def test_a_pin_narrows_every_requirement_on_its_name() -> None:
+    pins = {"xgrammar": Requirement("xgrammar==0.2.7").specifier}
+    narrowed = wheelhouse.pinned(Requirement("xgrammar[test]<1.0.0,>=0.2.1"), pins)
+    assert narrowed.name == "xgrammar" and narrowed.extras == {"test"}
+    assert narrowed.specifier.contains("0.2.7") and not narrowed.specifier.contains("0.2.8")
+    assert wheelhouse.pinned(Requirement("openai>=2"), pins) == Requirement("openai>=2")
+    # the target's version must meet the pin too, else the pinned release is fetched
+    assert not wheelhouse.satisfied(narrowed, {"xgrammar": "0.2.8"})
+
+
+def test_skipped_and_satisfied_packages_are_neither_fetched_nor_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def demo_wheel(name: str, requires: list[str]) -> Path:
+        wheel = tmp_path / "index" / f"{name}-1.0-py3-none-any.whl"
+        wheel.parent.mkdir(exist_ok=True)
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(f"{name}-1.0.dist-info/METADATA",
+                             "\n".join([f"Name: {name}", "Version: 1.0", *(f"Requires-Dist: {r}" for r in requires)]))
+        return wheel
+
+    index = {"app": demo_wheel("app", ["big-kernels", "small", "torch==2.11.0"]),
+             "big-kernels": demo_wheel("big_kernels", ["huge-runtime"]), "small": demo_wheel("small", [])}
+    fetched = []
+
+    def fake_fetch(requirement: Requirement, python: str, dest: Path) -> Path:
+        fetched.append(wheelhouse.canonical(requirement.name))
+        return Path(shutil.copy(index[wheelhouse.canonical(requirement.name)], dest))
+
+    monkeypatch.setattr(wheelhouse, "fetch", fake_fetch)
+    wheels = wheelhouse.collect([Requirement("app==1.0")], "3.12", {"torch": "2.11.0"}, tmp_path / "out",
+                                skip=frozenset({"big-kernels"}))
+    assert fetched == ["app", "small"]  # huge-runtime, asked for by the skipped package only, is not reached
+    assert [w.name for w in wheels] == ["app-1.0-py3-none-any.whl", "small-1.0-py3-none-any.whl"]
+
+
+def test_a_wheel_over_the_part_size_travels_in_chunks_that_cat_joins(tmp_path: Path) -> None:
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    big = staging / "big-1-py3-none-any.whl"
+    content = bytes(range(256)) * 1000  # 256,000 bytes
+    big.write_bytes(content)
+    small = staging / "small-1-py3-none-any.whl"
+    small.write_bytes(b"s" * 30_000)
+    files, listing = wheelhouse.chunk_large([big, small], 100_000)
+    assert sorted(f.name for f in files) == ["big-1-py3-none-any.whl.chunk-00", "big-1-py3-none-any.whl.chunk-01",
+                                             "big-1-py3-none-any.whl.chunk-02", "small-1-py3-none-any.whl"]
+    assert not big.exists()
+    assert listing == (f"{hashlib.sha256(content).hexdigest()}  big-1-py3-none-any.whl\n"
+                       f"{hashlib.sha256(b's' * 30_000).hexdigest()}  small-1-py3-none-any.whl\n")
+    parts = wheelhouse.split_parts(files, tmp_path / "out", 100_000)
+    assert len(parts) == 3  # two full chunks alone, the 56,000-byte tail with the small wheel
+    assert all(sum(f.stat().st_size for f in (tmp_path / "out").glob(f"part-{i}/*")) <= 100_000 for i in (1, 2, 3))
+    # on the target: every part's files in one folder, then the documented one-liner
+    joined = tmp_path / "target"
+    joined.mkdir()
+    for piece in (tmp_path / "out").glob("part-*/*"):
+        shutil.copy(piece, joined)
+    (joined / "SHA256SUMS").write_text(listing)
+    one_liner = wheelhouse.__doc__.split("::\n\n", 1)[1].strip().splitlines()[0].strip()
+    subprocess.run(["bash", "-c", one_liner], cwd=joined, check=True, capture_output=True)
+    assert (joined / "big-1-py3-none-any.whl").read_bytes() == content
+    assert not list(joined.glob("*.chunk-*"))
+
+
+def test_dropped_members_leave_the_wheel_and_its_record(tmp_path: Path) -> None:
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    record = ("demo/__init__.py,sha256=a,1\ndemo/_fa2_C.so,sha256=b,9\n\"demo/odd,name.txt\",sha256=c,2\n"
+              "demo-1.0.dist-info/RECORD,,\n")
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("demo/__init__.py", "x")
+        archive.writestr("demo/_fa2_C.so", b"\0" * 50_000)
+        archive.writestr("demo/odd,name.txt", "kept")
+        archive.writestr("demo-1.0.dist-info/RECORD", record)
+    assert wheelhouse.drop_members(wheel, ["demo/_fa2_*"]) > 0
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.namelist() == ["demo/__init__.py", "demo/odd,name.txt", "demo-1.0.dist-info/RECORD"]
+        assert archive.read("demo-1.0.dist-info/RECORD").decode() == (
+            "demo/__init__.py,sha256=a,1\n\"demo/odd,name.txt\",sha256=c,2\ndemo-1.0.dist-info/RECORD,,\n")
+    with pytest.raises(SystemExit, match="nothing matches demo/typo"):
+        wheelhouse.drop_members(wheel, ["demo/typo"])
