@@ -94,6 +94,10 @@ def target_environment(python: str) -> dict[str, str]:
             "platform_python_implementation": "CPython", "extra": ""}
 
 
+class NoRelease(Exception):
+    """No release of a package meets the specifier asked for."""
+
+
 def fetch(requirement: Requirement, python: str, dest: Path) -> Path:
     """The newest binary wheel satisfying `requirement` for the target, without its dependencies;
     a source-only package is built here, which must give a pure-Python wheel."""
@@ -102,7 +106,9 @@ def fetch(requirement: Requirement, python: str, dest: Path) -> Path:
     binary = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(dest),
                              *pip_platform_args(python), spec], capture_output=True, text=True)
     if binary.returncode != 0:  # published as a source distribution only: build it here (pure Python ones)
-        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), spec], check=True)
+        built_here = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(dest), spec])
+        if built_here.returncode != 0:
+            raise NoRelease(f"{spec}: no release as a wheel for the target or as a source")
         built = [w for w in set(dest.glob("*.whl")) - before]
         if not built or not built[0].name.endswith("-none-any.whl"):
             raise SystemExit(f"{spec}: no binary wheel for the target, and its source does not build a pure-Python one")
@@ -171,12 +177,56 @@ def collect(roots: list[Requirement], python: str, have: dict[str, str | None], 
                     queue += requirements_of(wheel, extras, environment)
                 continue
             wheel.unlink()
-            requirement = with_extras(requirement, extras, before.specifier & requirement.specifier)
-        wheel = fetch(requirement, python, dest)
+            both = with_extras(requirement, extras, before.specifier & requirement.specifier)
+            try:
+                wheel = fetch(both, python, dest)
+                requirement = both
+            except NoRelease:  # none meets both: this requirer's wins here, `resolve` settles the other
+                requirement = with_extras(requirement, extras, requirement.specifier)
+                wheel = fetch(requirement, python, dest)
+        else:
+            wheel = fetch(requirement, python, dest)
         seen[name] = (wheel, requirement)
         print(f"  {wheel.name}", flush=True)
         queue += requirements_of(wheel, set(requirement.extras), environment)
     return sorted(wheel for wheel, _ in seen.values())
+
+
+def unmet(wheels: list[Path], python: str, skip: frozenset[str] = frozenset()) -> list[tuple[Path, Requirement, str]]:
+    """Base requirements of the chosen wheels that the chosen version of the package they name does
+    not meet (requiring wheel, requirement, chosen version): breadth-first fetching picks each
+    package's newest release for the first specifier it meets, so a later requirer can be left
+    unmet (snakemake-interface-common 1.24.1 wants packaging>=26.1, snakemake 9.27 packaging<26)."""
+    environment = target_environment(python)
+    chosen = {canonical(wheel.name.split("-")[0]): wheel_version(wheel) for wheel in wheels}
+    found = []
+    for wheel in wheels:
+        for requirement in requirements_of(wheel, set(), environment):
+            name = canonical(requirement.name)
+            if name in chosen and name not in skip and not requirement.specifier.contains(chosen[name], prereleases=True):
+                found.append((wheel, requirement, chosen[name]))
+    return found
+
+
+def resolve(roots: list[Requirement], python: str, have: dict[str, str | None], dest: Path,
+            skip: frozenset[str] = frozenset(), pins: dict[str, SpecifierSet] | None = None,
+            rounds: int = 10) -> list[Path]:
+    """`collect` until no chosen wheel's requirement is left unmet: each round, a package whose
+    requirement is unmet is held below its chosen release (as pip's resolver backtracks), and the
+    collection starts again. Stops with the conflicts when `rounds` do not settle them."""
+    pins = dict(pins or {})
+    for _ in range(rounds):
+        wheels = collect(roots, python, have, dest, skip, pins)
+        conflicts = unmet(wheels, python, skip)
+        if not conflicts:
+            return wheels
+        for wheel, requirement, version in conflicts:
+            name = canonical(wheel.name.split("-")[0])
+            print(f"  {wheel.name}: needs {requirement}, the set has {version}: trying {name}<{wheel_version(wheel)}",
+                  flush=True)
+            pins[name] = pins.get(name, SpecifierSet()) & SpecifierSet(f"<{wheel_version(wheel)}")
+        shutil.rmtree(dest)
+    raise SystemExit("no consistent set: " + "; ".join(f"{w.name} needs {r} (have {v})" for w, r, v in conflicts))
 
 
 def drop_members(wheel: Path, patterns: list[str]) -> int:
@@ -297,7 +347,7 @@ def main() -> None:
     staging = args.out / "staging"
     roots = [*args.also, *([] if args.without_kpipe else project_requirements(args.extras))]
     pins = {canonical(pin.name): pin.specifier for pin in args.pin}
-    wheels = collect(roots, args.python, have, staging, frozenset(map(canonical, args.skip)), pins)
+    wheels = resolve(roots, args.python, have, staging, frozenset(map(canonical, args.skip)), pins)
     drops: dict[str, list[str]] = {}
     for spec in args.drop:
         name, _, pattern = spec.partition(":")

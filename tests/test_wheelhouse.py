@@ -137,3 +137,40 @@ def test_dropped_members_leave_the_wheel_and_its_record(tmp_path: Path) -> None:
             "demo/__init__.py,sha256=a,1\n\"demo/odd,name.txt\",sha256=c,2\ndemo-1.0.dist-info/RECORD,,\n")
     with pytest.raises(SystemExit, match="nothing matches demo/typo"):
         wheelhouse.drop_members(wheel, ["demo/typo"])
+
+
+def test_a_requirer_left_unmet_is_held_below_its_release_until_the_set_agrees(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """snakemake 9.27 wants packaging<26 and snakemake-interface-common 1.24.1 packaging>=26.1: fetched
+    breadth first, the set held packaging 25.0 beside interface-common 1.24.1 and failed `pip check` on
+    the GPU device. The unmet requirer goes back one release (1.23.0), whose requirement the set meets."""
+    from packaging.version import Version
+
+    def demo_wheel(name: str, version: str, requires: list[str]) -> Path:
+        wheel = tmp_path / "index" / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        wheel.parent.mkdir(exist_ok=True)
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(f"{name}-{version}.dist-info/METADATA", "\n".join(
+                [f"Name: {name}", f"Version: {version}", *(f"Requires-Dist: {r}" for r in requires)]))
+        return wheel
+
+    index = [demo_wheel("interface-common", "1.24.1", ["packaging>=26.1"]),
+             demo_wheel("interface-common", "1.23.0", ["packaging>=24"]),
+             demo_wheel("snakemake", "9.27.1", ["packaging<26,>=24", "interface-common>=1.20"]),
+             demo_wheel("packaging", "26.4", []), demo_wheel("packaging", "25.0", [])]
+
+    def fake_fetch(requirement: Requirement, python: str, dest: Path) -> Path:
+        name = wheelhouse.canonical(requirement.name)
+        matches = [w for w in index if wheelhouse.canonical(w.name.split("-")[0]) == name
+                   and requirement.specifier.contains(wheelhouse.wheel_version(w))]
+        if not matches:
+            raise wheelhouse.NoRelease(str(requirement))
+        newest = max(matches, key=lambda w: Version(wheelhouse.wheel_version(w)))
+        return Path(shutil.copy(newest, dest))
+
+    monkeypatch.setattr(wheelhouse, "fetch", fake_fetch)
+    roots = [Requirement("interface-common"), Requirement("snakemake")]
+    assert wheelhouse.unmet(wheelhouse.collect(roots, "3.12", {}, tmp_path / "once"), "3.12")  # the old way
+    wheels = wheelhouse.resolve(roots, "3.12", {}, tmp_path / "out")
+    assert sorted(w.name for w in wheels) == ["interface_common-1.23.0-py3-none-any.whl",
+                                              "packaging-25.0-py3-none-any.whl", "snakemake-9.27.1-py3-none-any.whl"]
