@@ -19,6 +19,7 @@ LOG = textwrap.dedent("""\
     [Thu Nov 26 07:37:45 2026]
     rule distill:
         output: results/x.parquet
+        log: logs/distill/shard-0.log
         jobid: 7
         reason: Missing output files: results/x.parquet
         wildcards: shard=0
@@ -39,10 +40,10 @@ LOG = textwrap.dedent("""\
 """)
 
 
-def test_the_log_gives_each_job_its_rule_times_and_gpu_slots() -> None:
+def test_the_log_gives_each_job_its_rule_times_gpu_slots_and_log() -> None:
     jobs, first, last = parse_snakemake_log(LOG)
-    assert [(job.jobid, job.rule, job.seconds, job.gpu_slots) for job in jobs] == [
-        (2, "ingest_tasks", 1.0, 0), (7, "distill", 10.0, 1), (9, "sft", 18.0, 4)]
+    assert [(job.jobid, job.rule, job.seconds, job.gpu_slots, job.log) for job in jobs] == [
+        (2, "ingest_tasks", 1.0, 0, None), (7, "distill", 10.0, 1, "logs/distill/shard-0.log"), (9, "sft", 18.0, 4, None)]
     assert last - first == 20.0
 
 

@@ -3,6 +3,7 @@ line that accelerate's own parser reads back as intended (process count, FSDP, r
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -94,3 +95,17 @@ def test_cli_prints_and_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ran.exit_code == 0, ran.output
     refused = runner.invoke(launch, ["--gpus", "3", "--print", "--", *TRAIN], env={"SLURM_JOB_NUM_NODES": "2"})
     assert refused.exit_code != 0 and "evenly" in refused.output
+
+
+def test_a_job_notes_when_it_began_once_and_its_processes_say_how_long_ago(monkeypatch) -> None:
+    """The job's first working log line says how long it took to get there (imports, models, CUDA):
+    the time is set by the job's first process and kept by the processes it becomes or starts."""
+    from kpipe.infra import jobs
+
+    monkeypatch.delenv(jobs.JOB_STARTED, raising=False)
+    assert jobs.since_job_started() == ""
+    monkeypatch.setenv(jobs.JOB_STARTED, "1000.0")
+    jobs.mark_job_started()  # a later process of the job: the job's time stays
+    assert os.environ[jobs.JOB_STARTED] == "1000.0"
+    monkeypatch.setattr(jobs.time, "time", lambda: 1012.5)
+    assert jobs.since_job_started() == " (12.5 s after the job began)"

@@ -11,7 +11,8 @@ Sections:
 - ``run``: the README's GPU command, ``snakemake --cores <nproc> --configfile config/gpu.yaml``, in this tree with ``results/``,
   ``logs/`` and ``.snakemake/`` removed first. Recorded: wall time and Snakemake's own time (first to
   last line of its log), each rule's jobs and seconds, the most jobs (and GPU jobs) at once, each
-  GPU's busy seconds (``nvidia-smi`` utilisation sampled every 200 ms), and the tables. Checked:
+  GPU's busy seconds (``nvidia-smi`` utilisation sampled every 200 ms), each rule's start-up (its jobs'
+  first working log line: ``N s after the job began``), and the tables. Checked:
   exit 0, every table, figure and the viewer written, every evaluation timed on the GPU
   (``timing_kind = cuda``), no two timed regions overlapping on one GPU (``evals.timed_spans``: the KernelGym result cache of every stage,
   per ``device_id``), the teacher's Fast@1 above 0 in ``table1_fastp_eager``, the RL reward higher
@@ -78,6 +79,7 @@ class Job:
     start: float
     end: float | None
     gpu_slots: int
+    log: str | None = None
 
     @property
     def seconds(self) -> float | None:
@@ -89,6 +91,9 @@ _RULE = re.compile(r"^(?:local)?rule (\w+):$")
 _JOBID = re.compile(r"^\s+jobid: (\d+)$")
 _SLOTS = re.compile(r"^\s+resources: .*\bgpu_slots=(\d+)")
 _FINISHED = re.compile(r"^Finished jobid: (\d+)")
+_LOG = re.compile(r"^\s+log: (\S+)")
+# a job's first working log line (kpipe.infra.jobs.since_job_started)
+_READY = re.compile(r"\((\d+(?:\.\d+)?) s after the job began\)")
 
 
 def _stamp(text: str) -> float:
@@ -98,26 +103,32 @@ def _stamp(text: str) -> float:
 def parse_snakemake_log(text: str) -> tuple[list[Job], float | None, float | None]:
     """The jobs of one Snakemake log and its first and last time stamps."""
     starts: dict[int, tuple[str, float, int]] = {}
+    logs: dict[int, str] = {}
     ends: dict[int, float] = {}
     stamp: float | None = None
     first: float | None = None
     rule: str | None = None
     jobid: int | None = None
+    job_log: str | None = None
     for line in text.splitlines():
         if match := _STAMP.match(line):
             stamp = _stamp(match.group(1))
             first = stamp if first is None else first
             rule = None
         elif (match := _RULE.match(line)) and stamp is not None:
-            rule, jobid = match.group(1), None
+            rule, jobid, job_log = match.group(1), None, None
         elif rule and (match := _JOBID.match(line)):
             jobid = int(match.group(1))
             starts[jobid] = (rule, stamp, 0)
+            if job_log is not None:
+                logs[jobid] = job_log
         elif rule and jobid is not None and (match := _SLOTS.match(line)):
             starts[jobid] = (rule, stamp, int(match.group(1)))
+        elif rule and (match := _LOG.match(line)):
+            job_log = match.group(1)
         elif (match := _FINISHED.match(line)) and stamp is not None:
             ends[int(match.group(1))] = stamp
-    jobs = [Job(jobid, name, start, ends.get(jobid), slots) for jobid, (name, start, slots) in starts.items()]
+    jobs = [Job(jobid, name, start, ends.get(jobid), slots, logs.get(jobid)) for jobid, (name, start, slots) in starts.items()]
     return sorted(jobs, key=lambda job: (job.start, job.jobid)), first, stamp
 
 
@@ -259,14 +270,28 @@ def run_snakemake(report: Report, argv: list[str], log_name: str, timeout_s: flo
     return (code if code is not None else -1), wall
 
 
+def ready_after(job: Job) -> float | None:
+    """Seconds from the job's start to its first working log line (kpipe.infra.jobs.since_job_started)."""
+    path = ROOT / job.log if job.log else None
+    if path is None or not path.exists():
+        return None
+    match = _READY.search(path.read_text(errors="replace"))
+    return float(match.group(1)) if match else None
+
+
 def rule_table(report: Report, jobs: list[Job]) -> None:
     per_rule: dict[str, list[float]] = defaultdict(list)
     for job in jobs:
         per_rule[job.rule].append(job.seconds if job.seconds is not None else float("nan"))
-    report.table("rule", "jobs", "GPU slots each", "seconds (sum)", "seconds (longest)")
+    ready: dict[str, list[float]] = defaultdict(list)
+    for job in jobs:
+        if (seconds := ready_after(job)) is not None:
+            ready[job.rule].append(seconds)
+    report.table("rule", "jobs", "GPU slots each", "seconds (sum)", "seconds (longest)", "start-up s (min-max)")
     slots = {job.rule: job.gpu_slots for job in jobs}
     for rule, seconds in sorted(per_rule.items(), key=lambda item: min(j.start for j in jobs if j.rule == item[0])):
-        report.row(rule, len(seconds), slots[rule], f"{sum(seconds):.0f}", f"{max(seconds):.0f}")
+        start_up = f"{min(ready[rule]):.1f}-{max(ready[rule]):.1f}" if ready[rule] else ""
+        report.row(rule, len(seconds), slots[rule], f"{sum(seconds):.0f}", f"{max(seconds):.0f}", start_up)
 
 
 # --------------------------------------------------------------------------- sections

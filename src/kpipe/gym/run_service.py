@@ -45,6 +45,7 @@ from typing import Any
 
 from kpipe.gym.client import GymClient, GymServiceError
 from kpipe.gym.protocol import Protocol
+from kpipe.infra.jobs import since_job_started
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,7 @@ def start_service(run: WorkflowRun, settings: Mapping[str, Any], record_path: Pa
 def open_run_service(run: WorkflowRun, settings: Mapping[str, Any], progress: bool = True) -> GymClient:
     """A client of the run's service with exactly `settings` (started if needed)."""
     record = ensure_service(run, settings)
-    log.info("evaluating on the run's KernelGym service %s (pid %s)", record["url"], record["pid"])
+    log.info("evaluating on the run's KernelGym service %s (pid %s)%s", record["url"], record["pid"], since_job_started())
     return GymClient(record["url"], token=record.get("token") or "", poll_s=0.1, progress=progress)
 
 

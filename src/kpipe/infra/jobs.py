@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,20 @@ from typing import Any, TextIO
 from kpipe.infra.gpu import gpu_slot_lease
 
 log = logging.getLogger("kpipe")
+# Unix time a job's Snakemake script began, inherited by the processes the job becomes or starts:
+# their first working log line says how long the job took to get there (imports, models, CUDA).
+JOB_STARTED = "KPIPE_JOB_STARTED"
+
+
+def mark_job_started() -> None:
+    """Note when this job began (once: a process the job starts keeps the job's time)."""
+    os.environ.setdefault(JOB_STARTED, f"{time.time():.3f}")
+
+
+def since_job_started() -> str:
+    """`` N s after the job began`` for a job's first working log line; empty outside a job."""
+    started = os.environ.get(JOB_STARTED)
+    return f" ({time.time() - float(started):.1f} s after the job began)" if started else ""
 
 
 class _Tee:
@@ -43,6 +59,7 @@ class _Tee:
 def snakemake_job(smk: Any) -> Iterator[Any]:
     """Run a Snakemake script body with logging to ``log[0]`` and a lease of ``resources.gpu_slots``
     (of ``config["gpu"]["slots_per_gpu"]`` per GPU)."""
+    mark_job_started()
     log_path = Path(smk.log[0]) if smk.log else None
     stack = contextlib.ExitStack()
     with stack:

@@ -30,6 +30,8 @@ from typing import NoReturn
 
 import click
 
+from kpipe.infra.jobs import mark_job_started
+
 DEFAULT_CONFIG_DIR = Path("workflow") / "accelerate"
 CONFIG_DIR_ENV = "KPIPE_ACCELERATE_DIR"
 DEFAULT_PORT = 29500
@@ -160,6 +162,7 @@ def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = 
     over the job's nodes and accelerate's processes happen exactly as for a shell rule running
     ``kpipe launch ... > {log} 2>&1``, and Snakemake sees its exit status.
     """
+    mark_job_started()
     command = launch_command(gpus, args, slots)
     sys.stdout.flush()
     sys.stderr.flush()

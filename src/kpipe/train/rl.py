@@ -64,6 +64,7 @@ from accelerate.utils import gather_object
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
+from kpipe.infra.jobs import since_job_started
 from kpipe.train import algos
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from kpipe.train.metrics_log import MetricsLog
@@ -343,8 +344,8 @@ class IterationTrainer:
         self.metrics = MetricsLog(scratch / "metrics.parquet", run=run, stage=STAGE, iteration=iteration)
         self.metrics.resume(iteration * cfg.steps_per_iteration + self.start_step)
         if self.accelerator.is_main_process:
-            log.info("RL %s iteration %d on %d process(es) (%s)", run, iteration, processes,
-                     self.accelerator.distributed_type)
+            log.info("RL %s iteration %d on %d process(es) (%s)%s", run, iteration, processes,
+                     self.accelerator.distributed_type, since_job_started())
             if resumed:
                 log.info("resuming RL iteration %d of %s at step %d (scratch %s)", iteration, run, self.start_step,
                          scratch)

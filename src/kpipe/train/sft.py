@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from kpipe.infra.jobs import since_job_started
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, remove_checkpoints, save_checkpoint
 from kpipe.train.mechanics import (
     PRECISIONS,
@@ -334,7 +335,7 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     warmup = int(cfg.warmup_ratio * n_steps)
     fingerprint = run_fingerprint(cfg, samples)
     if accelerator.is_main_process:
-        log.info("SFT samples: %s", report.as_dict())
+        log.info("SFT samples: %s%s", report.as_dict(), since_job_started())
 
     # --- model, optimizer, schedule
     model = load_model(cfg)
