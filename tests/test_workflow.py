@@ -179,16 +179,26 @@ def test_paper_config_plans(workdir):
     assert {"ingest_tasks", "sft", "eval", "stts", "tables"} <= set(counts)
 
 
-def test_gpu_config_plans_on_a_gpu_and_refuses_a_cpu(workflow_copy):
-    """config/gpu.yaml (the README's GPU command) plans the default DAG where a GPU shows, with every
-    GPU job on one slot; with no GPU it stops with one line saying so, before any job runs."""
+def test_gpu_config_plans_anywhere_and_runs_only_where_a_gpu_shows(workflow_copy, tmp_path):
+    """config/gpu.yaml (the README's GPU command) plans the default DAG with every GPU job on one slot;
+    a run (not a dry run: the paper's plan is made on laptops too) on a machine with no GPU stops with one
+    line before any job runs."""
     import os
+    import shutil
 
-    gpu = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "-n", "--configfile", "config/gpu.yaml"],
-                         cwd=workflow_copy, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-    assert job_counts(gpu)["rl_iter"] == 5
-    assert set(re.findall(r"resources: .*gpu_slots=(\d+)", gpu.stdout)) == {"1"}  # every GPU job shares the GPU
-    cpu = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "-n", "--configfile", "config/gpu.yaml"],
-                         cwd=workflow_copy, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert cpu.returncode != 0
-    assert "config error: device: cuda (config/gpu.yaml sets it), but this machine shows no GPU" in cpu.stdout + cpu.stderr
+    def snakemake_gpu(workdir: Path, visible: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", "--configfile", "config/gpu.yaml", *args],
+                              cwd=workdir, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": visible})
+
+    planned = snakemake_gpu(workflow_copy, "0", "-n")
+    assert job_counts(planned)["rl_iter"] == 5
+    assert set(re.findall(r"resources: .*gpu_slots=(\d+)", planned.stdout)) == {"1"}  # every GPU job shares the GPU
+    assert job_counts(snakemake_gpu(workflow_copy, "", "-n"))["rl_iter"] == 5
+    fresh = tmp_path / "fresh"
+    for folder in ("workflow", "config"):
+        shutil.copytree(workflow_copy / folder, fresh / folder)
+    refused = snakemake_gpu(fresh, "")
+    assert refused.returncode != 0
+    assert "config error: device: cuda (config/gpu.yaml and config/paper.yaml set it), but this machine shows no GPU" \
+        in refused.stdout + refused.stderr
+    assert not (fresh / "results").exists()

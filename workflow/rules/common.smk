@@ -50,10 +50,6 @@ DEFAULT_API_JOBS = 4
 # (`nodes`), which a local run turns into --cores; a job run by a remote executor (exec mode
 # `remote`) parses this file too, on its own node.
 RUNS_HERE = workflow.resource_settings.nodes is None and not workflow.remote_exec
-if config["device"] == "cuda" and RUNS_HERE and not RUN_GPUS:
-    # a cluster's login node may have none: there the executor places jobs on GPU nodes
-    sys.exit("config error: device: cuda (config/gpu.yaml sets it), but this machine shows no GPU "
-             "(nvidia-smi -L, CUDA_VISIBLE_DEVICES); on a CPU run without --configfile config/gpu.yaml")
 
 
 def register_default_resources():
@@ -86,6 +82,14 @@ if SHARED_GYM:
     announce(GYM_SERVICE_DIR, RUN_GPUS if USE_GPUS else [])
 else:
     withdraw()
+
+
+onstart:
+    # a run, not a dry run (which plans anywhere, config/paper.yaml on a laptop too); a cluster's
+    # login node may show no GPU: there the executor places jobs on GPU nodes
+    if config["device"] == "cuda" and RUNS_HERE and not RUN_GPUS:
+        sys.exit("config error: device: cuda (config/gpu.yaml and config/paper.yaml set it), but this "
+                 "machine shows no GPU (nvidia-smi -L, CUDA_VISIBLE_DEVICES); on a CPU, run without them")
 
 
 onsuccess:
