@@ -208,7 +208,8 @@ def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, ca
     tasks = shard_tasks(queries_path, shard, num_shards, settings.get("max_queries"))
     # eager baseline only, as RL (kpipe.train.rl.gym_protocol): the feedback and reward of a cold-start
     # turn use the eager speedup, and a torch.compile reference would be compiled for every task
-    gym = {**dict(gym or {}), "protocol": {**dict((gym or {}).get("protocol", {})), "baseline": "eager"}}
+    gym = dict(gym or {})
+    gym["protocol"] = {**gym.get("protocol", {}), "baseline": "eager"}
     gym_protocol = Protocol.from_dict(gym["protocol"])
     common = dict(
         run=run, n_turns=int(settings.get("turns", 5)), n_samples=int(settings.get("samples", 1)),
