@@ -10,7 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kpipe.gym import Protocol
-from kpipe.gym.run_service import WorkflowRun, process_start, service_settings, why_unusable, workflow_run
+from kpipe.gym.run_service import WorkflowRun, serve_command, service_settings, why_unusable, workflow_run
+from kpipe.infra.process import process_start
 
 SETTINGS = service_settings(Protocol.from_dict({"perf_trials": 5}), True, None, None, False)
 
@@ -72,3 +73,12 @@ def test_a_service_of_other_settings_is_not_used(health_server):
 
 def test_outside_a_workflow_run_there_is_no_run_service():
     assert workflow_run({}) is None
+
+
+def test_workers_per_gpu_reach_the_service_and_tell_services_apart(tmp_path):
+    four = service_settings(Protocol.from_dict({"perf_trials": 5}), True, None, None, False, per_gpu=4)
+    run = WorkflowRun(directory=tmp_path, owner=os.getpid(), gpus=("0",), host=socket.gethostname())
+    command = serve_command(run, four, tmp_path / "record.json")
+    assert command[command.index("--per-gpu") + 1] == "4"
+    assert "--per-gpu" not in serve_command(run, SETTINGS, tmp_path / "record.json")
+    assert "other settings" in why_unusable(record("http://127.0.0.1:9"), four, RUN)

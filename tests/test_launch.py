@@ -4,6 +4,7 @@ line that accelerate's own parser reads back as intended (process count, FSDP, r
 from __future__ import annotations
 
 import os
+import time
 import sys
 from pathlib import Path
 
@@ -109,3 +110,22 @@ def test_a_job_notes_when_it_began_once_and_its_processes_say_how_long_ago(monke
     assert os.environ[jobs.JOB_STARTED] == "1000.0"
     monkeypatch.setattr(jobs.time, "time", lambda: 1012.5)
     assert jobs.since_job_started() == " (12.5 s after the job began)"
+
+
+def test_a_job_begins_when_its_process_did_not_when_it_marks_it(monkeypatch) -> None:
+    """The start counts Python's start and Snakemake's script preamble: the process's own start time."""
+    import subprocess
+    import sys
+
+    from kpipe.infra import jobs
+    from kpipe.infra.process import process_age
+
+    monkeypatch.delenv(jobs.JOB_STARTED, raising=False)
+    jobs.mark_job_started()
+    age = process_age(os.getpid())
+    assert age is not None and abs(time.time() - float(os.environ[jobs.JOB_STARTED]) - age) < 0.5
+    marked = subprocess.run([sys.executable, "-c", "import time; time.sleep(1.2); from kpipe.infra import jobs; "
+                             "jobs.mark_job_started(); print(jobs.since_job_started())"],
+                            env={k: v for k, v in os.environ.items() if k != jobs.JOB_STARTED},
+                            capture_output=True, text=True, check=True).stdout
+    assert 1.2 <= float(marked.split("(")[1].split(" s")[0]) < 30

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from kpipe.gym import Protocol
-from kpipe.gym.run_service import process_start, service_settings, settings_digest, write_record
+from kpipe.gym.run_service import service_settings, settings_digest, write_record
+from kpipe.infra.process import process_start
 from kpipe.gym.sandbox import opted_out
 
 pytestmark = pytest.mark.slow

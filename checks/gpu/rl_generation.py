@@ -4,7 +4,13 @@ time, each in a fresh process on the nano policy (random weights, the DAG's BPE 
 
     python3 -m checks.gpu rl_generation          # ~2 minutes on one H100
 
+Found (first run, 3978b7f, H200): torch 2.11 picks cuDNN's attention on Hopper, which builds a graph for
+every new key length, so every decode step: 23.7 ms of host time per call, 12 of the 15 s. Since then
+`kpipe.llm.hf_engine` decodes with every SDPA backend but cuDNN's (`DECODE_ATTENTION`); the first
+variant puts cuDNN's back first, as it was.
+
 Variants (64 requests of at most 256 tokens, as `config/gpu.yaml`'s RL step):
+- `cuDNN attention allowed`: an RL job's call as it was before `DECODE_ATTENTION`;
 - `engine`: `HFEngine.from_pretrained` in bf16, no log-probs, no early hand-over (the DAG check's probe);
 - `policy`: the policy as an RL job holds it (`load_policy`: fp32 weights,
   `Accelerator(mixed_precision="bf16").prepare`, `unwrap_model`), the rest as `engine`;
@@ -14,7 +20,7 @@ Variants (64 requests of at most 256 tokens, as `config/gpu.yaml`'s RL step):
 - the last one beside a CPU load (one busy process per core), and beside another process's small
   CUDA kernels on the same GPU (another GPU job of the DAG: contexts of different processes are
   time-sliced);
-- the last one under `torch.profiler`: the top operators by CPU time.
+- the RL job's call under `torch.profiler`: the top operators by CPU time.
 """
 
 from __future__ import annotations
@@ -40,7 +46,11 @@ import json, sys, time
 started = time.monotonic()
 import torch
 model_dir, policy, logprobs, early, profile = sys.argv[1], sys.argv[2] == "1", sys.argv[3] == "1", sys.argv[4] == "1", sys.argv[5] == "1"
+import kpipe.llm.hf_engine
 from kpipe.llm.hf_engine import HFEngine
+if sys.argv[8] == "1":  # torch's own choice, cuDNN's attention first on Hopper (kpipe before DECODE_ATTENTION)
+    from torch.nn.attention import SDPBackend
+    kpipe.llm.hf_engine.DECODE_ATTENTION = [SDPBackend.CUDNN_ATTENTION, *kpipe.llm.hf_engine.DECODE_ATTENTION]
 from kpipe.llm.prompts import first_turn_messages
 from kpipe.llm.types import ChatRequest
 cuda = torch.cuda.is_available()
@@ -90,7 +100,7 @@ w = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
 while True:
     for _ in range(40):
         x = torch.tanh(x @ w)
-    sync()
+    torch.cuda.synchronize()
 """
 
 CPU_HOG = "while True: pass"
@@ -99,6 +109,7 @@ CPU_HOG = "while True: pass"
 def add_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="a policy checkpoint (default: the nano policy, built here with random weights)")
+    parser.add_argument("--profile-cudnn", action="store_true", help="profile with cuDNN's attention allowed")
 
 
 def build_policy(where: Path) -> Path:
@@ -108,7 +119,7 @@ def build_policy(where: Path) -> Path:
 
 
 def run_variant(model_dir: Path, policy: bool, logprobs: bool, early: bool, profile: bool = False,
-                beside: str | None = None) -> tuple[dict, str, float]:
+                beside: str | None = None, cudnn: bool = False) -> tuple[dict, str, float]:
     """One variant in a fresh process, optionally beside `beside` (python code) run as many times as
     the machine has cores ("cpu") or once ("gpu"); returns its JSON, stderr and process seconds."""
     neighbours = []
@@ -121,7 +132,7 @@ def run_variant(model_dir: Path, policy: bool, logprobs: bool, early: bool, prof
     try:
         done = subprocess.run([sys.executable, "-c", VARIANT, str(model_dir), *(str(int(flag)) for flag in
                                                                                   (policy, logprobs, early, profile)),
-                               str(REQUESTS), str(MAX_TOKENS)],
+                               str(REQUESTS), str(MAX_TOKENS), str(int(cudnn))],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
     finally:
         for process in neighbours:
@@ -140,7 +151,9 @@ def variants(report: Report, options: argparse.Namespace) -> None:
         report.line(f"policy: `{model_dir}`; {REQUESTS} requests of at most {MAX_TOKENS} tokens, temperature 1, "
                     "4 bank prompts; after a warm-up generate() in the same process")
         report.table("variant", "generate s", "tokens", "tokens/s", "process s (load + warm-up)")
-        cases = (("engine (bf16)", dict(policy=False, logprobs=False, early=False)),
+        cases = (("RL job's, cuDNN attention allowed (before)", dict(policy=True, logprobs=True, early=True,
+                                                                     cudnn=True)),
+                 ("engine (bf16)", dict(policy=False, logprobs=False, early=False)),
                  ("policy (fp32 + bf16 autocast)", dict(policy=True, logprobs=False, early=False)),
                  ("policy + logprobs", dict(policy=True, logprobs=True, early=False)),
                  ("policy + logprobs + early (an RL job)", dict(policy=True, logprobs=True, early=True)),
@@ -158,7 +171,8 @@ def variants(report: Report, options: argparse.Namespace) -> None:
             report.row(name, f"{numbers['generate_s']:.2f}", numbers["tokens"],
                        f"{numbers['tokens'] / numbers['generate_s']:.0f}", f"{wall:.1f} ({numbers['load_s']:.1f})")
         report.data.update(variants=results)
-        _, profile, _ = run_variant(model_dir, policy=True, logprobs=True, early=True, profile=True)
+        _, profile, _ = run_variant(model_dir, policy=True, logprobs=True, early=True, profile=True,
+                                    cudnn=options.profile_cudnn)
         report.line("", "`torch.profiler` of the RL job's variant (top operators by CPU time):", "", "```",
                     profile.strip()[-6000:], "```")
 

@@ -216,7 +216,8 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
         from kpipe.gym.run_service import open_run_service, service_settings
         from kpipe.gym.sandbox import opted_out
 
-        settings = service_settings(protocol, reuse_reference, gym.get("cache"), gym.get("workers"), opted_out())
+        settings = service_settings(protocol, reuse_reference, gym.get("cache"), gym.get("workers"), opted_out(),
+                                    gym.get("workers_per_gpu"))
         with open_run_service(run, settings, progress=progress) as client:
             yield client
     elif backend in ("pool", "ray"):
@@ -226,8 +227,8 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
         if backend == "pool":
             from kpipe.gym.pool import GymPool
 
-            with GymPool(protocol, workers=gym.get("workers"), cache=cache, reuse_reference=reuse_reference,
-                         progress=progress, gpus=gpus) as pool:
+            with GymPool(protocol, workers=gym.get("workers"), per_gpu=gym.get("workers_per_gpu"), cache=cache,
+                         reuse_reference=reuse_reference, progress=progress, gpus=gpus) as pool:
                 yield pool
         else:
             from kpipe.gym.distributed import RayGym

@@ -46,6 +46,7 @@ from typing import Any
 from kpipe.gym.client import GymClient, GymServiceError
 from kpipe.gym.protocol import Protocol
 from kpipe.infra.jobs import since_job_started
+from kpipe.infra.process import process_start
 
 log = logging.getLogger(__name__)
 
@@ -95,26 +96,16 @@ def workflow_run(environ: Mapping[str, str] = os.environ) -> WorkflowRun | None:
 
 
 def service_settings(protocol: Protocol, reuse_reference: bool, cache: str | os.PathLike | None,
-                     workers: int | None, unconfined: bool) -> dict[str, Any]:
+                     workers: int | None, unconfined: bool, per_gpu: int | None = None) -> dict[str, Any]:
     """Everything a service's results depend on besides the machine: a job uses a service only
     if these equal its own (the service writes its own into its record)."""
     return {"protocol": json.loads(protocol.to_json()), "reuse_reference": bool(reuse_reference),
-            "cache": str(Path(cache).resolve()) if cache else None, "workers": workers, "unconfined": bool(unconfined)}
+            "cache": str(Path(cache).resolve()) if cache else None, "workers": workers, "per_gpu": per_gpu,
+            "unconfined": bool(unconfined)}
 
 
 def settings_digest(settings: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def process_start(pid: int) -> int | None:
-    """The start time of `pid` (clock ticks since boot), None when it is gone or a zombie: with
-    the pid it names one process, never a later one that reuses the pid."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def write_record(path: Path, record: Mapping[str, Any]) -> None:
@@ -203,6 +194,7 @@ def serve_command(run: WorkflowRun, settings: Mapping[str, Any], record_path: Pa
                "--protocol", str(protocol_path)]
     command += ["--cache", settings["cache"]] if settings["cache"] else ["--no-cache"]
     command += ["--workers", str(settings["workers"])] if settings["workers"] else []
+    command += ["--per-gpu", str(settings["per_gpu"])] if settings.get("per_gpu") else []
     return command + (["--reuse-reference"] if settings["reuse_reference"] else [])
 
 

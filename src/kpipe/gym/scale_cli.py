@@ -136,7 +136,7 @@ def serve_command(ctx: click.Context, **_: Any) -> None:
                              daemon=True, name="owner-watch").start()
         if p["record_path"] is not None:
             settings = run_service.service_settings(protocol, p["reuse_reference"], cache.path if cache is not None else None,
-                                                    p["workers"], opted_out())
+                                                    p["workers"], opted_out(), p["per_gpu"])
             record = run_service.serving_record(url, p["owner"], p["token"], settings)
             threading.Thread(target=publish_when_serving, args=(server, p["record_path"], record), daemon=True).start()
         try:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kpipe.infra.gpu import gpu_slot_lease
+from kpipe.infra.process import process_age
 
 log = logging.getLogger("kpipe")
 # Unix time a job's Snakemake script began, inherited by the processes the job becomes or starts:
@@ -25,8 +26,10 @@ JOB_STARTED = "KPIPE_JOB_STARTED"
 
 
 def mark_job_started() -> None:
-    """Note when this job began (once: a process the job starts keeps the job's time)."""
-    os.environ.setdefault(JOB_STARTED, f"{time.time():.3f}")
+    """Note when this job's process began, Python's start and Snakemake's script preamble included
+    (once: a process the job starts keeps the job's time)."""
+    age = process_age(os.getpid())
+    os.environ.setdefault(JOB_STARTED, f"{time.time() - (age or 0.0):.3f}")
 
 
 def since_job_started() -> str:

@@ -12,6 +12,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PR_SET_DUMPABLE = 4
@@ -65,6 +66,23 @@ def kill_children() -> None:
             return
         if pid == 0:
             return
+
+
+def process_start(pid: int) -> int | None:
+    """The start time of `pid` (clock ticks since boot), None when it is gone or a zombie: with
+    the pid it names one process, never a later one that reuses the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def process_age(pid: int) -> float | None:
+    """Seconds since `pid` started (None when it is gone): the clock of boot time against its start."""
+    ticks = process_start(pid)
+    return None if ticks is None else time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
 
 
 def tied_to_this_process(command: list[str], signum: int = signal.SIGKILL) -> list[str]:

@@ -19,12 +19,18 @@ from itertools import groupby
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from kpipe.llm.types import ChatRequest, Completion, Message, ResultCallback, Usage
 
 PLAIN_CHAT_ROLE = "<|{role}|>\n"  # used only when a tokenizer has no chat template
+# Attention kernels for decoding: every one PyTorch has but cuDNN's. torch 2.11 prefers cuDNN's on
+# an H100/H200, and it builds a cuDNN graph for every new key length, so every decode step: 23.7 ms
+# of host time per call, 12 of the 15 s of an RL step's 64 rollouts on an H200 against ~3 s without
+# (checks/gpu/rl_generation.py, docs/gpu-results/rl_generation_2026-11-26_H200.md).
+DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def plain_chat_prompt(messages: list[Message]) -> str:
@@ -174,19 +180,20 @@ class HFEngine:
             report(row, ids, recorder.row(row, ids[-1]) if recorder else None)
 
         criteria = [FinishedRows(prompt_len, self._eos_ids(), report_early)] if early and self._eos_ids() else []
-        out = self.hf_model.generate(
-            **encoded,
-            do_sample=sampling,
-            temperature=first.temperature if sampling else None,
-            top_p=first.top_p if sampling else None,
-            top_k=None,
-            max_new_tokens=first.max_tokens,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            return_dict_in_generate=True,
-            logits_processor=LogitsProcessorList([recorder]) if recorder else None,
-            stopping_criteria=StoppingCriteriaList(criteria) if criteria else None,
-        )
+        with sdpa_kernel(DECODE_ATTENTION):
+            out = self.hf_model.generate(
+                **encoded,
+                do_sample=sampling,
+                temperature=first.temperature if sampling else None,
+                top_p=first.top_p if sampling else None,
+                top_k=None,
+                max_new_tokens=first.max_tokens,
+                pad_token_id=self.tokenizer.pad_token_id,
+                eos_token_id=self.tokenizer.eos_token_id,
+                return_dict_in_generate=True,
+                logits_processor=LogitsProcessorList([recorder]) if recorder else None,
+                stopping_criteria=StoppingCriteriaList(criteria) if criteria else None,
+            )
         new_tokens = out.sequences[:, prompt_len:]
         logprobs = recorder.finish(new_tokens[:, -1]).cpu() if recorder else None
         for row in range(len(batch)):
