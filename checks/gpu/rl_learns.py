@@ -2,6 +2,7 @@
 
     python3 -m checks.gpu rl_learns            # one H100, ~4-9 minutes
     python -m checks.gpu rl_learns --cpu       # smoke test of the path on a CPU
+    python3 -m checks.gpu rl_learns --engine vllm --iterations 3   # RL rollouts on vLLM (issue 29)
 
 Everything is compiled from nothing (the harness's empty compile caches). The default run's recipe
 (``config/config.yaml``), through the library functions the DAG calls:
@@ -69,7 +70,8 @@ SLOW_TASKS = ((1, 1), (1, 19))  # bank legit slower than eager there
 # evaluations; L1_19 from gym_paths_2026-11-25_H100)
 H100_LEGIT_SPEEDUP = {(1, 1): 0.70, (1, 19): 0.99, (1, 88): 8.87, (2, 9): 1.44, (2, 76): 1.48, (2, 86): 1.42}
 STEP_METRICS = ("gen_s", "eval_s", "train_s", "step_s", "overlap_s", "reward_mean", "correct_frac", "fast@1",
-                "entropy", "kept_frac", "grad_norm", "response_tokens_mean")
+                "entropy", "kept_frac", "grad_norm", "response_tokens_mean", "rollout_ppl", "train_ppl",
+                "mismatch_abs_log_w", "kept_frac_mrs")
 N_BOOT = 2000
 
 
@@ -88,6 +90,10 @@ def add_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--async", dest="async_mode", default="off", choices=("off", "eval", "off_policy_1"),
                         help="rl.async (default off: nothing else runs on the GPU while a kernel is timed, and the "
                              "generation, evaluation and training seconds add up to the step)")
+    parser.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+                        help="rl.engine: HF generate on the live policy (default), or vLLM in this process (one "
+                             "engine for every iteration, the trainer's weights pushed into it; vLLM 0.26 installed "
+                             "as docs/vllm-on-the-device.md says)")
     parser.add_argument("--profile", action="store_true", help="profile every kernel (PR); off: the reward has no PR")
     parser.add_argument("--no-result-cache", action="store_true",
                         help="no SQLite result cache: a program seen in an earlier iteration is evaluated again")
@@ -248,7 +254,8 @@ def markdown(report: dict[str, Any]) -> list[str]:
     sizes = f"sizes capped at {settings['size_cap']}" if settings["size_cap"] else "full KernelBench main sizes"
     cache = "off" if settings["no_result_cache"] else "on (a program is timed once, at its first appearance)"
     lines = [
-        f"`python -m checks.gpu rl_learns{' --cpu' if settings['cpu'] else ''}`. "
+        f"`python -m checks.gpu rl_learns{' --cpu' if settings['cpu'] else ''}"
+        f"{' --engine ' + settings['engine'] if settings.get('engine', 'hf') != 'hf' else ''}`. "
         f"{smoke}Tasks ({sizes}): "
         f"{', '.join(report['tasks'])}. Recipe: config/config.yaml's default run (nano Qwen3, 4,000-token BPE; "
         f"teacher cold start {settings['samples']} samples x {settings['distill_turns']} turns; SFT "
@@ -274,6 +281,14 @@ def markdown(report: dict[str, Any]) -> list[str]:
                 f"{fmt_ci(it['fast@1'])} | {statuses} | {it['evaluations']['new']} | {it['step']['gen_s']:.1f} | "
                 f"{it['step']['eval_s']:.1f} | {it['step']['train_s']:.1f} | {it['step']['step_s']:.1f} | "
                 f"{it['wall_s']:.1f} |")
+        if any("rollout_ppl" in it["step"] for it in report["iterations"]):
+            lines += ["", f"### Rollout engine ({settings.get('engine', 'hf')}) vs trainer (Figure 7)", "",
+                      "| iteration | rollout ppl | trainer ppl | mean abs log w | MRS would keep |", "|---|---|---|---|---|"]
+            for it in report["iterations"]:
+                st = it["step"]
+                lines.append(f"| {it['iteration']} | {st.get('rollout_ppl', float('nan')):.4f} | "
+                             f"{st.get('train_ppl', float('nan')):.4f} | {st.get('mismatch_abs_log_w', float('nan')):.3g} | "
+                             f"{st.get('kept_frac_mrs', float('nan')):.3f} |")
         first, last = report["iterations"][0], report["iterations"][-1]
         lines += ["", f"### Per task (iteration {first['iteration']} -> {last['iteration']})", "",
                   "| task | legit speedup on an H100 (docs) | median speedup of its correct kernels here "
@@ -429,7 +444,7 @@ def run(args: argparse.Namespace, config: dict[str, Any], sink: Report, work: Pa
         rl_values = {key: value for key, value in config["rl"].items() if key in known or key == "async"}
         rollouts = len(tasks) * args.rollouts
         rl_values.update(prompts_per_step=len(tasks), rollouts_per_prompt=args.rollouts, max_tokens=args.max_tokens,
-                         generation_batch_size=rollouts)
+                         generation_batch_size=rollouts, engine=args.engine)
         if "async_mode" in known:
             rl_values.pop("async", None)
             rl_values["async_mode"] = args.async_mode
@@ -493,6 +508,17 @@ def learns(sink: Report, args: argparse.Namespace) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # read by the evaluation children this process starts
     elif sink.facts["device"] == "cpu":
         raise CheckFailed("no GPU visible: run with --cpu for the smoke test")
+    if args.engine == "vllm":
+        if args.cpu or sink.facts["device"] == "cpu":
+            raise CheckFailed("--engine vllm needs a GPU and vLLM (docs/vllm-on-the-device.md); --cpu runs HF only")
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise CheckFailed("--engine vllm: vLLM is not importable (install it into /tmp/site and put that on "
+                              "PYTHONPATH, docs/vllm-on-the-device.md)")
+        # FlashInfer is not installed on the device (docs/vllm-on-the-device.md); no usage-stats request
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("TQDM_MININTERVAL", "30")  # progress bars: a line every 30 s, not a flood
     work = Path(tempfile.mkdtemp(prefix="kpipe-rl-learns-"))
     report: dict[str, Any] = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -13,6 +13,7 @@ engine with `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so they includ
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from kpipe.llm.types import ChatRequest, Completion, ResultCallback, Usage
@@ -48,9 +49,15 @@ class VLLMEngine:
         )
 
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
-        outputs = self.llm.chat(
-            [r.messages for r in requests], [self.sampling_params(r) for r in requests], use_tqdm=True
-        )
+        import torch
+
+        # the RL trainer generates under its accelerator's bf16 autocast (for HF rollouts); the in-process
+        # engine core runs in this thread, and vLLM's own eager ops (sampler, attention glue) must
+        # compute as vLLM configured them, as they would in a separate process
+        with torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else contextlib.nullcontext():
+            outputs = self.llm.chat(
+                [r.messages for r in requests], [self.sampling_params(r) for r in requests], use_tqdm=True
+            )
         completions = []
         for index, (request, output) in enumerate(zip(requests, outputs, strict=True)):
             sample = output.outputs[0]

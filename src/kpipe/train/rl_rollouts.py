@@ -173,7 +173,25 @@ def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name
         return HFEngine(model, tokenizer, name=name, batch_size=cfg.generation_batch_size, seed=cfg.seed,
                         progress=progress)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from kpipe.llm.vllm_engine import VLLMEngine
+    from kpipe.llm.vllm_engine import VLLMEngine, _require_vllm
 
-    return VLLMEngine(str(model_dir), name=name, seed=cfg.seed, **vllm_engine_args(cfg, processes))
+    args = vllm_engine_args(cfg, processes)
+    key, module = (repr(sorted(args.items())), cfg.seed), _require_vllm()
+    live = _LIVE_VLLM
+    if live.get("key") == key and live.get("module") is module:
+        # a later iteration in the same process (``checks.gpu.rl_learns``, a notebook): the engine of
+        # the first one, fed this iteration's policy, instead of a second engine beside it (vLLM does
+        # not give an in-process engine's GPU memory back, so each would take another
+        # `vllm_gpu_memory_utilization` of the GPU, and start-up again). Same tokenizer: one run.
+        engine = live["engine"]
+        push_weights_to_vllm(engine, model)
+        engine.model = name
+        return engine
+    live.clear()
+    engine = VLLMEngine(str(model_dir), name=name, seed=cfg.seed, **args)
+    live.update(key=key, module=module, engine=engine)
+    return engine
+
+
+_LIVE_VLLM: dict[str, Any] = {}  # this process's in-process vLLM engine: key (its arguments), module, engine
 
