@@ -147,14 +147,13 @@ def test_null_ids_keep_every_problem(schema):
 
 def test_the_gpu_overlay_changes_only_sizes_trials_batch_and_slots(schema):
     """config/gpu.yaml over the default run: KernelBench's own sizes, the protocol's trial counts, one
-    generation batch per RL step, 8 slots per GPU, 4 KernelGym workers per GPU, device cuda; every other value
-    is the default run's."""
+    generation batch per RL step, 8 slots per GPU, device cuda; every other value is the default run's."""
     default = leaves(load_config(ROOT / "config" / "config.yaml", schema=schema))
     gpu = leaves(load_config(ROOT / "config" / "config.yaml", ROOT / "config" / "gpu.yaml", schema=schema))
     changed = {key: gpu[key] for key in gpu if gpu[key] != default.get(key, "absent") and key != "queries.sources"}
     assert changed == {"device": "cuda", "kernelbench.size_cap": None, "gym.protocol.correct_trials": 5,
                        "gym.protocol.perf_trials": 100, "gym.protocol.warmup": 10, "rl.generation_batch_size": 64,
-                       "gpu.slots_per_gpu": 8, "gym.workers_per_gpu": 4}
+                       "gpu.slots_per_gpu": 8}
     sources = load_config(ROOT / "config" / "config.yaml", ROOT / "config" / "gpu.yaml", schema=schema)["queries"]["sources"]
     default_sources = load_config(ROOT / "config" / "config.yaml", schema=schema)["queries"]["sources"]
     assert sources == [{**source, "size_cap": None} for source in default_sources]

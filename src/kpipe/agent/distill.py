@@ -199,7 +199,7 @@ def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, ca
     teacher: api -> the OpenAI-compatible endpoint of `engine` (key from `engine.api_key_env`).
     `gym` is the config's `gym` section: the protocol and the evaluator backend.
     """
-    from kpipe.agent.evaluator import open_evaluator
+    from kpipe.agent.evaluator import open_evaluator, reference_reuse
     from kpipe.agent.history import make_policy
     from kpipe.gym import Protocol
     from kpipe.llm import make_engine
@@ -221,7 +221,8 @@ def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, ca
     teacher = settings.get("teacher", "offline")
     if teacher not in ("offline", "api"):
         raise ValueError(f"distill.teacher must be 'offline' or 'api', got {teacher!r}")
-    with open_evaluator(gym, reuse_reference=bool(settings.get("reuse_reference", False)), progress=progress) as evaluator:
+    reuse = reference_reuse(settings.get("reuse_reference"))
+    with open_evaluator(gym, reuse_reference=reuse, progress=progress) as evaluator:
         if teacher == "api":
             return distill_shard(tasks, make_engine(engine_spec), evaluator, out_path, cache_path, **common)
         with served_in_subprocess(offline_teacher_args(settings.get("offline", {}))) as base_url:

@@ -184,6 +184,18 @@ class CachedEvaluator:
         return [self._results[key] for key in keys]
 
 
+def reference_reuse(setting: bool | None) -> bool:
+    """Whether a job times each task's reference once and reuses it (`setting`; null: only on a
+    machine without GPUs, where every reference run costs seconds of the Triton interpreter; on a
+    GPU each candidate is timed next to its own reference run). Distillation and RL share this
+    rule, so on a GPU they share the run's one KernelGym service too."""
+    if setting is not None:
+        return bool(setting)
+    from kpipe.infra.gpu import visible_gpus
+
+    return not visible_gpus()
+
+
 @contextlib.contextmanager
 def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, progress: bool = True,
                    gpus: Sequence[str] | None = None) -> Iterator[Evaluator]:

@@ -263,7 +263,7 @@ def run_iteration(
     """
     from accelerate import Accelerator
 
-    from kpipe.agent.evaluator import open_evaluator
+    from kpipe.agent.evaluator import open_evaluator, reference_reuse
 
     if not tasks:
         raise ValueError("RL needs at least one training task")
@@ -285,9 +285,8 @@ def run_iteration(
                                iteration, progress, reference_model)
     with contextlib.ExitStack() as stack:
         if evaluator is None:
-            # one reference run per task saves minutes on a CPU; on a GPU each candidate is timed next to it
-            reuse = not torch.cuda.is_available()
-            evaluator = stack.enter_context(open_evaluator(gym, reuse_reference=reuse, progress=trainer.progress,
+            evaluator = stack.enter_context(open_evaluator(gym, reuse_reference=reference_reuse(None),
+                                                           progress=trainer.progress,
                                                            gpus=trainer.evaluation_gpus()))
         cached = CachedEvaluator(evaluator, trainer.scratch / f"evals-{trainer.accelerator.process_index}.jsonl",
                                  protocol.to_json())
@@ -310,6 +309,7 @@ class IterationTrainer:
                  reference_model: Path | None = None) -> None:
         from accelerate.utils import set_seed
 
+        set_up = time.perf_counter()
         self.accelerator, processes = accelerator, accelerator.num_processes
         self.cfg, self.scratch, self.fingerprint = cfg, scratch, fingerprint
         self.run, self.iteration = run, iteration
@@ -344,8 +344,10 @@ class IterationTrainer:
         self.metrics = MetricsLog(scratch / "metrics.parquet", run=run, stage=STAGE, iteration=iteration)
         self.metrics.resume(iteration * cfg.steps_per_iteration + self.start_step)
         if self.accelerator.is_main_process:
-            log.info("RL %s iteration %d on %d process(es) (%s)%s", run, iteration, processes,
-                     self.accelerator.distributed_type, since_job_started())
+            # the job's start-up in two parts: this set-up (policy, optimizer, state), and all before it
+            log.info("RL %s iteration %d on %d process(es) (%s)%s, %.1f s of it loading the policy and its state",
+                     run, iteration, processes, self.accelerator.distributed_type, since_job_started(),
+                     time.perf_counter() - set_up)
             if resumed:
                 log.info("resuming RL iteration %d of %s at step %d (scratch %s)", iteration, run, self.start_step,
                          scratch)
