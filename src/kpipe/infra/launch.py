@@ -17,6 +17,7 @@ A Snakemake script becomes that command with :func:`exec_launch` (the training r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -163,6 +164,8 @@ def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = 
     ``kpipe launch ... > {log} 2>&1``, and Snakemake sees its exit status.
     """
     mark_job_started()
+    if (code := run_warm_started(gpus, args, log, slots)) is not None:
+        sys.exit(code)
     command = launch_command(gpus, args, slots)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -173,6 +176,37 @@ def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = 
         os.dup2(fd, 2)
         os.close(fd)
     os.execv(command[0], command)
+
+
+def run_warm_started(gpus: int, args: Sequence[str], log: str | os.PathLike | None,
+                     slots: tuple[int, int] | None) -> int | None:
+    """A one-process job on this node through the run's warm starter (:mod:`kpipe.infra.warm_start`),
+    under the GPU lease `kpipe launch` would take; its exit status, or None when the job is not one
+    process here or the run has no starter."""
+    from kpipe.infra import warm_start
+
+    try:
+        plan = launch_plan(gpus, args, os.environ, node_task=False)
+    except (ValueError, FileNotFoundError):
+        return None  # `kpipe launch` says what is wrong
+    if plan[1:3] != ["-m", "kpipe.cli"] or (conn := warm_start.connect()) is None:
+        return None
+    from kpipe.infra.gpu import GPULeaseError, gpu_lease, gpu_slot_lease
+
+    lease = gpu_lease(gpus) if slots is None else gpu_slot_lease(*slots)
+    try:
+        with lease, contextlib.ExitStack() as stack:
+            if log is None:
+                out = sys.stdout.fileno()
+            else:
+                Path(log).parent.mkdir(parents=True, exist_ok=True)
+                out = stack.enter_context(open(log, "w")).fileno()
+            sys.stdout.flush()
+            return warm_start.run_job(conn, args, out)
+    except GPULeaseError as error:
+        conn.close()
+        print(f"Error: {error}", file=sys.stderr)
+        return 1
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})
