@@ -82,3 +82,4 @@ def test_the_starter_ends_with_its_run_and_without_one_jobs_start_the_usual_way(
     assert warm_start.connect() is None
     monkeypatch.delenv(warm_start.WARM_START_ENV)
     assert warm_start.connect() is None
+

@@ -14,6 +14,8 @@ How, so that a forked job is the job Snakemake started in every way that matters
 - the worker starts a session of its own and ends it (SIGKILL to the group) when the client ends,
   so Snakemake killing a job (Ctrl-C, a failed run) kills its work; the starter ends with the
   run's snakemake process (a pidfd) or when ``onsuccess``/``onerror`` stop it;
+- torch takes the job's thread count (Snakemake's ``OMP_NUM_THREADS``; OpenMP read the starter's
+  environment when torch was imported);
 - the starter never touches CUDA (``PYTORCH_NVML_BASED_CUDA_CHECK``), so each worker initialises
   CUDA itself after it has the client's ``CUDA_VISIBLE_DEVICES``, as the kpipe.gym zygote's
   children do.
@@ -143,6 +145,9 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], client: int) -> 
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and "torch" in sys.modules:  # OpenMP read the starter's environment at import
+            sys.modules["torch"].set_num_threads(int(threads))
         pidfd = os.pidfd_open(client)
 
         def watch() -> None:  # the client gone (Snakemake killed the job): end the whole job
