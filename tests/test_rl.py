@@ -428,6 +428,7 @@ def test_one_step_off_policy_rollouts_are_generated_during_the_update(nano_model
         assert len(row["response_logprobs"]) == len(row["response_token_ids"]) and row["return_to_go"] is not None
         assert row["kept"] == (row["rejected_by"] is None)
     assert metrics[(2, "rows")] == 8 and (2, "mismatch_abs_log_w") in metrics
+    assert 0.0 <= metrics[(2, "mrs_would_keep")] <= 1.0  # logged whether or not MRS filters
 
 
 def test_scratch_of_another_configuration_is_cleared(tmp_path):

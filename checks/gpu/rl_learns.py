@@ -288,7 +288,7 @@ def markdown(report: dict[str, Any]) -> list[str]:
                 st = it["step"]
                 lines.append(f"| {it['iteration']} | {st.get('rollout_ppl', float('nan')):.4f} | "
                              f"{st.get('train_ppl', float('nan')):.4f} | {st.get('mismatch_abs_log_w', float('nan')):.3g} | "
-                             f"{st.get('kept_frac_mrs', float('nan')):.3f} |")
+                             f"{st.get('mrs_would_keep', float('nan')):.3f} |")
         first, last = report["iterations"][0], report["iterations"][-1]
         lines += ["", f"### Per task (iteration {first['iteration']} -> {last['iteration']})", "",
                   "| task | legit speedup on an H100 (docs) | median speedup of its correct kernels here "

@@ -223,7 +223,9 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
     totals = {f"kept_frac_{name}": (float((mask & has_tokens).sum()), with_tokens) for name, mask in masks.items()}
     totals.update(kept_frac=(float(kept.sum()), len(rows)), return_mean=(float(returns.sum()), len(rows)),
                   advantage_abs_mean=(float(advantages[kept].abs().sum()), float(kept.sum())),
-                  mismatch_abs_log_w=(float(log_w[has_tokens].abs().sum()), with_tokens))
+                  mismatch_abs_log_w=(float(log_w[has_tokens].abs().sum()), with_tokens),
+                  # what MRS would keep with `mrs: false` too (Figure 7's mismatch, whatever the filters)
+                  mrs_would_keep=(float((mrs_keep & has_tokens).sum()), with_tokens))
     totals.update(token_totals([train_logp[i] for i in range(len(rows)) if has_tokens[i]],
                                [rollout_logp[i] for i in range(len(rows)) if has_tokens[i]]))
     means = global_means(accelerator, totals)
