@@ -30,6 +30,7 @@ import contextlib
 import importlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -159,10 +160,9 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], client: int) -> 
         threading.Thread(target=watch, daemon=True, name="client-watch").start()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # what `python -m kpipe.cli ARGV` runs (kpipe.infra.launch's command), in this process
         sys.argv = ["kpipe", *request["argv"]]
-        from kpipe.cli import main
-
-        main(args=list(request["argv"]), prog_name="kpipe")
+        runpy.run_module("kpipe.cli", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
