@@ -79,6 +79,14 @@ INSTALL_HINT = ("vLLM is not importable: install vllm 0.26.0 into /tmp/site and 
                 "PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 (docs/vllm-on-the-device.md)")
 
 
+
+def sampling_requests(prompts: list[Any], n: int, max_tokens: int, offset: int = 0) -> list[Any]:
+    """`n` requests cycling over `prompts`, as RL samples (temperature 1, per-request seeds, log-probs)."""
+    from kpipe.llm.types import ChatRequest
+
+    return [ChatRequest(messages=prompts[i % len(prompts)], max_tokens=max_tokens, temperature=1.0,
+                        top_p=1.0, seed=offset + i, logprobs=True) for i in range(n)]
+
 def add_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--cpu", action="store_true", help="refused: vLLM needs a GPU (there is no CPU mode)")
     parser.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated of {POLICIES}")
@@ -399,7 +407,6 @@ def child_main(spec_path: str) -> int:
         import torch
         import vllm
 
-        from kpipe.llm.types import ChatRequest
         from kpipe.llm.vllm_engine import VLLMEngine
         from kpipe.train.rl_config import RLConfig
         from kpipe.train.rl_rollouts import vllm_engine_args
@@ -419,18 +426,14 @@ def child_main(spec_path: str) -> int:
         save()
         prompts = spec["prompts"]
 
-        def requests(n: int, max_tokens: int, offset: int = 0) -> list[Any]:
-            return [ChatRequest(messages=prompts[i % len(prompts)], max_tokens=max_tokens, temperature=1.0,
-                                top_p=1.0, seed=offset + i, logprobs=True) for i in range(n)]
-
         started = time.monotonic()
-        engine.generate(requests(8, 16, 10_000))
+        engine.generate(sampling_requests(prompts, 8, 16, 10_000))
         out["warmup_s"] = time.monotonic() - started
         out["throughput"] = {}
         for batch in spec["batches"]:
             sync()
             started = time.perf_counter()
-            done = engine.generate(requests(batch, spec["max_tokens"]))
+            done = engine.generate(sampling_requests(prompts, batch, spec["max_tokens"]))
             seconds = time.perf_counter() - started
             counts = [c.completion_tokens for c in done]
             out["throughput"][str(batch)] = {"seconds": seconds, "tokens": sum(counts),
@@ -438,7 +441,7 @@ def child_main(spec_path: str) -> int:
                                              "finish": {r: sum(c.finish_reason == r for c in done) for r in
                                                         {c.finish_reason for c in done}}}
             if batch == max(spec["batches"]):
-                out["samples_random"] = samples(done, requests(batch, spec["max_tokens"]), prompts)
+                out["samples_random"] = samples(done, sampling_requests(prompts, batch, spec["max_tokens"]), prompts)
             save()
         if spec.get("push_from"):
             from kpipe.train.rl import load_policy
@@ -452,7 +455,7 @@ def child_main(spec_path: str) -> int:
             out["pushed_tensors"] = len(model.state_dict())
             del model
             sync()
-            asked = requests(spec["mismatch_n"], spec["max_tokens"], 20_000)
+            asked = sampling_requests(prompts, spec["mismatch_n"], spec["max_tokens"], 20_000)
             started = time.perf_counter()
             done = engine.generate(asked)
             out["trained_generate_s"] = time.perf_counter() - started
@@ -512,7 +515,6 @@ def hf_throughput(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     if policy in STATE.hf:
         return STATE.hf[policy]
     from kpipe.llm.hf_engine import HFEngine
-    from kpipe.llm.types import ChatRequest
 
     prompts = bank_prompts()
     result: dict[str, Any] = {"throughput": {}}
@@ -522,25 +524,21 @@ def hf_throughput(policy: str, args: argparse.Namespace) -> dict[str, Any]:
                                       batch_size=max(BATCHES), seed=0, progress=False)
     result["load_s"] = time.monotonic() - started
     try:
-        def requests(n: int, max_tokens: int, offset: int = 0) -> list[Any]:
-            return [ChatRequest(messages=prompts[i % len(prompts)], max_tokens=max_tokens, temperature=1.0,
-                                top_p=1.0, seed=offset + i, logprobs=True) for i in range(n)]
-
         started = time.monotonic()
-        engine.generate(requests(8, 16, 10_000))
+        engine.generate(sampling_requests(prompts, 8, 16, 10_000))
         result["warmup_s"] = time.monotonic() - started
         for batch in BATCHES:
             engine.batch_size = batch
             sync()
             started = time.perf_counter()
-            done = engine.generate(requests(batch, MAX_TOKENS))
+            done = engine.generate(sampling_requests(prompts, batch, MAX_TOKENS))
             sync()
             seconds = time.perf_counter() - started
             counts = [c.completion_tokens for c in done]
             result["throughput"][str(batch)] = {"seconds": seconds, "tokens": sum(counts),
                                                 "tokens_per_s": tokens_per_s(counts, seconds)}
             if batch == max(BATCHES) and policy == "nano":
-                result["samples_random"] = samples(done, requests(batch, MAX_TOKENS), prompts)
+                result["samples_random"] = samples(done, sampling_requests(prompts, batch, MAX_TOKENS), prompts)
     finally:
         del engine
         sync()
