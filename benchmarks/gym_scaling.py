@@ -9,7 +9,9 @@ included, beside KernelBench's harness (one spawned process per sample) on the s
 Workload: the side-by-side's ten tasks (bank legit kernels, full KernelBench ``main`` sizes),
 cycled to ``--evaluations`` distinct candidates (a comment makes each a new cache key, so each
 task's kernel is evaluated evaluations/10 times: the run-to-run spread), 5 correctness + 100 timed
-trials, eager baseline, references run per evaluation (``kpipe gym eval-batch``'s default). Each
+trials, eager baseline, references run per evaluation (``kpipe gym eval-batch``'s default), or with
+``--reuse-reference`` once per worker that judges the task (``GymPool``'s default: the pool sends a
+task's candidates to the worker that has run its reference, ``kpipe.gym.pool.JobQueue``). Each
 configuration runs in its own process with new empty compile caches (every run cold); ``1x1`` is
 the scheduling before kgym-8 (one evaluation at a time per GPU).
 
@@ -50,7 +52,7 @@ def overlapping_spans(rows: list[dict[str, object]]) -> int:
     return count
 
 
-def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int) -> dict[str, object]:
+def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int, reuse_reference: bool) -> dict[str, object]:
     """This process: a pool of `per_gpu` workers on each of `gpus` GPUs, one pass."""
     from kernelbench_side_by_side import TASKS, bank_pairs
 
@@ -63,7 +65,7 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int)
     os.environ["KPIPE_GYM_TRACE"] = str(trace)
     protocol = Protocol(baseline="eager", correct_trials=5, perf_trials=trials, timeout_s=300)
     started = time.monotonic()
-    with GymPool(protocol, workers=gpus, per_gpu=per_gpu, progress=False, reuse_reference=False) as pool:
+    with GymPool(protocol, workers=gpus, per_gpu=per_gpu, progress=False, reuse_reference=reuse_reference) as pool:
         start_s = time.monotonic() - started
         results = pool.evaluate_many(jobs)
         workers = pool.workers()
@@ -82,7 +84,8 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int)
     tasks = [{"task": pairs[i % len(pairs)]["task"], "status": r.status, "candidate_ms": r.candidate_ms, "speedup": r.speedup_eager,
               "eager_ms": r.eager_ms, "gpu_drift": r.gpu_drift, "why": "; ".join(r.hack_reasons) or r.diagnostic[:300]}
              for i, r in enumerate(results)]
-    return {"gpus": gpus, "per_gpu": per_gpu, "evaluations": len(results), "seconds": seconds, "start_s": start_s,
+    return {"gpus": gpus, "per_gpu": per_gpu, "evaluations": len(results), "reuse_reference": reuse_reference,
+            "reference_runs": sum(not record.get("reference_reused") for record in records), "seconds": seconds, "start_s": start_s,
             "statuses": sorted({r.status for r in results}), "timed_s_by_gpu": dict(timed), "tasks": tasks,
             "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
             "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {}}
@@ -123,26 +126,28 @@ def main() -> None:
     parser.add_argument("--shrink", type=int, default=0, help="sizes divided down (a CPU smoke run: GPUs count CPU workers)")
     parser.add_argument("--kb-spawn", type=int, default=0, help="also run KernelBench spawned on this many of the jobs")
     parser.add_argument("--anchors", type=Path, default=ROOT.parent / "shared" / "anchors" / "kernelbench_harness")
+    parser.add_argument("--reuse-reference", action="store_true", help="time each task's reference once per worker (GymPool's default)")
     parser.add_argument("--one-run", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_run:
         gpus, per_gpu = (int(n) for n in args.one_run.split("x"))
-        print(json.dumps(one_run(args.evaluations, gpus, per_gpu, args.trials, args.shrink)))
+        print(json.dumps(one_run(args.evaluations, gpus, per_gpu, args.trials, args.shrink, args.reuse_reference)))
         return
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     runs: list[dict[str, Any]] = []
-    lines = ["| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | timed s per GPU | overlapping timed spans |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"References {'reused (run once per worker that judges the task)' if args.reuse_reference else 'run per evaluation'}.", "",
+             "| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | reference runs | timed s per GPU | overlapping timed spans |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     if args.kb_spawn:
         kb = kb_spawn_rate(args.kb_spawn, args.anchors, args.shrink)
         rate = 60 * kb["evaluations"] / kb["seconds"]
-        lines.append(f"| KernelBench spawned | {kb['evaluations']} | {kb['seconds']:.0f} | {rate:.1f} | {rate:.1f} | | | | |")
+        lines.append(f"| KernelBench spawned | {kb['evaluations']} | {kb['seconds']:.0f} | {rate:.1f} | {rate:.1f} | | | {kb['evaluations']} | | |")
         print(lines[-1], flush=True)
     for config in args.configs.split(","):
         config, _, evaluations = config.partition(":")
         caches = {name: tempfile.mkdtemp(prefix="cold-") for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
         run = subprocess.run([sys.executable, __file__, "--one-run", config, "--evaluations", evaluations or str(args.evaluations),
-                              "--trials", str(args.trials), "--shrink", str(args.shrink)],
+                              "--trials", str(args.trials), "--shrink", str(args.shrink), *(["--reuse-reference"] if args.reuse_reference else [])],
                              capture_output=True, text=True, env={**os.environ, **caches}, timeout=1800)
         if run.returncode != 0:
             raise SystemExit(f"the {config} run failed:\n{run.stderr[-3000:]}")
@@ -152,7 +157,7 @@ def main() -> None:
         base = 60 * runs[0]["evaluations"] / runs[0]["seconds"]
         timed = ", ".join(f"{s:.0f}" for s in result["timed_s_by_gpu"].values())
         lines.append(f"| {config} | {result['evaluations']} | {result['seconds']:.0f} ({result['start_s']:.1f}) | {rate:.1f} | "
-                     f"{rate / result['gpus']:.1f} | {rate / base:.2f} | {result['done_by_worker']} | {timed} | {result['overlapping_spans']} |")
+                     f"{rate / result['gpus']:.1f} | {rate / base:.2f} | {result['done_by_worker']} | {result['reference_runs']} | {timed} | {result['overlapping_spans']} |")
         print(lines[-1], flush=True)
         if out:  # what is measured so far survives a cut-off run
             (out / "gym_scaling.json").write_text(json.dumps(runs, indent=1))
@@ -172,7 +177,7 @@ def main() -> None:
             cells.append(f"{'/'.join(row.get('statuses', []))} / {fmt(row.get('ms'))} / {fmt(row.get('spread'), '.3f')} / "
                          f"{fmt(row.get('speedup'))} ({fmt(ratio, '.3f')})")
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
-    print("\n".join(lines[len(runs) + 2 + bool(args.kb_spawn):]))
+    print("\n".join(lines[len(runs) + 4 + bool(args.kb_spawn):]))
     if out:
         (out / "gym_scaling.md").write_text("\n".join(lines) + "\n")
 

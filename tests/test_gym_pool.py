@@ -4,6 +4,7 @@ and cached jobs are never evaluated twice."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,11 @@ from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
 from kpipe.gym.cache import ResultCache
-from kpipe.gym.pool import MAX_ATTEMPTS, GymPool, default_slots
+from kpipe.gym.pool import MAX_ATTEMPTS, GymPool, JobQueue, WorkerState, default_slots
 from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.result import EvalResult
 from kpipe.gym.sandbox import OPT_OUT_VARIABLE
+from kpipe.gym.worker import Job
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
@@ -167,3 +169,40 @@ def test_slots_are_the_given_gpus_or_cpu_workers(monkeypatch: pytest.MonkeyPatch
     assert default_slots(1, ["1", "3"]) == ["1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert default_slots(2) == [None, None]
+
+
+def queued(*references: str) -> list[Job]:
+    return [Job(i, reference, f"candidate {i}", f"key {i}", Future()) for i, reference in enumerate(references)]
+
+
+def test_with_reuse_a_worker_takes_its_own_tasks_then_new_ones_then_the_oldest() -> None:
+    """A one-pass batch cycling through tasks runs each task's reference about once per pool."""
+    jobs = JobQueue(affinity=True)
+    for job in queued("A", "B", "C", "A", "B", "C", "A"):
+        jobs.put(job)
+    first, second = WorkerState(slot=0, gpu="0"), WorkerState(slot=1, gpu="0")
+    workers = [first, second]
+    assert jobs.get(first, workers).reference == "A"
+    assert jobs.get(second, workers).reference == "B"  # A is being run by the first worker
+    assert (second.busy_with, second.busy_reference) == ("key 1", "B")
+    first.busy_reference, first.references = None, {"A"}
+    assert [jobs.get(first, workers).job_id for _ in range(2)] == [3, 6]  # its own task's, oldest first
+    first.busy_reference = None
+    assert jobs.get(first, workers).reference == "C"  # a task nobody has run
+    first.references.add("C")
+    second.busy_reference, second.references = None, {"B"}
+    assert [jobs.get(second, workers).job_id for _ in range(2)] == [4, 5]  # its own B, then the oldest left
+    jobs.stop(2)
+    assert jobs.get(first, workers) is None and jobs.get(second, workers) is None
+
+
+def test_without_reuse_the_queue_is_first_in_first_out() -> None:
+    jobs = JobQueue(affinity=False)
+    for job in queued("A", "B", "A"):
+        jobs.put(job)
+    worker = WorkerState(slot=0, gpu=None, references={"A"})
+    assert [jobs.get(worker, [worker]).job_id for _ in range(3)] == [0, 1, 2]
+    jobs.put(queued("C")[0])
+    jobs.stop(1)
+    assert jobs.get(worker, [worker]).reference == "C"  # jobs queued before the stop are served
+    assert jobs.get(worker, [worker]) is None

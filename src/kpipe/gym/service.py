@@ -97,6 +97,7 @@ class Worker(BaseModel):
     restarts: int
     last_loss: str
     alive: bool
+    references: int = Field(description="task references its judge has run and reuses (the pool sends it their candidates first)")
 
 
 class Problem(BaseModel):
