@@ -92,7 +92,9 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int,
 
 
 def per_task(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per task: statuses, the spread of its candidate times (max/min) and its median speedup."""
+    """Per task: statuses, the spread (max/min) of its candidate times and of its speedups, and its
+    median speedup. With several GPUs or reused references the times are on the scale of whichever
+    reference run judged them (each GPU's speed); the speedups are what a run must repeat."""
     from statistics import median
 
     grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -104,7 +106,8 @@ def per_task(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
         speedups = [r["speedup"] for r in rows if r["speedup"]]
         out[task] = {"statuses": sorted({r["status"] for r in rows}), "runs": len(rows),
                      "ms": median(times) if times else None, "spread": max(times) / min(times) if times else None,
-                     "speedup": median(speedups) if speedups else None}
+                     "speedup": median(speedups) if speedups else None,
+                     "speedup_spread": max(speedups) / min(speedups) if speedups else None}
     return out
 
 
@@ -166,8 +169,8 @@ def main() -> None:
               "| phase | " + " | ".join(f"{r['gpus']}x{r['per_gpu']}" for r in runs) + " |", "|---|" + "---|" * len(runs)]
     lines += [f"| {name} | " + " | ".join(f"{r['mean_phase_s'].get(name, 0.0):.2f}" for r in runs) + " |" for name in names]
     tables = [per_task(run) for run in runs]
-    lines += ["", "Per task: statuses / median candidate ms / spread (max/min over its runs) / median speedup "
-              "(ratio to the first configuration's):", "",
+    lines += ["", "Per task: statuses / median candidate ms / spread of candidate ms (max/min over its runs) / median speedup "
+              "(ratio to the first configuration's) / spread of speedups:", "",
               "| task | " + " | ".join(f"{r['gpus']}x{r['per_gpu']}" for r in runs) + " |", "|---|" + "---|" * len(runs)]
     for task in tables[0]:
         cells = []
@@ -175,7 +178,7 @@ def main() -> None:
             row, first = table.get(task, {}), tables[0][task]
             ratio = row["speedup"] / first["speedup"] if row.get("speedup") and first["speedup"] else None
             cells.append(f"{'/'.join(row.get('statuses', []))} / {fmt(row.get('ms'))} / {fmt(row.get('spread'), '.3f')} / "
-                         f"{fmt(row.get('speedup'))} ({fmt(ratio, '.3f')})")
+                         f"{fmt(row.get('speedup'))} ({fmt(ratio, '.3f')}) / {fmt(row.get('speedup_spread'), '.3f')}")
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     print("\n".join(lines[len(runs) + 4 + bool(args.kb_spawn):]))
     if out:

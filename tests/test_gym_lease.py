@@ -123,3 +123,43 @@ def test_evaluations_overlap_but_their_timed_regions_do_not(tmp_path: Path, monk
     traces = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     evaluations = [(t["started_unix"], t["started_unix"] + t["wall_s"]) for t in traces]
     assert overlaps(evaluations), "the two workers never evaluated at once: the test shows nothing"
+
+
+def test_a_child_keeps_the_lease_until_it_has_exited(tmp_path: Path) -> None:
+    """A context's teardown is GPU work: a timing child's exit must not run beside the next one's
+    timed region, so its judge releases the lease only once the child is gone."""
+    import threading
+
+    from kpipe.gym.evaluation import run_reference
+    from kpipe.gym.isolate import fresh_interpreter
+
+    lease = TimingLease("dev", 60.0, tmp_path)
+    pids: list[int] = []
+
+    def launch(*args):  # type: ignore[no-untyped-def]
+        proc, streams = fresh_interpreter(*args)
+        pids.append(proc.pid)
+        return proc, streams
+
+    seen: dict[str, bool] = {}
+    done = threading.Event()
+
+    def watch() -> None:
+        fd = lease.open_file()
+        while not done.is_set():
+            if lease.held_elsewhere(fd):
+                seen["held"] = True
+            elif seen.get("held"):
+                seen["child alive at release"] = Path(f"/proc/{pids[0]}").exists()
+                return
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        payload, ran = run_reference(REFERENCE, PROTOCOL, "cpu", False, launch, lease)
+    finally:
+        done.set()
+        watcher.join()
+    assert ran and payload["status"] == "ok"
+    assert seen == {"held": True, "child alive at release": False}

@@ -282,7 +282,6 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
                                               **timed_region(protocol))
         except Exception as exc:  # a baseline that cannot compile is reported, not fatal
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    timing_done(workdir, device)
     return result
 
 
@@ -437,19 +436,9 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         launched = set(train_launches) | set(result["launches"]["eval"])
         result["profile"] = profile_cuda(forward, launched) if device == "cuda" else profile_cpu(forward, clocks)
 
-    timing_done(workdir, device)
     phase("candidate integrity")
     result.update(integrity())
     return result
-
-
-def timing_done(workdir: Path, device: str) -> None:
-    """Tell the judge this child's GPU work is over, so it hands the device's timing lease to
-    the next child while this one writes its result and exits (a context's teardown takes a
-    tenth of a second). A candidate that says so early only lets others' work slow its own."""
-    if device == "cuda":
-        torch.cuda.synchronize()
-    (workdir / "timed").touch()
 
 
 def pairs_with_reference(protocol: Protocol, device: str) -> bool:

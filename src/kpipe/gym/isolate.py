@@ -134,7 +134,7 @@ def run_isolated(
     With `gate`, the child stops after its correctness stage and writes a partial result;
     `gate(partial)` (run here, in the parent) decides whether it goes on to timing. With `lease`
     (``kpipe.gym.lease``), a child told to go first waits for its device's timing lease, held
-    until the child says its GPU work is over (or exits), and the child is stopped whenever
+    until the child has exited, and the child is stopped whenever
     another child holds the lease; both are added to its deadline (they are nobody's fault).
     `launch` starts the process (the worker pool forks it from a warm zygote instead). Raises
     ``LeaseTimeout`` (the child killed) only when the lease never came free.
@@ -184,9 +184,9 @@ def run_isolated(
                         pauser.take_over()  # type: ignore[union-attr]
                     if partial is not None:
                         answer_gate(scratch, go)
-                    if leased:
-                        wait_for_file(proc, scratch / "timed", deadline)
-                        held.close()  # its GPU work is over (or it died): the next child may time
+                # a leased child keeps the lease until it has exited: its context's teardown (GPU
+                # memory freed, page tables unmapped) is GPU work that slowed the next child's
+                # launch-bound timings when it ran beside them
                 wait_for_exit(proc, deadline)
             except subprocess.TimeoutExpired:
                 timed_out = True

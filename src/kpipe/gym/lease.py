@@ -3,7 +3,8 @@
 Several evaluations share a GPU (``kpipe.gym.pool`` runs several workers per GPU): their start-up,
 imports, Triton compiles, input generation and correctness trials overlap one another. A timed
 region overlaps none of them: the judge (never the candidate) takes the device's lease for its
-child between the gate and the end of the child's GPU work (``kpipe.gym.isolate.run_isolated``),
+child from the gate until the child has exited (its context's teardown is GPU work too;
+``kpipe.gym.isolate.run_isolated``),
 and every other judge on the device stops its own child (SIGSTOP to its process group) while the
 lease is held by someone else, and resumes it after (``ChildPauser``; the paused seconds are added
 to that child's deadline). Overlapping only the timed regions was measured and is not enough: the
