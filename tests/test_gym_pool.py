@@ -164,9 +164,9 @@ def test_bad_usage_is_refused() -> None:
 
 def test_slots_are_the_given_gpus_or_cpu_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    assert default_slots(None) == ["0", "1", "2", "3"]
-    assert default_slots(None, ["2"]) == ["2"]  # one RL process per GPU evaluates on its own
-    assert default_slots(1, ["1", "3"]) == ["1"]
+    assert default_slots(None) == ["0", "0", "1", "1", "2", "2", "3", "3"]  # two workers per GPU
+    assert default_slots(None, ["2"]) == ["2", "2"]  # one RL process per GPU evaluates on its own
+    assert default_slots(1, ["1", "3"], per_gpu=1) == ["1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert default_slots(2) == [None, None]
 

@@ -42,13 +42,14 @@ if TYPE_CHECKING:
     from kpipe.gym.cache import ResultCache
 
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
-# evaluations in flight per GPU by default. More (``per_gpu``) overlap the children's untimed work
-# outside one another's timed regions (kpipe.gym.lease): 21.7-23.5 evaluations/min on one H200
-# with 4-6, against 11 with one, speedups of candidates of 1 ms or more within 1.009x over 8
-# runs; but launch-bound candidates (0.15-0.22 ms) then spread 1.18-1.49x and one honest one of
-# 8 was judged hacked (docs/gpu-results/gym_scaling_2026-11-26_4xH200.md). Until that is
-# understood, one: a verdict must not depend on the neighbours
-DEFAULT_WORKERS_PER_GPU = 1
+# evaluations in flight per GPU by default: their children's untimed work (start, compile,
+# correctness trials) overlaps, their timed regions take turns under the GPU's lease
+# (kpipe.gym.lease). On H200s, one pass of 80 evaluations with references reused: 28.7-34.9
+# evaluations/min with two against 16.1-19.7 with one, every verdict and every median speedup the
+# same (within 0.6 %, launch-bound candidates under 1 ms within 6 %), speedups of candidates of
+# 1 ms or more within 1.012x over 8 runs (docs/gpu-results/gym_scaling_2026-11-26b_H200.md).
+# Launch-bound candidates spread more with neighbours (L2_14: 1.3-1.6x against 1.0-1.3x alone)
+DEFAULT_WORKERS_PER_GPU = 2
 # a judge that does not answer within this much beyond the two child timeouts is hung
 WORKER_SLACK_S = 120.0
 

@@ -50,7 +50,7 @@ def protocol_from(ctx: click.Context) -> Protocol:
 def pool_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--workers", type=click.IntRange(min=1), default=None, help="GPUs to use (default: every visible GPU); without GPUs, worker count (default: half the cores)."),
-        click.option("--per-gpu", type=click.IntRange(min=1), default=None, help="Workers per GPU (default 1): more overlap untimed work, only timed regions take turns (docs/kernelgym-at-scale.md)."),
+        click.option("--per-gpu", type=click.IntRange(min=1), default=None, help="Workers per GPU (default 2): their untimed work overlaps, their timed regions take turns (docs/kernelgym-at-scale.md)."),
         click.option("--cache", "cache_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Result cache (SQLite); default $KPIPE_GYM_CACHE or results/gym/cache.sqlite."),
         click.option("--reuse-reference", is_flag=True, help="Run each reference once per worker (cheaper; the baseline is then not timed next to each candidate)."),
     ]
