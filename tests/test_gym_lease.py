@@ -163,3 +163,28 @@ def test_a_child_keeps_the_lease_until_it_has_exited(tmp_path: Path) -> None:
         watcher.join()
     assert ran and payload["status"] == "ok"
     assert seen == {"held": True, "child alive at release": False}
+
+
+def test_a_long_wait_for_the_lease_is_taken_off_the_childs_wall_time_once(tmp_path: Path) -> None:
+    """The child waits at its gate while another holds the lease, and its pauser stops it for the
+    same seconds: counted twice, a long wait left a wall time shorter than the child's own timed
+    trials, and honest kernels were judged timing_inconsistent on a busy GPU."""
+    from kpipe.gym.isolate import run_isolated
+
+    held = multiprocessing.get_context("spawn").Event()
+    other = multiprocessing.get_context("spawn").Process(target=hold_for, args=(str(tmp_path), 4.0, held))
+
+    def another_takes_the_lease_first(partial: dict) -> bool:  # while this child waits at its gate
+        other.start()
+        assert held.wait(30)
+        return True
+
+    job = {"role": "reference", "reference_src": REFERENCE, "protocol": PROTOCOL.to_dict(), "device": "cpu"}
+    started = time.monotonic()
+    try:
+        run = run_isolated(job, 60.0, gate=another_takes_the_lease_first, lease=TimingLease("dev", 60.0, tmp_path))
+    finally:
+        other.join()
+    elapsed = time.monotonic() - started
+    assert run.payload is not None and run.lease_wait_s > 2.0
+    assert run.wall_s + run.lease_wait_s == pytest.approx(elapsed, abs=1.0)

@@ -171,8 +171,16 @@ def run_isolated(
         timed_out = False
         lease_wait_s = 0.0
 
-        def deadline() -> float:  # waiting for the lease, or stopped while another child timed, is nobody's fault
-            return start + timeout_s + lease_wait_s + (pauser.paused_s() if pauser is not None else 0.0)
+        def held_up() -> float:
+            """Seconds the child could not run, which are nobody's fault: waiting at the gate for the
+            lease, or stopped while another child timed. Its pauser stops it during the wait too (the
+            lease is held elsewhere), so the two overlap and count once: subtracting both made a
+            long wait shrink the child's wall time below its own timed trials, and honest kernels
+            were judged timing_inconsistent when many evaluations shared a GPU."""
+            return max(lease_wait_s, pauser.paused_s()) if pauser is not None else lease_wait_s
+
+        def deadline() -> float:
+            return start + timeout_s + held_up()
 
         with ExitStack() as held:
             try:
@@ -208,7 +216,7 @@ def run_isolated(
             partial=partial,
             returncode=proc.returncode,
             timed_out=timed_out,
-            wall_s=wall_s - lease_wait_s - (pauser.paused_s() if pauser is not None else 0.0),
+            wall_s=wall_s - held_up(),
             stdout=captures[0].text(),
             stderr=captures[1].text(),
             output_bytes=captures[0].total + captures[1].total,
