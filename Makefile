@@ -16,6 +16,9 @@ RETRY = for attempt in 1 2 3; do $(1) && break; if [ $$attempt = 3 ]; then exit 
 	echo "setup step failed (attempt $$attempt of 3); retrying in 15 s" >&2; sleep 15; done
 PIP_INSTALL = echo "pip install $(1)"; $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --resume-retries 10 $(1))
 CORES ?= 2
+# `make test` runs the suite on this many pytest-xdist workers, each module on one worker (its
+# module-scoped fixtures run once), the longest modules first (tests/conftest.py). 0: one process.
+TEST_WORKERS ?= 2
 SNAKEMAKE_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kpipe-installed
@@ -35,7 +38,7 @@ run: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS)
 
 test: setup
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
