@@ -122,6 +122,12 @@ def planned(workdir: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True)
 
 
+@pytest.fixture(scope="module")
+def default_plan(workdir: Path) -> subprocess.CompletedProcess:
+    """The default config's dry run, made once for the tests that read it."""
+    return planned(workdir)
+
+
 def with_overlay(workdir: Path, overlay: str) -> subprocess.CompletedProcess:
     """A dry run of the default config with `overlay` (YAML) on top, as config/ablations/*.yaml are given."""
     path = workdir / "config" / "test_overlay.yaml"
@@ -136,8 +142,8 @@ def job_counts(result: subprocess.CompletedProcess) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", stats, re.M)}
 
 
-def test_default_dag_validates_every_other_iteration_and_the_last(workdir):
-    result = planned(workdir)
+def test_default_dag_validates_every_other_iteration_and_the_last(workdir, default_plan):
+    result = default_plan
     assert job_counts(result)["rl_validate"] == 3  # rl.iterations 5, every 2: 1, 3 and the last
     for iteration in (1, 3, 4):
         assert f"results/trajectories/stage=rl_val/run=default/iter={iteration}/part-0.parquet" in result.stdout
@@ -146,8 +152,8 @@ def test_default_dag_validates_every_other_iteration_and_the_last(workdir):
     assert "rl_validate" not in job_counts(with_overlay(workdir, "rl: {validation: {every: 0}}"))
 
 
-def test_the_tritonforge_overlay_adds_its_two_runs(workdir):
-    base = job_counts(planned(workdir))
+def test_the_tritonforge_overlay_adds_its_two_runs(workdir, default_plan):
+    base = job_counts(default_plan)
     counts = job_counts(planned(workdir, "--configfile", "config/config.yaml", "config/ablations/tritonforge.yaml"))
     for rule in ("rl_iter", "rl_validate"):  # the default run, tritonforge and tritonforge_released
         assert counts[rule] == 3 * base[rule], rule

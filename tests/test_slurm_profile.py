@@ -71,14 +71,21 @@ def sbatch_line(resources: dict[str, Any], **extra: Any) -> str:
     return get_submit_command(job, params) + set_gres_string(job)
 
 
+@pytest.fixture(scope="module")
+def paper_dry_runs(workdir: Path) -> dict[str, subprocess.CompletedProcess]:
+    """The paper run's dry run with the SLURM profile, given either way (PROFILE_FORMS), each made
+    once for the module: the acceptance command (--profile) and the resource tests read the same output."""
+    return {form: snakemake(workdir, "-n", form, "workflow/profiles/slurm", *PAPER) for form in PROFILE_FORMS}
+
+
 @pytest.fixture(scope="module", params=PROFILE_FORMS)
-def paper_plan(request, workdir: Path) -> dict[str, list[dict[str, Any]]]:
+def paper_plan(request, paper_dry_runs: dict[str, subprocess.CompletedProcess]) -> dict[str, list[dict[str, Any]]]:
     """The paper run planned with the SLURM profile, given either way."""
-    return planned_resources(snakemake(workdir, "-n", request.param, "workflow/profiles/slurm", *PAPER).stdout)
+    return planned_resources(paper_dry_runs[request.param].stdout)
 
 
-def test_the_acceptance_command_plans_the_full_paper_run(workdir: Path) -> None:
-    result = snakemake(workdir, "-n", "--profile", "workflow/profiles/slurm", *PAPER)
+def test_the_acceptance_command_plans_the_full_paper_run(paper_dry_runs: dict[str, subprocess.CompletedProcess]) -> None:
+    result = paper_dry_runs["--profile"]  # snakemake -n --profile workflow/profiles/slurm --configfile config/paper.yaml
     plan = planned_resources(result.stdout)
     counts = Counter({rule: len(jobs) for rule, jobs in plan.items()})
     assert {"ingest_tasks", "ingest_queries", "decontaminate", "sft", "build_db"} <= set(counts)
