@@ -35,9 +35,23 @@ LONGEST_MODULES = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules of LONGEST_MODULES first, in its order; within a module, tests keep theirs."""
+    """The modules of LONGEST_MODULES first, in its order; within a module, tests keep theirs.
+
+    Every item also gets a node id of its own: schemathesis gives its items (one per API operation,
+    tests/test_gym_service_contract.py) their operation in the name but one node id for all, and
+    pytest-xdist, which hands tests to workers by node id, ran only the first of them."""
     rank = {name: position for position, name in enumerate(LONGEST_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        module_and_class, _, name = item.nodeid.rpartition("::")
+        if name != item.name and item.name.startswith(f"{name}["):
+            unique = f"{module_and_class}::{item.name}"
+            if hasattr(item, "_id"):  # pytest 9 keeps the node id as a NodeId (schemathesis still sets _nodeid)
+                from _pytest.nodeid import coerce_node_id
+
+                item._id = coerce_node_id(unique)
+            else:
+                item._nodeid = unique
 
 
 @pytest.fixture(scope="module")
