@@ -90,6 +90,13 @@ def service_pids(workdir: Path) -> set[int]:
     return {int(pid) for pid in re.findall(r"evaluating on the run's KernelGym service \S+ \(pid (\d+)\)", text)}
 
 
+def forget_results(workdir: Path) -> None:
+    """Empty the result cache, so the run's evaluations take real seconds: with the earlier tests'
+    results cached, a run could finish between the service answering and the signal sent to it."""
+    for path in (workdir / "results" / "gym").glob("cache.sqlite*"):
+        path.unlink()
+
+
 def records(workdir: Path) -> list[Path]:
     return list((workdir / "results" / ".gym").glob("service-*.json"))
 
@@ -126,6 +133,7 @@ def test_one_service_serves_the_run_and_stops_on_success(workdir):
 
 def test_ctrl_c_stops_the_service(workdir):
     clear_service_logs(workdir)
+    forget_results(workdir)
     process, mark = start(workdir)
     wait_for(lambda: records(workdir), "the service to answer")
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: snakemake and its jobs
@@ -137,6 +145,7 @@ def test_ctrl_c_stops_the_service(workdir):
 
 def test_a_killed_job_fails_the_run_leaks_nothing_and_the_service_stops(workdir):
     clear_service_logs(workdir)
+    forget_results(workdir)
     process, mark = start(workdir)
     record = json.loads(wait_for(lambda: records(workdir), "the service to answer")[0].read_text())
     jobs = wait_for(lambda: [pid for pid in marked(mark) if b"eval.py" in Path(f"/proc/{pid}/cmdline").read_bytes()],
