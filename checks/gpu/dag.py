@@ -15,7 +15,8 @@ Sections:
   first working log line: ``N s after the job began``), and the tables. Checked:
   exit 0, every table, figure and the viewer written, every evaluation timed on the GPU
   (``timing_kind = cuda``), no two timed regions overlapping on one GPU (``evals.timed_spans``: the KernelGym result cache of every stage,
-  per ``device_id``), the teacher's Fast@1 above 0 in ``table1_fastp_eager``, the RL reward higher
+  per ``device_id``), none of the offline teacher's kernels judged ``hacked`` (it never sends a hack),
+  the teacher's Fast@1 above 0 in ``table1_fastp_eager``, the RL reward higher
   at the last iteration than at the first, and Snakemake's time within ``--budget`` seconds
   (issue 27: 180 on one GPU).
 - ``startup``: where a job's seconds go: an RL job's imports, a CUDA context, and one RL step's
@@ -359,6 +360,13 @@ def check_outputs(report: Report, options: argparse.Namespace) -> None:
     wanted = "cpu" if options.cpu else "cuda"
     report.line(f"- evaluations by timing_kind: {kinds}")
     report.expect(set(kinds) <= {wanted, None}, f"evaluations timed as {sorted(map(str, kinds))}, not {wanted} only")
+
+    # the offline teacher answers with the bank's legit and buggy variants, never a hack: a hacked
+    # verdict on one of its kernels is the judge's error (the two-GPU run of 2026-11-26 judged its
+    # L1 kernels timing_inconsistent, kpipe.gym.isolate's held_up says why)
+    hacked = query("select stage, model, count(*) from trajectories where model like '%teacher%' and status = 'hacked' group by all")
+    report.line(f"- the offline teacher's kernels judged hacked: {hacked or 'none'}")
+    report.expect(not hacked, f"the offline teacher's kernels were judged hacked: {hacked}")
 
     spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for device_id, start, end in query("select device_id, span[1], span[2] from "
