@@ -193,8 +193,7 @@ def run_isolated(
                     if partial is not None:
                         answer_gate(scratch, go)
                 # a leased child keeps the lease until it has exited: its context's teardown (GPU
-                # memory freed, page tables unmapped) is GPU work that slowed the next child's
-                # launch-bound timings when it ran beside them
+                # memory freed, page tables unmapped) is GPU work, which no timed region may run beside
                 wait_for_exit(proc, deadline)
             except subprocess.TimeoutExpired:
                 timed_out = True

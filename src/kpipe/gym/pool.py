@@ -45,10 +45,11 @@ MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
 # evaluations in flight per GPU by default: their children's untimed work (start, compile,
 # correctness trials) overlaps, their timed regions take turns under the GPU's lease
 # (kpipe.gym.lease). On H200s, one pass of 80 evaluations with references reused: 28.7-34.9
-# evaluations/min with two against 16.1-19.7 with one, every verdict and every median speedup the
-# same (within 0.6 %, launch-bound candidates under 1 ms within 6 %), speedups of candidates of
-# 1 ms or more within 1.012x over 8 runs (docs/gpu-results/gym_scaling_2026-11-26b_H200.md).
-# Launch-bound candidates spread more with neighbours (L2_14: 1.3-1.6x against 1.0-1.3x alone)
+# evaluations/min with two against 16.1-19.7 with one, every verdict the same, median speedups of
+# candidates of 1 ms or more within 1.2 % of one worker's and within 1.012x over 8 runs
+# (docs/gpu-results/gym_scaling_2026-11-26b_H200.md). A launch-bound candidate (0.15 ms, timed by
+# how fast the host launches) spreads more with a neighbour: L2_14 1.3-1.6x against 1.0-1.3x alone,
+# its median 3-8 % lower on a 16-core host
 DEFAULT_WORKERS_PER_GPU = 2
 # a judge that does not answer within this much beyond the two child timeouts is hung
 WORKER_SLACK_S = 120.0
