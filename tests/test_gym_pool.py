@@ -192,6 +192,11 @@ def test_with_reuse_a_worker_takes_its_own_tasks_then_new_ones_then_the_oldest()
     first.references.add("C")
     second.busy_reference, second.references = None, {"B"}
     assert [jobs.get(second, workers).job_id for _ in range(2)] == [4, 5]  # its own B, then the oldest left
+    for job in queued("A", "C", "C"):
+        jobs.put(job)
+    second.busy_reference = None
+    assert jobs.get(second, workers).reference == "C"  # helps with the task that has the most waiting
+    assert [jobs.get(first, workers).reference for _ in range(2)] == ["A", "C"]
     jobs.stop(2)
     assert jobs.get(first, workers) is None and jobs.get(second, workers) is None
 

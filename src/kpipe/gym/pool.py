@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import Counter
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -312,7 +313,8 @@ class GymPool:
 class JobQueue:
     """The pool's queue. Without `affinity`, first in first out. With it (the pool reuses
     references), a worker takes first the oldest job whose reference its judge has already run
-    (and reuses), then one whose reference no worker has run or is running, then the oldest: so
+    (and reuses), then one whose reference no worker has run or is running, then the oldest of the
+    task with the most jobs waiting (its reference run, paid again, is shared by the most): so
     each task's reference is run about once per pool rather than once per worker that happens to
     draw one of its candidates (a one-pass batch of 80 candidates of 10 tasks on 4 workers would
     otherwise run up to 40), and a worker never idles while jobs wait. The choice is made when the
@@ -355,7 +357,14 @@ class JobQueue:
                 return i
         claimed = {reference for other in states for reference in other.references}
         claimed |= {other.busy_reference for other in states if other.busy_reference is not None}
-        return next((i for i, job in enumerate(self._jobs) if job.reference not in claimed), 0)
+        unclaimed = next((i for i, job in enumerate(self._jobs) if job.reference not in claimed), None)
+        if unclaimed is not None:
+            return unclaimed
+        # help with the task that has the most candidates waiting: its reference run, paid again
+        # here, is shared by the most of them
+        waiting = Counter(job.reference for job in self._jobs)
+        busiest = max(waiting, key=lambda reference: waiting[reference])
+        return next(i for i, job in enumerate(self._jobs) if job.reference == busiest)
 
 
 def last_line(text: str) -> str:
