@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import click
@@ -105,6 +105,12 @@ def gpu_slot_lease(slots: int, slots_per_gpu: int, lock_dir: Path = LOCK_DIR, wa
             yield gpus
     finally:
         _release(fds)
+
+
+def job_lease(gpus: int, slots: tuple[int, int] | None = None) -> AbstractContextManager[list[str]]:
+    """What a job holds while it runs: `slots` (its GPU slots, slots per GPU) when it declared
+    them, else `gpus` whole GPUs (``kpipe launch`` and its warm-started jobs alike)."""
+    return gpu_lease(gpus) if slots is None else gpu_slot_lease(*slots)
 
 
 def _share(candidates: list[str], slots: int, slots_per_gpu: int, lock_dir: Path) -> tuple[str, list[int]] | None:

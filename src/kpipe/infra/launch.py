@@ -191,11 +191,10 @@ def run_warm_started(gpus: int, args: Sequence[str], log: str | os.PathLike | No
         return None  # `kpipe launch` says what is wrong
     if plan[1:3] != ["-m", "kpipe.cli"] or (conn := warm_start.connect()) is None:
         return None
-    from kpipe.infra.gpu import GPULeaseError, gpu_lease, gpu_slot_lease
+    from kpipe.infra.gpu import GPULeaseError, job_lease
 
-    lease = gpu_lease(gpus) if slots is None else gpu_slot_lease(*slots)
     try:
-        with lease, contextlib.ExitStack() as stack:
+        with job_lease(gpus, slots), contextlib.ExitStack() as stack:
             if log is None:
                 out = sys.stdout.fileno()
             else:
@@ -234,12 +233,11 @@ def launch(gpus: int, gpu_slots: int | None, slots_per_gpu: int, config_dir: Pat
         return
     if command[0] == "srun":
         sys.exit(subprocess.call(command))
-    from kpipe.infra.gpu import GPULeaseError, gpu_lease, gpu_slot_lease
+    from kpipe.infra.gpu import GPULeaseError, job_lease
 
-    lease = (gpu_lease(gpus // node_info_from_env(os.environ).nodes) if gpu_slots is None
-             else gpu_slot_lease(gpu_slots, slots_per_gpu))
+    slots = (gpu_slots, slots_per_gpu) if gpu_slots is not None else None
     try:
-        with lease:
+        with job_lease(gpus // node_info_from_env(os.environ).nodes, slots):
             sys.exit(subprocess.call(command))
     except GPULeaseError as error:
         raise click.ClickException(str(error)) from None
