@@ -28,6 +28,9 @@ pytestmark = pytest.mark.slow
 
 TARGETS = [f"results/trajectories/stage=eval/run=default/model=teacher/level={level}/part-0.parquet" for level in (1, 2)]
 SMALL = {"eval": {"models": ["teacher"], "samples": 1, "turns": 1}}
+# a run still evaluating for a while after its service answers, for a signal to land in: with one
+# sample and one turn the jobs finished 4 s after it, once before Ctrl-C took effect on a loaded machine
+LONGER = {"eval": {"models": ["teacher"], "samples": 2, "turns": 3}}
 WAIT_S = 300.0  # a bound on waiting for a process or file, so a broken run fails instead of hanging
 MARK = "KPIPE_TEST_GYM_RUN"
 
@@ -35,6 +38,7 @@ MARK = "KPIPE_TEST_GYM_RUN"
 @pytest.fixture(scope="module")
 def workdir(workflow_copy: Path) -> Path:
     (workflow_copy / "config" / "small.yaml").write_text(yaml.safe_dump(SMALL))
+    (workflow_copy / "config" / "longer.yaml").write_text(yaml.safe_dump(LONGER))
     return workflow_copy
 
 
@@ -134,7 +138,7 @@ def test_one_service_serves_the_run_and_stops_on_success(workdir):
 def test_ctrl_c_stops_the_service(workdir):
     clear_service_logs(workdir)
     forget_results(workdir)
-    process, mark = start(workdir)
+    process, mark = start(workdir, "--configfile", "config/longer.yaml")
     wait_for(lambda: records(workdir), "the service to answer")
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: snakemake and its jobs
     output = finish(process)
@@ -146,7 +150,7 @@ def test_ctrl_c_stops_the_service(workdir):
 def test_a_killed_job_fails_the_run_leaks_nothing_and_the_service_stops(workdir):
     clear_service_logs(workdir)
     forget_results(workdir)
-    process, mark = start(workdir)
+    process, mark = start(workdir, "--configfile", "config/longer.yaml")
     record = json.loads(wait_for(lambda: records(workdir), "the service to answer")[0].read_text())
     jobs = wait_for(lambda: [pid for pid in marked(mark) if b"eval.py" in Path(f"/proc/{pid}/cmdline").read_bytes()],
                     "an evaluation job")
