@@ -1,11 +1,11 @@
-"""KernelGym at scale: a pool of evaluation workers, one per GPU, with warm forked children.
+"""KernelGym at scale: a pool of evaluation workers, two per GPU by default, with warm forked children.
 
 Three kinds of process, so that no process both runs candidate code and judges it, and no
 process that forks has touched CUDA or started a thread pool:
 
 - the **pool** (the caller: agent loop, batch CLI, HTTP service) queues jobs, answers
   duplicates from the result cache, and supervises one thread per worker;
-- a **worker** per GPU, or ``per_gpu`` of them (``kpipe.gym.worker``: ``CUDA_VISIBLE_DEVICES``
+- ``per_gpu`` **workers** per GPU (default 2; ``kpipe.gym.worker``: ``CUDA_VISIBLE_DEVICES``
   pinned, a fresh interpreter, so a caller that holds a CUDA context is harmless) runs the core's
   ``evaluate()``: the judgement. Children on one GPU take turns to time under its timing lease
   (``kpipe.gym.lease``), every other child there stopped meanwhile, so several workers per GPU
