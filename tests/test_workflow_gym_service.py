@@ -101,6 +101,16 @@ def forget_results(workdir: Path) -> None:
         path.unlink()
 
 
+def evaluating(workdir: Path) -> int | None:
+    """The pid of the run's service once a job of this run has logged that it evaluates on it (so
+    the run is past its start, in the middle of its jobs)."""
+    for path in records(workdir):
+        pid = json.loads(path.read_text())["pid"]
+        if pid in service_pids(workdir):
+            return pid
+    return None
+
+
 def records(workdir: Path) -> list[Path]:
     return list((workdir / "results" / ".gym").glob("service-*.json"))
 
@@ -139,7 +149,7 @@ def test_ctrl_c_stops_the_service(workdir):
     clear_service_logs(workdir)
     forget_results(workdir)
     process, mark = start(workdir, "--configfile", "config/longer.yaml")
-    wait_for(lambda: records(workdir), "the service to answer")
+    wait_for(lambda: evaluating(workdir), "a job to evaluate on the run's service")
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: snakemake and its jobs
     output = finish(process)
     assert process.returncode != 0, output[-4000:]
