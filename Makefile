@@ -17,8 +17,9 @@ RETRY = for attempt in 1 2 3; do $(1) && break; if [ $$attempt = 3 ]; then exit 
 PIP_INSTALL = echo "pip install $(1)"; $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --resume-retries 10 $(1))
 CORES ?= 2
 # `make test` runs the suite on this many pytest-xdist workers, each module on one worker (its
-# module-scoped fixtures run once), the longest modules first (tests/conftest.py). 0: one process.
-TEST_WORKERS ?= 2
+# module-scoped fixtures run once), the longest modules first (tests/conftest.py). 0 (the default): one
+# process: on two workers the Ctrl-C test of tests/test_workflow_gym_service.py failed in full runs (README).
+TEST_WORKERS ?= 0
 SNAKEMAKE_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kpipe-installed
