@@ -67,7 +67,9 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int,
     started = time.monotonic()
     with GymPool(protocol, workers=gpus, per_gpu=per_gpu, progress=False, reuse_reference=reuse_reference) as pool:
         start_s = time.monotonic() - started
+        ready_unix = time.time()
         results = pool.evaluate_many(jobs)
+        done_unix = time.time()
         workers = pool.workers()
     seconds = time.monotonic() - started
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
@@ -88,7 +90,23 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int,
             "reference_runs": sum(not record.get("reference_reused") for record in records), "seconds": seconds, "start_s": start_s,
             "statuses": sorted({r.status for r in results}), "timed_s_by_gpu": dict(timed), "tasks": tasks,
             "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
+            **worker_time(records, ready_unix, done_unix),
             "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {}}
+
+
+def worker_time(records: list[dict[str, Any]], ready_unix: float, done_unix: float) -> dict[str, float]:
+    """Where the workers' time went between the pool being ready and the pass's last result: the
+    mean share a worker spent inside evaluations (its judge's trace), and how long the workers
+    sat idle at the end, waiting for the last evaluation of another (the pass's tail)."""
+    by_judge: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        by_judge[record.get("judge_pid", 0)].append(record)
+    if not by_judge or done_unix <= ready_unix:
+        return {}
+    window = done_unix - ready_unix
+    busy = [sum(r["wall_s"] for r in rs) / window for rs in by_judge.values()]
+    tails = [done_unix - max(r["started_unix"] + r["wall_s"] for r in rs) for rs in by_judge.values()]
+    return {"busy_share": sum(busy) / len(busy), "tail_s_mean": sum(tails) / len(tails), "tail_s_max": max(tails)}
 
 
 def per_task(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -139,12 +157,12 @@ def main() -> None:
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     runs: list[dict[str, Any]] = []
     lines = [f"References {'reused (run once per worker that judges the task)' if args.reuse_reference else 'run per evaluation'}.", "",
-             "| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | reference runs | timed s per GPU | overlapping timed spans |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | reference runs | timed s per GPU | workers busy | idle tail s (mean, max) | overlapping timed spans |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if args.kb_spawn:
         kb = kb_spawn_rate(args.kb_spawn, args.anchors, args.shrink)
         rate = 60 * kb["evaluations"] / kb["seconds"]
-        lines.append(f"| KernelBench spawned | {kb['evaluations']} | {kb['seconds']:.0f} | {rate:.1f} | {rate:.1f} | | | {kb['evaluations']} | | |")
+        lines.append(f"| KernelBench spawned | {kb['evaluations']} | {kb['seconds']:.0f} | {rate:.1f} | {rate:.1f} | | | {kb['evaluations']} | | | | |")
         print(lines[-1], flush=True)
     for config in args.configs.split(","):
         config, _, evaluations = config.partition(":")
@@ -160,7 +178,9 @@ def main() -> None:
         base = 60 * runs[0]["evaluations"] / runs[0]["seconds"]
         timed = ", ".join(f"{s:.0f}" for s in result["timed_s_by_gpu"].values())
         lines.append(f"| {config} | {result['evaluations']} | {result['seconds']:.0f} ({result['start_s']:.1f}) | {rate:.1f} | "
-                     f"{rate / result['gpus']:.1f} | {rate / base:.2f} | {result['done_by_worker']} | {result['reference_runs']} | {timed} | {result['overlapping_spans']} |")
+                     f"{rate / result['gpus']:.1f} | {rate / base:.2f} | {result['done_by_worker']} | {result['reference_runs']} | {timed} | "
+                     f"{fmt(result.get('busy_share'), '.0%')} | {fmt(result.get('tail_s_mean'), '.1f')}, {fmt(result.get('tail_s_max'), '.1f')} | "
+                     f"{result['overlapping_spans']} |")
         print(lines[-1], flush=True)
         if out:  # what is measured so far survives a cut-off run
             (out / "gym_scaling.json").write_text(json.dumps(runs, indent=1))

@@ -451,7 +451,7 @@ def evaluate(
         result.redact()
         if os.environ.get(TRACE_VARIABLE):
             write_trace({"key": result.key, "candidate_hash": result.candidate_hash, "status": status,
-                         "wall_s": result.wall_s, "judge_rss_mb": host_rss_mb(), **trace})
+                         "wall_s": result.wall_s, "judge_pid": os.getpid(), "judge_rss_mb": host_rss_mb(), **trace})
         return result
 
     screened = screen(candidate_src)
