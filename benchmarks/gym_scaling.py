@@ -38,6 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from kernelbench_side_by_side import TASKS  # noqa: E402 (the side-by-side's ten tasks)
+
 
 def overlapping_spans(rows: list[dict[str, object]]) -> int:
     """Pairs of timed regions that overlap on one GPU (by the candidate's device id)."""
@@ -52,14 +54,14 @@ def overlapping_spans(rows: list[dict[str, object]]) -> int:
     return count
 
 
-def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int, reuse_reference: bool) -> dict[str, object]:
-    """This process: a pool of `per_gpu` workers on each of `gpus` GPUs, one pass."""
-    from kernelbench_side_by_side import TASKS, bank_pairs
+def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int, reuse_reference: bool, tasks: list[str]) -> dict[str, object]:
+    """This process: a pool of `per_gpu` workers on each of `gpus` GPUs, one pass over `tasks`."""
+    from kernelbench_side_by_side import bank_pairs
 
     from kpipe.gym import Protocol
     from kpipe.gym.pool import GymPool
 
-    pairs = bank_pairs(TASKS, shrink)
+    pairs = bank_pairs(tasks, shrink)
     jobs = [(pairs[i % len(pairs)]["reference"], pairs[i % len(pairs)]["candidate"] + f"\n# candidate {i}\n") for i in range(evaluations)]
     trace = Path(tempfile.mkdtemp()) / "trace.jsonl"
     os.environ["KPIPE_GYM_TRACE"] = str(trace)
@@ -131,7 +133,7 @@ def per_task(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def kb_spawn_rate(count: int, anchors: Path, shrink: int) -> dict[str, Any]:
     """KernelBench's harness, one spawned process per sample, on the first `count` jobs' tasks."""
-    from kernelbench_side_by_side import TASKS, bank_pairs, kernelbench_package, run_kb_spawn
+    from kernelbench_side_by_side import bank_pairs, kernelbench_package, run_kb_spawn
 
     pairs = (bank_pairs(TASKS, shrink) * (count // len(TASKS) + 1))[:count]
     rows, seconds = run_kb_spawn(pairs, kernelbench_package(anchors), 600)
@@ -148,11 +150,12 @@ def main() -> None:
     parser.add_argument("--kb-spawn", type=int, default=0, help="also run KernelBench spawned on this many of the jobs")
     parser.add_argument("--anchors", type=Path, default=ROOT.parent / "shared" / "anchors" / "kernelbench_harness")
     parser.add_argument("--reuse-reference", action="store_true", help="time each task's reference once per worker (GymPool's default)")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="the side-by-side's tasks to cycle through (default: all ten)")
     parser.add_argument("--one-run", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_run:
         gpus, per_gpu = (int(n) for n in args.one_run.split("x"))
-        print(json.dumps(one_run(args.evaluations, gpus, per_gpu, args.trials, args.shrink, args.reuse_reference)))
+        print(json.dumps(one_run(args.evaluations, gpus, per_gpu, args.trials, args.shrink, args.reuse_reference, args.tasks.split(","))))
         return
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     runs: list[dict[str, Any]] = []
@@ -168,7 +171,8 @@ def main() -> None:
         config, _, evaluations = config.partition(":")
         caches = {name: tempfile.mkdtemp(prefix="cold-") for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
         run = subprocess.run([sys.executable, __file__, "--one-run", config, "--evaluations", evaluations or str(args.evaluations),
-                              "--trials", str(args.trials), "--shrink", str(args.shrink), *(["--reuse-reference"] if args.reuse_reference else [])],
+                              "--trials", str(args.trials), "--shrink", str(args.shrink), "--tasks", args.tasks,
+                              *(["--reuse-reference"] if args.reuse_reference else [])],
                              capture_output=True, text=True, env={**os.environ, **caches}, timeout=1800)
         if run.returncode != 0:
             raise SystemExit(f"the {config} run failed:\n{run.stderr[-3000:]}")
