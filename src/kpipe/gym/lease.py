@@ -41,9 +41,9 @@ LEASE_DIR_VARIABLE = "KPIPE_GYM_LEASE_DIR"
 DEFAULT_LEASE_DIR = "/tmp/kpipe-gym-timing-leases"
 POLL_S = 0.001
 # after taking the lease, before the child may time: the other judges (polling every POLL_S)
-# stop their children, and the GPU finishes what those had queued (KPIPE_GYM_SETTLE_S: for
-# benchmarks/gym_scaling.py's measurements of what a longer settle buys)
-SETTLE_S = float(os.environ.get("KPIPE_GYM_SETTLE_S", "0.01"))
+# stop their children, and the GPU finishes what those had queued. 0.05, 0.1 and 0.25 s were
+# measured and changed no spread (docs/gpu-results/gym_neighbours_2026-11-26_H200.md)
+SETTLE_S = 0.01
 # struct flock on Linux (x86_64, aarch64): l_type, l_whence, l_start, l_len, l_pid
 FLOCK = struct.Struct("hhxxxxqqixxxx")
 
