@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine (see README.md):
 #   make run    set up .venv and run the default pipeline (config/config.yaml)
-#   make test   set up .venv and run the test suite (unit tests + tiny real Snakemake runs + lint)
+#   make test   set up .venv with the test extras and run the test suite (unit tests + tiny real Snakemake runs + lint)
 # On a GPU box keep its CUDA build of torch: `make run TORCH=torch` (or any pip requirement).
 
 PYTHON ?= python3
@@ -16,29 +16,37 @@ RETRY = for attempt in 1 2 3; do $(1) && break; if [ $$attempt = 3 ]; then exit 
 	echo "setup step failed (attempt $$attempt of 3); retrying in 15 s" >&2; sleep 15; done
 PIP_INSTALL = echo "pip install $(1)"; $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --resume-retries 10 $(1))
 CORES ?= 2
-# `make test` runs the suite on this many pytest-xdist workers, each module on one worker (its
-# module-scoped fixtures run once), the longest modules first (tests/conftest.py). 0 (the default): one
-# process: on two workers the Ctrl-C test of tests/test_workflow_gym_service.py failed in full runs (README).
-TEST_WORKERS ?= 0
+# `make test` runs the suite on this many pytest-xdist workers (0: one process), each module on one
+# worker (its module-scoped fixtures run once), the longest modules first (tests/conftest.py)
+TEST_WORKERS ?= 2
 SNAKEMAKE_ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kpipe-installed
+# the test extras (pytest, schemathesis, Ray, the Slurm plugin) on top: `make run` never needs them,
+# and Ray with its dependencies was most of a fresh machine's setup time
+DEV_STAMP := $(VENV)/.kpipe-dev-installed
 
-.PHONY: setup run test lint clean wheelhouse wheelhouse-vllm setup-offline
+.PHONY: setup setup-dev run test lint clean wheelhouse wheelhouse-vllm setup-offline
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "pip install --upgrade pip"; $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --upgrade pip)
 	@$(call PIP_INSTALL,"$(TORCH)" $(TRITON))
-	@$(call PIP_INSTALL,-e ".[dev]")
+	@$(call PIP_INSTALL,-e .)
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP)
+	@$(call PIP_INSTALL,-e ".[dev]")
+	touch $(DEV_STAMP)
+
 setup: $(STAMP)
+
+setup-dev: $(DEV_STAMP)
 
 run: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS)
 
-test: setup
+test: setup-dev
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: setup
