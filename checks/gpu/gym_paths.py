@@ -285,8 +285,23 @@ with open(PROBE_PATH, "a") as _probe_f:
 
 
 def placement_run(kind: str, devices: list[dict[str, str]], jobs: list[tuple[str, str]], perf_trials: int) -> tuple[list[Any], list[dict[str, Any]], dict[str, set[int]], float]:
-    """Run the placement jobs on one worker (actor) per GPU; the results, the workers
-    (pid -> GPU), the processes nvidia-smi saw per GPU, and the wall time."""
+    """Run the placement jobs on the pool's workers (one Ray actor per GPU); the results, the
+    workers (pid -> GPU), the processes nvidia-smi saw per GPU, and the wall time.
+
+    Unconfined (``KPIPE_GYM_UNCONFINED``, for this section only): the probe ties a child to its
+    worker through ``/proc`` ancestry and a file outside its scratch, which a confined candidate can
+    neither see (its own PID namespace) nor write (Landlock). Confinement has its own check
+    (``python -m checks.gpu confinement``)."""
+    from kpipe.gym.sandbox import OPT_OUT_VARIABLE
+
+    os.environ[OPT_OUT_VARIABLE] = "1"
+    try:
+        return placement_pass(kind, devices, jobs, perf_trials)
+    finally:
+        del os.environ[OPT_OUT_VARIABLE]
+
+
+def placement_pass(kind: str, devices: list[dict[str, str]], jobs: list[tuple[str, str]], perf_trials: int) -> tuple[list[Any], list[dict[str, Any]], dict[str, set[int]], float]:
     from kpipe.gym.pool import GymPool
 
     poller = GpuPoller()
