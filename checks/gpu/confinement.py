@@ -26,8 +26,19 @@ def run_logged(report: Report, argv: list[str], env: dict[str, str] | None = Non
     return done.returncode
 
 
+# what tests/test_gym_confinement.py's service path (`kpipe gym serve`) imports beyond the device's image:
+# without them that test fails for want of a module, which is no attack let through
+SERVICE_MODULES = ("fastapi", "uvicorn")
+
+
 def attacks(report: Report, options: argparse.Namespace) -> None:
-    """Every attack, through `kpipe gym eval` and `eval-batch`, with the candidates on the GPU."""
+    """Every attack, through `kpipe gym eval`, `eval-batch` and `kpipe gym serve`, with the candidates on the GPU."""
+    import importlib.util
+
+    missing = [name for name in SERVICE_MODULES if importlib.util.find_spec(name) is None]
+    report.expect(not missing, f"cannot check the service path: {', '.join(missing)} missing (carry their wheels in .whl/)")
+    if missing:
+        return
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "tests/test_gym_confinement.py"]
     code = run_logged(report, argv, {"KPIPE_TEST_GYM_DEVICE": "cuda"})
     report.expect(code == 0, f"an attack was not stopped (pytest exited {code})")
