@@ -1,0 +1,31 @@
+"""The pure figures of benchmarks/gym_scaling.py: overlapping timed spans, and where the workers'
+time went (busy share, the pass's idle tail)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SPEC = importlib.util.spec_from_file_location("gym_scaling", Path(__file__).resolve().parent.parent / "benchmarks" / "gym_scaling.py")
+gym_scaling = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(gym_scaling)
+
+
+def test_overlapping_spans_counts_pairs_on_one_gpu_only():
+    rows = [{"device_id": "a", "timed_spans": [[0.0, 1.0]]}, {"device_id": "a", "timed_spans": [[0.5, 2.0]]},
+            {"device_id": "b", "timed_spans": [[0.5, 2.0]]}, {"device_id": "a", "timed_spans": [[2.0, 3.0]]}]
+    assert gym_scaling.overlapping_spans(rows) == 1
+
+
+def test_worker_time_is_the_busy_share_and_the_idle_tail_per_judge():
+    # two judges over a 10 s window: one busy 8 s finishing at 9, the other busy 4 s finishing at 6
+    records = [{"judge_pid": 1, "started_unix": 100.0, "wall_s": 5.0}, {"judge_pid": 1, "started_unix": 106.0, "wall_s": 3.0},
+               {"judge_pid": 2, "started_unix": 102.0, "wall_s": 4.0}]
+    figures = gym_scaling.worker_time(records, ready_unix=100.0, done_unix=110.0)
+    assert figures["busy_share"] == pytest.approx((0.8 + 0.4) / 2)
+    assert figures["tail_s_mean"] == pytest.approx((1.0 + 4.0) / 2)
+    assert figures["tail_s_max"] == pytest.approx(4.0)
+
+
+def test_worker_time_without_records_reports_nothing():
+    assert gym_scaling.worker_time([], 0.0, 1.0) == {}
