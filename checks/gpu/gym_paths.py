@@ -292,13 +292,12 @@ def placement_run(kind: str, devices: list[dict[str, str]], jobs: list[tuple[str
     worker through ``/proc`` ancestry and a file outside its scratch, which a confined candidate can
     neither see (its own PID namespace) nor write (Landlock). Confinement has its own check
     (``python -m checks.gpu confinement``)."""
+    from unittest import mock
+
     from kpipe.gym.sandbox import OPT_OUT_VARIABLE
 
-    os.environ[OPT_OUT_VARIABLE] = "1"
-    try:
+    with mock.patch.dict(os.environ, {OPT_OUT_VARIABLE: "1"}):  # the environment as it was, after
         return placement_pass(kind, devices, jobs, perf_trials)
-    finally:
-        del os.environ[OPT_OUT_VARIABLE]
 
 
 def placement_pass(kind: str, devices: list[dict[str, str]], jobs: list[tuple[str, str]], perf_trials: int) -> tuple[list[Any], list[dict[str, Any]], dict[str, set[int]], float]:
