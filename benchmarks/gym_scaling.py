@@ -54,8 +54,10 @@ def overlapping_spans(rows: list[dict[str, object]]) -> int:
     return count
 
 
-def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int, reuse_reference: bool, tasks: list[str]) -> dict[str, object]:
-    """This process: a pool of `per_gpu` workers on each of `gpus` GPUs, one pass over `tasks`."""
+def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, trials: int, shrink: int, reuse_reference: bool,
+            tasks: list[str]) -> dict[str, object]:
+    """This process: a pool of `per_gpu` workers on each of `gpus` GPUs (each worker `cpu_threads`
+    OMP threads, or GymPool's default share of the cores), one pass over `tasks`."""
     from kernelbench_side_by_side import bank_pairs
 
     from kpipe.gym import Protocol
@@ -67,12 +69,13 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int,
     os.environ["KPIPE_GYM_TRACE"] = str(trace)
     protocol = Protocol(baseline="eager", correct_trials=5, perf_trials=trials, timeout_s=300)
     started = time.monotonic()
-    with GymPool(protocol, workers=gpus, per_gpu=per_gpu, progress=False, reuse_reference=reuse_reference) as pool:
+    with GymPool(protocol, workers=gpus, per_gpu=per_gpu, progress=False, reuse_reference=reuse_reference, cpu_threads=cpu_threads) as pool:
         start_s = time.monotonic() - started
         ready_unix = time.time()
         results = pool.evaluate_many(jobs)
         done_unix = time.time()
         workers = pool.workers()
+        cpu_threads = pool.cpu_threads
     seconds = time.monotonic() - started
     records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
     timed: dict[str, float] = defaultdict(float)
@@ -88,7 +91,7 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, trials: int, shrink: int,
     tasks = [{"task": pairs[i % len(pairs)]["task"], "status": r.status, "candidate_ms": r.candidate_ms, "speedup": r.speedup_eager,
               "eager_ms": r.eager_ms, "gpu_drift": r.gpu_drift, "why": "; ".join(r.hack_reasons) or r.diagnostic[:300]}
              for i, r in enumerate(results)]
-    return {"gpus": gpus, "per_gpu": per_gpu, "evaluations": len(results), "reuse_reference": reuse_reference,
+    return {"gpus": gpus, "per_gpu": per_gpu, "cpu_threads": cpu_threads, "evaluations": len(results), "reuse_reference": reuse_reference,
             "reference_runs": sum(not record.get("reference_reused") for record in records), "seconds": seconds, "start_s": start_s,
             "statuses": sorted({r.status for r in results}), "timed_s_by_gpu": dict(timed), "tasks": tasks,
             "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
@@ -144,7 +147,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--evaluations", type=int, default=50)
     parser.add_argument("--configs", default="1x1,1x4,2x4",
-                        help="GPUSxWORKERS-PER-GPU[:EVALUATIONS] runs, in order (the first is the reference)")
+                        help="GPUSxWORKERS-PER-GPU[tTHREADS][:EVALUATIONS] runs, in order (the first is the reference); "
+                             "tTHREADS: each worker's OMP threads instead of the pool's share of the cores")
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--shrink", type=int, default=0, help="sizes divided down (a CPU smoke run: GPUs count CPU workers)")
     parser.add_argument("--kb-spawn", type=int, default=0, help="also run KernelBench spawned on this many of the jobs")
@@ -154,8 +158,10 @@ def main() -> None:
     parser.add_argument("--one-run", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_run:
-        gpus, per_gpu = (int(n) for n in args.one_run.split("x"))
-        print(json.dumps(one_run(args.evaluations, gpus, per_gpu, args.trials, args.shrink, args.reuse_reference, args.tasks.split(","))))
+        gpus, _, rest = args.one_run.partition("x")
+        per_gpu, _, threads = rest.partition("t")
+        print(json.dumps(one_run(args.evaluations, int(gpus), int(per_gpu), int(threads) if threads else None, args.trials, args.shrink,
+                                 args.reuse_reference, args.tasks.split(","))))
         return
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     runs: list[dict[str, Any]] = []
@@ -190,12 +196,12 @@ def main() -> None:
             (out / "gym_scaling.json").write_text(json.dumps(runs, indent=1))
     names = list(dict.fromkeys(name for run in runs for name in run["mean_phase_s"]))
     lines += ["", "Mean seconds per evaluation, by phase (the judge's trace):", "",
-              "| phase | " + " | ".join(f"{r['gpus']}x{r['per_gpu']}" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+              "| phase | " + " | ".join(label(r) for r in runs) + " |", "|---|" + "---|" * len(runs)]
     lines += [f"| {name} | " + " | ".join(f"{r['mean_phase_s'].get(name, 0.0):.2f}" for r in runs) + " |" for name in names]
     tables = [per_task(run) for run in runs]
     lines += ["", "Per task: statuses / median candidate ms / spread of candidate ms (max/min over its runs) / median speedup "
               "(ratio to the first configuration's) / spread of speedups:", "",
-              "| task | " + " | ".join(f"{r['gpus']}x{r['per_gpu']}" for r in runs) + " |", "|---|" + "---|" * len(runs)]
+              "| task | " + " | ".join(label(r) for r in runs) + " |", "|---|" + "---|" * len(runs)]
     for task in tables[0]:
         cells = []
         for table in tables:
@@ -207,6 +213,10 @@ def main() -> None:
     print("\n".join(lines[len(runs) + 4 + bool(args.kb_spawn):]))
     if out:
         (out / "gym_scaling.md").write_text("\n".join(lines) + "\n")
+
+
+def label(run: dict[str, Any]) -> str:
+    return f"{run['gpus']}x{run['per_gpu']}" + (f" ({run['cpu_threads']} threads)" if run.get("cpu_threads") else "")
 
 
 def fmt(value: float | None, spec: str = ".3g") -> str:

@@ -101,6 +101,9 @@ class GymPool:
     worker holds the reference's outputs during every candidate run either way. It halves an
     evaluation's cost and gives all candidates of a task one baseline; off, the baseline is
     re-timed next to each candidate.
+
+    `cpu_threads`: each worker's (and its children's) ``OMP_NUM_THREADS``; by default the host's
+    cores shared out between the workers, so that their CPU work does not oversubscribe it.
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class GymPool:
         progress: bool = True,
         gpus: Sequence[str] | None = None,
         per_gpu: int | None = None,
+        cpu_threads: int | None = None,
     ) -> None:
         self.protocol = protocol or Protocol()
         self.cache = cache
@@ -120,7 +124,7 @@ class GymPool:
         self.reuse_reference = reuse_reference
         self.fork = fork
         slots = default_slots(workers, gpus, per_gpu)
-        self._cpu_threads = max(1, (os.cpu_count() or 1) // len(slots))
+        self.cpu_threads = cpu_threads or max(1, (os.cpu_count() or 1) // len(slots))
         self._queue = JobQueue(affinity=reuse_reference)
         self._lock = threading.Lock()
         self._started = threading.Condition(self._lock)
@@ -165,7 +169,7 @@ class GymPool:
         self._serve_slot(state, handle)
 
     def _start_worker(self, state: WorkerState) -> WorkerHandle:
-        handle = WorkerHandle(state.gpu, self.protocol, self.reuse_reference, self.fork, self._cpu_threads)
+        handle = WorkerHandle(state.gpu, self.protocol, self.reuse_reference, self.fork, self.cpu_threads)
         state.pid = handle.info["pid"]
         state.device_kind = handle.info["device_kind"]
         state.alive = True
