@@ -55,6 +55,7 @@ def launch_fresh_kernel(index: int, device: str) -> float:
 
 def one_variant(launch_preload: bool) -> dict[str, object]:
     """This process as a zygote (with or without LAUNCH_PRELOAD), and one forked child's launches."""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # as a pool worker's: is_available() leaves the driver alone
     from kpipe.gym import zygote
 
     for name in zygote.PRELOAD:
