@@ -10,6 +10,7 @@ a subreaper: whatever a candidate leaves behind is reparented to it and killed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -30,6 +31,11 @@ from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, kill_children
 # what every child would otherwise import itself (torch._dynamo and the profiler alone cost
 # a child about a second: kpipe.gym.child.prime_lazy_state imports them); none touches CUDA
 PRELOAD = ("torch", "torch._dynamo", "torch.profiler", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
+# what Triton imports at a process's first kernel launch (its argument specialiser asks for gluon's
+# types): 0.26 s of every child's first launch with Triton 3.8, a third of an interpreter
+# evaluation's time; imported where this Triton has them (the set moves between releases)
+LAUNCH_PRELOAD = ("triton.compiler.code_generator", "triton.language.extra.libdevice",
+                  "triton.experimental.gluon.nvidia.hopper", "triton.experimental.gluon.amd.gfx1250")
 
 ZYGOTE_START_TIMEOUT_S = 300.0
 
@@ -51,6 +57,9 @@ def zygote_main(sock_fd: int) -> None:
     prctl(PR_SET_DUMPABLE, 0)  # its children start non-dumpable too, until they enter their sandbox
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in LAUNCH_PRELOAD:
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(name)
     if os.environ.get("TRITON_INTERPRET") != "1":  # interpreter children never compile
         warm_triton_compiler()
     become_subreaper()  # a candidate that daemonises stays the zygote's to kill
