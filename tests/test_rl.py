@@ -45,9 +45,12 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 @pytest.fixture(scope="module")
 def nano_model(tmp_path_factory) -> Path:
-    from kpipe.train.tiny_model import build_tiny_model
+    """The default config's policy (nano, BPE of 4,000 tokens): a prompt is ~240 tokens where the byte
+    tokenizer made it ~3,300, and attention over those lengths was most of this module's time."""
+    from kpipe.train.tiny_model import build_tiny_model, policy_corpus
 
-    return build_tiny_model(tmp_path_factory.mktemp("nano") / "model", seed=0, size="nano")
+    return build_tiny_model(tmp_path_factory.mktemp("nano") / "model", seed=0, size="nano", corpus=policy_corpus(),
+                            vocab_size=4000)
 
 
 # ----------------------------------------------------------------------------- config

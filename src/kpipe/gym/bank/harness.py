@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kpipe.gym.zygote import LAUNCH_PRELOAD
+
 TOLERANCE = 1e-2  # KernelBench's atol = rtol for fp32 problems
 
 
@@ -130,10 +132,12 @@ def check_isolated(
     """`check_candidate` in a child process: a buggy kernel that corrupts memory cannot take the caller down.
 
     Children come from a fork server that imported torch and Triton but never ran an op: forking a
-    process whose OpenMP pool is running makes the child hang in its first parallel torch op.
+    process whose OpenMP pool is running makes the child hang in its first parallel torch op. It
+    also imports what Triton's first kernel launch would (``LAUNCH_PRELOAD``), which every child
+    would otherwise import anew (the fork server skips a module this Triton lacks).
     """
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context.set_forkserver_preload([__name__, "triton", "triton.language", *LAUNCH_PRELOAD])
     receiver, sender = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(sender, reference_src, candidate_src, device, seed))
     child.start()
