@@ -48,10 +48,6 @@ rule sft:
         code=code_version("train/sft.py", "train/samples.py", "train/checkpoint.py", "train/metrics_log.py",
                           "train/cli.py", "train/jobs.py", "data/schemas.py", "infra/launch.py"),
     priority: CRITICAL_PATH
-    # two intra-op threads (OMP_NUM_THREADS): on a CPU the nano policy's 300 steps are the run's longest
-    # job, with nothing beside it; two threads take 0.65x the time of one, with bit-identical weights
-    # (measured on 2 cores). Snakemake lowers it to --cores.
-    threads: 2
     resources:
         gpu_slots=SFT_SLOTS,
         gpu=whole_gpus(SFT_SLOTS),
