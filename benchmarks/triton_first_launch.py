@@ -15,7 +15,6 @@ modules the first launch imported. On a CPU, Triton runs through its interpreter
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import subprocess
@@ -40,9 +39,11 @@ def launch_fresh_kernel(index: int, device: str) -> float:
     import torch
 
     namespace: dict[str, object] = {}
-    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as source:  # @triton.jit reads its source file
-        source.write(KERNEL.format(n=index))
-    exec(compile(open(source.name).read(), source.name, "exec"), namespace)
+    text = KERNEL.format(n=index)
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as source:  # @triton.jit reads its source file when it decorates
+        source.write(text)
+        source.flush()
+        exec(compile(text, source.name, "exec"), namespace)
     kernel = namespace[f"scale_{index}"]
     x = torch.randn(4096, device=device)
     y = torch.empty_like(x)
@@ -58,14 +59,7 @@ def one_variant(launch_preload: bool) -> dict[str, object]:
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # as a pool worker's: is_available() leaves the driver alone
     from kpipe.gym import zygote
 
-    for name in zygote.PRELOAD:
-        importlib.import_module(name)
-    if launch_preload:
-        for name in zygote.LAUNCH_PRELOAD:
-            try:
-                importlib.import_module(name)
-            except ModuleNotFoundError:
-                pass
+    zygote.preload(launch_time=launch_preload)
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -52,14 +52,8 @@ def zygote_main(sock_fd: int) -> None:
     ``"exited <pid> <returncode>"``. If the worker goes away mid-run, the child's group is
     killed and the zygote exits.
     """
-    import importlib
-
     prctl(PR_SET_DUMPABLE, 0)  # its children start non-dumpable too, until they enter their sandbox
-    for name in PRELOAD:
-        importlib.import_module(name)
-    for name in LAUNCH_PRELOAD:
-        with contextlib.suppress(ModuleNotFoundError):
-            importlib.import_module(name)
+    preload()
     if os.environ.get("TRITON_INTERPRET") != "1":  # interpreter children never compile
         warm_triton_compiler()
     become_subreaper()  # a candidate that daemonises stays the zygote's to kill
@@ -87,6 +81,18 @@ def zygote_main(sock_fd: int) -> None:
             sock.sendall(f"exited {pid} {returncode}".encode())
         except OSError:
             return
+
+
+def preload(launch_time: bool = True) -> None:
+    """Import what every child would otherwise import itself: ``PRELOAD``, and with `launch_time`
+    the ``LAUNCH_PRELOAD`` modules this Triton has."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    for name in LAUNCH_PRELOAD if launch_time else ():
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(name)
 
 
 def warm_triton_compiler() -> bool:
