@@ -549,6 +549,30 @@ def candidate_traceback(exc: BaseException) -> str:
     return "".join(summary.format())[-6000:]
 
 
+def settle_process(device: str, protocol: Protocol) -> None:
+    """What a child sets before anything runs: its limits, no secrets in its environment, the
+    interpreter on a CPU, cuBLAS's workspace setting (read when cuBLAS starts)."""
+    apply_limits(protocol)
+    for name in [k for k in os.environ if is_secret(k)]:
+        del os.environ[name]
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    if protocol.cublas_workspace_config:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", protocol.cublas_workspace_config)
+    else:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    warnings.filterwarnings("ignore")
+
+
+def prepare_device(device: str, protocol: dict[str, Any]) -> None:
+    """A child started before its job (``kpipe.gym.zygote.ZygoteLauncher``) pays here, while it
+    waits, what every child's start costs: its CUDA context and torch's lazy state. ``run_child``
+    then finds them made; nothing of a candidate has run yet."""
+    settled = Protocol.from_dict(protocol)
+    settle_process(device, settled)
+    prime_lazy_state(device, settled.profile)
+
+
 def run_child(job: dict[str, Any]) -> None:
     """Run one role of an evaluation and write its result file (never raises for a bad
     candidate: the exception is classified and written).
@@ -565,19 +589,10 @@ def run_child(job: dict[str, Any]) -> None:
     """
     protocol = Protocol.from_dict(job["protocol"])
     job = {**job, "parent_pid": os.getppid()}
-    apply_limits(protocol)
-    for name in [k for k in os.environ if is_secret(k)]:
-        del os.environ[name]
+    device = job["device"]
+    settle_process(device, protocol)
     workdir = Path(job["workdir"])
     os.chdir(workdir)
-    device = job["device"]
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    if protocol.cublas_workspace_config:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", protocol.cublas_workspace_config)
-    else:
-        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    warnings.filterwarnings("ignore")
     phase = Phase(job.get("phase_path"))
     started_unix = time.time()
     phase("start (device init)")

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -139,34 +140,43 @@ def run_isolated(
     `launch` starts the process (the worker pool forks it from a warm zygote instead). Raises
     ``LeaseTimeout`` (the child killed) only when the lease never came free.
     """
-    scratch = Path(tempfile.mkdtemp(prefix=f"kgym-{job['role']}-"))
-    caches = process_caches()
     trusted = job["role"] == "reference"
     lease_wait_bound = lease.max_wait_s if lease is not None else 0.0
+    waiting = launch.waiting_candidate(lease) if not trusted and isinstance(launch, PreparesCandidates) else None
+    scratch = waiting.scratch if waiting is not None else make_scratch(job["role"], job["device"])
     try:
-        cache_env = caches.for_reference() if trusted else caches.for_candidate(scratch / "compile-cache")
-        env = child_environment(job["device"], os.environ, cache_env)
-        if not trusted:
-            job = {**job, **candidate_confinement(scratch, env)}
         job = {
             **job,
-            "workdir": str(scratch),
-            "result_path": str(scratch / "result.pt"),
-            "phase_path": str(scratch / "phase"),
-            "gate_path": str(scratch / "gate") if gate else None,
+            **scratch.confinement,
+            "workdir": str(scratch.path),
+            "result_path": str(scratch.path / "result.pt"),
+            "phase_path": str(scratch.path / "phase"),
+            "gate_path": str(scratch.path / "gate") if gate else None,
             "gate_wait_s": timeout_s + 2 * lease_wait_bound,
-            "environment": env,  # a forked child takes it whole (kpipe.gym.pool)
+            "environment": scratch.env,  # a forked child takes it whole (kpipe.gym.pool)
         }
-        job_file = scratch / "job.json"
+        job_file = scratch.path / "job.json"
         job_file.write_text(json.dumps(job))
+    except BaseException:
+        if waiting is not None:
+            waiting.discard()
+        shutil.rmtree(scratch.path, ignore_errors=True)
+        raise
+    try:
         start = time.monotonic()
-        proc, streams = launch(job_file, env, timeout_s + 2 * lease_wait_bound)
+        if waiting is not None:
+            proc, streams, pauser = waiting.proc, waiting.streams, waiting.pauser
+            if pauser is not None:
+                pauser.restart_count()  # stopped while it waited for this job: nobody's time
+            waiting.hand_over(job_file, timeout_s + 2 * lease_wait_bound)
+        else:
+            proc, streams = launch(job_file, scratch.env, timeout_s + 2 * lease_wait_bound)
+            pauser = ChildPauser(proc.pid, lease) if lease is not None else None
+            if pauser is not None:
+                pauser.start()
         captures = [BoundedCapture(stream) for stream in streams]
         for capture in captures:
             capture.start()
-        pauser = ChildPauser(proc.pid, lease) if lease is not None else None
-        if pauser is not None:
-            pauser.start()
         partial = None
         timed_out = False
         lease_wait_s = 0.0
@@ -185,13 +195,13 @@ def run_isolated(
         with ExitStack() as held:
             try:
                 if gate is not None:
-                    partial, go = wait_at_gate(proc, scratch, deadline, gate)
+                    partial, go = wait_at_gate(proc, scratch.path, deadline, gate)
                     leased = go and lease is not None
                     if leased:
                         lease_wait_s = held.enter_context(lease.hold())  # type: ignore[union-attr]
                         pauser.take_over()  # type: ignore[union-attr]
                     if partial is not None:
-                        answer_gate(scratch, go)
+                        answer_gate(scratch.path, go)
                 # a leased child keeps the lease until it has exited: its context's teardown (GPU
                 # memory freed, page tables unmapped) is GPU work, which no timed region may run beside
                 wait_for_exit(proc, deadline)
@@ -203,13 +213,13 @@ def run_isolated(
                 if pauser is not None:
                     pauser.finish()
                 if trusted:
-                    caches.seal()
+                    process_caches().seal()
         wall_s = time.monotonic() - start
         for capture in captures:
             capture.join(timeout=5)
             capture.stream.close()
-        phase_file = scratch / "phase"
-        result_file = scratch / "result.pt"
+        phase_file = scratch.path / "phase"
+        result_file = scratch.path / "result.pt"
         return ChildRun(
             payload=None if timed_out else load_payload(result_file),
             partial=partial,
@@ -224,7 +234,69 @@ def run_isolated(
             lease_wait_s=lease_wait_s,
         )
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch.path, ignore_errors=True)
+
+
+@dataclass
+class Scratch:
+    """A child's scratch directory (its cwd, temporary files and, for a candidate, its compile
+    caches and all it may write), its environment, and the job keys that confine it."""
+
+    path: Path
+    env: dict[str, str]
+    confinement: dict[str, Any]
+
+
+def make_scratch(role: str, device: str) -> Scratch:
+    """A new scratch directory and the environment of a child of `role` (``kpipe.gym.environment``
+    with the compile caches of ``kpipe.gym.compile_caches``); a candidate's is sandboxed to it."""
+    path = Path(tempfile.mkdtemp(prefix=f"kgym-{role}-"))
+    try:
+        caches = process_caches()
+        trusted = role == "reference"
+        env = child_environment(device, os.environ, caches.for_reference() if trusted else caches.for_candidate(path / "compile-cache"))
+        return Scratch(path, env, {} if trusted else candidate_confinement(path, env))
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+@dataclass
+class WaitingChild:
+    """A candidate child started before its job (``kpipe.gym.zygote.ZygoteLauncher``): in its
+    scratch and sandbox, its device initialised, reading its job's path from a pipe. Its pauser
+    runs from its start: it is stopped whenever another child times on its device."""
+
+    scratch: Scratch
+    proc: Any
+    streams: list[IO[bytes]]
+    pauser: ChildPauser | None
+    hand_over: Callable[[Path, float], None]  # (job file, timeout): its job and its timeout start
+    job_pipe: int  # the pipe's write end: closed without a path, it tells the child to exit
+
+    def release(self) -> None:
+        """Close the job pipe (after its job's path, or without one: not wanted)."""
+        if self.job_pipe >= 0:
+            os.close(self.job_pipe)
+            self.job_pipe = -1
+
+    def discard(self) -> None:
+        """End an unused child: kill its group, reap it, remove its scratch."""
+        self.release()
+        if self.pauser is not None:
+            self.pauser.finish()
+        kill_group(self.proc)
+        self.proc.wait()
+        for stream in self.streams:
+            stream.close()
+        shutil.rmtree(self.scratch.path, ignore_errors=True)
+
+
+@typing.runtime_checkable
+class PreparesCandidates(typing.Protocol):
+    """A launcher that keeps a candidate child started ahead of its job."""
+
+    def waiting_candidate(self, lease: TimingLease | None) -> WaitingChild: ...
 
 
 def candidate_confinement(scratch: Path, env: dict[str, str]) -> dict[str, Any]:

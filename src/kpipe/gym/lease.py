@@ -137,6 +137,14 @@ class ChildPauser(threading.Thread):
                 elif self._paused_since is not None:
                     self._resume()
 
+    def restart_count(self) -> None:
+        """Count paused seconds from now (a child started ahead of its job: ``paused_s`` is then
+        its job's)."""
+        with self._state:
+            self._paused_s = 0.0
+            if self._paused_since is not None:
+                self._paused_since = time.monotonic()
+
     def take_over(self) -> None:
         """Its own judge holds the lease now: run the child, and stop watching."""
         with self._state:

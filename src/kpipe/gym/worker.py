@@ -26,7 +26,7 @@ from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.sandbox import require_confinement
 from kpipe.infra.process import PR_SET_DUMPABLE, prctl
-from kpipe.gym.zygote import Zygote, kill_process_group, zygote_launcher
+from kpipe.gym.zygote import Zygote, ZygoteLauncher, kill_process_group
 
 WORKER_START_TIMEOUT_S = 300.0
 
@@ -65,14 +65,15 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     info = {"pid": os.getpid(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") or None, "fork": fork}
     try:
         info["confined"] = require_confinement()  # refuses to serve where candidates cannot be confined
-        info["device_kind"] = evaluation.device_kind(evaluation.resolve_device(protocol))
+        device = evaluation.resolve_device(protocol)
+        info["device_kind"] = evaluation.device_kind(device)
         if fork:
             current_zygote().wait_ready()
     except Exception as exc:  # noqa: BLE001 - reported to the pool, which refuses to start
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", info))
-    launch = zygote_launcher(current_zygote) if fork else fresh_interpreter
+    launch = ZygoteLauncher(current_zygote, device, protocol.to_dict()) if fork else fresh_interpreter
     while True:
         try:
             job_id, reference, candidate = conn.recv()
@@ -86,6 +87,8 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
         except Exception:  # noqa: BLE001 - a bug in the judge: the pool re-queues the job once
             reply = (job_id, "worker_error", traceback.format_exc()[-2000:])
         conn.send(reply)
+    if isinstance(launch, ZygoteLauncher):
+        launch.close()
     if zygote is not None:
         zygote.close()
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,11 +24,16 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
+from kpipe.gym.lease import ChildPauser, TimingLease
 from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, kill_children, prctl
+
+if TYPE_CHECKING:  # kpipe.gym.isolate imports torch, which the worker imports only after starting its zygote
+    from kpipe.gym.isolate import WaitingChild
 
 # what every child would otherwise import itself (torch._dynamo and the profiler alone cost
 # a child about a second: kpipe.gym.child.prime_lazy_state imports them); none touches CUDA
@@ -45,12 +52,14 @@ MESSAGE_BYTES = 4096
 
 
 def zygote_main(sock_fd: int) -> None:
-    """Import the heavy modules once, then fork one child per request and report its exit.
+    """Import the heavy modules once, then fork children on request and report their exits.
 
-    Requests arrive on a SOCK_SEQPACKET socket: ``"<timeout_s> <job path>"`` with the child's
-    stdout and stderr pipe ends attached (SCM_RIGHTS). Replies: ``"started <pid>"`` then
-    ``"exited <pid> <returncode>"``. If the worker goes away mid-run, the child's group is
-    killed and the zygote exits.
+    Requests arrive on a SOCK_SEQPACKET socket: ``"spawn <timeout_s> <job path>"`` with the
+    child's stdout and stderr pipe ends attached (SCM_RIGHTS), and for a child that starts
+    before its job (``ZygoteLauncher``) a third, the pipe its job's path will come through; its
+    timeout is ``inf`` until ``"arm <pid> <timeout_s>"`` says its job has started. Replies:
+    ``"started <pid>"`` to a spawn, ``"exited <pid> <returncode>"`` when a child ends. If the
+    worker goes away, every child's group is killed and the zygote exits.
     """
     prctl(PR_SET_DUMPABLE, 0)  # its children start non-dumpable too, until they enter their sandbox
     preload()
@@ -59,28 +68,77 @@ def zygote_main(sock_fd: int) -> None:
     become_subreaper()  # a candidate that daemonises stays the zygote's to kill
     sock = socket.socket(fileno=sock_fd)
     sock.sendall(b"ready")
-    while True:
+    children: dict[int, Supervised] = {}
+    try:
+        while serve_one_event(sock, children):
+            pass
+    finally:
+        for pid, child in children.items():
+            kill_process_group(pid)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            os.close(child.pidfd)
+
+
+@dataclass
+class Supervised:
+    """A child of the zygote: the descriptor its exit shows on, and when to kill it."""
+
+    pidfd: int
+    deadline: float  # time.monotonic(); inf while a child waits for its job
+
+
+def serve_one_event(sock: socket.socket, children: dict[int, Supervised]) -> bool:
+    """Wait for a request, a child's exit or a deadline, and handle it; False once the worker
+    is gone. A child past its deadline has its group killed (again each second until it exits)."""
+    now = time.monotonic()
+    soonest = min((child.deadline for child in children.values()), default=math.inf)
+    ready, _, _ = select.select([sock, *(child.pidfd for child in children.values())], [], [],
+                                None if soonest == math.inf else max(soonest - now, 0.0))
+    if sock in ready:
         try:
-            message, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 2)
+            message, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 3)
         except OSError:
-            return
+            return False
         if not message:
-            return
-        timeout_s, job_path = message.decode().split(" ", 1)
-        zygote = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            forked_child(job_path, fds, sock, zygote)
-        for fd in fds:
-            os.close(fd)
-        sock.sendall(f"started {pid}".encode())
-        returncode = supervise(pid, sock, float(timeout_s) + ZYGOTE_GRACE_S)
-        if returncode is None:  # the worker is gone
-            return
-        try:
-            sock.sendall(f"exited {pid} {returncode}".encode())
-        except OSError:
-            return
+            return False
+        kind, first, rest = message.decode().split(" ", 2)
+        if kind == "arm":
+            if int(first) in children:
+                children[int(first)].deadline = time.monotonic() + float(rest) + ZYGOTE_GRACE_S
+        else:
+            zygote = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                forked_child(rest, fds, [sock.fileno(), *(child.pidfd for child in children.values())], zygote)
+            for fd in fds:
+                os.close(fd)
+            children[pid] = Supervised(os.pidfd_open(pid), time.monotonic() + float(first) + ZYGOTE_GRACE_S)
+            if not send(sock, f"started {pid}"):
+                return False
+    for pid, child in list(children.items()):
+        if child.pidfd in ready:
+            _, status = os.waitpid(pid, 0)
+            kill_process_group(pid)  # whatever it left behind in its group
+            os.close(child.pidfd)
+            del children[pid]
+            # the zygote's only own children are those it supervises: the rest escaped their
+            # group (setsid, double fork) and were reparented here
+            kill_children(keep=children.keys())
+            if not send(sock, f"exited {pid} {os.waitstatus_to_exitcode(status)}"):
+                return False
+        elif time.monotonic() >= child.deadline:
+            kill_process_group(pid)
+            child.deadline = time.monotonic() + 1.0
+    return True
+
+
+def send(sock: socket.socket, message: str) -> bool:
+    try:
+        sock.sendall(message.encode())
+    except OSError:
+        return False
+    return True
 
 
 def preload(launch_time: bool = True) -> None:
@@ -150,34 +208,16 @@ def cuda_driver_initialised() -> bool:
     return ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(context)) != 3
 
 
-def supervise(pid: int, sock: socket.socket, backstop_s: float) -> int | None:
-    """Wait for the child; kill its group past the backstop or when the worker disappears
-    (None then: nobody is left to report to)."""
-    pidfd = os.pidfd_open(pid)
-    deadline = time.monotonic() + backstop_s
-    try:
-        while True:
-            ready, _, _ = select.select([pidfd, sock], [], [], max(deadline - time.monotonic(), 0.0))
-            if pidfd in ready:
-                break
-            if sock in ready and not sock.recv(MESSAGE_BYTES, socket.MSG_PEEK):
-                kill_process_group(pid)
-                os.waitpid(pid, 0)
-                return None
-            if time.monotonic() >= deadline:
-                kill_process_group(pid)
-        _, status = os.waitpid(pid, 0)
-        kill_process_group(pid)  # whatever it left behind in its group
-        kill_children()  # between runs the zygote has none of its own: these escaped the group (setsid, double fork)
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        os.close(pidfd)
-
-
-def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int) -> None:
+def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: int) -> None:
     """Become an isolated evaluation child: own session, scrubbed environment, bounded pipes
     for stdout/stderr, the job's sandbox (a fork is single-threaded, as entering one needs), then
-    the core's ``run_child`` exactly as its ``__main__`` runs it."""
+    the core's ``run_child`` exactly as its ``__main__`` runs it. `inherited`: the zygote's own
+    descriptors (its socket, the other children's pidfds), closed first.
+
+    With a third descriptor in `fds`, the child starts before its job: `job_path` is then a
+    job's preparation (environment, sandbox, scratch, device and protocol), and once it is
+    confined with its device initialised (``kpipe.gym.child.prepare_device``) it waits for its
+    job's path on that pipe (end of file without one: it is not needed, and exits)."""
     code = 1
     try:
         from kpipe.gym.child import run_child  # preloaded by the zygote
@@ -186,14 +226,15 @@ def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int
 
         os.setsid()
         die_with_parent(zygote)
-        sock.close()
+        for fd in inherited:
+            os.close(fd)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.dup2(fds[0], 1)
         os.dup2(fds[1], 2)
-        for fd in (devnull, *fds):
+        for fd in (devnull, *fds[:2]):
             os.close(fd)
         job = json.loads(Path(job_path).read_text())
         # built by the launching worker (kpipe.gym.environment.child_environment): taken whole,
@@ -206,6 +247,11 @@ def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int
         else:
             prctl(PR_SET_DUMPABLE, 1)  # a reference child: as a fresh interpreter would be
         os.chdir(job["workdir"])
+        if len(fds) == 3:
+            job = wait_for_job(job, fds[2])
+            if job is None:
+                code = 0
+                return
         run_child(job)
         code = 0
     except BaseException:  # noqa: BLE001 - the parent classifies a child without a result
@@ -217,6 +263,25 @@ def forked_child(job_path: str, fds: list[int], sock: socket.socket, zygote: int
         finally:
             # skip interpreter teardown, as the core's __main__ does
             os._exit(code)
+
+
+def wait_for_job(preparation: dict[str, Any], go: int) -> dict[str, Any] | None:
+    """Initialise the device for `preparation`, then read the job's path from `go`: the job,
+    checked to be the one prepared for, or None at end of file."""
+    from kpipe.gym.child import prepare_device
+
+    prepare_device(preparation["device"], preparation["protocol"])
+    path = b""
+    while chunk := os.read(go, 4096):
+        path += chunk
+    os.close(go)
+    if not path:
+        return None
+    job = json.loads(Path(path.decode()).read_text())
+    for key in ("environment", "sandbox", "workdir", "device", "protocol"):
+        if job.get(key) != preparation.get(key):
+            raise RuntimeError(f"the job's {key} is not the one this child was prepared with")
+    return job
 
 
 def kill_process_group(pid: int) -> None:
@@ -234,7 +299,9 @@ class Zygote:
     """The worker's handle on its fork server.
 
     Starting one returns at once; the first ``spawn`` (or ``wait_ready``) waits for its
-    imports, so a worker can start its zygote first and import torch itself meanwhile."""
+    imports, so a worker can start its zygote first and import torch itself meanwhile. Its
+    replies are read by one thread (the worker's): the exit of one child may arrive while
+    another is awaited, and is kept for it."""
 
     def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -248,6 +315,9 @@ class Zygote:
         theirs.close()
         self.sock = ours
         self.ready = False
+        self.gone = False  # the zygote closed its end (it died, and its children with it)
+        self._started: list[int] = []
+        self._exits: dict[int, int] = {}
 
     def wait_ready(self) -> None:
         if self.ready:
@@ -263,18 +333,60 @@ class Zygote:
         self.ready = True
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.process.poll() is None and not self.gone
 
-    def spawn(self, job_path: Path, stdout_w: int, stderr_w: int, timeout_s: float) -> ForkedProcess:
+    def spawn(self, job_path: Path, stdout_w: int, stderr_w: int, timeout_s: float, job_r: int | None = None) -> ForkedProcess:
+        """Fork a child on `job_path`; with `job_r`, one that waits for its job's path on that
+        pipe, its timeout started by ``arm``."""
         self.wait_ready()
+        fds = [stdout_w, stderr_w] if job_r is None else [stdout_w, stderr_w, job_r]
         try:
-            socket.send_fds(self.sock, [f"{timeout_s} {job_path}".encode()], [stdout_w, stderr_w])
-            reply = self.sock.recv(MESSAGE_BYTES).decode()
+            socket.send_fds(self.sock, [f"spawn {timeout_s} {job_path}".encode()], fds)
         except OSError as exc:
             raise ZygoteDied(f"the fork server is gone ({exc})") from None
-        if not reply.startswith("started "):
-            raise ZygoteDied("the fork server is gone")
-        return ForkedProcess(int(reply.split()[1]), self.sock)
+        while not self._started:
+            self._receive(None)
+            if self.gone:
+                raise ZygoteDied("the fork server is gone")
+        return ForkedProcess(self._started.pop(0), self)
+
+    def arm(self, pid: int, timeout_s: float) -> None:
+        """The child `pid`, which waited for its job, has it now: its timeout starts."""
+        try:
+            self.sock.sendall(f"arm {pid} {timeout_s}".encode())
+        except OSError:
+            self.gone = True
+
+    def returncode(self, pid: int, timeout: float | None) -> int | None:
+        """The exit code of child `pid`, waiting at most `timeout` seconds (None: still running).
+        A child whose zygote died is killed and reported as killed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pid not in self._exits and not self.gone:
+            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            if not self._receive(remaining) and remaining == 0.0:
+                return None
+        if pid in self._exits:
+            return self._exits.pop(pid)
+        kill_process_group(pid)  # orphaned by its zygote: kill what is left
+        return -signal.SIGKILL
+
+    def _receive(self, timeout: float | None) -> bool:
+        """Read one reply if one comes within `timeout`; whether one came."""
+        ready, _, _ = select.select([self.sock], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            reply = self.sock.recv(MESSAGE_BYTES).decode()
+        except OSError:
+            reply = ""
+        if not reply:
+            self.gone = True
+        elif reply.startswith("started "):
+            self._started.append(int(reply.split()[1]))
+        elif reply.startswith("exited "):
+            _, pid, code = reply.split()
+            self._exits[int(pid)] = int(code)
+        return True
 
     def close(self) -> None:
         self.sock.close()
@@ -289,62 +401,106 @@ class ForkedProcess:
     """The subset of ``subprocess.Popen`` that ``kpipe.gym.isolate`` uses, for a child of the
     zygote (only the zygote can wait for it; it reports the exit status)."""
 
-    def __init__(self, pid: int, sock: socket.socket) -> None:
+    def __init__(self, pid: int, zygote: Zygote) -> None:
         self.pid = pid
         self.args = f"forked child {pid}"
         self.returncode: int | None = None
-        self._sock = sock
+        self._zygote = zygote
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            self._receive(0.0)
+            self.returncode = self._zygote.returncode(self.pid, 0.0)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+        if self.returncode is None:
+            self.returncode = self._zygote.returncode(self.pid, timeout)
+            if self.returncode is None:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-            self._receive(remaining)
         return self.returncode
 
-    def _receive(self, timeout: float | None) -> None:
-        ready, _, _ = select.select([self._sock], [], [], timeout)
-        if not ready:
-            return
-        try:
-            reply = self._sock.recv(MESSAGE_BYTES).decode()
-        except OSError:
-            reply = ""
-        if not reply:  # the zygote died with our child: it is orphaned, kill what is left
-            kill_process_group(self.pid)
-            self.returncode = -signal.SIGKILL
-            return
-        _, pid, code = reply.split()
-        if int(pid) == self.pid:
-            self.returncode = int(code)
 
-
-def zygote_launcher(zygote_factory: Callable[[], Zygote]) -> Callable[[Path, dict[str, str], float], tuple[Any, list[Any]]]:
+class ZygoteLauncher:
     """A ``kpipe.gym.isolate.Launcher`` that forks each child from the worker's warm zygote
-    (torch and triton already imported, CUDA untouched) instead of starting an interpreter.
-    The child takes its environment from the job file (``run_isolated`` writes `env` there)."""
+    (torch and triton already imported, CUDA untouched) instead of starting an interpreter;
+    the child takes its environment from the job file (``run_isolated`` writes it there).
 
-    def launch(job_file: Path, env: dict[str, str], timeout_s: float) -> tuple[Any, list[Any]]:
+    It also keeps one candidate child started ahead (``waiting_candidate``): confined in its
+    scratch, its CUDA context made, waiting for its job. Making a context takes a child 0.5 s on
+    an H200, 0.9 s when eight make theirs at once on one host
+    (docs/gpu-results/gym_scaling_2026-11-26d_4xH200.md); started while the previous candidate
+    runs, it costs the next one nothing. While it waits it is stopped with the others whenever a
+    child times on its GPU (its pauser), so its start never runs beside a timed region."""
+
+    def __init__(self, zygote_factory: Callable[[], Zygote], device: str, protocol: dict[str, Any]) -> None:
+        self.zygote_factory = zygote_factory
+        self.device = device
+        self.protocol = protocol
+        self._next: WaitingChild | None = None
+
+    def __call__(self, job_file: Path, env: dict[str, str], timeout_s: float) -> tuple[Any, list[Any]]:
+        proc, streams, _ = self._fork(job_file, timeout_s, waits=False)
+        return proc, streams
+
+    def _fork(self, job_file: Path, timeout_s: float, waits: bool) -> tuple[ForkedProcess, list[Any], int | None]:
         pipes = [os.pipe(), os.pipe()]
+        job_r, job_w = os.pipe() if waits else (None, None)
         try:
-            proc = zygote_factory().spawn(job_file, pipes[0][1], pipes[1][1], timeout_s)
+            proc = self.zygote_factory().spawn(job_file, pipes[0][1], pipes[1][1], timeout_s, job_r)
         except BaseException:
-            for read_end, _ in pipes:
-                os.close(read_end)
+            for fd in (*(read_end for read_end, _ in pipes), job_w):
+                if fd is not None:
+                    os.close(fd)
             raise
         finally:
-            for _, write_end in pipes:
-                os.close(write_end)
-        return proc, [open(read_end, "rb") for read_end, _ in pipes]
+            for fd in (*(write_end for _, write_end in pipes), job_r):
+                if fd is not None:
+                    os.close(fd)
+        return proc, [open(read_end, "rb") for read_end, _ in pipes], job_w
 
-    return launch
+    def waiting_candidate(self, lease: TimingLease | None) -> WaitingChild:
+        """The candidate child started for this call (one started now if it is gone), and the
+        next call's started."""
+        child, self._next = self._next, None
+        if child is None or child.proc.poll() is not None:
+            if child is not None:
+                child.discard()
+            child = self._start_waiting(lease)
+        self._next = self._start_waiting(lease)
+        return child
+
+    def _start_waiting(self, lease: TimingLease | None) -> WaitingChild:
+        from kpipe.gym.isolate import WaitingChild, make_scratch
+
+        scratch = make_scratch("candidate", self.device)
+        try:
+            preparation = {"environment": scratch.env, "workdir": str(scratch.path), "device": self.device,
+                           "protocol": self.protocol, **scratch.confinement}
+            preparation_file = scratch.path / "preparation.json"
+            preparation_file.write_text(json.dumps(preparation))
+            proc, streams, job_w = self._fork(preparation_file, math.inf, waits=True)
+        except BaseException:
+            shutil.rmtree(scratch.path, ignore_errors=True)
+            raise
+        zygote = proc._zygote
+        pauser = ChildPauser(proc.pid, lease) if lease is not None else None
+        if pauser is not None:
+            pauser.start()
+
+        def hand_over(job_file: Path, timeout_s: float) -> None:
+            zygote.arm(proc.pid, timeout_s)
+            with contextlib.suppress(BrokenPipeError):  # it died waiting: its exit says so
+                os.write(job_w, str(job_file).encode())
+            child.release()  # the end of file after the path
+
+        child = WaitingChild(scratch, proc, streams, pauser, hand_over, job_w)
+        return child
+
+    def close(self) -> None:
+        """Let the waiting child go (it exits on its own)."""
+        if self._next is not None:
+            self._next.discard()
+            self._next = None
 
 
 if __name__ == "__main__":

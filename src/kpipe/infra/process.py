@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Collection
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 PR_SET_DUMPABLE = 4
@@ -43,11 +44,14 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def kill_children() -> None:
-    """Kill and reap every remaining child of this process."""
+def kill_children(keep: Collection[int] = ()) -> None:
+    """Kill every child of this process but those in `keep`, and reap the ones that are gone
+    (without waiting: a child killed now is reaped by a later call, and the status of a child
+    in `keep` is left to whoever waits for it)."""
     me = str(os.getpid())
+    killed = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) in keep:
             continue
         try:
             with open(f"/proc/{entry.name}/stat") as stat:
@@ -55,17 +59,16 @@ def kill_children() -> None:
         except (OSError, IndexError):
             continue
         if parent == me:
+            killed.append(int(entry.name))
             try:
                 os.kill(int(entry.name), signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    while True:
+    for pid in killed:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            pass
 
 
 def process_start(pid: int) -> int | None:

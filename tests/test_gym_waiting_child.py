@@ -1,0 +1,139 @@
+"""A candidate child started before its job (kpipe.gym.zygote.ZygoteLauncher): confined and
+initialised ahead, stopped like any child while another times, given only the job it was prepared
+for, and ended without a trace when it is not needed."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kpipe.gym import Protocol
+from kpipe.gym.isolate import WaitingChild
+from kpipe.gym.lease import ChildPauser, TimingLease
+from kpipe.gym.zygote import Zygote, ZygoteLauncher
+
+PROTOCOL = Protocol(correct_trials=1, perf_trials=2, warmup=1, baseline="eager", device="cpu", timeout_s=30, reject_findings=())
+
+
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    zygote = Zygote(dict(os.environ))
+    zygote.wait_ready()
+    yield zygote
+    zygote.close()
+
+
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return found
+
+
+def hold_for(lock_dir: str, seconds: float, held: multiprocessing.synchronize.Event) -> None:
+    with TimingLease("dev", 5.0, Path(lock_dir)).hold():
+        held.set()
+        time.sleep(seconds)
+
+
+def until(condition, timeout_s: float = 60.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_the_next_candidate_child_waits_confined_and_is_stopped_while_another_times(zygote: Zygote, tmp_path: Path) -> None:
+    launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
+    lease = TimingLease("dev", 5.0, tmp_path)
+    this_one = launcher.waiting_candidate(lease)
+    the_next = launcher._next
+    assert the_next is not None and the_next.proc.pid != this_one.proc.pid
+    held = multiprocessing.get_context("spawn").Event()
+    other = multiprocessing.get_context("spawn").Process(target=hold_for, args=(str(tmp_path), 1.0, held))
+    try:
+        for child in (this_one, the_next):
+            assert child.proc.poll() is None and state(child.proc.pid) != "T"
+            preparation = json.loads((child.scratch.path / "preparation.json").read_text())
+            assert preparation["workdir"] == str(child.scratch.path) and preparation["device"] == "cpu"
+        other.start()
+        assert held.wait(30)
+        time.sleep(0.2)
+        assert [state(child.proc.pid) for child in (this_one, the_next)] == ["T", "T"]  # before any job: stopped too
+        other.join()
+        assert until(lambda: all(state(child.proc.pid) != "T" for child in (this_one, the_next)), 5.0)
+    finally:
+        launcher.close()
+        this_one.discard()
+    assert not this_one.scratch.path.exists() and not the_next.scratch.path.exists()
+    assert until(lambda: children_of(zygote.process.pid) == [], 10.0), "the zygote still has children"
+
+
+def test_its_pauses_before_the_job_are_not_the_jobs(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.01)"], start_new_session=True)
+    pauser = ChildPauser(child.pid, TimingLease("dev", 5.0, tmp_path))
+    pauser.start()
+    held = multiprocessing.get_context("spawn").Event()
+    other = multiprocessing.get_context("spawn").Process(target=hold_for, args=(str(tmp_path), 0.6, held))
+    try:
+        other.start()
+        assert held.wait(30)
+        time.sleep(0.2)
+        pauser.restart_count()  # its job starts while it is stopped
+        other.join()
+        time.sleep(0.2)
+        assert 0.2 < pauser.paused_s() < 0.55  # only the rest of that pause counts
+    finally:
+        pauser.finish()
+        child.kill()
+        child.wait()
+
+
+def test_a_job_other_than_the_one_it_was_prepared_for_is_refused(zygote: Zygote) -> None:
+    launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
+    child: WaitingChild = launcher.waiting_candidate(None)
+    launcher.close()
+    try:
+        preparation = json.loads((child.scratch.path / "preparation.json").read_text())
+        job = {**preparation, "role": "candidate", "workdir": "/tmp"}
+        job_file = child.scratch.path / "job.json"
+        job_file.write_text(json.dumps(job))
+        child.hand_over(job_file, 30.0)
+        assert child.proc.wait(timeout=60) != 0
+        assert "workdir is not the one this child was prepared with" in child.streams[1].read().decode()
+    finally:
+        child.discard()
+
+
+def test_the_zygote_keeps_each_childs_exit_for_whoever_waits_for_it(zygote: Zygote) -> None:
+    launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
+    first = launcher.waiting_candidate(None)
+    second, launcher._next = launcher._next, None
+    assert second is not None
+    second.release()  # no job: it exits on its own
+    assert until(lambda: second.proc.pid not in children_of(zygote.process.pid), 60.0)
+    first.release()
+    assert first.proc.wait(timeout=60) == 0  # may read the second's exit first, and keeps it
+    assert second.proc.wait(timeout=60) == 0
+    for child in (first, second):
+        child.discard()
+    assert until(lambda: children_of(zygote.process.pid) == [], 10.0)
