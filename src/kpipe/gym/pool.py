@@ -13,7 +13,9 @@ process that forks has touched CUDA or started a thread pool:
 - the worker's **zygote** (``kpipe.gym.zygote``) imports torch, triton and ``kpipe.gym.child`` once, never computes,
   and forks one child per reference/candidate run. The child calls the core's ``run_child``
   unchanged in its own session, so a timeout kills its whole process group, exactly as the
-  fresh-interpreter path (``kpipe.gym.isolate``) does — minus the seconds of start-up.
+  fresh-interpreter path (``kpipe.gym.isolate``) does — minus the seconds of start-up. The child
+  of a worker's next candidate is forked while the current one runs, and waits confined with its
+  CUDA context made (``ZygoteLauncher``).
 
 A worker that dies (or a judge that raises) is replaced and its job re-queued once; a second
 loss is answered with a ``crashed`` result that says why. Nothing is silently lost.
