@@ -137,3 +137,29 @@ def test_the_zygote_keeps_each_childs_exit_for_whoever_waits_for_it(zygote: Zygo
     for child in (first, second):
         child.discard()
     assert until(lambda: children_of(zygote.process.pid) == [], 10.0)
+
+
+def test_a_child_whose_zygote_died_is_replaced_before_its_job_comes() -> None:
+    """A candidate can kill the zygote (unconfined, or a bug): the child it had started ahead dies
+    with it, and the next call gets a live child from the worker's new zygote."""
+    zygotes: list[Zygote] = []
+
+    def current() -> Zygote:  # as kpipe.gym.worker's current_zygote
+        if not zygotes or not zygotes[-1].alive():
+            zygotes.append(Zygote(dict(os.environ)))
+        return zygotes[-1]
+
+    launcher = ZygoteLauncher(current, "cpu", PROTOCOL.to_dict())
+    first = launcher.waiting_candidate(None)
+    first.discard()
+    os.kill(zygotes[0].process.pid, 9)
+    zygotes[0].process.wait()
+    child = launcher.waiting_candidate(None)
+    try:
+        assert len(zygotes) == 2 and child.proc.poll() is None
+        assert child.proc.pid in children_of(zygotes[1].process.pid)
+    finally:
+        launcher.close()
+        child.discard()
+        for zygote in zygotes:
+            zygote.close()
