@@ -163,3 +163,25 @@ def test_a_child_whose_zygote_died_is_replaced_before_its_job_comes() -> None:
         child.discard()
         for zygote in zygotes:
             zygote.close()
+
+
+def test_a_failure_to_start_the_next_child_costs_the_current_one_nothing(zygote: Zygote, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kpipe.gym.zygote import ZygoteDied
+
+    launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
+    start = launcher._start_waiting
+    calls = []
+
+    def second_fails(lease: TimingLease | None) -> WaitingChild:
+        calls.append(lease)
+        if len(calls) == 2:
+            raise ZygoteDied("the fork server is gone")
+        return start(lease)
+
+    monkeypatch.setattr(launcher, "_start_waiting", second_fails)
+    child = launcher.waiting_candidate(None)
+    try:
+        assert child.proc.poll() is None and launcher._next is None
+    finally:
+        child.discard()
+        launcher.close()

@@ -466,7 +466,10 @@ class ZygoteLauncher:
             if child is not None:
                 child.discard()
             child = self._start_waiting(lease)
-        self._next = self._start_waiting(lease)
+        try:
+            self._next = self._start_waiting(lease)
+        except ZygoteDied:  # this call's child is unharmed; the next call starts its own
+            self._next = None
         return child
 
     def _start_waiting(self, lease: TimingLease | None) -> WaitingChild:
