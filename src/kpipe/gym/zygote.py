@@ -500,7 +500,7 @@ class ZygoteLauncher:
         return child
 
     def close(self) -> None:
-        """Let the waiting child go (it exits on its own)."""
+        """End the child started for the next call (killed, its scratch removed)."""
         if self._next is not None:
             self._next.discard()
             self._next = None
