@@ -36,14 +36,17 @@ def state(pid: int) -> str:
 
 
 def children_of(pid: int) -> list[int]:
+    """The live children of `pid`. Not zombies: a sandbox's init killed with its waiter is
+    reparented to the zygote (a subreaper) and reaped at the zygote's next child exit."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    found.append(int(entry.name))
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry.name))
     return found
 
 
