@@ -36,8 +36,8 @@ def state(pid: int) -> str:
 
 
 def children_of(pid: int) -> list[int]:
-    """The live children of `pid`. Not zombies: a sandbox's init killed with its waiter is
-    reparented to the zygote (a subreaper) and reaped at the zygote's next child exit."""
+    """The children of `pid`, zombies included: a sandbox's init killed with its waiter is
+    reparented to the zygote (a subreaper), which must reap it when it ends."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -45,9 +45,13 @@ def children_of(pid: int) -> list[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
+            if int(fields[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+def descendants(pid: int) -> list[int]:
+    return [grandchild for child in children_of(pid) for grandchild in (child, *descendants(child))]
 
 
 def hold_for(lock_dir: str, seconds: float, held: multiprocessing.synchronize.Event) -> None:
@@ -69,6 +73,7 @@ def test_the_next_candidate_child_waits_confined_and_is_stopped_while_another_ti
     launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
     lease = TimingLease("dev", 5.0, tmp_path)
     this_one = launcher.waiting_candidate(lease)
+    launcher.start_next(lease)
     the_next = launcher._next
     assert the_next is not None and the_next.proc.pid != this_one.proc.pid
     held = multiprocessing.get_context("spawn").Event()
@@ -130,6 +135,7 @@ def test_a_job_other_than_the_one_it_was_prepared_for_is_refused(zygote: Zygote)
 def test_the_zygote_keeps_each_childs_exit_for_whoever_waits_for_it(zygote: Zygote) -> None:
     launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
     first = launcher.waiting_candidate(None)
+    launcher.start_next(None)
     second, launcher._next = launcher._next, None
     assert second is not None
     second.release()  # no job: it exits on its own
@@ -183,8 +189,58 @@ def test_a_failure_to_start_the_next_child_costs_the_current_one_nothing(zygote:
 
     monkeypatch.setattr(launcher, "_start_waiting", second_fails)
     child = launcher.waiting_candidate(None)
+    launcher.start_next(None)
     try:
         assert child.proc.poll() is None and launcher._next is None
     finally:
         child.discard()
         launcher.close()
+
+
+def test_the_next_child_is_started_once_this_one_has_its_job(zygote: Zygote) -> None:
+    """The next candidate's fork, scratch and context are made while this candidate runs, never
+    between its evaluation's start and its hand-over (its critical path)."""
+    from kpipe.gym.evaluation import evaluate
+
+    fixtures = Path(__file__).parent / "fixtures" / "gym"
+    events: list[str] = []
+
+    class Recording(ZygoteLauncher):
+        def waiting_candidate(self, lease: TimingLease | None) -> WaitingChild:
+            child = super().waiting_candidate(lease)
+            events.append(f"this call's child {child.proc.pid}")
+            hand_over = child.hand_over
+
+            def recorded(job_file: Path, timeout_s: float) -> None:
+                events.append("hand-over")
+                hand_over(job_file, timeout_s)
+
+            child.hand_over = recorded
+            return child
+
+        def start_next(self, lease: TimingLease | None) -> None:
+            super().start_next(lease)
+            events.append(f"next child {self._next.proc.pid if self._next else None}")
+
+    launcher = Recording(lambda: zygote, "cpu", PROTOCOL.to_dict())
+    reference, legit = ((fixtures / name).read_text() for name in ("relu_reference.py", "relu_legit.py"))
+    try:
+        for i in range(2):
+            assert evaluate(reference, f"{legit}\n# {i}\n", PROTOCOL, launch=launcher).status == "pass"
+    finally:
+        launcher.close()
+    first, second = (int(event.split()[-1]) for event in events if event.startswith("next child"))
+    assert [event.split(" child")[0] for event in events] == ["this call's", "hand-over", "next"] * 2
+    assert events[3] == f"this call's child {first}" and first != second  # the second call took the child started ahead
+    assert until(lambda: children_of(zygote.process.pid) == [], 10.0)
+
+
+def test_orphans_of_discarded_children_are_reaped_without_another_exit(zygote: Zygote) -> None:
+    """Kill started-ahead children (and with them their sandboxes' inits, reparented to the
+    zygote) with no other child exiting afterwards: the zygote is left with no child, not even a zombie."""
+    launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
+    for _ in range(6):
+        child = launcher.waiting_candidate(None)
+        assert until(lambda: len(descendants(zygote.process.pid)) == 3, 30.0)  # in its sandbox: waiter, init, candidate
+        child.discard()
+        assert until(lambda: children_of(zygote.process.pid) == [], 10.0), "the zygote kept a child or a zombie"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from kpipe.gym.compile_caches import process_caches
 from kpipe.gym.environment import child_environment
 from kpipe.gym.lease import ChildPauser, TimingLease
 from kpipe.gym.sandbox import require_confinement, sandbox_for
-from kpipe.infra.process import tied_to_this_process
+from kpipe.infra.process import kill_group, tied_to_this_process
 
 HEAD_BYTES = 2048
 TAIL_BYTES = 8192
@@ -95,13 +94,6 @@ def load_payload(path: Path) -> dict[str, Any] | None:
     return payload
 
 
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 Launcher = Callable[[Path, dict[str, str], float], tuple[Any, list[IO[bytes]]]]
 """Starts ``kpipe.gym.child`` on a job file (args: job file, the child's complete environment,
 timeout) in its own process group; returns a Popen-like process (poll, wait, pid, args,
@@ -142,7 +134,8 @@ def run_isolated(
     """
     trusted = job["role"] == "reference"
     lease_wait_bound = lease.max_wait_s if lease is not None else 0.0
-    waiting = launch.waiting_candidate(lease) if not trusted and isinstance(launch, PreparesCandidates) else None
+    preparer = launch if not trusted and isinstance(launch, PreparesCandidates) else None
+    waiting = preparer.waiting_candidate(lease) if preparer is not None else None
     scratch = waiting.scratch if waiting is not None else make_scratch(job["role"], job["device"])
     try:
         job = {
@@ -164,11 +157,12 @@ def run_isolated(
         raise
     try:
         start = time.monotonic()
-        if waiting is not None:
+        if preparer is not None and waiting is not None:
             proc, streams, pauser = waiting.proc, waiting.streams, waiting.pauser
             if pauser is not None:
                 pauser.restart_count()  # stopped while it waited for this job: nobody's time
             waiting.hand_over(job_file, timeout_s + 2 * lease_wait_bound)
+            preparer.start_next(lease)  # the next call's child, started while this one runs
         else:
             proc, streams = launch(job_file, scratch.env, timeout_s + 2 * lease_wait_bound)
             pauser = ChildPauser(proc.pid, lease) if lease is not None else None
@@ -208,7 +202,7 @@ def run_isolated(
             except subprocess.TimeoutExpired:
                 timed_out = True
             finally:
-                kill_group(proc)  # also reaps anything the child left behind in its group
+                kill_group(proc.pid)  # also reaps anything the child left behind in its group
                 proc.wait()  # a lease still held (a timeout) is released only after this
                 if pauser is not None:
                     pauser.finish()
@@ -285,7 +279,7 @@ class WaitingChild:
         self.release()
         if self.pauser is not None:
             self.pauser.finish()
-        kill_group(self.proc)
+        kill_group(self.proc.pid)
         self.proc.wait()
         for stream in self.streams:
             stream.close()
@@ -297,6 +291,8 @@ class PreparesCandidates(typing.Protocol):
     """A launcher that keeps a candidate child started ahead of its job."""
 
     def waiting_candidate(self, lease: TimingLease | None) -> WaitingChild: ...
+
+    def start_next(self, lease: TimingLease | None) -> None: ...
 
 
 def candidate_confinement(scratch: Path, env: dict[str, str]) -> dict[str, Any]:

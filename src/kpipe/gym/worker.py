@@ -25,8 +25,8 @@ from kpipe.gym.environment import worker_environment
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.sandbox import require_confinement
-from kpipe.infra.process import PR_SET_DUMPABLE, prctl
-from kpipe.gym.zygote import Zygote, ZygoteLauncher, kill_process_group
+from kpipe.infra.process import PR_SET_DUMPABLE, kill_group, prctl
+from kpipe.gym.zygote import Zygote, ZygoteLauncher
 
 WORKER_START_TIMEOUT_S = 300.0
 
@@ -143,7 +143,7 @@ class WorkerHandle:
         try:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
-            kill_process_group(self.process.pid)
+            kill_group(self.process.pid)
             self.process.wait()
 
 

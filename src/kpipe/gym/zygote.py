@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from kpipe.gym.lease import ChildPauser, TimingLease
-from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, kill_children, prctl
+from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, kill_children, kill_group, prctl
 
 if TYPE_CHECKING:  # kpipe.gym.isolate imports torch, which the worker imports only after starting its zygote
     from kpipe.gym.isolate import WaitingChild
@@ -66,15 +66,20 @@ def zygote_main(sock_fd: int) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":  # interpreter children never compile
         warm_triton_compiler()
     become_subreaper()  # a candidate that daemonises stays the zygote's to kill
+    # any child's exit wakes the loop (a byte on `wake`): an orphan reparented here is reaped when
+    # it ends, not at the next supervised child's exit
+    wake, woken = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(woken, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     sock = socket.socket(fileno=sock_fd)
     sock.sendall(b"ready")
     children: dict[int, Supervised] = {}
     try:
-        while serve_one_event(sock, children):
+        while serve_one_event(sock, children, wake):
             pass
     finally:
         for pid, child in children.items():
-            kill_process_group(pid)
+            kill_group(pid)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
             os.close(child.pidfd)
@@ -88,13 +93,18 @@ class Supervised:
     deadline: float  # time.monotonic(); inf while a child waits for its job
 
 
-def serve_one_event(sock: socket.socket, children: dict[int, Supervised]) -> bool:
-    """Wait for a request, a child's exit or a deadline, and handle it; False once the worker
-    is gone. A child past its deadline has its group killed (again each second until it exits)."""
+def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: int) -> bool:
+    """Wait for a request, a child's exit, a deadline or a byte on `wake` (SIGCHLD), and handle
+    it; False once the worker is gone. A child past its deadline has its group killed (again each
+    second until it exits); an orphan that ended here is reaped."""
     now = time.monotonic()
     soonest = min((child.deadline for child in children.values()), default=math.inf)
-    ready, _, _ = select.select([sock, *(child.pidfd for child in children.values())], [], [],
+    ready, _, _ = select.select([sock, wake, *(child.pidfd for child in children.values())], [], [],
                                 None if soonest == math.inf else max(soonest - now, 0.0))
+    if wake in ready:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(wake, 512):
+                pass
     if sock in ready:
         try:
             message, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, 3)
@@ -110,7 +120,8 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised]) -> boo
             zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
-                forked_child(rest, fds, [sock.fileno(), *(child.pidfd for child in children.values())], zygote)
+                signal.set_wakeup_fd(-1)
+                forked_child(rest, fds, [sock.fileno(), wake, *(child.pidfd for child in children.values())], zygote)
             for fd in fds:
                 os.close(fd)
             children[pid] = Supervised(os.pidfd_open(pid), time.monotonic() + float(first) + ZYGOTE_GRACE_S)
@@ -119,7 +130,7 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised]) -> boo
     for pid, child in list(children.items()):
         if child.pidfd in ready:
             _, status = os.waitpid(pid, 0)
-            kill_process_group(pid)  # whatever it left behind in its group
+            kill_group(pid)  # whatever it left behind in its group
             os.close(child.pidfd)
             del children[pid]
             # the zygote's only own children are those it supervises: the rest escaped their
@@ -128,9 +139,25 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised]) -> boo
             if not send(sock, f"exited {pid} {os.waitstatus_to_exitcode(status)}"):
                 return False
         elif time.monotonic() >= child.deadline:
-            kill_process_group(pid)
+            kill_group(pid)
             child.deadline = time.monotonic() + 1.0
+    reap_orphans(children)
     return True
+
+
+def reap_orphans(children: dict[int, Supervised]) -> None:
+    """Reap the ended children of the zygote that it does not supervise: orphans reparented to it
+    (a killed sandbox's init). Stops at a supervised child's exit, which its pidfd reports and
+    whose status is its worker's; the orphans behind it are reaped after it."""
+    while True:
+        try:
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if ended is None or ended.si_pid in children:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(ended.si_pid, 0)
 
 
 def send(sock: socket.socket, message: str) -> bool:
@@ -284,13 +311,6 @@ def wait_for_job(preparation: dict[str, Any], go: int) -> dict[str, Any] | None:
     return job
 
 
-def kill_process_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 class ZygoteDied(RuntimeError):
     """The fork server went away (a candidate can kill its parent): restart it."""
 
@@ -367,7 +387,7 @@ class Zygote:
                 return None
         if pid in self._exits:
             return self._exits.pop(pid)
-        kill_process_group(pid)  # orphaned by its zygote: kill what is left
+        kill_group(pid)  # orphaned by its zygote: kill what is left
         return -signal.SIGKILL
 
     def _receive(self, timeout: float | None) -> bool:
@@ -425,11 +445,11 @@ class ZygoteLauncher:
     (torch and triton already imported, CUDA untouched) instead of starting an interpreter;
     the child takes its environment from the job file (``run_isolated`` writes it there).
 
-    It also keeps one candidate child started ahead (``waiting_candidate``): confined in its
-    scratch, its CUDA context made, waiting for its job. Making a context takes a child 0.5 s on
-    an H200, 0.9 s when eight make theirs at once on one host
-    (docs/gpu-results/gym_scaling_2026-11-26d_4xH200.md); started while the previous candidate
-    runs, it costs the next one nothing. While it waits it is stopped with the others whenever a
+    It also keeps one candidate child started ahead (``start_next``, once the current candidate
+    has its job; ``waiting_candidate`` takes it): confined in its scratch, its CUDA context made,
+    waiting for its job. Making a context takes a child 0.5 s on an H200, 0.9 s when eight make
+    theirs at once on one host (docs/gpu-results/gym_scaling_2026-11-26d_4xH200.md); started
+    while the previous candidate runs, it costs the next one nothing. While it waits it is stopped with the others whenever a
     child times on its GPU (its pauser), so its start never runs beside a timed region."""
 
     def __init__(self, zygote_factory: Callable[[], Zygote], device: str, protocol: dict[str, Any]) -> None:
@@ -459,18 +479,22 @@ class ZygoteLauncher:
         return proc, [open(read_end, "rb") for read_end, _ in pipes], job_w
 
     def waiting_candidate(self, lease: TimingLease | None) -> WaitingChild:
-        """The candidate child started for this call (one started now if it is gone), and the
-        next call's started."""
+        """The candidate child started ahead for this call, or one started now if there is none
+        (the first call, a failed start) or it died waiting (its zygote killed)."""
         child, self._next = self._next, None
-        if child is None or child.proc.poll() is not None:
-            if child is not None:
-                child.discard()
-            child = self._start_waiting(lease)
-        try:
-            self._next = self._start_waiting(lease)
-        except ZygoteDied:  # this call's child is unharmed; the next call starts its own
-            self._next = None
-        return child
+        if child is not None and child.proc.poll() is None:
+            return child
+        if child is not None:
+            child.discard()
+        return self._start_waiting(lease)
+
+    def start_next(self, lease: TimingLease | None) -> None:
+        """Start the next call's child; called once this call's child has its job, so its fork,
+        scratch and context are made while that one runs, never on its path. A failure to start
+        costs the current child nothing: the next call starts its own."""
+        if self._next is None:
+            with contextlib.suppress(ZygoteDied):
+                self._next = self._start_waiting(lease)
 
     def _start_waiting(self, lease: TimingLease | None) -> WaitingChild:
         from kpipe.gym.isolate import WaitingChild, make_scratch

@@ -44,6 +44,14 @@ def become_subreaper() -> None:
     prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group led by `pid` (a child started in its own session), if any is left."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def kill_children(keep: Collection[int] = ()) -> None:
     """Kill every child of this process but those in `keep`, and reap the ones that are gone
     (without waiting: a child killed now is reaped by a later call, and the status of a child
