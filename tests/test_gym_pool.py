@@ -13,7 +13,7 @@ from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
 from kpipe.gym.cache import ResultCache
-from kpipe.gym.pool import MAX_ATTEMPTS, GymPool, JobQueue, WorkerState, default_slots
+from kpipe.gym.pool import MAX_ATTEMPTS, MAX_CPU_THREADS, GymPool, JobQueue, WorkerState, default_cpu_threads, default_slots
 from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.result import EvalResult
 from kpipe.gym.sandbox import OPT_OUT_VARIABLE
@@ -169,6 +169,13 @@ def test_slots_are_the_given_gpus_or_cpu_workers(monkeypatch: pytest.MonkeyPatch
     assert default_slots(1, ["1", "3"], per_gpu=1) == ["1"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert default_slots(2) == [None, None]
+
+
+def test_each_worker_gets_its_share_of_the_cores_up_to_the_cap() -> None:
+    assert default_cpu_threads(2, cores=16) == 8  # a 1x H200 host's two workers
+    assert default_cpu_threads(8, cores=64) == 8  # a 4x H200 host's eight
+    assert default_cpu_threads(2, cores=64) == MAX_CPU_THREADS == 16  # not 32 each: slower (pool.py)
+    assert default_cpu_threads(4, cores=2) == 1
 
 
 def queued(*references: str) -> list[Job]:

@@ -56,6 +56,13 @@ MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
 DEFAULT_WORKERS_PER_GPU = 2
 # a judge that does not answer within this much beyond the two child timeouts is hung
 WORKER_SLACK_S = 120.0
+# OMP threads of a worker and its children by default: the host's cores shared out between the
+# workers, but no more than this. On a 64-core 4x H200 host, one GPU with two workers did 29.4
+# evaluations/min with 32 threads each (every core), 37.4 with 16 and 36.4 with 8, in one pass of
+# 120 (correctness trials 1.79 -> 1.49 s, waits at the gate 0.48 -> 0.23 s, pool start 10.9 -> 7.5 s;
+# docs/gpu-results/gym_scaling_2026-11-27c_4xH200.md): a child's CPU work (digests, comparisons) is
+# small, and more threads cost more to wake than they save
+MAX_CPU_THREADS = 16
 
 
 @dataclass
@@ -88,6 +95,11 @@ def default_slots(workers: int | None, gpus: Sequence[str] | None = None, per_gp
     return [None] * (workers or max(1, (os.cpu_count() or 2) // 2))
 
 
+def default_cpu_threads(workers: int, cores: int | None = None) -> int:
+    """Each of `workers` workers' share of the host's `cores` (default: all), capped at ``MAX_CPU_THREADS``."""
+    return max(1, min(MAX_CPU_THREADS, (cores or os.cpu_count() or 1) // workers))
+
+
 class GymPool:
     """Evaluates (reference, candidate) pairs under one fixed protocol on a pool of workers.
 
@@ -105,7 +117,8 @@ class GymPool:
     re-timed next to each candidate.
 
     `cpu_threads`: each worker's (and its children's) ``OMP_NUM_THREADS``; by default the host's
-    cores shared out between the workers, so that their CPU work does not oversubscribe it.
+    cores shared out between the workers, so that their CPU work does not oversubscribe it, and at
+    most ``MAX_CPU_THREADS``.
     """
 
     def __init__(
@@ -126,7 +139,7 @@ class GymPool:
         self.reuse_reference = reuse_reference
         self.fork = fork
         slots = default_slots(workers, gpus, per_gpu)
-        self.cpu_threads = cpu_threads or max(1, (os.cpu_count() or 1) // len(slots))
+        self.cpu_threads = cpu_threads or default_cpu_threads(len(slots))
         self._queue = JobQueue(affinity=reuse_reference)
         self._lock = threading.Lock()
         self._started = threading.Condition(self._lock)
