@@ -84,6 +84,13 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
     rows = [{"status": r.status, "device_id": r.device_id, "timed_spans": r.timed_spans, "wall_s": r.wall_s} for r in results]
     phases: dict[str, list[float]] = defaultdict(list)  # where an evaluation's seconds went, mean over the run
     for record in records:
+        # the judge's side: its whole evaluation, the static screen, the candidate's run as the judge
+        # waits for it (setup, the child with its waits, clean-up) and the verdict after it; what
+        # the first has beyond the others and the reference is the judge's own overhead
+        phases["judge: evaluation, whole"].append(record.get("wall_s", 0.0))
+        phases["judge: static screen"].append(record.get("screen_s", 0.0))
+        phases["judge: candidate run, whole"].append(record.get("candidate_run_s", 0.0))
+        phases["judge: verdict after the child"].append(record.get("verdict_s", 0.0))
         phases["reference child"].append(record.get("reference_s", 0.0))
         phases["candidate: waiting for the timing lease"].append(record.get("candidate_lease_wait_s", 0.0))
         for name, phase_s in (record.get("candidate") or {}).get("phases", []):

@@ -244,3 +244,22 @@ def test_orphans_of_discarded_children_are_reaped_without_another_exit(zygote: Z
         assert until(lambda: len(descendants(zygote.process.pid)) == 3, 30.0)  # in its sandbox: waiter, init, candidate
         child.discard()
         assert until(lambda: children_of(zygote.process.pid) == [], 10.0), "the zygote kept a child or a zombie"
+
+
+def test_the_judges_trace_splits_its_evaluation(zygote: Zygote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """KPIPE_GYM_TRACE (benchmarks/gym_scaling.py's phases): the screen, the reference, the
+    candidate's whole run and the verdict after it are parts of the evaluation's wall time."""
+    from kpipe.gym.evaluation import evaluate
+
+    monkeypatch.setenv("KPIPE_GYM_TRACE", str(tmp_path / "trace.jsonl"))
+    fixtures = Path(__file__).parent / "fixtures" / "gym"
+    reference, legit = ((fixtures / name).read_text() for name in ("relu_reference.py", "relu_legit.py"))
+    launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
+    try:
+        assert evaluate(reference, legit, PROTOCOL, launch=launcher).status == "pass"
+    finally:
+        launcher.close()
+    [record] = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    parts = [record[name] for name in ("screen_s", "reference_s", "candidate_run_s", "verdict_s")]
+    assert all(part >= 0 for part in parts) and record["candidate_run_s"] >= record["candidate"]["wall_s"] > 0
+    assert sum(parts) <= record["wall_s"] < sum(parts) + 1.0, (parts, record["wall_s"])

@@ -441,12 +441,15 @@ def evaluate(
     }
 
     trace: dict[str, Any] = {"started_unix": time.time(), "reference": None, "candidate": None}
+    candidate_done: float | None = None
 
     def finish(status: str, profile: dict[str, Any] | None = None, **fields: Any) -> EvalResult:
         result = EvalResult(status=status, **base, **fields)
         result.correct = status == "pass"
         result.hacked = status == "hacked"
         result.wall_s = time.monotonic() - started
+        if candidate_done is not None:  # the judge's work after the child: the verdict's checks
+            trace["verdict_s"] = time.monotonic() - candidate_done
         result.feedback = build_feedback(result, profile, protocol.feedback_max_chars)
         result.redact()
         if os.environ.get(TRACE_VARIABLE):
@@ -495,7 +498,11 @@ def evaluate(
         "device": device,
         "recheck_below_ms": ref_for_recheck / protocol.recheck_speedup_above if ref_for_recheck else None,
     }
+    candidate_started = time.monotonic()
     run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease)
+    candidate_done = time.monotonic()
+    # the judge's whole candidate run: setup, the child (its waits included), clean-up
+    trace["candidate_run_s"] = candidate_done - candidate_started
     payload = run.payload
     trace["candidate"] = child_stats(payload, run.wall_s)
     trace["candidate_lease_wait_s"] = run.lease_wait_s
