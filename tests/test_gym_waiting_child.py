@@ -4,6 +4,7 @@ for, and ended without a trace when it is not needed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -263,3 +264,27 @@ def test_the_judges_trace_splits_its_evaluation(zygote: Zygote, tmp_path: Path, 
     parts = [record[name] for name in ("screen_s", "reference_s", "candidate_run_s", "verdict_s")]
     assert all(part >= 0 for part in parts) and record["candidate_run_s"] >= record["candidate"]["wall_s"] > 0
     assert sum(parts) <= record["wall_s"] < sum(parts) + 1.0, (parts, record["wall_s"])
+
+
+def test_a_child_holds_none_of_the_zygotes_own_descriptors(zygote: Zygote) -> None:
+    """The zygote's socket, its wake-up pipe and the other children's pidfds are closed in every
+    child before the candidate's code runs: a candidate cannot talk to, wake or watch its zygote."""
+
+    def targets(pid: int) -> set[str]:
+        found = set()
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            if int(fd.name) > 2:
+                with contextlib.suppress(OSError):
+                    found.add(os.readlink(fd))
+        return found
+
+    launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
+    child = launcher.waiting_candidate(None)
+    try:
+        assert until(lambda: len(descendants(zygote.process.pid)) == 3, 30.0)  # in its sandbox: waiter, init, candidate
+        own = {target for target in targets(zygote.process.pid) if target.startswith(("pipe:", "socket:"))}
+        assert any(target.startswith("pipe:") for target in own)  # the wake-up pipe
+        for pid in descendants(zygote.process.pid):
+            assert not targets(pid) & own, (pid, targets(pid) & own)
+    finally:
+        child.discard()

@@ -68,8 +68,8 @@ def zygote_main(sock_fd: int) -> None:
     become_subreaper()  # a candidate that daemonises stays the zygote's to kill
     # any child's exit wakes the loop (a byte on `wake`): an orphan reparented here is reaped when
     # it ends, not at the next supervised child's exit
-    wake, woken = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    signal.set_wakeup_fd(woken, warn_on_full_buffer=False)
+    wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # (read end, write end)
+    signal.set_wakeup_fd(wake[1], warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     sock = socket.socket(fileno=sock_fd)
     sock.sendall(b"ready")
@@ -93,17 +93,17 @@ class Supervised:
     deadline: float  # time.monotonic(); inf while a child waits for its job
 
 
-def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: int) -> bool:
-    """Wait for a request, a child's exit, a deadline or a byte on `wake` (SIGCHLD), and handle
+def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: tuple[int, int]) -> bool:
+    """Wait for a request, a child's exit, a deadline or a byte on the `wake` pipe (SIGCHLD), and handle
     it; False once the worker is gone. A child past its deadline has its group killed (again each
     second until it exits); an orphan that ended here is reaped."""
     now = time.monotonic()
     soonest = min((child.deadline for child in children.values()), default=math.inf)
-    ready, _, _ = select.select([sock, wake, *(child.pidfd for child in children.values())], [], [],
+    ready, _, _ = select.select([sock, wake[0], *(child.pidfd for child in children.values())], [], [],
                                 None if soonest == math.inf else max(soonest - now, 0.0))
-    if wake in ready:
+    if wake[0] in ready:
         with contextlib.suppress(BlockingIOError):
-            while os.read(wake, 512):
+            while os.read(wake[0], 512):
                 pass
     if sock in ready:
         try:
@@ -121,7 +121,7 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: 
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
-                forked_child(rest, fds, [sock.fileno(), wake, *(child.pidfd for child in children.values())], zygote)
+                forked_child(rest, fds, [sock.fileno(), *wake, *(child.pidfd for child in children.values())], zygote)
             for fd in fds:
                 os.close(fd)
             children[pid] = Supervised(os.pidfd_open(pid), time.monotonic() + float(first) + ZYGOTE_GRACE_S)
