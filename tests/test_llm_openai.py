@@ -46,7 +46,9 @@ def test_answers_in_order_with_token_and_cost_accounting():
 
 
 def test_retries_through_429_500_and_timeouts():
-    faults = FaultConfig(rate_429=0.3, rate_500=0.2, rate_delay=0.1, delay_s=1.0, seed=3)
+    # a delay far past the client's timeout: with 1.0 s against 0.4, a client whose event loop stalled
+    # 0.6 s (a loaded CI machine) found the delayed answer already there and took it (30 faults, 27 retries)
+    faults = FaultConfig(rate_429=0.3, rate_500=0.2, rate_delay=0.1, delay_s=3.0, seed=3)
     with BackgroundServer(make_app(Echo(), "echo", faults)) as server:
         engine = engine_for(server, timeout_s=0.4)
         out = engine.generate(requests(20))
