@@ -449,8 +449,9 @@ class ZygoteLauncher:
     has its job; ``waiting_candidate`` takes it): confined in its scratch, its CUDA context made,
     waiting for its job. Making a context takes a child 0.5 s on an H200, 0.9 s when eight make
     theirs at once on one host (docs/gpu-results/gym_scaling_2026-11-26d_4xH200.md); started
-    while the previous candidate runs, it costs the next one nothing. While it waits it is stopped with the others whenever a
-    child times on its GPU (its pauser), so its start never runs beside a timed region."""
+    while the previous candidate runs, it costs the next one nothing. While it waits it is
+    stopped with the others whenever a child times on its GPU (its pauser), so its start never
+    runs beside a timed region."""
 
     def __init__(self, zygote_factory: Callable[[], Zygote], device: str, protocol: dict[str, Any]) -> None:
         self.zygote_factory = zygote_factory
