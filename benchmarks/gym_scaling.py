@@ -93,7 +93,20 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
         phases["judge: verdict after the child"].append(record.get("verdict_s", 0.0))
         phases["reference child"].append(record.get("reference_s", 0.0))
         phases["candidate: waiting for the timing lease"].append(record.get("candidate_lease_wait_s", 0.0))
-        for name, phase_s in (record.get("candidate") or {}).get("phases", []):
+        # the judge's side of the candidate's run: before its child had the job, the child from then
+        # until its exit was seen (beyond its own phases: its start and exit), and after
+        phases["judge: candidate setup, to the hand-over"].append(record.get("candidate_setup_s", 0.0))
+        phases["judge: candidate clean-up, after the exit"].append(record.get("candidate_cleanup_s", 0.0))
+        candidate = record.get("candidate") or {}
+        if "candidate_child_s" in record:
+            phases["candidate: outside its phases (start, exit)"].append(
+                record["candidate_child_s"] - sum(phase_s for _, phase_s in candidate.get("phases", [])))
+        reference = record.get("reference") or {}
+        if reference.get("child_s") is not None:
+            phases["reference: outside its phases (setup, start, exit, clean-up)"].append(
+                reference["setup_s"] + reference["child_s"] + reference["cleanup_s"]
+                - sum(phase_s for _, phase_s in reference.get("phases", [])))
+        for name, phase_s in candidate.get("phases", []):
             phases[f"candidate: {name.split(' trial')[0]}"].append(phase_s)
     tasks = [{"task": pairs[i % len(pairs)]["task"], "status": r.status, "candidate_ms": r.candidate_ms, "speedup": r.speedup_eager,
               "eager_ms": r.eager_ms, "gpu_drift": r.gpu_drift, "why": "; ".join(r.hack_reasons) or r.diagnostic[:300]}
@@ -102,14 +115,17 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
             "reference_runs": sum(not record.get("reference_reused") for record in records), "seconds": seconds, "start_s": start_s,
             "statuses": sorted({r.status for r in results}), "timed_s_by_gpu": dict(timed), "tasks": tasks,
             "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
+            "worker_start_s": [w["start_s"] for w in workers], "worker_start_phases": [w["start_phases"] for w in workers],
             **worker_time(records, ready_unix, done_unix),
             "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {}}
 
 
 def worker_time(records: list[dict[str, Any]], ready_unix: float, done_unix: float) -> dict[str, float]:
     """Where the workers' time went between the pool being ready and the pass's last result: the
-    mean share a worker spent inside evaluations (its judge's trace), and how long the workers
-    sat idle at the end, waiting for the last evaluation of another (the pass's tail)."""
+    mean share a worker spent inside evaluations (its judge's trace), how long the workers sat
+    idle at the end, waiting for the last evaluation of another (the pass's tail), how late each
+    began its first evaluation (it joined the pool after the first worker), and the mean gap
+    between one evaluation's end and the next one's start on a worker (the pool's round trip)."""
     by_judge: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
         by_judge[record.get("judge_pid", 0)].append(record)
@@ -118,7 +134,13 @@ def worker_time(records: list[dict[str, Any]], ready_unix: float, done_unix: flo
     window = done_unix - ready_unix
     busy = [sum(r["wall_s"] for r in rs) / window for rs in by_judge.values()]
     tails = [done_unix - max(r["started_unix"] + r["wall_s"] for r in rs) for rs in by_judge.values()]
-    return {"busy_share": sum(busy) / len(busy), "tail_s_mean": sum(tails) / len(tails), "tail_s_max": max(tails)}
+    joins = [max(0.0, min(r["started_unix"] for r in rs) - ready_unix) for rs in by_judge.values()]
+    gaps = []
+    for rs in by_judge.values():
+        rs = sorted(rs, key=lambda r: r["started_unix"])
+        gaps += [b["started_unix"] - (a["started_unix"] + a["wall_s"]) for a, b in zip(rs, rs[1:])]
+    return {"busy_share": sum(busy) / len(busy), "tail_s_mean": sum(tails) / len(tails), "tail_s_max": max(tails),
+            "join_s_mean": sum(joins) / len(joins), "join_s_max": max(joins), "gap_s_mean": sum(gaps) / len(gaps) if gaps else 0.0}
 
 
 def per_task(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -173,12 +195,12 @@ def main() -> None:
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     runs: list[dict[str, Any]] = []
     lines = [f"References {'reused (run once per worker that judges the task)' if args.reuse_reference else 'run per evaluation'}.", "",
-             "| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | reference runs | timed s per GPU | workers busy | idle tail s (mean, max) | overlapping timed spans |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | reference runs | timed s per GPU | workers busy | idle tail s (mean, max) | first evaluation after the pool was ready, s (mean, max) | gap between evaluations s | overlapping timed spans |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if args.kb_spawn:
         kb = kb_spawn_rate(args.kb_spawn, args.anchors, args.shrink)
         rate = 60 * kb["evaluations"] / kb["seconds"]
-        lines.append(f"| KernelBench spawned | {kb['evaluations']} | {kb['seconds']:.0f} | {rate:.1f} | {rate:.1f} | | | {kb['evaluations']} | | | | |")
+        lines.append(f"| KernelBench spawned | {kb['evaluations']} | {kb['seconds']:.0f} | {rate:.1f} | {rate:.1f} | | | {kb['evaluations']} | | | | | | |")
         print(lines[-1], flush=True)
     for config in args.configs.split(","):
         config, _, evaluations = config.partition(":")
@@ -197,6 +219,7 @@ def main() -> None:
         lines.append(f"| {config} | {result['evaluations']} | {result['seconds']:.0f} ({result['start_s']:.1f}) | {rate:.1f} | "
                      f"{rate / result['gpus']:.1f} | {rate / base:.2f} | {result['done_by_worker']} | {result['reference_runs']} | {timed} | "
                      f"{fmt(result.get('busy_share'), '.0%')} | {fmt(result.get('tail_s_mean'), '.1f')}, {fmt(result.get('tail_s_max'), '.1f')} | "
+                     f"{fmt(result.get('join_s_mean'), '.1f')}, {fmt(result.get('join_s_max'), '.1f')} | {fmt(result.get('gap_s_mean'), '.3f')} | "
                      f"{result['overlapping_spans']} |")
         print(lines[-1], flush=True)
         if out:  # what is measured so far survives a cut-off run
@@ -205,6 +228,12 @@ def main() -> None:
     lines += ["", "Mean seconds per evaluation, by phase (the judge's trace):", "",
               "| phase | " + " | ".join(label(r) for r in runs) + " |", "|---|" + "---|" * len(runs)]
     lines += [f"| {name} | " + " | ".join(f"{r['mean_phase_s'].get(name, 0.0):.2f}" for r in runs) + " |" for name in names]
+    starts = list(dict.fromkeys(name for run in runs for phases in run.get("worker_start_phases", []) for name in phases))
+    lines += ["", "Worker start-up, seconds, mean (max) over the workers: the pool's wait from launch to ready, and its parts as the "
+              "worker measured them:", "", "| | " + " | ".join(label(r) for r in runs) + " |", "|---|" + "---|" * len(runs)]
+    lines.append("| launch to ready | " + " | ".join(mean_max([s for s in r.get("worker_start_s", []) if s is not None]) for r in runs) + " |")
+    lines += [f"| {name} | " + " | ".join(mean_max([p[name] for p in r.get("worker_start_phases", []) if name in p]) for r in runs) + " |"
+              for name in starts]
     tables = [per_task(run) for run in runs]
     lines += ["", "Per task: statuses / median candidate ms / spread of candidate ms (max/min over its runs) / median speedup "
               "(ratio to the first configuration's) / spread of speedups:", "",
@@ -224,6 +253,10 @@ def main() -> None:
 
 def label(run: dict[str, Any]) -> str:
     return f"{run['gpus']}x{run['per_gpu']}" + (f" ({run['cpu_threads']} threads)" if run.get("cpu_threads") else "")
+
+
+def mean_max(values: list[float]) -> str:
+    return f"{sum(values) / len(values):.2f} ({max(values):.2f})" if values else "-"
 
 
 def fmt(value: float | None, spec: str = ".3g") -> str:

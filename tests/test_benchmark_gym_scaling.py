@@ -1,5 +1,5 @@
 """The pure figures of benchmarks/gym_scaling.py: overlapping timed spans, and where the workers'
-time went (busy share, the pass's idle tail)."""
+time went (busy share, the pass's idle tail, late joins, gaps between evaluations)."""
 
 import importlib.util
 from pathlib import Path
@@ -25,6 +25,10 @@ def test_worker_time_is_the_busy_share_and_the_idle_tail_per_judge():
     assert figures["busy_share"] == pytest.approx((0.8 + 0.4) / 2)
     assert figures["tail_s_mean"] == pytest.approx((1.0 + 4.0) / 2)
     assert figures["tail_s_max"] == pytest.approx(4.0)
+    # judge 2 began 2 s after the pool was ready; judge 1 waited 1 s between its two evaluations
+    assert figures["join_s_mean"] == pytest.approx((0.0 + 2.0) / 2)
+    assert figures["join_s_max"] == pytest.approx(2.0)
+    assert figures["gap_s_mean"] == pytest.approx(1.0)
 
 
 def test_worker_time_without_records_reports_nothing():

@@ -147,7 +147,8 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
         why = "timed out" if run.timed_out else (run.payload or {}).get("error") or classify_exit(run.returncode or 0)[1]
         detail = (run.payload or {}).get("traceback", "") or run.stderr
         raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
-    run.payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s)
+    run.payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s, setup_s=run.setup_s,
+                                               child_s=run.child_s, cleanup_s=run.cleanup_s)
     if reuse:
         _reference_cache[cache_key] = (time.monotonic(), run.payload, run.result_bytes)
         _reference_cache.move_to_end(cache_key)
@@ -506,6 +507,7 @@ def evaluate(
     payload = run.payload
     trace["candidate"] = child_stats(payload, run.wall_s)
     trace["candidate_lease_wait_s"] = run.lease_wait_s
+    trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s)
     common: dict[str, Any] = {"findings": findings, "timed_spans": spans}
     if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
         common["device_id"] = str(payload.get("device_id", ""))[:200]

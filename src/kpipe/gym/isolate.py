@@ -76,6 +76,13 @@ class ChildRun:
     phase: str
     result_bytes: int = 0  # size of the result file (what keeping the payload costs, roughly)
     lease_wait_s: float = 0.0  # how long it waited at the gate for its device's timing lease
+    # the judge's side of the run (instrumentation, never judged): before the child had its job
+    # (scratch, job file, hand-over), from then until its exit was seen, and after (reading its
+    # result, removing its scratch); what the second has beyond the child's own phases is its
+    # start and exit (a CUDA context's teardown)
+    setup_s: float = 0.0
+    child_s: float = 0.0
+    cleanup_s: float = 0.0
 
 
 def load_payload(path: Path) -> dict[str, Any] | None:
@@ -132,6 +139,7 @@ def run_isolated(
     `launch` starts the process (the worker pool forks it from a warm zygote instead). Raises
     ``LeaseTimeout`` (the child killed) only when the lease never came free.
     """
+    entered = time.monotonic()
     trusted = job["role"] == "reference"
     lease_wait_bound = lease.max_wait_s if lease is not None else 0.0
     preparer = launch if not trusted and isinstance(launch, PreparesCandidates) else None
@@ -208,14 +216,19 @@ def run_isolated(
                     pauser.finish()
                 if trusted:
                     process_caches().seal()
-        wall_s = time.monotonic() - start
+        exited = time.monotonic()
+        wall_s = exited - start
         for capture in captures:
             capture.join(timeout=5)
             capture.stream.close()
         phase_file = scratch.path / "phase"
         result_file = scratch.path / "result.pt"
+        payload = None if timed_out else load_payload(result_file)
+        phase = phase_file.read_text() if phase_file.exists() else ""
+        result_bytes = result_file.stat().st_size if result_file.exists() else 0
+        shutil.rmtree(scratch.path, ignore_errors=True)
         return ChildRun(
-            payload=None if timed_out else load_payload(result_file),
+            payload=payload,
             partial=partial,
             returncode=proc.returncode,
             timed_out=timed_out,
@@ -223,9 +236,12 @@ def run_isolated(
             stdout=captures[0].text(),
             stderr=captures[1].text(),
             output_bytes=captures[0].total + captures[1].total,
-            phase=phase_file.read_text() if phase_file.exists() else "",
-            result_bytes=result_file.stat().st_size if result_file.exists() else 0,
+            phase=phase,
+            result_bytes=result_bytes,
             lease_wait_s=lease_wait_s,
+            setup_s=start - entered,
+            child_s=wall_s,
+            cleanup_s=time.monotonic() - exited,
         )
     finally:
         shutil.rmtree(scratch.path, ignore_errors=True)

@@ -80,6 +80,8 @@ class WorkerState:
     restarts: int = 0
     last_loss: str = ""
     alive: bool = False
+    start_s: float | None = None  # its last start: launch to ready, as the pool waited for it
+    start_phases: dict[str, float] = field(default_factory=dict)  # where that went, as the worker saw it
 
 
 def default_slots(workers: int | None, gpus: Sequence[str] | None = None, per_gpu: int | None = None) -> list[str | None]:
@@ -187,6 +189,7 @@ class GymPool:
         handle = WorkerHandle(state.gpu, self.protocol, self.reuse_reference, self.fork, self.cpu_threads)
         state.pid = handle.info["pid"]
         state.device_kind = handle.info["device_kind"]
+        state.start_s, state.start_phases = handle.start_s, handle.info.get("start_phases", {})
         state.alive = True
         return handle
 

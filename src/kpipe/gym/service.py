@@ -97,6 +97,8 @@ class Worker(BaseModel):
     restarts: int
     last_loss: str
     alive: bool
+    start_s: float | None = Field(description="its last start-up, launch to ready, in seconds")
+    start_phases: dict[str, float] = Field(description="where that start-up went, as the worker measured it")
     references: int = Field(description="task references its judge has run and reuses (the pool sends it their candidates first)")
 
 

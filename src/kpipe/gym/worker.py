@@ -14,10 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 
@@ -48,10 +50,14 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     ``(job_id, kind, payload)`` with kind ``ok`` (a result row), ``reference_error`` or
     ``worker_error`` (the judge itself raised: the pool treats it like a dead worker)."""
     prctl(PR_SET_DUMPABLE, 0)  # no process of the same user reads this judge's memory or /proc entries
+    marks = [("interpreter start", time.monotonic() - process_age_s())]
     # the zygote imports torch and triton in its own interpreter while this one does the same
     zygote: Zygote | None = Zygote(dict(os.environ)) if fork else None
+    marks.append(("interpreter, worker module, zygote launched", time.monotonic()))
     from kpipe.gym import evaluation
     from kpipe.gym.isolate import fresh_interpreter
+
+    marks.append(("judge's imports", time.monotonic()))
 
     conn = Connection(conn_fd)
     protocol = Protocol.from_json(protocol_json)
@@ -65,10 +71,15 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     info = {"pid": os.getpid(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES") or None, "fork": fork}
     try:
         info["confined"] = require_confinement()  # refuses to serve where candidates cannot be confined
+        marks.append(("confinement probe", time.monotonic()))
         device = evaluation.resolve_device(protocol)
         info["device_kind"] = evaluation.device_kind(device)
+        marks.append(("device", time.monotonic()))
         if fork:
             current_zygote().wait_ready()
+            marks.append(("zygote ready", time.monotonic()))
+        # where its start-up went (instrumentation: the pool shows it in /workers)
+        info["start_phases"] = {name: round(end - begin, 3) for (_, begin), (name, end) in zip(marks, marks[1:])}
     except Exception as exc:  # noqa: BLE001 - reported to the pool, which refuses to start
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
@@ -93,10 +104,17 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
         zygote.close()
 
 
+def process_age_s() -> float:
+    """Seconds since this process started (the kernel's start time, in clock ticks since boot)."""
+    ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+
+
 class WorkerHandle:
     """One worker process seen from the pool."""
 
     def __init__(self, gpu: str | None, protocol: Protocol, reuse_reference: bool, fork: bool, cpu_threads: int | None) -> None:
+        started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         command = [sys.executable, "-m", "kpipe.gym.worker", str(theirs.fileno()), protocol.to_json(),
                    "reuse" if reuse_reference else "fresh-reference", "fork" if fork else "spawn"]
@@ -117,6 +135,7 @@ class WorkerHandle:
             self.stop()
             raise RuntimeError(f"evaluation worker for GPU {gpu} could not start: {info}")
         self.info: dict[str, Any] = info
+        self.start_s = time.monotonic() - started
 
     def evaluate(self, job: Job, reply_timeout_s: float) -> tuple[str, Any]:
         """(kind, payload); kind ``lost`` when the worker died or hung (it is then stopped)."""
