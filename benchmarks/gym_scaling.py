@@ -98,9 +98,13 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
         phases["judge: candidate setup, to the hand-over"].append(record.get("candidate_setup_s", 0.0))
         phases["judge: candidate clean-up, after the exit"].append(record.get("candidate_cleanup_s", 0.0))
         candidate = record.get("candidate") or {}
-        if "candidate_child_s" in record:
-            phases["candidate: outside its phases (start, exit)"].append(
-                record["candidate_child_s"] - sum(phase_s for _, phase_s in candidate.get("phases", [])))
+        if "candidate_child_s" in record and "started_unix" in candidate:
+            # from the hand-over to its first phase (reading the job), and from its last phase to the
+            # exit the judge saw (writing the result, its CUDA context's teardown, the sandbox's exit)
+            before_first_phase_s = candidate["started_unix"] - record["candidate_handed_over_unix"]
+            phases["candidate: from the hand-over to its first phase"].append(before_first_phase_s)
+            phases["candidate: from its last phase to the exit seen"].append(
+                record["candidate_child_s"] - before_first_phase_s - sum(phase_s for _, phase_s in candidate.get("phases", [])))
         reference = record.get("reference") or {}
         if reference.get("child_s") is not None:
             phases["reference: outside its phases (setup, start, exit, clean-up)"].append(

@@ -382,7 +382,7 @@ def test_the_sandbox_grants_no_home_checkout_or_temporary_directory(tmp_path: Pa
 
 def test_opting_out_keeps_unconfined_results_apart_in_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     from kpipe.gym import Protocol
-    from kpipe.gym.evaluation import eval_key
+    from kpipe.gym.result import eval_key
 
     confined = eval_key("ref", "cand", Protocol(), "cpu")
     monkeypatch.setenv(OPT_OUT_VARIABLE, "1")

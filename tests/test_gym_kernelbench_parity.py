@@ -87,7 +87,7 @@ def test_copies_behave_like_fresh_seeded_constructions() -> None:
 def test_protocol_times_as_kernelbench_and_earlier_protocols_keep_their_meaning() -> None:
     """kgym-3 times KernelBench's region with cuBLAS's default workspace; a kgym-2 protocol
     (written before the timing fields existed) still means kgym-2's region, and keys apart."""
-    from kpipe.gym.evaluation import eval_key
+    from kpipe.gym.result import eval_key
 
     default = Protocol(baseline="eager")
     assert (default.timing_start, default.timing_end, default.cublas_workspace_config) == ("behind_flush", "call", "")

@@ -182,6 +182,20 @@ def queued(*references: str) -> list[Job]:
     return [Job(i, reference, f"candidate {i}", f"key {i}", Future()) for i, reference in enumerate(references)]
 
 
+def test_the_pools_own_work_imports_no_torch() -> None:
+    """The pool keys every job it is given and sends it with a reply timeout: a caller without
+    torch (``kpipe gym eval-batch``, the benchmarks) must not import it for either. It did, on
+    the first job: 3 s on an H200 host in which every worker sat idle with the batch queued."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from kpipe.gym import Protocol; from kpipe.gym.pool import GymPool\n"
+             "pool = GymPool.__new__(GymPool); pool.protocol, pool.device_kind = Protocol(), 'cpu'\n"
+             "assert len(pool.key('ref', 'cand')) == 64 and pool._reply_timeout() > 0\n"
+             "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", probe], check=True)
+
+
 def test_with_reuse_a_worker_takes_its_own_tasks_then_new_ones_then_the_oldest() -> None:
     """A one-pass batch cycling through tasks runs each task's reference about once per pool."""
     jobs = JobQueue(affinity=True)

@@ -18,7 +18,7 @@ from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
 from kpipe.gym.client import GymClient, GymServiceError
-from kpipe.gym.evaluation import eval_key
+from kpipe.gym.result import eval_key
 from kpipe.gym.pool import GymPool
 from kpipe.gym.service import create_app, is_loopback
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kpipe.gym.protocol import PROTOCOL_VERSION, Protocol
-from kpipe.gym.result import STATUSES, EvalResult
+from kpipe.gym.result import STATUSES, EvalResult, eval_key
 
 if TYPE_CHECKING:
-    from kpipe.gym.evaluation import ReferenceFailure, eval_key, evaluate
+    from kpipe.gym.evaluation import ReferenceFailure, evaluate
 
 __all__ = ["PROTOCOL_VERSION", "STATUSES", "EvalResult", "Protocol", "ReferenceFailure", "eval_key", "evaluate"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("evaluate", "eval_key", "ReferenceFailure"):
+    if name in ("evaluate", "ReferenceFailure"):
         from kpipe.gym import evaluation as module
 
         return getattr(module, name)

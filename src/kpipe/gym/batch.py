@@ -107,7 +107,7 @@ def eval_batch(
     command raises after every other job finished (and was cached), naming the rows; with
     ``skip`` those rows are left out of the output.
     """
-    from kpipe.gym.evaluation import eval_key
+    from kpipe.gym.result import eval_key
     from kpipe.gym.pool import GymPool
 
     if on_reference_error not in ON_REFERENCE_ERROR:

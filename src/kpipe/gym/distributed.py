@@ -145,7 +145,7 @@ class RayGym:
         self._recovering: dict[int, float] = {}  # slot of a lost actor -> when to probe it
 
     def key(self, reference: str, candidate: str) -> str:
-        from kpipe.gym.evaluation import eval_key
+        from kpipe.gym.result import eval_key
 
         return eval_key(reference, candidate, self.protocol, self.device_kind)
 

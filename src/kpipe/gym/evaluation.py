@@ -23,10 +23,9 @@ from kpipe.gym.compare import Comparison, Tolerance, compare_outputs
 from kpipe.gym.faults import classify_exit
 from kpipe.gym.feedback import build_feedback, clip
 from kpipe.gym.isolate import ChildRun, Launcher, fresh_interpreter, run_isolated
-from kpipe.gym.lease import TimingLease, device_lease, gpu_identity
+from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import EvalResult
-from kpipe.gym.sandbox import opted_out
+from kpipe.gym.result import EvalResult, eval_key
 from kpipe.gym.screen import screen
 from kpipe.gym.timing import PAIRED_CHUNK_TRIALS, interleaving
 
@@ -52,10 +51,6 @@ REGION_MIN_KERNEL_FRACTION = 0.8
 REFERENCE_CACHE_BYTES = 2 << 30
 # a reused reference run older than this is run again (its baseline timed anew)
 REFERENCE_MAX_AGE_S = 1800.0
-# how long a judge waits for its device's timing lease, in child timeouts: every holder
-# releases it within one (its child's deadline), so this many children would have to be
-# queued ahead on one device (kpipe.gym.pool runs at most a few workers per GPU)
-LEASE_MAX_WAIT_TIMEOUTS = 8
 # where the judging process appends one JSON line per evaluation: the seconds of each phase
 # (parent and children), memory. Instrumentation for benchmarks; children never see it
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
@@ -86,14 +81,6 @@ def speedup(reference_ms: float | None, candidate_ms: float | None) -> float | N
     if reference_ms is None or candidate_ms is None or candidate_ms <= 0:
         return None
     return reference_ms / candidate_ms
-
-
-def eval_key(reference_src: str, candidate_src: str, protocol: Protocol, device_kind: str) -> str:
-    """Content hash of everything that determines a result: the result cache's key. A result
-    of an unconfined candidate (the user's named opt-out) never stands in for a confined one."""
-    confinement = ["unconfined"] if opted_out() else []
-    blob = json.dumps([reference_src, candidate_src, protocol.to_json(), device_kind, *confinement])
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=1)
@@ -507,7 +494,8 @@ def evaluate(
     payload = run.payload
     trace["candidate"] = child_stats(payload, run.wall_s)
     trace["candidate_lease_wait_s"] = run.lease_wait_s
-    trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s)
+    trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s,
+                 candidate_handed_over_unix=run.handed_over_unix)
     common: dict[str, Any] = {"findings": findings, "timed_spans": spans}
     if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
         common["device_id"] = str(payload.get("device_id", ""))[:200]

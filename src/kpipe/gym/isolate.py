@@ -83,6 +83,7 @@ class ChildRun:
     setup_s: float = 0.0
     child_s: float = 0.0
     cleanup_s: float = 0.0
+    handed_over_unix: float = 0.0  # when the child had its job (its own stats say when it began)
 
 
 def load_payload(path: Path) -> dict[str, Any] | None:
@@ -164,7 +165,7 @@ def run_isolated(
         shutil.rmtree(scratch.path, ignore_errors=True)
         raise
     try:
-        start = time.monotonic()
+        start, handed_over_unix = time.monotonic(), time.time()
         if preparer is not None and waiting is not None:
             proc, streams, pauser = waiting.proc, waiting.streams, waiting.pauser
             if pauser is not None:
@@ -242,6 +243,7 @@ def run_isolated(
             setup_s=start - entered,
             child_s=wall_s,
             cleanup_s=time.monotonic() - exited,
+            handed_over_unix=handed_over_unix,
         )
     finally:
         shutil.rmtree(scratch.path, ignore_errors=True)

@@ -39,6 +39,10 @@ from pathlib import Path
 
 LEASE_DIR_VARIABLE = "KPIPE_GYM_LEASE_DIR"
 DEFAULT_LEASE_DIR = "/tmp/kpipe-gym-timing-leases"
+# how long a judge waits for its device's timing lease, in child timeouts: every holder
+# releases it within one (its child's deadline), so this many children would have to be
+# queued ahead on one device (kpipe.gym.pool runs at most a few workers per GPU)
+LEASE_MAX_WAIT_TIMEOUTS = 8
 POLL_S = 0.001
 # after taking the lease, before the child may time: the other judges (polling every POLL_S)
 # stop their children, and the GPU finishes what those had queued. 0.05, 0.1 and 0.25 s were

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult, reference_error
 from kpipe.gym.worker import Job, WorkerHandle
@@ -196,7 +197,7 @@ class GymPool:
     # ------------------------------------------------------------------ public API
 
     def key(self, reference: str, candidate: str) -> str:
-        from kpipe.gym.evaluation import eval_key
+        from kpipe.gym.result import eval_key
 
         return eval_key(reference, candidate, self.protocol, self.device_kind)
 
@@ -269,8 +270,6 @@ class GymPool:
 
     def _reply_timeout(self) -> float:
         """Both children's timeouts, each extended by its longest wait for the timing lease."""
-        from kpipe.gym.evaluation import LEASE_MAX_WAIT_TIMEOUTS
-
         return 2 * (1 + LEASE_MAX_WAIT_TIMEOUTS) * self.protocol.timeout_s + WORKER_SLACK_S
 
     def _serve_slot(self, state: WorkerState, handle: WorkerHandle | None) -> None:

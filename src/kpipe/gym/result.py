@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kpipe.gym.environment import redact_secrets
+from kpipe.gym.sandbox import opted_out
+
+if TYPE_CHECKING:
+    from kpipe.gym.protocol import Protocol
 
 # Every status an evaluation can end in. The GPU fault subclasses refine `runtime_error`
 # where the CUDA error says what happened, so feedback and statistics can tell them apart.
@@ -102,3 +107,13 @@ class EvalResult:
     @classmethod
     def from_row(cls, row: dict[str, Any]) -> EvalResult:
         return cls(**row)
+
+
+def eval_key(reference_src: str, candidate_src: str, protocol: Protocol, device_kind: str) -> str:
+    """Content hash of everything that determines a result: the result cache's key. A result
+    of an unconfined candidate (the user's named opt-out) never stands in for a confined one.
+    Here, not beside ``evaluate``: a pool keys every job it is given, and its caller need not
+    import torch for that (it cost the first ``submit`` of a one-pass batch 3 s on an H200 host)."""
+    confinement = ["unconfined"] if opted_out() else []
+    blob = json.dumps([reference_src, candidate_src, protocol.to_json(), device_kind, *confinement])
+    return hashlib.sha256(blob.encode()).hexdigest()

@@ -54,6 +54,7 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     # the zygote imports torch and triton in its own interpreter while this one does the same
     zygote: Zygote | None = Zygote(dict(os.environ)) if fork else None
     marks.append(("interpreter, worker module, zygote launched", time.monotonic()))
+    import triton  # noqa: F401 - every result names its version: imported here, while the zygote starts, not in the first evaluation
     from kpipe.gym import evaluation
     from kpipe.gym.isolate import fresh_interpreter
 
@@ -78,8 +79,11 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
         if fork:
             current_zygote().wait_ready()
             marks.append(("zygote ready", time.monotonic()))
-        # where its start-up went (instrumentation: the pool shows it in /workers)
+        # where its start-up went (instrumentation: the pool shows it in /workers), the zygote's
+        # own parts beside (they overlap the judge's)
         info["start_phases"] = {name: round(end - begin, 3) for (_, begin), (name, end) in zip(marks, marks[1:])}
+        if zygote is not None:
+            info["start_phases"].update({name: round(seconds, 3) for name, seconds in zygote.start_phases.items()})
     except Exception as exc:  # noqa: BLE001 - reported to the pool, which refuses to start
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return

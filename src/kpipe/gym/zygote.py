@@ -62,9 +62,13 @@ def zygote_main(sock_fd: int) -> None:
     worker goes away, every child's group is killed and the zygote exits.
     """
     prctl(PR_SET_DUMPABLE, 0)  # its children start non-dumpable too, until they enter their sandbox
+    started = time.monotonic()
     preload()
+    preloaded = time.monotonic()
     if os.environ.get("TRITON_INTERPRET") != "1":  # interpreter children never compile
         warm_triton_compiler()
+    # where its start went (instrumentation: the worker reports it with its own)
+    start_phases = {"zygote: imports": preloaded - started, "zygote: Triton compiler warm-up": time.monotonic() - preloaded}
     become_subreaper()  # a candidate that daemonises stays the zygote's to kill
     # any child's exit wakes the loop (a byte on `wake`): an orphan reparented here is reaped when
     # it ends, not at the next supervised child's exit
@@ -72,7 +76,7 @@ def zygote_main(sock_fd: int) -> None:
     signal.set_wakeup_fd(wake[1], warn_on_full_buffer=False)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     sock = socket.socket(fileno=sock_fd)
-    sock.sendall(b"ready")
+    sock.sendall(b"ready " + json.dumps(start_phases).encode())
     children: dict[int, Supervised] = {}
     try:
         while serve_one_event(sock, children, wake):
@@ -335,6 +339,7 @@ class Zygote:
         theirs.close()
         self.sock = ours
         self.ready = False
+        self.start_phases: dict[str, float] = {}  # its start-up's parts, once ready
         self.gone = False  # the zygote closed its end (it died, and its children with it)
         self._started: list[int] = []
         self._exits: dict[int, int] = {}
@@ -347,10 +352,12 @@ class Zygote:
             message = self.sock.recv(MESSAGE_BYTES)
         except OSError as exc:
             raise ZygoteDied(f"the fork server failed to start ({exc})") from None
-        if message != b"ready":
+        word, _, phases = message.partition(b" ")
+        if word != b"ready":
             raise ZygoteDied(f"the fork server failed to start (exit code {self.process.poll()})")
         self.sock.settimeout(None)
         self.ready = True
+        self.start_phases = json.loads(phases or b"{}")
 
     def alive(self) -> bool:
         return self.process.poll() is None and not self.gone
