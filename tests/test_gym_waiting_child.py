@@ -288,3 +288,38 @@ def test_a_child_holds_none_of_the_zygotes_own_descriptors(zygote: Zygote) -> No
             assert not targets(pid) & own, (pid, targets(pid) & own)
     finally:
         child.discard()
+
+
+def modules_in_a_child(zygote: Zygote, job_file: Path, report: Path) -> list[str]:
+    """Fork a child of `zygote` on `job_file`, whose reference writes to `report` which of the
+    zygote's deferred modules it was forked with, and read them."""
+    streams = [os.pipe(), os.pipe()]
+    child = zygote.spawn(job_file, streams[0][1], streams[1][1], 60.0)
+    for read_end, write_end in streams:
+        os.close(write_end)
+        os.close(read_end)
+    assert child.wait(60) == 0
+    return json.loads(report.read_text())
+
+
+def test_the_zygote_is_ready_before_the_candidates_preload_and_does_it_after_its_first_fork(tmp_path: Path) -> None:
+    """A worker's first child is its first evaluation's reference, which needs none of
+    CANDIDATE_PRELOAD (torch._dynamo alone was 40 % of a zygote's start on an H200 host): the
+    zygote says it is ready without them and imports them after that fork, between requests."""
+    from kpipe.gym.zygote import CANDIDATE_PRELOAD
+
+    report = tmp_path / "modules.json"
+    probe = (f"import json, os, sys\nopen({str(report)!r}, 'w').write(json.dumps([m for m in {list(CANDIDATE_PRELOAD)!r} "
+             "if m in sys.modules]))\nos._exit(0)\n")
+    job = {"role": "reference", "reference_src": probe, "protocol": PROTOCOL.to_dict(), "device": "cpu",
+           "workdir": str(tmp_path), "result_path": str(tmp_path / "result.pt"), "environment": dict(os.environ)}
+    job_file = tmp_path / "job.json"
+    job_file.write_text(json.dumps(job))
+    zygote = Zygote(dict(os.environ))
+    try:
+        zygote.wait_ready()
+        assert list(zygote.start_phases) == ["zygote: imports"]
+        assert modules_in_a_child(zygote, job_file, report) == []  # forked at once: the first fork comes first
+        assert until(lambda: modules_in_a_child(zygote, job_file, report) == list(CANDIDATE_PRELOAD), timeout_s=120)
+    finally:
+        zygote.close()

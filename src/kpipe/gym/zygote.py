@@ -11,6 +11,7 @@ a subreaper: whatever a candidate leaves behind is reparented to it and killed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,9 +36,15 @@ from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, kill_children
 if TYPE_CHECKING:  # kpipe.gym.isolate imports torch, which the worker imports only after starting its zygote
     from kpipe.gym.isolate import WaitingChild
 
-# what every child would otherwise import itself (torch._dynamo and the profiler alone cost
-# a child about a second: kpipe.gym.child.prime_lazy_state imports them); none touches CUDA
-PRELOAD = ("torch", "torch._dynamo", "torch.profiler", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
+# what every child would otherwise import itself; none touches CUDA. PRELOAD before the zygote
+# says it is ready: what a reference child needs, and a worker's first child is its first
+# evaluation's reference run
+PRELOAD = ("torch", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
+# what only candidate children need (kpipe.gym.child.prime_lazy_state imports it: about a second
+# of a child's start; torch imports its profiler itself), imported after the zygote is ready,
+# between its requests (``deferred_preload``): it was 40 % of a zygote's imports, and those 7.7-8.4 s
+# on a 4x H200 host were the pool's start (docs/gpu-results/gym_scaling_2026-11-27e_4xH200.md)
+CANDIDATE_PRELOAD = ("torch._dynamo",)
 # what Triton imports at a process's first kernel launch (its argument specialiser asks for gluon's
 # types): 0.26 s of every child's first launch with Triton 3.8, a third of an interpreter
 # evaluation's time; imported where this Triton has them (the set moves between releases)
@@ -45,6 +52,8 @@ LAUNCH_PRELOAD = ("triton.compiler.code_generator", "triton.language.extra.libde
                   "triton.experimental.gluon.nvidia.hopper", "triton.experimental.gluon.amd.gfx1250")
 
 ZYGOTE_START_TIMEOUT_S = 300.0
+# the deferred preload begins at the zygote's first fork, or after this long without one
+DEFERRED_PRELOAD_IDLE_S = 1.0
 
 ZYGOTE_GRACE_S = 30.0  # the zygote's own backstop beyond the worker's timeout
 
@@ -63,12 +72,9 @@ def zygote_main(sock_fd: int) -> None:
     """
     prctl(PR_SET_DUMPABLE, 0)  # its children start non-dumpable too, until they enter their sandbox
     started = time.monotonic()
-    preload()
-    preloaded = time.monotonic()
-    if os.environ.get("TRITON_INTERPRET") != "1":  # interpreter children never compile
-        warm_triton_compiler()
-    # where its start went (instrumentation: the worker reports it with its own)
-    start_phases = {"zygote: imports": preloaded - started, "zygote: Triton compiler warm-up": time.monotonic() - preloaded}
+    import_modules(PRELOAD)
+    start_phases = {"zygote: imports": time.monotonic() - started}  # instrumentation: the worker reports it
+    deferred = deferred_preload()
     become_subreaper()  # a candidate that daemonises stays the zygote's to kill
     # any child's exit wakes the loop (a byte on `wake`): an orphan reparented here is reaped when
     # it ends, not at the next supervised child's exit
@@ -78,9 +84,18 @@ def zygote_main(sock_fd: int) -> None:
     sock = socket.socket(fileno=sock_fd)
     sock.sendall(b"ready " + json.dumps(start_phases).encode())
     children: dict[int, Supervised] = {}
+    # the rest of the preload, a step at a time between requests, from the first fork on (that
+    # child, the first evaluation's reference, needs none of it) or once the zygote is idle
+    begin_deferred = time.monotonic() + DEFERRED_PRELOAD_IDLE_S
     try:
-        while serve_one_event(sock, children, wake):
-            pass
+        while True:
+            due = bool(deferred) and (bool(children) or time.monotonic() >= begin_deferred)
+            idle_s = None if not deferred else 0.0 if due else max(begin_deferred - time.monotonic(), 0.0)
+            if not serve_one_event(sock, children, wake, idle_s):
+                break
+            if deferred and (children or time.monotonic() >= begin_deferred):
+                begin_deferred = -math.inf  # begun: it goes on whether or not a child runs
+                deferred.pop(0)()
     finally:
         for pid, child in children.items():
             kill_group(pid)
@@ -97,14 +112,16 @@ class Supervised:
     deadline: float  # time.monotonic(); inf while a child waits for its job
 
 
-def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: tuple[int, int]) -> bool:
-    """Wait for a request, a child's exit, a deadline or a byte on the `wake` pipe (SIGCHLD), and handle
-    it; False once the worker is gone. A child past its deadline has its group killed (again each
-    second until it exits); an orphan that ended here is reaped."""
+def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: tuple[int, int], idle_s: float | None = None) -> bool:
+    """Wait for a request, a child's exit, a deadline or a byte on the `wake` pipe (SIGCHLD), at most
+    `idle_s` (None: no limit), and handle it; False once the worker is gone. A child past its
+    deadline has its group killed (again each second until it exits); an orphan that ended here is
+    reaped."""
     now = time.monotonic()
     soonest = min((child.deadline for child in children.values()), default=math.inf)
+    wait_s = min(max(soonest - now, 0.0), math.inf if idle_s is None else idle_s)
     ready, _, _ = select.select([sock, wake[0], *(child.pidfd for child in children.values())], [], [],
-                                None if soonest == math.inf else max(soonest - now, 0.0))
+                                None if wait_s == math.inf else wait_s)
     if wake[0] in ready:
         with contextlib.suppress(BlockingIOError):
             while os.read(wake[0], 512):
@@ -172,16 +189,34 @@ def send(sock: socket.socket, message: str) -> bool:
     return True
 
 
-def preload(launch_time: bool = True) -> None:
-    """Import what every child would otherwise import itself: ``PRELOAD``, and with `launch_time`
-    the ``LAUNCH_PRELOAD`` modules this Triton has."""
+def import_modules(names: Iterable[str], if_present: bool = False) -> None:
+    """Import `names`; with `if_present`, those this installation has."""
     import importlib
 
-    for name in PRELOAD:
-        importlib.import_module(name)
-    for name in LAUNCH_PRELOAD if launch_time else ():
-        with contextlib.suppress(ModuleNotFoundError):
+    for name in names:
+        try:
             importlib.import_module(name)
+        except ModuleNotFoundError:
+            if not if_present:
+                raise
+
+
+def preload(launch_time: bool = True) -> None:
+    """Import what every child would otherwise import itself, at once: ``PRELOAD``,
+    ``CANDIDATE_PRELOAD``, and with `launch_time` the ``LAUNCH_PRELOAD`` modules this Triton has."""
+    import_modules(PRELOAD + CANDIDATE_PRELOAD)
+    import_modules(LAUNCH_PRELOAD if launch_time else (), if_present=True)
+
+
+def deferred_preload() -> list[Callable[[], object]]:
+    """The zygote's preload after it is ready, a step each, the short ones first (a request waits
+    for the step under way): the ``LAUNCH_PRELOAD`` modules this Triton has, the compiler's warm-up
+    (where children compile), then ``CANDIDATE_PRELOAD``."""
+    steps: list[Callable[[], object]] = [functools.partial(import_modules, LAUNCH_PRELOAD, if_present=True)]
+    if os.environ.get("TRITON_INTERPRET") != "1":  # interpreter children never compile
+        steps.append(warm_triton_compiler)
+    steps += [functools.partial(import_modules, [name]) for name in CANDIDATE_PRELOAD]
+    return steps
 
 
 def warm_triton_compiler() -> bool:
