@@ -43,7 +43,7 @@ PRELOAD = ("torch", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.i
 # what only candidate children need (kpipe.gym.child.prime_lazy_state imports it: about a second
 # of a child's start; torch imports its profiler itself), imported after the zygote is ready,
 # between its requests (``deferred_preload``): it was 40 % of a zygote's imports, and those 7.7-8.4 s
-# on a 4x H200 host were the pool's start (docs/gpu-results/gym_scaling_2026-11-27e_4xH200.md)
+# on a 4x H200 host were the pool's start (docs/gpu-results/gym_scaling_2026-11-27f_4xH200.md)
 CANDIDATE_PRELOAD = ("torch._dynamo",)
 # what Triton imports at a process's first kernel launch (its argument specialiser asks for gluon's
 # types): 0.26 s of every child's first launch with Triton 3.8, a third of an interpreter
