@@ -19,7 +19,8 @@ Per run: evaluations/min with the pool's start, the start itself (until the firs
 ready), per GPU the seconds its timed regions took against the run's wall time (the GPU's share
 spent timing), the mean seconds of each phase, the recorded timed spans (no two may overlap on one
 GPU) and per task the spread (max/min) of its candidate times and its median speedup, compared
-with the first configuration's. Writes $OUT/gym_scaling.md (+ .json) when $OUT is set.
+with the first configuration's. Writes $OUT/gym_scaling.md (+ .json, and each configuration's trace
+records, gym_scaling_trace_CONFIG.jsonl) when $OUT is set.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
             "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
             "worker_start_s": [w["start_s"] for w in workers], "worker_start_phases": [w["start_phases"] for w in workers],
             **worker_time(records, ready_unix, done_unix),
-            "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {}}
+            "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {},
+            "records": records}
 
 
 def worker_time(records: list[dict[str, Any]], ready_unix: float, done_unix: float) -> dict[str, float]:
@@ -216,6 +218,9 @@ def main() -> None:
         if run.returncode != 0:
             raise SystemExit(f"the {config} run failed:\n{run.stderr[-3000:]}")
         result = json.loads(run.stdout.strip().splitlines()[-1])
+        records = result.pop("records")
+        if out:  # every evaluation's trace record, for what the means do not show
+            (out / f"gym_scaling_trace_{config}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         runs.append(result)
         rate = 60 * result["evaluations"] / result["seconds"]
         base = 60 * runs[0]["evaluations"] / runs[0]["seconds"]
