@@ -1,10 +1,13 @@
 """End-to-end KernelGym evaluations on the CPU (Triton interpreter): legit kernels pass,
 hacks are caught with the right status and reason, faults are classified and the caller
-survives. Each evaluation spawns child processes, so trial counts are tiny."""
+survives. Each evaluation runs child processes (forked from a warm zygote, as a pool's are, but
+where a test says otherwise), so trial counts are tiny."""
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from click.testing import CliRunner
 
 from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol, evaluate
+from kpipe.gym.zygote import Zygote, ZygoteLauncher
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 FAST = Protocol(correct_trials=2, perf_trials=2, warmup=0, baseline="eager", timeout_s=60, memory_limit_mb=6000)
@@ -29,12 +33,52 @@ def kernelbench(level: int, problem_id: int, cap: int = 48) -> str:
     return shrink_sizes(problem.code, cap)
 
 
-def run(candidate: str, protocol: Protocol = FAST, reference: str = RELU_REFERENCE):
-    return evaluate(reference, candidate, protocol, reuse_reference=True)
+class Launchers:
+    """One warm zygote, and a launcher on it per protocol (a child started ahead is prepared for its protocol)."""
+
+    def __init__(self) -> None:
+        self.zygote = Zygote(dict(os.environ))
+        self.by_protocol: dict[str, ZygoteLauncher] = {}
+
+    def __call__(self, protocol: Protocol) -> ZygoteLauncher:
+        key = protocol.to_json()
+        if key not in self.by_protocol:
+            self.by_protocol[key] = ZygoteLauncher(lambda: self.zygote, "cpu", protocol.to_dict())
+        return self.by_protocol[key]
+
+    def close(self) -> None:
+        for launcher in self.by_protocol.values():
+            launcher.close()
+        self.zygote.close()
+
+
+launchers: Launchers | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_zygote() -> Iterator[None]:
+    """Evaluations here fork their children from one warm zygote, as every pool worker does: on 2
+    cores an evaluation's two fresh interpreters cost it seconds each. The fresh-interpreter path
+    (`evaluate`'s default) keeps the tests that call it without `launch` (its own start, the
+    environment read at each launch); tests/test_gym_pool.py checks both paths give the same results."""
+    global launchers
+    launchers = Launchers()
+    yield
+    launchers.close()
+    launchers = None
+
+
+def run(candidate: str, protocol: Protocol = FAST, reference: str = RELU_REFERENCE, fresh: bool = False):
+    """`candidate` judged against `reference`, its children forked from the zygote (or, `fresh`,
+    each a new interpreter)."""
+    if fresh:
+        return evaluate(reference, candidate, protocol, reuse_reference=True)
+    assert launchers is not None
+    return evaluate(reference, candidate, protocol, reuse_reference=True, launch=launchers(protocol))
 
 
 def test_legit_kernel_passes_with_timings_profile_and_feedback():
-    result = run(fixture("relu_legit.py"))
+    result = run(fixture("relu_legit.py"), fresh=True)
     assert result.status == "pass", result.diagnostic
     assert result.correct and not result.hacked and result.hack_reasons == []
     assert result.launched_kernels == ["relu_kernel"]
@@ -66,7 +110,7 @@ def test_bank_solutions_on_shrunk_kernelbench_tasks():
     if not chosen:
         pytest.skip("the bank has no L1_19 / L2_76 solutions yet")
     for solution in chosen:
-        result = evaluate(kernelbench(solution.level, solution.problem_id), solution.source, FAST, reuse_reference=True)
+        result = run(solution.source, reference=kernelbench(solution.level, solution.problem_id))
         assert result.status == solution.expected_status, (solution.key, result.diagnostic)
 
 
@@ -130,7 +174,7 @@ def test_zeros_on_a_tiny_output_task_fail():
 def test_candidate_cannot_read_api_keys(monkeypatch):
     monkeypatch.setenv("KPIPE_TEST_API_KEY", "sk-must-not-leak")
     monkeypatch.setenv("OPENAI_API_KEY", "sk-must-not-leak-either")
-    result = run(fixture("hacks/read_secret.py"), RUNTIME_ONLY)
+    result = run(fixture("hacks/read_secret.py"), RUNTIME_ONLY, fresh=True)  # reads the environment at launch
     assert result.status == "runtime_error"
     assert "secret=<absent>" in result.diagnostic
     assert "sk-must-not-leak" not in result.diagnostic + result.feedback
@@ -166,8 +210,8 @@ def test_a_failure_names_the_phase_it_happened_in():
 
 
 def test_infinite_loop_times_out():
-    # the timeout counts from the fresh interpreter's start: on 2 cores shared with the suite's other
-    # worker and a DAG run, it was still importing torch._dynamo ("prepare") at 8 s
+    # the timeout counts from the child's job (a fresh interpreter's start: on 2 cores shared with the
+    # suite's other worker and a DAG run, one was still importing torch._dynamo at 8 s)
     protocol = Protocol.from_dict({**RUNTIME_ONLY.to_dict(), "timeout_s": 15})
     result = run(fixture("faults/infinite_loop.py"), protocol)
     assert result.status == "timeout" and "correctness trial 0" in result.diagnostic
