@@ -41,9 +41,10 @@ if TYPE_CHECKING:  # kpipe.gym.isolate imports torch, which the worker imports o
 # evaluation's reference run
 PRELOAD = ("torch", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
 # what only candidate children need (kpipe.gym.child.prime_lazy_state imports it: about a second
-# of a child's start; torch imports its profiler itself), imported after the zygote is ready,
-# between its requests (``deferred_preload``): it was 40 % of a zygote's imports, and those 7.7-8.4 s
-# on a 4x H200 host were the pool's start (docs/gpu-results/gym_scaling_2026-11-27f_4xH200.md)
+# of a child's start; torch imports its profiler itself). A zygote whose children compile for a GPU
+# imports it after it is ready, beside its first child (``deferred_preload``): it was 40 % of a
+# zygote's imports, and those 7.7-8.4 s on a 4x H200 host were the pool's start
+# (docs/gpu-results/gym_scaling_2026-11-27f_4xH200.md)
 CANDIDATE_PRELOAD = ("torch._dynamo",)
 # what Triton imports at a process's first kernel launch (its argument specialiser asks for gluon's
 # types): 0.26 s of every child's first launch with Triton 3.8, a third of an interpreter
@@ -75,6 +76,13 @@ def zygote_main(sock_fd: int) -> None:
     import_modules(PRELOAD)
     start_phases = {"zygote: imports": time.monotonic() - started}  # instrumentation: the worker reports it
     deferred = deferred_preload()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # children timed on the host's own clock (the interpreter on a CPU): nothing of the
+        # zygote's runs beside them, and a host of few cores has none to spare for it
+        started = time.monotonic()
+        while deferred:
+            deferred.pop(0)()
+        start_phases["zygote: candidates' preload"] = time.monotonic() - started
     become_subreaper()  # a candidate that daemonises stays the zygote's to kill
     # any child's exit wakes the loop (a byte on `wake`): an orphan reparented here is reaped when
     # it ends, not at the next supervised child's exit
@@ -85,15 +93,19 @@ def zygote_main(sock_fd: int) -> None:
     sock.sendall(b"ready " + json.dumps(start_phases).encode())
     children: dict[int, Supervised] = {}
     # the rest of the preload, a step at a time between requests, from the first fork on (that
-    # child, the first evaluation's reference, needs none of it) or once the zygote is idle
+    # child, the first evaluation's reference, needs none of it) or once the zygote is idle; what
+    # is left when the next child is asked for is done before its fork (serve_one_event): no
+    # candidate's child lacks it, and no step runs beside one
     begin_deferred = time.monotonic() + DEFERRED_PRELOAD_IDLE_S
+    forked = False
     try:
         while True:
-            due = bool(deferred) and (bool(children) or time.monotonic() >= begin_deferred)
+            due = bool(deferred) and (forked or time.monotonic() >= begin_deferred)
             idle_s = None if not deferred else 0.0 if due else max(begin_deferred - time.monotonic(), 0.0)
-            if not serve_one_event(sock, children, wake, idle_s):
+            if not serve_one_event(sock, children, wake, idle_s, deferred if forked else None):
                 break
-            if deferred and (children or time.monotonic() >= begin_deferred):
+            forked = forked or bool(children)
+            if deferred and (forked or time.monotonic() >= begin_deferred):
                 begin_deferred = -math.inf  # begun: it goes on whether or not a child runs
                 deferred.pop(0)()
     finally:
@@ -112,11 +124,13 @@ class Supervised:
     deadline: float  # time.monotonic(); inf while a child waits for its job
 
 
-def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: tuple[int, int], idle_s: float | None = None) -> bool:
+def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: tuple[int, int], idle_s: float | None = None,
+                    finish_first: list[Callable[[], object]] | None = None) -> bool:
     """Wait for a request, a child's exit, a deadline or a byte on the `wake` pipe (SIGCHLD), at most
     `idle_s` (None: no limit), and handle it; False once the worker is gone. A child past its
     deadline has its group killed (again each second until it exits); an orphan that ended here is
-    reaped."""
+    reaped. Before a fork, the `finish_first` preload steps left are taken: the child has them,
+    and none runs beside it."""
     now = time.monotonic()
     soonest = min((child.deadline for child in children.values()), default=math.inf)
     wait_s = min(max(soonest - now, 0.0), math.inf if idle_s is None else idle_s)
@@ -138,6 +152,8 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: 
             if int(first) in children:
                 children[int(first)].deadline = time.monotonic() + float(rest) + ZYGOTE_GRACE_S
         else:
+            while finish_first:
+                finish_first.pop(0)()
             zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
