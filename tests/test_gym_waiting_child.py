@@ -325,7 +325,8 @@ def test_a_gpu_zygote_is_ready_before_the_candidates_preload_and_has_it_for_ever
     child; every later child (the first candidate's next) is forked with all of it."""
     from kpipe.gym.zygote import CANDIDATE_PRELOAD
 
-    zygote = Zygote({**os.environ, "TRITON_INTERPRET": "0"})  # as on a GPU (the compiler's warm-up runs on the host)
+    # as on a GPU (the compiler's warm-up runs on the host), its scratch in the test's directory
+    zygote = Zygote({**os.environ, "TRITON_INTERPRET": "0", "TMPDIR": str(tmp_path)})
     try:
         zygote.wait_ready()
         assert list(zygote.start_phases) == ["zygote: imports"]

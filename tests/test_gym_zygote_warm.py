@@ -19,7 +19,9 @@ def run_fresh(body: str, directory: Path) -> None:
     Triton compiles (TRITON_INTERPRET=0); its assertions are this test's."""
     script = directory / "check.py"
     script.write_text(textwrap.dedent(body))
-    done = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "0"},
+    scratch = directory / "tmp"  # its own temporary directory: another test's zygote warms its compiler meanwhile
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, str(script)], env={**os.environ, "TRITON_INTERPRET": "0", "TMPDIR": str(scratch)},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
