@@ -245,8 +245,9 @@ def run_isolated(
             cleanup_s=time.monotonic() - exited,
             handed_over_unix=handed_over_unix,
         )
-    finally:
+    except BaseException:  # the scratch is removed above on the way out; here on every other
         shutil.rmtree(scratch.path, ignore_errors=True)
+        raise
 
 
 @dataclass

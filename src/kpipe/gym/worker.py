@@ -19,7 +19,6 @@ import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 
@@ -27,7 +26,7 @@ from kpipe.gym.environment import worker_environment
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.sandbox import require_confinement
-from kpipe.infra.process import PR_SET_DUMPABLE, kill_group, prctl
+from kpipe.infra.process import PR_SET_DUMPABLE, kill_group, prctl, process_age
 from kpipe.gym.zygote import Zygote, ZygoteLauncher
 
 WORKER_START_TIMEOUT_S = 300.0
@@ -50,7 +49,7 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     ``(job_id, kind, payload)`` with kind ``ok`` (a result row), ``reference_error`` or
     ``worker_error`` (the judge itself raised: the pool treats it like a dead worker)."""
     prctl(PR_SET_DUMPABLE, 0)  # no process of the same user reads this judge's memory or /proc entries
-    marks = [("interpreter start", time.monotonic() - process_age_s())]
+    marks = [("interpreter start", time.monotonic() - (process_age(os.getpid()) or 0.0))]
     # the zygote imports torch and triton in its own interpreter while this one does the same
     zygote: Zygote | None = Zygote(dict(os.environ)) if fork else None
     marks.append(("interpreter, worker module, zygote launched", time.monotonic()))
@@ -106,12 +105,6 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
         launch.close()
     if zygote is not None:
         zygote.close()
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (the kernel's start time, in clock ticks since boot)."""
-    ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
-    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
 
 
 class WorkerHandle:
