@@ -87,6 +87,15 @@ def test_decontamination_setting_reruns_only_decontamination_and_dependents(work
     assert not planned & UPSTREAM_OF_QUERIES
 
 
+def test_sft_setting_reruns_sft_and_what_reads_its_model(workdir, edited_config):
+    """The `sft` section reaches the sft job as a plain param: Snakemake leaves a params function of
+    `input` out of its params trigger, and an edit of the section would then rerun nothing."""
+    edited_config(lambda cfg: cfg["sft"].update(max_steps=cfg["sft"]["max_steps"] - 1))
+    planned = planned_jobs(snakemake(workdir, "-n"))
+    assert {"sft", "rl_iter", "eval", "build_db"} <= planned
+    assert not planned & (UPSTREAM_OF_QUERIES | {"decontaminate", "distill"})
+
+
 def test_task_selection_reruns_task_ingest_and_dependents(workdir, edited_config):
     edited_config(lambda cfg: cfg["kernelbench"]["ids"].update(level_1=[19]))
     planned = planned_jobs(snakemake(workdir, "-n"))

@@ -43,7 +43,9 @@ rule sft:
         metrics=f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet",
         summary=f"{RESULTS}/reports/sft-{RUN}.json",
     params:
-        settings=lambda wildcards, input: json.dumps(sft_settings(input.base), sort_keys=True),
+        # a plain value, not a function of `input`: Snakemake leaves params derived from input out of
+        # its params rerun trigger, so a changed `sft` section would not rerun this job
+        settings=json.dumps(sft_settings(sft_base_model_input()), sort_keys=True),
         work=f"{RESULTS}/work/sft-{RUN}",
         code=code_version("train/sft.py", "train/samples.py", "train/checkpoint.py", "train/metrics_log.py",
                           "train/cli.py", "train/jobs.py", "data/schemas.py", "infra/launch.py"),
