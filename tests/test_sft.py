@@ -17,7 +17,9 @@ from kpipe.train.sft import (
     PRESETS,
     SFTConfig,
     collate,
+    labelled_positions,
     lr_factor,
+    micro_batch_loss,
     shard_for_process,
     total_steps,
     train_sft,
@@ -134,6 +136,30 @@ def test_step_loss_is_the_token_mean_over_the_global_batch(nano, tmp_path):
     train_sft(cfg, synthetic_rows(), tmp_path / "out", tmp_path / "metrics.parquet")
     assert len(plan_micro_batches([len(s.input_ids) for s in samples], 400)) > 1
     assert loss_series(tmp_path / "metrics.parquet")[0][1] == pytest.approx(expected, rel=1e-5)
+
+
+def test_logits_only_at_labelled_positions_give_the_full_loss_and_its_gradients(nano):
+    """micro_batch_loss computes logits only where a next token is labelled; the loss and every
+    gradient must equal transformers' own causal LM loss over the whole padded micro-batch."""
+    tokenizer = AutoTokenizer.from_pretrained(nano)
+    samples, _ = build_samples(synthetic_rows(3), tokenizer, 4096)
+    batch = collate(samples, tokenizer.pad_token_id)
+    n = int((batch["labels"][:, 1:] != -100).sum())
+    assert 0 < len(labelled_positions(batch["labels"])) < batch["labels"].shape[1] - 1  # prompts need none
+    losses, grads = [], []
+    for full in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(nano, dtype=torch.float32)
+        loss = model(**batch, num_items_in_batch=n).loss * 2 if full else micro_batch_loss(model, batch, n, world=2)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def test_labelled_positions_are_those_whose_next_token_has_a_label():
+    labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 7, -100, -100, -100]])
+    assert labelled_positions(labels).tolist() == [0, 1, 2]
 
 
 def test_loss_falls_and_outputs_are_complete(nano, tmp_path):

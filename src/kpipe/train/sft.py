@@ -255,14 +255,30 @@ def build_optimizer(model: torch.nn.Module, cfg: SFTConfig) -> torch.optim.Optim
                              fused=torch.cuda.is_available())
 
 
+def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
+    """The positions whose next token carries a label in some row of the micro-batch: the only
+    positions whose logits the loss reads."""
+    return (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero().squeeze(1)
+
+
 def micro_batch_loss(model: Any, batch: dict[str, torch.Tensor], global_label_tokens: int,
                      world: int) -> torch.Tensor:
-    """Sum of this micro-batch's token losses over the global batch's labelled tokens.
+    """Sum of this micro-batch's token losses over the global batch's labelled tokens: the causal
+    LM loss of transformers (next-token cross entropy in fp32, summed, over `global_label_tokens`),
+    with logits computed only at ``labelled_positions`` (``logits_to_keep``). The vocabulary
+    projection is most of a tiny model's work and much of a big model's memory, and a prompt's
+    positions need none.
 
     Multiplied by `world` because DDP/FSDP average gradients over processes.
     """
-    output = model(**batch, num_items_in_batch=global_label_tokens)
-    return output.loss * world
+    labels = batch["labels"]
+    positions = labelled_positions(labels)
+    inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
+    logits = model(**inputs, logits_to_keep=positions, use_cache=False).logits
+    targets = labels[:, positions + 1]
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss / global_label_tokens * world
 
 
 def train_step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, samples: Sequence[Sample],
