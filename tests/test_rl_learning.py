@@ -74,6 +74,7 @@ def sft_policy(root: Path, task: AgentTask) -> Path:
 
 
 def test_rl_iterations_raise_the_mean_reward(tmp_path):
+    from kpipe.gym.cache import ResultCache
     from kpipe.gym.pool import GymPool
 
     task = relu_task()
@@ -81,7 +82,9 @@ def test_rl_iterations_raise_the_mean_reward(tmp_path):
     cfg = RLConfig(prompts_per_step=1, rollouts_per_prompt=16, max_turns=1, max_tokens=120, lr=3e-4,
                    micro_batch_tokens=16384)
     metric_files = []
-    with GymPool(Protocol.from_dict(PROTOCOL), workers=1, reuse_reference=True, progress=False) as pool:
+    # the result cache of the DAG's RL jobs (gym.cache): a program written again is judged once
+    cache = ResultCache(tmp_path / "gym-cache.sqlite")
+    with GymPool(Protocol.from_dict(PROTOCOL), workers=1, reuse_reference=True, cache=cache, progress=False) as pool:
         for iteration in range(ITERATIONS):
             out = tmp_path / f"iter={iteration}"
             metric_files.append(out / "metrics.parquet")
