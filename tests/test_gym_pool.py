@@ -182,6 +182,30 @@ def queued(*references: str) -> list[Job]:
     return [Job(i, reference, f"candidate {i}", f"key {i}", Future()) for i, reference in enumerate(references)]
 
 
+def test_a_free_worker_takes_the_highest_priority_waiting_before_its_own_tasks() -> None:
+    """A Snakemake run's critical path (distillation, the RL iterations: priority 10) is served
+    before the evaluations only its report waits for, even by a worker that has run their
+    references; within a priority the usual order holds, and an identical job asked for again at a
+    higher priority is raised to it."""
+    jobs = JobQueue(affinity=True)
+    for job in queued("A", "B", "A", "B"):
+        jobs.put(job)
+    urgent = Job(9, "C", "candidate 9", "key 9", Future(), priority=10)
+    jobs.put(urgent)
+    worker = WorkerState(slot=0, gpu="0", references={"A"})
+    assert jobs.get(worker, [worker]) is urgent  # before its own task A, though C is new to it
+    worker.busy_reference = None
+    assert jobs.get(worker, [worker]).job_id == 0  # then its own task's, oldest first
+    worker.busy_reference = None
+    jobs.promote("key 3", 5)  # B's second job, asked for again at 5
+    assert jobs.get(worker, [worker]).job_id == 3
+    fifo = JobQueue(affinity=False)
+    for job in queued("A", "B"):
+        fifo.put(job)
+    fifo.promote("key 1", 1)
+    assert [fifo.get(worker, [worker]).job_id for _ in range(2)] == [1, 0]
+
+
 def test_the_pools_own_work_imports_no_torch() -> None:
     """The pool keys every job it is given and sends it with a reply timeout: a caller without
     torch (``kpipe gym eval-batch``, the benchmarks) must not import it for either. It did, on

@@ -99,6 +99,40 @@ def test_a_reference_that_fails_to_run_is_a_reference_error(client: GymClient) -
     assert good.status == "pass" and bad["status"] == "reference_error"
 
 
+def test_a_clients_priority_reaches_the_pools_queue() -> None:
+    """GymClient(priority=...) sends it with every job, single or batched, and the service queues
+    them at it (the run's critical path goes first; kpipe.gym.pool.JobQueue)."""
+    from concurrent.futures import Future
+
+    from fastapi.testclient import TestClient
+
+    class RecordingPool:
+        cache = None
+
+        def __init__(self) -> None:
+            self.priorities: list[int] = []
+
+        def key(self, reference: str, candidate: str) -> str:
+            return f"{len(reference)}-{len(candidate)}"
+
+        def submit(self, reference: str, candidate: str, priority: int = 0) -> Future:
+            self.priorities.append(priority)
+            answer: Future = Future()
+            answer.set_result({"status": "reference_error", "diagnostic": "not run"})  # what the pool says of a bad reference
+            return answer
+
+    pool = RecordingPool()
+    client = GymClient("http://testserver", priority=10, progress=False)
+    client.http = TestClient(create_app(pool))  # type: ignore[arg-type]
+    client.submit_batch([(REFERENCE, LEGIT), (REFERENCE, LEGIT + "\n# 2")])
+    with pytest.raises(GymServiceError, match="reference_src failed to run"):
+        client.evaluate(REFERENCE, LEGIT)
+    assert pool.priorities == [10, 10, 10]
+    assert GymClient("http://testserver").priority == 0
+    bad = client.http.post("/v1/batches", json={"jobs": [{"reference_src": REFERENCE, "candidate_src": LEGIT}], "priority": 10**6})
+    assert bad.status_code == 422
+
+
 def test_non_loopback_needs_a_token() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")

@@ -36,7 +36,7 @@ else:
             f"{COLDSTART_DIR}/part-{{shard}}.parquet",
         params:
             distill=DISTILL,
-            gym=GYM,
+            gym=CRITICAL_GYM,
             num_shards=DISTILL["shards"],
             run=RUN,
             cache=lambda wildcards: f"{RESULTS}/cache/distill/run={RUN}/shard-{wildcards.shard}.jsonl",

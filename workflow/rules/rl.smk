@@ -27,7 +27,7 @@ rule rl_iter:
         metrics=f"{RESULTS}/train_metrics/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
     params:
         settings=lambda wildcards: json.dumps(rl_settings(wildcards.run), sort_keys=True),
-        gym=json.dumps(GYM, sort_keys=True),
+        gym=json.dumps(CRITICAL_GYM, sort_keys=True),
         init_state=lambda wildcards: (rl_state_dir(wildcards.run, int(wildcards.iter) - 1)
                                       if int(wildcards.iter) else ""),
         state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),

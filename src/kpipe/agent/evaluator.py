@@ -208,7 +208,9 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
     local (a fresh interpreter per evaluation; slow, no shared state), service (a running
     `kpipe gym serve` at `url`, token from $KPIPE_GYM_TOKEN), or ray (`RayGym`: `actors`
     Ray actors, one per GPU by default, on the cluster at `ray_address`, or on a local Ray
-    instance started for this block when null). `cache` names the SQLite result cache shared by
+    instance started for this block when null). `priority` (default 0): a shared service evaluates
+    the queued jobs of a higher priority first (the Snakemake run's critical path sets it; a pool of
+    the job's own has no one else to go before). `cache` names the SQLite result cache shared by
     every stage and rerun (null: no cache). `gpus` limits the pool to those GPU ids (one RL
     process per GPU evaluates on its own); the other backends place work themselves.
     """
@@ -224,14 +226,14 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
 
         if not gym.get("url"):
             raise ValueError("gym.backend is 'service' but gym.url is not set")
-        yield GymClient(gym["url"])
+        yield GymClient(gym["url"], priority=int(gym.get("priority", 0)))
     elif backend == "pool" and (run := workflow_run()) is not None:
         from kpipe.gym.run_service import open_run_service, service_settings
         from kpipe.gym.sandbox import opted_out
 
         settings = service_settings(protocol, reuse_reference, gym.get("cache"), gym.get("workers"), opted_out(),
                                     gym.get("workers_per_gpu"))
-        with open_run_service(run, settings, progress=progress) as client:
+        with open_run_service(run, settings, progress=progress, priority=int(gym.get("priority", 0))) as client:
             yield client
     elif backend in ("pool", "ray"):
         from kpipe.gym.cache import ResultCache

@@ -55,6 +55,7 @@ class GymClient:
         poll_s: float = 1.0,
         batch_size: int = 512,
         progress: bool = True,
+        priority: int = 0,
     ) -> None:
         token = token if token is not None else os.environ.get(TOKEN_ENV)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -65,6 +66,7 @@ class GymClient:
         self.poll_s = poll_s
         self.batch_size = batch_size
         self.progress = progress
+        self.priority = priority  # sent with every job: the service serves higher priorities first
 
     def request(self, method: str, path: str, accept: tuple[int, ...] = (), **kwargs: Any) -> httpx.Response:
         """One API call with retries on transient failures; 4xx other than `accept` raise
@@ -100,7 +102,8 @@ class GymClient:
 
     def evaluate(self, reference_src: str, candidate_src: str, deadline_s: float = 600.0) -> Any:
         """One evaluation; a 202 (past the service's deadline) is polled until done."""
-        body = {"reference_src": reference_src, "candidate_src": candidate_src, "deadline_s": deadline_s}
+        body = {"reference_src": reference_src, "candidate_src": candidate_src, "deadline_s": deadline_s,
+                "priority": self.priority}
         response = self.request("POST", "/v1/evaluate", json=body)
         outcome = response.json()
         while outcome["state"] == "pending":
@@ -109,7 +112,7 @@ class GymClient:
         return outcome_result(outcome)
 
     def submit_batch(self, jobs: Iterable[tuple[str, str]]) -> str:
-        body = {"jobs": [{"reference_src": r, "candidate_src": c} for r, c in jobs]}
+        body = {"jobs": [{"reference_src": r, "candidate_src": c} for r, c in jobs], "priority": self.priority}
         return self.request("POST", "/v1/batches", json=body).json()["batch_id"]
 
     def batch(self, batch_id: str, outcomes: bool = True) -> dict[str, Any]:

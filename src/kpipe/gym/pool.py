@@ -201,8 +201,10 @@ class GymPool:
 
         return eval_key(reference, candidate, self.protocol, self.device_kind)
 
-    def submit(self, reference: str, candidate: str) -> Future[Any]:
-        """A future of the result; answered at once from the cache or an identical job in flight."""
+    def submit(self, reference: str, candidate: str, priority: int = 0) -> Future[Any]:
+        """A future of the result; answered at once from the cache or an identical job in flight.
+        Queued jobs of a higher `priority` go first (``JobQueue``); an identical job still queued
+        is raised to it."""
         if not isinstance(reference, str) or not isinstance(candidate, str):
             raise TypeError("reference and candidate must be program source text")
         key = self.key(reference, candidate)
@@ -210,6 +212,7 @@ class GymPool:
             if self._closed:
                 raise RuntimeError("the pool is closed")
             if key in self._in_flight:
+                self._queue.promote(key, priority)
                 return self._in_flight[key]
             cached = self.cache.get(key) if self.cache is not None else None
             future: Future[Any] = Future()
@@ -218,13 +221,13 @@ class GymPool:
                 return future
             self._in_flight[key] = future
             self._next_id += 1
-            job = Job(self._next_id, reference, candidate, key, future)
+            job = Job(self._next_id, reference, candidate, key, future, priority=priority)
         self._queue.put(job)
         return future
 
-    def evaluate_many(self, jobs: Iterable[tuple[str, str]]) -> list[Any]:
+    def evaluate_many(self, jobs: Iterable[tuple[str, str]], priority: int = 0) -> list[Any]:
         """Evaluate every (reference_src, candidate_src) pair; results in the same order."""
-        futures = [self.submit(reference, candidate) for reference, candidate in jobs]
+        futures = [self.submit(reference, candidate, priority) for reference, candidate in jobs]
         bar = tqdm(total=len(futures), desc="evaluate", unit="eval", disable=not self.progress, leave=False)
         failures = 0
         pending = set(range(len(futures)))
@@ -332,8 +335,10 @@ class GymPool:
 
 
 class JobQueue:
-    """The pool's queue. Without `affinity`, first in first out. With it (the pool reuses
-    references), a worker takes first the oldest job whose reference its judge has already run
+    """The pool's queue. A free worker takes only among the jobs of the highest priority waiting
+    (a Snakemake run's service serves its critical path, distillation and the RL iterations,
+    before the evaluations that only its report waits for). Among those, without `affinity`,
+    first in first out. With it (the pool reuses references), a worker takes first the oldest job whose reference its judge has already run
     (and reuses), then one whose reference no worker has run or is running, then the oldest of the
     task with the most jobs waiting (its reference run, paid again, is shared by the most): so
     each task's reference is run about once per pool rather than once per worker that happens to
@@ -351,6 +356,14 @@ class JobQueue:
         with self._changed:
             self._jobs.append(job)
             self._changed.notify()
+
+    def promote(self, key: str, priority: int) -> None:
+        """Raise the queued job of `key` (if any) to `priority`: an identical job asked for again
+        at a higher priority must not wait at the lower one."""
+        with self._changed:
+            for job in self._jobs:
+                if job.key == key:
+                    job.priority = max(job.priority, priority)
 
     def stop(self, workers: int) -> None:
         """Each of `workers` gets None once the jobs queued before are taken."""
@@ -371,21 +384,23 @@ class JobQueue:
             return job
 
     def _pick(self, state: WorkerState, states: Sequence[WorkerState]) -> int:
+        top = max(job.priority for job in self._jobs)
+        eligible = [i for i, job in enumerate(self._jobs) if job.priority == top]
         if not self.affinity:
-            return 0
-        for i, job in enumerate(self._jobs):
-            if job.reference in state.references:
+            return eligible[0]
+        for i in eligible:
+            if self._jobs[i].reference in state.references:
                 return i
         claimed = {reference for other in states for reference in other.references}
         claimed |= {other.busy_reference for other in states if other.busy_reference is not None}
-        unclaimed = next((i for i, job in enumerate(self._jobs) if job.reference not in claimed), None)
+        unclaimed = next((i for i in eligible if self._jobs[i].reference not in claimed), None)
         if unclaimed is not None:
             return unclaimed
         # help with the task that has the most candidates waiting: its reference run, paid again
         # here, is shared by the most of them
-        waiting = Counter(job.reference for job in self._jobs)
+        waiting = Counter(self._jobs[i].reference for i in eligible)
         busiest = max(waiting, key=lambda reference: waiting[reference])
-        return next(i for i, job in enumerate(self._jobs) if job.reference == busiest)
+        return next(i for i in eligible if self._jobs[i].reference == busiest)
 
 
 def last_line(text: str) -> str:

@@ -218,11 +218,13 @@ def start_service(run: WorkflowRun, settings: Mapping[str, Any], record_path: Pa
     return record
 
 
-def open_run_service(run: WorkflowRun, settings: Mapping[str, Any], progress: bool = True) -> GymClient:
-    """A client of the run's service with exactly `settings` (started if needed)."""
+def open_run_service(run: WorkflowRun, settings: Mapping[str, Any], progress: bool = True,
+                     priority: int = 0) -> GymClient:
+    """A client of the run's service with exactly `settings` (started if needed), whose jobs are
+    queued at `priority` (not a setting: jobs of every priority share the one service)."""
     record = ensure_service(run, settings)
     log.info("evaluating on the run's KernelGym service %s (pid %s)%s", record["url"], record["pid"], since_job_started())
-    return GymClient(record["url"], token=record.get("token") or "", poll_s=0.1, progress=progress)
+    return GymClient(record["url"], token=record.get("token") or "", poll_s=0.1, progress=progress, priority=priority)
 
 
 def stop_services(directory: str | os.PathLike, owner: int | None = None) -> list[int]:

@@ -48,13 +48,19 @@ class Job(BaseModel):
     candidate_src: str = Field(max_length=MAX_SOURCE_CHARS, description="Candidate program (class ModelNew + @triton.jit kernels)")
 
 
+PRIORITY_FIELD = Field(default=0, ge=-1000, le=1000,
+                       description="Queued jobs of a higher priority are evaluated first (a Snakemake run gives its critical path 10)")
+
+
 class EvaluateRequest(Job):
+    priority: int = PRIORITY_FIELD
     deadline_s: float = Field(default=600.0, gt=0, le=MAX_DEADLINE_S, description="Wait at most this long; then 202 pending")
 
 
 class BatchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     jobs: list[Job] = Field(min_length=1, max_length=MAX_BATCH_JOBS)
+    priority: int = PRIORITY_FIELD
 
 
 class Outcome(BaseModel):
@@ -155,10 +161,10 @@ class Registry:
         self.batches: OrderedDict[str, list[tuple[str, Future[Any]]]] = OrderedDict()
         self.batch_ids = itertools.count(1)
 
-    def submit(self, job: Job) -> tuple[str, Future[Any]]:
+    def submit(self, job: Job, priority: int = 0) -> tuple[str, Future[Any]]:
         check_reference_or_422(job.reference_src)
         key = self.pool.key(job.reference_src, job.candidate_src)
-        future = self.pool.submit(job.reference_src, job.candidate_src)
+        future = self.pool.submit(job.reference_src, job.candidate_src, priority)
         with self.lock:
             self.futures[key] = future
             self.futures.move_to_end(key)
@@ -232,7 +238,7 @@ def create_app(pool: GymPool, token: str | None = None, max_request_bytes: int =
               responses={**ERRORS, 202: {"model": Outcome, "description": "still running at the deadline: poll /v1/results/{key}"}})
     async def evaluate(body: EvaluateRequest) -> Any:
         """Evaluate one candidate; waits up to ``deadline_s``."""
-        key, future = registry.submit(body)
+        key, future = registry.submit(body, body.priority)
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), timeout=body.deadline_s)
         except asyncio.TimeoutError:
@@ -250,7 +256,7 @@ def create_app(pool: GymPool, token: str | None = None, max_request_bytes: int =
                 check_reference_or_422(job.reference_src)
             except HTTPException as exc:
                 raise HTTPException(status_code=422, detail=f"jobs[{i}].{exc.detail}") from None
-        members = [registry.submit(job) for job in body.jobs]
+        members = [registry.submit(job, body.priority) for job in body.jobs]
         return batch_status(registry.add_batch(members), members, include=False)
 
     @app.get("/v1/batches/{batch_id}", response_model=BatchStatus, dependencies=guarded,

@@ -39,6 +39,7 @@ class Job:
     candidate: str
     key: str
     future: Future[Any]
+    priority: int = 0  # the queue serves the highest first (kpipe.gym.pool.JobQueue)
     attempts: int = 0
     losses: list[str] = field(default_factory=list)
 
