@@ -107,8 +107,11 @@ onerror:
     warm_start.stop(GYM_SERVICE_DIR)
 
 
-# distill -> sft -> rl_iter, the run's longest chain: when jobs compete for GPU slots or cores,
-# Snakemake starts these first (the teacher's evaluations, STTS and the like fit beside them)
+# distill -> sft -> rl_iter, the run's longest chain, and the jobs it waits for (ingest, decontaminate,
+# the tiny model): when jobs compete for GPU slots or cores, Snakemake starts these first (the
+# teacher's evaluations, STTS and the like fit beside them). A rule's priority does not pass to the
+# jobs it depends on (only --prioritize does), so each of them names it: on 2 CPU cores the teacher's
+# evaluations had taken a core before ingest_queries, and distillation began 17 s late
 CRITICAL_PATH = 10
 
 # the `gym` section as rules' params: `service` says where evaluations run, not what they give

@@ -9,6 +9,7 @@ rule ingest_tasks:
     params:
         kernelbench=config["kernelbench"],
         code=code_version("data"),
+    priority: CRITICAL_PATH
     log:
         f"{LOGS}/ingest_tasks.log",
     conda:
@@ -24,6 +25,7 @@ rule ingest_queries:
     params:
         source=lambda wildcards: query_sources()[wildcards.source],
         code=code_version("data"),
+    priority: CRITICAL_PATH
     log:
         f"{LOGS}/ingest_queries/{{source}}.log",
     wildcard_constraints:
@@ -45,6 +47,7 @@ rule decontaminate:
     params:
         decontamination=config["queries"]["decontamination"],
         code=code_version("data"),
+    priority: CRITICAL_PATH
     log:
         f"{LOGS}/decontaminate.log",
     conda:

@@ -21,6 +21,7 @@ rule tiny_model:
         tokenizer=lambda wildcards: ({"tokenizer": "byte"} if wildcards.tokenizer == "byte"
                                      else {"tokenizer": "bpe", "vocab_size": int(wildcards.tokenizer[3:])}),
         code=code_version("train/tiny_model.py", "llm/prompts", "gym/bank", "data/files/kernelbench"),
+    priority: CRITICAL_PATH
     log:
         f"{LOGS}/tiny_model/{{size}}-{{tokenizer}}-seed{{seed}}.log",
     wildcard_constraints:
