@@ -96,6 +96,31 @@ def test_sft_setting_reruns_sft_and_what_reads_its_model(workdir, edited_config)
     assert not planned & (UPSTREAM_OF_QUERIES | {"decontaminate", "distill"})
 
 
+def test_the_rl_chain_and_every_job_it_waits_for_start_first(workdir):
+    """rl_iter and every rule it depends on, however far up, carry the critical path's priority, and
+    no other rule does: Snakemake passes a rule's priority to none of the jobs it depends on (only
+    --prioritize does), and on 2 CPU cores the teacher's evaluations had taken a core before
+    ingest_queries, which started distillation 17 s late."""
+    graph = snakemake(workdir, "--rulegraph")
+    assert graph.returncode == 0, graph.stderr[-2000:]
+    names = dict(re.findall(r'^\s*(\d+)\[label = "(\w+)"', graph.stdout, re.M))
+    needs: dict[str, set[str]] = {}
+    for before, after in re.findall(r"^\s*(\d+) -> (\d+)$", graph.stdout, re.M):
+        needs.setdefault(names[after], set()).add(names[before])
+    critical, todo = set(), ["rl_iter"]
+    while todo:
+        rule = todo.pop()
+        if rule not in critical:
+            critical.add(rule)
+            todo += needs.get(rule, set())
+    assert {"ingest_queries", "decontaminate", "distill", "tiny_model", "sft", "rl_iter"} <= critical
+    plan = snakemake(workdir, "-n", "--forceall")
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    jobs = re.findall(r"^(?:local)?rule (\w+):\n(.*?)^\S", plan.stdout, re.M | re.S)
+    first = {rule for rule, block in jobs if re.search(r"^\s+priority: 10$", block, re.M)}
+    assert first == critical
+
+
 def test_task_selection_reruns_task_ingest_and_dependents(workdir, edited_config):
     edited_config(lambda cfg: cfg["kernelbench"]["ids"].update(level_1=[19]))
     planned = planned_jobs(snakemake(workdir, "-n"))
