@@ -225,9 +225,9 @@ class GymPool:
         self._queue.put(job)
         return future
 
-    def evaluate_many(self, jobs: Iterable[tuple[str, str]], priority: int = 0) -> list[Any]:
+    def evaluate_many(self, jobs: Iterable[tuple[str, str]]) -> list[Any]:
         """Evaluate every (reference_src, candidate_src) pair; results in the same order."""
-        futures = [self.submit(reference, candidate, priority) for reference, candidate in jobs]
+        futures = [self.submit(reference, candidate) for reference, candidate in jobs]
         bar = tqdm(total=len(futures), desc="evaluate", unit="eval", disable=not self.progress, leave=False)
         failures = 0
         pending = set(range(len(futures)))
@@ -338,8 +338,8 @@ class JobQueue:
     """The pool's queue. A free worker takes only among the jobs of the highest priority waiting
     (a Snakemake run's service serves its critical path, distillation and the RL iterations,
     before the evaluations that only its report waits for). Among those, without `affinity`,
-    first in first out. With it (the pool reuses references), a worker takes first the oldest job whose reference its judge has already run
-    (and reuses), then one whose reference no worker has run or is running, then the oldest of the
+    first in first out. With it (the pool reuses references), a worker takes first the oldest
+    job whose reference its judge has already run (and reuses), then one whose reference no worker has run or is running, then the oldest of the
     task with the most jobs waiting (its reference run, paid again, is shared by the most): so
     each task's reference is run about once per pool rather than once per worker that happens to
     draw one of its candidates (a one-pass batch of 80 candidates of 10 tasks on 4 workers would
