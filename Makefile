@@ -21,11 +21,11 @@ CORES ?= 2
 TEST_WORKERS ?= 2
 SNAKEMAKE_ARGS ?=
 BIN := $(VENV)/bin
-# kpipe's own bytecode, before every run and test: pip compiles the packages it installs but not an
-# editable project's src/, and where PYTHONDONTWRITEBYTECODE is set (our machines) each job's and
-# each KernelGym worker's interpreter compiled the kpipe modules it imports again, about 1.6 s of a
-# job's start: the default run took 3 min 47 s of Snakemake without it, 3 min 15 s with it (2 CPU
-# cores). Files already compiled are skipped; an edited one is compiled again.
+# kpipe's own bytecode, at every setup (so before every run and test): pip compiles the packages it
+# installs but not an editable project's src/, and where PYTHONDONTWRITEBYTECODE is set (our machines)
+# each job's and each KernelGym worker's interpreter compiled the kpipe modules it imports again,
+# about 1.6 s of a job's start: the default run took 3 min 47 s of Snakemake without it, 3 min 15 s
+# with it (2 CPU cores). Files already compiled are skipped; an edited one is compiled again.
 COMPILE_SRC = $(BIN)/python -m compileall -q src
 STAMP := $(VENV)/.kpipe-installed
 # the test extras (pytest, schemathesis, Ray, the Slurm plugin) on top: `make run` never needs them,
@@ -46,15 +46,15 @@ $(DEV_STAMP): $(STAMP)
 	touch $(DEV_STAMP)
 
 setup: $(STAMP)
+	@$(COMPILE_SRC)
 
 setup-dev: $(DEV_STAMP)
+	@$(COMPILE_SRC)
 
 run: setup
-	@$(COMPILE_SRC)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS)
 
 test: setup-dev
-	@$(COMPILE_SRC)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: setup
