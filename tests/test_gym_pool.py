@@ -22,8 +22,10 @@ from kpipe.gym.worker import Job
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
 LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
-# faults run for real: the static screen would otherwise reject most of them unexecuted
-PROTOCOL = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu", timeout_s=6, reject_findings=())
+# faults run for real: the static screen would otherwise reject most of them unexecuted. The timeout is
+# what infinite_loop costs; at 6 s a fresh pool's first child once timed out in its start-up on a 2-core
+# machine busy with the other test worker's DAG run (CI of 3e131be)
+PROTOCOL = Protocol(correct_trials=2, perf_trials=3, warmup=1, baseline="eager", device="cpu", timeout_s=15, reject_findings=())
 FAULT_STATUS = {
     "segfault": "crashed",
     "infinite_loop": "timeout",
