@@ -339,9 +339,9 @@ class JobQueue:
     (a Snakemake run's service serves its critical path, distillation and the RL iterations,
     before the evaluations that only its report waits for). Among those, without `affinity`,
     first in first out. With it (the pool reuses references), a worker takes first the oldest
-    job whose reference its judge has already run (and reuses), then one whose reference no worker has run or is running, then the oldest of the
-    task with the most jobs waiting (its reference run, paid again, is shared by the most): so
-    each task's reference is run about once per pool rather than once per worker that happens to
+    job whose reference its judge has already run (and reuses), then one whose reference no
+    worker has run or is running, then the oldest of the task with the most jobs waiting (its
+    reference run, paid again, is shared by the most): so each task's reference is run about once per pool rather than once per worker that happens to
     draw one of its candidates (a one-pass batch of 80 candidates of 10 tasks on 4 workers would
     otherwise run up to 40), and a worker never idles while jobs wait. The choice is made when the
     worker is free, so it always sees what every other worker holds and runs."""
