@@ -16,7 +16,11 @@ kpipe code involved: N fresh processes (N = each of ``--levels``), started toget
   builds one), as a candidate's first trial does;
 - ``new kernel``: another new kernel of another signature (its compile, ptxas and launcher);
 - ``same signature``: a new kernel with the second's signature (its compile and ptxas; the launcher
-  is cached where Triton keys it by signature).
+  is cached where Triton keys it by signature);
+- ``exit``: from its last line to its exit seen by this process (the CUDA context's teardown).
+
+``--env NAME=VALUE`` sets a variable in every process (to try a CUDA setting, for example;
+``--env CUDA_VISIBLE_DEVICES=0`` puts every process on one GPU).
 
 Printed per N: the median and the slowest process's seconds of each step, and the median's ratio
 to N = 1. One process runs first, not reported, so the page cache is warm for every level. Host facts (cores, CPU model, cgroup CPU limit) first. On a machine without a GPU the
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -67,7 +72,7 @@ def scale_{tag}(x_ptr, y_ptr, n, factor, BLOCK: tl.constexpr):
     mask = offsets < n
     tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * factor + {tag}, mask=mask)
 """
-STEPS = ("python loop", "import torch, triton", "CUDA init", "first kernel", "new kernel", "same signature")
+STEPS = ("python loop", "import torch, triton", "CUDA init", "first kernel", "new kernel", "same signature", "exit")
 
 
 def load_kernel(template: str, tag: int, scratch: Path):
@@ -123,6 +128,12 @@ def one_process(go_file: str, tag: int) -> dict[str, float]:
     return seconds
 
 
+def report_and_exit(seconds: dict[str, float]) -> None:
+    """The result line, flushed, then the exit (its teardown timed by the parent from the line)."""
+    sys.stdout.write(json.dumps(seconds) + "\n")
+    sys.stdout.flush()
+
+
 def gpu_count() -> int:
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=True).stdout
@@ -146,46 +157,53 @@ def host_facts() -> dict[str, str]:
     return facts
 
 
-def run_level(count: int, gpus: int) -> list[dict[str, float]]:
+def run_level(count: int, gpus: int, extra_env: dict[str, str]) -> list[dict[str, float]]:
     """`count` fresh processes started together, each with an empty Triton cache."""
     with tempfile.TemporaryDirectory(prefix="host-contention-level-") as root:
         go_file = os.path.join(root, "go")
         processes = []
         for index in range(count):
-            env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(root, f"cache-{index}"), "PYTHONDONTWRITEBYTECODE": "1"}
-            if gpus:
+            env = {**os.environ, **extra_env, "TRITON_CACHE_DIR": os.path.join(root, f"cache-{index}"), "PYTHONDONTWRITEBYTECODE": "1"}
+            if gpus and "CUDA_VISIBLE_DEVICES" not in extra_env:
                 env["CUDA_VISIBLE_DEVICES"] = str(index % gpus)
             processes.append(subprocess.Popen(
                 [sys.executable, __file__, "--child", go_file, str(1000 * count + index)],
                 env=env, stdout=subprocess.PIPE, text=True))
         time.sleep(1.0)  # every interpreter started and waiting
         Path(go_file).touch()
-        results = []
-        for process in processes:
-            out, _ = process.communicate()
-            if process.returncode != 0:
-                raise RuntimeError(f"a process of level {count} failed (exit {process.returncode})")
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        results: list[dict[str, float]] = [{} for _ in processes]
+        pending = {process.stdout.fileno(): index for index, process in enumerate(processes)}  # type: ignore[union-attr]
+        while pending:  # each line as it comes, so a process's exit is timed from its own line
+            for fd in select.select(list(pending), [], [])[0]:
+                index = pending.pop(fd)
+                process = processes[index]
+                line = process.stdout.readline()  # type: ignore[union-attr]
+                seen = time.perf_counter()
+                if process.wait() != 0 or not line:
+                    raise RuntimeError(f"a process of level {count} failed (exit {process.returncode})")
+                results[index] = {**json.loads(line), "exit": time.perf_counter() - seen}
         return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--levels", default="1,2,4,8,16", help="how many processes at once, comma-separated")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="set in every process")
     parser.add_argument("--child", nargs=2, metavar=("GO_FILE", "TAG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(one_process(args.child[0], int(args.child[1]))))
+        report_and_exit(one_process(args.child[0], int(args.child[1])))
         return
     for name, value in host_facts().items():
         print(f"{name}: {value}")
     gpus = gpu_count()
     levels = [int(level) for level in args.levels.split(",")]
     medians: dict[int, dict[str, float]] = {}
-    report: dict[str, object] = {"host": host_facts(), "levels": {}}
-    run_level(1, gpus)  # not reported: warms the page cache (imports) and the driver, as a machine in use is
+    extra_env = dict(item.split("=", 1) for item in args.env)
+    report: dict[str, object] = {"host": host_facts(), "env": extra_env, "levels": {}}
+    run_level(1, gpus, extra_env)  # not reported: warms the page cache (imports) and the driver, as a machine in use is
     for count in levels:
-        results = run_level(count, gpus)
+        results = run_level(count, gpus, extra_env)
         steps = [step for step in STEPS if step in results[0]]
         if count == levels[0]:
             print("\n| processes at once | " + " | ".join(f"{step}: median (slowest) s, median / first level's" for step in steps) + " |")
@@ -198,7 +216,8 @@ def main() -> None:
         print(f"| {count} | " + " | ".join(cells) + " |", flush=True)
     if out := os.environ.get("OUT"):
         Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "host_contention.json").write_text(json.dumps(report, indent=1))
+        suffix = "".join(f"_{name}={value}" for name, value in extra_env.items())
+        (Path(out) / f"host_contention{suffix}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
