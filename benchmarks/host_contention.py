@@ -34,11 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -172,16 +172,23 @@ def run_level(count: int, gpus: int, extra_env: dict[str, str]) -> list[dict[str
         time.sleep(1.0)  # every interpreter started and waiting
         Path(go_file).touch()
         results: list[dict[str, float]] = [{} for _ in processes]
-        pending = {process.stdout.fileno(): index for index, process in enumerate(processes)}  # type: ignore[union-attr]
-        while pending:  # each line as it comes, so a process's exit is timed from its own line
-            for fd in select.select(list(pending), [], [])[0]:
-                index = pending.pop(fd)
-                process = processes[index]
-                line = process.stdout.readline()  # type: ignore[union-attr]
-                seen = time.perf_counter()
-                if process.wait() != 0 or not line:
-                    raise RuntimeError(f"a process of level {count} failed (exit {process.returncode})")
+
+        def collect(index: int) -> None:
+            """One process's line, then its exit timed from that line (a thread each: no process
+            waits to be read while another's exit is timed)."""
+            process = processes[index]
+            line = process.stdout.readline()  # type: ignore[union-attr]
+            seen = time.perf_counter()
+            if process.wait() == 0 and line:
                 results[index] = {**json.loads(line), "exit": time.perf_counter() - seen}
+
+        threads = [threading.Thread(target=collect, args=(index,)) for index in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if not all(results):
+            raise RuntimeError(f"a process of level {count} failed")
         return results
 
 
