@@ -468,7 +468,7 @@ def test_each_candidate_trial_is_divided_by_its_reference_chunks_drift_and_the_m
 
 def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked():
     current = Protocol()
-    assert current.paired_reference_trials == 50 and current.version == "kgym-8"
+    assert current.paired_reference_trials == 50 and current.version == "kgym-9"
     kgym3 = {k: v for k, v in current.to_dict().items() if k not in ("paired_reference_trials", "max_gpu_drift")}
     kgym3["version"] = "kgym-3"
     earlier = Protocol.from_dict(kgym3)
@@ -500,3 +500,76 @@ def test_the_judge_reports_drift_corrected_times_and_the_drift():
     assert drifted["candidate_ms"] == pytest.approx(1.1 / 1.04)
     assert drifted["speedup_eager"] == pytest.approx(2.08 / 1.1)  # the side-by-side ratio
     assert run([])["gpu_drift"] is None
+
+
+class QueuedGpuClocks:
+    """CUDA-shaped clocks where the host waits for the GPU: work queued by the host runs after
+    whatever is queued before it; a synchronize brings the host clock to the GPU's, plus latency."""
+
+    cuda = True
+    LAUNCH_MS = 0.01  # the host's own cost of queueing a call
+    LATENCY_MS = 0.02
+
+    def __init__(self) -> None:
+        self.host_ms = 0.0
+        self.gpu_ms = 0.0  # when the GPU's queue runs dry
+
+    def queue(self, gpu_ms: float) -> None:
+        self.host_ms += self.LAUNCH_MS
+        self.gpu_ms = max(self.gpu_ms, self.host_ms) + gpu_ms
+
+    def perf_counter(self) -> float:
+        return self.host_ms / 1e3
+
+    def synchronize(self) -> None:
+        self.host_ms = max(self.host_ms, self.gpu_ms) + self.LATENCY_MS
+
+    sync = synchronize
+
+    def event(self, enable_timing: bool) -> list[float]:
+        return [float("nan")]
+
+    def record(self, event: list[float]) -> None:
+        self.queue(0.0)
+        event[0] = self.gpu_ms
+
+    def event_synchronize(self, event: list[float]) -> None:
+        self.host_ms = max(self.host_ms, event[0])
+
+    def elapsed_time(self, start: list[float], end: list[float]) -> float:
+        return end[0] - start[0]
+
+
+@pytest.mark.parametrize(("version", "harness_in_host_clock"), [("kgym-9", False), ("kgym-8", True)])
+def test_the_recheck_host_clock_holds_the_call_not_the_harness_copy_and_flush(version, harness_in_host_clock):
+    """kgym-9: each re-check call starts after a host synchronize (``recheck_timing_start``), so
+    the host clock of an honest launch-bound kernel (0.18 ms; input copy 0.05 ms, L2 flush 0.1 ms)
+    holds the call, its launch and the synchronize's latency, well within the check's bound of twice
+    its event time; kgym-8's region behind the flush also held the copy and the flush, which put it
+    at the bound (on an H200, L2_14's honest kernel crossed it once in eight)."""
+    from kpipe.gym.evaluation import HOST_RECHECK_MIN_RATIO, median
+    from kpipe.gym.timing import time_forward
+
+    protocol = Protocol.from_dict({**Protocol().to_dict(), "version": version,
+                                   **({"recheck_timing_start": "behind_flush"} if version == "kgym-8" else {})})
+    assert Protocol.from_dict({k: v for k, v in protocol.to_dict().items() if k != "recheck_timing_start"}
+                              ).recheck_timing_start == protocol.recheck_timing_start  # the version's own default
+    clocks = QueuedGpuClocks()
+
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        clocks.queue(0.18)
+        return x
+
+    def copy_and_flush() -> None:
+        clocks.queue(0.05)
+        clocks.queue(0.1)
+
+    timed = time_forward(kernel, [[torch.ones(2)], [torch.ones(2)]], 20, 1, clocks, None, set(), lambda o: [],  # type: ignore[arg-type]
+                         flush=copy_and_flush, start_behind_flush=protocol.recheck_timing_start == "behind_flush")
+    event_ms, host_ms = median(timed["ms"]), median(timed["host_ms"])
+    assert event_ms == pytest.approx(0.18 + QueuedGpuClocks.LAUNCH_MS, abs=0.02)
+    harness_ms = 0.05 + 0.1
+    if harness_in_host_clock:
+        assert host_ms >= event_ms + harness_ms - 1e-9, (event_ms, host_ms)
+    else:
+        assert host_ms <= event_ms + 0.05 and host_ms * HOST_RECHECK_MIN_RATIO < 0.75 * event_ms, (event_ms, host_ms)

@@ -422,7 +422,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         trials = max(min(protocol.perf_trials, 20), RECHECK_SETS)
         with timed_span(result["timed_spans"]):
             recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep,
-                                   **timed_region(protocol))
+                                   **{**timed_region(protocol), "start_behind_flush": protocol.recheck_timing_start == "behind_flush"})
         result["recheck"] = recheck
 
     if protocol.profile:

@@ -37,7 +37,12 @@ from kpipe.gym.screen import FINDING_CODES
 # (the reference its baselines, a candidate after the gate) holding the device's timing lease
 # (kpipe.gym.lease), while other children start, compile and run correctness trials beside it.
 # The reference child now also stops at a gate before its timing.
-PROTOCOL_VERSION = "kgym-8"
+# kgym-9: the host-clock re-check of a speedup above recheck_speedup_above times each call after
+# a host synchronize (recheck_timing_start), so its host clock no longer covers the harness's own
+# input copy and L2 flush queued before the call: on a launch-bound kernel (0.18 ms, L2_14's legit
+# one) those made the host time about twice the event time, the check's bound, and an honest kernel
+# was judged hacked once in eight (docs/gpu-results/gym_scaling_2026-11-27j_4xH200.md).
+PROTOCOL_VERSION = "kgym-9"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch
@@ -53,11 +58,15 @@ TIMING_ENDS = ("call", "after_sync")
 PAIRED_HOST_SYNCS = ("trial", "chunk")
 # what fields added since mean in a protocol written by an earlier version
 EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8",
-                               "warmup_ms": 0.0, "paired_reference_trials": 0, "paired_host_sync": "trial"},
-                    "kgym-3": {"paired_reference_trials": 0, "paired_host_sync": "trial"},
-                    "kgym-4": {"paired_host_sync": "trial"},
+                               "warmup_ms": 0.0, "paired_reference_trials": 0, "paired_host_sync": "trial",
+                               "recheck_timing_start": "after_sync"},
+                    "kgym-3": {"paired_reference_trials": 0, "paired_host_sync": "trial", "recheck_timing_start": "behind_flush"},
+                    "kgym-4": {"paired_host_sync": "trial", "recheck_timing_start": "behind_flush"},
                     # briefly the chunk-mean statistic (commit 5fe75e2, withdrawn): synchronised per trial
-                    "kgym-5": {"paired_host_sync": "trial"}}
+                    "kgym-5": {"paired_host_sync": "trial", "recheck_timing_start": "behind_flush"},
+                    "kgym-6": {"recheck_timing_start": "behind_flush"},
+                    "kgym-7": {"recheck_timing_start": "behind_flush"},
+                    "kgym-8": {"recheck_timing_start": "behind_flush"}}
 DEVICES = ("auto", "cuda", "cpu")
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
@@ -100,6 +109,10 @@ class Protocol:
     ghost_replay: bool = True
     profile: bool = True
     recheck_speedup_above: float = 10.0
+    # where each re-check call's region starts (TIMING_STARTS): after a host synchronize, so the
+    # host clock around it holds the call and whatever it left running, not the harness's input
+    # copy and L2 flush queued before it (kgym-8 and earlier: behind the flush, as timing_start)
+    recheck_timing_start: str = "after_sync"
     # timed outputs compared with the reference (spot check of the timed path)
     timed_output_checks: int = 3
     # outputs larger than this are compared on a sample of this many elements (head, tail
@@ -140,6 +153,8 @@ class Protocol:
             raise ValueError("correct_trials and perf_trials must be >= 1, warmup and warmup_ms >= 0")
         if self.timing_start not in TIMING_STARTS:
             raise ValueError(f"timing_start must be one of {TIMING_STARTS}, got {self.timing_start!r}")
+        if self.recheck_timing_start not in TIMING_STARTS:
+            raise ValueError(f"recheck_timing_start must be one of {TIMING_STARTS}, got {self.recheck_timing_start!r}")
         if self.timing_end not in TIMING_ENDS:
             raise ValueError(f"timing_end must be one of {TIMING_ENDS}, got {self.timing_end!r}")
         if self.paired_host_sync not in PAIRED_HOST_SYNCS:
