@@ -46,11 +46,14 @@ def test_answers_in_order_with_token_and_cost_accounting():
 
 
 def test_retries_through_429_500_and_timeouts():
-    # a delay far past the client's timeout: with 1.0 s against 0.4, a client whose event loop stalled
-    # 0.6 s (a loaded CI machine) found the delayed answer already there and took it (30 faults, 27 retries)
-    faults = FaultConfig(rate_429=0.3, rate_500=0.2, rate_delay=0.1, delay_s=3.0, seed=3)
+    # a delay far past the client's timeout, and a timeout far past an ordinary answer's time, both on a
+    # loaded 2-core CI machine: with a delay of 1.0 s against a timeout of 0.4, a client whose event loop
+    # stalled 0.6 s found the delayed answer already there and took it (30 faults, 27 retries); with 3.0
+    # against 0.4, an ordinary answer once took longer than 0.4 s and cost a retry of its own (38 faults,
+    # 39 retries, a fresh-clone .ci/run of c24678b)
+    faults = FaultConfig(rate_429=0.3, rate_500=0.2, rate_delay=0.1, delay_s=4.0, seed=3)
     with BackgroundServer(make_app(Echo(), "echo", faults)) as server:
-        engine = engine_for(server, timeout_s=0.4)
+        engine = engine_for(server, timeout_s=1.5)
         out = engine.generate(requests(20))
         seen = stats(server)
     assert [c.text for c in out] == [f"echo: q{i}" for i in range(20)]  # nothing lost, nothing swapped
