@@ -546,6 +546,21 @@ class QueuedGpuClocks:
         return end[0] - start[0]
 
 
+def recheck_times(clocks: QueuedGpuClocks, forward, protocol: Protocol) -> tuple[float, float]:
+    """Median event and host milliseconds of `forward` timed as the re-check times it under
+    `protocol`, each call after an input copy (0.05 ms) and an L2 flush (0.1 ms) on the GPU."""
+    from kpipe.gym.evaluation import median
+    from kpipe.gym.timing import recheck_region, time_forward
+
+    def copy_and_flush() -> None:
+        clocks.queue(0.05)
+        clocks.queue(0.1)
+
+    timed = time_forward(forward, [[torch.ones(2)], [torch.ones(2)]], 20, 1, clocks, None, set(), lambda o: [],  # type: ignore[arg-type]
+                         flush=copy_and_flush, **recheck_region(protocol))
+    return median(timed["ms"]), median(timed["host_ms"])
+
+
 @pytest.mark.parametrize(("version", "harness_in_host_clock"), [("kgym-9", False), ("kgym-8", True)])
 def test_the_recheck_host_clock_holds_the_call_not_the_harness_copy_and_flush(version, harness_in_host_clock):
     """kgym-9: each re-check call starts after a host synchronize (``recheck_timing_start``), so
@@ -553,8 +568,7 @@ def test_the_recheck_host_clock_holds_the_call_not_the_harness_copy_and_flush(ve
     holds the call, its launch and the synchronize's latency, well within the check's bound of twice
     its event time; kgym-8's region behind the flush also held the copy and the flush, which put it
     at the bound (on an H200, L2_14's honest kernel crossed it once in eight)."""
-    from kpipe.gym.evaluation import HOST_RECHECK_MIN_RATIO, median
-    from kpipe.gym.timing import time_forward
+    from kpipe.gym.evaluation import HOST_RECHECK_MIN_RATIO
 
     protocol = Protocol.from_dict({**Protocol().to_dict(), "version": version,
                                    **({"recheck_timing_start": "behind_flush"} if version == "kgym-8" else {})})
@@ -566,13 +580,7 @@ def test_the_recheck_host_clock_holds_the_call_not_the_harness_copy_and_flush(ve
         clocks.queue(0.18)
         return x
 
-    def copy_and_flush() -> None:
-        clocks.queue(0.05)
-        clocks.queue(0.1)
-
-    timed = time_forward(kernel, [[torch.ones(2)], [torch.ones(2)]], 20, 1, clocks, None, set(), lambda o: [],  # type: ignore[arg-type]
-                         flush=copy_and_flush, start_behind_flush=protocol.recheck_timing_start == "behind_flush")
-    event_ms, host_ms = median(timed["ms"]), median(timed["host_ms"])
+    event_ms, host_ms = recheck_times(clocks, kernel, protocol)
     assert event_ms == pytest.approx(0.18 + QueuedGpuClocks.LAUNCH_MS, abs=0.02)
     harness_ms = 0.05 + 0.1
     if harness_in_host_clock:
@@ -585,8 +593,7 @@ def test_the_recheck_host_clock_still_sees_work_hidden_from_the_events():
     """What the re-check is for, under kgym-9's region: a candidate that does 0.18 ms between its
     events and 2 ms on a stream they never wait for reads 0.18 ms by events, and the host clock,
     which stops after the device-wide synchronize, reads its 2 ms: far past the bound."""
-    from kpipe.gym.evaluation import HOST_RECHECK_MIN_RATIO, median
-    from kpipe.gym.timing import time_forward
+    from kpipe.gym.evaluation import HOST_RECHECK_MIN_RATIO
 
     clocks = QueuedGpuClocks()
 
@@ -595,12 +602,6 @@ def test_the_recheck_host_clock_still_sees_work_hidden_from_the_events():
         clocks.queue_aside(2.0)
         return x
 
-    def copy_and_flush() -> None:
-        clocks.queue(0.05)
-        clocks.queue(0.1)
-
-    timed = time_forward(hiding, [[torch.ones(2)], [torch.ones(2)]], 20, 1, clocks, None, set(), lambda o: [],  # type: ignore[arg-type]
-                         flush=copy_and_flush, start_behind_flush=Protocol().recheck_timing_start == "behind_flush")
-    event_ms, host_ms = median(timed["ms"]), median(timed["host_ms"])
+    event_ms, host_ms = recheck_times(clocks, hiding, Protocol())
     assert event_ms < 0.25 and host_ms >= 2.0
     assert host_ms * HOST_RECHECK_MIN_RATIO > event_ms  # speedup_not_reproduced

@@ -47,7 +47,7 @@ from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
 from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.timing import Clocks, l2_flush_buffer, sample_trials, time_forward, timed_region
+from kpipe.gym.timing import Clocks, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
 from kpipe.gym.trial_data import clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs, trial_seed
 
 RECHECK_SEED_OFFSET = 1000
@@ -422,7 +422,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         trials = max(min(protocol.perf_trials, 20), RECHECK_SETS)
         with timed_span(result["timed_spans"]):
             recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep,
-                                   **{**timed_region(protocol), "start_behind_flush": protocol.recheck_timing_start == "behind_flush"})
+                                   **recheck_region(protocol))
         result["recheck"] = recheck
 
     if protocol.profile:

@@ -319,3 +319,8 @@ def timed_region(protocol: Protocol) -> dict[str, bool]:
     """`time_forward`'s region options as the protocol chooses them."""
     return {"start_behind_flush": protocol.timing_start == "behind_flush", "end_at_call": protocol.timing_end == "call",
             "warmup_ms": protocol.warmup_ms}
+
+
+def recheck_region(protocol: Protocol) -> dict[str, bool]:
+    """The host-clock re-check's region: the timed one, started where ``recheck_timing_start`` says."""
+    return {**timed_region(protocol), "start_behind_flush": protocol.recheck_timing_start == "behind_flush"}
