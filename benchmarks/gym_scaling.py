@@ -10,9 +10,8 @@ Workload: the side-by-side's ten tasks (bank legit kernels, full KernelBench ``m
 cycled to ``--evaluations`` distinct candidates (a comment makes each a new cache key, so each
 task's kernel is evaluated evaluations/10 times: the run-to-run spread), 5 correctness + 100 timed
 trials, eager baseline, references run per evaluation (``kpipe gym eval-batch``'s default), or with
-``--reuse-reference`` once per GPU that judges the task (``GymPool``'s default: the pool sends a
-task's candidates to the workers that have run or can adopt its reference, ``kpipe.gym.pool.JobQueue``;
-a config ending in ``u``: once per worker, each running its own). Each
+``--reuse-reference`` once per worker that judges the task (``GymPool``'s default: the pool sends a
+task's candidates to the worker that has run its reference, ``kpipe.gym.pool.JobQueue``). Each
 configuration runs in its own process with new empty compile caches (every run cold); ``1x1`` is
 the scheduling before kgym-8 (one evaluation at a time per GPU).
 
@@ -57,10 +56,9 @@ def overlapping_spans(rows: list[dict[str, object]]) -> int:
 
 
 def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, trials: int, shrink: int, reuse_reference: bool,
-            tasks: list[str], share_references: bool = True) -> dict[str, object]:
+            tasks: list[str]) -> dict[str, object]:
     """This process: a pool of `per_gpu` workers on each of `gpus` GPUs (each worker `cpu_threads`
-    OMP threads, or GymPool's default share of the cores), one pass over `tasks`; without
-    `share_references`, each worker runs its own reference runs (GymPool's option)."""
+    OMP threads, or GymPool's default share of the cores), one pass over `tasks`."""
     from kernelbench_side_by_side import bank_pairs
 
     from kpipe.gym import Protocol
@@ -72,8 +70,7 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
     os.environ["KPIPE_GYM_TRACE"] = str(trace)
     protocol = Protocol(baseline="eager", correct_trials=5, perf_trials=trials, timeout_s=300)
     started = time.monotonic()
-    with GymPool(protocol, workers=gpus, per_gpu=per_gpu, progress=False, reuse_reference=reuse_reference, cpu_threads=cpu_threads,
-                  share_references=share_references) as pool:
+    with GymPool(protocol, workers=gpus, per_gpu=per_gpu, progress=False, reuse_reference=reuse_reference, cpu_threads=cpu_threads) as pool:
         start_s = time.monotonic() - started
         ready_unix = time.time()
         results = pool.evaluate_many(jobs)
@@ -120,9 +117,7 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
               "eager_ms": r.eager_ms, "gpu_drift": r.gpu_drift, "why": "; ".join(r.hack_reasons) or r.diagnostic[:300]}
              for i, r in enumerate(results)]
     return {"gpus": gpus, "per_gpu": per_gpu, "cpu_threads": cpu_threads, "evaluations": len(results), "reuse_reference": reuse_reference,
-            "share_references": share_references,
-            "reference_runs": sum(not record.get("reference_reused") for record in records),
-            "on_shared_reference": sum(bool(record.get("reference_shared")) for record in records), "seconds": seconds, "start_s": start_s,
+            "reference_runs": sum(not record.get("reference_reused") for record in records), "seconds": seconds, "start_s": start_s,
             "statuses": sorted({r.status for r in results}), "timed_s_by_gpu": dict(timed), "tasks": tasks,
             "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
             "worker_start_s": [w["start_s"] for w in workers], "worker_start_phases": [w["start_phases"] for w in workers],
@@ -187,27 +182,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--evaluations", type=int, default=50)
     parser.add_argument("--configs", default="1x1,1x4,2x4",
-                        help="GPUSxWORKERS-PER-GPU[tTHREADS][u][:EVALUATIONS] runs, in order (the first is the reference); "
-                             "tTHREADS: each worker's OMP threads instead of the pool's share of the cores; u: the workers of a "
-                             "GPU do not share reference runs (each runs its own, as before 2026-11-28)")
+                        help="GPUSxWORKERS-PER-GPU[tTHREADS][:EVALUATIONS] runs, in order (the first is the reference); "
+                             "tTHREADS: each worker's OMP threads instead of the pool's share of the cores")
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--shrink", type=int, default=0, help="sizes divided down (a CPU smoke run: GPUs count CPU workers)")
     parser.add_argument("--kb-spawn", type=int, default=0, help="also run KernelBench spawned on this many of the jobs")
     parser.add_argument("--anchors", type=Path, default=ROOT.parent / "shared" / "anchors" / "kernelbench_harness")
-    parser.add_argument("--reuse-reference", action="store_true", help="time each task's reference once per GPU (GymPool's default)")
+    parser.add_argument("--reuse-reference", action="store_true", help="time each task's reference once per worker (GymPool's default)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="the side-by-side's tasks to cycle through (default: all ten)")
     parser.add_argument("--one-run", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_run:
         gpus, _, rest = args.one_run.partition("x")
-        unshared = rest.endswith("u")
-        per_gpu, _, threads = rest.removesuffix("u").partition("t")
+        per_gpu, _, threads = rest.partition("t")
         print(json.dumps(one_run(args.evaluations, int(gpus), int(per_gpu), int(threads) if threads else None, args.trials, args.shrink,
-                                 args.reuse_reference, args.tasks.split(","), share_references=not unshared)))
+                                 args.reuse_reference, args.tasks.split(","))))
         return
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     runs: list[dict[str, Any]] = []
-    lines = [f"References {'reused (run once per GPU that judges the task; with u, once per worker)' if args.reuse_reference else 'run per evaluation'}.", "",
+    lines = [f"References {'reused (run once per worker that judges the task)' if args.reuse_reference else 'run per evaluation'}.", "",
              "| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | reference runs | timed s per GPU | workers busy | idle tail s (mean, max) | first evaluation after the pool was ready, s (mean, max) | gap between evaluations s | overlapping timed spans |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     if args.kb_spawn:
@@ -233,8 +226,7 @@ def main() -> None:
         base = 60 * runs[0]["evaluations"] / runs[0]["seconds"]
         timed = ", ".join(f"{s:.0f}" for s in result["timed_s_by_gpu"].values())
         lines.append(f"| {config} | {result['evaluations']} | {result['seconds']:.0f} ({result['start_s']:.1f}) | {rate:.1f} | "
-                     f"{rate / result['gpus']:.1f} | {rate / base:.2f} | {result['done_by_worker']} | {result['reference_runs']}"
-                     f"{' (' + str(result['on_shared_reference']) + ' on shared)' if result.get('on_shared_reference') else ''} | {timed} | "
+                     f"{rate / result['gpus']:.1f} | {rate / base:.2f} | {result['done_by_worker']} | {result['reference_runs']} | {timed} | "
                      f"{fmt(result.get('busy_share'), '.0%')} | {fmt(result.get('tail_s_mean'), '.1f')}, {fmt(result.get('tail_s_max'), '.1f')} | "
                      f"{fmt(result.get('join_s_mean'), '.1f')}, {fmt(result.get('join_s_max'), '.1f')} | {fmt(result.get('gap_s_mean'), '.3f')} | "
                      f"{result['overlapping_spans']} |")
@@ -269,8 +261,7 @@ def main() -> None:
 
 
 def label(run: dict[str, Any]) -> str:
-    return (f"{run['gpus']}x{run['per_gpu']}" + ("u" if run.get("share_references") is False else "")
-            + (f" ({run['cpu_threads']} threads)" if run.get("cpu_threads") else ""))
+    return f"{run['gpus']}x{run['per_gpu']}" + (f" ({run['cpu_threads']} threads)" if run.get("cpu_threads") else "")
 
 
 def mean_max(values: list[float]) -> str:

@@ -4,8 +4,6 @@ and cached jobs are never evaluated twice."""
 
 from __future__ import annotations
 
-import json
-import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -15,8 +13,7 @@ from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
 from kpipe.gym.cache import ResultCache
-from kpipe.gym.pool import (MAX_ATTEMPTS, MAX_CPU_THREADS, GymPool, JobQueue, SharedReferences, WorkerState, default_cpu_threads,
-                            default_slots)
+from kpipe.gym.pool import MAX_ATTEMPTS, MAX_CPU_THREADS, GymPool, JobQueue, WorkerState, default_cpu_threads, default_slots
 from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.result import EvalResult
 from kpipe.gym.sandbox import OPT_OUT_VARIABLE
@@ -261,94 +258,3 @@ def test_without_reuse_the_queue_is_first_in_first_out() -> None:
     jobs.stop(1)
     assert jobs.get(worker, [worker]).reference == "C"  # jobs queued before the stop are served
     assert jobs.get(worker, [worker]) is None
-
-
-def test_a_workers_judge_takes_its_gpus_shared_reference_runs_before_new_tasks() -> None:
-    """After its own tasks, a worker takes the tasks whose reference another judge of its GPU has
-    run (it adopts that run); a worker of another GPU does not, nor one that has not run a
-    reference itself yet (it would build Triton's runtime helpers in every candidate)."""
-    shared = SharedReferences()
-    shared.put("0", "B", (b"run of B", 1.0))
-    jobs = JobQueue(affinity=True, shared=shared)
-    for job in queued("A", "B", "A", "B", "A"):
-        jobs.put(job)
-    same_gpu = WorkerState(slot=0, gpu="0", device_kind="cuda:H200", ran_reference=True)
-    other_gpu = WorkerState(slot=1, gpu="1", device_kind="cuda:H200", ran_reference=True)
-    fresh = WorkerState(slot=2, gpu="0", device_kind="cuda:H200")
-    everyone = [same_gpu, other_gpu, fresh]
-    assert jobs.get(same_gpu, everyone).reference == "B"
-    assert jobs.get(other_gpu, everyone).reference == "A"
-    assert jobs.get(fresh, everyone).job_id == 2  # A, the task with the most waiting: it runs a reference of its own
-    fresh.busy_reference, fresh.ran_reference, fresh.references = None, True, {"A"}
-    assert jobs.get(fresh, everyone).job_id == 4  # its own A first
-    fresh.busy_reference = None
-    assert jobs.get(fresh, everyone).job_id == 3  # then B, which its GPU's other judge has run
-    assert WorkerState(slot=3, gpu=None, device_kind="cpu").can_adopt()  # the host's CPU workers need no helpers
-
-
-def test_shared_reference_runs_keep_their_age_and_the_newest_within_their_bytes() -> None:
-    shared = SharedReferences(max_bytes=10)
-    shared.put("0", "A", (b"123456", 100.0))
-    blob, age = shared.get("0", "A")
-    assert blob == b"123456" and 100.0 <= age < 101.0  # its age counts on from the original run
-    assert shared.get("1", "A") is None  # another GPU's judges do not see it
-    shared.put("0", "B", (b"7890", 0.0))
-    assert shared.has("0", "A") and shared.has("0", "B")
-    shared.get("0", "A")  # A used last: B is the least recently used
-    shared.put("0", "C", (b"xy", 0.0))
-    assert not shared.has("0", "B") and shared.has("0", "A") and shared.has("0", "C")
-
-
-def test_an_adopted_reference_run_is_reused_as_is_and_a_stale_one_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The payload another judge exported comes back equal, is judged against without running a
-    reference child, and is refused when older than REFERENCE_MAX_AGE_S or, on a GPU, before this
-    judge has Triton's runtime helpers."""
-    import torch
-
-    from kpipe.gym import evaluation
-
-    monkeypatch.setattr(evaluation, "_reference_cache", evaluation.OrderedDict())
-    payload = {"outputs": [torch.arange(4.0)], "eager": {"ms": [1.0, 2.0]}, "stats": {"wall_s": 0.5}}
-    key = evaluation.reference_cache_key(REFERENCE, PROTOCOL, "cpu")
-    evaluation.keep_reference(key, evaluation.KeptReference(time.monotonic() - 5.0, payload, 100))
-    blob, age = evaluation.export_reference(REFERENCE, PROTOCOL, "cpu")
-    assert 5.0 <= age < 6.0
-    evaluation._reference_cache.clear()
-
-    def never(*_: object) -> None:
-        raise AssertionError("a reference child ran")
-
-    assert not evaluation.adopt_reference(REFERENCE, PROTOCOL, "cpu", blob, evaluation.REFERENCE_MAX_AGE_S + 1)
-    assert evaluation.kept_reference(REFERENCE, PROTOCOL, "cpu") is None
-    assert evaluation.adopt_reference(REFERENCE, PROTOCOL, "cpu", blob, age)
-    kept = evaluation.kept_reference(REFERENCE, PROTOCOL, "cpu")
-    assert kept.shared and time.monotonic() - kept.ran_at >= 5.0
-    adopted, ran = evaluation.run_reference(REFERENCE, PROTOCOL, "cpu", reuse=True, launch=never)
-    assert not ran and torch.equal(adopted["outputs"][0], payload["outputs"][0]) and adopted["eager"] == payload["eager"]
-
-    class NoHelpers:
-        def has_runtime_helpers(self) -> bool:
-            return False
-
-    monkeypatch.setattr(evaluation, "process_caches", NoHelpers)
-    assert not evaluation.adopt_reference(REFERENCE, PROTOCOL, "cuda", blob, age)
-
-
-def test_the_workers_of_a_device_run_a_tasks_reference_once_between_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With references reused, the second worker of a device adopts the first one's run of a task's
-    reference rather than running it again: every candidate of the task there is judged against one
-    baseline (CPU workers share the host as a GPU's workers share their GPU)."""
-    trace = tmp_path / "trace.jsonl"
-    monkeypatch.setenv("KPIPE_GYM_TRACE", str(trace))
-    with GymPool(PROTOCOL, workers=2, progress=False) as pool:
-        first = pool.evaluate(REFERENCE, variant(LEGIT, "shared 0"))
-        deadline = time.monotonic() + 120
-        while not all(worker["alive"] for worker in pool.workers()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        results = [first, *pool.evaluate_many([(REFERENCE, variant(LEGIT, f"shared {i}")) for i in range(1, 5)])]
-    records = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert [status(result) for result in results] == ["pass"] * 5, [result.diagnostic for result in results]
-    assert len({record["judge_pid"] for record in records}) == 2  # both judges judged
-    assert sum(not record["reference_reused"] for record in records) == 1
-    assert any(record["reference_shared"] for record in records)
-    assert {result.eager_ms for result in results} == {first.eager_ms}

@@ -133,10 +133,6 @@ class CompileCaches:
         """Record what the trusted child that just exited left in the trusted directory."""
         self._manifest = snapshot(self.trusted)
 
-    def has_runtime_helpers(self) -> bool:
-        """Whether a trusted child has built Triton's runtime helpers here, to seed candidates with."""
-        return bool(runtime_entries(self.trusted / "triton"))
-
     def for_candidate(self, private: Path) -> dict[str, str]:
         """Cache variables of a candidate child: `private` (inside its scratch directory),
         seeded with a copy of the verified trusted Triton cache's runtime helpers."""

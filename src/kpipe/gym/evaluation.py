@@ -9,19 +9,16 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import io
 import json
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kpipe.data.source_text import source_hash
-from kpipe.gym.compile_caches import process_caches
 from kpipe.gym.compare import Comparison, Tolerance, compare_outputs
 from kpipe.gym.faults import classify_exit
 from kpipe.gym.feedback import build_feedback, clip
@@ -59,20 +56,8 @@ REFERENCE_MAX_AGE_S = 1800.0
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
 # what a tampered (well-formed pickle, wrong structure) result file raises while judged
 MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
-
-
-@dataclass
-class KeptReference:
-    """A reference run kept for later candidates of its task (``reuse_reference``)."""
-
-    ran_at: float  # time.monotonic() when it ran
-    payload: dict[str, Any]
-    size_bytes: int  # its result file's, roughly what keeping it costs
-    shared: bool = False  # run by another judge of the same device (adopt_reference)
-
-
-# reference runs by key, least recently used first
-_reference_cache: OrderedDict[str, KeptReference] = OrderedDict()
+# reference runs by key: (when it ran, its payload, its result file's bytes), least recently used first
+_reference_cache: OrderedDict[str, tuple[float, dict[str, Any], int]] = OrderedDict()
 
 
 class ReferenceFailure(RuntimeError):
@@ -135,55 +120,14 @@ def check_reference(reference_src: str) -> None:
         raise ValueError(f"reference lacks {', '.join(sorted(missing))} (KernelBench format)")
 
 
-def reference_cache_key(reference_src: str, protocol: Protocol, device: str) -> str:
-    return hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
-
-
-def keep_reference(cache_key: str, kept: KeptReference) -> None:
-    """Keep a reference run (the least recently used go first beyond ``REFERENCE_CACHE_BYTES``)."""
-    _reference_cache[cache_key] = kept
-    _reference_cache.move_to_end(cache_key)
-    while len(_reference_cache) > 1 and sum(entry.size_bytes for entry in _reference_cache.values()) > REFERENCE_CACHE_BYTES:
-        _reference_cache.popitem(last=False)
-
-
-def kept_reference(reference_src: str, protocol: Protocol, device: str) -> KeptReference | None:
-    return _reference_cache.get(reference_cache_key(reference_src, protocol, device))
-
-
-def export_reference(reference_src: str, protocol: Protocol, device: str) -> tuple[bytes, float] | None:
-    """The kept run of this reference, serialised for another judge of the same device
-    (``kpipe.gym.pool`` hands it on), with its age in seconds; None if none is kept."""
-    kept = kept_reference(reference_src, protocol, device)
-    if kept is None:
-        return None
-    buffer = io.BytesIO()
-    torch.save(kept.payload, buffer)
-    return buffer.getvalue(), time.monotonic() - kept.ran_at
-
-
-def adopt_reference(reference_src: str, protocol: Protocol, device: str, blob: bytes, age_s: float) -> bool:
-    """Keep another judge's run of this reference on the same device (``export_reference``) as if
-    this process had run it: its age counts on from the original run. Refused (False) when it is
-    too old, or on a GPU while this process has no trusted Triton runtime helpers yet (only a
-    reference child of its own builds them; without them every candidate child would build its
-    own, which costs more than the shared run saves). Loaded like a child's result: weights only."""
-    if age_s >= REFERENCE_MAX_AGE_S or (device == "cuda" and not process_caches().has_runtime_helpers()):
-        return False
-    payload = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    keep_reference(reference_cache_key(reference_src, protocol, device),
-                   KeptReference(time.monotonic() - age_s, payload, len(blob), shared=True))
-    return True
-
-
 def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bool,
                   launch: Launcher = fresh_interpreter, lease: TimingLease | None = None) -> tuple[dict[str, Any], bool]:
     """The reference child's payload, and whether it ran now (False: reused from this
     process's cache). With `lease`, it times its baselines holding the device's timing lease."""
-    cache_key = reference_cache_key(reference_src, protocol, device)
-    if reuse and cache_key in _reference_cache and time.monotonic() - _reference_cache[cache_key].ran_at < REFERENCE_MAX_AGE_S:
+    cache_key = hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
+    if reuse and cache_key in _reference_cache and time.monotonic() - _reference_cache[cache_key][0] < REFERENCE_MAX_AGE_S:
         _reference_cache.move_to_end(cache_key)
-        return _reference_cache[cache_key].payload, False
+        return _reference_cache[cache_key][1], False
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
     run = run_isolated(job, protocol.timeout_s, gate=(lambda _: True) if lease else None, launch=launch, lease=lease)
     if run.payload is None or run.payload.get("status") != "ok":
@@ -193,7 +137,10 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
     run.payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s, setup_s=run.setup_s,
                                                child_s=run.child_s, cleanup_s=run.cleanup_s)
     if reuse:
-        keep_reference(cache_key, KeptReference(time.monotonic(), run.payload, run.result_bytes))
+        _reference_cache[cache_key] = (time.monotonic(), run.payload, run.result_bytes)
+        _reference_cache.move_to_end(cache_key)
+        while len(_reference_cache) > 1 and sum(entry[2] for entry in _reference_cache.values()) > REFERENCE_CACHE_BYTES:
+            _reference_cache.popitem(last=False)
     return run.payload, True
 
 
@@ -511,7 +458,6 @@ def evaluate(
     reference, reference_ran = run_reference(reference_src, protocol, device, reuse_reference, launch, lease)
     trace["reference_s"] = time.monotonic() - reference_started
     trace["reference_reused"] = not reference_ran
-    trace["reference_shared"] = not reference_ran and getattr(kept_reference(reference_src, protocol, device), "shared", False)
     if reference_ran:
         trace["reference"] = child_stats(reference, None)
     base.update(device=reference["device"] if device == "cpu" else kind, torch_version=reference["torch_version"],

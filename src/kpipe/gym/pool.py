@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult, reference_error
-from kpipe.gym.worker import Job, SharedRun, WorkerHandle
+from kpipe.gym.worker import Job, WorkerHandle
 
 if TYPE_CHECKING:
     from kpipe.gym.cache import ResultCache
@@ -64,9 +64,6 @@ WORKER_SLACK_S = 120.0
 # docs/gpu-results/gym_scaling_2026-11-27c_4xH200.md): a child's CPU work (digests, comparisons) is
 # small, and more threads cost more to wake than they save
 MAX_CPU_THREADS = 16
-# host memory the pool may hold in reference runs kept for the other judges of their device
-# (serialised; ~30 MB for a full-size KernelBench task, much less for most), least recently used dropped first
-SHARED_REFERENCE_BYTES = 2 << 30
 
 
 @dataclass
@@ -79,54 +76,13 @@ class WorkerState:
     device_kind: str = ""
     busy_with: str | None = None  # key of the job being evaluated
     busy_reference: str | None = None  # its reference source
-    references: set[str] = field(default_factory=set)  # references its judge has run (or adopted) and reuses
-    ran_reference: bool = False  # its judge has run a reference itself: it can adopt another judge's on a GPU
+    references: set[str] = field(default_factory=set)  # references its judge has run and reuses
     done: int = 0
     restarts: int = 0
     last_loss: str = ""
     alive: bool = False
     start_s: float | None = None  # its last start: launch to ready, as the pool waited for it
     start_phases: dict[str, float] = field(default_factory=dict)  # where that went, as the worker saw it
-
-    def can_adopt(self) -> bool:
-        """Whether its judge takes another judge's reference run (``evaluation.adopt_reference``):
-        on a GPU only once it has run one itself, which builds its Triton runtime helpers."""
-        return self.ran_reference or self.device_kind == "cpu"
-
-
-class SharedReferences:
-    """Reference runs that a worker's judge ran, kept for the other judges of the same device (the
-    slot's GPU; CPU workers share the host): the workers of a GPU then run a task's reference once
-    between them rather than once each, and judge all its candidates against one baseline timed on
-    that GPU. Held as the judge serialised them, so the pool stays torch-free; bounded by
-    `max_bytes`, the least recently used dropped first."""
-
-    def __init__(self, max_bytes: int = SHARED_REFERENCE_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._lock = threading.Lock()
-        # (device, reference source) -> (serialised run, time.monotonic() when it ran)
-        self._runs: OrderedDict[tuple[str | None, str], tuple[bytes, float]] = OrderedDict()
-
-    def put(self, gpu: str | None, reference: str, run: SharedRun) -> None:
-        blob, age_s = run
-        with self._lock:
-            self._runs[(gpu, reference)] = (blob, time.monotonic() - age_s)
-            self._runs.move_to_end((gpu, reference))
-            while len(self._runs) > 1 and sum(len(blob) for blob, _ in self._runs.values()) > self.max_bytes:
-                self._runs.popitem(last=False)
-
-    def get(self, gpu: str | None, reference: str) -> SharedRun | None:
-        """The run with its age now, or None."""
-        with self._lock:
-            entry = self._runs.get((gpu, reference))
-            if entry is None:
-                return None
-            self._runs.move_to_end((gpu, reference))
-            return entry[0], time.monotonic() - entry[1]
-
-    def has(self, gpu: str | None, reference: str) -> bool:
-        with self._lock:
-            return (gpu, reference) in self._runs
 
 
 def default_slots(workers: int | None, gpus: Sequence[str] | None = None, per_gpu: int | None = None) -> list[str | None]:
@@ -155,15 +111,13 @@ class GymPool:
     objects, or for a reference that itself fails, a ``reference_error`` mapping (as
     ``LocalEvaluator`` returns). Identical jobs are evaluated once (in flight and via `cache`).
 
-    `reuse_reference` (default on): a task's reference is run once per GPU (outputs, eager /
-    ``torch.compile`` timings) and later candidates of that task on that GPU are judged against it
-    for up to ``evaluation.REFERENCE_MAX_AGE_S``. The run is kept in the judging worker's memory,
-    which no candidate runs in (candidates are forked from the zygote, which never holds one), and
-    handed, serialised, through the pool (``SharedReferences``) to the other workers of its GPU. The
+    `reuse_reference` (default on): each worker runs a task's reference once (outputs, eager /
+    ``torch.compile`` timings) and judges later candidates of that task against it for up to
+    ``evaluation.REFERENCE_MAX_AGE_S``. The run is kept in the judging worker's memory, which no
+    candidate runs in (candidates are forked from the zygote, which never holds one), and the
     worker holds the reference's outputs during every candidate run either way. It halves an
-    evaluation's cost and gives all candidates of a task on a GPU one baseline; off, the baseline
-    is re-timed next to each candidate. `share_references` off: each worker runs its own (the
-    pool before 2026-11-28; benchmarks compare the two).
+    evaluation's cost and gives all candidates of a task one baseline; off, the baseline is
+    re-timed next to each candidate.
 
     `cpu_threads`: each worker's (and its children's) ``OMP_NUM_THREADS``; by default the host's
     cores shared out between the workers, so that their CPU work does not oversubscribe it, and at
@@ -181,7 +135,6 @@ class GymPool:
         gpus: Sequence[str] | None = None,
         per_gpu: int | None = None,
         cpu_threads: int | None = None,
-        share_references: bool = True,
     ) -> None:
         self.protocol = protocol or Protocol()
         self.cache = cache
@@ -190,8 +143,7 @@ class GymPool:
         self.fork = fork
         slots = default_slots(workers, gpus, per_gpu)
         self.cpu_threads = cpu_threads or default_cpu_threads(len(slots))
-        self.shared = SharedReferences() if reuse_reference and share_references else None
-        self._queue = JobQueue(affinity=reuse_reference, shared=self.shared)
+        self._queue = JobQueue(affinity=reuse_reference)
         self._lock = threading.Lock()
         self._started = threading.Condition(self._lock)
         self._in_flight: dict[str, Future[Any]] = {}
@@ -335,14 +287,8 @@ class GymPool:
                     self._lose(job, state, f"could not restart the worker: {state.last_loss}")
                     continue
             job.attempts += 1
-            shared = None
-            if self.shared is not None and job.reference not in state.references and state.can_adopt():
-                shared = self.shared.get(state.gpu, job.reference)
-            kind, payload, exported = handle.evaluate(job, self._reply_timeout(), shared)
+            kind, payload = handle.evaluate(job, self._reply_timeout())
             state.busy_with = state.busy_reference = None
-            if exported is not None and self.shared is not None:
-                state.ran_reference = True
-                self.shared.put(state.gpu, job.reference, exported)
             if kind in ("lost", "worker_error"):
                 if kind == "lost":  # replace it now, so /workers never shows a dead one idle
                     state.alive = False
@@ -371,7 +317,6 @@ class GymPool:
             return None
         state.restarts += 1
         state.references.clear()  # the new judge has run none
-        state.ran_reference = False
         return handle
 
     def _lose(self, job: Job, state: WorkerState, why: str) -> None:
@@ -394,18 +339,15 @@ class JobQueue:
     (a Snakemake run's service serves its critical path, distillation and the RL iterations,
     before the evaluations that only its report waits for). Among those, without `affinity`,
     first in first out. With it (the pool reuses references), a worker takes first the oldest
-    job whose reference its judge has already run (and reuses), then one whose reference another
-    judge of its GPU has run (`shared`: it adopts that run), then one whose reference no worker has
-    run or is running, then the oldest of the task with the most jobs waiting (its reference run,
-    paid again, is shared by the most): so each task's reference is run about once per pool rather
-    than once per worker that happens to draw one of its candidates (a one-pass batch of 80
-    candidates of 10 tasks on 4 workers would otherwise run up to 40), and a worker never idles
-    while jobs wait. The choice is made when the worker is free, so it always sees what every
-    other worker holds and runs."""
+    job whose reference its judge has already run (and reuses), then one whose reference no
+    worker has run or is running, then the oldest of the task with the most jobs waiting (its
+    reference run, paid again, is shared by the most): so each task's reference is run about once per pool rather than once per worker that happens to
+    draw one of its candidates (a one-pass batch of 80 candidates of 10 tasks on 4 workers would
+    otherwise run up to 40), and a worker never idles while jobs wait. The choice is made when the
+    worker is free, so it always sees what every other worker holds and runs."""
 
-    def __init__(self, affinity: bool, shared: SharedReferences | None = None) -> None:
+    def __init__(self, affinity: bool) -> None:
         self.affinity = affinity
-        self.shared = shared
         self._jobs: list[Job] = []
         self._stops = 0
         self._changed = threading.Condition()
@@ -449,10 +391,6 @@ class JobQueue:
         for i in eligible:
             if self._jobs[i].reference in state.references:
                 return i
-        if self.shared is not None and state.can_adopt():  # then one its GPU's other judges have run
-            for i in eligible:
-                if self.shared.has(state.gpu, self._jobs[i].reference):
-                    return i
         claimed = {reference for other in states for reference in other.references}
         claimed |= {other.busy_reference for other in states if other.busy_reference is not None}
         unclaimed = next((i for i in eligible if self._jobs[i].reference not in claimed), None)

@@ -30,9 +30,6 @@ from kpipe.infra.process import PR_SET_DUMPABLE, kill_group, prctl, process_age
 from kpipe.gym.zygote import Zygote, ZygoteLauncher
 
 WORKER_START_TIMEOUT_S = 300.0
-# a judge's run of a reference as another judge of its device adopts it: the payload serialised
-# (torch.save, loaded weights only) and its age in seconds (kpipe.gym.evaluation.export_reference)
-SharedRun = tuple[bytes, float]
 
 
 @dataclass
@@ -49,12 +46,9 @@ class Job:
 
 def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: bool) -> None:
     """Serve evaluations over `conn_fd` until the pool closes it. Messages in:
-    ``(job_id, reference_src, candidate_src, shared)``, `shared` None or another judge's run of the
-    reference on this device (``(bytes, age_s)`` of ``evaluation.export_reference``), adopted
-    before judging; out: ``("ready", info)`` once, then ``(job_id, kind, payload, exported)`` with
-    kind ``ok`` (a result row), ``reference_error`` or ``worker_error`` (the judge itself raised:
-    the pool treats it like a dead worker), and `exported` this judge's run of the reference when
-    it ran it for this job (with `reuse_reference`), for the pool to hand to the device's other judges."""
+    ``(job_id, reference_src, candidate_src)``; out: ``("ready", info)`` once, then
+    ``(job_id, kind, payload)`` with kind ``ok`` (a result row), ``reference_error`` or
+    ``worker_error`` (the judge itself raised: the pool treats it like a dead worker)."""
     prctl(PR_SET_DUMPABLE, 0)  # no process of the same user reads this judge's memory or /proc entries
     marks = [("interpreter start", time.monotonic() - (process_age(os.getpid()) or 0.0))]
     # the zygote imports torch and triton in its own interpreter while this one does the same
@@ -97,24 +91,17 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     launch = ZygoteLauncher(current_zygote, device, protocol.to_dict()) if fork else fresh_interpreter
     while True:
         try:
-            job_id, reference, candidate, shared = conn.recv()
+            job_id, reference, candidate = conn.recv()
         except (EOFError, OSError):
             break
-        exported = None
         try:
-            if shared is not None and reuse_reference:
-                evaluation.adopt_reference(reference, protocol, device, *shared)
-            kept_before = evaluation.kept_reference(reference, protocol, device)
             result = evaluation.evaluate(reference, candidate, protocol, reuse_reference=reuse_reference, launch=launch)
             reply = (job_id, "ok", result.to_row())
-            kept = evaluation.kept_reference(reference, protocol, device)
-            if reuse_reference and kept is not None and kept is not kept_before:  # it ran the reference now
-                exported = evaluation.export_reference(reference, protocol, device)
         except (evaluation.ReferenceFailure, ValueError, TypeError) as exc:
             reply = (job_id, REFERENCE_ERROR, str(exc)[:2000])
         except Exception:  # noqa: BLE001 - a bug in the judge: the pool re-queues the job once
             reply = (job_id, "worker_error", traceback.format_exc()[-2000:])
-        conn.send((*reply, exported))
+        conn.send(reply)
     if isinstance(launch, ZygoteLauncher):
         launch.close()
     if zygote is not None:
@@ -148,23 +135,22 @@ class WorkerHandle:
         self.info: dict[str, Any] = info
         self.start_s = time.monotonic() - started
 
-    def evaluate(self, job: Job, reply_timeout_s: float, shared: SharedRun | None = None) -> tuple[str, Any, SharedRun | None]:
-        """(kind, payload, exported) as ``worker_main`` answers, `shared` sent with the job; kind
-        ``lost`` when the worker died or hung (it is then stopped)."""
+    def evaluate(self, job: Job, reply_timeout_s: float) -> tuple[str, Any]:
+        """(kind, payload); kind ``lost`` when the worker died or hung (it is then stopped)."""
         try:
-            self.conn.send((job.job_id, job.reference, job.candidate, shared))
+            self.conn.send((job.job_id, job.reference, job.candidate))
             if not self.conn.poll(reply_timeout_s):
                 self.stop()
-                return "lost", f"the worker did not answer within {reply_timeout_s:g} s and was killed", None
-            job_id, kind, payload, exported = self.conn.recv()
+                return "lost", f"the worker did not answer within {reply_timeout_s:g} s and was killed"
+            job_id, kind, payload = self.conn.recv()
         except (EOFError, OSError):
             code = self.process.poll()
             self.stop()
-            return "lost", f"the worker process died (exit code {code})", None
+            return "lost", f"the worker process died (exit code {code})"
         if job_id != job.job_id:
             self.stop()
-            return "lost", "the worker answered for another job", None
-        return kind, payload, exported
+            return "lost", "the worker answered for another job"
+        return kind, payload
 
     def alive(self) -> bool:
         return self.process.poll() is None
