@@ -15,6 +15,9 @@ task's candidates to the worker that has run its reference, ``kpipe.gym.pool.Job
 configuration runs in its own process with new empty compile caches (every run cold); ``1x1`` is
 the scheduling before kgym-8 (one evaluation at a time per GPU).
 
+With ``--passes N`` each configuration's pool then judges N - 1 more passes of new candidates, warm
+(the steps of an RL run on its long-lived service), reported in a table of their own.
+
 Per run: evaluations/min with the pool's start, the start itself (until the first worker is
 ready), per GPU the seconds its timed regions took against the run's wall time (the GPU's share
 spent timing), the mean seconds of each phase, the recorded timed spans (no two may overlap on one
@@ -56,9 +59,12 @@ def overlapping_spans(rows: list[dict[str, object]]) -> int:
 
 
 def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, trials: int, shrink: int, reuse_reference: bool,
-            tasks: list[str]) -> dict[str, object]:
+            tasks: list[str], passes: int = 1) -> dict[str, object]:
     """This process: a pool of `per_gpu` workers on each of `gpus` GPUs (each worker `cpu_threads`
-    OMP threads, or GymPool's default share of the cores), one pass over `tasks`."""
+    OMP threads, or GymPool's default share of the cores), one pass over `tasks`, then `passes` - 1
+    more passes of new candidates (another cache key each) on the same, now warm, pool: what the
+    steps of an RL run cost on the run's long-lived KernelGym service. The report's phases and worker
+    figures are the first pass's."""
     from kernelbench_side_by_side import bank_pairs
 
     from kpipe.gym import Protocol
@@ -75,10 +81,17 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
         ready_unix = time.time()
         results = pool.evaluate_many(jobs)
         done_unix = time.time()
+        later_passes = []
+        for number in range(1, passes):
+            begun = time.monotonic()
+            again = pool.evaluate_many([(reference, f"{candidate}# pass {number}\n") for reference, candidate in jobs])
+            later_passes.append({"seconds": time.monotonic() - begun, "statuses": sorted({r.status for r in again}),
+                                 "overlapping_spans": overlapping_spans([{"device_id": r.device_id, "timed_spans": r.timed_spans}
+                                                                         for r in results + again])})
         workers = pool.workers()
         cpu_threads = pool.cpu_threads
     seconds = time.monotonic() - started
-    records = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
+    records = [json.loads(line) for line in trace.read_text().splitlines()[:len(jobs)]] if trace.exists() else []
     timed: dict[str, float] = defaultdict(float)
     for result in results:
         timed[result.device_id or "?"] += sum(end - begin for begin, end in result.timed_spans)
@@ -117,7 +130,8 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
               "eager_ms": r.eager_ms, "gpu_drift": r.gpu_drift, "why": "; ".join(r.hack_reasons) or r.diagnostic[:300]}
              for i, r in enumerate(results)]
     return {"gpus": gpus, "per_gpu": per_gpu, "cpu_threads": cpu_threads, "evaluations": len(results), "reuse_reference": reuse_reference,
-            "reference_runs": sum(not record.get("reference_reused") for record in records), "seconds": seconds, "start_s": start_s,
+            "reference_runs": sum(not record.get("reference_reused") for record in records), "seconds": seconds - sum(
+                later["seconds"] for later in later_passes), "start_s": start_s, "later_passes": later_passes,
             "statuses": sorted({r.status for r in results}), "timed_s_by_gpu": dict(timed), "tasks": tasks,
             "done_by_worker": [w["done"] for w in workers], "overlapping_spans": overlapping_spans(rows),
             "worker_start_s": [w["start_s"] for w in workers], "worker_start_phases": [w["start_phases"] for w in workers],
@@ -190,13 +204,16 @@ def main() -> None:
     parser.add_argument("--anchors", type=Path, default=ROOT.parent / "shared" / "anchors" / "kernelbench_harness")
     parser.add_argument("--reuse-reference", action="store_true", help="time each task's reference once per worker (GymPool's default)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="the side-by-side's tasks to cycle through (default: all ten)")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="passes of new candidates on each configuration's pool (the first cold, pool start included; the "
+                             "later ones on the warm pool, as an RL run's steps on its long-lived service)")
     parser.add_argument("--one-run", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_run:
         gpus, _, rest = args.one_run.partition("x")
         per_gpu, _, threads = rest.partition("t")
         print(json.dumps(one_run(args.evaluations, int(gpus), int(per_gpu), int(threads) if threads else None, args.trials, args.shrink,
-                                 args.reuse_reference, args.tasks.split(","))))
+                                 args.reuse_reference, args.tasks.split(","), args.passes)))
         return
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     runs: list[dict[str, Any]] = []
@@ -212,7 +229,7 @@ def main() -> None:
         config, _, evaluations = config.partition(":")
         caches = {name: tempfile.mkdtemp(prefix="cold-") for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
         run = subprocess.run([sys.executable, __file__, "--one-run", config, "--evaluations", evaluations or str(args.evaluations),
-                              "--trials", str(args.trials), "--shrink", str(args.shrink), "--tasks", args.tasks,
+                              "--trials", str(args.trials), "--shrink", str(args.shrink), "--tasks", args.tasks, "--passes", str(args.passes),
                               *(["--reuse-reference"] if args.reuse_reference else [])],
                              capture_output=True, text=True, env={**os.environ, **caches}, timeout=1800)
         if run.returncode != 0:
@@ -233,6 +250,19 @@ def main() -> None:
         print(lines[-1], flush=True)
         if out:  # what is measured so far survives a cut-off run
             (out / "gym_scaling.json").write_text(json.dumps(runs, indent=1))
+    if args.passes > 1:
+        lines += ["", f"Later passes on each configuration's warm pool ({args.evaluations} new candidates each; no pool start, "
+                  "references kept from the first pass): seconds, evaluations/min, x the first configuration's same pass, "
+                  "statuses, overlapping timed spans over all passes:", "",
+                  "| GPUs x workers | " + " | ".join(f"pass {n + 2}" for n in range(args.passes - 1)) + " |",
+                  "|---|" + "---|" * (args.passes - 1)]
+        for run in runs:
+            cells = []
+            for later, first in zip(run["later_passes"], runs[0]["later_passes"]):
+                rate, base = 60 * run["evaluations"] / later["seconds"], 60 * runs[0]["evaluations"] / first["seconds"]
+                cells.append(f"{later['seconds']:.0f} s, {rate:.1f}/min, **{rate / base:.2f}×**, {'/'.join(later['statuses'])}, "
+                             f"{later['overlapping_spans']}")
+            lines.append(f"| {label(run)} | " + " | ".join(cells) + " |")
     names = list(dict.fromkeys(name for run in runs for name in run["mean_phase_s"]))
     lines += ["", "Mean seconds per evaluation, by phase (the judge's trace):", "",
               "| phase | " + " | ".join(label(r) for r in runs) + " |", "|---|" + "---|" * len(runs)]
