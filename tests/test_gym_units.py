@@ -502,6 +502,35 @@ def test_the_judge_reports_drift_corrected_times_and_the_drift():
     assert run([])["gpu_drift"] is None
 
 
+def test_the_recheck_ratio_is_host_over_event_speedup_and_the_judge_traces_it():
+    """The re-check's margin: host-clock speedup over event-timed speedup on one baseline, i.e.
+    median(event ms) / median(host ms); below HOST_RECHECK_MIN_RATIO the speedup was not
+    reproduced. The judge writes it into its trace record for honest candidates too (how close
+    they come to the bound)."""
+    from kpipe.gym.compare import Comparison
+    from kpipe.gym.evaluation import HOST_RECHECK_MIN_RATIO, host_recheck_ratio, judge, timing_reasons
+
+    assert host_recheck_ratio({"host_ms": [0.30, 0.25, 0.40]}, 2.8, [0.20, 0.18, 0.19]) == pytest.approx(0.19 / 0.30)
+    assert host_recheck_ratio({"host_ms": [0.25]}, 2.8, [0.0]) is None  # no event-timed speedup to compare
+    reference = {"outputs": [[torch.ones(4)]], "recheck_outputs": [[torch.ones(4)]], "eager": {"ms": [2.0] * 3}}
+    recheck = {"samples": [{"trial": 0, "input_set": 0, "outputs": [torch.ones(4)]}]}
+    at_the_bound = _timed_payload([0.1] * 3, [0.15] * 3)
+    at_the_bound["recheck"] = {**recheck, "host_ms": [0.1 / HOST_RECHECK_MIN_RATIO] * 2}
+    assert timing_reasons(at_the_bound, reference, Protocol(), 10.0, 2.0, at_the_bound["timing"]["ms"]) == []
+    below = _timed_payload([0.1] * 3, [0.15] * 3)
+    below["recheck"] = {**recheck, "host_ms": [0.21] * 2}
+    assert timing_reasons(below, reference, Protocol(), 10.0, 2.0, below["timing"]["ms"]) == [
+        "speedup_not_reproduced: 20x by events, 9.52x by the host clock on fresh inputs"]
+
+    trace: dict = {}
+    verdict = {"check": Comparison(True, "", 0.0, 0.0), "reasons": []}
+    honest = _timed_payload([0.1] * 3, [0.15] * 3)
+    honest["recheck"] = {**recheck, "host_ms": [0.125] * 2}
+    result = judge(honest, verdict, reference, Protocol(baseline="eager"), 10.0, 2.0, None,
+                   lambda status, **fields: {"status": status, **fields}, {}, trace)
+    assert result["status"] == "pass" and trace["recheck_host_to_event"] == pytest.approx(0.8)
+
+
 class QueuedGpuClocks:
     """CUDA-shaped clocks where the host waits for the GPU: work queued by the host runs after
     whatever is queued before it; a synchronize brings the host clock to the GPU's, plus latency."""

@@ -247,11 +247,22 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
             if not compare_outputs(sample["outputs"], reference["recheck_outputs"][sample["input_set"]], tol).ok:
                 reasons.append("recheck_output_mismatch: wrong output on fresh inputs during the speedup re-check")
                 break
-        event_speedup = speedup(ref_ms, median(measured_ms))
-        host_speedup = speedup(ref_ms, median(recheck["host_ms"]))
-        if event_speedup and host_speedup is not None and host_speedup < HOST_RECHECK_MIN_RATIO * event_speedup:
-            reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {host_speedup:.3g}x by the host clock on fresh inputs")
+        ratio = host_recheck_ratio(recheck, ref_ms, measured_ms)
+        if ratio is not None and ratio < HOST_RECHECK_MIN_RATIO:
+            event_speedup = speedup(ref_ms, median(measured_ms))
+            reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {event_speedup * ratio:.3g}x by the host clock "
+                           "on fresh inputs")
     return reasons
+
+
+def host_recheck_ratio(recheck: dict[str, Any], ref_ms: float, measured_ms: list[float]) -> float | None:
+    """The host-clock re-check's speedup over the event-timed one (the same baseline `ref_ms`):
+    ``median(measured_ms) / median(recheck host_ms)``; the re-check fails below ``HOST_RECHECK_MIN_RATIO``."""
+    event_speedup = speedup(ref_ms, median(measured_ms))
+    host_speedup = speedup(ref_ms, median(recheck["host_ms"]))
+    if not event_speedup or host_speedup is None:
+        return None
+    return host_speedup / event_speedup
 
 
 def busy_after_call_ms(timing: dict[str, Any]) -> float:
@@ -510,7 +521,7 @@ def evaluate(
     if "check" not in verdict:  # the child skipped the gate: treat as tampering
         return finish("hacked", hack_reasons=["integrity: the candidate process bypassed the correctness gate"], **common)
     try:
-        return judge(payload, verdict, reference, protocol, run.wall_s, ref_eager, ref_compile, finish, common)
+        return judge(payload, verdict, reference, protocol, run.wall_s, ref_eager, ref_compile, finish, common, trace)
     except MALFORMED as exc:  # a result file the candidate tampered with
         return finish("hacked", hack_reasons=[f"integrity: malformed candidate result ({type(exc).__name__})"], **common)
 
@@ -525,8 +536,10 @@ def judge(
     ref_compile: float | None,
     finish: Callable[..., EvalResult],
     common: dict[str, Any],
+    trace: dict[str, Any] | None = None,
 ) -> EvalResult:
-    """The verdict on a candidate that ran to the end: gate verdict, timing checks, speedups."""
+    """The verdict on a candidate that ran to the end: gate verdict, timing checks, speedups. In
+    `trace` (the judge's trace record): how close an honest candidate came to the host-clock re-check's bound."""
     ref_for_recheck = ref_eager if ref_eager is not None else ref_compile
     check: Comparison = verdict["check"]
     reasons: list[str] = list(verdict["reasons"])
@@ -541,6 +554,8 @@ def judge(
     measured_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
     candidate_ms, drift, drift_note = drift_corrected(measured_ms, timing, reference, protocol)
     cand_ms = median(candidate_ms)
+    if trace is not None and payload.get("recheck") is not None and ref_for_recheck is not None:
+        trace["recheck_host_to_event"] = host_recheck_ratio(payload["recheck"], ref_for_recheck, measured_ms)
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)
         reasons = sorted(set(reasons), key=reasons.index)
