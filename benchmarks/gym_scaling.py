@@ -16,7 +16,12 @@ configuration runs in its own process with new empty compile caches (every run c
 the scheduling before kgym-8 (one evaluation at a time per GPU).
 
 With ``--passes N`` each configuration's pool then judges N - 1 more passes of new candidates, warm
-(the steps of an RL run on its long-lived service), reported in a table of their own.
+(the steps of an RL run on its long-lived service), reported in a table of their own. With
+``--host-load N``, N busy processes run beside each configuration: how close honest launch-bound
+kernels come to the host-clock re-check's bound on a loaded host (each task's lowest margin), e.g.
+
+    python benchmarks/gym_scaling.py --reuse-reference --tasks L2_14,L1_40 --evaluations 40 --passes 2 \
+        --configs 1x2 --host-load 16
 
 Per run: evaluations/min with the pool's start, the start itself (until the first worker is
 ready), per GPU the seconds its timed regions took against the run's wall time (the GPU's share
@@ -212,6 +217,9 @@ def main() -> None:
     parser.add_argument("--anchors", type=Path, default=ROOT.parent / "shared" / "anchors" / "kernelbench_harness")
     parser.add_argument("--reuse-reference", action="store_true", help="time each task's reference once per worker (GymPool's default)")
     parser.add_argument("--tasks", default=",".join(TASKS), help="the side-by-side's tasks to cycle through (default: all ten)")
+    parser.add_argument("--host-load", type=int, default=0,
+                        help="busy processes (a pure-Python loop each) beside every configuration's run: a host loaded by "
+                             "other work, as the host-clock re-check of launch-bound kernels must survive")
     parser.add_argument("--passes", type=int, default=1,
                         help="passes of new candidates on each configuration's pool (the first cold, pool start included; the "
                              "later ones on the warm pool, as an RL run's steps on its long-lived service)")
@@ -225,9 +233,10 @@ def main() -> None:
         return
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     runs: list[dict[str, Any]] = []
-    lines = [f"References {'reused (run once per worker that judges the task)' if args.reuse_reference else 'run per evaluation'}.", "",
+    lines = ([f"Beside every run: {args.host_load} busy processes (a pure-Python loop each).", ""] if args.host_load else []) + [f"References {'reused (run once per worker that judges the task)' if args.reuse_reference else 'run per evaluation'}.", "",
              "| GPUs x workers | evaluations | seconds (pool start) | evaluations/min | per GPU | x first | evaluations per worker | reference runs | timed s per GPU | workers busy | idle tail s (mean, max) | first evaluation after the pool was ready, s (mean, max) | gap between evaluations s | overlapping timed spans |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    printed = len(lines)  # with the rows printed as they come: the rest is printed at the end
     if args.kb_spawn:
         kb = kb_spawn_rate(args.kb_spawn, args.anchors, args.shrink)
         rate = 60 * kb["evaluations"] / kb["seconds"]
@@ -236,10 +245,16 @@ def main() -> None:
     for config in args.configs.split(","):
         config, _, evaluations = config.partition(":")
         caches = {name: tempfile.mkdtemp(prefix="cold-") for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-        run = subprocess.run([sys.executable, __file__, "--one-run", config, "--evaluations", evaluations or str(args.evaluations),
-                              "--trials", str(args.trials), "--shrink", str(args.shrink), "--tasks", args.tasks, "--passes", str(args.passes),
-                              *(["--reuse-reference"] if args.reuse_reference else [])],
-                             capture_output=True, text=True, env={**os.environ, **caches}, timeout=1800)
+        loaders = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.host_load)]
+        try:
+            run = subprocess.run([sys.executable, __file__, "--one-run", config, "--evaluations", evaluations or str(args.evaluations),
+                                  "--trials", str(args.trials), "--shrink", str(args.shrink), "--tasks", args.tasks, "--passes",
+                                  str(args.passes), *(["--reuse-reference"] if args.reuse_reference else [])],
+                                 capture_output=True, text=True, env={**os.environ, **caches}, timeout=1800)
+        finally:
+            for loader in loaders:
+                loader.kill()
+                loader.wait()
         if run.returncode != 0:
             raise SystemExit(f"the {config} run failed:\n{run.stderr[-3000:]}")
         result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -299,7 +314,7 @@ def main() -> None:
                   for run in runs for row in run["tasks"] if row["status"] != "pass"]
     if unexpected:  # every candidate is a bank kernel labelled legit: anything but pass needs its reason
         lines += ["", "Evaluations that did not pass (every candidate is a legit bank kernel):", "", *unexpected]
-    print("\n".join(lines[len(runs) + 4 + bool(args.kb_spawn):]))
+    print("\n".join(lines[printed + len(runs) + bool(args.kb_spawn):]))
     if out:
         (out / "gym_scaling.md").write_text("\n".join(lines) + "\n")
 
