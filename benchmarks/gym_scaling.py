@@ -86,6 +86,7 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
         ready_unix = time.time()
         results = pool.evaluate_many(jobs)
         done_unix = time.time()
+        workers = pool.workers()  # after the first pass, as every worker figure of the report
         later_passes, later_results = [], []
         for number in range(1, passes):
             begun = time.monotonic()
@@ -94,7 +95,6 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
                                  "overlapping_spans": overlapping_spans([{"device_id": r.device_id, "timed_spans": r.timed_spans}
                                                                          for r in results + later_results + again])})
             later_results += again
-        workers = pool.workers()
         cpu_threads = pool.cpu_threads
     seconds = time.monotonic() - started
     every_record = [json.loads(line) for line in trace.read_text().splitlines()] if trace.exists() else []
