@@ -291,16 +291,18 @@ def test_a_child_holds_none_of_the_zygotes_own_descriptors(zygote: Zygote) -> No
         child.discard()
 
 
-def fork_probe(zygote: Zygote, tmp_path: Path, name: str) -> tuple[Any, Path]:
+def fork_probe(zygote: Zygote, tmp_path: Path, name: str, exit_after: Path | None = None) -> tuple[Any, Path]:
     """Fork a child of `zygote` whose reference writes to the returned report which of
-    CANDIDATE_PRELOAD it was forked with (the zygote's deferred imports)."""
+    CANDIDATE_PRELOAD it was forked with (the zygote's deferred imports), then exits (with
+    `exit_after`, once that file exists)."""
     from kpipe.gym.zygote import CANDIDATE_PRELOAD
 
     workdir = tmp_path / name
     workdir.mkdir()
     report = workdir / "modules.json"
+    wait = f"import time\nwhile not os.path.exists({str(exit_after)!r}): time.sleep(0.01)\n" if exit_after else ""
     probe = (f"import json, os, sys\nopen({str(report)!r}, 'w').write(json.dumps([m for m in {list(CANDIDATE_PRELOAD)!r} "
-             "if m in sys.modules]))\nos._exit(0)\n")
+             f"if m in sys.modules]))\n{wait}os._exit(0)\n")
     job = {"role": "reference", "reference_src": probe, "protocol": PROTOCOL.to_dict(), "device": "cpu",
            "workdir": str(workdir), "result_path": str(workdir / "result.pt"), "environment": dict(os.environ)}
     (workdir / "job.json").write_text(json.dumps(job))
@@ -344,3 +346,49 @@ def test_an_interpreter_zygote_preloads_everything_before_it_is_ready(zygote: Zy
 
     assert "zygote: candidates' preload" in zygote.start_phases
     assert modules_of(fork_probe(zygote, tmp_path, "probe")) == list(CANDIDATE_PRELOAD)
+
+
+# what a zygote's interpreter runs first: its import of torch._dynamo (the last step of the
+# deferred preload) waits until `<hold>.go` exists, after saying so in `<hold>.held`
+HOLD_DYNAMO = """
+import os, sys, time
+
+class HoldDynamo:
+    def find_spec(self, name, path=None, target=None):
+        hold = os.environ.get("KPIPE_TEST_HOLD")
+        if name == "torch._dynamo" and hold:
+            open(hold + ".held", "w").close()
+            while not os.path.exists(hold + ".go"):
+                time.sleep(0.01)
+            sys.meta_path.remove(self)
+        return None
+
+sys.meta_path.insert(0, HoldDynamo())
+"""
+
+
+def test_a_childs_exit_is_reported_while_the_zygote_still_preloads(tmp_path: Path) -> None:
+    """The zygote's preload after its first fork (seconds on a GPU host) runs beside its loop: a
+    child that exits meanwhile is reported at once. Reported only after the preload, a worker's
+    first child held its GPU's timing lease that long, and the other worker's child on the GPU
+    stayed stopped. A later child still starts with all of the preload."""
+    from kpipe.gym.zygote import CANDIDATE_PRELOAD
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(HOLD_DYNAMO)
+    hold = tmp_path / "hold"
+    held, go = Path(f"{hold}.held"), Path(f"{hold}.go")
+    path = os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH", "")) if p)
+    zygote = Zygote({**os.environ, "TRITON_INTERPRET": "0", "TMPDIR": str(tmp_path), "PYTHONPATH": path,
+                     "KPIPE_TEST_HOLD": str(hold)})
+    try:
+        zygote.wait_ready()
+        first, _ = fork_probe(zygote, tmp_path, "first", exit_after=held)  # exits once the preload is held
+        assert until(held.exists, 120.0)
+        assert first.wait(60) == 0  # its exit reported while the preload's last step is still held
+        go.touch()
+        assert modules_of(fork_probe(zygote, tmp_path, "second")) == list(CANDIDATE_PRELOAD)
+    finally:
+        go.touch()
+        zygote.close()

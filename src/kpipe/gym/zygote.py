@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -92,28 +93,91 @@ def zygote_main(sock_fd: int) -> None:
     sock = socket.socket(fileno=sock_fd)
     sock.sendall(b"ready " + json.dumps(start_phases).encode())
     children: dict[int, Supervised] = {}
-    # the rest of the preload, a step at a time between requests, from the first fork on (that
-    # child, the first evaluation's reference, needs none of it) or once the zygote is idle; what
-    # is left when the next child is asked for is done before its fork (serve_one_event): no
-    # candidate's child lacks it, and no step runs beside one
+    # the rest of the preload runs beside the loop from the first fork on (that child, the first
+    # evaluation's reference, needs none of it) or once the zygote is idle; a later child is
+    # forked only once all of it is done (DeferredPreload)
+    preload = DeferredPreload(deferred, wake[1])
     begin_deferred = time.monotonic() + DEFERRED_PRELOAD_IDLE_S
-    forked = False
     try:
         while True:
-            due = bool(deferred) and (forked or time.monotonic() >= begin_deferred)
-            idle_s = None if not deferred else 0.0 if due else max(begin_deferred - time.monotonic(), 0.0)
-            if not serve_one_event(sock, children, wake, idle_s, deferred if forked else None):
+            idle_s = max(begin_deferred - time.monotonic(), 0.0) if preload.unbegun() else None
+            if not serve_one_event(sock, children, wake, idle_s, preload):
                 break
-            forked = forked or bool(children)
-            if deferred and (forked or time.monotonic() >= begin_deferred):
-                begin_deferred = -math.inf  # begun: it goes on whether or not a child runs
-                deferred.pop(0)()
+            if preload.unbegun() and time.monotonic() >= begin_deferred:
+                preload.begin()
     finally:
         for pid, child in children.items():
             kill_group(pid)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
             os.close(child.pidfd)
+
+
+class DeferredPreload:
+    """The zygote's preload after it is ready (``deferred_preload``), run in a thread beside the
+    zygote's loop, so that a child's exit is reported the moment it happens.
+
+    Run between the loop's events instead, its steps (3-7 s in all on a GPU host) held back the
+    report of a worker's first child's exit; that child's judge held its GPU's timing lease until
+    the report, and the other worker's child on the GPU stayed stopped meanwhile: 2-5.5 s of
+    every GPU's first evaluations in ``docs/gpu-results/gym_scaling_2026-11-27l_4xH200.md`` and
+    ``…27m…``. A fork never runs beside a step: the first child (which needs none of it) waits for
+    the step under way (``pause``), every later one for all of it (``complete``), so each child
+    starts with one thread and whole modules. While a step runs, the loop neither reaps nor kills
+    children it does not supervise (``running``): they may be the step's own compiler processes;
+    the thread wakes the loop when it stops, and the loop does both then."""
+
+    def __init__(self, steps: list[Callable[[], object]], wake_fd: int) -> None:
+        self.steps = steps
+        self.wake_fd = wake_fd
+        self.forks = 0
+        self.owes_cleanup = False  # a supervised child exited while a step ran: kill_children once none does
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+
+    def unbegun(self) -> bool:
+        """Steps are left and none runs."""
+        return bool(self.steps) and not self.running()
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def begin(self) -> None:
+        if self.unbegun():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="kpipe-zygote-preload", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while self.steps and not self._stop.is_set():
+                self.steps[0]()
+                self.steps.pop(0)
+        except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread (before_fork)
+            self._error = exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.write(self.wake_fd, b"p")
+
+    def pause(self) -> None:
+        """Wait for the step under way; the rest waits for ``begin``."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    def complete(self) -> None:
+        """Every step done, here if not in the thread."""
+        self.pause()
+        while self.steps:
+            self.steps.pop(0)()
+
+    def before_fork(self) -> None:
+        (self.pause if self.forks == 0 else self.complete)()
+        self.forks += 1
 
 
 @dataclass
@@ -124,13 +188,14 @@ class Supervised:
     deadline: float  # time.monotonic(); inf while a child waits for its job
 
 
-def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: tuple[int, int], idle_s: float | None = None,
-                    finish_first: list[Callable[[], object]] | None = None) -> bool:
-    """Wait for a request, a child's exit, a deadline or a byte on the `wake` pipe (SIGCHLD), at most
-    `idle_s` (None: no limit), and handle it; False once the worker is gone. A child past its
-    deadline has its group killed (again each second until it exits); an orphan that ended here is
-    reaped. Before a fork, the `finish_first` preload steps left are taken: the child has them,
-    and none runs beside it."""
+def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: tuple[int, int], idle_s: float | None,
+                    preload: DeferredPreload) -> bool:
+    """Wait for a request, a child's exit, a deadline or a byte on the `wake` pipe (SIGCHLD, the
+    preload's end), at most `idle_s` (None: no limit), and handle it; False once the worker is gone.
+    A child past its deadline has its group killed (again each second until it exits); an orphan
+    that ended here is reaped, and one still running is killed after a supervised child's exit
+    (neither while the preload runs: ``DeferredPreload``). A fork waits for the preload as
+    ``DeferredPreload.before_fork`` says, and the preload goes on after it."""
     now = time.monotonic()
     soonest = min((child.deadline for child in children.values()), default=math.inf)
     wait_s = min(max(soonest - now, 0.0), math.inf if idle_s is None else idle_s)
@@ -152,8 +217,7 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: 
             if int(first) in children:
                 children[int(first)].deadline = time.monotonic() + float(rest) + ZYGOTE_GRACE_S
         else:
-            while finish_first:
-                finish_first.pop(0)()
+            preload.before_fork()
             zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
@@ -162,6 +226,7 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: 
             for fd in fds:
                 os.close(fd)
             children[pid] = Supervised(os.pidfd_open(pid), time.monotonic() + float(first) + ZYGOTE_GRACE_S)
+            preload.begin()
             if not send(sock, f"started {pid}"):
                 return False
     for pid, child in list(children.items()):
@@ -172,13 +237,20 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: 
             del children[pid]
             # the zygote's only own children are those it supervises: the rest escaped their
             # group (setsid, double fork) and were reparented here
-            kill_children(keep=children.keys())
+            if preload.running():
+                preload.owes_cleanup = True
+            else:
+                kill_children(keep=children.keys())
             if not send(sock, f"exited {pid} {os.waitstatus_to_exitcode(status)}"):
                 return False
         elif time.monotonic() >= child.deadline:
             kill_group(pid)
             child.deadline = time.monotonic() + 1.0
-    reap_orphans(children)
+    if not preload.running():
+        if preload.owes_cleanup:
+            kill_children(keep=children.keys())
+            preload.owes_cleanup = False
+        reap_orphans(children)
     return True
 
 
