@@ -47,11 +47,12 @@ from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
 from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.timing import Clocks, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
+from kpipe.gym.timing import Clocks, harness_host_ms, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
 from kpipe.gym.trial_data import clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs, trial_seed
 
 RECHECK_SEED_OFFSET = 1000
 RECHECK_SETS = 2
+RECHECK_TRIALS = 20  # at most: the host-clock re-check's calls (and the harness cost's, kpipe.gym.timing.harness_host_ms)
 # input sets kept on the device for timing (the first correctness trials' inputs): enough to
 # change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
 TIMING_SETS = 2
@@ -272,6 +273,10 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
                 # what a candidate's paired reference chunks are measured against (kpipe.gym.evaluation.drift_corrected)
                 result["eager_back_to_back"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(),
                                                             keep, back_to_back=True, **timed_region(protocol))
+    if device == "cuda" and protocol.recheck_subtracts_harness:
+        phase("reference re-check harness cost")
+        with timed_span(result["timed_spans"]):
+            result["recheck_harness_ms"] = harness_host_ms(clocks, l2, protocol, RECHECK_TRIALS)
     if protocol.wants_compile:
         phase("reference torch.compile timing")
         try:
@@ -419,7 +424,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             make_inputs(reference.get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device)
             for r in range(RECHECK_SETS)
         ]
-        trials = max(min(protocol.perf_trials, 20), RECHECK_SETS)
+        trials = max(min(protocol.perf_trials, RECHECK_TRIALS), RECHECK_SETS)
         with timed_span(result["timed_spans"]):
             recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep,
                                    **recheck_region(protocol))

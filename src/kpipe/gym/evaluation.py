@@ -247,7 +247,7 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
             if not compare_outputs(sample["outputs"], reference["recheck_outputs"][sample["input_set"]], tol).ok:
                 reasons.append("recheck_output_mismatch: wrong output on fresh inputs during the speedup re-check")
                 break
-        ratio = host_recheck_ratio(recheck, ref_ms, measured_ms)
+        ratio = host_recheck_ratio(recheck, ref_ms, measured_ms, recheck_harness_ms(reference, protocol))
         if ratio is not None and ratio < HOST_RECHECK_MIN_RATIO:
             event_speedup = speedup(ref_ms, median(measured_ms))
             reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {event_speedup * ratio:.3g}x by the host clock "
@@ -255,14 +255,28 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
     return reasons
 
 
-def host_recheck_ratio(recheck: dict[str, Any], ref_ms: float, measured_ms: list[float]) -> float | None:
+def host_recheck_ratio(recheck: dict[str, Any], ref_ms: float, measured_ms: list[float], harness_ms: float = 0.0) -> float | None:
     """The host-clock re-check's speedup over the event-timed one (the same baseline `ref_ms`):
-    ``median(measured_ms) / median(recheck host_ms)``; the re-check fails below ``HOST_RECHECK_MIN_RATIO``."""
+    ``median(measured_ms) / (median(recheck host_ms) - harness_ms)``, `harness_ms` being the host
+    cost of the harness around a call (``recheck_harness_ms``); the re-check fails below
+    ``HOST_RECHECK_MIN_RATIO``. None where nothing is left to compare: no event speedup, or a host
+    time no longer than the harness's own (the call did nothing the host clock could see)."""
     event_speedup = speedup(ref_ms, median(measured_ms))
-    host_speedup = speedup(ref_ms, median(recheck["host_ms"]))
-    if not event_speedup or host_speedup is None:
+    host_ms = median(recheck["host_ms"]) - harness_ms
+    if not event_speedup or host_ms <= 0:
+        return None
+    host_speedup = speedup(ref_ms, host_ms)
+    if host_speedup is None:
         return None
     return host_speedup / event_speedup
+
+
+def recheck_harness_ms(reference: dict[str, Any], protocol: Protocol) -> float:
+    """The harness's host cost around a re-checked call, as the reference child measured it, where
+    the protocol takes it out (kgym-10); 0 otherwise."""
+    if not protocol.recheck_subtracts_harness:
+        return 0.0
+    return float(reference.get("recheck_harness_ms") or 0.0)
 
 
 def busy_after_call_ms(timing: dict[str, Any]) -> float:
@@ -555,7 +569,9 @@ def judge(
     candidate_ms, drift, drift_note = drift_corrected(measured_ms, timing, reference, protocol)
     cand_ms = median(candidate_ms)
     if trace is not None and payload.get("recheck") is not None and ref_for_recheck is not None:
-        trace["recheck_host_to_event"] = host_recheck_ratio(payload["recheck"], ref_for_recheck, measured_ms)
+        trace["recheck_host_to_event"] = host_recheck_ratio(payload["recheck"], ref_for_recheck, measured_ms,
+                                                            recheck_harness_ms(reference, protocol))
+        trace["recheck_harness_ms"] = recheck_harness_ms(reference, protocol)
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)
         reasons = sorted(set(reasons), key=reasons.index)

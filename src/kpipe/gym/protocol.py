@@ -42,7 +42,13 @@ from kpipe.gym.screen import FINDING_CODES
 # input copy and L2 flush queued before the call: on a launch-bound kernel (0.18 ms, L2_14's legit
 # one) those made the host time about twice the event time, the check's bound, and an honest kernel
 # was judged hacked once in eight (docs/gpu-results/gym_scaling_2026-11-27j_4xH200.md).
-PROTOCOL_VERSION = "kgym-9"
+# kgym-10: the re-check takes the harness's own host cost out of the candidate's host time
+# (recheck_subtracts_harness): its events, the device-wide synchronize and the event wait after each
+# call, as the trusted reference child measures them around a call that does nothing, under the
+# timing lease. They held honest launch-bound kernels (L1_40 0.22 ms, L2_14 0.19 ms) at 0.57-0.60 of
+# their event speedup against the bound of 0.5 (docs/gpu-results/gym_scaling_2026-11-28_2xH200.md),
+# and a bank kernel was judged hacked once in 480 (…27m_4xH200.md).
+PROTOCOL_VERSION = "kgym-10"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch
@@ -59,14 +65,16 @@ PAIRED_HOST_SYNCS = ("trial", "chunk")
 # what fields added since mean in a protocol written by an earlier version
 EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8",
                                "warmup_ms": 0.0, "paired_reference_trials": 0, "paired_host_sync": "trial",
-                               "recheck_timing_start": "after_sync"},
-                    "kgym-3": {"paired_reference_trials": 0, "paired_host_sync": "trial", "recheck_timing_start": "behind_flush"},
-                    "kgym-4": {"paired_host_sync": "trial", "recheck_timing_start": "behind_flush"},
+                               "recheck_timing_start": "after_sync", "recheck_subtracts_harness": False},
+                    "kgym-3": {"paired_reference_trials": 0, "paired_host_sync": "trial", "recheck_timing_start": "behind_flush",
+                               "recheck_subtracts_harness": False},
+                    "kgym-4": {"paired_host_sync": "trial", "recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
                     # briefly the chunk-mean statistic (commit 5fe75e2, withdrawn): synchronised per trial
-                    "kgym-5": {"paired_host_sync": "trial", "recheck_timing_start": "behind_flush"},
-                    "kgym-6": {"recheck_timing_start": "behind_flush"},
-                    "kgym-7": {"recheck_timing_start": "behind_flush"},
-                    "kgym-8": {"recheck_timing_start": "behind_flush"}}
+                    "kgym-5": {"paired_host_sync": "trial", "recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
+                    "kgym-6": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
+                    "kgym-7": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
+                    "kgym-8": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
+                    "kgym-9": {"recheck_subtracts_harness": False}}
 DEVICES = ("auto", "cuda", "cpu")
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
@@ -113,6 +121,10 @@ class Protocol:
     # host clock around it holds the call and whatever it left running, not the harness's input
     # copy and L2 flush queued before it (kgym-8 and earlier: behind the flush, as timing_start)
     recheck_timing_start: str = "after_sync"
+    # ... and the harness's own host cost around each call (its events, the synchronize, the event
+    # wait), measured by the reference child around a call that does nothing, comes off the
+    # candidate's host time before it is compared (kgym-9 and earlier: kept in it)
+    recheck_subtracts_harness: bool = True
     # timed outputs compared with the reference (spot check of the timed path)
     timed_output_checks: int = 3
     # outputs larger than this are compared on a sample of this many elements (head, tail

@@ -8,6 +8,7 @@ comparison's A/B (benchmarks/kernelbench_side_by_side.py)."""
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -319,6 +320,14 @@ def timed_region(protocol: Protocol) -> dict[str, bool]:
     """`time_forward`'s region options as the protocol chooses them."""
     return {"start_behind_flush": protocol.timing_start == "behind_flush", "end_at_call": protocol.timing_end == "call",
             "warmup_ms": protocol.warmup_ms}
+
+
+def harness_host_ms(clocks: Clocks, l2_buffer: torch.Tensor | None, protocol: Protocol, trials: int) -> float:
+    """What the re-check's host clock holds beyond the events when the call itself does nothing:
+    the harness's events, device-wide synchronize and event wait (median over `trials`, each timed
+    as the re-check times a call). Taken by the reference child, never in a candidate's process."""
+    timed = time_forward(lambda: None, [[]], trials, 1, clocks, l2_buffer, set(), lambda outputs: [], **recheck_region(protocol))
+    return max(statistics.median(timed["host_ms"]) - statistics.median(timed["ms"]), 0.0)
 
 
 def recheck_region(protocol: Protocol) -> dict[str, bool]:
