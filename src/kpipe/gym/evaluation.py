@@ -571,7 +571,8 @@ def judge(
     if trace is not None and payload.get("recheck") is not None and ref_for_recheck is not None:
         trace["recheck_host_to_event"] = host_recheck_ratio(payload["recheck"], ref_for_recheck, measured_ms,
                                                             recheck_harness_ms(reference, protocol))
-        trace["recheck_harness_ms"] = recheck_harness_ms(reference, protocol)
+        trace.update(recheck_harness_ms=recheck_harness_ms(reference, protocol), recheck_host_ms=median(payload["recheck"]["host_ms"]),
+                     recheck_event_ms=median(measured_ms))
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)
         reasons = sorted(set(reasons), key=reasons.index)

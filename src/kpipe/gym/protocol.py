@@ -43,11 +43,12 @@ from kpipe.gym.screen import FINDING_CODES
 # one) those made the host time about twice the event time, the check's bound, and an honest kernel
 # was judged hacked once in eight (docs/gpu-results/gym_scaling_2026-11-27j_4xH200.md).
 # kgym-10: the re-check takes the harness's own host cost out of the candidate's host time
-# (recheck_subtracts_harness): its events, the device-wide synchronize and the event wait after each
-# call, as the trusted reference child measures them around a call that does nothing, under the
-# timing lease. They held honest launch-bound kernels (L1_40 0.22 ms, L2_14 0.19 ms) at 0.57-0.60 of
-# their event speedup against the bound of 0.5 (docs/gpu-results/gym_scaling_2026-11-28_2xH200.md),
-# and a bank kernel was judged hacked once in 480 (…27m_4xH200.md).
+# (recheck_subtracts_harness): the events, the device-wide synchronize and the event wait around
+# each call, as the trusted reference child measures them around a call that does nothing, under the
+# timing lease (0.027-0.043 ms on H200s). It is charged to no kernel's speed, and it is the whole
+# margin of a kernel of a few tens of microseconds. Honest launch-bound bank kernels (L1_40 0.22 ms,
+# L2_14 0.19 ms) came as close as 0.57-0.60 of their event speedup to the bound of 0.5
+# (docs/gpu-results/gym_scaling_2026-11-28_2xH200.md), and one was judged hacked once in 480 (…27m_4xH200.md).
 PROTOCOL_VERSION = "kgym-10"
 
 BASELINES = ("eager", "compile", "both")
