@@ -28,7 +28,7 @@ ready), per GPU the seconds its timed regions took against the run's wall time (
 spent timing), the mean seconds of each phase, the recorded timed spans (no two may overlap on one
 GPU) and per task the spread (max/min) of its candidate times and its median speedup, compared
 with the first configuration's. Writes $OUT/gym_scaling.md (+ .json, and each configuration's trace
-records, gym_scaling_trace_CONFIG.jsonl) when $OUT is set.
+records of every pass, each with its ``pass``, gym_scaling_trace_CONFIG.jsonl) when $OUT is set.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
             "worker_start_s": [w["start_s"] for w in workers], "worker_start_phases": [w["start_phases"] for w in workers],
             **worker_time(records, ready_unix, done_unix),
             "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {},
-            "records": records}
+            # every pass's trace records, each with its pass (1: the cold one): the warm passes' seconds too
+            "records": [{**record, "pass": 1 + index // len(jobs)} for index, record in enumerate(every_record)]}
 
 
 def worker_time(records: list[dict[str, Any]], ready_unix: float, done_unix: float) -> dict[str, float]:
@@ -259,7 +260,7 @@ def main() -> None:
             raise SystemExit(f"the {config} run failed:\n{run.stderr[-3000:]}")
         result = json.loads(run.stdout.strip().splitlines()[-1])
         records = result.pop("records")
-        if out:  # every evaluation's trace record, for what the means do not show
+        if out:  # every evaluation's trace record (every pass's), for what the means do not show
             (out / f"gym_scaling_trace_{config}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         runs.append(result)
         rate = 60 * result["evaluations"] / result["seconds"]
