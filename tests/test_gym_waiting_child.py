@@ -392,3 +392,46 @@ def test_a_childs_exit_is_reported_while_the_zygote_still_preloads(tmp_path: Pat
     finally:
         go.touch()
         zygote.close()
+
+
+def test_the_deferred_preload_pauses_between_steps_completes_before_a_later_fork_and_reports_a_failure() -> None:
+    """``DeferredPreload``: a first fork waits only for the step under way, a later one for every
+    step; a step that raises stops the preload, which is not begun again, and its exception reaches
+    the zygote's loop (whose zygote then exits)."""
+    import threading
+
+    from kpipe.gym.zygote import DeferredPreload
+
+    ran: list[int] = []
+    under_way, go_on = threading.Event(), threading.Event()
+
+    def slow_first() -> None:
+        under_way.set()
+        go_on.wait(30)
+        ran.append(1)
+
+    wake_r, wake_w = os.pipe()
+    try:
+        preload = DeferredPreload([slow_first, lambda: ran.append(2), lambda: ran.append(3)], wake_w)
+        preload.begin()
+        assert under_way.wait(30) and preload.running() and not preload.unbegun()
+        threading.Timer(0.2, go_on.set).start()
+        preload.before_fork()  # the first fork: the step under way only
+        assert ran == [1] and not preload.running() and preload.unbegun()
+        preload.begin()
+        preload.before_fork()  # a later fork: all of it
+        assert ran == [1, 2, 3] and not preload.unbegun()
+
+        def broken() -> None:
+            raise ModuleNotFoundError("no module named 'torch._dynamo'")
+
+        failing = DeferredPreload([broken, lambda: ran.append(4)], wake_w)
+        failing.begin()
+        assert until(lambda: not failing.running(), 30)
+        assert not failing.unbegun() and os.read(wake_r, 16)  # the loop was woken
+        with pytest.raises(ModuleNotFoundError):
+            failing.raise_failure()
+        assert ran == [1, 2, 3]
+    finally:
+        os.close(wake_r)
+        os.close(wake_w)

@@ -103,6 +103,7 @@ def zygote_main(sock_fd: int) -> None:
             idle_s = max(begin_deferred - time.monotonic(), 0.0) if preload.unbegun() else None
             if not serve_one_event(sock, children, wake, idle_s, preload):
                 break
+            preload.raise_failure()
             if preload.unbegun() and time.monotonic() >= begin_deferred:
                 preload.begin()
     finally:
@@ -137,8 +138,14 @@ class DeferredPreload:
         self._error: BaseException | None = None
 
     def unbegun(self) -> bool:
-        """Steps are left and none runs."""
-        return bool(self.steps) and not self.running()
+        """Steps are left, none runs and none failed."""
+        return bool(self.steps) and not self.running() and self._error is None
+
+    def raise_failure(self) -> None:
+        """A failed step's exception, raised in the loop's thread once the step has ended: the
+        zygote then exits, as it does when an import of its start fails."""
+        if self._error is not None and not self.running():
+            raise self._error
 
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -154,7 +161,7 @@ class DeferredPreload:
             while self.steps and not self._stop.is_set():
                 self.steps[0]()
                 self.steps.pop(0)
-        except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread (before_fork)
+        except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread (raise_failure, before_fork)
             self._error = exc
         finally:
             with contextlib.suppress(OSError):
