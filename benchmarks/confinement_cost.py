@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,8 +53,12 @@ def one_pass(shrink: int, trials: int) -> dict[str, object]:
 def run_design(confined: bool, shrink: int, trials: int) -> dict[str, object]:
     caches = {name: tempfile.mkdtemp(prefix="cold-") for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")}
     env = {**os.environ, **caches, "KPIPE_GYM_UNCONFINED": "" if confined else "1"}
-    run = subprocess.run([sys.executable, __file__, "--one-pass", "--shrink", str(shrink), "--trials", str(trials)],
-                         capture_output=True, text=True, env=env, timeout=900)
+    try:
+        run = subprocess.run([sys.executable, __file__, "--one-pass", "--shrink", str(shrink), "--trials", str(trials)],
+                             capture_output=True, text=True, env=env, timeout=900)
+    finally:
+        for path in caches.values():
+            shutil.rmtree(path, ignore_errors=True)
     if run.returncode != 0:
         raise RuntimeError(f"a {'confined' if confined else 'unconfined'} pass failed:\n{run.stderr[-3000:]}")
     return {"confined": confined, **json.loads(run.stdout.strip().splitlines()[-1])}

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -256,6 +257,8 @@ def main() -> None:
             for loader in loaders:
                 loader.kill()
                 loader.wait()
+            for path in caches.values():
+                shutil.rmtree(path, ignore_errors=True)
         if run.returncode != 0:
             raise SystemExit(f"the {config} run failed:\n{run.stderr[-3000:]}")
         result = json.loads(run.stdout.strip().splitlines()[-1])

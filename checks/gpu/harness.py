@@ -21,6 +21,7 @@ section failed, raised, or was not reached within the time budget.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import json
 import os
@@ -66,6 +67,8 @@ def cold_caches(move_home: bool | None = None) -> dict[str, str]:
     if loaded:
         raise RuntimeError(f"{loaded} imported before the compile caches were set")
     fresh = {name: tempfile.mkdtemp(prefix=f"cold-{name.lower()}-") for name in COMPILE_CACHES}
+    for path in fresh.values():  # removed when the check's process ends: nothing of a check stays behind
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.environ.update(fresh)
     home_triton = Path.home() / ".triton"
     if (shutil.which("nvidia-smi") is not None if move_home is None else move_home) and home_triton.exists():
