@@ -129,3 +129,20 @@ def test_a_job_begins_when_its_process_did_not_when_it_marks_it(monkeypatch) -> 
                             env={k: v for k, v in os.environ.items() if k != jobs.JOB_STARTED},
                             capture_output=True, text=True, check=True).stdout
     assert 1.2 <= float(marked.split("(")[1].split(" s")[0]) < 30
+
+
+def test_exit_without_teardown_runs_the_exit_handlers_and_keeps_the_code(tmp_path):
+    """A KernelGym worker and zygote end through ``exit_without_teardown``: their exit handlers (a
+    worker's removal of its trusted compile cache) still run, and the exit code is the one given."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "handler-ran"
+    code = ("import atexit, pathlib\n"
+            f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+            "from kpipe.infra.process import exit_without_teardown\n"
+            "print('flushed', end='')\n"
+            "exit_without_teardown(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3 and done.stdout == "flushed"
+    assert marker.read_text() == "yes"

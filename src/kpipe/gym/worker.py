@@ -26,7 +26,7 @@ from kpipe.gym.environment import worker_environment
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import REFERENCE_ERROR
 from kpipe.gym.sandbox import require_confinement
-from kpipe.infra.process import PR_SET_DUMPABLE, kill_group, prctl, process_age
+from kpipe.infra.process import PR_SET_DUMPABLE, exit_without_teardown, kill_group, prctl, process_age
 from kpipe.gym.zygote import Zygote, ZygoteLauncher
 
 WORKER_START_TIMEOUT_S = 300.0
@@ -167,3 +167,4 @@ class WorkerHandle:
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the pool, which closes us
     worker_main(int(sys.argv[1]), sys.argv[2], sys.argv[3] == "reuse", sys.argv[4] == "fork")
+    exit_without_teardown()

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from kpipe.gym.lease import ChildPauser, TimingLease
-from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, kill_children, kill_group, prctl
+from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, exit_without_teardown, kill_children, kill_group, prctl
 
 if TYPE_CHECKING:  # kpipe.gym.isolate imports torch, which the worker imports only after starting its zygote
     from kpipe.gym.isolate import WaitingChild
@@ -670,3 +670,4 @@ class ZygoteLauncher:
 
 if __name__ == "__main__":
     zygote_main(int(sys.argv[1]))
+    exit_without_teardown()
