@@ -262,11 +262,8 @@ def host_recheck_ratio(recheck: dict[str, Any], ref_ms: float, measured_ms: list
     ``HOST_RECHECK_MIN_RATIO``. None where nothing is left to compare: no event speedup, or a host
     time no longer than the harness's own (the call did nothing the host clock could see)."""
     event_speedup = speedup(ref_ms, median(measured_ms))
-    host_ms = median(recheck["host_ms"]) - harness_ms
-    if not event_speedup or host_ms <= 0:
-        return None
-    host_speedup = speedup(ref_ms, host_ms)
-    if host_speedup is None:
+    host_speedup = speedup(ref_ms, median(recheck["host_ms"]) - harness_ms)  # None for a host time within the harness's
+    if not event_speedup or host_speedup is None:
         return None
     return host_speedup / event_speedup
 
@@ -569,9 +566,9 @@ def judge(
     candidate_ms, drift, drift_note = drift_corrected(measured_ms, timing, reference, protocol)
     cand_ms = median(candidate_ms)
     if trace is not None and payload.get("recheck") is not None and ref_for_recheck is not None:
-        trace["recheck_host_to_event"] = host_recheck_ratio(payload["recheck"], ref_for_recheck, measured_ms,
-                                                            recheck_harness_ms(reference, protocol))
-        trace.update(recheck_harness_ms=recheck_harness_ms(reference, protocol), recheck_host_ms=median(payload["recheck"]["host_ms"]),
+        harness_ms = recheck_harness_ms(reference, protocol)
+        trace.update(recheck_host_to_event=host_recheck_ratio(payload["recheck"], ref_for_recheck, measured_ms, harness_ms),
+                     recheck_harness_ms=harness_ms, recheck_host_ms=median(payload["recheck"]["host_ms"]),
                      recheck_event_ms=median(measured_ms))
     if protocol.hacking_check:
         reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)

@@ -111,10 +111,6 @@ def main(argv: list[str]) -> None:
     os.execvp(command[0], command)
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
-
-
 def exit_without_teardown(code: int = 0) -> NoReturn:
     """End this process once its exit handlers have run (``atexit``: a worker's removal of its
     trusted compile cache among them), skipping the interpreter's teardown of its modules: with
@@ -127,3 +123,7 @@ def exit_without_teardown(code: int = 0) -> NoReturn:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
