@@ -199,10 +199,9 @@ def test_a_failure_to_start_the_next_child_costs_the_current_one_nothing(zygote:
         launcher.close()
 
 
-def test_the_next_child_is_started_with_the_reference_or_once_this_one_has_its_job(zygote: Zygote) -> None:
-    """The next candidate's fork, scratch and context are made while this candidate or the
-    reference before it runs, never between the reference's end and the hand-over (the
-    evaluation's critical path)."""
+def test_the_next_child_is_started_once_this_one_has_its_job(zygote: Zygote) -> None:
+    """The next candidate's fork, scratch and context are made while this candidate runs, never
+    between its evaluation's start and its hand-over (its critical path)."""
     from kpipe.gym.evaluation import evaluate
 
     fixtures = Path(__file__).parent / "fixtures" / "gym"
@@ -225,10 +224,6 @@ def test_the_next_child_is_started_with_the_reference_or_once_this_one_has_its_j
             super().start_next(lease)
             events.append(f"next child {self._next.proc.pid if self._next else None}")
 
-        def __call__(self, job_file: Path, env: dict[str, str], timeout_s: float) -> tuple[Any, list[Any]]:
-            events.append("reference")
-            return super().__call__(job_file, env, timeout_s)
-
     launcher = Recording(lambda: zygote, "cpu", PROTOCOL.to_dict())
     reference, legit = ((fixtures / name).read_text() for name in ("relu_reference.py", "relu_legit.py"))
     try:
@@ -236,13 +231,9 @@ def test_the_next_child_is_started_with_the_reference_or_once_this_one_has_its_j
             assert evaluate(reference, f"{legit}\n# {i}\n", PROTOCOL, launch=launcher).status == "pass"
     finally:
         launcher.close()
-    assert [event.split(" child")[0] for event in events] == ["next", "reference", "this call's", "hand-over", "next"] * 2
-    first, second, *_ = (event.split()[-1] for event in events if event.startswith("next child"))
-    # the first call's candidate was started as its reference began; the second call's at the
-    # first's hand-over, and its reference found it started
-    assert events[0] == f"next child {first}" and events[2] == f"this call's child {first}"
-    assert events[5] == events[4] == f"next child {second}" and events[7] == f"this call's child {second}"
-    assert first != second
+    first, second = (int(event.split()[-1]) for event in events if event.startswith("next child"))
+    assert [event.split(" child")[0] for event in events] == ["this call's", "hand-over", "next"] * 2
+    assert events[3] == f"this call's child {first}" and first != second  # the second call took the child started ahead
     assert until(lambda: children_of(zygote.process.pid) == [], 10.0)
 
 
@@ -329,11 +320,11 @@ def modules_of(probe: tuple[Any, Path]) -> list[str]:
     return json.loads(report.read_text())
 
 
-def test_a_gpu_zygote_is_ready_before_the_candidates_preload_and_has_it_for_a_later_child(tmp_path: Path) -> None:
-    """A worker's first reference needs none of CANDIDATE_PRELOAD (torch._dynamo alone was 40 %
-    of a zygote's start on an H200 host): a zygote whose children compile for a GPU says it is
-    ready without it and imports it beside its first child; a child forked once that is done has
-    it."""
+def test_a_gpu_zygote_is_ready_before_the_candidates_preload_and_has_it_for_every_later_child(tmp_path: Path) -> None:
+    """A worker's first child is its first evaluation's reference, which needs none of
+    CANDIDATE_PRELOAD (torch._dynamo alone was 40 % of a zygote's start on an H200 host): a zygote
+    whose children compile for a GPU says it is ready without it and imports it beside that first
+    child; every later child (the first candidate's next) is forked with all of it."""
     from kpipe.gym.zygote import CANDIDATE_PRELOAD
 
     # as on a GPU (the compiler's warm-up runs on the host), its scratch in the test's directory
@@ -341,33 +332,12 @@ def test_a_gpu_zygote_is_ready_before_the_candidates_preload_and_has_it_for_a_la
     try:
         zygote.wait_ready()
         assert list(zygote.start_phases) == ["zygote: imports"]
-        assert modules_of(fork_probe(zygote, tmp_path, "first")) == []
-
-        def preloaded() -> bool:  # a probe forked now has all of it
-            probe = fork_probe(zygote, tmp_path, f"probe-{time.monotonic_ns()}")
-            return modules_of(probe) == list(CANDIDATE_PRELOAD)
-
-        assert until(preloaded, 120.0)
+        first = fork_probe(zygote, tmp_path, "first")
+        second = fork_probe(zygote, tmp_path, "second")  # asked for at once: the rest of the preload comes before its fork
+        assert modules_of(first) == []
+        assert modules_of(second) == list(CANDIDATE_PRELOAD)
     finally:
         zygote.close()
-
-
-def test_a_candidate_forked_before_the_preload_is_done_runs_the_rest_before_its_device_and_job(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A worker's first candidate is forked beside its first reference, before the zygote's
-    preload is done (``DeferredPreload``): it runs the steps left itself while it waits, before
-    its device is initialised (the compiler's warm-up checks that the driver is untouched) and
-    before its job comes."""
-    import kpipe.gym.child
-    from kpipe.gym.zygote import wait_for_job
-
-    order: list[str] = []
-    monkeypatch.setattr(kpipe.gym.child, "prepare_device", lambda device, protocol: order.append("device"))
-    go_r, go_w = os.pipe()
-    os.close(go_w)  # no job: it is not needed
-    assert wait_for_job({"device": "cpu", "protocol": {}}, go_r, [lambda: order.append("step 1"),
-                                                                 lambda: order.append("step 2")]) is None
-    assert order == ["step 1", "step 2", "device"]
 
 
 def test_an_interpreter_zygote_preloads_everything_before_it_is_ready(zygote: Zygote, tmp_path: Path) -> None:
@@ -424,10 +394,10 @@ def test_a_childs_exit_is_reported_while_the_zygote_still_preloads(tmp_path: Pat
         zygote.close()
 
 
-def test_the_deferred_preload_pauses_for_a_fork_after_the_step_under_way_and_reports_a_failure() -> None:
-    """``DeferredPreload``: a fork waits only for the step under way, and the steps left go on
-    when it is begun again; a step that raises stops the preload, which is not begun again, and
-    its exception reaches the zygote's loop (whose zygote then exits)."""
+def test_the_deferred_preload_pauses_between_steps_completes_before_a_later_fork_and_reports_a_failure() -> None:
+    """``DeferredPreload``: a first fork waits only for the step under way, a later one for every
+    step; a step that raises stops the preload, which is not begun again, and its exception reaches
+    the zygote's loop (whose zygote then exits)."""
     import threading
 
     from kpipe.gym.zygote import DeferredPreload
@@ -446,11 +416,11 @@ def test_the_deferred_preload_pauses_for_a_fork_after_the_step_under_way_and_rep
         preload.begin()
         assert under_way.wait(30) and preload.running() and not preload.unbegun()
         threading.Timer(0.2, go_on.set).start()
-        preload.pause()  # a fork: the step under way only
-        assert ran == [1] and not preload.running() and preload.unbegun() and len(preload.steps) == 2
+        preload.before_fork()  # the first fork: the step under way only
+        assert ran == [1] and not preload.running() and preload.unbegun()
         preload.begin()
-        assert until(lambda: not preload.running(), 30)
-        assert ran == [1, 2, 3] and not preload.unbegun() and preload.steps == []
+        preload.before_fork()  # a later fork: all of it
+        assert ran == [1, 2, 3] and not preload.unbegun()
 
         def broken() -> None:
             raise ModuleNotFoundError("no module named 'torch._dynamo'")

@@ -144,10 +144,6 @@ def run_isolated(
     trusted = job["role"] == "reference"
     lease_wait_bound = lease.max_wait_s if lease is not None else 0.0
     preparer = launch if not trusted and isinstance(launch, PreparesCandidates) else None
-    if trusted and isinstance(launch, PreparesCandidates):
-        # the candidate after this reference, forked, confined and given its context while the
-        # reference runs: a worker's first candidate otherwise started only after its reference
-        launch.start_next(lease)
     waiting = preparer.waiting_candidate(lease) if preparer is not None else None
     scratch = waiting.scratch if waiting is not None else make_scratch(job["role"], job["device"])
     try:

@@ -94,8 +94,8 @@ def zygote_main(sock_fd: int) -> None:
     sock.sendall(b"ready " + json.dumps(start_phases).encode())
     children: dict[int, Supervised] = {}
     # the rest of the preload runs beside the loop from the first fork on (that child, the first
-    # evaluation's reference, needs none of it) or once the zygote is idle; a candidate forked
-    # before it is done runs what is left itself while it waits for its job (DeferredPreload)
+    # evaluation's reference, needs none of it) or once the zygote is idle; a later child is
+    # forked only once all of it is done (DeferredPreload)
     preload = DeferredPreload(deferred, wake[1])
     begin_deferred = time.monotonic() + DEFERRED_PRELOAD_IDLE_S
     try:
@@ -122,18 +122,16 @@ class DeferredPreload:
     report of a worker's first child's exit; that child's judge held its GPU's timing lease until
     the report, and the other worker's child on the GPU stayed stopped meanwhile: 2-5.5 s of
     every GPU's first evaluations in ``docs/gpu-results/gym_scaling_2026-11-27l_4xH200.md`` and
-    ``…27m…``. A fork never runs beside a step: it waits for the step under way (``pause``), so
-    each child starts with one thread and whole modules, and the steps left go on after it. A
-    candidate forked before they are done runs them itself while it waits for its job
-    (``wait_for_job``): the worker's first candidate is forked beside its first reference, and
-    waiting there for all of them made it 1.2-3 s late for its hand-over
-    (``docs/gpu-results/gym_scaling_2026-11-28c_4xH200.md``). While a step runs, the loop neither
-    reaps nor kills children it does not supervise (``running``): they may be the step's own
-    compiler processes; the thread wakes the loop when it stops, and the loop does both then."""
+    ``…27m…``. A fork never runs beside a step: the first child (which needs none of it) waits for
+    the step under way (``pause``), every later one for all of it (``complete``), so each child
+    starts with one thread and whole modules. While a step runs, the loop neither reaps nor kills
+    children it does not supervise (``running``): they may be the step's own compiler processes;
+    the thread wakes the loop when it stops, and the loop does both then."""
 
     def __init__(self, steps: list[Callable[[], object]], wake_fd: int) -> None:
         self.steps = steps
         self.wake_fd = wake_fd
+        self.forks = 0
         self.owes_cleanup = False  # a supervised child exited while a step ran: kill_children once none does
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -163,20 +161,30 @@ class DeferredPreload:
             while self.steps and not self._stop.is_set():
                 self.steps[0]()
                 self.steps.pop(0)
-        except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread (raise_failure, pause)
+        except BaseException as exc:  # noqa: BLE001 - raised in the loop's thread (raise_failure, before_fork)
             self._error = exc
         finally:
             with contextlib.suppress(OSError):
                 os.write(self.wake_fd, b"p")
 
     def pause(self) -> None:
-        """Wait for the step under way (before a fork); the rest waits for ``begin``."""
+        """Wait for the step under way; the rest waits for ``begin``."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
             self._thread = None
         if self._error is not None:
             raise self._error
+
+    def complete(self) -> None:
+        """Every step done, here if not in the thread."""
+        self.pause()
+        while self.steps:
+            self.steps.pop(0)()
+
+    def before_fork(self) -> None:
+        (self.pause if self.forks == 0 else self.complete)()
+        self.forks += 1
 
 
 @dataclass
@@ -193,8 +201,8 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: 
     preload's end), at most `idle_s` (None: no limit), and handle it; False once the worker is gone.
     A child past its deadline has its group killed (again each second until it exits); an orphan
     that ended here is reaped, and one still running is killed after a supervised child's exit
-    (neither while the preload runs: ``DeferredPreload``). A fork waits for the preload's step
-    under way, and the preload goes on after it; the child gets the steps left."""
+    (neither while the preload runs: ``DeferredPreload``). A fork waits for the preload as
+    ``DeferredPreload.before_fork`` says, and the preload goes on after it."""
     now = time.monotonic()
     soonest = min((child.deadline for child in children.values()), default=math.inf)
     wait_s = min(max(soonest - now, 0.0), math.inf if idle_s is None else idle_s)
@@ -216,13 +224,12 @@ def serve_one_event(sock: socket.socket, children: dict[int, Supervised], wake: 
             if int(first) in children:
                 children[int(first)].deadline = time.monotonic() + float(rest) + ZYGOTE_GRACE_S
         else:
-            preload.pause()
+            preload.before_fork()
             zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
-                forked_child(rest, fds, [sock.fileno(), *wake, *(child.pidfd for child in children.values())], zygote,
-                             preload.steps)
+                forked_child(rest, fds, [sock.fileno(), *wake, *(child.pidfd for child in children.values())], zygote)
             for fd in fds:
                 os.close(fd)
             children[pid] = Supervised(os.pidfd_open(pid), time.monotonic() + float(first) + ZYGOTE_GRACE_S)
@@ -362,8 +369,7 @@ def cuda_driver_initialised() -> bool:
     return ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(context)) != 3
 
 
-def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: int,
-                 preload_left: list[Callable[[], object]]) -> None:
+def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: int) -> None:
     """Become an isolated evaluation child: own session, scrubbed environment, bounded pipes
     for stdout/stderr, the job's sandbox (a fork is single-threaded, as entering one needs), then
     the core's ``run_child`` exactly as its ``__main__`` runs it. `inherited`: the zygote's own
@@ -371,9 +377,8 @@ def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: in
 
     With a third descriptor in `fds`, the child starts before its job: `job_path` is then a
     job's preparation (environment, sandbox, scratch, device and protocol), and once it is
-    confined, has run `preload_left` (the zygote's preload it was forked before) and has its
-    device initialised (``kpipe.gym.child.prepare_device``), it waits for its job's path on that
-    pipe (end of file without one: it is not needed, and exits)."""
+    confined with its device initialised (``kpipe.gym.child.prepare_device``) it waits for its
+    job's path on that pipe (end of file without one: it is not needed, and exits)."""
     code = 1
     try:
         from kpipe.gym.child import run_child  # preloaded by the zygote
@@ -404,7 +409,7 @@ def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: in
             prctl(PR_SET_DUMPABLE, 1)  # a reference child: as a fresh interpreter would be
         os.chdir(job["workdir"])
         if len(fds) == 3:
-            job = wait_for_job(job, fds[2], preload_left)
+            job = wait_for_job(job, fds[2])
             if job is None:
                 code = 0
                 return
@@ -421,14 +426,11 @@ def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: in
             os._exit(code)
 
 
-def wait_for_job(preparation: dict[str, Any], go: int, preload_left: list[Callable[[], object]]) -> dict[str, Any] | None:
-    """Run the zygote's preload steps this child was forked before and initialise the device for
-    `preparation`, then read the job's path from `go`: the job, checked to be the one prepared for,
-    or None at end of file."""
+def wait_for_job(preparation: dict[str, Any], go: int) -> dict[str, Any] | None:
+    """Initialise the device for `preparation`, then read the job's path from `go`: the job,
+    checked to be the one prepared for, or None at end of file."""
     from kpipe.gym.child import prepare_device
 
-    for step in preload_left:  # before the device: the compiler's warm-up checks the driver is untouched
-        step()
     prepare_device(preparation["device"], preparation["protocol"])
     path = b""
     while chunk := os.read(go, 4096):
@@ -581,11 +583,10 @@ class ZygoteLauncher:
     the child takes its environment from the job file (``run_isolated`` writes it there).
 
     It also keeps one candidate child started ahead (``start_next``, once the current candidate
-    has its job or as a reference starts; ``waiting_candidate`` takes it): confined in its
-    scratch, its CUDA context made, waiting for its job. Making a context takes a child 0.5 s on
-    an H200, 0.9 s when eight make theirs at once on one host
-    (docs/gpu-results/gym_scaling_2026-11-26d_4xH200.md); started while the previous candidate
-    (or its own reference) runs, it costs the next one nothing. While it waits it is
+    has its job; ``waiting_candidate`` takes it): confined in its scratch, its CUDA context made,
+    waiting for its job. Making a context takes a child 0.5 s on an H200, 0.9 s when eight make
+    theirs at once on one host (docs/gpu-results/gym_scaling_2026-11-26d_4xH200.md); started
+    while the previous candidate runs, it costs the next one nothing. While it waits it is
     stopped with the others whenever a child times on its GPU (its pauser), so its start never
     runs beside a timed region."""
 
@@ -626,10 +627,9 @@ class ZygoteLauncher:
         return self._start_waiting(lease)
 
     def start_next(self, lease: TimingLease | None) -> None:
-        """Start the next call's child; called once this call's child has its job, or as the
-        reference run before it starts, so its fork, scratch and context are made while that one
-        runs, never on its path. A failure to start costs the current child nothing: the next call
-        starts its own."""
+        """Start the next call's child; called once this call's child has its job, so its fork,
+        scratch and context are made while that one runs, never on its path. A failure to start
+        costs the current child nothing: the next call starts its own."""
         if self._next is None:
             with contextlib.suppress(ZygoteDied):
                 self._next = self._start_waiting(lease)
