@@ -1,11 +1,16 @@
-"""checks/gpu/dag.py on a CPU: Snakemake's log read into jobs, the most jobs at once, and timed regions
-that overlap on one device (what the GPU run's report rests on)."""
+"""checks/gpu/dag.py on a CPU: Snakemake's log read into jobs, the most jobs at once, the jobs' timeline,
+the logs kept, and timed regions that overlap on one device (what the GPU run's report rests on)."""
 
 from __future__ import annotations
 
+import tarfile
 import textwrap
+from pathlib import Path
 
-from checks.gpu.dag import Job, most_at_once, overlapping_timed_regions, parse_snakemake_log
+import pytest
+
+import checks.gpu.dag
+from checks.gpu.dag import Job, archive_logs, most_at_once, overlapping_timed_regions, parse_snakemake_log, timeline_rows
 
 LOG = textwrap.dedent("""\
     Building DAG of jobs...
@@ -64,3 +69,25 @@ def test_overlapping_timed_regions_per_device() -> None:
     assert overlapping_timed_regions(apart) == []
     found = overlapping_timed_regions({"GPU-a": [(0.0, 3.0), (1.0, 1.5), (2.0, 4.0)]})
     assert len(found) == 2 and all(text.startswith("GPU-a: [0.000, 3.000]") for text in found)
+
+
+def test_the_timeline_gives_each_job_by_its_start_in_seconds_from_the_run_s_first_line() -> None:
+    jobs, first, _ = parse_snakemake_log(LOG)
+    jobs.append(Job(8, "distill", first + 1, None, 1, "logs/distill/shard-1.log"))  # still running
+    assert timeline_rows(jobs, first) == [("ingest_tasks", "0", "1", "1"), ("distill (shard-0)", "0", "10", "10"),
+                                          ("distill (shard-1)", "1", "", ""), ("sft", "2", "20", "18")]
+
+
+def test_the_jobs_and_the_service_s_logs_are_kept_beside_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "repo"
+    for name in ("logs/distill/run=default/shard-0.log", "results/.gym/service-1.log", "results/tables/x.md"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(name)
+    monkeypatch.setattr(checks.gpu.dag, "ROOT", root)
+    monkeypatch.setattr(checks.gpu.dag, "RESULTS", root / "results")
+    monkeypatch.delenv("OUT", raising=False)
+    assert archive_logs("logs.tar.gz") is None  # nowhere to bring them back from
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    with tarfile.open(archive_logs("logs.tar.gz")) as tar:
+        assert sorted(tar.getnames()) == ["logs/distill/run=default/shard-0.log", "results/.gym/service-1.log"]

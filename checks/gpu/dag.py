@@ -12,7 +12,8 @@ Sections:
   ``logs/`` and ``.snakemake/`` removed first. Recorded: wall time and Snakemake's own time (first to
   last line of its log), each rule's jobs and seconds, the most jobs (and GPU jobs) at once, each
   GPU's busy seconds (``nvidia-smi`` utilisation sampled every 200 ms), each rule's start-up (its jobs'
-  first working log line: ``N s after the job began``), and the tables. Checked:
+  first working log line: ``N s after the job began``), each job's start and end (the run's chain),
+  the tables, and the jobs' and the KernelGym service's logs (``$OUT/dag-run-logs.tar.gz``). Checked:
   exit 0, every table, figure and the viewer written, every evaluation timed on the GPU
   (``timing_kind = cuda``), no two timed regions overlapping on one GPU (``evals.timed_spans``: the KernelGym result cache of every stage,
   per ``device_id``), none of the offline teacher's kernels judged ``hacked`` (it never sends a hack),
@@ -37,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -271,6 +273,32 @@ def run_snakemake(report: Report, argv: list[str], log_name: str, timeout_s: flo
     return (code if code is not None else -1), wall
 
 
+def timeline_rows(jobs: list[Job], first: float) -> list[tuple[str, str, str, str]]:
+    """Each job, by its start: its name (the rule, and its log's file name where a rule has several
+    jobs), when it started and ended in seconds from the run's first line, and its seconds: the run's
+    chain (distill, sft, the RL iterations, what reads the RL policy) at a glance."""
+    several = Counter(job.rule for job in jobs)
+    rows = []
+    for job in sorted(jobs, key=lambda job: (job.start, job.jobid)):
+        name = f"{job.rule} ({Path(job.log).stem})" if several[job.rule] > 1 and job.log else job.rule
+        end = "" if job.end is None else f"{job.end - first:.0f}"
+        rows.append((name, f"{job.start - first:.0f}", end, "" if job.seconds is None else f"{job.seconds:.0f}"))
+    return rows
+
+
+def archive_logs(name: str) -> Path | None:
+    """The jobs' logs and the KernelGym service's (``logs/``, ``results/.gym/*.log``) as
+    $OUT/<name>: where a job's seconds went, for the run after this one."""
+    out = os.environ.get("OUT")
+    if not out:
+        return None
+    archive = Path(out) / name
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in [*sorted((ROOT / "logs").rglob("*.log")), *sorted((RESULTS / ".gym").glob("*.log"))]:
+            tar.add(path, arcname=str(path.relative_to(ROOT)))
+    return archive
+
+
 def ready_after(job: Job) -> float | None:
     """Seconds from the job's start to its first working log line (kpipe.infra.jobs.since_job_started)."""
     path = ROOT / job.log if job.log else None
@@ -337,6 +365,13 @@ def run(report: Report, options: argparse.Namespace) -> None:
                 + (", ".join(f"GPU {gpu} {seconds:.0f} s ({seconds / wall:.0%} of the wall time)" for gpu, seconds
                              in sorted(busy.items())) or "no GPU"))
     rule_table(report, jobs)
+    if first is not None:
+        report.line("", "Each job, seconds from the run's first line:")
+        report.table("job", "start", "end", "seconds")
+        for row in timeline_rows(jobs, first):
+            report.row(*row)
+    if archive := archive_logs("dag-run-logs.tar.gz"):
+        report.line("", f"- the jobs' and the KernelGym service's logs: {archive.name}")
     if code != 0:
         raise CheckFailed(f"snakemake exited {code}")
     report.expect(options.cpu or snakemake_s <= options.budget,
