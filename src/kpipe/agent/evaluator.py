@@ -73,10 +73,18 @@ class EvaluationStream:
     engine decodes the turn's other answers). Whatever has arrived since the last call goes into one
     `evaluate_many` call, one call at a time (the wrapped evaluator need not be thread-safe), and each
     result is filed under its job's index: the results depend on the jobs, not on their arrival order.
-    `busy_s` is the wall time spent inside `evaluate_many`."""
+    `busy_s` is the wall time spent inside `evaluate_many`.
 
-    def __init__(self, evaluator: Evaluator) -> None:
+    A call waits for a burst of answers to end (no new job for `gather_idle_s`, at most
+    `gather_max_s` after its first job): the offline teacher hands a turn's 16 answers over within
+    70 ms, and sent at once the first went alone to a cold KernelGym service: the other nine waited
+    the 15.6 s it took there instead of running beside it on the service's other worker (a
+    distillation shard of the default DAG on an H200, 2026-11-28: its first turn took 55 s)."""
+
+    def __init__(self, evaluator: Evaluator, gather_idle_s: float = 0.1, gather_max_s: float = 1.0) -> None:
         self.evaluator = evaluator
+        self.gather_idle_s = gather_idle_s
+        self.gather_max_s = gather_max_s
         self.busy_s = 0.0
         self._queue: list[tuple[int, tuple[str, str]]] = []
         self._results: dict[int, Any] = {}
@@ -116,6 +124,7 @@ class EvaluationStream:
             with self._wake:
                 while not self._queue and not self._closed:
                     self._wake.wait()
+                self._gather()
                 batch, self._queue = self._queue, []
             if not batch:
                 return
@@ -129,6 +138,18 @@ class EvaluationStream:
                 self._error = error
             finally:
                 self.busy_s += time.perf_counter() - started
+
+
+    def _gather(self) -> None:
+        """With the lock held and a job queued: wait while more keep coming (see the class)."""
+        deadline = time.monotonic() + self.gather_max_s
+        while not self._closed:
+            queued, left = len(self._queue), deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.wait(min(self.gather_idle_s, left))
+            if len(self._queue) == queued:
+                return
 
 
 def result_record(result: Any) -> dict[str, Any]:
