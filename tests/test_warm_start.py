@@ -2,6 +2,7 @@
 status), dies with it, and the starter ends with its run (the DAG tests run sft and RL through it)."""
 
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -83,3 +84,59 @@ def test_the_starter_ends_with_its_run_and_without_one_jobs_start_the_usual_way(
     monkeypatch.delenv(warm_start.WARM_START_ENV)
     assert warm_start.connect() is None
 
+
+
+def test_a_job_that_needs_no_wait_is_forked_only_once_the_starter_is_done_importing(tmp_path, monkeypatch):
+    """``connect(ready_only=True)`` (an evaluation's job, kpipe.infra.launch.job_function): a
+    starter still importing its preload at the run's start is not waited for."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "kpipe_test_slow_module.py").write_text("import time\ntime.sleep(3)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), os.environ.get("PYTHONPATH", "")]))
+    path = warm_start.start(tmp_path / "run", os.getpid(), ("kpipe_test_slow_module",))
+    monkeypatch.setenv(warm_start.WARM_START_ENV, str(path))
+    try:
+        assert warm_start.connect(ready_only=True) is None  # still importing
+        deadline = time.monotonic() + 60
+        while not warm_start.ready_path(path).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        conn = warm_start.connect(ready_only=True)
+        assert conn is not None
+        with open(tmp_path / "job.log", "w") as out:
+            assert warm_start.run_job(conn, ["gpu", "run", "-n", "0", "--", "true"], out.fileno()) == 0
+    finally:
+        warm_start.stop(tmp_path / "run")
+    assert not warm_start.ready_path(path).exists()
+
+
+def test_a_job_function_runs_in_its_snakemake_job_when_no_starter_is_ready(tmp_path, monkeypatch):
+    """``job_function`` without a warm starter: the function runs in the job's own process,
+    logged to the rule's log as every script's body is (kpipe.infra.jobs.snakemake_job)."""
+    from types import SimpleNamespace
+
+    from kpipe.infra.launch import job_function
+
+    monkeypatch.delenv(warm_start.WARM_START_ENV, raising=False)
+    log = tmp_path / "rule.log"
+    smk = SimpleNamespace(log=[str(log)], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 8}},
+                          rule="eval")
+    made = tmp_path / "made.txt"
+    job_function(smk, shutil.copyfile, __file__, str(made))  # no starter: called here
+    with pytest.raises(TypeError):  # JSON values only, starter or not: a job runs alike either way
+        job_function(smk, shutil.copyfile, Path(__file__), made)
+    assert made.read_text() == Path(__file__).read_text()
+    assert "rule eval: 0 of 8 GPU slot(s)" in log.read_text()
+
+
+def test_kpipe_job_runs_a_function_on_its_json_arguments(tmp_path):
+    """What a warm-started job runs: ``kpipe job MODULE:FUNCTION CALL``."""
+    import json
+
+    from click.testing import CliRunner
+
+    from kpipe.cli import main
+
+    target = tmp_path / "made.txt"
+    result = CliRunner().invoke(main, ["job", "shutil:copyfile", json.dumps({"args": [__file__, str(target)], "kwargs": {}})])
+    assert result.exit_code == 0, result.output
+    assert target.read_text() == Path(__file__).read_text()

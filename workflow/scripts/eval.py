@@ -1,20 +1,23 @@
-"""Snakemake wrapper: one KernelBench evaluation shard of one model and level."""
+"""Snakemake wrapper: one KernelBench evaluation shard of one model and level (forked from the run's
+warm starter when it is ready: kpipe.infra.launch.job_function)."""
 
-from kpipe.infra.jobs import snakemake_job
+from kpipe.evaluate.kernelbench import eval_job
+from kpipe.infra.launch import job_function
 
-with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.evaluate.kernelbench import eval_job
+job = snakemake  # noqa: F821 (injected by Snakemake)
 
-    eval_job(
-        job.input.tasks,
-        job.output[0],
-        job.params.cache,
-        job.params.model,
-        job.params.settings,
-        level=int(job.wildcards.level),
-        shard=int(job.wildcards.shard),
-        num_shards=job.params.num_shards,
-        run=job.params.run,
-        gym=job.params.gym,
-        checkpoint=job.input.checkpoint or None,
-    )
+job_function(
+    job,
+    eval_job,
+    job.input.tasks,
+    job.output[0],
+    job.params.cache,
+    job.params.model,
+    job.params.settings,
+    level=int(job.wildcards.level),
+    shard=int(job.wildcards.shard),
+    num_shards=job.params.num_shards,
+    run=job.params.run,
+    gym=job.params.gym,
+    checkpoint=job.input.checkpoint or None,
+)

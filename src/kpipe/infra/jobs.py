@@ -58,6 +58,15 @@ class _Tee:
         return False
 
 
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    # httpx (the OpenAI client's transport) logs every request at INFO, between the progress bars' lines
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 @contextlib.contextmanager
 def snakemake_job(smk: Any) -> Iterator[Any]:
     """Run a Snakemake script body with logging to ``log[0]`` and a lease of ``resources.gpu_slots``
@@ -71,9 +80,7 @@ def snakemake_job(smk: Any) -> Iterator[Any]:
             log_file = stack.enter_context(open(log_path, "w"))
             stack.enter_context(contextlib.redirect_stdout(_Tee(log_file, sys.__stdout__)))
             stack.enter_context(contextlib.redirect_stderr(_Tee(log_file, sys.__stderr__)))
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr, force=True)
-        # httpx (the OpenAI client's transport) logs every request at INFO, between the progress bars' lines
-        logging.getLogger("httpx").setLevel(logging.WARNING)
+        configure_logging()
         slots, per_gpu = int(getattr(smk.resources, "gpu_slots", 0) or 0), int(smk.config["gpu"]["slots_per_gpu"])
         leased = stack.enter_context(gpu_slot_lease(slots, per_gpu))
         log.info("rule %s: %d of %d GPU slot(s) per GPU leased on %s", smk.rule, slots, per_gpu, leased)

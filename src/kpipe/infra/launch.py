@@ -18,20 +18,22 @@ A Snakemake script becomes that command with :func:`exec_launch` (the training r
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import os
 import re
 import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
-from kpipe.infra.jobs import mark_job_started
+from kpipe.infra.jobs import configure_logging, mark_job_started, snakemake_job
 
 DEFAULT_CONFIG_DIR = Path("workflow") / "accelerate"
 CONFIG_DIR_ENV = "KPIPE_ACCELERATE_DIR"
@@ -179,17 +181,17 @@ def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = 
 
 
 def run_warm_started(gpus: int, args: Sequence[str], log: str | os.PathLike | None,
-                     slots: tuple[int, int] | None) -> int | None:
+                     slots: tuple[int, int] | None, ready_only: bool = False) -> int | None:
     """A one-process job on this node through the run's warm starter (:mod:`kpipe.infra.warm_start`),
     under the GPU lease `kpipe launch` would take; its exit status, or None when the job is not one
-    process here or the run has no starter."""
+    process here or the run has no starter (with `ready_only`: none done with its imports)."""
     from kpipe.infra import warm_start
 
     try:
         plan = launch_plan(gpus, args, os.environ, node_task=False)
     except (ValueError, FileNotFoundError):
         return None  # `kpipe launch` says what is wrong
-    if plan[1:3] != ["-m", "kpipe.cli"] or (conn := warm_start.connect()) is None:
+    if plan[1:3] != ["-m", "kpipe.cli"] or (conn := warm_start.connect(ready_only=ready_only)) is None:
         return None
     from kpipe.infra.gpu import GPULeaseError, job_lease
 
@@ -206,6 +208,39 @@ def run_warm_started(gpus: int, args: Sequence[str], log: str | os.PathLike | No
         conn.close()
         print(f"Error: {error}", file=sys.stderr)
         return 1
+
+
+def job_function(smk: Any, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """Run a module's `function` on `args` and `kwargs` (JSON values) as this Snakemake job.
+
+    Where the run's warm starter (:mod:`kpipe.infra.warm_start`) is done with its imports, the job
+    is forked from it (``kpipe job``): torch, transformers and the Qwen3 modeling module already
+    imported, under the job's GPU slots, its output to the rule's log. Else (no starter, one still
+    importing at the run's start, a cluster job) it runs in this process (``snakemake_job``). A job
+    that loads a local model pays ~10 s of those imports in a fresh Python on an H200: the default
+    DAG's evaluations of the tiny policies and their STTS took 17-20 s there, their loop 3 s of it
+    (``docs/gpu-results/dag_2026-11-28d_H200.run-logs.tar.gz``)."""
+    mark_job_started()
+    slots = (int(getattr(smk.resources, "gpu_slots", 0) or 0), int(smk.config["gpu"]["slots_per_gpu"]))
+    call = json.dumps({"args": list(args), "kwargs": kwargs})
+    target = f"{function.__module__}:{function.__name__}"
+    code = run_warm_started(1, ["job", target, call], smk.log[0] if smk.log else None, slots, ready_only=True)
+    if code is not None:
+        sys.exit(code)
+    with snakemake_job(smk):
+        function(*args, **kwargs)
+
+
+@click.command("job", hidden=True)
+@click.argument("target")
+@click.argument("call")
+def job_command(target: str, call: str) -> None:
+    """Run TARGET ("module:function") on CALL (JSON: args, kwargs): a Snakemake job that
+    ``job_function`` hands the run's warm starter."""
+    configure_logging()
+    spec = json.loads(call)
+    module, _, name = target.partition(":")
+    getattr(importlib.import_module(module), name)(*spec["args"], **spec["kwargs"])
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})

@@ -1,6 +1,8 @@
-"""One-process training jobs without a fresh Python: a process of the Snakemake run imports torch,
-transformers, accelerate and kpipe's trainers once, and forks each single-process training job
-(`sft`, every `rl_iter`) from there.
+"""One-process jobs without a fresh Python: a process of the Snakemake run imports torch,
+transformers, accelerate, kpipe's trainers and evaluation stages once, and forks each
+single-process training job (`sft`, every `rl_iter`) from there, and once it is done importing
+each job that loads a local model to evaluate it (`eval`, `stts`, `rl_validate`:
+``kpipe.infra.launch.job_function``).
 
 Why: a fresh process pays ~10 s before an RL iteration's first step on an H200 (the imports 4.4 s,
 transformers' Qwen3 modeling module and what it pulls in 5.4 s, measured with the `dag` check),
@@ -44,13 +46,18 @@ from typing import NoReturn
 
 WARM_START_ENV = "KPIPE_WARM_START"  # the socket of the run's starter, set by the Snakefile for its jobs
 PRELOAD = ("torch", "accelerate", "transformers", "transformers.models.qwen3.modeling_qwen3", "kpipe.train.rl",
-           "kpipe.train.sft", "kpipe.train.cli")
+           "kpipe.train.sft", "kpipe.train.cli", "kpipe.evaluate.kernelbench", "kpipe.evaluate.stts")
 CONNECT_TIMEOUT_S = 5.0  # the socket listens from the start; the starter answers once its imports are done
 STD_FDS = 3
 
 
 def socket_path(directory: str | os.PathLike) -> Path:
     return Path(directory).resolve() / "warm-start.sock"
+
+
+def ready_path(socket: str | os.PathLike) -> Path:
+    """Exists once the starter at `socket` has imported its preload and forks at once."""
+    return Path(socket).with_suffix(".ready")
 
 
 def start(directory: str | os.PathLike, owner: int, preload: Sequence[str] = PRELOAD) -> Path:
@@ -61,6 +68,7 @@ def start(directory: str | os.PathLike, owner: int, preload: Sequence[str] = PRE
     path = socket_path(directory)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
+    ready_path(path).unlink(missing_ok=True)
     with open(path.with_suffix(".log"), "a") as log:
         subprocess.Popen([sys.executable, "-m", "kpipe.infra.warm_start", str(path), str(owner), *preload], stdin=subprocess.DEVNULL,
                          stdout=log, stderr=log, start_new_session=True)
@@ -78,6 +86,7 @@ def stop(directory: str | os.PathLike) -> None:
         conn.connect(str(path))
         send_request(conn, {"stop": True}, [])
     path.unlink(missing_ok=True)
+    ready_path(path).unlink(missing_ok=True)
 
 
 def send_request(conn: socket.socket, request: Mapping[str, object], fds: Sequence[int]) -> None:
@@ -101,11 +110,12 @@ def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), fds
 
 
-def connect(environ: Mapping[str, str] = os.environ) -> socket.socket | None:
+def connect(environ: Mapping[str, str] = os.environ, ready_only: bool = False) -> socket.socket | None:
     """A connection to the run's starter, or None when there is none to ask (no run, a dead
-    starter): the caller then starts the job the usual way."""
+    starter; with `ready_only`, one still importing its preload): the caller then starts the job
+    the usual way."""
     path = environ.get(WARM_START_ENV)
-    if not path:
+    if not path or (ready_only and not ready_path(path).exists()):
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(CONNECT_TIMEOUT_S)
@@ -188,6 +198,7 @@ def serve(path: Path, owner: int, preload: Sequence[str] = PRELOAD) -> None:
     for module in preload:
         importlib.import_module(module)
     print(f"warm starter: {len(preload)} modules imported in {time.monotonic() - started:.1f} s", flush=True)
+    ready_path(path).touch()
     owner_fd = os.pidfd_open(owner)
     workers: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the client's connection)
     while True:
