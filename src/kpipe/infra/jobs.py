@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -68,13 +70,40 @@ def configure_logging() -> None:
 
 
 @contextlib.contextmanager
+def dies_on_interrupt() -> Iterator[None]:
+    """Ctrl-C (SIGINT) ends this process at once, killed by the signal as a Python without a
+    handler would be. Raised as KeyboardInterrupt it can land in a callback whose exceptions Python
+    only prints (a module lock's during an import: "Exception ignored in ..."): an evaluation job
+    of a Ctrl-C'd run then ran on to its end after Snakemake had given up on it, and its output,
+    written 21 s later, was marked incomplete for the next run. The previous handler comes back on
+    exit; outside the main thread (where no handler can be set) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def die(signum: int, frame: object) -> None:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    previous = signal.signal(signal.SIGINT, die)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def snakemake_job(smk: Any) -> Iterator[Any]:
-    """Run a Snakemake script body with logging to ``log[0]`` and a lease of ``resources.gpu_slots``
-    (of ``config["gpu"]["slots_per_gpu"]`` per GPU)."""
+    """Run a Snakemake script body with logging to ``log[0]``, a lease of ``resources.gpu_slots``
+    (of ``config["gpu"]["slots_per_gpu"]`` per GPU), and Ctrl-C ending it (``dies_on_interrupt``)."""
     mark_job_started()
     log_path = Path(smk.log[0]) if smk.log else None
     stack = contextlib.ExitStack()
     with stack:
+        stack.enter_context(dies_on_interrupt())
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             log_file = stack.enter_context(open(log_path, "w"))

@@ -1,0 +1,50 @@
+"""kpipe.infra.jobs.snakemake_job: a Ctrl-C ends a Snakemake script's job even where Python would
+swallow it (and the handler it replaced comes back after the job)."""
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+# SIGINT arrives while a weakref callback runs: there KeyboardInterrupt is only printed ("Exception
+# ignored in ..."), as it was in a module lock's callback during an import of a Ctrl-C'd run
+SWALLOWED = textwrap.dedent("""
+    import os, signal, time, weakref
+    from types import SimpleNamespace
+    from kpipe.infra.jobs import snakemake_job
+
+    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t")
+    with snakemake_job(smk):
+        class Held:
+            pass
+
+        def callback(ref):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+
+        held = Held()
+        ref = weakref.ref(held, callback)
+        del held
+        print("ran on after Ctrl-C", flush=True)
+""")
+
+
+def test_a_ctrl_c_that_python_would_swallow_still_ends_the_job():
+    bare = subprocess.run([sys.executable, "-c", SWALLOWED.replace("with snakemake_job(smk):", "if True:")],
+                          capture_output=True, text=True, timeout=60)
+    assert "ran on after Ctrl-C" in bare.stdout and "KeyboardInterrupt" in bare.stderr  # what Python does
+    job = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=60)
+    assert job.returncode == -signal.SIGINT, job.stdout + job.stderr
+    assert "ran on after Ctrl-C" not in job.stdout
+
+
+def test_the_previous_sigint_handler_comes_back_after_the_job():
+    from types import SimpleNamespace
+
+    from kpipe.infra.jobs import snakemake_job
+
+    before = signal.getsignal(signal.SIGINT)
+    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t")
+    with snakemake_job(smk):
+        assert signal.getsignal(signal.SIGINT) is not before
+    assert signal.getsignal(signal.SIGINT) is before
