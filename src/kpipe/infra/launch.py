@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import click
 
-from kpipe.infra.jobs import configure_logging, mark_job_started, snakemake_job
+from kpipe.infra.jobs import configure_logging, dies_on_interrupt, mark_job_started, snakemake_job
 
 DEFAULT_CONFIG_DIR = Path("workflow") / "accelerate"
 CONFIG_DIR_ENV = "KPIPE_ACCELERATE_DIR"
@@ -224,7 +224,8 @@ def job_function(smk: Any, function: Callable[..., Any], *args: Any, **kwargs: A
     slots = (int(getattr(smk.resources, "gpu_slots", 0) or 0), int(smk.config["gpu"]["slots_per_gpu"]))
     call = json.dumps({"args": list(args), "kwargs": kwargs})
     target = f"{function.__module__}:{function.__name__}"
-    code = run_warm_started(1, ["job", target, call], smk.log[0] if smk.log else None, slots, ready_only=True)
+    with dies_on_interrupt():  # a Ctrl-C'd client ends its forked worker (kpipe.infra.warm_start)
+        code = run_warm_started(1, ["job", target, call], smk.log[0] if smk.log else None, slots, ready_only=True)
     if code is not None:
         sys.exit(code)
     with snakemake_job(smk):
