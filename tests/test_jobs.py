@@ -1,5 +1,5 @@
-"""kpipe.infra.jobs.snakemake_job: a Ctrl-C ends a Snakemake script's job even where Python would
-swallow it (and the handler it replaced comes back after the job)."""
+"""kpipe.infra.jobs.snakemake_job: a Ctrl-C ends a Snakemake script's job, after it has unwound, and
+even where Python would swallow it (and the handler it replaced comes back after the job)."""
 
 import signal
 import subprocess
@@ -11,8 +11,10 @@ import textwrap
 SWALLOWED = textwrap.dedent("""
     import os, signal, time, weakref
     from types import SimpleNamespace
+    import kpipe.infra.jobs
     from kpipe.infra.jobs import snakemake_job
 
+    kpipe.infra.jobs.INTERRUPT_GRACE_S = 0.5
     smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t")
     with snakemake_job(smk):
         class Held:
@@ -25,6 +27,7 @@ SWALLOWED = textwrap.dedent("""
         held = Held()
         ref = weakref.ref(held, callback)
         del held
+        time.sleep(2.0)  # the job's work goes on
         print("ran on after Ctrl-C", flush=True)
 """)
 
@@ -36,6 +39,29 @@ def test_a_ctrl_c_that_python_would_swallow_still_ends_the_job():
     job = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=60)
     assert job.returncode == -signal.SIGINT, job.stdout + job.stderr
     assert "ran on after Ctrl-C" not in job.stdout
+
+
+UNWINDS = textwrap.dedent("""
+    import os, signal, sys, time
+    from types import SimpleNamespace
+    from kpipe.infra.jobs import snakemake_job
+
+    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t")
+    with snakemake_job(smk):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(10)
+        finally:
+            open(sys.argv[1], "w").write("stopped its server")
+""")
+
+
+def test_a_ctrl_c_job_unwinds_first(tmp_path):
+    """What a job started (the offline teacher's server) is stopped on the way out, as before."""
+    marker = tmp_path / "unwound"
+    job = subprocess.run([sys.executable, "-c", UNWINDS, str(marker)], capture_output=True, text=True, timeout=60)
+    assert job.returncode in (-signal.SIGINT, 130), job.stdout + job.stderr
+    assert marker.read_text() == "stopped its server"
 
 
 def test_the_previous_sigint_handler_comes_back_after_the_job():

@@ -63,32 +63,48 @@ class _Tee:
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
+def log_line(message: str) -> str:
+    """`message` as the ``kpipe`` logger writes it at INFO (``LOG_FORMAT``)."""
+    return logging.Formatter(LOG_FORMAT).format(logging.LogRecord("kpipe", logging.INFO, __file__, 0, message, None, None))
+
+
+def lease_message(rule: str, slots: int, per_gpu: int, leased: list[str]) -> str:
+    """A job's first log line: the GPU slots it holds (a forked job's client writes it too)."""
+    return f"rule {rule}: {slots} of {per_gpu} GPU slot(s) per GPU leased on {leased}"
+
+
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr, force=True)
     # httpx (the OpenAI client's transport) logs every request at INFO, between the progress bars' lines
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+# how long a Ctrl-C'd job may take to unwind (its servers stopped, its scratch removed) before it is ended
+INTERRUPT_GRACE_S = 5.0
+
+
 @contextlib.contextmanager
 def dies_on_interrupt() -> Iterator[None]:
-    """Ctrl-C (SIGINT) ends this process at once, killed by the signal as a Python without a
-    handler would be. Raised as KeyboardInterrupt it can land in a callback whose exceptions Python
-    only prints (a module lock's during an import: "Exception ignored in ..."): an evaluation job
-    of a Ctrl-C'd run then ran on to its end after Snakemake had given up on it, and its output,
-    written 21 s later, was marked incomplete for the next run. The previous handler comes back on
+    """Ctrl-C (SIGINT) ends this process within ``INTERRUPT_GRACE_S``: KeyboardInterrupt is raised
+    as usual, so the job unwinds (the offline teacher's server stopped, scratch removed), and the
+    signal itself ends the process if it is still there after the grace. Raised alone, the
+    KeyboardInterrupt can land in a callback whose exceptions Python only prints (a module lock's
+    during an import: "Exception ignored in ..."): an evaluation job of a Ctrl-C'd run then ran on
+    to its end after Snakemake had given up on it, and its output, written 21 s later, was marked
+    incomplete for the next run. A second Ctrl-C ends it at once. The previous handler comes back on
     exit; outside the main thread (where no handler can be set) nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def die(signum: int, frame: object) -> None:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    def interrupted(signum: int, frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)  # the timer's signal, or a second Ctrl-C, ends the process
+        timer = threading.Timer(INTERRUPT_GRACE_S, os.kill, (os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
+        raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, die)
+    previous = signal.signal(signal.SIGINT, interrupted)
     try:
         yield
     finally:
@@ -112,7 +128,7 @@ def snakemake_job(smk: Any) -> Iterator[Any]:
         configure_logging()
         slots, per_gpu = int(getattr(smk.resources, "gpu_slots", 0) or 0), int(smk.config["gpu"]["slots_per_gpu"])
         leased = stack.enter_context(gpu_slot_lease(slots, per_gpu))
-        log.info("rule %s: %d of %d GPU slot(s) per GPU leased on %s", smk.rule, slots, per_gpu, leased)
+        log.info("%s", lease_message(smk.rule, slots, per_gpu, leased))
         try:
             yield smk
         except Exception:

@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 
 import click
 
-from kpipe.infra.jobs import configure_logging, dies_on_interrupt, mark_job_started, snakemake_job
+from kpipe.infra.jobs import configure_logging, dies_on_interrupt, lease_message, log_line, mark_job_started, snakemake_job
 
 DEFAULT_CONFIG_DIR = Path("workflow") / "accelerate"
 CONFIG_DIR_ENV = "KPIPE_ACCELERATE_DIR"
@@ -181,10 +181,12 @@ def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = 
 
 
 def run_warm_started(gpus: int, args: Sequence[str], log: str | os.PathLike | None,
-                     slots: tuple[int, int] | None, ready_only: bool = False) -> int | None:
+                     slots: tuple[int, int] | None, ready_only: bool = False,
+                     leased_line: Callable[[list[str]], str] | None = None) -> int | None:
     """A one-process job on this node through the run's warm starter (:mod:`kpipe.infra.warm_start`),
     under the GPU lease `kpipe launch` would take; its exit status, or None when the job is not one
-    process here or the run has no starter (with `ready_only`: none done with its imports)."""
+    process here or the run has no starter (with `ready_only`: none done with its imports).
+    `leased_line(leased GPUs)`: the log's first line, as the job's own process would write it."""
     from kpipe.infra import warm_start
 
     try:
@@ -196,13 +198,15 @@ def run_warm_started(gpus: int, args: Sequence[str], log: str | os.PathLike | No
     from kpipe.infra.gpu import GPULeaseError, job_lease
 
     try:
-        with job_lease(gpus, slots), contextlib.ExitStack() as stack:
+        with job_lease(gpus, slots) as leased, contextlib.ExitStack() as stack:
             if log is None:
                 out = sys.stdout.fileno()
             else:
                 Path(log).parent.mkdir(parents=True, exist_ok=True)
                 out = stack.enter_context(open(log, "w")).fileno()
             sys.stdout.flush()
+            if leased_line is not None:
+                os.write(out, (leased_line(leased) + "\n").encode())
             return warm_start.run_job(conn, args, out)
     except GPULeaseError as error:
         conn.close()
@@ -225,7 +229,8 @@ def job_function(smk: Any, function: Callable[..., Any], *args: Any, **kwargs: A
     call = json.dumps({"args": list(args), "kwargs": kwargs})
     target = f"{function.__module__}:{function.__name__}"
     with dies_on_interrupt():  # a Ctrl-C'd client ends its forked worker (kpipe.infra.warm_start)
-        code = run_warm_started(1, ["job", target, call], smk.log[0] if smk.log else None, slots, ready_only=True)
+        code = run_warm_started(1, ["job", target, call], smk.log[0] if smk.log else None, slots, ready_only=True,
+                                leased_line=lambda leased: log_line(lease_message(smk.rule, *slots, leased)))
     if code is not None:
         sys.exit(code)
     with snakemake_job(smk):
