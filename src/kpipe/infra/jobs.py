@@ -73,6 +73,11 @@ def lease_message(rule: str, slots: int, per_gpu: int, leased: list[str]) -> str
     return f"rule {rule}: {slots} of {per_gpu} GPU slot(s) per GPU leased on {leased}"
 
 
+def job_slots(smk: Any) -> tuple[int, int]:
+    """A Snakemake job's GPU slots (``resources.gpu_slots``) and the slots of one GPU (config ``gpu.slots_per_gpu``)."""
+    return int(getattr(smk.resources, "gpu_slots", 0) or 0), int(smk.config["gpu"]["slots_per_gpu"])
+
+
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr, force=True)
     # httpx (the OpenAI client's transport) logs every request at INFO, between the progress bars' lines
@@ -126,7 +131,7 @@ def snakemake_job(smk: Any) -> Iterator[Any]:
             stack.enter_context(contextlib.redirect_stdout(_Tee(log_file, sys.__stdout__)))
             stack.enter_context(contextlib.redirect_stderr(_Tee(log_file, sys.__stderr__)))
         configure_logging()
-        slots, per_gpu = int(getattr(smk.resources, "gpu_slots", 0) or 0), int(smk.config["gpu"]["slots_per_gpu"])
+        slots, per_gpu = job_slots(smk)
         leased = stack.enter_context(gpu_slot_lease(slots, per_gpu))
         log.info("%s", lease_message(smk.rule, slots, per_gpu, leased))
         try:

@@ -33,7 +33,8 @@ from typing import Any, NoReturn
 
 import click
 
-from kpipe.infra.jobs import configure_logging, dies_on_interrupt, lease_message, log_line, mark_job_started, snakemake_job
+from kpipe.infra.jobs import (configure_logging, dies_on_interrupt, job_slots, lease_message, log_line, mark_job_started,
+                              snakemake_job)
 
 DEFAULT_CONFIG_DIR = Path("workflow") / "accelerate"
 CONFIG_DIR_ENV = "KPIPE_ACCELERATE_DIR"
@@ -207,7 +208,8 @@ def run_warm_started(gpus: int, args: Sequence[str], log: str | os.PathLike | No
             sys.stdout.flush()
             if leased_line is not None:
                 os.write(out, (leased_line(leased) + "\n").encode())
-            return warm_start.run_job(conn, args, out)
+            with dies_on_interrupt():  # a Ctrl-C'd client ends its forked worker (kpipe.infra.warm_start)
+                return warm_start.run_job(conn, args, out)
     except GPULeaseError as error:
         conn.close()
         print(f"Error: {error}", file=sys.stderr)
@@ -225,12 +227,11 @@ def job_function(smk: Any, function: Callable[..., Any], *args: Any, **kwargs: A
     DAG's evaluations of the tiny policies and their STTS took 17-20 s there, their loop 3 s of it
     (``docs/gpu-results/dag_2026-11-28d_H200.run-logs.tar.gz``)."""
     mark_job_started()
-    slots = (int(getattr(smk.resources, "gpu_slots", 0) or 0), int(smk.config["gpu"]["slots_per_gpu"]))
+    slots = job_slots(smk)
     call = json.dumps({"args": list(args), "kwargs": kwargs})
     target = f"{function.__module__}:{function.__name__}"
-    with dies_on_interrupt():  # a Ctrl-C'd client ends its forked worker (kpipe.infra.warm_start)
-        code = run_warm_started(1, ["job", target, call], smk.log[0] if smk.log else None, slots, ready_only=True,
-                                leased_line=lambda leased: log_line(lease_message(smk.rule, *slots, leased)))
+    code = run_warm_started(1, ["job", target, call], smk.log[0] if smk.log else None, slots, ready_only=True,
+                            leased_line=lambda leased: log_line(lease_message(smk.rule, *slots, leased)))
     if code is not None:
         sys.exit(code)
     with snakemake_job(smk):
