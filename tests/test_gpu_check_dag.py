@@ -3,6 +3,7 @@ the logs kept, and timed regions that overlap on one device (what the GPU run's 
 
 from __future__ import annotations
 
+import json
 import tarfile
 import textwrap
 from pathlib import Path
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import checks.gpu.dag
-from checks.gpu.dag import Job, archive_logs, most_at_once, overlapping_timed_regions, parse_snakemake_log, timeline_rows
+from checks.gpu.dag import (Job, archive_logs, most_at_once, overlapping_timed_regions, parse_snakemake_log, timeline_rows,
+                            trace_summary)
 
 LOG = textwrap.dedent("""\
     Building DAG of jobs...
@@ -78,16 +80,31 @@ def test_the_timeline_gives_each_job_by_its_start_in_seconds_from_the_run_s_firs
                                           ("distill (shard-1)", "1", "", ""), ("sft", "2", "20", "18")]
 
 
-def test_the_jobs_and_the_service_s_logs_are_kept_beside_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_jobs_and_the_service_s_logs_and_the_trace_are_kept_beside_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "repo"
     for name in ("logs/distill/run=default/shard-0.log", "results/.gym/service-1.log", "results/tables/x.md"):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(name)
     monkeypatch.setattr(checks.gpu.dag, "ROOT", root)
     monkeypatch.setattr(checks.gpu.dag, "RESULTS", root / "results")
-    monkeypatch.delenv("OUT", raising=False)
-    assert archive_logs("logs.tar.gz") is None  # nowhere to bring them back from
-    monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    (tmp_path / "out").mkdir()
-    with tarfile.open(archive_logs("logs.tar.gz")) as tar:
+    trace = tmp_path / "trace.jsonl"
+    with tarfile.open(archive_logs(tmp_path / "logs.tar.gz", trace)) as tar:  # no trace: the logs alone
         assert sorted(tar.getnames()) == ["logs/distill/run=default/shard-0.log", "results/.gym/service-1.log"]
+    trace.write_text("{}\n")
+    with tarfile.open(archive_logs(tmp_path / "logs.tar.gz", trace)) as tar:
+        assert sorted(tar.getnames()) == ["gym-trace.jsonl", "logs/distill/run=default/shard-0.log", "results/.gym/service-1.log"]
+
+
+def test_the_trace_summary_counts_reference_runs_and_each_judge_s_first_evaluation(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    assert trace_summary(trace) == ["- the judges' trace: no evaluation traced"]
+    records = [
+        {"judge_pid": 1, "started_unix": 10.0, "wall_s": 9.0, "reference_s": 4.0, "reference_reused": False},
+        {"judge_pid": 1, "started_unix": 20.0, "wall_s": 3.0, "reference_s": 0.0, "reference_reused": True},
+        {"judge_pid": 2, "started_unix": 11.0, "wall_s": 7.0, "reference_s": 2.0, "reference_reused": False},
+        {"judge_pid": 2, "started_unix": 19.0, "wall_s": 1.0, "status": "compilation_error"},  # no child run
+    ]
+    trace.write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert trace_summary(trace) == [
+        "- the judges' trace: 4 evaluations by 2 judges, 5.0 s each on average (longest 9.0); 2 reference runs, "
+        "3.0 s each on average (longest 4.0); each judge's first evaluation 8.0 s on average (longest 9.0)"]

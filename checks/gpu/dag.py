@@ -13,7 +13,8 @@ Sections:
   last line of its log), each rule's jobs and seconds, the most jobs (and GPU jobs) at once, each
   GPU's busy seconds (``nvidia-smi`` utilisation sampled every 200 ms), each rule's start-up (its jobs'
   first working log line: ``N s after the job began``), each job's start and end (the run's chain),
-  the tables, and the jobs' and the KernelGym service's logs (``$OUT/dag-run-logs.tar.gz``). Checked:
+  the tables, the judges' trace of every evaluation (``KPIPE_GYM_TRACE``), and the jobs' and the KernelGym
+  services' logs with that trace (``dag-run-logs.tar.gz`` beside the report). Checked:
   exit 0, every table, figure and the viewer written, every evaluation timed on the GPU
   (``timing_kind = cuda``), no two timed regions overlapping on one GPU (``evals.timed_spans``: the KernelGym result cache of every stage,
   per ``device_id``), none of the offline teacher's kernels judged ``hacked`` (it never sends a hack),
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import importlib
 import importlib.util
 import os
@@ -247,15 +249,23 @@ def snakemake_argv(options: argparse.Namespace, *overlays: str, dry_run: bool = 
             *options.snakemake_args.split(), *(["-n", "--quiet", "rules"] if dry_run else [])]
 
 
-def run_snakemake(report: Report, argv: list[str], log_name: str, timeout_s: float) -> tuple[int, float]:
-    """`argv` in the repository, stopped after `timeout_s`; its output to $OUT/<log_name> (or results/), the
-    last lines in the report; exit -1 when stopped."""
-    out = Path(os.environ.get("OUT") or RESULTS)
+def output_folder(report: Report) -> Path:
+    """Where the check's files go beside its report: the report's folder (``--out``), else $OUT, else
+    results/ (two runs in one device call keep their own)."""
+    out = report.out or Path(os.environ.get("OUT") or RESULTS)
     out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def run_snakemake(report: Report, argv: list[str], log_name: str, timeout_s: float,
+                  env: dict[str, str] | None = None) -> tuple[int, float]:
+    """`argv` in the repository (with `env` added to this process's), stopped after `timeout_s`; its
+    output to <the report's folder>/<log_name>, the last lines in the report; exit -1 when stopped."""
+    out = output_folder(report)
     started = time.monotonic()
     with (out / log_name).open("w") as log:
         process = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         try:
             code = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:  # Ctrl-C, as a user would: snakemake stops its jobs and the gym
@@ -286,17 +296,34 @@ def timeline_rows(jobs: list[Job], first: float) -> list[tuple[str, str, str, st
     return rows
 
 
-def archive_logs(name: str) -> Path | None:
-    """The jobs' logs and the KernelGym service's (``logs/``, ``results/.gym/*.log``) as
-    $OUT/<name>: where a job's seconds went, for the run after this one."""
-    out = os.environ.get("OUT")
-    if not out:
-        return None
-    archive = Path(out) / name
+def archive_logs(archive: Path, trace: Path) -> Path:
+    """The jobs' logs, the KernelGym services' and their judges' trace (``logs/``, ``results/.gym/*.log``,
+    `trace` as ``gym-trace.jsonl``) in `archive`: where a job's and an evaluation's seconds went, for the
+    run after this one."""
     with tarfile.open(archive, "w:gz") as tar:
         for path in [*sorted((ROOT / "logs").rglob("*.log")), *sorted((RESULTS / ".gym").glob("*.log"))]:
             tar.add(path, arcname=str(path.relative_to(ROOT)))
+        if trace.exists():
+            tar.add(trace, arcname="gym-trace.jsonl")
     return archive
+
+
+def trace_summary(trace: Path) -> list[str]:
+    """The run's evaluations as its KernelGym judges traced them (``KPIPE_GYM_TRACE``): how many, how
+    many ran their task's reference, and their seconds: what the early, evaluation-bound part of the
+    run is made of."""
+    records = [json.loads(line) for line in trace.read_text().splitlines() if line.strip()] if trace.exists() else []
+    if not records:
+        return ["- the judges' trace: no evaluation traced"]
+    wall = [record.get("wall_s", 0.0) for record in records]
+    references = [record.get("reference_s", 0.0) for record in records if record.get("reference_reused") is False]
+    first = {}
+    for record in sorted(records, key=lambda record: record.get("started_unix", 0.0)):
+        first.setdefault(record.get("judge_pid"), record.get("wall_s", 0.0))
+    return [f"- the judges' trace: {len(records)} evaluations by {len(first)} judges, {sum(wall) / len(wall):.1f} s each on "
+            f"average (longest {max(wall):.1f}); {len(references)} reference runs, {sum(references) / max(1, len(references)):.1f} s "
+            f"each on average (longest {max(references, default=0.0):.1f}); each judge's first evaluation "
+            f"{sum(first.values()) / len(first):.1f} s on average (longest {max(first.values()):.1f})"]
 
 
 def ready_after(job: Job) -> float | None:
@@ -350,8 +377,11 @@ def run(report: Report, options: argparse.Namespace) -> None:
     """The default DAG from nothing, then what the issue asks of it."""
     for stale in (RESULTS, ROOT / "logs", ROOT / ".snakemake"):
         shutil.rmtree(stale, ignore_errors=True)
-    with GpuSampler() as sampler:
-        code, wall = run_snakemake(report, snakemake_argv(options), "dag-run.log", options.timeout)
+    trace = output_folder(report) / "dag-gym-trace.jsonl"
+    trace.unlink(missing_ok=True)
+    with GpuSampler() as sampler:  # the services' judges inherit the trace's path; their children never see it
+        code, wall = run_snakemake(report, snakemake_argv(options), "dag-run.log", options.timeout,
+                                   env={"KPIPE_GYM_TRACE": str(trace)})
     jobs, first, last = parse_snakemake_log(newest_log(ROOT / ".snakemake" / "log").read_text())
     snakemake_s = (last - first) if first is not None and last is not None else float("nan")
     gpu_jobs = [job for job in jobs if job.gpu_slots]
@@ -370,8 +400,9 @@ def run(report: Report, options: argparse.Namespace) -> None:
         report.table("job", "start", "end", "seconds")
         for row in timeline_rows(jobs, first):
             report.row(*row)
-    if archive := archive_logs("dag-run-logs.tar.gz"):
-        report.line("", f"- the jobs' and the KernelGym service's logs: {archive.name}")
+    report.line("", *trace_summary(trace))
+    archive = archive_logs(output_folder(report) / "dag-run-logs.tar.gz", trace)
+    report.line(f"- the jobs' and the KernelGym services' logs, and the judges' trace: {archive.name}")
     if code != 0:
         raise CheckFailed(f"snakemake exited {code}")
     report.expect(options.cpu or snakemake_s <= options.budget,

@@ -13,6 +13,7 @@ Also: `released_coldstart_rows`, to start from the authors' released 5-turn traj
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -200,32 +201,34 @@ def distill_job(queries_path: str | os.PathLike, out_path: str | os.PathLike, ca
     `gym` is the config's `gym` section: the protocol and the evaluator backend.
     """
     from kpipe.agent.evaluator import open_evaluator, reference_reuse
-    from kpipe.agent.history import make_policy
-    from kpipe.gym import Protocol
-    from kpipe.llm import make_engine
-    from kpipe.llm.server import served_in_subprocess
 
-    tasks = shard_tasks(queries_path, shard, num_shards, settings.get("max_queries"))
+    teacher = settings.get("teacher", "offline")
+    if teacher not in ("offline", "api"):
+        raise ValueError(f"distill.teacher must be 'offline' or 'api', got {teacher!r}")
     # eager baseline only, as RL (kpipe.train.rl.gym_protocol): the feedback and reward of a cold-start
     # turn use the eager speedup, and a torch.compile reference would be compiled for every task
     gym = dict(gym or {})
     gym["protocol"] = {**gym.get("protocol", {}), "baseline": "eager"}
-    gym_protocol = Protocol.from_dict(gym["protocol"])
-    common = dict(
-        run=run, n_turns=int(settings.get("turns", 5)), n_samples=int(settings.get("samples", 1)),
-        policy=make_policy(settings.get("history", "full"), int(settings.get("window", 4))),
-        sampling=Sampling(**settings.get("sampling", {})), seed=int(settings.get("seed", 0)), progress=progress,
-        eval_namespace=gym_protocol.to_json(),
-    )
-    engine_spec = {"kind": "openai", "progress": progress, **settings.get("engine", {})}
-    teacher = settings.get("teacher", "offline")
-    if teacher not in ("offline", "api"):
-        raise ValueError(f"distill.teacher must be 'offline' or 'api', got {teacher!r}")
     reuse = reference_reuse(settings.get("reuse_reference"))
-    with open_evaluator(gym, reuse_reference=reuse, progress=progress) as evaluator:
-        if teacher == "api":
-            return distill_shard(tasks, make_engine(engine_spec), evaluator, out_path, cache_path, **common)
-        with served_in_subprocess(offline_teacher_args(settings.get("offline", {}))) as base_url:
-            engine = make_engine({**engine_spec, "model": OFFLINE_TEACHER_MODEL, "base_url": base_url,
-                                  "api_key_env": None, "prices": {}})
-            return distill_shard(tasks, engine, evaluator, out_path, cache_path, **common)
+    with contextlib.ExitStack() as stack:
+        if teacher == "offline":  # its server comes up while the run's KernelGym service starts
+            from kpipe.llm.server import serving_in_subprocess
+
+            teacher_url = stack.enter_context(serving_in_subprocess(offline_teacher_args(settings.get("offline", {}))))
+        # the evaluator before the rest of the job's imports: the run's KernelGym service, when this job
+        # starts it, takes seconds on a GPU host, and distillation is the run's critical path
+        evaluator = stack.enter_context(open_evaluator(gym, reuse_reference=reuse, progress=progress))
+        from kpipe.agent.history import make_policy
+        from kpipe.gym import Protocol
+        from kpipe.llm import make_engine
+
+        engine_spec = {"kind": "openai", "progress": progress, **settings.get("engine", {})}
+        if teacher == "offline":
+            engine_spec.update(model=OFFLINE_TEACHER_MODEL, base_url=teacher_url(), api_key_env=None, prices={})
+        return distill_shard(
+            shard_tasks(queries_path, shard, num_shards, settings.get("max_queries")), make_engine(engine_spec),
+            evaluator, out_path, cache_path, run=run, n_turns=int(settings.get("turns", 5)),
+            n_samples=int(settings.get("samples", 1)),
+            policy=make_policy(settings.get("history", "full"), int(settings.get("window", 4))),
+            sampling=Sampling(**settings.get("sampling", {})), seed=int(settings.get("seed", 0)), progress=progress,
+            eval_namespace=Protocol.from_dict(gym["protocol"]).to_json())

@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -231,22 +231,28 @@ class BackgroundServer:
 
 
 @contextlib.contextmanager
-def served_in_subprocess(serve_args: list[str], startup_timeout_s: float = 120.0) -> Iterator[str]:
-    """Run `kpipe serve <serve_args>` in a child process for the duration of a block; yields its
-    base URL. Used by jobs that need a server for their own lifetime (offline distillation)."""
+def serving_in_subprocess(serve_args: list[str], startup_timeout_s: float = 120.0) -> Iterator[Callable[[], str]]:
+    """Start `kpipe serve <serve_args>` in a child process for the duration of a block; yields a
+    function that waits for its base URL, so that the caller starts other things (the run's
+    KernelGym service) while the server comes up. Used by jobs that need a server for their own
+    lifetime (offline distillation and evaluation)."""
     with tempfile.TemporaryDirectory(prefix="kpipe-serve-") as scratch:
         ready = Path(scratch) / "url"
         command = [sys.executable, "-m", "kpipe.cli", "serve", *serve_args, "--port", "0", "--ready-file", str(ready)]
         child = subprocess.Popen(command, start_new_session=True)
-        try:
-            deadline = time.monotonic() + startup_timeout_s
+        deadline = time.monotonic() + startup_timeout_s
+
+        def base_url() -> str:
             while not ready.exists():
                 if child.poll() is not None:
                     raise RuntimeError(f"kpipe serve {' '.join(serve_args)} exited with status {child.returncode}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"kpipe serve did not start within {startup_timeout_s:.0f}s")
                 time.sleep(0.05)
-            yield ready.read_text().strip()
+            return ready.read_text().strip()
+
+        try:
+            yield base_url
         finally:
             child.terminate()
             try:
@@ -254,3 +260,10 @@ def served_in_subprocess(serve_args: list[str], startup_timeout_s: float = 120.0
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+
+
+@contextlib.contextmanager
+def served_in_subprocess(serve_args: list[str], startup_timeout_s: float = 120.0) -> Iterator[str]:
+    """`serving_in_subprocess`, its base URL waited for before the block."""
+    with serving_in_subprocess(serve_args, startup_timeout_s) as base_url:
+        yield base_url()
