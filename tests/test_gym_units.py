@@ -688,3 +688,56 @@ def test_the_harness_host_cost_is_what_the_recheck_clock_holds_around_a_call_tha
     assert event_ms / (host_ms - harness_ms) == pytest.approx(1.0, abs=0.08)
     event_ms, host_ms = recheck_times(clocks, hiding, Protocol())
     assert event_ms / (host_ms - harness_ms) < HOST_RECHECK_MIN_RATIO  # speedup_not_reproduced
+
+
+REFERENCE_SOURCE = '''
+import torch
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x) * 2
+
+def get_inputs():
+    return [torch.randn(64)]
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_the_torch_compile_baseline_is_compiled_before_the_gate_not_under_the_timing_lease(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's compile (seconds) must not run while the reference child holds its GPU's timing
+    lease, which stops every other child on that GPU: the compiled baseline's first call comes
+    before the gate, and the timing reuses it."""
+    from kpipe.gym import child
+
+    calls: list[str] = []  # the phase each call of the compiled baseline ran in
+
+    def fake_compile(model: torch.nn.Module) -> object:
+        def compiled(*args: object) -> object:
+            calls.append(phase.marks[-1][0])
+            return model(*args)
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    gate = tmp_path / "gate"
+    gate.write_text("go")
+    job = {"reference_src": REFERENCE_SOURCE, "gate_path": str(gate), "gate_wait_s": 5.0, "parent_pid": os.getppid()}
+    protocol = Protocol(correct_trials=1, perf_trials=2, warmup=1, baseline="both")
+    phase = child.Phase(None)
+    result = child.run_reference(job, protocol, "cpu", tmp_path, phase)
+    names = [name for name, _ in phase.marks]
+    assert names.index("reference torch.compile build") < names.index("reference waiting at the gate")
+    assert calls[0] == "reference torch.compile build"
+    assert set(calls[1:]) == {"reference torch.compile timing"}
+    assert "compile" in result and "compile_error" not in result
+
+    def failing_compile(model: torch.nn.Module) -> object:
+        raise RuntimeError("inductor is missing a compiler")
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+    phase = child.Phase(None)
+    result = child.run_reference(job, protocol, "cpu", tmp_path, phase)
+    assert result["compile_error"] == "RuntimeError: inductor is missing a compiler"
+    assert "compile" not in result and "eager" in result  # the eager baseline is still timed
