@@ -1,5 +1,6 @@
 """kpipe.infra.jobs.snakemake_job: a Ctrl-C ends a Snakemake script's job, after it has unwound, and
-even where Python would swallow it (and the handler it replaced comes back after the job)."""
+even where Python would swallow it (and the handler it replaced comes back after the job); Rust's
+thread pools held to the job's threads."""
 
 import signal
 import subprocess
@@ -15,7 +16,7 @@ SWALLOWED = textwrap.dedent("""
     from kpipe.infra.jobs import snakemake_job
 
     kpipe.infra.jobs.INTERRUPT_GRACE_S = 0.5
-    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t")
+    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t", threads=1)
     with snakemake_job(smk):
         class Held:
             pass
@@ -46,7 +47,7 @@ UNWINDS = textwrap.dedent("""
     from types import SimpleNamespace
     from kpipe.infra.jobs import snakemake_job
 
-    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t")
+    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t", threads=1)
     with snakemake_job(smk):
         try:
             os.kill(os.getpid(), signal.SIGINT)
@@ -70,7 +71,21 @@ def test_the_previous_sigint_handler_comes_back_after_the_job():
     from kpipe.infra.jobs import snakemake_job
 
     before = signal.getsignal(signal.SIGINT)
-    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t")
+    smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t", threads=1)
     with snakemake_job(smk):
         assert signal.getsignal(signal.SIGINT) is not before
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_job_s_rayon_threads_are_its_snakemake_threads_unless_the_user_set_them():
+    from kpipe.infra.jobs import threads_held_to
+
+    environ: dict[str, str] = {}
+    threads_held_to(4, environ)
+    assert environ == {"RAYON_NUM_THREADS": "4"}
+    environ = {"RAYON_NUM_THREADS": "2"}
+    threads_held_to(4, environ)
+    assert environ == {"RAYON_NUM_THREADS": "2"}
+    environ = {}
+    threads_held_to(0, environ)  # a job of no declared threads still gets one
+    assert environ == {"RAYON_NUM_THREADS": "1"}

@@ -118,13 +118,15 @@ def test_a_job_function_runs_in_its_snakemake_job_when_no_starter_is_ready(tmp_p
 
     monkeypatch.delenv(warm_start.WARM_START_ENV, raising=False)
     log = tmp_path / "rule.log"
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")  # the user's: snakemake_job keeps it (and the test's process its own)
     smk = SimpleNamespace(log=[str(log)], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 8}},
-                          rule="eval")
+                          rule="eval", threads=1)
     made = tmp_path / "made.txt"
     job_function(smk, shutil.copyfile, __file__, str(made))  # no starter: called here
     with pytest.raises(TypeError):  # JSON values only, starter or not: a job runs alike either way
         job_function(smk, shutil.copyfile, Path(__file__), made)
     assert made.read_text() == Path(__file__).read_text()
+    assert os.environ["RAYON_NUM_THREADS"] == "3"
     assert "rule eval: 0 of 8 GPU slot(s)" in log.read_text()
 
 

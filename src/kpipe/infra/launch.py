@@ -34,7 +34,7 @@ from typing import Any, NoReturn
 import click
 
 from kpipe.infra.jobs import (configure_logging, dies_on_interrupt, job_slots, lease_message, log_line, mark_job_started,
-                              snakemake_job)
+                              snakemake_job, threads_held_to)
 
 DEFAULT_CONFIG_DIR = Path("workflow") / "accelerate"
 CONFIG_DIR_ENV = "KPIPE_ACCELERATE_DIR"
@@ -227,6 +227,7 @@ def job_function(smk: Any, function: Callable[..., Any], *args: Any, **kwargs: A
     DAG's evaluations of the tiny policies and their STTS took 17-20 s there, their loop 3 s of it
     (``docs/gpu-results/dag_2026-11-28d_H200.run-logs.tar.gz``)."""
     mark_job_started()
+    threads_held_to(smk.threads)  # before the hand-over: the forked worker takes this environment
     slots = job_slots(smk)
     call = json.dumps({"args": list(args), "kwargs": kwargs})
     target = f"{function.__module__}:{function.__name__}"
