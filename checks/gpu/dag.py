@@ -402,6 +402,7 @@ def run(report: Report, options: argparse.Namespace) -> None:
             report.row(*row)
     report.line("", *trace_summary(trace))
     archive = archive_logs(output_folder(report) / "dag-run-logs.tar.gz", trace)
+    trace.unlink(missing_ok=True)  # it travels in the archive: a device call brings back at most 8 files
     report.line(f"- the jobs' and the KernelGym services' logs, and the judges' trace: {archive.name}")
     if code != 0:
         raise CheckFailed(f"snakemake exited {code}")
