@@ -108,3 +108,16 @@ def test_the_trace_summary_counts_reference_runs_and_each_judge_s_first_evaluati
     assert trace_summary(trace) == [
         "- the judges' trace: 4 evaluations by 2 judges, 5.0 s each on average (longest 9.0); 2 reference runs, "
         "3.0 s each on average (longest 4.0); each judge's first evaluation 8.0 s on average (longest 9.0)"]
+
+
+def test_the_run_s_config_overlays_come_after_the_gpu_config_and_before_the_rerun_s() -> None:
+    from argparse import Namespace
+
+    from checks.gpu.dag import snakemake_argv
+
+    options = Namespace(cpu=False, cores=16, overlay=["more-workers.yaml"], snakemake_args="--keep-going")
+    argv = snakemake_argv(options, "window.yaml")
+    assert argv[argv.index("--cores"):] == ["--cores", "16", "--configfile", "config/gpu.yaml", "more-workers.yaml",
+                                            "window.yaml", "--keep-going"]
+    options.cpu = True  # a CPU run has no GPU config under its overlays
+    assert snakemake_argv(options)[-4:] == ["16", "--configfile", "more-workers.yaml", "--keep-going"]

@@ -8,7 +8,8 @@ Sections:
 
 - ``setup``: ``make setup-offline`` from a carried wheelhouse (``make wheelhouse``), timed; skipped
   (said so) when no ``--wheelhouse`` is given and snakemake is already importable.
-- ``run``: the README's GPU command, ``snakemake --cores <nproc> --configfile config/gpu.yaml``, in this tree with ``results/``,
+- ``run``: the README's GPU command, ``snakemake --cores <nproc> --configfile config/gpu.yaml`` (``--overlay FILE``: a config
+  layered over it, to measure one setting), in this tree with ``results/``,
   ``logs/`` and ``.snakemake/`` removed first. Recorded: wall time and Snakemake's own time (first to
   last line of its log), each rule's jobs and seconds, the most jobs (and GPU jobs) at once, each
   GPU's busy seconds (``nvidia-smi`` utilisation sampled every 200 ms), each rule's start-up (its jobs'
@@ -70,6 +71,9 @@ def add_options(parser: argparse._ArgumentGroup) -> None:
                         help="stop a snakemake run (Ctrl-C) after this many seconds (default 420: a device call's 10 minutes)")
     parser.add_argument("--wheelhouse", type=Path, help="install kpipe's missing wheels from here first (make setup-offline)")
     parser.add_argument("--snakemake-args", default="", help="more arguments for snakemake (split on spaces)")
+    parser.add_argument("--overlay", action="append", default=[], metavar="YAML",
+                        help="a config file layered over config/gpu.yaml (repeatable): one setting's effect on the run, "
+                             "such as gym.workers_per_gpu")
 
 
 # --------------------------------------------------------------------------- Snakemake's log
@@ -241,10 +245,10 @@ def table_markdown(name: str, limit: int = 40) -> list[str]:
 
 def snakemake_argv(options: argparse.Namespace, *overlays: str, dry_run: bool = False) -> list[str]:
     """The README's command: ``snakemake --cores N`` with ``--configfile config/gpu.yaml`` on a GPU
-    machine, then `overlays`."""
+    machine, then ``--overlay``'s files, then `overlays`."""
     executable = shutil.which("snakemake")
     base = [executable] if executable else [sys.executable, "-m", "snakemake"]
-    configs = [*([] if options.cpu else [GPU_CONFIG]), *overlays]
+    configs = [*([] if options.cpu else [GPU_CONFIG]), *options.overlay, *overlays]
     return [*base, "--cores", str(options.cores), *(["--configfile", *configs] if configs else []),
             *options.snakemake_args.split(), *(["-n", "--quiet", "rules"] if dry_run else [])]
 
