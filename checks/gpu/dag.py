@@ -32,9 +32,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -381,7 +381,8 @@ def run(report: Report, options: argparse.Namespace) -> None:
     """The default DAG from nothing, then what the issue asks of it."""
     for stale in (RESULTS, ROOT / "logs", ROOT / ".snakemake"):
         shutil.rmtree(stale, ignore_errors=True)
-    trace = output_folder(report) / "dag-gym-trace.jsonl"
+    out = output_folder(report)
+    trace = out / "dag-gym-trace.jsonl"
     trace.unlink(missing_ok=True)
     with GpuSampler() as sampler:  # the services' judges inherit the trace's path; their children never see it
         code, wall = run_snakemake(report, snakemake_argv(options), "dag-run.log", options.timeout,
@@ -405,7 +406,7 @@ def run(report: Report, options: argparse.Namespace) -> None:
         for row in timeline_rows(jobs, first):
             report.row(*row)
     report.line("", *trace_summary(trace))
-    archive = archive_logs(output_folder(report) / "dag-run-logs.tar.gz", trace)
+    archive = archive_logs(out / "dag-run-logs.tar.gz", trace)
     trace.unlink(missing_ok=True)  # it travels in the archive: a device call brings back at most 8 files
     report.line(f"- the jobs' and the KernelGym services' logs, and the judges' trace: {archive.name}")
     if code != 0:
