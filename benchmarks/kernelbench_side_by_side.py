@@ -177,17 +177,20 @@ PHASE_GROUPS = ("start (device init)", "prepare", "load", "build", "correctness"
                 "timing", "re-check", "profiling", "integrity", "write result")
 
 
-def grouped_phases(stats: dict[str, Any] | None) -> dict[str, float]:
+def grouped_phases(stats: dict[str, Any] | None, child_s: float | None) -> dict[str, float]:
     """A child's phase seconds summed by group ("candidate correctness trial 3" -> correctness),
-    plus "outside" (fork, interpreter exit, reading the result: child wall minus its phases)."""
+    plus "outside" (`child_s`, the judge's seconds from the hand-over to the exit seen, minus the
+    phases: the child's start after the hand-over, its exit, reading the result). The phases hold
+    the seconds the child spent stopped while another child timed on its GPU; the child's own
+    ``wall_s`` leaves them out (they move its deadline), so it cannot be the whole here."""
     groups: dict[str, float] = {}
     if not stats:
         return groups
     for name, seconds in stats.get("phases", []):
         group = next((g for g in PHASE_GROUPS if g in name), name)
         groups[group] = groups.get(group, 0.0) + float(seconds)
-    if stats.get("wall_s") is not None:
-        groups["outside"] = float(stats["wall_s"]) - sum(groups.values())
+    if child_s is not None:
+        groups["outside"] = float(child_s) - sum(groups.values())
     return groups
 
 
@@ -203,13 +206,13 @@ def phase_table(pairs: list[dict[str, str]], kpipe: dict[str, Any], trace: dict[
         for pair, row in zip(pairs, rows):
             record = trace.get(row["key"], {})
             cand = record.get("candidate") or {}
-            groups = grouped_phases(cand)
+            groups = grouped_phases(cand, record.get("candidate_child_s"))
             memory = cand.get("memory", {})
             ref = f"{record.get('reference_s', 0):.2f}" + (" (reused)" if record.get("reference_reused") else "")
             cells = [f"{groups.get(c, 0.0):.2f}" for c in cols]
             for c in cols:
                 sums.setdefault(c, []).append(groups.get(c, 0.0))
-            lines.append(f"| {pair['task']} | {rep + 1} | {row['wall_s']:.2f} | {ref} | {fmt(cand.get('wall_s'), '.2f')} | "
+            lines.append(f"| {pair['task']} | {rep + 1} | {row['wall_s']:.2f} | {ref} | {fmt(record.get('candidate_child_s'), '.2f')} | "
                          + " | ".join(cells) + f" | {fmt(memory.get('device_used_at_start_mb'), '.0f')} | "
                          f"{fmt(memory.get('peak_reserved_mb'), '.0f')} | {fmt(record.get('judge_rss_mb'), '.0f')} |")
     if sums:
@@ -488,7 +491,7 @@ def main() -> None:
         for pair, row in zip(pairs, kpipe["repeats"][0] if kpipe["repeats"] else []):
             record = trace.get(row["key"], {})
             if record.get("reference"):
-                groups = grouped_phases(record["reference"])
+                groups = grouped_phases(record["reference"], record["reference"].get("child_s"))
                 memory = record["reference"].get("memory", {})
                 lines.append(f"- {pair['task']}: {record.get('reference_s', 0):.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in groups.items() if v >= 0.01)
                              + f"; peak reserved {fmt(memory.get('peak_reserved_mb'), '.0f')} MiB")

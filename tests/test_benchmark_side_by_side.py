@@ -1,0 +1,29 @@
+"""The pure figures of benchmarks/kernelbench_side_by_side.py: a child's phases grouped, and the
+seconds outside them measured against the judge's whole child run."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SPEC = importlib.util.spec_from_file_location(
+    "kernelbench_side_by_side", Path(__file__).resolve().parent.parent / "benchmarks" / "kernelbench_side_by_side.py")
+side_by_side = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(side_by_side)
+
+
+def test_phases_are_grouped_and_outside_is_the_judges_child_seconds_minus_them():
+    # the child was stopped 1.5 s inside its first correctness trial while the other worker's child timed:
+    # its own wall time (1.3 s) leaves that out, its phases and the judge's 3.0 s keep it
+    stats = {"wall_s": 1.3, "phases": [["prepare (lazy torch state, hooks)", 0.1], ["candidate correctness trial 0", 2.0],
+                                       ["candidate correctness trial 1", 0.1], ["candidate timing", 0.6]]}
+    groups = side_by_side.grouped_phases(stats, child_s=3.0)
+    assert groups["correctness"] == pytest.approx(2.1)
+    assert groups["prepare"] == pytest.approx(0.1)
+    assert groups["timing"] == pytest.approx(0.6)
+    assert groups["outside"] == pytest.approx(0.2)
+
+
+def test_without_the_judges_seconds_nothing_is_called_outside():
+    assert "outside" not in side_by_side.grouped_phases({"phases": [["candidate timing", 0.6]]}, child_s=None)
+    assert side_by_side.grouped_phases(None, child_s=1.0) == {}
