@@ -27,7 +27,9 @@ Per run: evaluations/min with the pool's start, the start itself (until the firs
 ready), per GPU the seconds its timed regions took against the run's wall time (the GPU's share
 spent timing), the mean seconds of each phase, the recorded timed spans (no two may overlap on one
 GPU) and per task the spread (max/min) of its candidate times and its median speedup, compared
-with the first configuration's. Writes $OUT/gym_scaling.md (+ .json, and each configuration's trace
+with the first configuration's; and the rate while every worker is warm and busy, the pass's fixed
+seconds beyond it (pool start, cold first evaluations, idle tail) and the one-pass ratios they
+give at longer passes (``steady_rate``). Writes $OUT/gym_scaling.md (+ .json, and each configuration's trace
 records of every pass, each with its ``pass``, gym_scaling_trace_CONFIG.jsonl) when $OUT is set.
 """
 
@@ -173,7 +175,23 @@ def worker_time(records: list[dict[str, Any]], ready_unix: float, done_unix: flo
         rs = sorted(rs, key=lambda r: r["started_unix"])
         gaps += [b["started_unix"] - (a["started_unix"] + a["wall_s"]) for a, b in zip(rs, rs[1:])]
     return {"busy_share": sum(busy) / len(busy), "tail_s_mean": sum(tails) / len(tails), "tail_s_max": max(tails),
-            "join_s_mean": sum(joins) / len(joins), "join_s_max": max(joins), "gap_s_mean": sum(gaps) / len(gaps) if gaps else 0.0}
+            "join_s_mean": sum(joins) / len(joins), "join_s_max": max(joins), "gap_s_mean": sum(gaps) / len(gaps) if gaps else 0.0,
+            **steady_rate(by_judge)}
+
+
+def steady_rate(by_judge: dict[int, list[dict[str, Any]]]) -> dict[str, float]:
+    """Evaluations finished per minute while every worker is warm and busy: from the end of the last
+    worker's first evaluation (every worker past its cold start) to the end of the first worker's
+    last one (the first to run dry). What a pass adds to that rate is fixed: the pool's start, each
+    worker's cold first evaluation and the idle tail. A pass of N evaluations at G GPUs takes
+    about fixed + N / rate, so the ratio between two configurations approaches their steady rates'
+    only as N grows; ``fixed_s`` (the pass's seconds less N at this rate) says by how much."""
+    ends = [sorted(r["started_unix"] + r["wall_s"] for r in rs) for rs in by_judge.values()]
+    begin, end = max(e[0] for e in ends), min(e[-1] for e in ends)
+    finished = sum(1 for e in ends for t in e if begin < t <= end)
+    if end - begin < 1.0 or finished < len(ends):  # too few evaluations per worker to see a steady state
+        return {}
+    return {"steady_per_min": 60 * finished / (end - begin)}
 
 
 def per_task(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -290,6 +308,7 @@ def main() -> None:
                 cells.append(f"{later['seconds']:.0f} s, {rate:.1f}/min, **{rate / base:.2f}×**, {'/'.join(later['statuses'])}, "
                              f"{later['overlapping_spans']}")
             lines.append(f"| {label(run)} | " + " | ".join(cells) + " |")
+    lines += ["", *steady_table(runs)]
     names = list(dict.fromkeys(name for run in runs for name in run["mean_phase_s"]))
     lines += ["", "Mean seconds per evaluation, by phase (the judge's trace):", "",
               "| phase | " + " | ".join(label(r) for r in runs) + " |", "|---|" + "---|" * len(runs)]
@@ -321,6 +340,38 @@ def main() -> None:
     print("\n".join(lines[printed + len(runs) + bool(args.kb_spawn):]))
     if out:
         (out / "gym_scaling.md").write_text("\n".join(lines) + "\n")
+
+
+def one_pass_s(run: dict[str, Any], evaluations: int) -> float | None:
+    """A pass of `evaluations` on this configuration as measured: its fixed seconds (the pass's
+    seconds less its evaluations at the steady rate) plus `evaluations` at that rate."""
+    rate = run.get("steady_per_min")
+    if not rate:
+        return None
+    fixed_s = run["seconds"] - 60 * run["evaluations"] / rate
+    return fixed_s + 60 * evaluations / rate
+
+
+def steady_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Each configuration's steady rate and fixed seconds (`steady_rate`), and the one-pass ratio to
+    the first configuration that they give at this pass's length, at longer ones and without end."""
+    first, n = runs[0], runs[0]["evaluations"]
+    lengths = [n, 2 * n, 4 * n]
+    lines = ["Every worker busy: evaluations/min from the last worker's first evaluation to the first worker running dry; "
+             "fixed seconds: the pass's less its evaluations at that rate (the pool's start, the cold first evaluations, the "
+             "idle tail); a pass of N evaluations takes about fixed + N at the rate, which gives the one-pass ratios to the "
+             "first configuration at longer passes:", "",
+             "| GPUs x workers | evaluations/min, every worker busy | x first | fixed s | " +
+             " | ".join(f"one pass of {length}, x first" for length in lengths) + " |", "|---|---|---|---|" + "---|" * len(lengths)]
+    for run in runs:
+        rate, base = run.get("steady_per_min"), first.get("steady_per_min")
+        if not rate or not base:
+            lines.append(f"| {label(run)} | too few evaluations per worker | | |" + " |" * len(lengths))
+            continue
+        ratios = [one_pass_s(first, length) / one_pass_s(run, length) for length in lengths]
+        lines.append(f"| {label(run)} | {rate:.1f} | {rate / base:.2f} | {one_pass_s(run, 0):.1f} | " +
+                     " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
+    return lines
 
 
 def label(run: dict[str, Any]) -> str:

@@ -43,3 +43,38 @@ def test_per_task_pools_every_pass_and_keeps_the_lowest_recheck_margin():
     assert figures["L2_14"]["runs"] == 2 and figures["L2_14"]["recheck_lowest"] == 0.6 and figures["L2_14"]["rechecked"] == 2
     assert figures["L2_14"]["spread"] == pytest.approx(0.20 / 0.18)
     assert figures["L1_1"]["recheck_lowest"] is None and figures["L1_1"]["rechecked"] == 0
+
+
+def judge(pid: int, ends: list[float], wall_s: float = 1.0) -> list[dict[str, float]]:
+    return [{"judge_pid": pid, "started_unix": end - wall_s, "wall_s": wall_s} for end in ends]
+
+
+def test_steady_rate_counts_only_while_every_worker_is_past_its_first_evaluation_and_none_is_dry():
+    # judge 1's first evaluation ends at 4 (the last first one), judge 2's last at 10 (the first dry):
+    # between them, 5 evaluations end (judge 1 at 6, 8, 10; judge 2 at 7, 10) in 6 s
+    by_judge = {1: judge(1, [4.0, 6.0, 8.0, 10.0, 12.0]), 2: judge(2, [2.0, 7.0, 10.0])}
+    assert gym_scaling.steady_rate(by_judge) == {"steady_per_min": pytest.approx(60 * 5 / 6)}
+
+
+def test_steady_rate_is_absent_when_workers_never_overlap_warm():
+    assert gym_scaling.steady_rate({1: judge(1, [5.0]), 2: judge(2, [3.0, 4.0])}) == {}
+
+
+def test_one_pass_seconds_are_the_fixed_seconds_plus_the_evaluations_at_the_steady_rate():
+    run = {"seconds": 70.0, "evaluations": 120, "steady_per_min": 120.0}  # 60 s at the rate: 10 s fixed
+    assert gym_scaling.one_pass_s(run, 0) == pytest.approx(10.0)
+    assert gym_scaling.one_pass_s(run, 240) == pytest.approx(130.0)
+    assert gym_scaling.one_pass_s({"seconds": 70.0, "evaluations": 120}, 240) is None
+
+
+def test_steady_table_gives_the_measured_ratio_at_the_pass_length_and_approaches_the_steady_one():
+    one = {"gpus": 1, "per_gpu": 2, "seconds": 250.0, "evaluations": 160, "steady_per_min": 40.0}  # 10 s fixed
+    four = {"gpus": 4, "per_gpu": 2, "seconds": 74.0, "evaluations": 160, "steady_per_min": 150.0}  # 10 s fixed
+    row = gym_scaling.steady_table([one, four])[-1].strip("|").split("|")
+    cells = [cell.strip() for cell in row]
+    assert cells[:4] == ["4x2", "150.0", "3.75", "10.0"]
+    measured = 250.0 / 74.0
+    assert float(cells[4]) == pytest.approx(measured, abs=0.005)
+    assert measured < float(cells[5]) < float(cells[6]) < 3.75
+    short = {"gpus": 4, "per_gpu": 2, "seconds": 9.0, "evaluations": 4}
+    assert "too few" in gym_scaling.steady_table([one, short])[-1]
