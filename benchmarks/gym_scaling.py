@@ -185,7 +185,8 @@ def steady_rate(by_judge: dict[int, list[dict[str, Any]]]) -> dict[str, float]:
     last one (the first to run dry). What a pass adds to that rate is fixed: the pool's start, each
     worker's cold first evaluation and the idle tail. A pass of N evaluations at G GPUs takes
     about fixed + N / rate, so the ratio between two configurations approaches their steady rates'
-    only as N grows; ``fixed_s`` (the pass's seconds less N at this rate) says by how much."""
+    only as N grows; the fixed seconds (``one_pass_s(run, 0)``: the pass's seconds less N at this
+    rate) say by how much."""
     ends = [sorted(r["started_unix"] + r["wall_s"] for r in rs) for rs in by_judge.values()]
     begin, end = max(e[0] for e in ends), min(e[-1] for e in ends)
     finished = sum(1 for e in ends for t in e if begin < t <= end)
@@ -354,7 +355,8 @@ def one_pass_s(run: dict[str, Any], evaluations: int) -> float | None:
 
 def steady_table(runs: list[dict[str, Any]]) -> list[str]:
     """Each configuration's steady rate and fixed seconds (`steady_rate`), and the one-pass ratio to
-    the first configuration that they give at this pass's length, at longer ones and without end."""
+    the first configuration that they give at this pass's length and at two and four times it (the
+    steady rates' ratio is where they tend as passes grow)."""
     first, n = runs[0], runs[0]["evaluations"]
     lengths = [n, 2 * n, 4 * n]
     lines = ["Every worker busy: evaluations/min from the last worker's first evaluation to the first worker running dry; "
