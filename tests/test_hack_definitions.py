@@ -2,6 +2,8 @@
 ("no Triton kernel executed in training or evaluation mode") beside kpipe's from the same rows; the
 Fast@p rows report the turn `tables.report_turn` picks (paper §6.1: baselines at their best turn)."""
 
+import re
+
 import pandas as pd
 import pytest
 from test_fastp_definition import write_fixture
@@ -10,7 +12,7 @@ from kpipe.data.db import build_db
 from kpipe.data.io import write_table
 from kpipe.gym.evaluation import hack_reasons_before_timing
 from kpipe.gym.protocol import Protocol
-from kpipe.report.tables import DEFAULT_SQL_DIR, best_turn, build_tables, run_table_sql, turn_rule
+from kpipe.report.tables import DEFAULT_SQL_DIR, best_turn, build_tables, run_table_sql, table_sql_files, turn_rule
 
 PAPER_REASON = hack_reasons_before_timing({"launches": {"train": [], "eval": ["add_kernel"]}}, {}, Protocol(), False)[0]
 GHOST = "ghost_replay: output still correct with every Triton launch suppressed"
@@ -83,3 +85,47 @@ def test_report_turn_is_a_stated_option_with_the_papers_rule_for_baselines(tmp_p
     with pytest.raises(ValueError, match="report_turn"):
         turn_rule("m", "first", ())
     assert pd.read_csv(tmp_path / "t" / "table1_fastp_eager.csv")["n_unjudged"].notna().any()
+
+
+def _needs_paper_columns(column: str) -> list[str]:
+    """The paper-definition columns a kpipe-definition column needs beside it: a Fast@p percentage its upper
+    bound (`<column>_paper_hi`), a hacking ratio its paper ratio."""
+    if column.startswith("hacking_ratio") and not column.endswith("_paper"):
+        return [column.replace("hacking_ratio", "hacking_ratio_paper", 1)]
+    if re.search(r"(^|_)fast_\d", column) and not column.startswith("n_") and not column.endswith(("_lo", "_hi")):
+        return [f"{column}_paper_hi"]
+    return []
+
+
+def test_every_fastp_and_hacking_table_has_the_paper_definition_columns(db):
+    """Issue 55: every table that reports Fast@p or a hacking ratio carries the paper's hack definition too."""
+    checked = []
+    for sql in table_sql_files(DEFAULT_SQL_DIR):
+        columns = set(run_table_sql(db, sql).columns)
+        for column in sorted(columns):
+            for needed in _needs_paper_columns(column):
+                assert needed in columns, f"{sql.name}: {column} without {needed}"
+                checked.append(sql.stem)
+    assert {"table1_fastp_eager", "table2_fastp_compile", "stts_curves", "rl_validation", "ablations",
+            "kevin_metrics", "hacking_ratio", "eval_summary"} <= set(checked)
+
+
+def test_the_paper_definition_reaches_rl_validation_and_figure_8(tmp_path):
+    """RL validation rows (stage rl_val) count in the hacking-ratio table by both definitions (Figure 8)."""
+    write_fixture(tmp_path)
+    rows = [{"run": "r", "stage": "rl_val", "iteration": 4, "model": "rl-r", "task_id": task, "sample": sample, "turn": 1,
+             "status": status, "correct": status == "pass", "hacked": status == "hacked", "speedup_eager": speedup,
+             "speedup_compile": speedup, "reward": 0.0, "eval_key": f"{task}-{sample}"}
+            for task, sample, status, reasons, speedup in TURNS if reasons is not None]
+    evals = [{"key": f"{task}-{sample}", "status": status, "correct": status == "pass", "hacked": status == "hacked",
+              "hack_reasons": reasons} for task, sample, status, reasons, _ in TURNS if reasons is not None]
+    write_table(rows, tmp_path / "trajectories" / "stage=rl_val" / "run=r" / "part-0.parquet", "trajectories")
+    write_table(evals, tmp_path / "evals" / "part-0.parquet", "evals")
+    build_db(tmp_path, tmp_path / "kpipe.duckdb")
+    ratio = run_table_sql(tmp_path / "kpipe.duckdb", DEFAULT_SQL_DIR / "hacking_ratio.sql").query("stage == 'rl_val'")
+    level1 = ratio[ratio["level"] == 1].iloc[0]
+    assert (level1["n_samples"], level1["n_hacked"], level1["n_hacked_paper"]) == (4, 3, 1)
+    validation = run_table_sql(tmp_path / "kpipe.duckdb", DEFAULT_SQL_DIR / "rl_validation.sql")
+    cell = validation[validation["level"] == 1].iloc[0]
+    assert (cell["n_hacked"], cell["n_hacked_paper"], cell["n_unjudged"]) == (3, 1, 2)
+    assert cell["fast_1"] == 25.0 and cell["fast_1_paper_hi"] == 75.0 and cell["hacking_ratio_paper"] == 25.0

@@ -3,15 +3,16 @@
 -- definitions from the same rows: kpipe's (hacking_ratio: any KernelGym check) and the paper's
 -- (hacking_ratio_paper: "no Triton kernel executed in training or evaluation mode", the check
 -- no_triton_launch). checks: how often each check fired (a turn can fire several; hack_check in
--- views.sql names them). Stage 'rl' gives the ratio over training iterations (the rollouts), 'eval' /
--- 'stts' the ratio on KernelBench. Level: the task's, else the query's. Rows behind a cell:
+-- views.sql names them). Stage 'rl' gives the ratio over training iterations (the rollouts), 'rl_val' over
+-- training iterations on the validation tasks (Appendix C's "during training ... on the level-2 subset";
+-- Figure 8), 'eval' / 'stts' the ratio on KernelBench. Level: the task's, else the query's. Rows behind a cell:
 --   select * from turns where stage = ... and run = ... and iteration = ... and model = ...
 WITH rows AS (
     SELECT t.run, t.stage, t.iteration, t.model, coalesce(t.level, q.level) AS level,
            coalesce(t.hacked, false) AS hacked, t.hacked_paper, t.hack_checks
     FROM turns t
     LEFT JOIN queries q ON q.query_id = t.task_id
-    WHERE t.stage IN ('rl', 'eval', 'stts')
+    WHERE t.stage IN ('rl', 'rl_val', 'eval', 'stts')
 ),
 fired AS (
     SELECT run, stage, iteration, model, level, check_name, count(*) AS n

@@ -3,12 +3,16 @@
 -- speedup (0 if none). Per task, best@k is the best of its k trajectories and avg@k their mean,
 -- with k = every sample of the task (the paper's 8; `k` is the fewest a task had, so the values
 -- are exact when k = k_max); then averaged over tasks. Percentages, speedups as ratios; fast@1.2
--- = correct with speedup >= 1.2. Rows behind a cell:
+-- = correct with speedup >= 1.2. Both hack definitions, as in Table 1: kpipe's (any KernelGym check) and
+-- the paper's, whose correctness and fast@1.2 lie in [x, x_paper_hi]: a trajectory with a turn only
+-- kpipe's stricter checks rejected (never timed) counts as correct and fast in the upper bound. Rows
+-- behind a cell:
 --   select * from fastp_samples where stage = 'eval' and history = 'last' and <keys of the row>
 WITH trajectory AS (
     SELECT run, model, level, baseline, task_id, sample,
            bool_or(correct) AS correct,
-           coalesce(max(speedup) FILTER (WHERE correct), 0) AS speedup
+           coalesce(max(speedup) FILTER (WHERE correct), 0) AS speedup,
+           bool_or(unjudged) AS unjudged
     FROM fastp_samples
     WHERE stage = 'eval' AND history = 'last'
     GROUP BY run, model, level, baseline, task_id, sample
@@ -20,6 +24,10 @@ per_task AS (
            avg(correct::INTEGER) AS avg_correct,
            max((correct AND speedup >= 1.2)::INTEGER) AS best_fast_1_2,
            avg((correct AND speedup >= 1.2)::INTEGER) AS avg_fast_1_2,
+           max((correct OR unjudged)::INTEGER) AS best_correct_paper_hi,
+           avg((correct OR unjudged)::INTEGER) AS avg_correct_paper_hi,
+           max(((correct AND speedup >= 1.2) OR unjudged)::INTEGER) AS best_fast_1_2_paper_hi,
+           avg(((correct AND speedup >= 1.2) OR unjudged)::INTEGER) AS avg_fast_1_2_paper_hi,
            max(speedup) AS best_speedup,
            avg(speedup) AS avg_speedup
     FROM trajectory
@@ -31,6 +39,10 @@ SELECT run, model, level, baseline,
        100.0 * avg(avg_correct) AS avg_at_k_correct,
        100.0 * avg(best_fast_1_2) AS best_at_k_fast_1_2,
        100.0 * avg(avg_fast_1_2) AS avg_at_k_fast_1_2,
+       100.0 * avg(best_correct_paper_hi) AS best_at_k_correct_paper_hi,
+       100.0 * avg(avg_correct_paper_hi) AS avg_at_k_correct_paper_hi,
+       100.0 * avg(best_fast_1_2_paper_hi) AS best_at_k_fast_1_2_paper_hi,
+       100.0 * avg(avg_fast_1_2_paper_hi) AS avg_at_k_fast_1_2_paper_hi,
        avg(best_speedup) AS best_at_k_speedup,
        avg(avg_speedup) AS avg_at_k_speedup
 FROM per_task

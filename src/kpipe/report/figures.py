@@ -4,7 +4,7 @@
 - Figure 5: Fast@1.2 at the last turn (left) and entropy (right) over training steps;
 - Figure 6: STTS, Fast@1.2 of the last turn (left) and best of history (right) vs turns T;
 - Figure 7: training dynamics: mean reward, entropy, gradient norm, rollout and trainer perplexity;
-- Figure 8: hacking ratio over RL iterations (from the rollouts' hacked flags);
+- Figure 8: hacking ratio over RL iterations (rollouts and validation; kpipe's and the paper's hack definitions);
 - RL validation (the paper's Figures 4 and 5 left, and 8, measured as the paper does): Fast@1,
   Fast@1.2, pass rate and hacking ratio of each validated iteration's checkpoint on the
   validation tasks vs training step, one line per run (workflow/sql/rl_validation.sql);
@@ -80,6 +80,7 @@ TRAINING_STAGES = ("rl", "val")
 # panel title -> column of rl_validation.sql (percentages), whether it depends on timings
 VALIDATION_PANELS = {"Fast@1, last turn": ("fast_1", True), "Fast@1.2, last turn": ("fast_1_2", True),
                      "Pass rate, last turn": ("pass_rate", False), "Hacking ratio, all turns": ("hacking_ratio", False)}
+HACKING_STAGES = {"rl": "rollouts", "rl_val": "validation"}  # Figure 8's stages of hacking_ratio.sql, as labelled
 FIGURE_NAMES = tuple(sorted([*FIGURE_PANELS, "fig6_stts", "fig8_hacking_ratio", "fig_rl_validation",
                              "fig_kevin_budget", "fig_rl_reward"]))
 ENGINES = {"hf": "HF transformers", "vllm": "vLLM"}
@@ -279,17 +280,21 @@ def stts_figure(stts: pd.DataFrame, path: Path, source: Source) -> Path:
 
 
 def hacking_figure(hacking: pd.DataFrame, path: Path, source: Source) -> Path:
-    """Figure 8: hacking ratio of the RL rollouts per iteration, per run and level."""
+    """Figure 8: hacking ratio during RL per iteration, run and level, of the rollouts and of the validation
+    (Appendix C measures it on the level-2 subset), by kpipe's definition (solid) and the paper's (dashed)."""
     plt, fig, axes = _figure(1, "Figure 8: hacking ratio during RL", source_line(source))
     ax = axes[0]
-    ax.set_title("Hacked RL rollout turns")
-    rl = hacking[hacking["stage"] == "rl"] if not hacking.empty else hacking
+    ax.set_title("Hacked turns: RL rollouts and validation")
+    rl = hacking[hacking["stage"].isin(HACKING_STAGES)] if not hacking.empty else hacking
     why = nothing_to_draw(rl["hacking_ratio"] if not rl.empty else pd.Series(dtype=float), "RL rollouts", source)
     if why:
         _no_data(ax, why)
         return _save(plt, fig, path)
-    for (run, level), line in rl.groupby(["run", "level"], dropna=False):
-        _line(ax, line.sort_values("iteration"), "iteration", "hacking_ratio", f"{run} L{level}")
+    for (stage, run, level), line in rl.groupby(["stage", "run", "level"], dropna=False):
+        line = line.sort_values("iteration")
+        label = f"{run} {HACKING_STAGES[stage]} L{level}"
+        _line(ax, line, "iteration", "hacking_ratio", f"{label} (kpipe)")
+        _line(ax, line, "iteration", "hacking_ratio_paper", f"{label} (paper)", linestyle="--")
     ax.legend(fontsize=7)
     _percent_axes(ax, rl["hacking_ratio"])
     ax.set_xlabel("RL iteration")
