@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 from pathlib import Path
@@ -434,12 +435,31 @@ def test_one_step_off_policy_rollouts_are_generated_during_the_update(nano_model
     assert 0.0 <= metrics[(2, "mrs_would_keep")] <= 1.0  # logged whether or not MRS filters
 
 
-def test_scratch_of_another_configuration_is_cleared(tmp_path):
+def test_scratch_of_another_restart_key_is_cleared_and_the_log_names_the_changed_part(tmp_path, caplog):
     scratch = tmp_path / "scratch"
-    assert not rl.prepare_scratch(scratch, "a")
+    key = {"settings": "s", "code": "a", "libraries": "l"}
+    assert not rl.prepare_scratch(scratch, key)
     (scratch / "rollouts-0000.parquet").write_text("partial work")
-    assert rl.prepare_scratch(scratch, "a") and (scratch / "rollouts-0000.parquet").exists()
-    assert not rl.prepare_scratch(scratch, "b") and not (scratch / "rollouts-0000.parquet").exists()
+    assert rl.prepare_scratch(scratch, key) and (scratch / "rollouts-0000.parquet").exists()
+    assert not rl.prepare_scratch(scratch, {**key, "code": "b"}) and not (scratch / "rollouts-0000.parquet").exists()
+    assert "not resuming the partial work in" in caplog.text and ": code changed;" in caplog.text
+
+
+def test_the_iteration_key_covers_code_weights_and_libraries(nano_model, tmp_path, monkeypatch):
+    """Partial work is resumed only under the same code, input weights and library versions."""
+    cfg, tasks = RLConfig(), [AgentTask("relu", RELU)]
+    key = rl.iteration_key(cfg, "r", 0, tasks, "{}", nano_model, None, None)
+    assert key == rl.iteration_key(cfg, "r", 0, tasks, "{}", nano_model, None, None)
+    copied = tmp_path / "copy"
+    shutil.copytree(nano_model, copied)  # a copy (new modification times) is the same model
+    assert rl.iteration_key(cfg, "r", 0, tasks, "{}", copied, None, None) == key
+    weights = copied / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"x")
+    assert rl.key_changes(key, rl.iteration_key(cfg, "r", 0, tasks, "{}", copied, None, None)) == "weights changed"
+    monkeypatch.setattr(rl, "code_version", lambda *parts: "edited")
+    monkeypatch.setattr(rl, "library_versions", lambda: {"torch": "0.0"})
+    assert rl.key_changes(key, rl.iteration_key(cfg, "r", 0, tasks, "{}", nano_model, None, None)) == \
+        "code, libraries changed"
 
 
 # ----------------------------------------------------------------------------- several processes
@@ -498,11 +518,10 @@ def test_two_processes_train_as_one_process_on_the_same_rows(nano_model, tmp_pat
                              global_step=0, progress=False)
     for row in seeded:
         row["reward"] = {"relu-a": [0.0, 1.0, 2.0], "relu-b": [3.0, 0.5, 0.0]}[row["task_id"]][row["sample"]]
-    fingerprint = rl.iteration_fingerprint(cfg, "mp", 0, rl.directory_identity(nano_model) + "none", tasks,
-                                           rl.gym_protocol(cfg, None).to_json())
+    key = rl.iteration_key(cfg, "mp", 0, tasks, rl.gym_protocol(cfg, None).to_json(), nano_model, None, None)
     scratch = {n: tmp_path / n / "scratch" for n in ("two", "one")}
     for path in scratch.values():
-        rl.prepare_scratch(path, fingerprint)
+        rl.prepare_scratch(path, key)
         write_table(seeded, path / "rollouts-0000.parquet", "trajectories")
 
     outputs = {n: {"model_out": tmp_path / n / "model", "trajectories_path": tmp_path / n / "traj.parquet",

@@ -208,14 +208,39 @@ def test_killed_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_run
     ref_weights = load_file(reference.model_dir / "model.safetensors")
     run_weights = load_file(resumed.model_dir / "model.safetensors")
     assert all(torch.equal(ref_weights[name], run_weights[name]) for name in ref_weights)
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step-000006", "step-000009"]
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())  # a finished run is never resumed
 
 
-def test_checkpoints_of_another_config_are_not_resumed(nano, tmp_path):
-    train_sft(config(nano, epochs=1, save_every=1), synthetic_rows(), tmp_path / "out", tmp_path / "m.parquet")
-    again = train_sft(config(nano, epochs=1, save_every=1, lr=1e-3), synthetic_rows(), tmp_path / "out",
-                      tmp_path / "m.parquet")
+@pytest.mark.parametrize(("change", "changed"), [
+    ("lr", "settings changed"), ("code", "code changed"), ("libraries", "libraries changed"),
+    ("base model", "settings, weights changed")])
+def test_checkpoints_of_other_settings_code_libraries_or_weights_are_not_resumed(nano, tmp_path, monkeypatch,
+                                                                                caplog, change, changed):
+    """The restart key covers settings, data, kpipe's SFT code, the base weights and the library
+    versions; the log names the part that changed."""
+    import shutil
+
+    from kpipe.train import sft
+
+    cfg = config(nano, epochs=2, save_every=1)
+    with pytest.raises(Killed):
+        train_sft(cfg, synthetic_rows(), tmp_path / "out", tmp_path / "m.parquet", on_step_end=kill_at(2))
+    if change == "lr":
+        cfg = config(nano, epochs=2, save_every=1, lr=1e-3)
+    elif change == "code":
+        monkeypatch.setattr(sft, "code_version", lambda *parts: "edited")
+    elif change == "libraries":
+        monkeypatch.setattr(sft, "library_versions", lambda: {"torch": "0.0"})
+    else:
+        other = tmp_path / "other-base"
+        shutil.copytree(nano, other)
+        weights = other / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:-1] + b"x")
+        cfg = config(str(other), epochs=2, save_every=1)
+    again = train_sft(cfg, synthetic_rows(), tmp_path / "out", tmp_path / "m.parquet")
     assert again.resumed_from is None
+    assert f"not resuming the checkpoint at step 2 in {tmp_path / 'out' / 'checkpoints'}: {changed}; " \
+           "training from step 0" in caplog.text
 
 
 def test_cli_builds_the_tiny_model_and_runs_sft_from_parquet(tmp_path):
@@ -236,9 +261,10 @@ def test_cli_builds_the_tiny_model_and_runs_sft_from_parquet(tmp_path):
     assert [s for s, _ in loss_series(tmp_path / "m.parquet")] == [1]
 
 
-def test_cli_publishes_its_results_and_a_rerun_without_them_resumes_with_the_loss_rows(nano, tmp_path):
+def test_cli_publishes_its_results_and_a_rerun_without_them_trains_again(nano, tmp_path):
     """The `sft` rule's job: settings as JSON, results copied to the pipeline outputs, which a
-    Snakemake rerun deletes first; the run directory keeps the checkpoint and the metrics so far."""
+    Snakemake rerun deletes first. A finished run leaves no checkpoint, so the rerun (`--forcerun
+    sft`, deleted outputs) trains again from step 0 instead of handing back the old model."""
     import shutil
 
     from click.testing import CliRunner
@@ -269,5 +295,5 @@ def test_cli_publishes_its_results_and_a_rerun_without_them_resumes_with_the_los
     assert rerun.exit_code == 0, rerun.output
     assert loss_series(published / "train_metrics" / "part-0.parquet") == losses
     summary = json.loads((published / "reports" / "sft.json").read_text())
-    assert (summary["resumed_from"], summary["final_loss"]) == (4, losses[-1][1])
+    assert (summary["resumed_from"], summary["final_loss"]) == (None, losses[-1][1])
     assert (published / "model" / "model.safetensors").is_file()

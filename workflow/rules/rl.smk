@@ -4,12 +4,16 @@
 # metrics (train_metrics, stage=rl). Ablations are runs: `rl.runs` maps a run name to an
 # overlay of `rl` keys (`ablation: <name>` picks one of kpipe.train.rl_config.ABLATIONS);
 # config/ablations/*.yaml add the paper's. Partial work lives in results/work (not an
-# output): a killed iteration rerun by Snakemake resumes it, and nothing else reruns.
+# output): a killed iteration rerun by Snakemake resumes it when its restart key (settings, tasks,
+# input models and state, code, library versions) is unchanged, and nothing else reruns; a
+# finished iteration leaves no partial work, so a forced rerun trains it again.
 # `rl.gpus` decides the process count: `kpipe launch` runs one process per GPU (FSDP2,
 # data-parallel rollouts), plain Python on a CPU: the rule's script becomes that launch
 # (kpipe.train.jobs, kpipe.infra.launch.exec_launch).
 
 import json
+
+from kpipe.infra.provenance import RL_CODE
 
 # the nano policy on one GPU shares it (its rollouts are timed by the run's service); else whole GPUs
 RL_SLOTS = gpu_slots(RL["gpus"], SHARED_GYM and TINY_POLICY and RL["gpus"] == 1)
@@ -33,7 +37,7 @@ rule rl_iter:
         state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),
         scratch=lambda wildcards: f"{RESULTS}/work/rl-{wildcards.run}/iter={wildcards.iter}/scratch",
         drop_init_state=not RL["keep_optimizer_states"],
-        code=code_version("train", "agent", "llm", "gym", "infra/launch.py"),
+        code=code_version(*RL_CODE),
     priority: CRITICAL_PATH
     resources:
         gpu_slots=RL_SLOTS,

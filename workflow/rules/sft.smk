@@ -1,12 +1,15 @@
 # SFT: the tiny offline policy (when config says so), then supervised fine-tuning on the
 # cold-start trajectories. Checkpoints and the metrics so far live in results/work (not an
 # output), so a killed job rerun by Snakemake resumes from its last checkpoint
-# (kpipe.train.sft) and keeps the loss rows before it; a config change
-# changes the run's fingerprint and starts over. `sft.gpus` decides the process count:
+# (kpipe.train.sft) and keeps the loss rows before it, when the checkpoint's restart key (settings,
+# data, code, base weights, library versions) is the job's; else it starts over and its log says
+# which part changed. A finished run drops its checkpoints: a forced rerun trains again. `sft.gpus` decides the process count:
 # `kpipe launch` runs one process per GPU (FSDP2 from two), plain Python on a CPU: the rule's
 # script becomes that launch (kpipe.train.jobs, kpipe.infra.launch.exec_launch).
 
 import json
+
+from kpipe.infra.provenance import SFT_CODE
 
 # the nano policy on one GPU shares it; a real model takes its GPUs whole
 SFT_SLOTS = gpu_slots(config["sft"]["gpus"], TINY_POLICY and config["sft"]["gpus"] == 1)
@@ -48,8 +51,7 @@ rule sft:
         # its params rerun trigger, so a changed `sft` section would not rerun this job
         settings=json.dumps(sft_settings(sft_base_model_input()), sort_keys=True),
         work=f"{RESULTS}/work/sft-{RUN}",
-        code=code_version("train/sft.py", "train/samples.py", "train/checkpoint.py", "train/metrics_log.py",
-                          "train/cli.py", "train/jobs.py", "data/schemas.py", "infra/launch.py"),
+        code=code_version(*SFT_CODE),
     priority: CRITICAL_PATH
     resources:
         gpu_slots=SFT_SLOTS,

@@ -1,12 +1,29 @@
-"""Code versions: a stage reruns when the library code it runs changes, and only then."""
+"""Code versions and restart keys: a stage reruns when what it runs changes, and only then; a
+stage that resumes reuses partial work only when everything that work depends on is unchanged."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+from collections.abc import Mapping
 from functools import cache
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # src/kpipe
+
+# The code the resumable training stages run: their rules' `code` param and the `code` part of
+# their restart key (a checkpoint of other code is never resumed).
+SFT_CODE = ("train/sft.py", "train/samples.py", "train/mechanics.py", "train/checkpoint.py", "train/metrics_log.py",
+            "train/cli.py", "train/jobs.py", "data/io.py", "data/schemas.py", "infra/launch.py", "infra/jobs.py",
+            "infra/provenance.py")
+RL_CODE = ("train", "agent", "llm", "gym", "data/io.py", "data/schemas.py", "infra/launch.py", "infra/jobs.py",
+           "infra/provenance.py")
+# Libraries whose version can change what training computes (absent ones: "-")
+KEY_LIBRARIES = ("torch", "transformers", "triton", "accelerate", "vllm", "kpipe")
+EDGE_BYTES = 1 << 20  # a weight file is identified by its size and its first and last MiB
 
 
 @cache
@@ -26,3 +43,65 @@ def code_version(*parts: str) -> str:
             digest.update(str(path.relative_to(PACKAGE_ROOT)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of KEY_LIBRARIES, read from their metadata (nothing is imported)."""
+    versions = {}
+    for name in KEY_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "-"
+    return versions
+
+
+def weights_identity(path: str | os.PathLike | None) -> str:
+    """Identity of a model or state folder (or file): every file's name, size and first and last
+    MiB, so a retrained or replaced model differs while a copy (new times) does not; cheap for
+    weights of any size. A path that is not a local file or folder (a hub id) stands for itself."""
+    if path is None:
+        return "none"
+    path = Path(path)
+    if not path.exists():
+        return f"name:{path}"
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.relative_to(path) if file != path else file.name}:{size}".encode())
+        with file.open("rb") as handle:
+            digest.update(handle.read(EDGE_BYTES))
+            if size > EDGE_BYTES:
+                handle.seek(max(EDGE_BYTES, size - EDGE_BYTES))
+                digest.update(handle.read())
+    return digest.hexdigest()[:16]
+
+
+def hub_weights_identity(name_or_path: str) -> str:
+    """weights_identity of a local model folder, else of the hub model's cached snapshot (its
+    folder is named by the revision's commit); the bare id when it is not in the local cache."""
+    if Path(name_or_path).exists():
+        return weights_identity(name_or_path)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return weights_identity(name_or_path)
+    config = try_to_load_from_cache(name_or_path, "config.json")
+    return weights_identity(Path(config).parent if isinstance(config, str) else name_or_path)
+
+
+def restart_key(**parts: Any) -> dict[str, str]:
+    """A restart key: each named part (settings, data, code, weights, libraries...) as a short
+    hash of its JSON, kept apart so a mismatch can say which part changed."""
+    return {name: hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+            for name, value in sorted(parts.items())}
+
+
+def key_changes(stored: Mapping[str, str] | None, key: Mapping[str, str]) -> str:
+    """Why partial work keyed by `stored` is not that of `key` ("" when it is): the parts that
+    changed, e.g. "code, weights changed"."""
+    if not stored:
+        return "it carries no restart key (written by an older kpipe)"
+    changed = sorted(name for name in set(stored) | set(key) if stored.get(name) != key.get(name))
+    return f"{', '.join(changed)} changed" if changed else ""

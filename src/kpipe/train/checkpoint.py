@@ -6,7 +6,8 @@ Layout of one checkpoint, ``<ckpt_root>/step-000120/``:
   ``AutoModelForCausalLM``, the thing later stages consume);
 - ``state/``  ``accelerator.save_state``: model, optimizer, scheduler, every process's RNG
   (sharded under FSDP);
-- ``trainer_state.json``  step and the run's fingerprint, written last.
+- ``trainer_state.json``  step and the run's restart key (``kpipe.infra.provenance.restart_key``:
+  settings, data, code, weights, libraries), written last.
 
 A checkpoint is written into ``.tmp-step-000120`` and renamed into place only once complete,
 so a kill during a save leaves the previous checkpoint as the latest one.
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kpipe.infra.provenance import key_changes
+
 STEP_PREFIX = "step-"
 TRAINER_STATE = "trainer_state.json"
 
@@ -28,7 +31,11 @@ TRAINER_STATE = "trainer_state.json"
 class Checkpoint:
     path: Path
     step: int
-    fingerprint: str
+    key: dict[str, str] | None  # None: written before restart keys had parts
+
+    def mismatch(self, key: dict[str, str]) -> str:
+        """Why this checkpoint cannot be resumed under `key` ("" when it can)."""
+        return key_changes(self.key, key)
 
     @property
     def model_dir(self) -> Path:
@@ -51,7 +58,7 @@ def list_checkpoints(root: str | Path) -> list[Checkpoint]:
         state_file = path / TRAINER_STATE
         if path.is_dir() and state_file.exists():
             state = json.loads(state_file.read_text())
-            found.append(Checkpoint(path, int(state["step"]), state["fingerprint"]))
+            found.append(Checkpoint(path, int(state["step"]), state.get("key")))
     return sorted(found, key=lambda c: c.step)
 
 
@@ -61,7 +68,7 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
 
 
 def save_checkpoint(accelerator: Any, model: Any, tokenizer: Any, root: str | Path, step: int,
-                    fingerprint: str, keep_last: int) -> Path:
+                    key: dict[str, str], keep_last: int) -> Path:
     """Write a complete checkpoint for `step` (all processes call this), then prune to `keep_last`."""
     root = Path(root)
     final = root / step_dir_name(step)
@@ -73,7 +80,7 @@ def save_checkpoint(accelerator: Any, model: Any, tokenizer: Any, root: str | Pa
     accelerator.save_state(str(tmp / "state"))
     export_hf(accelerator, model, tokenizer, tmp / "model")
     if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, "fingerprint": fingerprint}))
+        (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, "key": key}))
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         prune_checkpoints(root, keep_last)
@@ -104,6 +111,6 @@ def prune_checkpoints(root: str | Path, keep_last: int) -> None:
 
 
 def remove_checkpoints(root: str | Path) -> None:
-    """Drop every checkpoint under `root` (they belong to another configuration)."""
+    """Drop every checkpoint under `root` (another run's, or a finished run's: never resumed)."""
     for checkpoint in list_checkpoints(root):
         shutil.rmtree(checkpoint.path, ignore_errors=True)

@@ -27,7 +27,8 @@ generating policy's, and MRS compares them with the trainer's recomputed ones as
 Resumable: each step's rollouts are saved in a scratch directory before training on them, and
 with several steps per iteration each finished step leaves a checkpoint there, so a killed job
 redoes only unfinished work. Final outputs are written once, atomically, at the end; a
-fingerprint (config, run, iteration, input checkpoint, tasks) guards the scratch directory.
+restart key (settings, tasks, input models and state, code, library versions) guards the scratch
+directory. The scratch goes once the outputs are written: a rerun of a finished iteration starts over.
 
 Several processes (``kpipe launch --gpus N -- train rl ...``: one per GPU, FSDP2) run the same
 step data-parallel: each takes an equal share of the step's prompts, generates and evaluates
@@ -65,6 +66,7 @@ from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
 from kpipe.infra.jobs import since_job_started
+from kpipe.infra.provenance import RL_CODE, code_version, key_changes, library_versions, restart_key, weights_identity
 from kpipe.train import algos
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from kpipe.train.metrics_log import MetricsLog
@@ -115,36 +117,37 @@ class IterationResult:
     mean_reward: float
 
 
-def directory_identity(path: str | os.PathLike | None) -> str:
-    """Names, sizes and modification times of the files under `path`: changes when it is rewritten."""
-    digest = hashlib.sha256()
-    if path is None or not Path(path).is_dir():
-        return "none"
-    path = Path(path)
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        stat = file.stat()
-        digest.update(f"{file.relative_to(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()[:16]
-
-
-def iteration_fingerprint(cfg: RLConfig, run: str, iteration: int, init_identity: str,
-                          tasks: Sequence[AgentTask], protocol_json: str) -> str:
-    """What the scratch work of an iteration depends on; a mismatch means start the iteration over."""
-    digest = hashlib.sha256(json.dumps([cfg.fingerprint(), run, iteration, init_identity, protocol_json]).encode())
+def iteration_key(cfg: RLConfig, run: str, iteration: int, tasks: Sequence[AgentTask], protocol_json: str,
+                  init_model: str | os.PathLike, init_state: str | os.PathLike | None,
+                  reference_model: str | os.PathLike | None) -> dict[str, str]:
+    """The restart key of an iteration's scratch work: its settings, its tasks, the models and state
+    it starts from, kpipe's RL code and the library versions (kpipe.infra.provenance); a mismatch
+    means start the iteration over."""
+    tasks_digest = hashlib.sha256()
     for task in tasks:
-        digest.update(task.task_id.encode())
-        digest.update(task.reference_src.encode())
-    return digest.hexdigest()[:16]
+        tasks_digest.update(task.task_id.encode())
+        tasks_digest.update(task.reference_src.encode())
+    return restart_key(settings=[cfg.fingerprint(), run, iteration, protocol_json], data=tasks_digest.hexdigest(),
+                       weights=[weights_identity(init_model), weights_identity(init_state),
+                                weights_identity(reference_model)],
+                       code=code_version(*RL_CODE), libraries=library_versions())
 
 
-def prepare_scratch(scratch: Path, fingerprint: str) -> bool:
-    """Keep `scratch` if it belongs to this fingerprint (returns True), else clear it for a fresh start."""
-    marker = scratch / "fingerprint.json"
-    if marker.exists() and json.loads(marker.read_text()).get("fingerprint") == fingerprint:
-        return True
+def prepare_scratch(scratch: Path, key: dict[str, str]) -> bool:
+    """Keep `scratch` if it holds work of this restart key (returns True), else clear it for a fresh
+    start, logging which part of the key changed."""
+    marker = scratch / "restart_key.json"
+    if marker.exists():
+        why = key_changes(json.loads(marker.read_text()), key)
+        if not why:
+            return True
+        log.warning("not resuming the partial work in %s: %s; the iteration starts over", scratch, why)
+    elif scratch.exists():
+        log.warning("not resuming the partial work in %s: it carries no restart key; the iteration starts over",
+                    scratch)
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    marker.write_text(json.dumps({"fingerprint": fingerprint}))
+    marker.write_text(json.dumps(key))
     return False
 
 
@@ -277,13 +280,10 @@ def run_iteration(
         log.warning("RL iteration %d of %s starts with a fresh optimizer: no state from iteration %d",
                     iteration, run, iteration - 1)
     reference_model = Path(reference_model) if reference_model is not None and cfg.kl_coef > 0 else None
-    identity = directory_identity(init_model) + directory_identity(init_state)
-    if reference_model is not None:
-        identity += directory_identity(reference_model)
-    fingerprint = iteration_fingerprint(cfg, run, iteration, identity, tasks, protocol.to_json())
+    key = iteration_key(cfg, run, iteration, tasks, protocol.to_json(), init_model, init_state, reference_model)
     accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
     check_processes(cfg, min(cfg.prompts_per_step, len(tasks)), accelerator.num_processes)
-    trainer = IterationTrainer(accelerator, cfg, Path(init_model), init_state, Path(scratch), fingerprint, run,
+    trainer = IterationTrainer(accelerator, cfg, Path(init_model), init_state, Path(scratch), key, run,
                                iteration, progress, reference_model)
     with contextlib.ExitStack() as stack:
         if evaluator is None:
@@ -307,17 +307,17 @@ class IterationTrainer:
     the update changes the policy's own weights."""
 
     def __init__(self, accelerator: Any, cfg: RLConfig, init_model: Path, init_state: Path | None, scratch: Path,
-                 fingerprint: str, run: str, iteration: int, progress: bool,
+                 key: dict[str, str], run: str, iteration: int, progress: bool,
                  reference_model: Path | None = None) -> None:
         from accelerate.utils import set_seed
 
         set_up = time.perf_counter()
         self.accelerator, processes = accelerator, accelerator.num_processes
-        self.cfg, self.scratch, self.fingerprint = cfg, scratch, fingerprint
+        self.cfg, self.scratch, self.key = cfg, scratch, key
         self.run, self.iteration = run, iteration
         self.progress = progress and self.accelerator.is_main_process
         with self.accelerator.main_process_first():  # rank 0 clears a stale scratch before the others look
-            resumed = prepare_scratch(scratch, fingerprint)
+            resumed = prepare_scratch(scratch, key)
         set_seed(cfg.seed + iteration)
         model, self.tokenizer = load_policy(init_model, cfg)
         # bf16 under bf16 autocast (what vLLM would sample from too): half the memory of an fp32 copy,
@@ -423,7 +423,7 @@ class IterationTrainer:
             if accelerator.is_main_process:
                 self.metrics.flush()
             save_checkpoint(accelerator, self.model, self.tokenizer, self.scratch / "checkpoints", step + 1,
-                            self.fingerprint, keep_last=1)
+                            self.key, keep_last=1)
         return values
 
     def my_tasks(self, step: int, tasks: Sequence[AgentTask]) -> list[AgentTask]:

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from kpipe.infra.jobs import since_job_started
+from kpipe.infra.provenance import SFT_CODE, code_version, hub_weights_identity, library_versions, restart_key
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, remove_checkpoints, save_checkpoint
 from kpipe.train.mechanics import (
     PRECISIONS,
@@ -191,16 +192,18 @@ def predicted_tokens(samples: Sequence[Sample]) -> int:
     return sum(sum(label != IGNORE_INDEX for label in s.labels[1:]) for s in samples)
 
 
-def run_fingerprint(cfg: SFTConfig, samples: Sequence[Sample]) -> str:
-    """Identity of a run (training settings + data) that a checkpoint must match to be resumed."""
+def sft_restart_key(cfg: SFTConfig, samples: Sequence[Sample]) -> dict[str, str]:
+    """What a checkpoint must match to be resumed: the settings, the tokenised data, kpipe's SFT
+    code, the base model's weights and the library versions (kpipe.infra.provenance)."""
     resume_irrelevant = {"save_every", "keep_last", "notes"}
     settings = {k: v for k, v in asdict(cfg).items() if k not in resume_irrelevant}
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    data = hashlib.sha256()
     for sample in samples:
-        digest.update(sample.key.encode())
-        digest.update(np.asarray(sample.input_ids, dtype=np.int64).tobytes())
-        digest.update(np.asarray(sample.labels, dtype=np.int64).tobytes())
-    return digest.hexdigest()[:16]
+        data.update(sample.key.encode())
+        data.update(np.asarray(sample.input_ids, dtype=np.int64).tobytes())
+        data.update(np.asarray(sample.labels, dtype=np.int64).tobytes())
+    return restart_key(settings=settings, data=data.hexdigest(), code=code_version(*SFT_CODE),
+                       weights=hub_weights_identity(cfg.base_model), libraries=library_versions())
 
 
 # ---------------------------------------------------------------- model, tokenizer, accelerator
@@ -325,10 +328,13 @@ def train_step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, sam
 
 def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Path, metrics_path: str | Path,
               on_step_end: Callable[[int, dict[str, float]], None] | None = None) -> SFTResult:
-    """Fine-tune `cfg.base_model` on trajectory `rows`; resumes from `out_dir`'s last checkpoint.
+    """Fine-tune `cfg.base_model` on trajectory `rows`; resumes an unfinished run's last checkpoint
+    in `out_dir` when its restart key (:func:`sft_restart_key`) is this run's.
 
     Writes checkpoints to ``out_dir/checkpoints``, the final HF model to ``out_dir/model``,
-    a summary to ``out_dir/sft_summary.json`` and per-step metrics to `metrics_path`.
+    a summary to ``out_dir/sft_summary.json`` and per-step metrics to `metrics_path`. A finished
+    run drops its checkpoints: a rerun (a forced one, or one whose outputs were deleted) trains
+    again from step 0 rather than handing back the old model.
     `on_step_end(step, metrics)` is called after every optimizer step (e.g. to stop early).
     """
     from accelerate import Accelerator
@@ -349,7 +355,7 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
         raise ValueError(f"no SFT samples left after filtering: {report.as_dict()}")
     n_steps = total_steps(cfg, len(samples))
     warmup = int(cfg.warmup_ratio * n_steps)
-    fingerprint = run_fingerprint(cfg, samples)
+    key = sft_restart_key(cfg, samples)
     if accelerator.is_main_process:
         log.info("SFT samples: %s%s", report.as_dict(), since_job_started())
 
@@ -365,8 +371,10 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     metrics = MetricsLog(metrics_path, run=cfg.run, stage="sft")
     start_step, resumed_from = 0, None
     checkpoint = latest_checkpoint(ckpt_root)
-    if checkpoint is not None and checkpoint.fingerprint != fingerprint:
-        log.warning("checkpoints in %s belong to another config or dataset: starting over", ckpt_root)
+    why = checkpoint.mismatch(key) if checkpoint is not None else ""
+    if why:
+        log.warning("not resuming the checkpoint at step %d in %s: %s; training from step 0",
+                    checkpoint.step, ckpt_root, why)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
             remove_checkpoints(ckpt_root)
@@ -374,14 +382,16 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint.state_dir))
         start_step = resumed_from = checkpoint.step
+        log.info("resuming SFT at step %d of %d from %s (same restart key)", start_step, n_steps, checkpoint.path)
+    elif not why:
+        log.info("no unfinished checkpoint in %s: training from step 0", ckpt_root)
     metrics.resume(start_step)
 
     # --- loop
     model.train()
     progress = tqdm(total=n_steps, initial=start_step, desc=f"sft {cfg.run}", unit="step",
                     disable=not accelerator.is_main_process)
-    logged_losses = metrics.series("loss")  # a run resumed at its end still reports its final loss
-    last_loss = logged_losses[-1][1] if logged_losses else None
+    last_loss = None
     for step in range(start_step, n_steps):
         batch_ids = batch_indices(len(samples), cfg.batch_size, cfg.seed, step)
         values = train_step(accelerator, model, optimizer, scheduler, samples, batch_ids, cfg.micro_batch_tokens,
@@ -395,19 +405,19 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
             # Metrics first: a kill during the save leaves extra rows, which the resume drops.
             if accelerator.is_main_process:
                 metrics.flush()
-            save_checkpoint(accelerator, model, tokenizer, ckpt_root, step + 1, fingerprint, cfg.keep_last)
+            save_checkpoint(accelerator, model, tokenizer, ckpt_root, step + 1, key, cfg.keep_last)
         if on_step_end is not None:
             on_step_end(step + 1, values)
     progress.close()
 
-    # --- final checkpoint, HF export, metrics, summary
-    if resumed_from != n_steps:
-        save_checkpoint(accelerator, model, tokenizer, ckpt_root, n_steps, fingerprint, cfg.keep_last)
+    # --- HF export, metrics, summary; then the checkpoints go: a finished run is never resumed
     model_dir = export_hf(accelerator, model, tokenizer, out_dir / "model")
     if accelerator.is_main_process:
         metrics.flush()
         summary = {"config": asdict(cfg), "steps": n_steps, "resumed_from": resumed_from,
-                   "samples": report.as_dict(), "final_loss": last_loss, "fingerprint": fingerprint}
+                   "samples": report.as_dict(), "final_loss": last_loss, "restart_key": key}
         (out_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        remove_checkpoints(ckpt_root)
     return SFTResult(model_dir, n_steps, resumed_from, report, last_loss)
