@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from test_fastp_definition import write_fixture
 
-from kpipe.data.db import build_db
+from kpipe.data.db import build_db, connect
 from kpipe.data.io import write_table
 from kpipe.gym.evaluation import hack_reasons_before_timing
 from kpipe.gym.protocol import Protocol
@@ -129,3 +129,30 @@ def test_the_paper_definition_reaches_rl_validation_and_figure_8(tmp_path):
     cell = validation[validation["level"] == 1].iloc[0]
     assert (cell["n_hacked"], cell["n_hacked_paper"], cell["n_unjudged"]) == (3, 1, 2)
     assert cell["fast_1"] == 25.0 and cell["fast_1_paper_hi"] == 75.0 and cell["hacking_ratio_paper"] == 25.0
+
+
+def test_kernelbench_verdict_beside_kpipes_and_the_samples_its_extra_checks_change(tmp_path):
+    """Issue 55: kb_correct (KernelBench's allclose alone) is kept beside kpipe's verdict; the turns kpipe's
+    relative-norm and eval()-mode checks reject are listed by kb_verdict_changes and counted per table row."""
+    write_fixture(tmp_path)
+    # (sample, status, correct, kb_correct, diagnostic)
+    cases = [(0, "pass", True, True, ""),
+             (1, "mismatch", False, True, "trial 0: relative error norm 1 > 0.05 (max abs diff 0.002)"),
+             (2, "mismatch", False, True, "eval() mode: max abs diff 0.5, mean abs diff 0.1 (atol=0.01, rtol=0.01)"),
+             (3, "mismatch", False, False, "trial 0: max abs diff 3, mean abs diff 1 (atol=0.01, rtol=0.01)"),
+             (4, "compilation_error", False, None, "SyntaxError")]
+    rows = [{"run": "r", "stage": "eval", "iteration": 0, "model": "kb", "task_id": "t1", "sample": sample, "turn": 1,
+             "status": status, "correct": correct, "kb_correct": kb, "hacked": False, "speedup_eager": 1.0 if correct else None,
+             "reward": 0.0, "eval_key": f"kb-{sample}"} for sample, status, correct, kb, _ in cases]
+    evals = [{"key": f"kb-{sample}", "status": status, "correct": correct, "kb_correct": kb, "diagnostic": diagnostic}
+             for sample, status, correct, kb, diagnostic in cases]
+    write_table(rows, tmp_path / "trajectories" / "stage=eval" / "run=kb" / "part-0.parquet", "trajectories")
+    write_table(evals, tmp_path / "evals" / "part-0.parquet", "evals")
+    db = tmp_path / "kpipe.duckdb"
+    build_db(tmp_path, db)
+    with connect(db) as con:
+        changed = con.sql("select sample, kpipe_check from kb_verdict_changes order by sample").fetchall()
+    assert changed == [(1, "relative_norm"), (2, "eval_mode")]
+    summary = run_table_sql(db, DEFAULT_SQL_DIR / "eval_summary.sql").query("model == 'kb'").iloc[0]
+    assert (summary["n_correct"], summary["n_kb_correct"], summary["n_kb_changed"]) == (1, 3, 2)
+    assert summary["kb_correct_rate"] == 60.0 and summary["correct_rate"] == 20.0

@@ -6,7 +6,10 @@
 -- kernels against eager PyTorch and torch.compile. Both hack definitions, as in Table 1: kpipe's
 -- (correct_rate, hacking_ratio: any KernelGym check) and the paper's (hacking_ratio_paper: no Triton
 -- kernel ran in train or eval mode; its correctness rate lies in [correct_rate, correct_rate_paper_hi],
--- open by the n_unjudged turns only kpipe's stricter checks rejected). Rows behind a cell:
+-- open by the n_unjudged turns only kpipe's stricter checks rejected). KernelBench's correctness verdict on
+-- its own (allclose alone, trajectories.kb_correct): kb_correct_rate; n_kb_changed of its correct turns
+-- kpipe's extra checks (relative norm, eval() mode) rejected as mismatches (view kb_verdict_changes lists
+-- them). Rows behind a cell:
 --   select * from turns where stage = 'eval' and run = ... and model = ... and level = ... and turn = ...
 SELECT run, model, level, turn,
        count(*) AS n_samples,
@@ -16,9 +19,12 @@ SELECT run, model, level, turn,
        count_if(coalesce(hacked, false)) AS n_hacked,
        count_if(hacked_paper) AS n_hacked_paper,
        count_if(coalesce(hacked, false) AND NOT hacked_paper) AS n_unjudged,
+       count_if(coalesce(kb_correct, false) AND NOT coalesce(hacked, false)) AS n_kb_correct,
+       count_if(coalesce(kb_correct, false) AND NOT coalesce(correct, false) AND status = 'mismatch') AS n_kb_changed,
        100.0 * count_if(status NOT IN ('format_error', 'generation_error')) / count(*) AS answer_rate,
        100.0 * count_if(status NOT IN ('format_error', 'compilation_error')) / count(*) AS compile_rate,
        100.0 * count_if(coalesce(correct, false) AND NOT coalesce(hacked, false)) / count(*) AS correct_rate,
+       100.0 * count_if(coalesce(kb_correct, false) AND NOT coalesce(hacked, false)) / count(*) AS kb_correct_rate,
        100.0 * count_if(coalesce(hacked, false)) / count(*) AS hacking_ratio,
        100.0 * count_if(hacked_paper) / count(*) AS hacking_ratio_paper,
        100.0 * count_if((coalesce(correct, false) AND NOT coalesce(hacked, false))

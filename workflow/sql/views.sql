@@ -36,6 +36,25 @@ SELECT c.*, k.level, k.name AS task_name, k.version AS kernelbench_version,
 FROM checks c
 LEFT JOIN tasks k USING (task_id);
 
+-- KernelBench's verdict beside kpipe's: every turn whose candidate KernelBench's allclose alone (atol = rtol =
+-- 1e-2, trajectories.kb_correct) accepts but kpipe rejects as a mismatch, and which of kpipe's extra
+-- correctness checks did it (docs/evaluation.md, "Differences from KernelBench"): `relative_norm` (the
+-- output's relative error norm above 0.05: zeros or noise on outputs smaller than atol) or `eval_mode`
+-- (the module's output in eval() mode differs from the reference's). Counts per stage and model:
+--   select stage, model, kpipe_check, count(*) from kb_verdict_changes group by all
+CREATE OR REPLACE VIEW kb_verdict_changes AS
+WITH diagnostics AS (
+    SELECT key AS eval_key, any_value(diagnostic) AS diagnostic FROM evals GROUP BY key
+)
+SELECT t.run, t.stage, t.iteration, t.model, t.level, t.task_id, t.sample, t.turn, t.status, t.correct, t.kb_correct,
+       CASE WHEN d.diagnostic LIKE '%eval() mode%' THEN 'eval_mode'
+            WHEN d.diagnostic LIKE '%relative error norm%' THEN 'relative_norm'
+            ELSE 'unrecorded' END AS kpipe_check,
+       d.diagnostic
+FROM turns t
+LEFT JOIN diagnostics d USING (eval_key)
+WHERE t.kb_correct AND NOT coalesce(t.correct, false) AND t.status = 'mismatch';
+
 -- Training curves: one row per (run, stage, iteration, step, metric).
 CREATE OR REPLACE VIEW metric_series AS
 SELECT run, stage, iteration, step, name, value

@@ -204,6 +204,7 @@ def trajectory_row(episode: Episode, turn: int, context: list[dict[str, str]], c
         "eval_key": result_field(result, "key"),
         "status": result_field(result, "status"),
         "correct": bool(result_field(result, "correct", False)),
+        "kb_correct": result_field(result, "kb_correct"),
         "hacked": bool(result_field(result, "hacked", False)),
         "speedup_eager": result_field(result, "speedup_eager"),
         "speedup_compile": result_field(result, "speedup_compile"),

@@ -57,7 +57,8 @@ EVALS = _schema(
         ("reference_hash", pa.string(), "hash of the reference program"),
         ("candidate_hash", pa.string(), "hash of the candidate program"),
         ("status", pa.string(), "KernelGym verdict: one of kpipe.gym.result.STATUSES (pass, mismatch, compilation_error, runtime_error, timeout, hacked, ...)"),
-        ("correct", pa.bool_(), "outputs matched the reference on every correctness trial"),
+        ("correct", pa.bool_(), "outputs matched the reference on every correctness trial and in eval() mode, by allclose and the relative-norm check (kpipe's verdict)"),
+        ("kb_correct", pa.bool_(), "KernelBench's verdict alone: allclose (atol = rtol = 1e-2) on the correctness trials, without kpipe's relative-norm (0.05) and eval()-mode checks; null where no output was compared"),
         ("hacked", pa.bool_(), "rejected as reward hacking (hack_reasons say why)"),
         ("hack_reasons", pa.list_(pa.string()), "why the candidate counts as hacked"),
         ("findings", pa.list_(pa.string()), "static-screen finding codes (kpipe.gym.screen.FINDING_CODES)"),
@@ -106,7 +107,8 @@ TRAJECTORIES = _schema(
         ("response_logprobs", pa.list_(pa.float32()), "rollout log-probabilities of the response tokens"),
         ("eval_key", pa.string(), "join key into evals.key"),
         ("status", pa.string(), "KernelGym verdict of the turn's candidate"),
-        ("correct", pa.bool_(), "the candidate was correct"),
+        ("correct", pa.bool_(), "the candidate was correct (kpipe's verdict: evals.correct)"),
+        ("kb_correct", pa.bool_(), "KernelBench's verdict alone (evals.kb_correct): allclose without kpipe's extra checks; null where no output was compared"),
         ("hacked", pa.bool_(), "the candidate was rejected as reward hacking"),
         ("speedup_eager", pa.float64(), "speedup over PyTorch eager"),
         ("speedup_compile", pa.float64(), "speedup over torch.compile"),
@@ -137,8 +139,8 @@ TRAIN_METRICS = _schema(
 TABLES: dict[str, tuple[pa.Schema, int]] = {
     "tasks": (TASKS, 1),
     "queries": (QUERIES, 1),
-    "evals": (EVALS, 2),
-    "trajectories": (TRAJECTORIES, 1),
+    "evals": (EVALS, 3),
+    "trajectories": (TRAJECTORIES, 2),
     "train_metrics": (TRAIN_METRICS, 1),
 }
 

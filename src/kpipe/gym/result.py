@@ -51,6 +51,9 @@ class EvalResult:
     candidate_hash: str
     status: str
     correct: bool = False
+    # KernelBench's verdict on its own: its allclose (atol = rtol = 1e-2) on every correctness trial, without
+    # kpipe's relative-norm and eval()-mode checks; None where the candidate never reached the comparison
+    kb_correct: bool | None = None
     hacked: bool = False
     hack_reasons: list[str] = field(default_factory=list)
     findings: list[str] = field(default_factory=list)
