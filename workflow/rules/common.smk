@@ -301,17 +301,19 @@ def stage_levels(section):
     return section.get("levels") or config["kernelbench"]["levels"]
 
 
-def pipeline_checkpoint(name):
-    """The checkpoint directory of a `kind: pipeline` model (an input, so it is built first)."""
+def pipeline_checkpoint(name, section=EVAL):
+    """The checkpoint of a `kind: pipeline` model (an input, so it is built first): the SFT model, or its RL
+    run's last checkpoint (`section["checkpoint"]`: last) or the file naming its best validated one
+    (best_val: rule select_checkpoint, rules/eval.smk)."""
     entry = MODELS[name]
     if entry["kind"] != "pipeline":
         return []
     if entry["source"] == "sft":
         return f"{RESULTS}/models/sft-{RUN}"
-    run = entry.get("rl_run") or RUN  # which RL run's last checkpoint (rules/rl.smk)
+    run = entry.get("rl_run") or RUN  # which RL run's checkpoint (rules/rl.smk)
     if run not in RL_RUNS:
         raise ValueError(f"config error: models.{name}.rl_run: {run!r} is not an RL run ({', '.join(RL_RUNS)})")
-    return rl_final_model(run)
+    return rl_selection(run) if section["checkpoint"] == "best_val" else rl_final_model(run)
 
 
 def eval_parts():

@@ -41,6 +41,53 @@ rule eval:
         "../scripts/eval.py"
 
 
+# Checkpoint selection (config eval.checkpoint / stts.checkpoint: best_val; paper Figure 4: "we select
+# checkpoints based on turn 3 performance"): a `source: rl` model is then its RL run's validated iteration
+# with the best validation Fast@1 at the validation's last turn (rl.validation.turns; the paper's 3), ties
+# to Fast@1.2, then the later iteration. The evaluations read the chosen directory from this file
+# (kpipe.evaluate.kernelbench.resolved_checkpoint) and label their rows with its iteration; the tables quote
+# the choice and its score.
+
+
+def rl_selection(run):
+    """The file naming the RL checkpoint of `run` that best_val evaluates (rule select_checkpoint)."""
+    if not RL_VALIDATED_ITERATIONS:
+        raise ValueError("config error: eval.checkpoint / stts.checkpoint: best_val needs RL validation "
+                         "(rl.validation.every > 0)")
+    return f"{RESULTS}/models/rl-{run}/selected.json"
+
+
+def checkpoint_selections():
+    """Every selection file an evaluating stage reads (none under eval.checkpoint and stts.checkpoint last)."""
+    stages = [(EVAL, stage_models(EVAL)), (STTS, stage_models(STTS) if STTS["enabled"] else []),
+              (EVAL, stage_models(BUDGET) if BUDGET["models"] else [])]
+    return sorted({pipeline_checkpoint(name, section) for section, names in stages for name in names
+                   if MODELS[name]["kind"] == "pipeline" and MODELS[name]["source"] == "rl"
+                   and section["checkpoint"] == "best_val"})
+
+
+rule select_checkpoint:
+    """kpipe.evaluate.kernelbench.selection_job: the RL checkpoint best_val evaluates, by its validation."""
+    input:
+        lambda wildcards: expand(f"{RESULTS}/trajectories/stage=rl_val/run={wildcards.run}/iter={{iter}}/part-0.parquet",
+                                 iter=RL_VALIDATED_ITERATIONS),
+    output:
+        f"{RESULTS}/models/rl-{{run}}/selected.json",
+    params:
+        checkpoints=lambda wildcards: {iteration: rl_model_dir(wildcards.run, iteration)
+                                       for iteration in RL_VALIDATED_ITERATIONS},
+        turn=RL_VALIDATION["turns"],
+        code=code_version("evaluate/kernelbench.py", "data/metrics.py"),
+    wildcard_constraints:
+        run="[A-Za-z0-9_.-]+",
+    log:
+        f"{LOGS}/select_checkpoint/{{run}}.log",
+    conda:
+        "../envs/kpipe.yaml"
+    script:
+        "../scripts/select_checkpoint.py"
+
+
 # Kevin's test-time budget (Kevin-32B §5.3-5.4; config eval_budget): each model of eval_budget.models x
 # level x shard spends eval_budget.kernels generated kernels per task once per split into trajectories x
 # turns (one split per entry of eval_budget.turns), with the evaluation's sampling, seed and gym; rows

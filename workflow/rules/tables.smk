@@ -9,6 +9,7 @@ rule tables:
         db=f"{RESULTS}/kpipe.duckdb",
         sql=[sql_file(name) for name in TABLE_NAMES],
         views=sql_file("views"),
+        checkpoints=checkpoint_selections(),  # which RL checkpoint a best_val model is: quoted in the notes
     output:
         *report_tables(),
     params:

@@ -10,6 +10,7 @@ with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
     out_dir = Path(job.output[0]).parent
     sql_dir = Path(job.params.sql_dir)  # the checkout's SQL (the inputs are its rerun triggers)
     written = build_tables(Path(job.input.db), out_dir, sql_dir, n_boot=job.params.n_boot,
-                           report_turn=job.params.report_turn, own_models=job.params.own_models)
+                           report_turn=job.params.report_turn, own_models=job.params.own_models,
+                           checkpoints=list(job.input.checkpoints))
     for name, path in written.items():
         print(f"{name}: {path}")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -58,6 +59,13 @@ MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # Paper §6.1: 8 samples, 3 turns, 8,192 generated tokens per turn, 32,768 in all.
 PAPER_EVAL = {"samples": 8, "turns": 3, "max_context_tokens": 32768,
               "sampling": {"max_tokens": 8192, "temperature": 1.0, "top_p": 0.95}}
+# Which RL checkpoint a `source: rl` model is (config eval.checkpoint, stts.checkpoint): the last iteration's,
+# or the validated iteration's with the best validation at its last turn (paper Figure 4: "we select
+# checkpoints based on turn 3 performance"; rl.validation.turns is 3 there), written by `selection_job`
+CHECKPOINT_CHOICES = ("last", "best_val")
+# the selection's score: Fast@1 at that turn (the figure whose caption says it), ties broken by Fast@1.2
+SELECTION_METRICS = (1.0, 1.2)
+ITERATION_RE = re.compile(r"iter=(\d+)$")
 
 
 def check_model(entry: Mapping[str, Any]) -> None:
@@ -118,13 +126,27 @@ def eval_tasks(tasks_path: str | os.PathLike, level: int, shard: int = 0, num_sh
     return [AgentTask(r["task_id"], r["reference_src"]) for r in rows[shard::num_shards]]
 
 
+def resolved_checkpoint(checkpoint: str | os.PathLike) -> str:
+    """A pipeline checkpoint's directory: the path itself, or the one a `selection_job` file chose."""
+    if str(checkpoint).endswith(".json"):
+        return json.loads(open(checkpoint).read())["checkpoint"]
+    return str(checkpoint)
+
+
+def checkpoint_iteration(checkpoint: str | None) -> int:
+    """The RL iteration of a pipeline checkpoint (its `iter=<k>` directory), 0 for any other model: the
+    `iteration` of the rows that evaluate it, so a table row says which checkpoint it is."""
+    match = ITERATION_RE.search(resolved_checkpoint(checkpoint).rstrip("/")) if checkpoint else None
+    return int(match.group(1)) if match else 0
+
+
 def checkpoint_path(entry: Mapping[str, Any], checkpoint: str | None) -> str:
     """Where a checkpoint model's weights are: its `path`, or for `pipeline` the resolved one."""
     if entry["kind"] != "pipeline":
         return entry["path"]
     if checkpoint is None:
         raise ValueError(f"models.{entry['name']}: a pipeline model needs its checkpoint path")
-    return checkpoint
+    return resolved_checkpoint(checkpoint)
 
 
 def engine_spec(entry: Mapping[str, Any], checkpoint: str | None = None, progress: bool = True) -> dict[str, Any]:
@@ -251,7 +273,7 @@ def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_p
     tasks = eval_tasks(tasks_path, level, shard, num_shards, settings.get("max_tasks"))
     return run_model_shard(tasks, entry, settings, out_path, cache_path, model_label=entry["name"], stage=STAGE,
                            policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run, gym=gym,
-                           checkpoint=checkpoint, progress=progress)
+                           checkpoint=checkpoint, progress=progress, iteration=checkpoint_iteration(checkpoint))
 
 
 def validated_iterations(iterations: int, every: int) -> list[int]:
@@ -282,6 +304,52 @@ def validation_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, c
                            gym=gym, checkpoint=checkpoint, progress=progress, iteration=iteration)
 
 
+def select_iteration(scores: Mapping[int, Sequence[float]]) -> int:
+    """The validated RL iteration `best_val` evaluates: the best validation score (Fast@1, then Fast@1.2,
+    at the validation's last turn: `SELECTION_METRICS`), ties going to the later iteration."""
+    if not scores:
+        raise ValueError("select_iteration: no validated iteration to choose from")
+    return max(scores, key=lambda iteration: (*scores[iteration], iteration))
+
+
+def validation_scores(paths: Sequence[str | os.PathLike], turn: int) -> dict[int, tuple[float, ...]]:
+    """Per validated iteration: Fast@p (`SELECTION_METRICS`, percent, kpipe's definition: hacked counts as
+    incorrect; every trajectory in the denominator) of its rl_val rows at `turn`."""
+    from kpipe.data import metrics
+
+    frame = read_table(list(paths), "trajectories").to_pandas()
+    if frame.empty:
+        raise ValueError(f"no validation rows in {', '.join(map(str, paths))}")
+    table = metrics.fast_p_by_turn(frame, ps=SELECTION_METRICS, by=["iteration"])
+    at_turn = table[table["turn"] == turn].set_index("iteration")
+    return {int(iteration): tuple(100.0 * float(at_turn.loc[iteration, f"fast@{p:g}"]) if iteration in at_turn.index
+                                  else 0.0 for p in SELECTION_METRICS)
+            for iteration in sorted(frame["iteration"].unique())}
+
+
+def selection_job(validation_paths: Sequence[str | os.PathLike], checkpoints: Mapping[int, str],
+                  out_path: str | os.PathLike, *, run: str, turn: int) -> dict[str, Any]:
+    """Rule `select_checkpoint`: the checkpoint `best_val` evaluates, of RL run `run`, from its validation
+    files; writes the choice, its score and every validated iteration's score to `out_path` (JSON), which
+    the evaluation jobs resolve (`resolved_checkpoint`) and the tables quote."""
+    scores = validation_scores(validation_paths, turn)
+    unknown = sorted(set(scores) - set(checkpoints))
+    if unknown:
+        raise ValueError(f"validation rows of iteration(s) {unknown} have no checkpoint among {sorted(checkpoints)}")
+    chosen = select_iteration(scores)
+    last = max(checkpoints)
+    labels = [f"fast_{p:g}".replace(".", "_") for p in SELECTION_METRICS]
+    selection = {"run": run, "choice": "best_val", "iteration": chosen, "checkpoint": checkpoints[chosen],
+                 "turn": turn, "metric": labels[0], "score": scores[chosen][0],
+                 "last_iteration": last, "last_score": scores[last][0] if last in scores else None,
+                 "scores": {str(iteration): dict(zip(labels, values)) for iteration, values in scores.items()}}
+    with open(out_path, "w") as handle:
+        json.dump(selection, handle, indent=1, sort_keys=True)
+    log.info("best_val of RL run %s: iteration %d (%s %.1f at turn %d; last iteration %d: %s)", run, chosen,
+             labels[0], scores[chosen][0], turn, last, selection["last_score"])
+    return selection
+
+
 def budget_splits(kernels: int, turns: Sequence[int]) -> list[tuple[int, int]]:
     """(trajectories, turns) of each split of a budget of `kernels` generated kernels per task
     (Kevin §5.4: 128 as 128×1, 32×4 and 16×8); each turn count must divide the budget."""
@@ -306,6 +374,7 @@ def budget_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache
         for trajectories, turns in budget_splits(int(settings["kernels"]), settings["turns"]):
             split = run_episodes(tasks, engine, evaluator, FullHistory(), n_samples=trajectories, max_turns=turns,
                                  sampling=sampling_of(settings, entry), run=run, stage=BUDGET_STAGE,
+                                 iteration=checkpoint_iteration(checkpoint),
                                  seed=int(settings.get("seed", 0)),
                                  max_context_tokens=settings.get("max_context_tokens"), progress=progress)
             rows.extend({**row, "model": f"{entry['name']}@{trajectories}x{turns}"} for row in split)

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kpipe.agent.history import make_policy
-from kpipe.evaluate.kernelbench import check_model, eval_tasks, run_model_shard
+from kpipe.evaluate.kernelbench import check_model, checkpoint_iteration, eval_tasks, run_model_shard
 
 STAGE = "stts"
 STRATEGIES = ("full", "top_w", "best_window")
@@ -46,4 +46,4 @@ def stts_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_p
     return run_model_shard(tasks, entry, settings, out_path, cache_path,
                            model_label=stts_model_label(entry["name"], strategy, w), stage=STAGE,
                            policy=make_policy(strategy, w), n_turns=int(settings.get("max_turns", 8)), run=run,
-                           gym=gym, checkpoint=checkpoint, progress=progress)
+                           gym=gym, checkpoint=checkpoint, progress=progress, iteration=checkpoint_iteration(checkpoint))

@@ -10,6 +10,7 @@ task are correlated.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -297,10 +298,26 @@ def markdown(name: str, notes: list[str], body: str, paper: pd.DataFrame | None)
     return "\n".join(parts) + "\n"
 
 
+def checkpoint_notes(selections: Sequence[str | Path]) -> list[str]:
+    """One line per checkpoint selection file (rule select_checkpoint): which RL iteration a `best_val` model
+    is, and its validation score beside the last iteration's; rows of that model carry the iteration."""
+    lines = []
+    for path in selections:
+        chosen = json.loads(Path(path).read_text())
+        last = chosen["last_score"]
+        lines.append(f"RL run {chosen['run']}: checkpoint of iteration {chosen['iteration']} (chosen by "
+                     f"{chosen['choice']}: validation {chosen['metric']} at turn {chosen['turn']} = {chosen['score']:.1f}; "
+                     f"the last iteration, {chosen['last_iteration']}, "
+                     f"{'was not validated' if last is None else f'{last:.1f}'}).")
+    return lines
+
+
 def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000, seed: int = 0,
-                report_turn: str = "paper", own_models: Collection[str] = ()) -> pd.DataFrame:
+                report_turn: str = "paper", own_models: Collection[str] = (),
+                checkpoints: Sequence[str | Path] = ()) -> pd.DataFrame:
     """Run one table's SQL and write its .csv and .md; returns the CSV frame. `report_turn` and `own_models`
-    (the pipeline's own models, the rest being baselines) choose the turn of the Fast@p rows (`turn_rule`)."""
+    (the pipeline's own models, the rest being baselines) choose the turn of the Fast@p rows (`turn_rule`);
+    `checkpoints` (selection files) say which RL checkpoint a model chosen by validation is."""
     name = sql_file.stem
     notes = header_comment(sql_file.read_text())
     table = run_table_sql(db_path, sql_file)
@@ -316,7 +333,8 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
                          "executed in training or evaluation mode\" does. A range (a–b) is open because "
                          "KernelGym never timed samples only kpipe's checks rejected; `hacked`: samples hacked "
                          "by that definition at the reported turns (all levels).",
-                         f"The paper's rows (source = paper): {REPORTING}"]
+                         f"The paper's rows (source = paper): {REPORTING}",
+                         *checkpoint_notes(checkpoints)]
         csv = pd.concat([table.assign(source="kpipe"), paper_long], ignore_index=True)
     else:
         paper = PAPER_ROWS[name]() if name in PAPER_ROWS else None
@@ -332,12 +350,13 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
 
 
 def build_tables(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR, n_boot: int = 1000,
-                 seed: int = 0, report_turn: str = "paper", own_models: Collection[str] = ()) -> dict[str, Path]:
+                 seed: int = 0, report_turn: str = "paper", own_models: Collection[str] = (),
+                 checkpoints: Sequence[str | Path] = ()) -> dict[str, Path]:
     """Every table of `sql_dir` into `out_dir`; returns name -> markdown path."""
     if not Path(db_path).exists():
         raise FileNotFoundError(f"no database at {db_path}: build it first (kpipe query --rebuild)")
     written = {}
     for sql_file in table_sql_files(sql_dir):
-        build_table(Path(db_path), sql_file, Path(out_dir), n_boot, seed, report_turn, own_models)
+        build_table(Path(db_path), sql_file, Path(out_dir), n_boot, seed, report_turn, own_models, checkpoints)
         written[sql_file.stem] = Path(out_dir) / f"{sql_file.stem}.md"
     return written
