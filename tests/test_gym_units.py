@@ -227,23 +227,115 @@ def _timed_payload(ms: list[float], host_ms: list[float], sample_value: float = 
 def test_timing_sanity_checks_in_the_parent():
     from kpipe.gym.evaluation import timing_reasons
 
-    reference = {"outputs": [[torch.ones(4)]], "recheck_outputs": [[torch.ones(4)]]}
+    reference = {"outputs": [[torch.ones(4)]]}
     honest = _timed_payload([1.0, 1.1, 1.0], [1.05, 1.15, 1.05])
-    assert timing_reasons(honest, reference, Protocol(), wall_s=10.0, ref_ms=2.0, measured_ms=honest["timing"]["ms"]) == []
+    assert timing_reasons(honest, reference, Protocol(), wall_s=10.0) == []
     # a cached (stale) output on a timed trial
     stale = _timed_payload([1.0, 1.1, 1.0], [1.05, 1.15, 1.05], sample_value=0.0)
-    assert timing_reasons(stale, reference, Protocol(), 10.0, 2.0, stale["timing"]["ms"])[0].startswith("timed_output_mismatch")
+    assert timing_reasons(stale, reference, Protocol(), 10.0)[0].startswith("timed_output_mismatch")
     # more time reported than the parent saw the child live
-    assert any(r.startswith("timing_inconsistent") for r in timing_reasons(honest, reference, Protocol(), 0.001, 2.0, honest["timing"]["ms"]))
-    # a speedup the host clock on fresh inputs does not reproduce
-    fast = _timed_payload([0.01] * 3, [0.02] * 3)
-    fast["recheck"] = {"host_ms": [1.0, 1.0], "samples": [{"trial": 0, "input_set": 0, "outputs": [torch.ones(4)]}]}
-    reasons = timing_reasons(fast, reference, Protocol(), 10.0, 2.0, fast["timing"]["ms"])
-    assert any(r.startswith("speedup_not_reproduced") for r in reasons)
+    assert any(r.startswith("timing_inconsistent") for r in timing_reasons(honest, reference, Protocol(), 0.001))
     # no launch in the timed path
     silent = _timed_payload([1.0], [1.1])
     silent["launches"]["timed"] = []
-    assert timing_reasons(silent, reference, Protocol(), 10.0, 2.0, silent["timing"]["ms"])[0].startswith("no_triton_launch")
+    assert timing_reasons(silent, reference, Protocol(), 10.0)[0].startswith("no_triton_launch")
+
+
+def _challenge(calls: int, call_ms: float, wall_s: float) -> dict:
+    """A reference's challenge record: its calls' host times (its own, trusted clock), their outputs,
+    and the seconds the judge's clock saw its answer take."""
+    return {"seed": 7, "calls": calls, "host_ms": [call_ms] * calls, "outputs": [[torch.ones(4)]] * calls, "wall_s": wall_s}
+
+
+def test_the_challenge_times_a_candidates_calls_on_the_judges_clock():
+    """A candidate's call in the challenge: the reference's (trusted) mean call plus the difference of
+    the two answers' seconds on the judge's clock, spread over the calls; everything else the two
+    answers do (drawing inputs, digests, writing the file) is the same and cancels."""
+    from kpipe.gym.evaluation import challenge_call_ms
+
+    reference = _challenge(calls=4, call_ms=2.0, wall_s=0.050)
+    assert challenge_call_ms(reference, 0.050) == pytest.approx(2.0)
+    assert challenge_call_ms(reference, 0.090) == pytest.approx(2.0 + 40.0 / 4)
+    assert challenge_call_ms(reference, 0.046) == pytest.approx(1.0)
+
+
+def test_the_challenge_fails_closed_and_bounds_what_the_candidate_reported():
+    from kpipe.gym.evaluation import CHALLENGE_FACTOR, CHALLENGE_WALL_SLACK_MS, challenge_reasons
+
+    reference = {"challenge": _challenge(calls=2, call_ms=20.5, wall_s=0.2), "eager": {"ms": [20.0] * 3}}
+    protocol = Protocol(baseline="eager")
+
+    def reasons(answer, answer_s, claimed_ms, reported_ms=None):
+        if answer is not None and "host_ms" not in answer:  # the host times a process that did the calls reports
+            judged = 20.5 + (answer_s - 0.2) * 1e3 / 2
+            answer = {**answer, "host_ms": [reported_ms if reported_ms is not None else judged] * 2}
+        return challenge_reasons(answer, answer_s, reference, protocol, "cuda", [claimed_ms] * 3, 20.0)[0]
+
+    answer = {"calls": 2, "outputs": [[torch.ones(4)]] * 2}
+
+    # no answer, a tampered one, a wrong output on the fresh inputs: never believed
+    assert reasons(None, None, 5.0)[0].startswith("integrity: no valid answer")
+    assert reasons({"status": "crashed", "tampered": True, "error": "x"}, 0.1, 5.0)[0].startswith("integrity: no valid answer")
+    assert reasons({**answer, "outputs": [[torch.ones(4)]]}, 0.2, 5.0)[0].startswith("integrity: the timing challenge's answer")
+    wrong = {**answer, "outputs": [[torch.ones(4)], [torch.zeros(4)]]}
+    assert reasons(wrong, 0.2, 5.0)[0].startswith("challenge_output_mismatch: call 1")
+    # an honest 4x: its calls took about what it reported
+    assert reasons(answer, 0.2 - 2 * 15.0e-3, 5.0) == []
+    # a forger that computed with torch (its answer took the reference's time) and reported 4x
+    forged = reasons(answer, 0.2, 5.0)
+    assert forged and forged[0].startswith("timing_inconsistent: a call took 20.5 ms on the judge's clock")
+    bound = CHALLENGE_FACTOR * 5.0 + 0.5 + 0.1 + CHALLENGE_WALL_SLACK_MS["cuda"] / 2
+    assert reasons(answer, 0.2 - 2 * (20.5 - bound + 0.01) * 1e-3, 5.0) == []  # just inside the bound
+    # ... and a forger that reported 2000x is also beyond the speedup re-check
+    assert any(r.startswith("speedup_not_reproduced") for r in reasons(answer, 0.2, 0.01))
+    # host times reported for the challenge may not undercut the judge's clock beyond its slack
+    undercut = reasons(answer, 0.2 - 2 * 15.0e-3, 5.0, reported_ms=0.05)
+    assert undercut and "as the candidate's process reported them" in undercut[0]
+    assert challenge_reasons({**answer, "host_ms": [1, 2]}, 0.2, reference, protocol, "cuda", [5.0], 20.0)[0][0].startswith(
+        "integrity: the timing challenge's answer holds no 2 host times")
+
+
+def _evidence(timing: dict, **fields) -> dict:
+    """A candidate's final result with every piece of evidence the judge requires (one correctness
+    trial, one ghost replay that failed, launches in every mode, nothing patched)."""
+    return {"outputs": [[torch.ones(4)]], "eval_outputs": [torch.ones(4)], "ghost_outputs": [torch.zeros(4)],
+            "launches": {"train": ["k"], "eval": ["k"], "timed": ["k"]}, "patched": [], "hooks_intact": True, "threads": [],
+            "mutates_inputs": False, "subclass_outputs": [], "calls_without_launch": 0, "timing": timing, **fields}
+
+
+def _judged(payload: dict, reference: dict, protocol: Protocol, answer_s: float, trace: dict | None = None) -> dict:
+    """The judge's verdict (as a dict) on `payload`, whose challenge answer took `answer_s` on the judge's clock."""
+    from types import SimpleNamespace
+
+    from kpipe.gym.compare import Comparison
+    from kpipe.gym.evaluation import challenge_call_ms, judge
+
+    calls = reference["challenge"]["calls"]
+    judged_ms = challenge_call_ms(reference["challenge"], answer_s)
+    answer = {"calls": calls, "host_ms": [judged_ms] * calls, "outputs": [[torch.ones(4)]] * calls}
+    run = SimpleNamespace(challenge=answer, challenge_s=answer_s, wall_s=10.0)
+    ref_ms = sorted(reference["eager"]["ms"])[len(reference["eager"]["ms"]) // 2]
+    return judge(payload, {"check": Comparison(True, "", 0.0, 0.0), "reasons": []}, reference, protocol, run, "cuda", ref_ms, None,
+                 lambda status, **fields: {"status": status, **fields}, {}, trace)
+
+
+def test_the_judge_takes_the_challenge_with_or_without_the_hacking_check_and_traces_it():
+    protocol = Protocol(baseline="eager", correct_trials=1, perf_trials=3, timed_output_checks=1, profile=False)
+    reference = {"outputs": [[torch.ones(4)]], "eager": {"ms": [20.0] * 3}, "challenge": _challenge(2, 20.5, 0.2)}
+    payload = _evidence({"ms": [5.0] * 3, "host_ms": [5.1] * 3, "samples": [{"trial": 2, "input_set": 0, "outputs": [torch.ones(4)]}]})
+
+    trace: dict = {}
+    honest = _judged(payload, reference, protocol, 0.2 - 2 * 15.0e-3, trace)
+    assert honest["status"] == "pass" and trace["challenge_call_ms"] == pytest.approx(5.5)
+    for hacking_check in (True, False):
+        forged = _judged(payload, reference, Protocol(**{**protocol.to_dict(), "hacking_check": hacking_check}), 0.2)
+        assert forged["status"] == "hacked" and forged["hack_reasons"][0].startswith("timing_inconsistent")
+    # evidence left out is judged, not excused
+    without_samples = {**payload, "timing": {**payload["timing"], "samples": []}}
+    missing = _judged(without_samples, reference, protocol, 0.17)
+    assert missing["status"] == "hacked" and "timed trials and their sampled outputs" in missing["hack_reasons"][0]
+    for key in ("ghost_outputs", "patched", "hooks_intact", "calls_without_launch"):
+        assert _judged({k: v for k, v in payload.items() if k != key}, reference, protocol, 0.17)["status"] == "hacked", key
 
 
 def test_huge_outputs_are_compared_on_a_sample_including_the_tail():
@@ -468,7 +560,7 @@ def test_each_candidate_trial_is_divided_by_its_reference_chunks_drift_and_the_m
 
 def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked():
     current = Protocol()
-    assert current.paired_reference_trials == 50 and current.version == "kgym-10"
+    assert current.paired_reference_trials == 50 and current.version == "kgym-11"
     kgym3 = {k: v for k, v in current.to_dict().items() if k not in ("paired_reference_trials", "max_gpu_drift")}
     kgym3["version"] = "kgym-3"
     earlier = Protocol.from_dict(kgym3)
@@ -480,18 +572,14 @@ def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked()
 
 
 def test_the_judge_reports_drift_corrected_times_and_the_drift():
-    from kpipe.gym.compare import Comparison
-    from kpipe.gym.evaluation import judge
-
-    protocol = Protocol(hacking_check=False, baseline="eager", max_gpu_drift=0.05)
-    reference = {"eager": {"ms": [2.0] * 5}}
-    verdict = {"check": Comparison(True, "", 0.0, 0.0), "reasons": []}
+    protocol = Protocol(hacking_check=False, baseline="eager", max_gpu_drift=0.05, correct_trials=1, perf_trials=5,
+                        timed_output_checks=1, profile=False)
+    reference = {"eager": {"ms": [2.0] * 5}, "challenge": _challenge(2, 2.0, 0.1)}
 
     def run(reference_beside: list[float]) -> dict:
-        payload = {"launches": {"train": ["k"], "eval": ["k"]},
-                   "timing": {"ms": [1.1] * 5, "ms_synced": [1.12] * 5, "host_ms": [1.2] * 5, "samples": [],
-                              "reference_ms": reference_beside}}
-        return judge(payload, verdict, reference, protocol, 10.0, 2.0, None, lambda status, **fields: {"status": status, **fields}, {})
+        payload = _evidence({"ms": [1.1] * 5, "ms_synced": [1.12] * 5, "host_ms": [1.2] * 5,
+                             "samples": [{"trial": 4, "input_set": 0, "outputs": [torch.ones(4)]}], "reference_ms": reference_beside})
+        return _judged(payload, reference, protocol, 0.1 - 2 * 0.8e-3)
 
     slow_gpu = run([2.2] * 5)  # the GPU ran 10 % slow beside the candidate: corrected by the cap, 5 %
     assert slow_gpu["candidate_ms"] == pytest.approx(1.1 / 1.05) and "capped at 1 +- 0.05" in slow_gpu["diagnostic"]
@@ -502,58 +590,31 @@ def test_the_judge_reports_drift_corrected_times_and_the_drift():
     assert run([])["gpu_drift"] is None
 
 
-def test_the_recheck_ratio_is_host_over_event_speedup_and_the_judge_traces_it():
-    """The re-check's margin: host-clock speedup over event-timed speedup on one baseline, i.e.
-    median(event ms) / median(host ms); below HOST_RECHECK_MIN_RATIO the speedup was not
-    reproduced. The judge writes it into its trace record for honest candidates too (how close
-    they come to the bound)."""
-    from kpipe.gym.compare import Comparison
-    from kpipe.gym.evaluation import HOST_RECHECK_MIN_RATIO, host_recheck_ratio, judge, timing_reasons
+def test_the_recheck_ratio_is_host_over_event_speedup():
+    """The re-check's margin: the speedup on the judge's clock over the event-timed one on one
+    baseline, i.e. median(event ms) / host call ms; below HOST_RECHECK_MIN_RATIO the speedup was
+    not reproduced."""
+    from kpipe.gym.evaluation import host_recheck_ratio
 
-    assert host_recheck_ratio({"host_ms": [0.30, 0.25, 0.40]}, 2.8, [0.20, 0.18, 0.19]) == pytest.approx(0.19 / 0.30)
-    assert host_recheck_ratio({"host_ms": [0.25]}, 2.8, [0.0]) is None  # no event-timed speedup to compare
-    reference = {"outputs": [[torch.ones(4)]], "recheck_outputs": [[torch.ones(4)]], "eager": {"ms": [2.0] * 3}}
-    recheck = {"samples": [{"trial": 0, "input_set": 0, "outputs": [torch.ones(4)]}]}
-    at_the_bound = _timed_payload([0.1] * 3, [0.15] * 3)
-    at_the_bound["recheck"] = {**recheck, "host_ms": [0.1 / HOST_RECHECK_MIN_RATIO] * 2}
-    assert timing_reasons(at_the_bound, reference, Protocol(), 10.0, 2.0, at_the_bound["timing"]["ms"]) == []
-    below = _timed_payload([0.1] * 3, [0.15] * 3)
-    below["recheck"] = {**recheck, "host_ms": [0.21] * 2}
-    assert timing_reasons(below, reference, Protocol(), 10.0, 2.0, below["timing"]["ms"]) == [
-        "speedup_not_reproduced: 20x by events, 9.52x by the host clock on fresh inputs"]
-
-    trace: dict = {}
-    verdict = {"check": Comparison(True, "", 0.0, 0.0), "reasons": []}
-    honest = _timed_payload([0.1] * 3, [0.15] * 3)
-    honest["recheck"] = {**recheck, "host_ms": [0.125] * 2}
-    result = judge(honest, verdict, reference, Protocol(baseline="eager"), 10.0, 2.0, None,
-                   lambda status, **fields: {"status": status, **fields}, {}, trace)
-    assert result["status"] == "pass" and trace["recheck_host_to_event"] == pytest.approx(0.8)
-    assert (trace["recheck_host_ms"], trace["recheck_event_ms"], trace["recheck_harness_ms"]) == pytest.approx((0.125, 0.1, 0.0))
+    assert host_recheck_ratio(0.30, 2.8, [0.20, 0.18, 0.19]) == pytest.approx(0.19 / 0.30)
+    assert host_recheck_ratio(0.25, 2.8, [0.0]) is None  # no event-timed speedup to compare
 
 
 def test_the_recheck_takes_the_harness_host_cost_out_of_the_candidates_host_time():
     """kgym-10: the re-check compares the candidate's host time less the harness's own host cost
     around a call (``recheck_harness_ms``, measured by the reference child) with its event time; a
     host time within that cost leaves nothing to compare. Earlier protocols keep it in."""
-    from kpipe.gym.evaluation import host_recheck_ratio, recheck_harness_ms, timing_reasons
+    from kpipe.gym.evaluation import host_recheck_ratio, recheck_harness_ms
 
-    honest = {"host_ms": [0.09, 0.09, 0.1]}
-    assert host_recheck_ratio(honest, 8.0, [0.046]) == pytest.approx(0.046 / 0.09)
-    assert host_recheck_ratio(honest, 8.0, [0.046], 0.04) == pytest.approx(0.046 / 0.05)
-    assert host_recheck_ratio({"host_ms": [0.03]}, 8.0, [0.01], 0.04) is None
-    reference = {"outputs": [[torch.ones(4)]], "recheck_outputs": [[torch.ones(4)]], "eager": {"ms": [8.0] * 3},
-                 "recheck_harness_ms": 0.04}
+    assert host_recheck_ratio(0.09, 8.0, [0.046]) == pytest.approx(0.046 / 0.09)
+    assert host_recheck_ratio(0.09, 8.0, [0.046], 0.04) == pytest.approx(0.046 / 0.05)
+    assert host_recheck_ratio(0.03, 8.0, [0.01], 0.04) is None
+    reference = {"eager": {"ms": [8.0] * 3}, "recheck_harness_ms": 0.04}
     assert recheck_harness_ms(reference, Protocol()) == 0.04
     kgym9 = Protocol.from_dict({**{k: v for k, v in Protocol().to_dict().items() if k != "recheck_subtracts_harness"},
                                 "version": "kgym-9"})
     assert not kgym9.recheck_subtracts_harness and recheck_harness_ms(reference, kgym9) == 0.0
     assert recheck_harness_ms({}, Protocol()) == 0.0  # a reference child that did not measure it (a CPU)
-    payload = _timed_payload([0.046] * 3, [0.06] * 3)
-    payload["recheck"] = {"samples": [{"trial": 0, "input_set": 0, "outputs": [torch.ones(4)]}], "host_ms": [0.1] * 2}
-    assert timing_reasons(payload, reference, Protocol(), 10.0, 8.0, payload["timing"]["ms"]) == []
-    assert [r.split(":")[0] for r in timing_reasons(payload, reference, kgym9, 10.0, 8.0, payload["timing"]["ms"])] == [
-        "speedup_not_reproduced"]
 
 
 class QueuedGpuClocks:

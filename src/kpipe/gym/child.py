@@ -25,9 +25,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import math
 import os
 import resource
 import site
+import statistics
 import sys
 import sysconfig
 import threading
@@ -50,9 +52,14 @@ from kpipe.gym.protocol import Protocol
 from kpipe.gym.timing import Clocks, harness_host_ms, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
 from kpipe.gym.trial_data import clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs, trial_seed
 
-RECHECK_SEED_OFFSET = 1000
-RECHECK_SETS = 2
-RECHECK_TRIALS = 20  # at most: the host-clock re-check's calls (and the harness cost's, kpipe.gym.timing.harness_host_ms)
+RECHECK_TRIALS = 20  # the harness cost's calls (kpipe.gym.timing.harness_host_ms)
+# the judge's timing challenge (kpipe.gym.isolate.Challenge): the reference picks how many calls it
+# takes, enough for about this much of its own time (a forger computing with torch must spend it
+# under the judge's clock), between these bounds (and never more than the protocol's timed trials)
+CHALLENGE_TARGET_MS = 25.0
+CHALLENGE_MIN_CALLS = 2
+CHALLENGE_MAX_CALLS = 16
+CHALLENGE_WAIT_POLL_S = 0.0002
 # input sets kept on the device for timing (the first correctness trials' inputs): enough to
 # change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
 TIMING_SETS = 2
@@ -141,7 +148,10 @@ def poisoned_memory() -> Iterator[None]:
 
 def watched_objects() -> dict[str, Any]:
     """What a candidate could patch to fake results or slow things down: torch's namespaces,
-    Tensor methods, CUDA timing, the clocks, and our launch hooks."""
+    Tensor methods, CUDA timing, the clocks, our launch hooks, and every name of KernelGym's own
+    modules loaded in this process (the judge's helpers here: output flattening, digests, the
+    timed call) with the code object of each of its functions (``f.__code__ = ...`` keeps the
+    function but changes what it does)."""
     import triton.runtime.jit as triton_jit
 
     spaces: dict[str, Any] = {
@@ -156,12 +166,25 @@ def watched_objects() -> dict[str, Any]:
     if torch.cuda.is_available():
         spaces["torch.cuda"] = torch.cuda
         spaces["torch.cuda.Event"] = torch.cuda.Event
+    for name, module in list(sys.modules.items()):
+        if name.startswith("kpipe.") and isinstance(module, types.ModuleType):
+            spaces[name] = module
+            for attribute, value in list(vars(module).items()):
+                if isinstance(value, type) and value.__module__ == name:
+                    spaces[f"{name}.{attribute}"] = value
     watched = {}
     for prefix, space in spaces.items():
         for name, value in list(vars(space).items()):
             if callable(value) or isinstance(value, (types.ModuleType, property, staticmethod, classmethod)):
                 watched[f"{prefix}.{name}"] = value
+                if prefix.startswith("kpipe.") and isinstance(value, types.FunctionType):
+                    watched[f"{prefix}.{name}.__code__"] = value.__code__
     return watched
+
+
+def patched_names(before: dict[str, Any]) -> list[str]:
+    now = watched_objects()
+    return sorted(name for name, value in before.items() if now.get(name) is not value)
 
 
 def prime_lazy_state(device: str, profile: bool) -> None:
@@ -183,11 +206,6 @@ def prime_lazy_state(device: str, profile: bool) -> None:
             with torch.profiler.profile(activities=activities):
                 torch.ones(1, device=device).add_(1)
                 torch.cuda.synchronize()
-
-
-def patched_names(before: dict[str, Any]) -> list[str]:
-    now = watched_objects()
-    return sorted(name for name, value in before.items() if name in now and now[name] is not value)
 
 
 class Phase:
@@ -247,13 +265,6 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     with torch.no_grad():
         result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
     del eval_model, builds
-    phase("reference re-check outputs")
-    result["recheck_outputs"] = []
-    for r in range(RECHECK_SETS):
-        inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device)
-        with torch.no_grad():
-            result["recheck_outputs"].append(keep(flatten_output(model(*inputs))))
-        del inputs
     if device == "cuda":
         phase("build Triton's runtime helpers")
         build_triton_runtime()
@@ -286,6 +297,10 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
                                               **timed_region(protocol))
         except Exception as exc:  # a baseline that cannot run is reported, not fatal
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if job.get("challenge_calls"):
+        baseline = result.get("eager") or result.get("compile")
+        calls = challenge_calls(statistics.median(baseline["ms"]) if baseline else None, job["challenge_calls"])
+        answer_challenge(job, workdir, model, module.get_inputs, device, clocks, l2, keep, protocol, phase, calls)
     return result
 
 
@@ -346,7 +361,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     threading.Thread.start = start_and_record  # type: ignore[method-assign]
     threads_before = set(threading.enumerate())
     reference = load_module(job["reference_src"], "kpipe_reference", workdir)
-    reference_model = reference.Model  # taken before candidate code runs (it could rebind the module's name)
+    # taken before candidate code runs (it could rebind the module's names)
+    reference_model, get_inputs, init_inputs = reference.Model, reference.get_inputs, reference.get_init_inputs()
     watched = watched_objects()
     result: dict[str, Any] = {"outputs": [], "launches": {}, "mutates_inputs": False}
 
@@ -354,7 +370,6 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     candidate = load_module(job["candidate_src"], "kpipe_candidate", workdir)
     if not isinstance(getattr(candidate, "ModelNew", None), type):
         raise LookupError("the candidate module defines no class ModelNew")
-    init_inputs = reference.get_init_inputs()
     phase("build candidate")
     with poisoned_memory():
         builds = Builds(candidate.ModelNew, init_inputs, protocol.seed, device)
@@ -365,7 +380,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     train_launches: list[str] = []
     for trial in range(protocol.correct_trials):
         phase(f"candidate correctness trial {trial}")
-        inputs = make_inputs(reference.get_inputs, trial_seed(protocol.seed, trial), device)
+        inputs = make_inputs(get_inputs, trial_seed(protocol.seed, trial), device)
         before = fingerprint(inputs)
         if trial < TIMING_SETS:
             input_sets.append(clone_inputs(inputs))
@@ -433,20 +448,6 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
     result["calls_without_launch"] = calls_without_launch[0]
 
-    recheck_below = job.get("recheck_below_ms")
-    median = sorted(result["timing"]["ms"])[len(result["timing"]["ms"]) // 2]
-    if recheck_below is not None and median < recheck_below:
-        phase("candidate host-clock re-check")
-        fresh = [
-            make_inputs(reference.get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device)
-            for r in range(RECHECK_SETS)
-        ]
-        trials = max(min(protocol.perf_trials, RECHECK_TRIALS), RECHECK_SETS)
-        with timed_span(result["timed_spans"]):
-            recheck = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep,
-                                   **recheck_region(protocol))
-        result["recheck"] = recheck
-
     if protocol.profile:
         phase("candidate profiling")
         inputs = clone_inputs(input_sets[0])
@@ -457,6 +458,9 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
         launched = set(train_launches) | set(result["launches"]["eval"])
         result["profile"] = profile_cuda(forward, launched) if device == "cuda" else profile_cpu(forward, clocks)
+
+    if job.get("challenge_calls"):
+        answer_challenge(job, workdir, model, get_inputs, device, clocks, l2, keep, protocol, phase, job["challenge_calls"])
 
     phase("candidate integrity")
     result.update(integrity())
@@ -495,19 +499,50 @@ def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protoc
     return forward
 
 
-def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
-    """The parent's go/stop after it compared our correctness outputs.
+def wait_for_judge(path: Path, timeout_s: float, parent: int, poll_s: float = 0.002) -> str | None:
+    """The text of the judge's answer at `path` (the gate's go/stop, the timing challenge).
 
     The parent kills us on timeout; if the parent itself died (we were re-parented: our
     parent is no longer `parent`, the one we started under) or never answers within the
-    timeout, stop rather than wait as an orphan.
+    timeout, None rather than wait as an orphan.
     """
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if os.getppid() != parent or time.monotonic() > deadline:
-            return "stop"
-        time.sleep(0.002)
+            return None
+        time.sleep(poll_s)
     return path.read_text().strip()
+
+
+def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
+    """The parent's go/stop after it compared our correctness outputs ("stop" when none came)."""
+    return wait_for_judge(path, timeout_s, parent) or "stop"
+
+
+def challenge_calls(baseline_ms: float | None, most: int) -> int:
+    """The calls of the judge's timing challenge, chosen by the reference child from its own
+    baseline time: about ``CHALLENGE_TARGET_MS`` of it, within the bounds and at most `most`."""
+    wanted = math.ceil(CHALLENGE_TARGET_MS / baseline_ms) if baseline_ms and baseline_ms > 0 else CHALLENGE_MAX_CALLS
+    return max(CHALLENGE_MIN_CALLS, min(wanted, most, CHALLENGE_MAX_CALLS))
+
+
+def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., Any], get_inputs: Callable[[], Any], device: str,
+                     clocks: Clocks, l2: torch.Tensor | None, keep: Callable[..., Any], protocol: Protocol, phase: Phase,
+                     calls: int) -> None:
+    """Say we are ready, wait for the judge's challenge seed, then draw one fresh input set per call
+    from it, run the calls and write their outputs (``kpipe.gym.isolate.Challenge``). The judge
+    clocks everything from revealing the seed to the answer's file appearing; the host times
+    written here are trusted only from the reference child."""
+    phase(f"{job['role']} timing challenge")
+    (workdir / "challenge-ready").write_bytes(b"")
+    asked = wait_for_judge(workdir / "challenge", job["gate_wait_s"], job["parent_pid"], CHALLENGE_WAIT_POLL_S)
+    if asked is None:
+        raise RuntimeError("the judge sent no timing challenge")
+    seed = int(json.loads(asked)["seed"])
+    input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
+    timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep, **recheck_region(protocol))
+    write_result(str(workdir / "challenge.pt"),
+                 {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in timed["samples"]]})
 
 
 # ----------------------------------------------------------------------------- entry
@@ -604,8 +639,9 @@ def run_child(job: dict[str, Any]) -> None:
     ``workdir`` (scratch directory; becomes the cwd), ``result_path``, ``phase_path``
     (optional), ``gate_path`` (optional: stop before timing — a candidate after its
     correctness stage — write ``workdir/partial.pt`` and wait for "go"/"stop" in that file, at
-    most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease), ``recheck_below_ms``
-    (optional: host-clock re-check when the candidate's median is below it).
+    most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease),
+    ``challenge_calls`` (optional: after timing, answer the judge's timing challenge with at most this
+    many calls, ``answer_challenge``).
     Sets RLIMIT_CORE (and RLIMIT_AS if the protocol asks) and scrubs secrets from
     ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
     """
@@ -615,6 +651,9 @@ def run_child(job: dict[str, Any]) -> None:
     settle_process(device, protocol)
     workdir = Path(job["workdir"])
     os.chdir(workdir)
+    # read by now; the candidate's code, which runs later in this directory, finds no job file
+    for leftover in ("job.json", "preparation.json"):
+        (workdir / leftover).unlink(missing_ok=True)
     phase = Phase(job.get("phase_path"))
     started_unix = time.time()
     phase("start (device init)")

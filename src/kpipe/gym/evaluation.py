@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import os
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,17 +23,28 @@ from kpipe.data.source_text import source_hash
 from kpipe.gym.compare import Comparison, Tolerance, compare_outputs
 from kpipe.gym.faults import classify_exit
 from kpipe.gym.feedback import build_feedback, clip
-from kpipe.gym.isolate import ChildRun, Launcher, fresh_interpreter, run_isolated
+from kpipe.gym.child import CHALLENGE_MAX_CALLS, CHALLENGE_MIN_CALLS
+from kpipe.gym.isolate import Challenge, ChildRun, Launcher, fresh_interpreter, run_isolated
 from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import EvalResult, eval_key
+from kpipe.gym.result import STATUSES, EvalResult, eval_key
 from kpipe.gym.screen import screen
-from kpipe.gym.timing import PAIRED_CHUNK_TRIALS, interleaving
+from kpipe.gym.timing import PAIRED_CHUNK_TRIALS, interleaving, sample_trials
 
 DIAGNOSTIC_MAX_CHARS = 3000
 # a candidate's event time may not exceed what the host clock around the same region saw
 EVENT_HOST_SLACK_MS = 0.05
 HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-timed one
+# the timing challenge's bound (``challenge_reasons``): a candidate's call on the judge's clock may
+# take at most this many times its reported time, plus the reference's own harness overhead, plus
+# the clock's slack: per call, and per challenge (polling and scheduling jitter, shared by its calls)
+CHALLENGE_FACTOR = 2.0
+CHALLENGE_CALL_SLACK_MS = 0.1
+CHALLENGE_WALL_SLACK_MS = {"cuda": 10.0, "cpu": 200.0}
+# a candidate's result file may be at most this many times the reference's, plus this many bytes
+# (its outputs are the same shapes; it adds the ghost replay and the timed samples)
+RESULT_SIZE_FACTOR = 4
+RESULT_SIZE_SLACK = 32 << 20
 # a candidate whose GPU work outlasts its call's end event by more than the reference's does
 # (the synchronize's own latency, ~10-30 us) plus this much has work on a stream the call did
 # not wait for, and is timed to the device-wide synchronize instead: what it hid counts again
@@ -54,6 +66,8 @@ REFERENCE_MAX_AGE_S = 1800.0
 # where the judging process appends one JSON line per evaluation: the seconds of each phase
 # (parent and children), memory. Instrumentation for benchmarks; children never see it
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
+# the statuses a child may report for itself: failures only; any other is the candidate's forgery
+CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error"}
 # what a tampered (well-formed pickle, wrong structure) result file raises while judged
 MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
 # reference runs by key: (when it ran, its payload, its result file's bytes), least recently used first
@@ -129,11 +143,19 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
         _reference_cache.move_to_end(cache_key)
         return _reference_cache[cache_key][1], False
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
-    run = run_isolated(job, protocol.timeout_s, gate=(lambda _: True) if lease else None, launch=launch, lease=lease)
+    # the seed no candidate sees before it must answer (kpipe.gym.isolate.Challenge); the reference
+    # chooses how many calls, up to this many
+    challenge = Challenge(seed=secrets.randbits(40),  # kpipe.gym.trial_data.trial_seed keeps it within 63 bits
+                          calls=max(CHALLENGE_MIN_CALLS, min(CHALLENGE_MAX_CALLS, protocol.perf_trials)))
+    run = run_isolated(job, protocol.timeout_s, gate=lambda _: True, launch=launch, lease=lease, challenge=challenge)
     if run.payload is None or run.payload.get("status") != "ok":
         why = "timed out" if run.timed_out else (run.payload or {}).get("error") or classify_exit(run.returncode or 0)[1]
         detail = (run.payload or {}).get("traceback", "") or run.stderr
         raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
+    if run.challenge is None or run.challenge_s is None:
+        raise ReferenceFailure("the reference program did not answer the timing challenge (kpipe.gym.isolate.Challenge)")
+    run.payload["challenge"] = {**run.challenge, "seed": challenge.seed, "wall_s": run.challenge_s}
+    run.payload["result_bytes"] = run.result_bytes
     run.payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s, setup_s=run.setup_s,
                                                child_s=run.child_s, cleanup_s=run.cleanup_s)
     if reuse:
@@ -199,7 +221,7 @@ def hack_reasons_before_timing(candidate: dict[str, Any], reference: dict[str, A
     for mode in ("train", "eval"):
         if not candidate["launches"].get(mode):
             reasons.append(f"no_triton_launch: no Triton kernel ran in {mode}() mode")
-    if correct and "ghost_outputs" in candidate:
+    if correct and protocol.ghost_replay:
         if compare_outputs(candidate["ghost_outputs"], reference["outputs"][0], tolerance(protocol)).ok:
             reasons.append("ghost_replay: output still correct with every Triton launch suppressed")
     reasons.extend(integrity_reasons(candidate))
@@ -212,19 +234,53 @@ def hack_reasons_before_timing(candidate: dict[str, Any], reference: dict[str, A
 
 def integrity_reasons(candidate: dict[str, Any]) -> list[str]:
     reasons = []
-    if candidate.get("patched"):
+    if candidate["patched"]:
         reasons.append(f"monkey_patch: replaced {', '.join(candidate['patched'][:6])}")
-    if candidate.get("hooks_intact") is False:
+    if candidate["hooks_intact"] is not True:
         reasons.append("monkey_patch: replaced KernelGym's launch or thread hooks")
-    if candidate.get("threads"):
+    if candidate["threads"]:
         reasons.append(f"side_thread: started thread(s) {', '.join(candidate['threads'][:4])}")
     return reasons
 
 
-def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, wall_s: float, ref_ms: float | None,
-                   measured_ms: list[float]) -> list[str]:
-    """Why the timed run cannot be trusted; `measured_ms`: the candidate's trials as measured
-    (``candidate_times``, before the drift correction)."""
+def missing_evidence(candidate: dict[str, Any], protocol: Protocol, timed: bool) -> list[str]:
+    """What the candidate child should have recorded and did not: every check fails closed, so a
+    child that leaves out (or reshapes) the evidence of a check is judged by it, not excused.
+    `timed`: the final result (after timing), else the partial one at the gate."""
+    def has(key: str, kind: type | tuple[type, ...]) -> bool:
+        return isinstance(candidate.get(key), kind)
+
+    missing = []
+    if not has("outputs", list) or len(candidate["outputs"]) != protocol.correct_trials:
+        missing.append(f"outputs of {protocol.correct_trials} correctness trials")
+    if not has("eval_outputs", list):
+        missing.append("eval() mode outputs")
+    if protocol.hacking_check and protocol.ghost_replay and not has("ghost_outputs", list):
+        missing.append("ghost replay outputs")
+    launches = candidate.get("launches")
+    modes = ("train", "eval", "timed") if timed else ("train", "eval")
+    if not isinstance(launches, dict) or not all(isinstance(launches.get(mode), list) for mode in modes):
+        missing.append("launch records")
+    if not has("patched", list) or not has("hooks_intact", bool) or not has("threads", list):
+        missing.append("integrity records")
+    if not has("mutates_inputs", bool) or not has("subclass_outputs", list):
+        missing.append("input and output records")
+    if timed:
+        timing = candidate.get("timing")
+        expected = sample_trials(protocol.timed_output_checks, protocol.perf_trials, protocol.seed)
+        if (not isinstance(timing, dict) or not isinstance(timing.get("ms"), list) or len(timing["ms"]) != protocol.perf_trials
+                or not isinstance(timing.get("host_ms"), list) or not isinstance(timing.get("samples"), list)
+                or {sample.get("trial") for sample in timing["samples"] if isinstance(sample, dict)} != expected):
+            missing.append("timed trials and their sampled outputs")
+        if not has("calls_without_launch", int):
+            missing.append("timed calls without a launch")
+        if protocol.profile and not has("profile", dict):
+            missing.append("profile")
+    return missing
+
+
+def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, wall_s: float) -> list[str]:
+    """Why the timed run, as the candidate's process reported it, cannot be trusted."""
     reasons = []
     timing = candidate["timing"]
     if not candidate["launches"].get("timed"):
@@ -241,31 +297,75 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
         reasons.append("timing_inconsistent: reported times exceed the wall time observed by the parent")
     if median(timing["ms"]) > median(timing["host_ms"]) + EVENT_HOST_SLACK_MS:
         reasons.append("timing_inconsistent: device time exceeds the host time around it")
-    recheck = candidate.get("recheck")
-    if recheck is not None and ref_ms is not None:
-        for sample in recheck["samples"]:
-            if not compare_outputs(sample["outputs"], reference["recheck_outputs"][sample["input_set"]], tol).ok:
-                reasons.append("recheck_output_mismatch: wrong output on fresh inputs during the speedup re-check")
-                break
-        ratio = host_recheck_ratio(recheck, ref_ms, measured_ms, recheck_harness_ms(reference, protocol))
-        if ratio is not None and ratio < HOST_RECHECK_MIN_RATIO:
-            event_speedup = speedup(ref_ms, median(measured_ms))
-            reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {event_speedup * ratio:.3g}x by the host clock "
-                           "on fresh inputs")
     return reasons
 
 
-def host_recheck_ratio(recheck: dict[str, Any], ref_ms: float, measured_ms: list[float], harness_ms: float = 0.0) -> float | None:
-    """The host-clock re-check's speedup over the event-timed one (the same baseline `ref_ms`):
-    ``median(measured_ms) / (median(recheck host_ms) - harness_ms)``, `harness_ms` being the host
-    cost of the harness around a call (``recheck_harness_ms``); the re-check fails below
-    ``HOST_RECHECK_MIN_RATIO``. None where nothing is left to compare: no event speedup, or a host
-    time no longer than the harness's own (the call did nothing the host clock could see)."""
+def host_recheck_ratio(host_call_ms: float, ref_ms: float, measured_ms: list[float], harness_ms: float = 0.0) -> float | None:
+    """The speedup on the host clock over the event-timed one (the same baseline `ref_ms`):
+    ``median(measured_ms) / (host_call_ms - harness_ms)``, `host_call_ms` being a call's host time in
+    the timing challenge and `harness_ms` the harness's host cost around a call
+    (``recheck_harness_ms``); it fails below ``HOST_RECHECK_MIN_RATIO``. None where nothing is left
+    to compare: no event speedup, or a host time no longer than the harness's own."""
     event_speedup = speedup(ref_ms, median(measured_ms))
-    host_speedup = speedup(ref_ms, median(recheck["host_ms"]) - harness_ms)  # None for a host time within the harness's
+    host_speedup = speedup(ref_ms, host_call_ms - harness_ms)  # None for a host time within the harness's
     if not event_speedup or host_speedup is None:
         return None
     return host_speedup / event_speedup
+
+
+def challenge_call_ms(reference_challenge: dict[str, Any], candidate_s: float) -> float:
+    """A candidate's mean call in the timing challenge, on clocks it cannot write: the reference's
+    mean call (timed in its own, trusted process) plus the difference between the two challenges'
+    seconds on the judge's clock, spread over the calls. Both challenges draw the same inputs and
+    write outputs of the same shapes, so everything but the calls cancels."""
+    calls = int(reference_challenge["calls"])
+    reference_call_ms = sum(reference_challenge["host_ms"]) / calls
+    return reference_call_ms + (candidate_s - float(reference_challenge["wall_s"])) * 1e3 / calls
+
+
+def challenge_reasons(answer: dict[str, Any] | None, answer_s: float | None, reference: dict[str, Any], protocol: Protocol,
+                      device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
+    """The verdict of the judge's timing challenge (``kpipe.gym.isolate.Challenge``), always taken:
+    no answer, a wrong output on its fresh inputs, or calls slower on the judge's clock than the
+    times the candidate's process reported allow. Returns the reasons and, for the trace, the figures."""
+    expected = reference["challenge"]
+    if answer is None or answer_s is None or answer.get("status") is not None:
+        why = (answer or {}).get("error", "no answer")
+        return [f"integrity: no valid answer to the judge's timing challenge ({why})"], {}
+    outputs = answer.get("outputs")
+    if not isinstance(outputs, list) or len(outputs) != len(expected["outputs"]):
+        return [f"integrity: the timing challenge's answer holds no {len(expected['outputs'])} outputs"], {}
+    for call, (c, r) in enumerate(zip(outputs, expected["outputs"])):
+        check = compare_outputs(c, r, tolerance(protocol))
+        if not check.ok:
+            return [f"challenge_output_mismatch: call {call} on the judge's fresh inputs returned a wrong output ({check.detail})"], {}
+    reported = answer.get("host_ms")
+    if not isinstance(reported, list) or len(reported) != expected["calls"] or not all(isinstance(ms, float) for ms in reported):
+        return [f"integrity: the timing challenge's answer holds no {expected['calls']} host times"], {}
+    judged_ms = challenge_call_ms(expected, answer_s)
+    claimed_ms = median(measured_ms)
+    slack_ms = CHALLENGE_CALL_SLACK_MS + CHALLENGE_WALL_SLACK_MS[device] / expected["calls"]
+    reference_overhead_ms = max(sum(expected["host_ms"]) / expected["calls"] - (ref_ms or 0.0), 0.0)
+    bound_ms = CHALLENGE_FACTOR * claimed_ms + reference_overhead_ms + slack_ms
+    figures = {"challenge_call_ms": judged_ms, "challenge_bound_ms": bound_ms, "challenge_claimed_ms": claimed_ms,
+               "challenge_reported_ms": sum(reported) / len(reported), "challenge_calls": expected["calls"]}
+    reasons = []
+    if judged_ms > bound_ms:
+        reasons.append(f"timing_inconsistent: a call took {judged_ms:.3g} ms on the judge's clock (fresh inputs), "
+                       f"against {claimed_ms:.3g} ms reported")
+    if figures["challenge_reported_ms"] < judged_ms - slack_ms:
+        reasons.append(f"timing_inconsistent: the challenge's calls took {judged_ms:.3g} ms each on the judge's clock, "
+                       f"{figures['challenge_reported_ms']:.3g} ms as the candidate's process reported them")
+    if ref_ms is not None and (speedup(ref_ms, claimed_ms) or 0.0) > protocol.recheck_speedup_above:
+        # the host times the candidate reported (precise to microseconds), held to the judge's clock above
+        harness_ms = recheck_harness_ms(reference, protocol)
+        ratio = host_recheck_ratio(median(reported), ref_ms, measured_ms, harness_ms)
+        figures.update(recheck_host_to_event=ratio, recheck_harness_ms=harness_ms)
+        if ratio is not None and ratio < HOST_RECHECK_MIN_RATIO:
+            event_speedup = speedup(ref_ms, claimed_ms)
+            reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {event_speedup * ratio:.3g}x by the host clock "
+                           "on fresh inputs")
+    return reasons, figures
 
 
 def recheck_harness_ms(reference: dict[str, Any], protocol: Protocol) -> float:
@@ -492,11 +592,15 @@ def evaluate(
     verdict: dict[str, Any] = {}
 
     def gate(partial: dict[str, Any]) -> bool:
-        try:
-            check = correctness(partial, reference, protocol)
-            reasons = hack_reasons_before_timing(partial, reference, protocol, check.ok) if protocol.hacking_check else []
-        except MALFORMED as exc:
-            check, reasons = Comparison(False, "malformed result"), [f"integrity: malformed candidate result ({type(exc).__name__})"]
+        missing = missing_evidence(partial, protocol, timed=False)
+        if missing:
+            check, reasons = Comparison(False, "no evidence"), [f"integrity: the candidate's process recorded no {', '.join(missing)}"]
+        else:
+            try:
+                check = correctness(partial, reference, protocol)
+                reasons = hack_reasons_before_timing(partial, reference, protocol, check.ok) if protocol.hacking_check else []
+            except MALFORMED as exc:
+                check, reasons = Comparison(False, "malformed result"), [f"integrity: malformed candidate result ({type(exc).__name__})"]
         verdict.update(check=check, reasons=reasons)
         return check.ok and not reasons
 
@@ -506,10 +610,12 @@ def evaluate(
         "candidate_src": candidate_src,
         "protocol": protocol.to_dict(),
         "device": device,
-        "recheck_below_ms": ref_for_recheck / protocol.recheck_speedup_above if ref_for_recheck else None,
     }
+    expected = reference["challenge"]
     candidate_started = time.monotonic()
-    run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease)
+    run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease,
+                       challenge=Challenge(seed=expected["seed"], calls=expected["calls"]),
+                       max_result_bytes=RESULT_SIZE_FACTOR * int(reference["result_bytes"]) + RESULT_SIZE_SLACK)
     candidate_done = time.monotonic()
     # the judge's whole candidate run: setup, the child (its waits included), clean-up
     trace["candidate_run_s"] = candidate_done - candidate_started
@@ -524,15 +630,21 @@ def evaluate(
         common["timed_spans"] = spans + reported_spans(payload)
     if run.timed_out:
         return finish("timeout", diagnostic=f"no result within {protocol.timeout_s:g} s (during {run.phase or 'start-up'})", **common)
+    if run.tampered:
+        return finish("hacked", hack_reasons=[f"integrity: {run.tampered}"], **common)
+    if isinstance(payload, dict) and payload.get("tampered"):
+        return finish("hacked", hack_reasons=[f"integrity: {payload['error']}"], **common)
     if payload is None or payload.get("status") != "ok":
-        status = payload["status"] if payload else classify_exit(run.returncode or 0)[0]
+        status = payload.get("status") if payload else classify_exit(run.returncode or 0)[0]
+        if status not in CHILD_FAILURES:  # a status only the judge gives ("pass", ...), written by the candidate
+            return finish("hacked", hack_reasons=[f"integrity: the candidate's process wrote the status {str(status)[:40]!r}"], **common)
         if payload is None and run.partial is not None and "check" in verdict and not verdict["check"].ok:
             status = "mismatch"  # it failed correctness, then died when told to stop
         return finish(status, diagnostic=failure_diagnostic(run, payload), **common)
     if "check" not in verdict:  # the child skipped the gate: treat as tampering
         return finish("hacked", hack_reasons=["integrity: the candidate process bypassed the correctness gate"], **common)
     try:
-        return judge(payload, verdict, reference, protocol, run.wall_s, ref_eager, ref_compile, finish, common, trace)
+        return judge(payload, verdict, reference, protocol, run, device, ref_eager, ref_compile, finish, common, trace)
     except MALFORMED as exc:  # a result file the candidate tampered with
         return finish("hacked", hack_reasons=[f"integrity: malformed candidate result ({type(exc).__name__})"], **common)
 
@@ -542,15 +654,17 @@ def judge(
     verdict: dict[str, Any],
     reference: dict[str, Any],
     protocol: Protocol,
-    wall_s: float,
+    run: ChildRun,
+    device: str,
     ref_eager: float | None,
     ref_compile: float | None,
     finish: Callable[..., EvalResult],
     common: dict[str, Any],
     trace: dict[str, Any] | None = None,
 ) -> EvalResult:
-    """The verdict on a candidate that ran to the end: gate verdict, timing checks, speedups. In
-    `trace` (the judge's trace record): how close an honest candidate came to the host-clock re-check's bound."""
+    """The verdict on a candidate that ran to the end: gate verdict, evidence, the timing challenge,
+    timing checks, speedups. In `trace` (the judge's trace record): how close the candidate came to
+    the timing challenge's bounds."""
     ref_for_recheck = ref_eager if ref_eager is not None else ref_compile
     check: Comparison = verdict["check"]
     reasons: list[str] = list(verdict["reasons"])
@@ -561,20 +675,22 @@ def judge(
     if not check.ok:
         return finish("mismatch", diagnostic=check.detail, **common)
 
+    missing = missing_evidence(payload, protocol, timed=True)
+    if missing:
+        return finish("hacked", hack_reasons=[f"integrity: the candidate's process recorded no {', '.join(missing)}"], **common)
     timing = payload["timing"]
     measured_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
     candidate_ms, drift, drift_note = drift_corrected(measured_ms, timing, reference, protocol)
     cand_ms = median(candidate_ms)
-    if trace is not None and payload.get("recheck") is not None and ref_for_recheck is not None:
-        harness_ms = recheck_harness_ms(reference, protocol)
-        trace.update(recheck_host_to_event=host_recheck_ratio(payload["recheck"], ref_for_recheck, measured_ms, harness_ms),
-                     recheck_harness_ms=harness_ms, recheck_host_ms=median(payload["recheck"]["host_ms"]),
-                     recheck_event_ms=median(measured_ms))
+    # never optional, with or without the hacking check: it bounds what the candidate's process reports
+    reasons, figures = challenge_reasons(run.challenge, run.challenge_s, reference, protocol, device, measured_ms, ref_for_recheck)
+    if trace is not None:
+        trace.update(figures)
     if protocol.hacking_check:
-        reasons = timing_reasons(payload, reference, protocol, wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)
-        reasons = sorted(set(reasons), key=reasons.index)
-        if reasons:
-            return finish("hacked", hack_reasons=reasons, **common)
+        reasons += timing_reasons(payload, reference, protocol, run.wall_s) + integrity_reasons(payload)
+    reasons = sorted(set(reasons), key=reasons.index)
+    if reasons:
+        return finish("hacked", hack_reasons=reasons, **common)
     profile = payload.get("profile")
     notes = [f"torch.compile baseline failed: {reference['compile_error']}"] if reference.get("compile_error") else []
     return finish(

@@ -32,7 +32,6 @@ class LaunchLog:
     names: list[str] = field(default_factory=list)
     seconds: float = 0.0
     per_kernel_seconds: dict[str, float] = field(default_factory=dict)
-    suppress: bool = False
 
     def reset(self) -> None:
         self.names.clear()
@@ -54,34 +53,56 @@ def kernel_name(kernel: Any) -> str:
     return getattr(fn, "__name__", None) or getattr(kernel, "__name__", type(kernel).__name__)
 
 
-def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-        if warmup:
-            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        if LOG.suppress:
-            return None
-        name = kernel_name(self)
-        start = time.perf_counter()
-        try:
-            result = original(self, *args, grid=grid, warmup=warmup, **kwargs)
-        except BaseException as exc:
-            exc.__kpipe_kernel__ = name  # type: ignore[attr-defined]  # kpipe.gym.faults reads it
-            raise
-        finally:
-            spent = time.perf_counter() - start
-            LOG.seconds += spent
-            LOG.per_kernel_seconds[name] = LOG.per_kernel_seconds.get(name, 0.0) + spent
-        # recorded only after a successful launch: a kernel that raised and was caught by a
-        # fallback did not produce anything
-        LOG.names.append(name)
-        compiled_name = getattr(result, "name", None)
-        if isinstance(compiled_name, str):
-            COMPILED_NAMES.add(compiled_name)
-        return result
+def _launch_hooks() -> tuple[Callable[[Callable[..., Any]], Callable[..., Any]], Callable[[], Any]]:
+    """The launch wrapper and the ghost replay's switch, sharing one flag that lives only in their
+    closure: no module attribute says when launches are suppressed, so a candidate cannot read
+    it by name to behave differently during the ghost replay (reaching a closure needs the
+    introspection the static screen rejects; kpipe.gym.screen)."""
+    suppress = [False]
 
-    run.__kpipe_wrapped__ = True  # type: ignore[attr-defined]
-    return run
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def run(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+            if warmup:
+                return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            if suppress[0]:
+                return None
+            name = kernel_name(self)
+            start = time.perf_counter()
+            try:
+                result = original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            except BaseException as exc:
+                exc.__kpipe_kernel__ = name  # type: ignore[attr-defined]  # kpipe.gym.faults reads it
+                raise
+            finally:
+                spent = time.perf_counter() - start
+                LOG.seconds += spent
+                LOG.per_kernel_seconds[name] = LOG.per_kernel_seconds.get(name, 0.0) + spent
+            # recorded only after a successful launch: a kernel that raised and was caught by a
+            # fallback did not produce anything
+            LOG.names.append(name)
+            compiled_name = getattr(result, "name", None)
+            if isinstance(compiled_name, str):
+                COMPILED_NAMES.add(compiled_name)
+            return result
+
+        run.__kpipe_wrapped__ = True  # type: ignore[attr-defined]
+        return run
+
+    @contextmanager
+    def suppressed() -> Iterator[None]:
+        """Turn every Triton launch into a no-op inside the block (the ghost replay)."""
+        install()
+        suppress[0] = True
+        try:
+            yield
+        finally:
+            suppress[0] = False
+
+    return wrap, suppressed
+
+
+_wrap, suppressed = _launch_hooks()
 
 
 def launch_classes() -> list[type]:
@@ -131,14 +152,3 @@ def recording() -> Iterator[LaunchLog]:
         seen.seconds = LOG.seconds
         seen.per_kernel_seconds = dict(LOG.per_kernel_seconds)
         LOG.reset()
-
-
-@contextmanager
-def suppressed() -> Iterator[None]:
-    """Turn every Triton launch into a no-op inside the block (the ghost replay)."""
-    install()
-    LOG.suppress = True
-    try:
-        yield
-    finally:
-        LOG.suppress = False

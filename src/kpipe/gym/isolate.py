@@ -9,9 +9,11 @@ timing stages, past which the child runs holding its device's timing lease
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -84,17 +86,108 @@ class ChildRun:
     child_s: float = 0.0
     cleanup_s: float = 0.0
     handed_over_unix: float = 0.0  # when the child had its job (its own stats say when it began)
+    # the judge's timing challenge (``Challenge``): the child's answer, and the seconds from the
+    # judge revealing the challenge to the answer appearing, on the judge's own clock
+    challenge: dict[str, Any] | None = None
+    challenge_s: float | None = None
+    tampered: str = ""  # why the judge ended the child: an exchange file it planted or replaced (``Tampered``)
 
 
-def load_payload(path: Path) -> dict[str, Any] | None:
-    """Read a child's result file. weights_only=True: a forged pickle cannot run code here; a
-    link (to another evaluation's result, say) is not followed."""
-    if path.is_symlink():
-        return {"status": "crashed", "error": "the result file is a symbolic link"}
-    if not path.exists():
+class Tampered(Exception):
+    """An entry of a candidate's scratch directory that is not what the judge wrote or asked for
+    (a link, a FIFO, a directory, a file past its size cap): evidence of tampering, never read."""
+
+
+class ScratchDir:
+    """A child's scratch directory as the judge reaches it: through a descriptor opened when the
+    judge made it, never by path. The candidate owns what is inside, so every entry is input:
+    opened without following links (``O_NOFOLLOW``), without blocking (``O_NONBLOCK``: a FIFO in
+    place of a result cannot hang the judge), read only when a regular file under its cap, and
+    written only as a new file (``O_EXCL``: a planted entry makes the write fail, not land
+    elsewhere)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def has(self, name: str) -> bool:
+        """Whether an entry of that name exists, whatever it is (a link is not followed)."""
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def size(self, name: str) -> int:
+        """Bytes of regular file `name` (0 for none, or for anything else)."""
+        try:
+            info = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0
+        return info.st_size if stat.S_ISREG(info.st_mode) else 0
+
+    def read(self, name: str, max_bytes: int) -> bytes | None:
+        """The bytes of regular file `name`, None when there is none; Tampered otherwise."""
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # ELOOP: a symbolic link
+            raise Tampered(f"{name} could not be opened safely ({exc.strerror})") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise Tampered(f"{name} is not a regular file")
+            if info.st_size > max_bytes:
+                raise Tampered(f"{name} holds {info.st_size} bytes, over its cap of {max_bytes}")
+            chunks, left = [], max_bytes + 1
+            while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+                chunks.append(chunk)
+                left -= len(chunk)
+            data = b"".join(chunks)
+            if len(data) > max_bytes:
+                raise Tampered(f"{name} grew past its cap of {max_bytes} bytes while read")
+            return data
+        finally:
+            os.close(fd)
+
+    def write_new(self, name: str, data: bytes) -> None:
+        """Create `name` holding `data`, all at once (a child polling for it never sees it empty:
+        written under a temporary name, then hard-linked into place, which fails rather than
+        replace an entry that is there); Tampered when one of the two names was planted."""
+        temporary = f".{name}.judge"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=self.fd)
+        except FileExistsError:
+            raise Tampered(f"{temporary} was planted before the judge wrote it") from None
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        try:
+            os.link(temporary, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
+        except FileExistsError:
+            raise Tampered(f"{name} was planted before the judge wrote it") from None
+        finally:
+            os.unlink(temporary, dir_fd=self.fd)
+
+
+def load_payload(scratch: ScratchDir, name: str, max_bytes: int) -> dict[str, Any] | None:
+    """Read a child's result file `name`. weights_only=True: a forged pickle cannot run code here;
+    anything but a regular file under `max_bytes` is a crashed result naming why."""
+    try:
+        data = scratch.read(name, max_bytes)
+    except Tampered as exc:
+        return {"status": "crashed", "tampered": True, "error": f"tampered result: {exc}"}
+    if data is None:
         return None
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
         return {"status": "crashed", "error": f"unreadable result file ({type(exc).__name__}: {str(exc)[:200]})"}
     if not isinstance(payload, dict):
@@ -123,12 +216,29 @@ def fresh_interpreter(job_file: Path, env: dict[str, str], timeout_s: float) -> 
     return proc, [proc.stdout, proc.stderr]  # type: ignore[list-item]
 
 
+@dataclass
+class Challenge:
+    """What the judge reveals to a child only after it has run and been judged correct: the seed of
+    fresh inputs no process has seen. The child draws them, runs `calls` forward calls and writes
+    their outputs; the judge clocks the whole answer itself (``ChildRun.challenge_s``), so a child
+    cannot have computed it earlier nor report a time for it (``kpipe.gym.evaluation``)."""
+
+    seed: int
+    calls: int
+
+
+RESULT_MAX_BYTES = 1 << 40  # a trusted (reference) child's result: no cap beyond the disk
+CHALLENGE_POLL_S = 0.0002  # the judge's clock on a challenge is this fine (and the child's wait)
+
+
 def run_isolated(
     job: dict[str, Any],
     timeout_s: float,
     gate: Callable[[dict[str, Any]], bool] | None = None,
     launch: Launcher = fresh_interpreter,
     lease: TimingLease | None = None,
+    challenge: Challenge | None = None,
+    max_result_bytes: int = RESULT_MAX_BYTES,
 ) -> ChildRun:
     """Run ``kpipe.gym.child`` on `job` in a fresh process; never raises for what the child does.
 
@@ -137,8 +247,11 @@ def run_isolated(
     (``kpipe.gym.lease``), a child told to go first waits for its device's timing lease, held
     until the child has exited, and the child is stopped whenever
     another child holds the lease; both are added to its deadline (they are nobody's fault).
-    `launch` starts the process (the worker pool forks it from a warm zygote instead). Raises
-    ``LeaseTimeout`` (the child killed) only when the lease never came free.
+    With `challenge`, a child that went on is asked, after its timing, for the challenge's
+    outputs, clocked here. `launch` starts the process (the worker pool forks it from a warm
+    zygote instead). Every file the child leaves is read through ``ScratchDir`` and at most
+    `max_result_bytes` of it. Raises ``LeaseTimeout`` (the child killed) only when the lease never
+    came free.
     """
     entered = time.monotonic()
     trusted = job["role"] == "reference"
@@ -147,18 +260,20 @@ def run_isolated(
     waiting = preparer.waiting_candidate(lease) if preparer is not None else None
     scratch = waiting.scratch if waiting is not None else make_scratch(job["role"], job["device"])
     try:
+        directory = ScratchDir(scratch.path)
         job = {
             **job,
             **scratch.confinement,
             "workdir": str(scratch.path),
-            "result_path": str(scratch.path / "result.pt"),
-            "phase_path": str(scratch.path / "phase"),
-            "gate_path": str(scratch.path / "gate") if gate else None,
+            "result_path": str(scratch.path / RESULT_FILE),
+            "phase_path": str(scratch.path / PHASE_FILE),
+            "gate_path": str(scratch.path / GATE_FILE) if gate else None,
             "gate_wait_s": timeout_s + 2 * lease_wait_bound,
+            "challenge_calls": challenge.calls if challenge is not None and gate else None,
             "environment": scratch.env,  # a forked child takes it whole (kpipe.gym.pool)
         }
-        job_file = scratch.path / "job.json"
-        job_file.write_text(json.dumps(job))
+        job_file = scratch.path / JOB_FILE
+        job_file.write_text(json.dumps(job))  # before any candidate code runs; the child removes it at once
     except BaseException:
         if waiting is not None:
             waiting.discard()
@@ -183,6 +298,7 @@ def run_isolated(
         partial = None
         timed_out = False
         lease_wait_s = 0.0
+        answer: tuple[dict[str, Any] | None, float | None] = (None, None)
 
         def held_up() -> float:
             """Seconds the child could not run, which are nobody's fault: waiting at the gate for the
@@ -195,21 +311,26 @@ def run_isolated(
         def deadline() -> float:
             return start + timeout_s + held_up()
 
+        tampered = ""
         with ExitStack() as held:
             try:
                 if gate is not None:
-                    partial, go = wait_at_gate(proc, scratch.path, deadline, gate)
+                    partial, go = wait_at_gate(proc, directory, deadline, gate, max_result_bytes)
                     leased = go and lease is not None
                     if leased:
                         lease_wait_s = held.enter_context(lease.hold())  # type: ignore[union-attr]
                         pauser.take_over()  # type: ignore[union-attr]
                     if partial is not None:
-                        answer_gate(scratch.path, go)
+                        go = answer_gate(directory, go)
+                    if go and challenge is not None:
+                        answer = ask_challenge(proc, directory, deadline, challenge, max_result_bytes)
                 # a leased child keeps the lease until it has exited: its context's teardown (GPU
                 # memory freed, page tables unmapped) is GPU work, which no timed region may run beside
                 wait_for_exit(proc, deadline)
             except subprocess.TimeoutExpired:
                 timed_out = True
+            except Tampered as exc:  # the exchange with the child was tampered with: it ends now
+                tampered = str(exc)
             finally:
                 kill_group(proc.pid)  # also reaps anything the child left behind in its group
                 proc.wait()  # a lease still held (a timeout) is released only after this
@@ -222,11 +343,13 @@ def run_isolated(
         for capture in captures:
             capture.join(timeout=5)
             capture.stream.close()
-        phase_file = scratch.path / "phase"
-        result_file = scratch.path / "result.pt"
-        payload = None if timed_out else load_payload(result_file)
-        phase = phase_file.read_text() if phase_file.exists() else ""
-        result_bytes = result_file.stat().st_size if result_file.exists() else 0
+        payload = None if timed_out or tampered else load_payload(directory, RESULT_FILE, max_result_bytes)
+        try:
+            phase = (directory.read(PHASE_FILE, PHASE_MAX_BYTES) or b"").decode(errors="replace")
+        except Tampered as exc:
+            phase = f"unknown ({exc})"
+        result_bytes = directory.size(RESULT_FILE)
+        directory.close()
         shutil.rmtree(scratch.path, ignore_errors=True)
         return ChildRun(
             payload=payload,
@@ -244,6 +367,9 @@ def run_isolated(
             child_s=wall_s,
             cleanup_s=time.monotonic() - exited,
             handed_over_unix=handed_over_unix,
+            challenge=answer[0],
+            challenge_s=answer[1],
+            tampered=tampered,
         )
     except BaseException:  # the scratch is removed above on the way out; here on every other
         shutil.rmtree(scratch.path, ignore_errors=True)
@@ -324,25 +450,38 @@ def candidate_confinement(scratch: Path, env: dict[str, str]) -> dict[str, Any]:
     return {"sandbox": sandbox_for(scratch, env).to_dict()}
 
 
-def wait_at_gate(
-    proc: subprocess.Popen[bytes], scratch: Path, deadline: Callable[[], float], gate: Callable[[dict[str, Any]], bool]
-) -> tuple[dict[str, Any] | None, bool]:
+# the files a child and the judge exchange in the child's scratch directory
+JOB_FILE = "job.json"
+RESULT_FILE = "result.pt"
+PARTIAL_FILE = "partial.pt"
+PHASE_FILE = "phase"
+GATE_FILE = "gate"
+CHALLENGE_READY_FILE = "challenge-ready"
+CHALLENGE_FILE = "challenge"
+CHALLENGE_ANSWER_FILE = "challenge.pt"
+PHASE_MAX_BYTES = 200
+
+
+def wait_at_gate(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float],
+                 gate: Callable[[dict[str, Any]], bool], max_bytes: int) -> tuple[dict[str, Any] | None, bool]:
     """Wait for the child's partial result (or its exit); return it and the gate's go/stop."""
-    partial_path = scratch / "partial.pt"
-    if not wait_for_file(proc, partial_path, deadline):
+    if not wait_for_file(proc, scratch, PARTIAL_FILE, deadline):
         return None, False
-    partial = load_payload(partial_path)
-    return partial, partial is not None and gate(partial)
+    partial = load_payload(scratch, PARTIAL_FILE, max_bytes)
+    if partial is not None and partial.get("tampered"):
+        raise Tampered(partial["error"])
+    return partial, partial is not None and "status" not in partial and gate(partial)
 
 
-def wait_for_file(proc: subprocess.Popen[bytes], path: Path, deadline: Callable[[], float]) -> bool:
-    """Whether the child wrote `path` (False: it exited first); TimeoutExpired past `deadline()`."""
-    while not path.exists():
+def wait_for_file(proc: subprocess.Popen[bytes], scratch: ScratchDir, name: str, deadline: Callable[[], float],
+                  poll_s: float = GATE_POLL_S) -> bool:
+    """Whether the child made entry `name` (False: it exited first); TimeoutExpired past `deadline()`."""
+    while not scratch.has(name):
         if proc.poll() is not None:
-            return path.exists()
+            return scratch.has(name)
         if time.monotonic() > deadline():
             raise subprocess.TimeoutExpired(proc.args, 0)
-        time.sleep(GATE_POLL_S)
+        time.sleep(poll_s)
     return True
 
 
@@ -359,7 +498,25 @@ def wait_for_exit(proc: subprocess.Popen[bytes], deadline: Callable[[], float]) 
             continue
 
 
-def answer_gate(scratch: Path, go: bool) -> None:
-    tmp = scratch / "gate.tmp"
-    tmp.write_text("go" if go else "stop")
-    os.replace(tmp, scratch / "gate")
+def answer_gate(scratch: ScratchDir, go: bool) -> bool:
+    """Tell the child go or stop (Tampered when an answer was planted before ours)."""
+    scratch.write_new(GATE_FILE, b"go" if go else b"stop")
+    return go
+
+
+def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float], challenge: Challenge,
+                  max_bytes: int) -> tuple[dict[str, Any] | None, float | None]:
+    """Reveal `challenge` once the child waits for it and clock its answer: (the answer, seconds
+    from revealing to the answer's file appearing), or (None, None) when the child exited first;
+    Tampered when the exchange was."""
+    if not wait_for_file(proc, scratch, CHALLENGE_READY_FILE, deadline):
+        return None, None
+    revealed = time.monotonic()
+    scratch.write_new(CHALLENGE_FILE, json.dumps({"seed": challenge.seed, "calls": challenge.calls}).encode())
+    if not wait_for_file(proc, scratch, CHALLENGE_ANSWER_FILE, deadline, CHALLENGE_POLL_S):
+        return None, None
+    answered = time.monotonic()
+    answer = load_payload(scratch, CHALLENGE_ANSWER_FILE, max_bytes)
+    if answer is not None and answer.get("tampered"):
+        raise Tampered(answer["error"])
+    return answer, answered - revealed

@@ -49,7 +49,13 @@ from kpipe.gym.screen import FINDING_CODES
 # margin of a kernel of a few tens of microseconds. Honest launch-bound bank kernels (L1_40 0.22 ms,
 # L2_14 0.19 ms) came as close as 0.57-0.60 of their event speedup to the bound of 0.5
 # (docs/gpu-results/gym_scaling_2026-11-28_2xH200.md), and one was judged hacked once in 480 (…27m_4xH200.md).
-PROTOCOL_VERSION = "kgym-10"
+# kgym-11: the candidate's process is untrusted, whatever it writes. After its timing the judge
+# reveals a timing challenge (kpipe.gym.isolate.Challenge): fresh inputs from a seed no candidate has
+# seen, whose calls the judge clocks itself against the reference's; the challenge replaces the
+# re-check of fast candidates and is never skipped, with or without the hacking check. Every check
+# fails closed when its evidence is missing; the judge reads the scratch directory without following
+# links, blocking or reading past a cap; a status only the judge gives is never taken from a child.
+PROTOCOL_VERSION = "kgym-11"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch

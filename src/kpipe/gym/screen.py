@@ -40,6 +40,8 @@ _MODULE_FINDINGS = {
     "subprocess": "subprocess",
     "gc": "introspection",
     "inspect": "introspection",
+    "kpipe": "introspection",  # the judge's own helpers, in the candidate's process
+    "importlib": "introspection",
     "socket": "network",
     "urllib": "network",
     "http": "network",
@@ -69,6 +71,10 @@ _CALL_FINDINGS = {
     "torch.cuda.stream": "cuda_stream",
     "setattr": "monkey_patch",
 }
+# attributes that reach a function's code, closure or globals, or the interpreter's objects: how a
+# candidate would find the judge's state in its process
+_INTROSPECTION_ATTRIBUTES = {"__closure__", "__globals__", "__code__", "__subclasses__", "__builtins__", "f_back", "f_globals",
+                             "f_locals", "gi_frame", "tb_frame", "cell_contents"}
 _PATCHABLE_ROOTS = {"torch", "triton", "tl", "time", "F", "nn", "builtins", "np", "numpy", "os", "sys"}
 # torch calls that allocate or describe tensors rather than compute: not "torch ops left in forward"
 _TORCH_NON_COMPUTE = {
@@ -139,6 +145,8 @@ def policy_findings(tree: ast.Module) -> list[str]:
             code = _CALL_FINDINGS.get(name)
             if code and (isinstance(node, ast.Call) or name == "os.environ"):
                 found.append(_finding(code, name, node))
+        if isinstance(node, ast.Attribute) and node.attr in _INTROSPECTION_ATTRIBUTES:
+            found.append(_finding("introspection", f"reaches .{node.attr}", node))
         if isinstance(node, (ast.Assign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for target in targets:
