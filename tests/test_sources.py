@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
 from kpipe.data.cli import data
-from kpipe.data.io import read_table
+from kpipe.data.io import read_table, write_table
 from kpipe.data.schemas import schema_of
 from kpipe.data.source_text import source_hash
 from kpipe.data.sources import SourceError, kernelbook_reference, load_source, name_from_ops, parse_level
@@ -20,6 +21,7 @@ from kpipe.data.sources import SourceError, kernelbook_reference, load_source, n
 FIXTURES = Path(__file__).parent / "fixtures" / "sources"
 FILES = {
     "cudallm": "cudallm_rl.parquet",
+    "cudallm_sft": "cudallm_sft.parquet",
     "drkernel_rl": "drkernel_rl.parquet",
     "drkernel_coldstart": "drkernel_coldstart.parquet",
     "kernelbook": "kernelbook.parquet",
@@ -246,6 +248,45 @@ def test_cli_builds_tasks_and_decontaminated_queries(tmp_path):
     assert tally["sources"] == {"cuda": 3, "book": 2}
     assert (tally["exact_duplicates"], tally["near_duplicates"], tally["kept"]) == (1, 1, 3)
     assert read_table(queries, "queries").num_rows == 3
+
+
+def test_distillation_reads_the_sft_source_and_rl_the_rl_source(tmp_path):
+    """Issue 55 (paper §4.1, §6.1): the cold start is distilled from the cudaLLM SFT queries (up to 8,000:
+    distill.max_queries), RL trains on the RL file; each source names its stages, kept per query."""
+    from kpipe.agent.distill import shard_tasks
+    from kpipe.data.ingest import build_queries, build_tasks
+    from kpipe.train.rl import training_tasks
+
+    tasks = build_tasks({"version": "main", "levels": [1, 2], "ids": {"level_1": [19], "level_2": [76]}, "size_cap": 64})
+    queries, counts = build_queries({"sources": [
+        {"name": "cudallm_sft", "kind": "cudallm_sft", "path": str(FIXTURES / FILES["cudallm_sft"]), "stages": ["distill"]},
+        {"name": "cudallm", "kind": "cudallm", "path": str(FIXTURES / FILES["cudallm"]), "stages": ["rl"]},
+    ], "decontamination": {"mode": "drop", "threshold": 0.8}}, tasks)
+    path = tmp_path / "queries.parquet"
+    write_table(queries, path, "queries")
+    sft_ids = {row["query_id"] for row in load_source(spec("cudallm_sft")).to_pylist()}
+    distilled = [task.task_id for shard in (0, 1) for task in shard_tasks(path, shard, 2)]
+    assert set(distilled) == sft_ids and all(task_id.startswith("cudallm_sft-") for task_id in distilled)
+    assert [task.task_id for task in shard_tasks(path, 0, 1, max_queries=1)] == sorted(sft_ids)[:1]
+    rl = [task.task_id for task in training_tasks(path)]
+    assert rl and all(task_id.startswith("cudallm-") for task_id in rl)  # the RL file's undecontaminated row
+    both = load_source(spec("cudallm"))  # a source naming no stages feeds both
+    assert set(both["stages"].to_pylist()[0]) == {"distill", "rl"}
+    with pytest.raises(SourceError, match="stages"):
+        load_source(spec("cudallm", stages=["sft"]))
+    write_table(queries.filter(pc.equal(queries["source"], "cudallm")), path, "queries")
+    with pytest.raises(ValueError, match="no non-contaminated query of a source with stage distill"):
+        shard_tasks(path, 0, 1)
+
+
+def test_sft_rows_take_the_reference_from_py_code_original_code_or_reward_model(tmp_path):
+    table = pq.read_table(FIXTURES / FILES["cudallm_sft"])
+    rows = load_source(spec("cudallm_sft")).to_pylist()
+    assert [row["reference_src"] for row in rows] == table["py_code"].to_pylist()
+    assert rows[0]["source_id"] == rows[0]["reference_hash"] and rows[0]["name"] == "Model"
+    path = tmp_path / "ground_truth_only.parquet"
+    pq.write_table(table.drop(["py_code"]), path)
+    assert [row["reference_src"] for row in load_source(spec("cudallm_sft", path)).to_pylist()] == table["py_code"].to_pylist()
 
 
 def test_cli_reports_bad_sources_in_one_line(tmp_path):

@@ -162,14 +162,13 @@ OFFLINE_TEACHER_MODEL = "kpipe-teacher"
 
 def shard_tasks(queries_path: str | os.PathLike, shard: int, num_shards: int, max_queries: int | None = None
                 ) -> list[AgentTask]:
-    """Shard `shard` of `num_shards` of the non-contaminated queries (ordered by id, every
-    num_shards-th one), after keeping the first `max_queries` of them."""
+    """Shard `shard` of `num_shards` of the non-contaminated queries of the sources that feed distillation
+    (ordered by id, every num_shards-th one), after keeping the first `max_queries` of them."""
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} is not in [0, {num_shards})")
-    from kpipe.data.io import read_table
+    from kpipe.data.sources import training_queries
 
-    rows = [r for r in read_table(queries_path, "queries").to_pylist() if not r["contaminated"]]
-    rows.sort(key=lambda r: r["query_id"])
+    rows = training_queries(queries_path, "distill")
     rows = rows[:max_queries] if max_queries is not None else rows
     return [AgentTask(r["query_id"], r["reference_src"]) for r in rows[shard::num_shards]]
 

@@ -38,7 +38,7 @@ TASKS = _schema(
 QUERIES = _schema(
     [
         ("query_id", pa.string(), 'training query id: "<source>-<source_id>"'),
-        ("source", pa.string(), "cudallm | drkernel_rl | drkernel_coldstart | kernelbook | kernelbench"),
+        ("source", pa.string(), "cudallm | cudallm_sft | drkernel_rl | drkernel_coldstart | kernelbook | kernelbench"),
         ("source_id", pa.string(), "the row's id in its source"),
         ("level", pa.int32(), "KernelBench-style level; null where the source has none"),
         ("name", pa.string(), "name of the reference module"),
@@ -47,6 +47,7 @@ QUERIES = _schema(
         ("contaminated", pa.bool_(), "duplicates or near-duplicates an evaluation task"),
         ("contaminated_with", pa.string(), "task_id of the closest evaluation task"),
         ("similarity", pa.float64(), "near-duplicate score against that task, in [0, 1]"),
+        ("stages", pa.list_(pa.string()), "the training stages that use the query: distill (cold start), rl (config queries.sources[].stages)"),
     ]
 )
 
@@ -138,7 +139,7 @@ TRAIN_METRICS = _schema(
 
 TABLES: dict[str, tuple[pa.Schema, int]] = {
     "tasks": (TASKS, 1),
-    "queries": (QUERIES, 1),
+    "queries": (QUERIES, 2),
     "evals": (EVALS, 3),
     "trajectories": (TRAJECTORIES, 2),
     "train_metrics": (TRAIN_METRICS, 1),

@@ -33,6 +33,15 @@ Column names and types below were confirmed on 2026-11-21 from:
   through ``py_code`` or ``reward_model.ground_truth``. The loader therefore takes the
   reference from ``py_code`` and falls back to ``reward_model.ground_truth``; the types of
   ``level`` and ``ops`` are not documented, so both integers and strings are accepted.
+  ``sft_cuda_llm_r1.parquet`` (kind ``cudallm_sft``: the paper's cold-start queries, "8K kernel-generation
+  queries from CUDALLM-SFT", Dr. Kernel §4.1) is described by that script's docstring as ``messages``,
+  ``py_code`` (or ``original_python_code``) and ``reward_model`` (``{ground_truth, entry_point}``); the
+  loader takes the first of those three references that a row has, and no id column is known, so a
+  row's id is its reference's hash.
+
+Each source feeds the stages its config entry names (``stages``: ``distill`` and/or ``rl``; both by
+default), recorded per query in the ``stages`` column: the paper distils its cold start from the SFT
+file and trains RL on the RL file (``config/paper.yaml``); `training_queries` reads one stage's queries.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +60,7 @@ import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from kpipe.data.io import to_table
+from kpipe.data.io import read_table, to_table
 from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.data.source_text import source_hash
 
@@ -277,6 +287,15 @@ def _cudallm_row(row: Mapping[str, Any]) -> dict[str, Any] | None:
     return query_row("cudallm", source_id, reference, parse_level(row.get("level")), name)
 
 
+def _cudallm_sft_row(row: Mapping[str, Any]) -> dict[str, Any] | None:
+    reference = row.get("py_code") or row.get("original_python_code") or _get(row, "reward_model.ground_truth")
+    if not reference:
+        return None
+    source_id = str(row["uuid"]) if row.get("uuid") is not None else source_hash(reference)
+    name = _get(row, "reward_model.entry_point") or row.get("entry_point") or None
+    return query_row("cudallm_sft", source_id, reference, parse_level(row.get("level")), name)
+
+
 def _drkernel_rl_row(row: Mapping[str, Any]) -> dict[str, Any] | None:
     reference = _get(row, "reward_model.ground_truth")
     uuid = _get(row, "extra_info.uuid")
@@ -332,7 +351,24 @@ KINDS: dict[str, SourceKind] = {
         any_of=("py_code", "reward_model.ground_truth"),
         to_query=_cudallm_row,
         reads=("py_code", "reward_model", "uuid", "ops", "type", "level"),
-        description="cudaLLM queries (paper: cold-start and RL queries); reference = py_code",
+        description="cudaLLM RL queries (paper: the RL queries); reference = py_code",
+    ),
+    "cudallm_sft": SourceKind(
+        kind="cudallm_sft",
+        hub_id="ByteDance-Seed/cudaLLM-data",
+        hub_file="sft_cuda_llm_r1.parquet",
+        columns=(
+            Column("py_code", _is_text, TEXT, required=False),
+            Column("original_python_code", _is_text, TEXT, required=False),
+            Column("reward_model.ground_truth", _is_text, TEXT, required=False),
+            Column("reward_model.entry_point", _is_text, TEXT, required=False),
+            Column("messages", _is_messages, MESSAGES, required=False),
+            Column("level", _is_int_or_text, "integer or string", required=False),
+        ),
+        any_of=("py_code", "original_python_code", "reward_model.ground_truth"),
+        to_query=_cudallm_sft_row,
+        reads=("py_code", "original_python_code", "reward_model", "uuid", "entry_point", "level"),
+        description="cudaLLM SFT queries (paper: the 8K cold-start queries); reference = py_code",
     ),
     "drkernel_rl": SourceKind(
         kind="drkernel_rl",
@@ -381,6 +417,7 @@ KINDS: dict[str, SourceKind] = {
 }
 
 KERNELBENCH_DESCRIPTION = "vendored KernelBench problems (version/levels/ids, optional size cap) as training queries"
+STAGES = ("distill", "rl")  # the stages that train on queries: cold-start distillation and RL
 
 
 def describe(spec: Mapping[str, Any]) -> str:
@@ -460,10 +497,30 @@ def normalise(table: pa.Table, kind: SourceKind, where: str, limit: int | None =
 
 
 def load_source(spec: Mapping[str, Any]) -> pa.Table:
-    """One configured source (``name, kind, path | hub [, hub_file], limit``...) as ``queries`` rows."""
+    """One configured source (``name, kind, path | hub [, hub_file], limit, stages``...) as ``queries`` rows."""
+    stages = list(spec.get("stages") or STAGES)
+    if not set(stages) <= set(STAGES):
+        raise SourceError(f"{describe(spec)}: stages {stages} must be among {', '.join(STAGES)}")
     if spec.get("kind") == "kernelbench":
-        return kernelbench_queries(spec)
-    if spec.get("kind") not in KINDS:
+        table = kernelbench_queries(spec)
+    elif spec.get("kind") in KINDS:
+        table = normalise(raw_table(spec), KINDS[spec["kind"]], describe(spec), spec.get("limit"))
+    else:
         known = ", ".join(["kernelbench", *KINDS])
         raise SourceError(f"{describe(spec)}: unknown kind {spec.get('kind')!r}; known: {known}")
-    return normalise(raw_table(spec), KINDS[spec["kind"]], describe(spec), spec.get("limit"))
+    column = table.schema.get_field_index("stages")
+    return table.set_column(column, table.schema.field(column), pa.array([stages] * table.num_rows,
+                                                                           table.schema.field(column).type))
+
+
+def training_queries(queries_path: str | os.PathLike, stage: str) -> list[dict[str, Any]]:
+    """The non-contaminated queries a training stage (`STAGES`) uses, ordered by id: distillation's
+    cold start and RL each read the sources that name them."""
+    if stage not in STAGES:
+        raise ValueError(f"training_queries: stage {stage!r} is not one of {', '.join(STAGES)}")
+    rows = [r for r in read_table(queries_path, "queries").to_pylist()
+            if not r["contaminated"] and stage in (r["stages"] or STAGES)]
+    if not rows:
+        raise ValueError(f"{queries_path}: no non-contaminated query of a source with stage {stage} "
+                         "(queries.sources[].stages)")
+    return sorted(rows, key=lambda r: r["query_id"])

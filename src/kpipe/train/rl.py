@@ -65,6 +65,7 @@ from accelerate.utils import gather_object
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
+from kpipe.data.sources import training_queries
 from kpipe.infra.jobs import since_job_started
 from kpipe.infra.provenance import RL_CODE, code_version, key_changes, library_versions, restart_key, weights_identity
 from kpipe.train import algos
@@ -518,9 +519,8 @@ def replace_dir(accelerator: Any, target: Path, write: Callable[[Path], Any]) ->
 
 
 def training_tasks(queries_path: str | os.PathLike, max_prompts: int | None = None) -> list[AgentTask]:
-    """RL prompts: the non-contaminated training queries, ordered by id (the first `max_prompts`)."""
-    rows = [r for r in read_table(queries_path, "queries").to_pylist() if not r["contaminated"]]
-    rows.sort(key=lambda r: r["query_id"])
+    """RL prompts: the non-contaminated queries of the sources that feed RL, ordered by id (the first `max_prompts`)."""
+    rows = training_queries(queries_path, "rl")
     return [AgentTask(r["query_id"], r["reference_src"]) for r in rows[:max_prompts]]
 
 
