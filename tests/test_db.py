@@ -47,3 +47,50 @@ def test_sql_from_file_and_usage_errors(results, tmp_path):
     assert both.exit_code == 2
     missing = CliRunner().invoke(query_command, ["select 1", "--db", str(tmp_path / "none.duckdb")])
     assert missing.exit_code == 1 and "no database" in missing.output
+
+
+def test_every_column_of_every_table_and_view_has_a_comment(results):
+    """The tables' comments come from kpipe.data.schemas, the views' from views.sql or, for a column
+    passed through under its name, from the one meaning the relations the view reads give it."""
+    import duckdb
+
+    from kpipe.data.db import uncommented_columns
+
+    db = results / "kpipe.duckdb"
+    build_db(results, db)
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert uncommented_columns(con) == []
+        views = {name for (name,) in con.sql("select view_name from duckdb_views() where not internal").fetchall()}
+        assert {"turns", "sample_turns", "fastp_samples", "stts_samples", "metric_series", "provenance"} <= views
+        [(correct,)] = con.execute("select comment from duckdb_columns() where table_name = 'sample_turns' "
+                            "and column_name = 'correct'").fetchall()
+        assert "not hacked" in correct  # its own meaning, not trajectories.correct's
+
+
+def test_plain_duckdb_opens_the_database_from_any_directory(results, tmp_path_factory, monkeypatch):
+    """The views name their files by absolute path: no kpipe, no search path needed."""
+    import duckdb
+
+    build_db(results, results / "kpipe.duckdb")
+    for where in (results.parent, tmp_path_factory.mktemp("elsewhere")):
+        monkeypatch.chdir(where)
+        path = str(results / "kpipe.duckdb") if where != results.parent else f"{results.name}/kpipe.duckdb"
+        with duckdb.connect(path, read_only=True) as con:
+            assert con.execute("select count(*) from train_metrics").fetchall() == [(5,)]
+
+
+def test_a_moved_database_is_refused_until_rebuilt_and_a_missing_one_names_the_last_good(results, tmp_path):
+    import shutil
+
+    build_db(results, results / "kpipe.duckdb")
+    assert (results / "kpipe.last-good.duckdb").exists()
+    moved = tmp_path / "moved"
+    shutil.copytree(results, moved)
+    refused = CliRunner().invoke(query_command, ["select 1", "--db", str(moved / "kpipe.duckdb")])
+    assert refused.exit_code == 1 and f"was built for {results.resolve()}; rebuild it here" in refused.output
+    (moved / "kpipe.duckdb").unlink()  # what a failed build leaves
+    missing = CliRunner().invoke(query_command, ["select 1", "--db", str(moved / "kpipe.duckdb")])
+    assert missing.exit_code == 1 and "the last good database is" in missing.output
+    rebuilt = CliRunner().invoke(query_command, ["select count(*) as n from train_metrics", "--db",
+                                                 str(moved / "kpipe.duckdb"), "--rebuild", "--format", "csv"])
+    assert rebuilt.output.strip().splitlines() == ["n", "5"]

@@ -56,10 +56,13 @@ def stand_in_outputs(workdir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def built_tree(tmp_path_factory: pytest.TempPathFactory, workflow_copy: Path) -> Path:
+def built_tree(tmp_path_factory: pytest.TempPathFactory, workflow_copy: Path) -> tuple[Path, Path]:
     """The workflow with a complete, up-to-date stand-in results tree and a real database, built
-    once per module (four Snakemake runs); each test changes a copy of it."""
-    work = tmp_path_factory.mktemp("built") / "tree"
+    once per module (four Snakemake runs) at `tree`, and a pristine copy of it; each test gets the
+    pristine copy put back at `tree`: the database's views name their files by absolute path, so
+    the tree is up to date only there (a moved tree rebuilds the database)."""
+    root = tmp_path_factory.mktemp("built")
+    work = root / "tree"
     work.mkdir()
     for name in ("workflow", "config"):
         shutil.copytree(workflow_copy / name, work / name)
@@ -67,14 +70,17 @@ def built_tree(tmp_path_factory: pytest.TempPathFactory, workflow_copy: Path) ->
     ok(snakemake(work, "--touch"))
     ok(snakemake(work, DB))
     ok(snakemake(work, "--touch"))
-    return work
+    shutil.copytree(work, root / "pristine", symlinks=True)
+    return root / "pristine", work
 
 
 @pytest.fixture
-def tree(tmp_path: Path, built_tree: Path) -> Path:
-    """A copy of the built tree (modification times and Snakemake's records kept), up to date."""
-    work = tmp_path / "tree"
-    shutil.copytree(built_tree, work, symlinks=True)
+def tree(built_tree: tuple[Path, Path]) -> Path:
+    """The built tree as it was built, at the place it was built (modification times and
+    Snakemake's records kept), up to date."""
+    pristine, work = built_tree
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(pristine, work, symlinks=True)
     assert "Nothing to be done" in ok(snakemake(work, "-n"))
     return work
 
@@ -97,26 +103,43 @@ def test_views_read_only_the_declared_files(tree):
     assert json.loads(result.stdout) == [{"n": 0}]
 
 
-def test_a_damaged_table_file_keeps_the_previous_database(tree):
-    """build_db fails naming the file; the previous database survives and its other tables answer."""
+def test_a_failed_build_is_never_forgotten_and_the_last_good_database_stays_beside(tree):
+    """build_db fails naming the file and leaves no database (the last good one stays beside it), so a
+    plain rerun builds again, or fails again, never "Nothing to be done" over an old database; once the
+    file is repaired, the rerun's database holds its rows."""
     damaged = tree / STTS_PART
     damaged.write_bytes(damaged.read_bytes()[:40])  # truncated
     result = snakemake(tree, DB)
     assert result.returncode != 0
     log = (tree / "logs" / "build_db.log").read_text()
     assert STTS_PART in log and "not a readable Parquet file" in log
-    assert (tree / DB).exists()
-    tasks = query(tree / DB, "select count(*) as n from tasks")
+    assert not (tree / DB).exists()
+    tasks = query(tree / "results" / "kpipe.last-good.duckdb", "select count(*) as n from tasks")
     assert tasks.returncode == 0, tasks.stderr
     assert json.loads(tasks.stdout) == [{"n": 0}]
+    missing = query(tree / DB, "select 1")
+    assert missing.returncode != 0 and "the last good database is" in missing.stderr
+    assert "rule build_db:" in ok(snakemake(tree, "-n"))
+    again = snakemake(tree, DB)
+    assert again.returncode != 0 and "Nothing to be done" not in again.stdout + again.stderr
+    write_table([{"run": "default", "stage": "stts", "task_id": "x", "turn": 1}], damaged, "trajectories")
+    ok(snakemake(tree, DB))
+    rows = query(tree / DB, "select count(*) as n from trajectories")
+    assert json.loads(rows.stdout) == [{"n": 1}]
+    assert "Nothing to be done" in ok(snakemake(tree, DB, "-n"))
 
 
-def test_the_tree_can_be_moved_and_is_queried_from_the_current_directory(tree, tmp_path):
-    """Views name their files relative to results/: a moved tree needs no rebuild, and `kpipe query`
-    without --db reads ./results of the directory it runs in."""
+def test_a_moved_tree_rebuilds_only_the_database_and_its_readers(tree, tmp_path):
+    """The views name their files by absolute path, so a moved tree rebuilds the database (the rule's
+    `results` param) and what reads it, and no stage; until then `kpipe query` refuses the old
+    database rather than reading the old place's files. `kpipe query` without --db reads ./results."""
     moved = tmp_path / "moved"
     shutil.move(tree, moved)
-    assert "Nothing to be done" in ok(snakemake(moved, "-n"))
+    planned = planned_counts(ok(snakemake(moved, "-n")))
+    assert set(planned) == {"build_db", "tables", "figures", "viewer", "all"}, planned
+    stale = query(moved / DB, "select 1")
+    assert stale.returncode != 0 and f"was built for {tree / 'results'}; rebuild it here" in stale.stderr
+    ok(snakemake(moved, DB))
     result = subprocess.run([sys.executable, "-m", "kpipe.cli", "query", "--format", "json",
                              "select count(*) as n from trajectories"], capture_output=True, text=True, cwd=moved)
     assert result.returncode == 0, result.stderr
@@ -124,6 +147,16 @@ def test_the_tree_can_be_moved_and_is_queried_from_the_current_directory(tree, t
     elsewhere = subprocess.run([sys.executable, "-m", "kpipe.cli", "query", "--results", str(moved / "results"),
                                 "select 1"], capture_output=True, text=True, cwd="/")
     assert elsewhere.returncode == 0, elsewhere.stderr
+
+
+def test_plain_duckdb_opens_the_database_from_the_root_and_from_elsewhere(tree, tmp_path):
+    """The README's one-liner, with no kpipe: the views' files resolve from any working directory."""
+    for cwd, path in ((tree, DB), (tmp_path, str(tree / DB))):
+        opened = subprocess.run([sys.executable, "-c", f"import duckdb; duckdb.connect({path!r}, read_only=True)"
+                                 ".sql('select count(*) from trajectories').show()"], capture_output=True, text=True,
+                                cwd=cwd)
+        assert opened.returncode == 0, opened.stderr
+        assert "count_star()" in opened.stdout
 
 
 def test_columns_carry_their_meaning(tree):

@@ -26,10 +26,14 @@ rule build_db:
         **table_files(),
         views=sql_file("views"),
     output:
-        # update(): Snakemake neither deletes the database before the job nor keeps a failed job's
-        # one (it restores its backup), so a damaged Parquet file never costs the previous database
-        update(f"{RESULTS}/kpipe.duckdb"),
+        # a plain output: Snakemake deletes it before the job, so after a failed build there is no
+        # database and the next run builds again (never "Nothing to be done" over an old one); each good
+        # build is also copied to kpipe.last-good.duckdb beside it (kpipe.data.db.build_db)
+        f"{RESULTS}/kpipe.duckdb",
     params:
+        # the views name their files by absolute path (any DuckDB client opens the database from any
+        # directory): a moved or copied results tree rebuilds it, and what reads it
+        results=os.path.abspath(RESULTS),
         code=code_version("data/db.py", "data/schemas.py", "data/io.py"),
     log:
         f"{LOGS}/build_db.log",

@@ -176,3 +176,64 @@ SELECT run, stage, iteration, model,
        count(*) AS n_turns
 FROM trajectories
 GROUP BY run, stage, iteration, model;
+
+-- ---------------------------------------------------------------------------------------
+-- Column comments. A column with none here takes the meaning of the same-named column of the
+-- tables and views its view reads, where they agree on one (kpipe.data.db.inherit_comments); every
+-- column whose meaning a view changes, or that is new, has one here (tests/test_db.py checks that
+-- every column of every view has a comment).
+-- ---------------------------------------------------------------------------------------
+COMMENT ON COLUMN turns.task_id IS 'tasks.task_id (evaluation stages) or queries.query_id (training stages)';
+COMMENT ON COLUMN turns.status IS 'KernelGym verdict of the turn''s candidate (evals.status); null when no code was evaluated';
+COMMENT ON COLUMN turns.correct IS 'the candidate was correct by kpipe''s checks (evals.correct); a hacked candidate may still say true here: sample_turns.correct does not';
+COMMENT ON COLUMN turns.kb_correct IS 'KernelBench''s verdict alone (evals.kb_correct): allclose without kpipe''s extra checks; null where no output was compared';
+COMMENT ON COLUMN turns.hacked IS 'the candidate was rejected as reward hacking by any of kpipe''s checks (hack_checks says which)';
+COMMENT ON COLUMN turns.speedup_eager IS 'speedup of the turn''s candidate over PyTorch eager (evals.speedup_eager)';
+COMMENT ON COLUMN turns.speedup_compile IS 'speedup of the turn''s candidate over torch.compile (evals.speedup_compile)';
+COMMENT ON COLUMN turns.pr IS 'profiling ratio (paper Eq. 7) of the turn''s candidate';
+COMMENT ON COLUMN turns.feedback IS 'the feedback shown to the model after this turn';
+COMMENT ON COLUMN turns.hack_checks IS 'hacked turns: the hack_check codes that fired, sorted, comma-separated (''unrecorded'' when evals has no reasons); null otherwise';
+COMMENT ON COLUMN turns.hacked_paper IS 'hacked by the paper''s definition: its no_triton_launch check fired';
+COMMENT ON COLUMN turns.task_name IS 'KernelBench problem name (tasks.name); null for training queries';
+COMMENT ON COLUMN turns.kernelbench_version IS 'KernelBench version of the task (tasks.version); null for training queries';
+
+COMMENT ON COLUMN kb_verdict_changes.task_id IS 'tasks.task_id of the evaluated task';
+COMMENT ON COLUMN kb_verdict_changes.status IS 'KernelGym verdict of the turn''s candidate: mismatch here';
+COMMENT ON COLUMN kb_verdict_changes.correct IS 'kpipe''s verdict (turns.correct): false or null here';
+COMMENT ON COLUMN kb_verdict_changes.kb_correct IS 'KernelBench''s verdict alone (turns.kb_correct): true here';
+COMMENT ON COLUMN kb_verdict_changes.kpipe_check IS 'which extra kpipe check rejected it: relative_norm, eval_mode or unrecorded';
+
+COMMENT ON COLUMN provenance.timing_kind IS 'clock of the group''s timed turns: cuda, cpu (Triton interpreter), mixed; null when none was timed';
+COMMENT ON COLUMN provenance.engine IS 'rollout engine of RL rollouts (from the model label <run>/rl-iter<k>/<engine>); null otherwise';
+COMMENT ON COLUMN provenance.n_turns IS 'turns (trajectories rows) in the group';
+
+COMMENT ON COLUMN sample_turns.task_id IS 'tasks.task_id of the evaluated task';
+COMMENT ON COLUMN sample_turns.last_turn IS 'the last turn any trajectory of the group (run, stage, iteration, model) reached: the Fast@p horizon';
+COMMENT ON COLUMN sample_turns.reached IS 'the trajectory reached this turn (else the turn counts as incorrect)';
+COMMENT ON COLUMN sample_turns.status IS 'KernelGym verdict of the turn''s candidate; null when the turn was not reached';
+COMMENT ON COLUMN sample_turns.hacked IS 'the turn''s candidate was rejected as reward hacking (false when not reached)';
+COMMENT ON COLUMN sample_turns.hack_checks IS 'hacked turns: the hack_check codes that fired (turns.hack_checks)';
+COMMENT ON COLUMN sample_turns.hacked_paper IS 'hacked by the paper''s definition (no_triton_launch fired); false when not reached';
+COMMENT ON COLUMN sample_turns.unjudged IS 'rejected only by kpipe''s stricter checks: never timed, unknown under the paper''s definition';
+COMMENT ON COLUMN sample_turns.correct IS 'kpipe''s correctness for Fast@p: correct and not hacked (false when not reached)';
+COMMENT ON COLUMN sample_turns.speedup_eager IS 'speedup over PyTorch eager of a correct, non-hacked candidate; null otherwise (and for NaN)';
+COMMENT ON COLUMN sample_turns.speedup_compile IS 'speedup over torch.compile of a correct, non-hacked candidate; null otherwise (and for NaN)';
+
+COMMENT ON COLUMN fastp_samples.task_id IS 'tasks.task_id of the evaluated task';
+COMMENT ON COLUMN fastp_samples.last_turn IS 'the last turn any trajectory of the group reached: the Fast@p horizon';
+COMMENT ON COLUMN fastp_samples.hacked IS 'the kernel of `turn` was rejected as reward hacking';
+COMMENT ON COLUMN fastp_samples.hacked_paper IS 'the kernel of `turn` is hacked by the paper''s definition (no_triton_launch fired)';
+COMMENT ON COLUMN fastp_samples.hack_checks IS 'the hack_check codes that fired on the kernel of `turn`';
+COMMENT ON COLUMN fastp_samples.baseline IS 'what the speedup is over: eager (PyTorch) or compile (torch.compile)';
+COMMENT ON COLUMN fastp_samples.history IS 'last: the kernel of `turn`; best: the best correct kernel of turns 1..turn (the paper''s † rows)';
+COMMENT ON COLUMN fastp_samples.correct IS 'last: the kernel of `turn` is correct and not hacked; best: one of turns 1..turn is';
+COMMENT ON COLUMN fastp_samples.speedup IS 'speedup over `baseline` of the kernel the row stands for (correct kernels only; else null)';
+COMMENT ON COLUMN fastp_samples.source_turn IS 'the turn whose kernel the row stands for';
+COMMENT ON COLUMN fastp_samples.unjudged IS 'that kernel (last) or one of turns 1..turn (best) was rejected only by kpipe''s stricter checks';
+COMMENT ON COLUMN fastp_samples.fast_1 IS 'counts toward Fast@1: correct and speedup >= 1.0';
+COMMENT ON COLUMN fastp_samples.fast_1_2 IS 'counts toward Fast@1.2: correct and speedup >= 1.2';
+COMMENT ON COLUMN fastp_samples.fast_1_5 IS 'counts toward Fast@1.5: correct and speedup >= 1.5';
+COMMENT ON COLUMN fastp_samples.fast_2 IS 'counts toward Fast@2: correct and speedup >= 2.0';
+
+COMMENT ON COLUMN stts_samples.base_model IS 'the model, without its STTS strategy (the part of `model` before @)';
+COMMENT ON COLUMN stts_samples.strategy IS 'STTS history strategy: full, top_w or best_window (the part of `model` after @)';

@@ -1,17 +1,25 @@
 """The DuckDB database: views over the Parquet tables, and ``kpipe query``.
 
-The database holds no data, only views over Parquet files named relative to the database's
-folder (``results/``): a moved or copied tree needs no rebuild, and every reader opens it with
-:func:`connect`, which resolves those names there. The Snakemake rule names exactly the files
-of the current DAG, so a file left on disk by other settings is never read. A table with no
-files becomes an empty typed table, so queries and joins still bind. Every column carries its
-meaning (``kpipe.data.schemas``) as a DuckDB comment.
+The database holds no data, only views over Parquet files named by absolute path, so any DuckDB
+client opens it from any directory (DuckDB keeps no search path in a database file). A moved or
+copied tree needs a rebuild, which Snakemake does (the rule's `results` param is the folder's
+absolute path); `connect` refuses a database built for another folder instead of reading that
+folder's files. The Snakemake rule names exactly the files of the current DAG, so a file left on
+disk by other settings is never read. A table with no files becomes an empty typed table, so
+queries and joins still bind. Every column of every table and view carries its meaning as a
+DuckDB comment: the tables' from ``kpipe.data.schemas``, the views' from views.sql, or, for a
+column a view passes through unchanged under its name, the one meaning that name has in the tables.
+
+A build that fails leaves no database (Snakemake deletes the output before the job, so the next
+run builds again); each good build is also copied to ``kpipe.last-good.duckdb`` beside it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +34,8 @@ from kpipe.data.io import SchemaError, check_schema
 from kpipe.data.schemas import TABLES, column_descriptions, schema_of
 
 DB_NAME = "kpipe.duckdb"
+LAST_GOOD_NAME = "kpipe.last-good.duckdb"
+BUILD_TABLE = "build_info"
 DEFAULT_VIEWS_SQL = REPO_ROOT / "workflow" / "sql" / "views.sql"
 
 
@@ -59,25 +69,23 @@ def _sql_string(text: str) -> str:
 def build_db(results: Path, db_path: Path, views_sql: Path = DEFAULT_VIEWS_SQL,
              files: Mapping[str, Sequence[str | os.PathLike]] | None = None) -> dict[str, int]:
     """(Re)build `db_path`: one base view per table over `files` (default: every Parquet file
-    under `results`), then the derived views of `views_sql`.
+    under `results`), then the derived views of `views_sql`, then the comments views.sql leaves out.
 
     Every file is checked first, and the database is written to a temporary file and renamed, so
-    a failure (or a reader) never meets a half-built one and the previous database survives.
-    Returns the number of Parquet files behind each base table.
+    a failure (or a reader) never meets a half-built one; a good build is copied to
+    ``kpipe.last-good.duckdb``. Returns the number of Parquet files behind each base table.
     """
     chosen = files_on_disk(results) if files is None else files
     by_table = {table: [Path(path) for path in chosen.get(table, [])] for table in TABLES}
     check_files(by_table)
     db_path.parent.mkdir(parents=True, exist_ok=True)
-    home = db_path.parent.resolve()
     tmp = db_path.with_name(db_path.name + ".tmp")
     tmp.unlink(missing_ok=True)
     try:
         with duckdb.connect(str(tmp)) as con:
-            con.execute(f"SET file_search_path = {_sql_string(str(home))}")
             for table, paths in by_table.items():
                 if paths:
-                    names = ", ".join(_sql_string(os.path.relpath(path.resolve(), home)) for path in paths)
+                    names = ", ".join(_sql_string(str(path.resolve())) for path in paths)
                     con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{names}], "
                                 "union_by_name = true, hive_partitioning = false)")
                 else:
@@ -85,17 +93,54 @@ def build_db(results: Path, db_path: Path, views_sql: Path = DEFAULT_VIEWS_SQL,
                     con.execute(f"CREATE TABLE {table} AS SELECT * FROM empty")
                 for column, text in column_descriptions(table).items():
                     con.execute(f"COMMENT ON COLUMN {table}.{column} IS {_sql_string(text)}")
+            con.execute(f"CREATE TABLE {BUILD_TABLE} AS SELECT {_sql_string(str(db_path.parent.resolve()))} AS results")
+            con.execute(f"COMMENT ON COLUMN {BUILD_TABLE}.results IS 'absolute path of the results folder whose "
+                        "Parquet files the views read (a moved tree needs a rebuild)'")
             con.execute(views_sql.read_text())
+            inherit_comments(con)
         os.replace(tmp, db_path)
     finally:
         tmp.unlink(missing_ok=True)
+    shutil.copyfile(db_path, db_path.with_name(LAST_GOOD_NAME))
     return {table: len(paths) for table, paths in by_table.items()}
 
 
+def uncommented_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+    """(view or table, column) of every column with no comment."""
+    return con.sql("SELECT table_name, column_name FROM duckdb_columns() WHERE NOT internal AND comment IS NULL "
+                   "ORDER BY table_name, column_index").fetchall()
+
+
+def inherit_comments(con: duckdb.DuckDBPyConnection) -> None:
+    """A view column views.sql gave no comment takes the meaning of the same-named column of the
+    tables and views its SQL names, when they agree on one (turns.run is trajectories.run; turns.status
+    is not inherited: trajectories and evals describe it differently). A column whose meaning a view
+    changes under the same name (sample_turns.correct) must carry its own comment in views.sql."""
+    views = dict(con.sql("SELECT view_name, sql FROM duckdb_views() WHERE NOT internal").fetchall())
+    changed = True
+    while changed:  # a view reading another view inherits once that one has its comments
+        changed = False
+        known: dict[str, dict[str, str]] = {}
+        for relation, column, text in con.sql("SELECT table_name, column_name, comment FROM duckdb_columns() "
+                                              "WHERE NOT internal AND comment IS NOT NULL").fetchall():
+            known.setdefault(relation, {})[column] = text
+        for view, column in uncommented_columns(con):
+            sources = [name for name in known if name != view and re.search(rf"\b{name}\b", views.get(view, ""))]
+            meanings = {known[name][column] for name in sources if column in known[name]}
+            if len(meanings) == 1:
+                con.execute(f'COMMENT ON COLUMN {view}."{column}" IS {_sql_string(meanings.pop())}')
+                changed = True
+
+
 def connect(db_path: Path) -> duckdb.DuckDBPyConnection:
-    """Open `db_path` read-only, its views' file names resolved in its own folder."""
+    """Open `db_path` read-only; a database built for another results folder (a moved or copied
+    tree) is refused, rather than reading that folder's files."""
     con = duckdb.connect(str(db_path), read_only=True)
-    con.execute(f"SET file_search_path = {_sql_string(str(Path(db_path).resolve().parent))}")
+    [(built_for,)] = con.execute(f"SELECT results FROM {BUILD_TABLE}").fetchall()
+    if Path(built_for) != Path(db_path).resolve().parent:
+        con.close()
+        raise DatabaseError(f"{db_path} was built for {built_for}; rebuild it here (snakemake, or "
+                            "kpipe query --rebuild)")
     return con
 
 
@@ -111,7 +156,10 @@ def locate_db(explicit: str | None, results: str | None = None) -> Path:
     """--db, else :func:`default_db`; an error when there is none."""
     path = Path(explicit) if explicit else default_db(results)
     if not path.exists():
-        raise click.ClickException(f"no database at {path}: run the pipeline (or `kpipe query --rebuild`) first")
+        last_good = path.with_name(LAST_GOOD_NAME)
+        hint = (f"; the last build failed? (logs/build_db.log) the last good database is {last_good} (--db)"
+                if last_good.exists() else "")
+        raise click.ClickException(f"no database at {path}: run the pipeline (or `kpipe query --rebuild`) first{hint}")
     return path
 
 
@@ -159,6 +207,8 @@ def query_command(sql: str | None, sql_file: str | None, results: str | None, db
     path = locate_db(db, results)
     try:
         result = run_query(path, text)
+    except DatabaseError as error:
+        raise click.ClickException(str(error)) from None
     except duckdb.Error as error:
         raise click.ClickException(f"query failed: {str(error).splitlines()[0]}") from None
     click.echo(format_table(result, fmt))
