@@ -32,7 +32,7 @@ STAMP := $(VENV)/.kpipe-installed
 # and Ray with its dependencies was most of a fresh machine's setup time
 DEV_STAMP := $(VENV)/.kpipe-dev-installed
 
-.PHONY: setup setup-dev run test lint clean wheelhouse wheelhouse-vllm setup-offline
+.PHONY: setup setup-dev run test test-browser lint clean wheelhouse wheelhouse-vllm setup-offline
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,19 @@ setup-dev: $(DEV_STAMP)
 run: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --cores $(CORES) $(SNAKEMAKE_ARGS)
 
-test: setup-dev
+# tests/test_viewer.py runs the viewer's page in headless Chromium (and fails without it): as root,
+# Debian's chromium is installed when missing (apt); otherwise `make test` stops at once with the command
+test-browser:
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "apt-get install -y chromium (tests/test_viewer.py)"; apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+		echo "make test needs Chromium for tests/test_viewer.py; run: sudo apt-get install -y chromium" >&2; exit 1; \
+	fi
+
+test: test-browser setup-dev
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: setup

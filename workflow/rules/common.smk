@@ -273,12 +273,15 @@ def job_settings(section, drop=DAG_ONLY_KEYS):
 
 
 def stage_models(section):
-    """The `models:` entries a stage runs (default: all of them)."""
-    names = section.get("models") or list(MODELS)
-    unknown = [name for name in names if name not in MODELS]
-    if unknown:
-        raise ValueError(f"config: {', '.join(unknown)} named in a stage but not defined under models:")
-    return names
+    """The `models:` entries a stage runs (default: all of them; names checked below)."""
+    return section.get("models") or list(MODELS)
+
+
+for _stage in ("eval", "stts", "eval_budget"):
+    _unknown = [name for name in config[_stage].get("models") or [] if name not in MODELS]
+    if _unknown:
+        sys.exit(f"config error: {_stage}.models: {', '.join(map(repr, _unknown))} not defined under models: "
+                 f"(defined: {', '.join(MODELS)})")
 
 
 def model_job_slots(wildcards):
