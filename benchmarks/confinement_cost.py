@@ -9,7 +9,8 @@ baseline, one pool worker, each task's reference run once per worker (the pool's
 included. Each run is its own process with new empty compile caches, so every run is cold.
 Confined and unconfined (``KPIPE_GYM_UNCONFINED=1``) runs alternate, ``--rounds`` times each,
 on the same GPU in one call. Prints evaluations/min per run, the ratio of the medians, and each
-run's statuses (they must not differ). Writes $OUT/confinement_cost.md (+ .json) when $OUT is set.
+run's statuses (they must not differ). When $OUT is set, records its report $OUT/confinement_cost.md
+and ledger line (``kpipe.infra.ledger``), with the runs' data in confinement_cost.json.
 
 On a CPU (``--shrink 48``: sizes divided down, the Triton interpreter) it is a smoke run.
 """
@@ -26,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from kpipe.infra import ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -75,7 +78,9 @@ def main() -> None:
         print(json.dumps(one_pass(args.shrink, args.trials)))
         return
     runs = []
-    lines = ["| run | design | evaluations | seconds (pool start) | evaluations/min |", "|---|---|---|---|---|"]
+    lines = ["# What confining candidates costs KernelGym's throughput", "",
+             f"`benchmarks/confinement_cost.py --rounds {args.rounds} --shrink {args.shrink} --trials {args.trials}`", "",
+             "| run | design | evaluations | seconds (pool start) | evaluations/min |", "|---|---|---|---|---|"]
     for round_ in range(args.rounds):
         for confined in (False, True):
             run = run_design(confined, args.shrink, args.trials)
@@ -91,8 +96,11 @@ def main() -> None:
               "", "statuses: " + json.dumps(runs[0]["statuses"])]
     print("\n".join(lines[-3:]))
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "confinement_cost.md").write_text("\n".join(lines) + "\n")
-        Path(os.environ["OUT"], "confinement_cost.json").write_text(json.dumps(runs, indent=1))
+        out = Path(os.environ["OUT"])
+        (out / "confinement_cost.json").write_text(json.dumps(runs, indent=1))
+        figures = {"per_min_unconfined": round(rate[False], 2), "per_min_confined": round(rate[True], 2),
+                   "confined_over_unconfined": round(rate[True] / rate[False], 3), "same_statuses": same}
+        ledger.record("confinement_cost", "\n".join(lines) + "\n", figures, ledger.local_device(), results=out)
     if not same:
         sys.exit(1)
 

@@ -11,7 +11,8 @@ can be set against what the driver itself costs:
 Each process pins one GPU (round robin over the visible ones), makes its context, allocates
 ``--gib`` GiB and runs a kernel on it, then waits at a barrier; all then exit at once. Per run: the
 context's making (first CUDA call) and the exit (the process's last instruction to its parent's
-``waitpid`` returning), mean and max over the processes.
+``waitpid`` returning), mean and max over the processes. When $OUT is set, records its report
+$OUT/cuda_exit.md and ledger line (``kpipe.infra.ledger``), with the rows in cuda_exit.json.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from kpipe.infra import ledger
 
 CHILD = """
 import os, sys, time, torch
@@ -88,14 +91,26 @@ def main() -> None:
     args = parser.parse_args()
     gpus = gpu_count()
     print(f"{gpus} GPUs, {args.gib:g} GiB per process")
-    print("| processes at once | context made, s (mean, max) | exit, s (mean, max) |\n|---|---|---|")
+    lines = ["# What a CUDA process's start and exit cost, alone and with others at once", "",
+             f"`benchmarks/cuda_exit.py --processes {args.processes} --gib {args.gib:g}` on {gpus} GPUs", "",
+             "| processes at once | context made, s (mean, max) | exit, s (mean, max) |", "|---|---|---|"]
+    print("\n".join(lines[-2:]))
     rows = []
     for count in map(int, args.processes.split(",")):
         row = one_run(count, args.gib, gpus)
         rows.append(row)
-        print(f"| {count} | {row['context_s_mean']:.3f}, {row['context_s_max']:.3f} | {row['exit_s_mean']:.3f}, {row['exit_s_max']:.3f} |", flush=True)
+        lines.append(f"| {count} | {row['context_s_mean']:.3f}, {row['context_s_max']:.3f} | "
+                     f"{row['exit_s_mean']:.3f}, {row['exit_s_max']:.3f} |")
+        print(lines[-1], flush=True)
     if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / "cuda_exit.json").write_text(json.dumps(rows, indent=1))
+        out = Path(os.environ["OUT"])
+        (out / "cuda_exit.json").write_text(json.dumps(rows, indent=1))
+        ledger.record("cuda_exit", "\n".join(lines) + "\n", figures(rows), ledger.local_device(), results=out)
+
+
+def figures(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The ledger's figures: mean context and exit seconds at each number of processes."""
+    return {f"{what}_s_{row['processes']}": round(row[f"{what}_s_mean"], 3) for row in rows for what in ("context", "exit")}
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ work goes.
     PYTHONPATH=$PWD/src python benchmarks/gym_pool.py [--per-task 2] [--perf-trials 100]
 
 On CPU it runs the Triton interpreter with tiny sizes. Writes $OUT/gym_pool.md when $OUT is set
-(after each design, so a run cut short keeps what it measured).
+(after each design, so a run cut short keeps what it measured) and, at the end, its ledger line
+(``kpipe.infra.ledger``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 from kpipe.data.kernelbench import select_problems, shrink_sizes  # noqa: E402
 from kpipe.gym.bank import SHRUNK_CAP, list_solutions  # noqa: E402
 from kpipe.gym.protocol import Protocol  # noqa: E402
+from kpipe.infra import ledger  # noqa: E402
 
 WORK_SUFFIX = "bench.json"
 WORK_ROOT = Path(tempfile.gettempdir())
@@ -191,7 +193,12 @@ def main() -> None:
         rows[("fresh", reuse)] = run_design(
             "fresh", reuse, lambda r, c, reuse=reuse: evaluation.evaluate(r, c, protocol, reuse_reference=reuse))
         write_report(report(rows, phase_times, jobs, protocol, kind, start_up, args.per_task))
-    print(report(rows, phase_times, jobs, protocol, kind, start_up, args.per_task))
+    text = report(rows, phase_times, jobs, protocol, kind, start_up, args.per_task)
+    print(text)
+    if os.environ.get("OUT"):
+        figures = {f"per_min_{name}_{'reused' if reuse else 'rerun'}": round(row["evals_per_min"], 1)
+                   for (name, reuse), row in rows.items()}
+        ledger.record("gym_pool", text + "\n", figures, ledger.device_label(kind, 1), results=Path(os.environ["OUT"]))
 
 
 def report(rows: dict[tuple[str, bool], dict[str, float]], phase_times: dict[bool, dict[str, list[float]]],
@@ -226,8 +233,9 @@ def report(rows: dict[tuple[str, bool], dict[str, float]], phase_times: dict[boo
 
 
 def write_report(text: str) -> None:
+    """The report so far (a run stopped at the device's limit keeps what it measured)."""
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gym_pool.md").write_text(text + "\n")
+        ledger.write_report(Path(os.environ["OUT"]), "gym_pool", text + "\n")
 
 
 if __name__ == "__main__":

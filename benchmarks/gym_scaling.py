@@ -29,8 +29,9 @@ spent timing), the mean seconds of each phase, the recorded timed spans (no two 
 GPU) and per task the spread (max/min) of its candidate times and its median speedup, compared
 with the first configuration's; and the rate while every worker is warm and busy, the pass's fixed
 seconds beyond it (pool start, cold first evaluations, idle tail) and the one-pass ratios they
-give at longer passes (``steady_rate``). Writes $OUT/gym_scaling.md (+ .json, and each configuration's trace
-records of every pass, each with its ``pass``, gym_scaling_trace_CONFIG.jsonl) when $OUT is set.
+give at longer passes (``steady_rate``). When $OUT is set, records its report $OUT/gym_scaling.md and
+ledger line (``kpipe.infra.ledger``), with the runs' data in gym_scaling.json and each configuration's trace
+records of every pass, each with its ``pass``, in gym_scaling_trace_CONFIG.jsonl.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from kernelbench_side_by_side import TASKS  # noqa: E402 (the side-by-side's ten tasks)
+
+from kpipe.infra import ledger  # noqa: E402
 
 
 def overlapping_spans(rows: list[dict[str, object]]) -> int:
@@ -340,7 +343,20 @@ def main() -> None:
         lines += ["", "Evaluations that did not pass (every candidate is a legit bank kernel):", "", *unexpected]
     print("\n".join(lines[printed + len(runs) + bool(args.kb_spawn):]))
     if out:
-        (out / "gym_scaling.md").write_text("\n".join(lines) + "\n")
+        head = [f"# KernelGym on {args.configs}: {args.evaluations} evaluations a pass", "",
+                "`benchmarks/gym_scaling.py " + " ".join(sys.argv[1:]) + "`", ""]
+        kb_figure = {"per_min_kb_spawn": round(60 * kb["evaluations"] / kb["seconds"], 1)} if args.kb_spawn else {}
+        ledger.record("gym_scaling", "\n".join(head + lines) + "\n", {**figures(runs), **kb_figure},
+                      ledger.local_device(), results=out)
+
+
+def figures(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The ledger's figures: each configuration's evaluations/min in one pass and its ratio to the first's."""
+    keys = [f"{run['gpus']}x{run['per_gpu']}" for run in runs]
+    keys = [key + (f"t{run.get('cpu_threads')}" if keys.count(key) > 1 else "") for key, run in zip(keys, runs)]
+    rates = [60 * run["evaluations"] / run["seconds"] for run in runs]
+    return {**{f"per_min_{key}": round(rate, 1) for key, rate in zip(keys, rates)},
+            **{f"x_first_{key}": round(rate / rates[0], 2) for key, rate in zip(keys[1:], rates[1:])}}
 
 
 def one_pass_s(run: dict[str, Any], evaluations: int) -> float | None:

@@ -44,6 +44,8 @@ from pathlib import Path
 
 from triton_first_launch import KERNEL as SCALE_KERNEL  # benchmarks/ is this script's directory
 
+from kpipe.infra import ledger
+
 LOOP_N = 12_000_000
 DOT_KERNEL = """
 import triton
@@ -200,23 +202,32 @@ def main() -> None:
     medians: dict[int, dict[str, float]] = {}
     extra_env = dict(item.split("=", 1) for item in args.env)
     report: dict[str, object] = {"host": host_facts(), "env": extra_env, "levels": {}}
+    lines = ["# How one process's host work slows with others beside it", "",
+             "`benchmarks/host_contention.py " + " ".join(sys.argv[1:]) + "`; host: "
+             + ", ".join(f"{name} {value}" for name, value in report["host"].items()), ""]  # type: ignore[union-attr]
     run_level(1, gpus, extra_env)  # not reported: warms the page cache (imports) and the driver, as a machine in use is
     for count in levels:
         results = run_level(count, gpus, extra_env)
         steps = [step for step in STEPS if step in results[0]]
         if count == levels[0]:
-            print("\n| processes at once | " + " | ".join(f"{step}: median (slowest) s, median / first level's" for step in steps) + " |")
-            print("|---" * (len(steps) + 1) + "|")
+            lines += ["| processes at once | " + " | ".join(f"{step}: median (slowest) s, median / first level's" for step in steps) + " |",
+                      "|---" * (len(steps) + 1) + "|"]
+            print("\n" + "\n".join(lines[-2:]))
         medians[count] = {step: statistics.median(r[step] for r in results) for step in steps}
         report["levels"][str(count)] = results  # type: ignore[index]
         base = medians[levels[0]]
         cells = [f"{medians[count][step]:.3f} ({max(r[step] for r in results):.3f}) ×{medians[count][step] / base[step]:.2f}"
                  for step in steps]
-        print(f"| {count} | " + " | ".join(cells) + " |", flush=True)
+        lines.append(f"| {count} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
     if out := os.environ.get("OUT"):
         Path(out).mkdir(parents=True, exist_ok=True)
         suffix = "".join(f"_{name}={value}" for name, value in extra_env.items())
         (Path(out) / f"host_contention{suffix}.json").write_text(json.dumps(report, indent=1))
+        last = levels[-1]
+        figures = {f"{step}_x{last}": round(medians[last][step] / medians[levels[0]][step], 2) for step in medians[last]}
+        ledger.record("host_contention", "\n".join(lines) + "\n", {**extra_env, **figures}, ledger.local_device(),
+                      results=Path(out))
 
 
 if __name__ == "__main__":

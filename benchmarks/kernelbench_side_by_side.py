@@ -27,7 +27,8 @@ KernelBench ``main`` sizes; 5 correctness + 100 timed trials; eager baseline. Ha
 Prints evaluations/min per harness, per-task verdicts and speedups side by side, each harness's
 eager time against KernelBench's published H100 baseline (vendored), kpipe's spread, the per-phase
 breakdown, the A/B table and GPU memory. Everything measured so far is written under ``$OUT`` as it
-comes (a run cut off keeps it). ``--budget-s`` bounds the run: kpipe's repeats stop early rather
+comes (a run cut off keeps it); at the end its report ``kernelbench_side_by_side.md`` and ledger line
+(``kpipe.infra.ledger``: each harness's evaluations/min). ``--budget-s`` bounds the run: kpipe's repeats stop early rather
 than overrun it. The harness files stay outside ``src/kpipe``: pass the folder that holds them
 (``../shared/anchors/kernelbench_harness`` in this workplace; copy it into the tree to take it to
 a GPU machine).
@@ -46,6 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kpipe.infra import ledger
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ["L1_1", "L1_40", "L1_88", "L2_9", "L2_12", "L2_14", "L2_59", "L2_63", "L2_76", "L2_86"]
@@ -414,6 +417,7 @@ def main() -> None:
     gpu = nvidia_smi(["--query-gpu=name", "--format=csv,noheader"]).strip() or "no GPU"
     results: dict[str, list[dict[str, Any]]] = {}
     extra: dict[str, Any] = {}
+    rates: dict[str, float] = {}  # the ledger's figures: each harness's first rate
     lines = [f"# KernelGym vs KernelBench's harness — {time.strftime('%Y-%m-%d')}, {gpu}", "",
              f"{len(pairs)} tasks (bank legit kernels, {'sizes capped at ' + str(args.shrink) if args.shrink else 'full KernelBench main sizes'}), 5 correctness + 100 timed trials, eager baseline.", "",
              "| harness | evaluations | seconds | evaluations/min/GPU |", "|---|---|---|---|"]
@@ -423,6 +427,7 @@ def main() -> None:
 
     def report_rate(name: str, rows: list[dict[str, Any]], seconds: float, note: str = "") -> None:
         lines.append(f"| {name}{note} | {len(rows)} | {seconds:.0f} | {60 * len(rows) / seconds:.1f} |")
+        rates.setdefault("per_min_" + name.replace(", ", "_").replace(" ", "_"), round(60 * len(rows) / seconds, 1))
         print(lines[-1], flush=True)
         save()
 
@@ -538,8 +543,8 @@ def main() -> None:
     lines += ["", f"Whole run: {time.monotonic() - run_started:.0f} s"]
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
-    Path(out_dir, "kernelbench_side_by_side.md").write_text(text)
     Path(out_dir, "kernelbench_side_by_side.json").write_text(json.dumps({"rows": results, "extra": extra}, default=str))
+    ledger.record("kernelbench_side_by_side", text, rates, ledger.device_label(gpu, len(gpu.splitlines())), results=out_dir)
 
 
 if __name__ == "__main__":

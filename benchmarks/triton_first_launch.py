@@ -7,7 +7,8 @@ optionally ``LAUNCH_PRELOAD``, ``warm_triton_compiler`` on a GPU), then forks a 
 its device is set up (as ``kpipe.gym.child``'s "start" phase), compiles and launches two fresh
 kernels into an empty cache. Printed per variant: the seconds of the first and of the second
 launch (their difference is what the first pays once: lazy imports, runtime helpers) and the
-modules the first launch imported. On a CPU, Triton runs through its interpreter.
+modules the first launch imported. On a CPU, Triton runs through its interpreter. When $OUT is set,
+records its report $OUT/triton_first_launch.md and ledger line (``kpipe.infra.ledger``).
 
     . scripts/device_env.sh && python benchmarks/triton_first_launch.py
 """
@@ -21,6 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+from kpipe.infra import ledger
 
 KERNEL = """
 import triton
@@ -96,15 +100,21 @@ def main() -> None:
     if args.one:
         print(json.dumps(one_variant(args.one == "with")))
         return
+    lines, figures = ["# What a forked child pays at its first Triton launch, with and without LAUNCH_PRELOAD", ""], {}
     for variant in ("without", "with"):
         run = subprocess.run([sys.executable, __file__, "--one", variant], capture_output=True, text=True, timeout=600)
         if run.returncode != 0:
             raise SystemExit(f"the {variant} variant failed:\n{run.stderr[-3000:]}")
         result = json.loads(run.stdout.strip().splitlines()[-1])
-        print(f"{variant} LAUNCH_PRELOAD ({result['device']}, Triton {result['triton']}): first launch {result['first_s']:.3f} s, "
-              f"second {result['second_s']:.3f} s; the first imported {len(result['imported'])} modules", flush=True)
         tops = sorted({name.rsplit(".", 1)[0] if name.count(".") > 2 else name for name in result["imported"]})
-        print("  " + ", ".join(tops[:60]), flush=True)
+        lines += [f"- {variant} LAUNCH_PRELOAD ({result['device']}, Triton {result['triton']}): first launch "
+                  f"{result['first_s']:.3f} s, second {result['second_s']:.3f} s; the first imported "
+                  f"{len(result['imported'])} modules", "  " + ", ".join(tops[:60])]
+        print("\n".join(lines[-2:]), flush=True)
+        figures.update({f"first_s_{variant}": round(result["first_s"], 3), f"second_s_{variant}": round(result["second_s"], 3)})
+    if os.environ.get("OUT"):
+        ledger.record("triton_first_launch", "\n".join(lines) + "\n", figures, ledger.local_device(),
+                      results=Path(os.environ["OUT"]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""checks/gpu: the harness on a CPU with a fake check (report files, exit status, empty compile caches,
-the suite in calls of at most 10 minutes, one report per check from several calls), and every real
-check module imports without torch and lists its sections."""
+"""checks/gpu: the harness on a CPU with a fake check (the current report and its ledger line, exit
+status, empty compile caches, the suite in calls of at most 10 minutes, one report and ledger line per
+check from several calls), and every real check module imports without torch and lists its sections."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from checks.gpu import CHECKS, gym, harness
 from checks.gpu.harness import Report, Section, Target
+from kpipe.infra import ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTS = {"date": "2026-11-27 10:00 UTC", "device": "cpu", "gpus": 0, "driver": "none", "torch": "2.13.0",
@@ -68,9 +69,12 @@ def test_a_check_reports_every_section_and_exits_1_when_one_fails(tmp_path):
     done = run_fake(tmp_path)
     assert done.returncode == 1, done.stderr[-2000:]
     date = time.strftime("%Y-%m-%d", time.gmtime())
-    [md] = (tmp_path / "out").glob("fake_*.md")
-    assert md.name == f"fake_{date}_cpu.md"
+    md = tmp_path / "out" / "fake.md"
     report = json.loads(md.with_suffix(".json").read_text())
+    [line] = ledger.read_ledger(tmp_path / "out")
+    assert line["check"] == "fake" and line["device"] == "cpu" and line["date"].startswith(date)
+    assert line["commit"] == report["facts"]["commit"] and line["report"] == "fake.md"
+    assert line["figures"]["ok"] is False and line["figures"]["wall_s"] >= 0
     assert report["facts"]["device"] == "cpu" and report["facts"]["torch"] and report["facts"]["commit"]
     failures = {name: section["failures"] for name, section in report["sections"].items()}
     assert failures == {"good": [], "bad": ["b"], "broken": ["ERROR RuntimeError: boom"], "refused": ["does not hold"]}
@@ -89,8 +93,9 @@ def test_a_check_reports_every_section_and_exits_1_when_one_fails(tmp_path):
 def test_chosen_sections_that_hold_exit_0_in_a_file_of_their_own(tmp_path):
     done = run_fake(tmp_path, "good")
     assert done.returncode == 0, done.stderr[-2000:]
-    [md] = (tmp_path / "out").glob("fake_*.md")
-    assert md.name.endswith("_cpu.good.md") and "**PASS**" in md.read_text()
+    assert "**PASS**" in (tmp_path / "out" / "fake.md").read_text()
+    [line] = ledger.read_ledger(tmp_path / "out")
+    assert line["figures"] == {"ok": True, "wall_s": line["figures"]["wall_s"], "sections": "good"}
     assert run_fake(tmp_path, "nosuch").returncode == 2
 
 
@@ -170,12 +175,15 @@ def test_reports_of_several_calls_combine_into_one_per_check(tmp_path, monkeypat
     call("call1", "2026-11-26", "two", "three", fail="three")
     call("call2", "2026-11-27", "one")
     call("rerun", "2026-11-27", "three")
-    assert (tmp_path / "call1" / "fake_2026-11-26_H100.two-three.md").exists()
+    assert (tmp_path / "call1" / "fake.md").exists()
     [written] = harness.combine([tmp_path / "call1", tmp_path / "call2", tmp_path / "rerun"], tmp_path / "docs")
-    assert written == tmp_path / "docs" / "fake_2026-11-27_H100.md"
+    assert written == tmp_path / "docs" / "fake.md"
     text = written.read_text()
     assert text.index("## one") < text.index("## two") < text.index("## three")
     assert "three from rerun" in text and "three from call1" not in text and "**PASS**" in text
+    [line] = ledger.read_ledger(tmp_path / "docs")
+    assert line == {"check": "fake", "commit": "abc1234", "date": "2026-11-27 10:00 UTC", "device": "H100",
+                    "figures": {"ok": True, "wall_s": 3.0}, "report": "fake.md"}
 
 
 @pytest.mark.parametrize("check", CHECKS)

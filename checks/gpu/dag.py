@@ -542,3 +542,10 @@ print(f"generate: {seconds:.1f} s, {tokens} tokens, {tokens / seconds:.0f} token
 
 SECTIONS = (Section("setup", 40, setup), Section("run", 300, run), Section("rerun", 90, rerun),
             Section("startup", 60, startup))
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The ledger's figures of a run: Snakemake's seconds and the DAG's jobs."""
+    run = report["sections"].get("run", {}).get("data", {})
+    return {name: round(run[name], 1) if isinstance(run[name], float) else run[name]
+            for name in ("snakemake_s", "jobs", "most_at_once") if name in run}

@@ -588,7 +588,7 @@ def merge(dirs: list[Path], pairs: list[dict[str, Any]]) -> tuple[list[str], boo
     origin: dict[str, int] = {}
     expected = {p["key"]: p["expected"] for p in pairs}
     for rank, folder in enumerate(dirs):
-        for path in sorted(folder.glob("gym_paths_*.json")):
+        for path in sorted(folder.glob("gym_paths*.json")):
             for name, section in json.loads(path.read_text())["sections"].items():
                 data = section["data"]
                 if "path" not in data and "check" not in data:
@@ -612,3 +612,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The ledger's figures: the pairs each path ran, and the pool's first and warm evaluation seconds."""
+    paths = {name: section["data"] for name, section in report["sections"].items() if "rows" in section["data"]}
+    pool = paths.get("pool", {})
+    return {**{f"{name}_pairs": len(data["rows"]) for name, data in paths.items()},
+            **{name: pool[name] for name in ("first_eval_s", "median_warm_eval_s") if name in pool}}

@@ -9,10 +9,13 @@ which has no ``.git``: pass the commit in ``KPIPE_COMMIT``)::
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu --call 3        # call 3 of the suite, reports under $OUT
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu gym hacks faults  # one check (all sections without names)
 
-Here, afterwards: ``python -m checks.gpu --combine DIR ... --out docs/gpu-results`` makes one report per
-check from the calls' folders. A check is a module of ``checks.gpu`` with ``TITLE``, ``SECTIONS``
-(``Section``: a name, its expected seconds on one H100 from empty caches, the function that checks)
-and, where it takes options, ``add_options(parser)``. A section function writes into the ``Report``
+Each run overwrites its check's current report ``<check>.md`` under ``$OUT`` (with its data,
+``<check>.json``) and appends its key figures to ``$OUT/ledger.jsonl`` (``kpipe.infra.ledger``).
+Here, afterwards: ``python -m checks.gpu --combine DIR ... --out docs/gpu-results`` records one report
+and ledger line per check from the calls' folders. A check is a module of ``checks.gpu`` with ``TITLE``,
+``SECTIONS`` (``Section``: a name, its expected seconds on one H100 from empty caches, the function that
+checks), where it takes options ``add_options(parser)``, and where it has key figures beyond whether it
+held ``figures(report_json) -> dict`` (for the ledger). A section function writes into the ``Report``
 it is given and fails by ``report.row(..., ok=False)``, ``report.expect(...)`` or ``raise
 CheckFailed``; the harness runs each section once, saves the report after it and exits 1 when any
 section failed, raised, or was not reached within the time budget.
@@ -25,7 +28,6 @@ import atexit
 import importlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +41,7 @@ from types import ModuleType
 from typing import Any
 
 from checks.gpu import CHECKS
+from kpipe.infra import ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPILE_CACHES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
@@ -94,15 +97,7 @@ def device_facts() -> dict[str, Any]:
     return {"device": torch.cuda.get_device_name(0) if gpus else "cpu", "gpus": gpus,
             "driver": driver[0] if driver else "none", "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda or "none", "python": sys.version.split()[0],
-            "commit": os.environ.get("KPIPE_COMMIT") or _command(["git", "rev-parse", "--short", "HEAD"]) or "unknown",
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
-def device_label(facts: dict[str, Any]) -> str:
-    """`H100`, `2xH200`, `cpu`: the device part of a report's file name."""
-    model = re.search(r"\b([A-Z]\d{2,4})\b", facts["device"])
-    name = model.group(1) if model else re.sub(r"[^A-Za-z0-9]+", "-", facts["device"]).strip("-") or "cpu"
-    return f"{facts['gpus']}x{name}" if facts.get("gpus", 0) > 1 else name
+            "commit": ledger.current_commit(), "date": ledger.utc_now()}
 
 
 def facts_line(facts: dict[str, Any]) -> str:
@@ -193,10 +188,6 @@ class Report:
     def failures(self) -> list[str]:
         return [f"{name}: {what}" for name, section in self.sections.items() for what in section["failures"]]
 
-    def stem(self) -> str:
-        date = self.facts["date"].split()[0]
-        return f"{self.check}_{date}_{device_label(self.facts)}" + (f".{'-'.join(self.part)}" if self.part else "")
-
     def markdown(self) -> str:
         command = " ".join(("python -m checks.gpu", self.check, *self.part))
         lines = [f"# {self.title}", "", f"`{command}`: {facts_line(self.facts)}."]
@@ -221,13 +212,29 @@ class Report:
         return report
 
     def save(self) -> None:
-        """`<check>_<date>_<device>[.<sections>]`.md and .json under `out` (written after every
+        """The current report `<check>.md` and its data `<check>.json` under `out` (written after every
         section, and by a section whenever it wants: a call stopped at its limit keeps what ran)."""
         if self.out is None:
             return
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / f"{self.stem()}.md").write_text(self.markdown())
-        (self.out / f"{self.stem()}.json").write_text(json.dumps(self.to_json(), indent=2, default=str))
+        ledger.write_report(self.out, self.check, self.markdown())
+        (self.out / f"{self.check}.json").write_text(json.dumps(self.to_json(), indent=2, default=str))
+
+    def record(self, results: Path) -> dict[str, Any]:
+        """The finished run: its report and a ledger line of its key figures under `results`."""
+        return ledger.record(self.check, self.markdown(), key_figures(self.to_json()),
+                             ledger.device_label(self.facts["device"], self.facts.get("gpus", 0)),
+                             results=results, commit=self.facts["commit"], date=self.facts["date"])
+
+
+def key_figures(report: dict[str, Any]) -> dict[str, Any]:
+    """A report's ledger figures: whether it held, its seconds, the sections run when not all,
+    and the check's own (its module's ``figures``)."""
+    module = load(report["check"])
+    figures: dict[str, Any] = {"ok": report["ok"],
+                               "wall_s": round(sum(s["wall_s"] or 0 for s in report["sections"].values()), 1)}
+    if report.get("part"):
+        figures["sections"] = ",".join(report["part"])
+    return {**figures, **(module.figures(report) if hasattr(module, "figures") else {})}
 
 
 def load(check: str) -> ModuleType:
@@ -267,6 +274,8 @@ def run_check(check: str, names: list[str], options: argparse.Namespace, out: Pa
             report.fail(f"ERROR {type(exc).__name__}: {exc}")
         report.current.update(done=True, wall_s=time.monotonic() - started)
         report.save()
+    if out is not None:
+        report.record(out)
     print(report.markdown().rsplit("\n\n", 1)[-1], flush=True)
     return exit_status(report.failures)
 
@@ -323,8 +332,8 @@ def run_call(call: list[Target], out: Path, limit_s: int = CALL_LIMIT_S) -> int:
 
 
 def combine(folders: list[Path], out: Path) -> list[Path]:
-    """One report per check from the reports of several calls (a later folder's section supersedes
-    an earlier one's of the same name); returns the Markdown files written."""
+    """One report and ledger line per check from the reports of several calls (a later folder's
+    section supersedes an earlier one's of the same name); returns the reports written."""
     merged: dict[str, Report] = {}
     for folder in folders:
         for path in sorted(folder.glob("*.json")):
@@ -332,14 +341,17 @@ def combine(folders: list[Path], out: Path) -> list[Path]:
             if not isinstance(data, dict) or {"check", "sections", "facts"} - set(data):
                 continue
             part = Report.from_json(data)
-            whole = merged.setdefault(part.check, Report(part.check, part.title, part.facts, (), out))
+            whole = merged.setdefault(part.check, Report(part.check, part.title, part.facts))
             whole.facts = part.facts if part.facts["date"] >= whole.facts["date"] else whole.facts
             whole.sections.update(part.sections)
     for check, report in merged.items():
         order = [s.name for s in load(check).SECTIONS]
         report.sections = dict(sorted(report.sections.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
-        report.save()
-    return [out / f"{report.stem()}.md" for report in merged.values()]
+        report.part = tuple(name for name in order if name in report.sections) if set(order) - set(report.sections) else ()
+        report.record(out)
+    if out.resolve() == ledger.RESULTS.resolve():
+        ledger.write_docs()
+    return [out / f"{check}.md" for check in merged]
 
 
 def out_dir(given: Path | None) -> Path:
@@ -353,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", nargs="*", metavar="CHECK [SECTION ...]", help="one check and some of its sections")
     parser.add_argument("--list", action="store_true", help="every check's sections and the suite's calls")
     parser.add_argument("--call", type=int, help="run call K (1-based) of the suite")
-    parser.add_argument("--combine", nargs="+", type=Path, metavar="DIR", help="one report per check from these folders")
+    parser.add_argument("--combine", nargs="+", type=Path, metavar="DIR",
+                        help="one report and ledger line per check from these folders")
     parser.add_argument("--out", type=Path, help="reports folder (default $OUT, else results/gpu-checks)")
     parser.add_argument("--budget-s", type=float, help="fail the sections and items not started within this many seconds")
     known, _ = parser.parse_known_args(argv)

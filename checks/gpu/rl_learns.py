@@ -538,3 +538,10 @@ def learns(sink: Report, args: argparse.Namespace) -> None:
 
 
 SECTIONS = (Section("learns", 240, learns),)
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The ledger's figures: the mean reward and Fast@1 at the first and last iteration."""
+    verdict = report["sections"].get("learns", {}).get("data", {}).get("verdict", {})
+    return {f"{name}_{end}": round(verdict[name][end], 3) for name in ("reward", "fast@1") if name in verdict
+            for end in ("first", "last")}

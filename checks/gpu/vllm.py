@@ -821,3 +821,12 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(code)  # vLLM's in-process engine may hang in interpreter shutdown; the result is written
     sys.exit("run this check as `python3 -m checks.gpu vllm` (this module's own entry point is for its children)")
+
+
+def figures(report: dict[str, Any]) -> dict[str, Any]:
+    """The ledger's figures: vLLM's tokens/s over HF's at batch 64 per policy, and `vllm serve`'s start."""
+    data = {name: section["data"] for name, section in report["sections"].items()}
+    ratios = data.get("throughput", {}).get("verdict", {}).get("ratios", {})
+    serve = data.get("serve", {})
+    return {**{f"vllm_over_hf_{policy}": round(ratio, 2) for policy, ratio in ratios.items()},
+            **({"serve_start_s": round(serve["startup_s"], 1)} if "startup_s" in serve else {})}
