@@ -1,5 +1,5 @@
 """Why an RL step's generation takes 10-13 s inside the DAG's RL jobs on an H200 and 1.3 s in a fresh
-process (`docs/gpu-results/dag_2026-11-26_H200.md`): the same generate() call, one difference at a
+process (`965801b:docs/gpu-results/dag_2026-11-26_H200.md`): the same generate() call, one difference at a
 time, each in a fresh process on the nano policy (random weights, the DAG's BPE tokenizer).
 
     python3 -m checks.gpu rl_generation          # ~2 minutes on one H100

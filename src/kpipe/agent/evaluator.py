@@ -211,7 +211,7 @@ def reference_reuse(setting: bool | None) -> bool:
     RL group are then judged against one baseline, and on GPUs the speedup does not move — a
     candidate of 1 ms or more is timed beside paired reference trials either way (kgym-4), and on
     a 4x H200 host every task's median speedup stayed within 1 % of the per-evaluation baseline's
-    (docs/gpu-results/gym_scaling_2026-11-26b_H200.md) — while a one-pass batch runs 1.6-2x as
+    (`965801b:docs/gpu-results/gym_scaling_2026-11-26b_H200.md`) — while a one-pass batch runs 1.6-2x as
     fast (the pool sends a task's candidates to the worker that has run its reference,
     ``kpipe.gym.pool.JobQueue``). Distillation and RL share this rule, so they share the run's
     one KernelGym service too."""

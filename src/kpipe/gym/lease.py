@@ -10,7 +10,7 @@ lease is held by someone else, and resumes it after (``ChildPauser``; the paused
 to that child's deadline). Overlapping only the timed regions was measured and is not enough: the
 other children's correctness trials on the GPU spread one candidate's speedups over 8 evaluations
 by up to 1.28x on an H200, where one child at a time kept them within 1.006x
-(docs/gpu-results/gym_scaling_2026-11-26_4xH200.md).
+(`965801b:docs/gpu-results/gym_scaling_2026-11-26_4xH200.md`).
 
 The lease is an open-file-description lock on a file named after the GPU's UUID, so every pool,
 service and job on the machine shares it, whatever its own process tree; a holder that dies
@@ -46,7 +46,7 @@ LEASE_MAX_WAIT_TIMEOUTS = 8
 POLL_S = 0.001
 # after taking the lease, before the child may time: the other judges (polling every POLL_S)
 # stop their children, and the GPU finishes what those had queued. 0.05, 0.1 and 0.25 s were
-# measured and changed no spread (docs/gpu-results/gym_neighbours_2026-11-26_H200.md)
+# measured and changed no spread (`965801b:docs/gpu-results/gym_neighbours_2026-11-26_H200.md`)
 SETTLE_S = 0.01
 # struct flock on Linux (x86_64, aarch64): l_type, l_whence, l_start, l_len, l_pid
 FLOCK = struct.Struct("hhxxxxqqixxxx")

@@ -51,7 +51,7 @@ MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
 # (kpipe.gym.lease). On H200s, one pass of 80 evaluations with references reused: 28.7-34.9
 # evaluations/min with two against 16.1-19.7 with one, every verdict the same, median speedups of
 # candidates of 1 ms or more within 1.2 % of one worker's and within 1.012x over 8 runs
-# (docs/gpu-results/gym_scaling_2026-11-26b_H200.md). A launch-bound candidate (0.15 ms, timed by
+# (`965801b:docs/gpu-results/gym_scaling_2026-11-26b_H200.md`). A launch-bound candidate (0.15 ms, timed by
 # how fast the host launches) spreads more with a neighbour: L2_14 1.3-1.6x against 1.0-1.3x alone,
 # its median 3-8 % lower on a 16-core host
 DEFAULT_WORKERS_PER_GPU = 2
@@ -61,7 +61,7 @@ WORKER_SLACK_S = 120.0
 # workers, but no more than this. On a 64-core 4x H200 host, one GPU with two workers did 29.4
 # evaluations/min with 32 threads each (every core), 37.4 with 16 and 36.4 with 8, in one pass of
 # 120 (correctness trials 1.79 -> 1.49 s, waits at the gate 0.48 -> 0.23 s, pool start 10.9 -> 7.5 s;
-# docs/gpu-results/gym_scaling_2026-11-27c_4xH200.md): a child's CPU work (digests, comparisons) is
+# `965801b:docs/gpu-results/gym_scaling_2026-11-27c_4xH200.md`): a child's CPU work (digests, comparisons) is
 # small, and more threads cost more to wake than they save
 MAX_CPU_THREADS = 16
 

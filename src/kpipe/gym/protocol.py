@@ -41,14 +41,14 @@ from kpipe.gym.screen import FINDING_CODES
 # a host synchronize (recheck_timing_start), so its host clock no longer covers the harness's own
 # input copy and L2 flush queued before the call: on a launch-bound kernel (0.18 ms, L2_14's legit
 # one) those made the host time about twice the event time, the check's bound, and an honest kernel
-# was judged hacked once in eight (docs/gpu-results/gym_scaling_2026-11-27j_4xH200.md).
+# was judged hacked once in eight (`965801b:docs/gpu-results/gym_scaling_2026-11-27j_4xH200.md`).
 # kgym-10: the re-check takes the harness's own host cost out of the candidate's host time
 # (recheck_subtracts_harness): the events, the device-wide synchronize and the event wait around
 # each call, as the trusted reference child measures them around a call that does nothing, under the
 # timing lease (0.027-0.043 ms on H200s). It is charged to no kernel's speed, and it is the whole
 # margin of a kernel of a few tens of microseconds. Honest launch-bound bank kernels (L1_40 0.22 ms,
 # L2_14 0.19 ms) came as close as 0.57-0.60 of their event speedup to the bound of 0.5
-# (docs/gpu-results/gym_scaling_2026-11-28_2xH200.md), and one was judged hacked once in 480 (…27m_4xH200.md).
+# (`965801b:docs/gpu-results/gym_scaling_2026-11-28_2xH200.md`), and one was judged hacked once in 480 (`965801b:docs/gpu-results/gym_scaling_2026-11-27m_4xH200.md`).
 # kgym-11: the candidate's process is untrusted, whatever it writes. After its timing the judge
 # reveals a timing challenge (kpipe.gym.isolate.Challenge): fresh inputs from a seed no candidate has
 # seen, whose calls the judge clocks itself against the reference's; the challenge replaces the

@@ -45,7 +45,7 @@ PRELOAD = ("torch", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.i
 # of a child's start; torch imports its profiler itself). A zygote whose children compile for a GPU
 # imports it after it is ready, beside its first child (``deferred_preload``): it was 40 % of a
 # zygote's imports, and those 7.7-8.4 s on a 4x H200 host were the pool's start
-# (docs/gpu-results/gym_scaling_2026-11-27f_4xH200.md)
+# (`965801b:docs/gpu-results/gym_scaling_2026-11-27f_4xH200.md`)
 CANDIDATE_PRELOAD = ("torch._dynamo",)
 # what Triton imports at a process's first kernel launch (its argument specialiser asks for gluon's
 # types): 0.26 s of every child's first launch with Triton 3.8, a third of an interpreter
@@ -121,7 +121,7 @@ class DeferredPreload:
     Run between the loop's events instead, its steps (3-7 s in all on a GPU host) held back the
     report of a worker's first child's exit; that child's judge held its GPU's timing lease until
     the report, and the other worker's child on the GPU stayed stopped meanwhile: 2-5.5 s of
-    every GPU's first evaluations in ``docs/gpu-results/gym_scaling_2026-11-27l_4xH200.md`` and
+    every GPU's first evaluations in ``965801b:docs/gpu-results/gym_scaling_2026-11-27l_4xH200.md`` and
     ``…27m…``. A fork never runs beside a step: the first child (which needs none of it) waits for
     the step under way (``pause``), every later one for all of it (``complete``), so each child
     starts with one thread and whole modules. While a step runs, the loop neither reaps nor kills
@@ -585,7 +585,7 @@ class ZygoteLauncher:
     It also keeps one candidate child started ahead (``start_next``, once the current candidate
     has its job; ``waiting_candidate`` takes it): confined in its scratch, its CUDA context made,
     waiting for its job. Making a context takes a child 0.5 s on an H200, 0.9 s when eight make
-    theirs at once on one host (docs/gpu-results/gym_scaling_2026-11-26d_4xH200.md); started
+    theirs at once on one host (`965801b:docs/gpu-results/gym_scaling_2026-11-26d_4xH200.md`); started
     while the previous candidate runs, it costs the next one nothing. While it waits it is
     stopped with the others whenever a child times on its GPU (its pauser), so its start never
     runs beside a timed region."""

@@ -225,7 +225,7 @@ def job_function(smk: Any, function: Callable[..., Any], *args: Any, **kwargs: A
     importing at the run's start, a cluster job) it runs in this process (``snakemake_job``). A job
     that loads a local model pays ~10 s of those imports in a fresh Python on an H200: the default
     DAG's evaluations of the tiny policies and their STTS took 17-20 s there, their loop 3 s of it
-    (``docs/gpu-results/dag_2026-11-28d_H200.run-logs.tar.gz``)."""
+    (``965801b:docs/gpu-results/dag_2026-11-28d_H200.run-logs.tar.gz``)."""
     mark_job_started()
     threads_held_to(smk.threads)  # before the hand-over: the forked worker takes this environment
     slots = job_slots(smk)

@@ -29,7 +29,7 @@ PLAIN_CHAT_ROLE = "<|{role}|>\n"  # used only when a tokenizer has no chat templ
 # Attention kernels for decoding: every one PyTorch has but cuDNN's. torch 2.11 prefers cuDNN's on
 # an H100/H200, and it builds a cuDNN graph for every new key length, so every decode step: 23.7 ms
 # of host time per call, 12 of the 15 s of an RL step's 64 rollouts on an H200 against ~3 s without
-# (checks/gpu/rl_generation.py, docs/gpu-results/rl_generation_2026-11-26_H200.md).
+# (checks/gpu/rl_generation.py, `965801b:docs/gpu-results/rl_generation_2026-11-26_H200.md`).
 DECODE_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
