@@ -168,6 +168,11 @@ def served_config(entry: Mapping[str, Any], checkpoint: str | None = None) -> VL
                                           entry.get("vllm_server") or {}, f"models.{entry['name']}.vllm_server")
 
 
+def served_client(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """The `OpenAIConfig` fields of a `serve: vllm` entry: its keys that are not the entry's own."""
+    return {k: v for k, v in entry.items() if k not in (*NOT_ENGINE_KEYS, "path")}
+
+
 def model_gpus(entry: Mapping[str, Any]) -> int:
     """GPUs an eval/STTS job of this model holds: its vLLM server's (tensor x data parallel)
     when served, else one (in-process generation and KernelGym share it)."""
@@ -194,8 +199,7 @@ def opened_engine(entry: Mapping[str, Any], checkpoint: str | None = None, progr
     if entry.get("serve") == "vllm":
         from kpipe.llm.vllm_server import served_engine
 
-        client = {k: v for k, v in entry.items() if k not in (*NOT_ENGINE_KEYS, "path")}
-        with served_engine(served_config(entry, checkpoint), progress=progress, **client) as engine:
+        with served_engine(served_config(entry, checkpoint), progress=progress, **served_client(entry)) as engine:
             yield engine
         return
     yield make_engine(engine_spec(entry, checkpoint, progress))

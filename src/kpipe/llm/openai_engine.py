@@ -26,6 +26,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)
 
 RETRYABLE = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
 NO_KEY = "EMPTY"  # local servers accept any key; the client refuses an empty one
+MAX_TOKENS_PARAMS = ("max_tokens", "max_completion_tokens")
+OMITTABLE_PARAMS = ("temperature", "top_p", "seed")
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,39 @@ class OpenAIConfig:
     backoff_max_s: float = 60.0
     prices: dict[str, Price] = field(default_factory=dict)
     max_tokens_param: str = "max_tokens"  # reasoning models (GPT-5) want "max_completion_tokens"
+    # sampling parameters left out of every request, where the API refuses them (GPT-5 and the o-series:
+    # temperature and top_p other than 1; Claude Sonnet 4.5: temperature and top_p together) or ignores them
+    omit_params: list[str] = field(default_factory=list)
     extra_body: dict[str, Any] = field(default_factory=dict)  # backend-specific sampling args
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_param not in MAX_TOKENS_PARAMS:
+            raise ValueError(f"max_tokens_param must be one of {', '.join(MAX_TOKENS_PARAMS)}, got {self.max_tokens_param!r}")
+        unknown = sorted(set(self.omit_params) - set(OMITTABLE_PARAMS))
+        if unknown:
+            raise ValueError(f"omit_params: {', '.join(unknown)} cannot be left out (choose from {', '.join(OMITTABLE_PARAMS)})")
+
+
+def request_params(config: OpenAIConfig, request: ChatRequest) -> dict[str, Any]:
+    """The chat-completions arguments of one request: the request's sampling under the names this API takes
+    (`max_tokens_param`), less the parameters it refuses (`omit_params`)."""
+    params: dict[str, Any] = {
+        "model": config.model,
+        "messages": request.messages,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        config.max_tokens_param: request.max_tokens,
+    }
+    if request.seed is not None:
+        params["seed"] = request.seed
+    for name in config.omit_params:
+        params.pop(name, None)
+    if request.logprobs:
+        params["logprobs"] = True
+    if config.extra_body:
+        params["extra_body"] = config.extra_body
+    return params
 
 
 def backoff_delay(attempt: int, base_s: float, max_s: float, rng: random.Random) -> float:
@@ -152,20 +185,7 @@ class OpenAIEngine:
         )
 
     async def _call(self, client: openai.AsyncOpenAI, request: ChatRequest) -> Completion:
-        kwargs: dict[str, Any] = {
-            "model": self.model,
-            "messages": request.messages,
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            self.config.max_tokens_param: request.max_tokens,
-        }
-        if request.seed is not None:
-            kwargs["seed"] = request.seed
-        if request.logprobs:
-            kwargs["logprobs"] = True
-        if self.config.extra_body:
-            kwargs["extra_body"] = self.config.extra_body
-        response = await client.chat.completions.create(**kwargs)
+        response = await client.chat.completions.create(**request_params(self.config, request))
         choice = response.choices[0]
         usage = response.usage
         prompt_tokens = usage.prompt_tokens if usage else 0
