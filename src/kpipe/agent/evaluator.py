@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from tqdm.auto import tqdm
 
 from kpipe.gym.result import reference_error
+from kpipe.infra.provenance import judge_version
 
 
 class Evaluator(Protocol):
@@ -168,7 +169,9 @@ class CachedEvaluator:
     feedback carries measured times that differ between two evaluations of the same code.
     Replaying the first evaluation makes the resumed prompts identical to the original
     ones, so their answers come from the response cache instead of being paid for again.
-    `namespace` (the protocol as JSON) keeps results of different protocols apart.
+    `namespace` (the protocol as JSON) keeps results of different protocols apart, and the judge's
+    version (``kpipe.infra.provenance.judge_version``) those of another KernelGym code, torch or Triton:
+    a rerun after such a change evaluates again.
     """
 
     def __init__(self, evaluator: Evaluator, path: str | os.PathLike, namespace: str = "") -> None:
@@ -186,7 +189,7 @@ class CachedEvaluator:
                 self._results[record["key"]] = record["result"]
 
     def job_key(self, reference: str, candidate: str) -> str:
-        return hashlib.sha256("\0".join((self.namespace, reference, candidate)).encode()).hexdigest()
+        return hashlib.sha256("\0".join((self.namespace, judge_version(), reference, candidate)).encode()).hexdigest()
 
     def evaluate_many(self, jobs: list[tuple[str, str]]) -> list[Any]:
         keys = [self.job_key(*job) for job in jobs]

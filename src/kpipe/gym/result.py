@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kpipe.gym.environment import redact_secrets
+from kpipe.infra.provenance import judge_version
 from kpipe.gym.sandbox import opted_out
 
 if TYPE_CHECKING:
@@ -114,9 +115,10 @@ class EvalResult:
 
 def eval_key(reference_src: str, candidate_src: str, protocol: Protocol, device_kind: str) -> str:
     """Content hash of everything that determines a result: the result cache's key. A result
-    of an unconfined candidate (the user's named opt-out) never stands in for a confined one.
+    of an unconfined candidate (the user's named opt-out) never stands in for a confined one, nor one
+    of another judge (kpipe's KernelGym code, torch, Triton: ``judge_version``).
     Here, not beside ``evaluate``: a pool keys every job it is given, and its caller need not
     import torch for that (it cost the first ``submit`` of a one-pass batch 3 s on an H200 host)."""
     confinement = ["unconfined"] if opted_out() else []
-    blob = json.dumps([reference_src, candidate_src, protocol.to_json(), device_kind, *confinement])
+    blob = json.dumps([reference_src, candidate_src, protocol.to_json(), device_kind, judge_version(), *confinement])
     return hashlib.sha256(blob.encode()).hexdigest()

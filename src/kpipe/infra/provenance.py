@@ -56,6 +56,15 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+@cache
+def judge_version() -> str:
+    """kpipe's KernelGym code and the torch and Triton versions: part of every cached evaluation's key
+    (the result cache, a job's replay cache), so a rerun after a change of the judge evaluates again
+    instead of replaying verdicts and timings of the old one."""
+    versions = library_versions()
+    return f"{code_version('gym')}/torch-{versions['torch']}/triton-{versions['triton']}"
+
+
 def weights_identity(path: str | os.PathLike | None) -> str:
     """Identity of a model or state folder (or file): every file's name, size and first and last
     MiB, so a retrained or replaced model differs while a copy (new times) does not; cheap for
