@@ -18,6 +18,7 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 LONGEST_MODULES = (
     "test_workflow.py",
     "test_workflow_gym_service.py",
+    "test_workflow_reruns.py",
     "test_workflow_db.py",
     "test_rl_learning.py",
     "test_gym_service.py",

@@ -184,6 +184,14 @@ def test_nested_config_overrides_take_numbers_and_range_errors_say_range(workflo
     assert "config error: rl.iterations: out of range: -2 is less than the minimum of 1" in bad.stdout + bad.stderr
 
 
+def test_an_undefined_model_under_a_stage_stops_with_one_line_naming_the_key(workflow_copy):
+    result = snakemake(workflow_copy, "-n", "--config", 'stts={"models": ["tiny-sft", "nope"]}')
+    assert result.returncode != 0
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("config error")]
+    assert errors == ["config error: stts.models: 'nope' not defined under models: (defined: tiny-sft, tiny-rl, teacher)"]
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 def planned_counts(output: str) -> dict[str, int]:
     """Rule name -> planned jobs, from a dry run's 'Job stats' table."""
     stats = output.split("Job stats:")[1].split("total")[0]

@@ -196,6 +196,8 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "pr": {"mrs": True, "use_pr": True},
     "prs": {"mrs": True, "use_pr": True, "prs": True},
     "prs_hard": {"mrs": True, "use_pr": True, "prs": True, "prs_hard": True},
+    # +PRS as the released code reads Eq. 9: only correct, non-hacked turns are sampled (docs/rl.md, PRS's scope)
+    "prs_correct": {"mrs": True, "use_pr": True, "prs": True, "prs_scope": "correct"},
     # TritonForge (papers/tritonforge.md): groups of n = 8 (text and scripts); its "standard KL" (text, no
     # coefficient given: TRITONFORGE_KL_COEF is kpipe's) against the SFT model; released: the KL coefficient 0
     "tritonforge": {"reward": "tritonforge", "buffer": "tritonforge", "advantage": "grpo",
