@@ -321,12 +321,58 @@ def test_entropy_logprobs_perplexity():
     assert algos.masked_mean(torch.ones(3), torch.zeros(3)).item() == 0.0
 
 
-def test_advantage_registry():
-    assert close(algos.advantage_fn("grpo_std")(RETURNS, GROUP),
-                 algos.grpo_advantages(RETURNS, GROUP, normalize_std=True))
-    assert algos.advantage_fn("trloo") is algos.trloo_advantages
-    with pytest.raises(KeyError, match="known: trloo"):
+def test_advantage_registry_one_signature():
+    """Every estimator is called with one AdvantageBatch and gives what its function gives."""
+    prompts, turns, trajectories = ["a", "a", "a", "b", "b", "b"], [1, 1, 2, 1, 1, 1], [0, 1, 0, 2, 3, 4]
+    rewards = torch.tensor([1.0, 0.0, 2.0, 3.0, 1.0, 0.0], dtype=torch.float64)
+    returns = torch.tensor([3.0, 0.0, 2.0, 3.0, 1.0, 0.0], dtype=torch.float64)
+    valid = torch.tensor([True, True, True, True, False, True])
+    batch = algos.AdvantageBatch(returns, rewards, prompts, trajectories, turns, valid, singleton="return")
+    keys = algos.prompt_turn_keys(prompts, turns)
+    expected = {
+        "trloo": algos.trloo_advantages(returns, keys, valid, "return"),
+        "grpo": algos.grpo_advantages(returns, keys, valid),
+        "grpo_std": algos.grpo_advantages(returns, keys, valid, normalize_std=True),
+        "rloo_trajectory": algos.rloo_trajectory_advantages(rewards, prompts, trajectories, valid, "return"),
+        "kevin": algos.kevin_advantages(returns, prompts, valid),
+    }
+    assert set(algos.ADVANTAGES) == set(expected)
+    for name, advantages in expected.items():
+        assert torch.equal(algos.advantage_fn(name)(batch), advantages), name
+    assert algos.advantage_fn("trloo").fn is algos.trloo_advantages
+    assert [name for name, e in algos.ADVANTAGES.items() if not e.prompt_turn_groups] == ["rloo_trajectory", "kevin"]
+    with pytest.raises(KeyError, match="known: grpo, trloo"):
         algos.advantage_fn("ppo")
+    with pytest.raises(ValueError, match="registered twice"):
+        algos.register_advantage("grpo", lambda batch: ())(algos.grpo_advantages)
+
+
+def test_every_configured_advantage_resolves_through_the_registry():
+    """RLConfig's choices, the ablations' and the config files' `rl.advantage`, and the config schema's
+    enum are the registry's names."""
+    from pathlib import Path
+
+    import yaml
+
+    from kpipe.train.rl_config import ABLATIONS, ADVANTAGE_NAMES, RLConfig
+
+    root = Path(__file__).resolve().parents[1]
+    assert ADVANTAGE_NAMES == tuple(algos.ADVANTAGES)
+    schema = yaml.safe_load((root / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    enum = schema["properties"]["rl"]["properties"]["advantage"]["enum"]
+    assert sorted(enum) == sorted(algos.ADVANTAGES)
+    configured = {RLConfig().advantage} | {overlay["advantage"] for overlay in ABLATIONS.values() if "advantage" in overlay}
+    for path in (root / "config").rglob("*.yaml"):
+        rl = (yaml.safe_load(path.read_text()) or {}).get("rl") or {}
+        configured |= {rl["advantage"]} if "advantage" in rl else set()
+    assert configured >= {"trloo", "grpo", "kevin"}
+    for name in configured:
+        assert algos.advantage_fn(name).name == name
+        assert RLConfig(advantage=name).advantage == name
+    with pytest.raises(ValueError, match="advantage must be one of"):
+        RLConfig(advantage="ppo")
+    with pytest.raises(ValueError, match="use it with grpo, trloo, grpo_std"):
+        RLConfig(advantage="kevin", buffer="tritonforge")
 
 
 def test_turn_reward_reads_kernelgym_results():

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -127,8 +128,63 @@ def returns_by_trajectory(
 
 
 # ---------------------------------------------------------------------------------------
-# Advantages (Eq. 3, Eq. 5, trajectory RLOO)
+# Advantages (Eq. 3, Eq. 5, trajectory RLOO): one registry, one signature (cf. verl's register_adv_est)
 # ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AdvantageBatch:
+    """What every estimator is given, per row: its return (or the group buffer's value), its turn's
+    reward, its prompt, trajectory and turn, whether it counts (`valid`); and what a group of one gets."""
+
+    returns: torch.Tensor
+    rewards: torch.Tensor
+    prompt_ids: Sequence[Hashable]
+    trajectory_ids: Sequence[Hashable]
+    turns: Sequence[int]
+    valid: torch.Tensor | Sequence[bool] | None = None
+    singleton: Singleton = "zero"
+
+    @property
+    def prompt_turns(self) -> list[tuple[Hashable, int]]:
+        return prompt_turn_keys(self.prompt_ids, self.turns)
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator: its function, the arguments it takes from a batch, and whether its groups
+    are the paper's (prompt, turn) ones (what TritonForge's group buffer normalises)."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    inputs: Callable[[AdvantageBatch], tuple[Any, ...]]
+    prompt_turn_groups: bool
+
+    def __call__(self, batch: AdvantageBatch) -> torch.Tensor:
+        return self.fn(*self.inputs(batch))
+
+
+ADVANTAGES: dict[str, AdvantageEstimator] = {}
+Estimator = TypeVar("Estimator", bound=Callable[..., torch.Tensor])
+
+
+def register_advantage(name: str, inputs: Callable[[AdvantageBatch], tuple[Any, ...]],
+                       prompt_turn_groups: bool = True) -> Callable[[Estimator], Estimator]:
+    """Register the decorated function as the estimator `name` (config key ``rl.advantage``, whose
+    choices are the registry's); `inputs` picks its arguments from an `AdvantageBatch`."""
+    def register(fn: Estimator) -> Estimator:
+        if name in ADVANTAGES:
+            raise ValueError(f"advantage estimator {name!r} registered twice")
+        ADVANTAGES[name] = AdvantageEstimator(name, fn, inputs, prompt_turn_groups)
+        return fn
+    return register
+
+
+def advantage_fn(name: str) -> AdvantageEstimator:
+    """The estimator registered as `name`; call it with an `AdvantageBatch`."""
+    if name not in ADVANTAGES:
+        raise KeyError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGES)}")
+    return ADVANTAGES[name]
 
 
 def group_index(keys: GroupKeys, device: torch.device | str | None = None) -> tuple[torch.Tensor, int]:
@@ -162,6 +218,7 @@ def _valid_mask(valid: torch.Tensor | Sequence[bool] | None, like: torch.Tensor)
     return valid
 
 
+@register_advantage("grpo", lambda batch: (batch.returns, batch.prompt_turns, batch.valid))
 def grpo_advantages(
     returns: torch.Tensor | Sequence[float],
     group_keys: GroupKeys,
@@ -216,6 +273,7 @@ def leave_one_out_advantages(
     return torch.where(valid, advantages, torch.zeros_like(advantages))
 
 
+@register_advantage("trloo", lambda batch: (batch.returns, batch.prompt_turns, batch.valid, batch.singleton))
 def trloo_advantages(
     returns: torch.Tensor | Sequence[float],
     group_keys: GroupKeys,
@@ -232,6 +290,8 @@ def trloo_advantages(
     return leave_one_out_advantages(returns, group_keys, valid, singleton)
 
 
+@register_advantage("rloo_trajectory", lambda batch: (batch.rewards, batch.prompt_ids, batch.trajectory_ids,
+                                                      batch.valid, batch.singleton), prompt_turn_groups=False)
 def rloo_trajectory_advantages(
     rewards: torch.Tensor | Sequence[float],
     prompt_ids: Sequence[Hashable],
@@ -257,6 +317,7 @@ def rloo_trajectory_advantages(
     return torch.where(valid, advantages[trajectory], torch.zeros_like(rewards))
 
 
+@register_advantage("grpo_std", lambda batch: (batch.returns, batch.prompt_turns, batch.valid))
 def grpo_std_advantages(
     returns: torch.Tensor | Sequence[float],
     group_keys: GroupKeys,
@@ -266,6 +327,7 @@ def grpo_std_advantages(
     return grpo_advantages(returns, group_keys, valid, normalize_std=True)
 
 
+@register_advantage("kevin", lambda batch: (batch.returns, batch.prompt_ids, batch.valid), prompt_turn_groups=False)
 def kevin_advantages(
     returns: torch.Tensor | Sequence[float],
     prompt_ids: Sequence[Hashable],
@@ -275,22 +337,6 @@ def kevin_advantages(
     A = (G - mean) / std over every valid row of the task, all its trajectories and turns together
     (not per (prompt, turn) as Eq. 3 / Eq. 5), then the GRPO loss."""
     return grpo_advantages(returns, list(prompt_ids), valid, normalize_std=True)
-
-
-AdvantageFn = Callable[..., torch.Tensor]
-# Estimators over per-row returns grouped by (prompt, turn): fn(returns, group_keys, valid).
-ADVANTAGES: dict[str, AdvantageFn] = {
-    "trloo": trloo_advantages,
-    "grpo": grpo_advantages,
-    "grpo_std": grpo_std_advantages,
-}
-
-
-def advantage_fn(name: str) -> AdvantageFn:
-    """The group advantage estimator registered as `name` (config key ``rl.advantage``)."""
-    if name not in ADVANTAGES:
-        raise KeyError(f"unknown advantage estimator {name!r}; known: {', '.join(ADVANTAGES)}")
-    return ADVANTAGES[name]
 
 
 # ---------------------------------------------------------------------------------------

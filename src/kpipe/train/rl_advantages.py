@@ -28,11 +28,14 @@ def trajectory_keys(rows: Sequence[dict[str, Any]]) -> list[tuple[str, int]]:
     return [(row["task_id"], int(row["sample"])) for row in rows]
 
 
+def row_rewards(rows: Sequence[dict[str, Any]]) -> torch.Tensor:
+    return torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
+
+
 def row_returns(rows: Sequence[dict[str, Any]], cfg: RLConfig) -> torch.Tensor:
     """Eq. 2 per row: reward-to-go over the later turns of its own trajectory."""
-    rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
-    return algos.returns_by_trajectory(rewards, trajectory_keys(rows), [row["turn"] for row in rows], cfg.gamma,
-                                       cfg.return_aggregate)
+    return algos.returns_by_trajectory(row_rewards(rows), trajectory_keys(rows), [row["turn"] for row in rows],
+                                       cfg.gamma, cfg.return_aggregate)
 
 
 def mismatch_keep(train_logp: Sequence[torch.Tensor], rollout_logp: Sequence[Sequence[float]],
@@ -50,7 +53,7 @@ def mismatch_keep(train_logp: Sequence[torch.Tensor], rollout_logp: Sequence[Seq
 def filter_masks(rows: Sequence[dict[str, Any]], cfg: RLConfig, mrs_keep: torch.Tensor,
                  generator: torch.Generator) -> dict[str, torch.Tensor]:
     """The keep mask of every enabled filter (True = keep), computed independently of each other."""
-    rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
+    rewards = row_rewards(rows)
     turns = [row["turn"] for row in rows]
     masks: dict[str, torch.Tensor] = {}
     if cfg.regression_filter:
@@ -116,18 +119,12 @@ def rejection_reasons(has_tokens: torch.Tensor, masks: dict[str, torch.Tensor]) 
 
 def row_advantages(rows: Sequence[dict[str, Any]], returns: torch.Tensor, valid: torch.Tensor,
                    cfg: RLConfig) -> torch.Tensor:
-    """Advantages over (prompt, turn) groups of the valid rows (Eq. 3 / Eq. 5), trajectory RLOO, or Kevin's
-    per-task normalisation."""
-    prompts = [row["task_id"] for row in rows]
-    if cfg.advantage == "rloo_trajectory":
-        rewards = torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64)
-        return algos.rloo_trajectory_advantages(rewards, prompts, trajectory_keys(rows), valid, cfg.singleton)
-    if cfg.advantage == "kevin":
-        return algos.kevin_advantages(returns, prompts, valid)
-    keys = algos.prompt_turn_keys(prompts, [row["turn"] for row in rows])
-    if cfg.advantage == "trloo":
-        return algos.trloo_advantages(returns, keys, valid, cfg.singleton)
-    return algos.advantage_fn(cfg.advantage)(returns, keys, valid)
+    """The valid rows' advantages by the estimator `rl.advantage` names (`kpipe.train.algos.ADVANTAGES`):
+    over (prompt, turn) groups (Eq. 3 / Eq. 5), trajectory RLOO, or Kevin's per-task normalisation."""
+    batch = algos.AdvantageBatch(returns=returns, rewards=row_rewards(rows), prompt_ids=[row["task_id"] for row in rows],
+                                 trajectory_ids=trajectory_keys(rows), turns=[row["turn"] for row in rows], valid=valid,
+                                 singleton=cfg.singleton)
+    return algos.advantage_fn(cfg.advantage)(batch)
 
 
 def annotate_rows(rows: list[dict[str, Any]], returns: torch.Tensor, advantages: torch.Tensor,

@@ -32,7 +32,7 @@ from kpipe.train.mechanics import PRECISIONS, accepted_types
 from kpipe.train.turn_rewards import REWARDS, SPEEDUP_CAP
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-ADVANTAGE_NAMES = (*ADVANTAGES, "rloo_trajectory", "kevin")
+ADVANTAGE_NAMES = tuple(ADVANTAGES)
 RETURN_AGGREGATES = ("sum", "max")
 SINGLETONS = ("zero", "return")
 BASELINES = ("eager", "compile")
@@ -78,7 +78,7 @@ class RLConfig:
     gamma: float = 1.0
     return_aggregate: str = "sum"  # sum (Eq. 2) | max (Kevin's alternative)
     # --- advantages (Eq. 3, 5)
-    advantage: str = "trloo"  # trloo | grpo | grpo_std | rloo_trajectory | kevin (per task over all turns)
+    advantage: str = "trloo"  # an estimator of kpipe.train.algos.ADVANTAGES (kevin: per task over all turns)
     singleton: str = "zero"  # a group of one valid rollout: 0 (paper) or its return (released code)
     baseline_includes_rejected: bool = False  # released code: filtered rows still count in the baseline
     # --- TritonForge's group buffer: filter and normalise each (prompt, turn) group's returns before the
@@ -134,8 +134,9 @@ class RLConfig:
             (self.engine in ENGINES, f"engine must be one of {ENGINES}"),
             (self.async_mode in ASYNC_MODES, f"async must be one of {ASYNC_MODES}"),
             (self.buffer in BUFFERS, f"buffer must be one of {BUFFERS}"),
-            (self.buffer == "none" or self.advantage not in ("rloo_trajectory", "kevin"),
-             "a buffer normalises (prompt, turn) groups: use it with trloo, grpo or grpo_std"),
+            (self.buffer == "none" or self.advantage not in ADVANTAGES or ADVANTAGES[self.advantage].prompt_turn_groups,
+             "a buffer normalises (prompt, turn) groups: use it with "
+             + ", ".join(name for name, estimator in ADVANTAGES.items() if estimator.prompt_turn_groups)),
             (0 < self.buffer_min_valid_group_ratio <= 1 and 0.5 <= self.buffer_min_valid_item_ratio <= 1,
              "buffer_min_valid_group_ratio must be in (0, 1], buffer_min_valid_item_ratio in [0.5, 1] "
              "(padding repeats each item at most once)"),
