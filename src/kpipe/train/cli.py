@@ -97,7 +97,7 @@ def publish(source: Path, target: Path | None) -> None:
 def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Path, preset: str | None,
                 config_file: Path | None, settings: str, overrides: tuple[str, ...], model_out: Path | None,
                 summary_out: Path | None, metrics_out: Path | None) -> None:
-    """Fine-tune a causal LM on trajectory turns; a rerun resumes from the last checkpoint. Several GPUs: under `kpipe launch`."""
+    """Fine-tune a causal LM on trajectory turns; an interrupted run resumes from its last checkpoint (same restart key). Several GPUs: under `kpipe launch`."""
     from accelerate import PartialState
 
     from kpipe.train.samples import load_trajectory_rows
