@@ -25,8 +25,9 @@ def test_the_results_folder_is_one_report_per_check_the_ledger_and_its_index() -
     assert lines and all(set(line) == KEYS and isinstance(line["figures"], dict) for line in lines)
     checks = {line["check"] for line in lines}
     files = {path.name for path in ledger.RESULTS.iterdir()}
-    assert files == {f"{check}.md" for check in checks} | {ledger.LEDGER, ledger.INDEX}
-    assert len(files) <= 25
+    assert {ledger.LEDGER, ledger.INDEX} <= files and len(files) <= 25
+    assert files - {ledger.LEDGER, ledger.INDEX} <= {f"{check}.md" for check in checks}
+    assert {f"{check}.md" for check in checks if not check.startswith("make_")} <= files  # make run/test: timed by hand
 
 
 def test_record_overwrites_the_current_report_and_appends_a_line(tmp_path: Path, monkeypatch) -> None:

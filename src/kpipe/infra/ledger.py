@@ -111,9 +111,12 @@ def latest(lines: Iterable[dict[str, Any]], *key: str) -> list[dict[str, Any]]:
 
 
 def command(check: str) -> str:
-    """How the check is run: a benchmark's script, else the GPU harness."""
+    """How the check is run: a benchmark's script, the GPU harness, or a make target (`make_run`: the
+    default run's `make run` from a fresh clone, timed by hand)."""
     if (ROOT / "benchmarks" / f"{check}.py").exists():
         return f"`python benchmarks/{check}.py`"
+    if check.startswith("make_"):
+        return f"`make {check.removeprefix('make_')}`"
     return f"`python -m checks.gpu {check}`"
 
 
@@ -160,8 +163,10 @@ def performance(lines: list[dict[str, Any]]) -> str:
             f"{figures_text(line['figures'])} |" for line in latest(lines, "check", "device")]
     return "\n".join([
         GENERATED, "# Measured performance", "",
-        "The latest figures of each GPU check and benchmark on each device, from the results ledger",
-        "(`docs/gpu-results/ledger.jsonl`; the reports and how to run them: [docs/gpu-results](gpu-results/README.md)).",
+        "The latest figures of the default run (`make run` from a fresh clone), the tests (`make test`) and each",
+        "GPU check and benchmark, on each device, from the results ledger (`docs/gpu-results/ledger.jsonl`; the",
+        "reports and how to run them: [docs/gpu-results](gpu-results/README.md)). `2xCPU` is two idle CPU cores,",
+        "`2xCPU-slow` two cores of a slower, loaded host of that kind; `1of2xH200` one GPU of a 2x H200 host.",
         "Seconds are wall seconds; `per_min` is evaluations per minute; `ok` whether every part of the check held.",
         "", "| check | device | date | commit | figures |", "|---|---|---|---|---|", *rows]) + "\n"
 
