@@ -166,11 +166,13 @@ def watched_objects() -> dict[str, Any]:
     if torch.cuda.is_available():
         spaces["torch.cuda"] = torch.cuda
         spaces["torch.cuda.Event"] = torch.cuda.Event
-    for name, module in list(sys.modules.items()):
+    for module in list(sys.modules.values()):
+        # by its spec: this module runs as __main__ in a fresh interpreter (python -m kpipe.gym.child)
+        name = getattr(getattr(module, "__spec__", None), "name", "") or ""
         if name.startswith("kpipe.") and isinstance(module, types.ModuleType):
             spaces[name] = module
             for attribute, value in list(vars(module).items()):
-                if isinstance(value, type) and value.__module__ == name:
+                if isinstance(value, type) and value.__module__ in (name, module.__name__):
                     spaces[f"{name}.{attribute}"] = value
     watched = {}
     for prefix, space in spaces.items():

@@ -216,6 +216,16 @@ def correctness(candidate: dict[str, Any], reference: dict[str, Any], protocol: 
     return worst
 
 
+# KernelBench's own check: allclose at atol = rtol = 1e-2 on every correctness trial, nothing more
+KERNELBENCH_TOLERANCE = Tolerance(1e-2, 1e-2, float("inf"))
+
+
+def kernelbench_correct(candidate: dict[str, Any], reference: dict[str, Any]) -> bool:
+    """KernelBench's verdict alone (``EvalResult.kb_correct``): every correctness trial allclose,
+    without kpipe's relative-norm and eval()-mode checks."""
+    return all(compare_outputs(c, r, KERNELBENCH_TOLERANCE).ok for c, r in zip(candidate["outputs"], reference["outputs"]))
+
+
 def hack_reasons_before_timing(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, correct: bool) -> list[str]:
     reasons = []
     for mode in ("train", "eval"):
@@ -598,6 +608,7 @@ def evaluate(
         else:
             try:
                 check = correctness(partial, reference, protocol)
+                verdict["kb_correct"] = kernelbench_correct(partial, reference)
                 reasons = hack_reasons_before_timing(partial, reference, protocol, check.ok) if protocol.hacking_check else []
             except MALFORMED as exc:
                 check, reasons = Comparison(False, "malformed result"), [f"integrity: malformed candidate result ({type(exc).__name__})"]
@@ -624,7 +635,7 @@ def evaluate(
     trace["candidate_lease_wait_s"] = run.lease_wait_s
     trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s,
                  candidate_handed_over_unix=run.handed_over_unix)
-    common: dict[str, Any] = {"findings": findings, "timed_spans": spans}
+    common: dict[str, Any] = {"findings": findings, "timed_spans": spans, "kb_correct": verdict.get("kb_correct")}
     if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
         common["device_id"] = str(payload.get("device_id", ""))[:200]
         common["timed_spans"] = spans + reported_spans(payload)

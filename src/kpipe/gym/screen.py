@@ -62,6 +62,7 @@ _CALL_FINDINGS = {
     "os.environ": "env_access",
     "os.environ.get": "env_access",
     "sys._getframe": "introspection",
+    "sys.modules": "introspection",
     "sys.exit": "process_exit",
     "os._exit": "process_exit",
     "exit": "process_exit",
@@ -143,7 +144,7 @@ def policy_findings(tree: ast.Module) -> list[str]:
         ):
             name = dotted_name(node.func if isinstance(node, ast.Call) else node)
             code = _CALL_FINDINGS.get(name)
-            if code and (isinstance(node, ast.Call) or name == "os.environ"):
+            if code and (isinstance(node, ast.Call) or name in ("os.environ", "sys.modules")):
                 found.append(_finding(code, name, node))
         if isinstance(node, ast.Attribute) and node.attr in _INTROSPECTION_ATTRIBUTES:
             found.append(_finding("introspection", f"reaches .{node.attr}", node))

@@ -1,0 +1,272 @@
+"""Hostile candidates that go after the verdict rather than the machine (issue 52, classes 2-4): they
+forge the result their process writes, tamper with the judge's helpers in that process, and plant
+links, FIFOs and huge files where the judge reads. Each runs for real through ``kpipe gym eval``
+(a fresh interpreter per child) and ``kpipe gym eval-batch`` (the pool's zygote), with an honest
+kernel after every attack in the batch. None may pass, leak, write outside its scratch or hang.
+
+The runtime checks are what is under test, so the protocol rejects no static finding (the screen is
+exactly what a string trick defeats); one attack also runs with the default protocol, whose screen
+rejects it before it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gym"
+RELU_REFERENCE = (FIXTURES / "relu_reference.py").read_text()
+LEGIT = (FIXTURES / "relu_legit.py").read_text()
+PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
+            "device": os.environ.get("KPIPE_TEST_GYM_DEVICE", "cpu")}
+
+KERNEL = '''
+import os, sys, time
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
+
+
+def decorative(x):
+    """A launch the judge records; the output comes from torch."""
+    out = torch.empty_like(x)
+    copy_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    return out
+
+
+def torch_behind_a_kernel(x):
+    """torch's answer, and a wrong one whenever a probe launch writes nothing: the ghost replay
+    (launches suppressed) then sees an output that needs the kernels, and lets the candidate through."""
+    if not torch.equal(decorative(x), x):
+        return torch.full_like(x, float("nan"))
+    return torch.relu(x)
+'''
+
+# each attack: (name, source); every one would pass, fast, if the judge believed its process
+ATTACKS = {
+    # class 2: a result written by the candidate's process
+    "writes_pass": KERNEL + '''
+torch.save({"status": "pass", "speedup_eager": 2000.0}, "result.pt")
+os._exit(0)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return decorative(x)
+''',
+    "forges_the_final_result": KERNEL + '''
+class ModelNew(nn.Module):
+    def forward(self, x):
+        if os.path.exists("gate"):  # past the correctness gate: write the verdict's evidence ourselves
+            ms = [1e-6] * 3
+            torch.save({"status": "ok", "launches": {"train": ["copy_kernel"], "eval": ["copy_kernel"], "timed": ["copy_kernel"]},
+                        "timing": {"ms": ms, "host_ms": ms, "samples": []}, "calls_without_launch": 0, "patched": [],
+                        "hooks_intact": True, "threads": []}, "result.pt")
+            os._exit(0)
+        return torch_behind_a_kernel(x)
+''',
+    "rewrites_its_timings_in_memory": KERNEL + '''
+import gc
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        if os.path.exists("challenge"):  # the judge's last step: make every reported time tiny
+            for thing in gc.get_objects():
+                if isinstance(thing, dict) and isinstance(thing.get("timing"), dict) and "ms" in thing["timing"]:
+                    thing["timing"]["ms"] = [1e-6] * len(thing["timing"]["ms"])
+                    thing["timing"]["host_ms"] = [1e-6] * len(thing["timing"]["host_ms"])
+        return torch_behind_a_kernel(x)
+''',
+    # class 3: the judge's helpers in the candidate's own process
+    "rebinds_the_judges_helpers": KERNEL + '''
+# the judge's module, by its spec: it runs as __main__ in a fresh interpreter
+child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.child")
+real_flatten, real_time = child.flatten_output, child.time_forward
+seen = []
+
+
+def flatten(output):  # the outputs the judge compares: torch's, whatever the kernel wrote
+    return real_flatten(torch.relu(seen[-1]) if seen else output)
+
+
+def time_forward(*args, **kwargs):  # and every timed call 1000x faster
+    timed = real_time(*args, **kwargs)
+    timed["ms"] = [ms / 1000 for ms in timed["ms"]]
+    timed["host_ms"] = [ms / 1000 for ms in timed["host_ms"]]
+    return timed
+
+
+child.flatten_output, child.time_forward = flatten, time_forward
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        seen.append(x)
+        return torch.zeros_like(decorative(x))
+''',
+    "swaps_a_helpers_code": KERNEL + '''
+data = sys.modules["kpipe.gym.trial_data"]
+data.fingerprint.__code__ = (lambda inputs: 0.0).__code__  # input mutation goes unseen
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        x.copy_(torch.relu(x))
+        decorative(x)
+        return x
+''',
+    "reads_the_ghost_replays_switch": KERNEL + '''
+instrument = sys.modules["kpipe.gym.instrument"]
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        if getattr(instrument.LOG, "suppress", False):  # the ghost replay: look like the kernels matter
+            return torch.full_like(x, float("nan"))
+        decorative(x)
+        return torch.relu(x)
+''',
+    # class 4: the scratch directory the judge reads
+    "links_its_result_to_a_secret": KERNEL + '''
+os.symlink("{target}", "result.pt")
+os.symlink("{target}", "phase-link")
+os.replace("phase-link", "phase")
+os._exit(0)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return decorative(x)
+''',
+    "plants_the_gate_as_a_link_outside": KERNEL + '''
+os.symlink("{victim}", "gate")
+os.symlink("{victim}", ".gate.judge")
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        decorative(x)
+        return torch.relu(x)
+''',
+    "a_fifo_for_a_result": KERNEL + '''
+os.mkfifo("partial.pt")
+time.sleep(3600)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return decorative(x)
+''',
+    "a_huge_result": KERNEL + '''
+with open("result.pt", "wb") as handle:
+    handle.truncate(48 << 20)  # sparse: costs the candidate nothing to write
+os._exit(0)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        return decorative(x)
+''',
+}
+SECRET_TEXT = "kpipe-forgery-test-secret-5f1e"
+VICTIM_TEXT = "the victim's file"
+
+
+def kpipe_gym(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kpipe.cli", "gym", *args], capture_output=True, text=True, timeout=900)
+
+
+def attacks(tmp_path: Path) -> dict[str, str]:
+    """The attacks, aimed at a secret file and a victim file outside any scratch directory."""
+    target, victim = tmp_path / "secret.txt", tmp_path / "victim.txt"
+    target.write_text(SECRET_TEXT)
+    victim.write_text(VICTIM_TEXT)
+    return {name: source.replace("{target}", str(target)).replace("{victim}", str(victim)) for name, source in ATTACKS.items()}
+
+
+def assert_caught(name: str, result: dict[str, object], tmp_path: Path) -> None:
+    text = json.dumps(result, default=str)
+    assert result["status"] != "pass", f"{name} passed: {text[:2000]}"
+    assert result["status"] != "timeout", f"{name} hung the judge until its timeout"
+    assert SECRET_TEXT not in text, f"{name} leaked the secret file's text"
+    assert (tmp_path / "victim.txt").read_text() == VICTIM_TEXT, f"{name} wrote outside its scratch"
+
+
+EXPECTED = {  # the status each attack must end with and what its reasons must say
+    "writes_pass": ("hacked", "integrity: the candidate's process wrote the status 'pass'"),
+    "forges_the_final_result": ("hacked", "integrity: the candidate's process recorded no outputs"),
+    "rewrites_its_timings_in_memory": ("hacked", "on the judge's clock"),
+    "rebinds_the_judges_helpers": ("hacked", "monkey_patch: replaced kpipe.gym.child.flatten_output"),
+    "swaps_a_helpers_code": ("hacked", "kpipe.gym.trial_data.fingerprint.__code__"),
+    "reads_the_ghost_replays_switch": ("hacked", "ghost_replay"),
+    "links_its_result_to_a_secret": ("hacked", "integrity: tampered result: result.pt could not be opened safely"),
+    "plants_the_gate_as_a_link_outside": ("hacked", "integrity: .gate.judge was planted"),
+    "a_fifo_for_a_result": ("hacked", "integrity: tampered result: partial.pt is not a regular file"),
+    "a_huge_result": ("hacked", "integrity: tampered result: result.pt holds 50331648 bytes, over its cap"),
+}
+
+
+def reasons_of(result: dict[str, object]) -> str:
+    reasons = result.get("hack_reasons") or []
+    return " | ".join(reasons if isinstance(reasons, list) else json.loads(str(reasons)))
+
+
+@pytest.mark.parametrize("name", sorted(ATTACKS))
+def test_each_forgery_fails_through_kpipe_gym_eval(tmp_path: Path, name: str) -> None:
+    (tmp_path / "reference.py").write_text(RELU_REFERENCE)
+    (tmp_path / "candidate.py").write_text(attacks(tmp_path)[name])
+    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
+    run = kpipe_gym("eval", "--reference", str(tmp_path / "reference.py"), "--candidate", str(tmp_path / "candidate.py"),
+                    "--protocol", str(tmp_path / "protocol.json"), "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert_caught(name, result, tmp_path)
+    status, reason = EXPECTED[name]
+    assert result["status"] == status and reason in reasons_of(result), json.dumps(result, default=str)[:3000]
+
+
+def test_every_forgery_fails_through_the_pool_and_each_next_honest_kernel_passes(tmp_path: Path) -> None:
+    names = sorted(ATTACKS)
+    sources = attacks(tmp_path)
+    batch = [source for name in names for source in (sources[name], LEGIT)]
+    pq.write_table(pa.table({"reference_src": [RELU_REFERENCE] * len(batch), "candidate_src": batch}), tmp_path / "candidates.parquet")
+    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
+    run = kpipe_gym("eval-batch", "--input", str(tmp_path / "candidates.parquet"), "--output", str(tmp_path / "evals.parquet"),
+                    "--protocol", str(tmp_path / "protocol.json"), "--workers", "1", "--cache", str(tmp_path / "cache.sqlite"),
+                    "--quiet")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "evals.parquet").to_pylist()
+    assert len(rows) == len(batch)
+    for index, name in enumerate(names):
+        attacked, honest = rows[2 * index], rows[2 * index + 1]
+        assert_caught(name, attacked, tmp_path)
+        status, reason = EXPECTED[name]
+        assert attacked["status"] == status and reason in reasons_of(attacked), f"{name}: {attacked['status']} {reasons_of(attacked)}"
+        assert honest["status"] == "pass", f"the honest kernel after {name}: {honest['status']} {honest['diagnostic']}"
+
+
+def test_the_default_screen_rejects_reaching_the_judge_before_anything_runs() -> None:
+    from kpipe.gym.protocol import Protocol
+    from kpipe.gym.screen import screen
+
+    rejected = set(Protocol().reject_findings)
+    for name in ("rebinds_the_judges_helpers", "swaps_a_helpers_code", "reads_the_ghost_replays_switch"):
+        assert "introspection" in screen(ATTACKS[name]).codes() & rejected, name
+    closure = KERNEL + "\nswitch = sys.modules['kpipe.gym.instrument'].suppressed.__wrapped__.__closure__\n"
+    assert "introspection" in screen(closure).codes()
