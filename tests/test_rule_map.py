@@ -1,5 +1,5 @@
 """Rule -> code in one hop: every rule runs workflow/scripts/<rule>.py, which calls the one library
-function the rule's docstring names, and README.md's table of it (scripts/rule_map.py) is current."""
+function the rule's docstring names, and docs/architecture.md's table of it (scripts/rule_map.py) is current."""
 
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ def test_every_rule_runs_its_script_which_calls_the_named_function() -> None:
     assert rule_map.problems(rules) == []
 
 
-def test_readme_table_is_generated_from_the_rules() -> None:
-    readme = (REPOSITORY / "README.md").read_text()
-    assert rule_map.readme_block(readme) == rule_map.table(rule_map.parse_rules()), (
-        "README.md's rule table is stale: python scripts/rule_map.py --write")
+def test_the_architecture_table_is_generated_from_the_rules() -> None:
+    assert rule_map.DOC == REPOSITORY / "docs" / "architecture.md"
+    assert rule_map.table_block(rule_map.DOC.read_text()) == rule_map.table(rule_map.parse_rules()), (
+        "docs/architecture.md's rule table is stale: python scripts/rule_map.py --write")
 
 
 @pytest.fixture
@@ -99,10 +99,10 @@ def test_the_check_names_each_broken_rule(scratch_repository: Path) -> None:
     assert "workflow/scripts/orphan.py: no rule runs it" in found
 
 
-def test_a_stale_readme_is_rewritten_between_the_markers() -> None:
+def test_a_stale_table_is_rewritten_between_the_markers() -> None:
     rules = rule_map.parse_rules()
-    readme = f"# x\n\n{rule_map.BEGIN}\n| old |\n{rule_map.END}\n\nafter\n"
-    assert rule_map.readme_block(readme) != rule_map.table(rules)
-    updated = rule_map.with_table(readme, rules)
-    assert rule_map.readme_block(updated) == rule_map.table(rules)
+    document = f"# x\n\n{rule_map.BEGIN}\n| old |\n{rule_map.END}\n\nafter\n"
+    assert rule_map.table_block(document) != rule_map.table(rules)
+    updated = rule_map.with_table(document, rules)
+    assert rule_map.table_block(updated) == rule_map.table(rules)
     assert updated.startswith("# x\n\n") and updated.endswith("\n\nafter\n")
