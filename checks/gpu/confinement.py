@@ -1,4 +1,4 @@
-"""Confined candidates on a GPU (issue 25): every attack of tests/test_gym_confinement.py fails on the
+"""Confined candidates on a GPU (issues 25, 52): every attack of the attack tests (``ATTACK_TESTS``) fails on the
 GPU, and confinement costs KernelGym no throughput. (The bank's 66 pairs through the confined pool,
 with their expected statuses, are the ``pool`` section of ``gym_paths``: candidates run confined by
 default.)"""
@@ -29,6 +29,9 @@ def run_logged(report: Report, argv: list[str], env: dict[str, str] | None = Non
 # what tests/test_gym_confinement.py's service path (`kpipe gym serve`) imports beyond the device's image:
 # without them that test fails for want of a module, which is no attack let through
 SERVICE_MODULES = ("fastapi", "uvicorn")
+# every attack test: escapes and leaks (issue 25), forged results, judge tampering, the scratch directory (issue 52)
+ATTACK_TESTS = sorted(str(path.relative_to(ROOT)) for pattern in ("test_gym_confinement.py", "test_gym_forgery.py", "test_gym_attack*.py")
+                      for path in (ROOT / "tests").glob(pattern))
 
 
 def attacks(report: Report, options: argparse.Namespace) -> None:
@@ -39,7 +42,7 @@ def attacks(report: Report, options: argparse.Namespace) -> None:
     report.expect(not missing, f"cannot check the service path: {', '.join(missing)} missing (carry their wheels in .whl/)")
     if missing:
         return
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "tests/test_gym_confinement.py"]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *ATTACK_TESTS]
     code = run_logged(report, argv, {"KPIPE_TEST_GYM_DEVICE": "cuda"})
     report.expect(code == 0, f"an attack was not stopped (pytest exited {code})")
 
