@@ -71,3 +71,14 @@ def test_device_labels() -> None:
     assert ledger.device_label("NVIDIA H100 80GB HBM3", 1) == "H100"
     assert ledger.device_label("NVIDIA H200", 4) == "4xH200"
     assert ledger.device_label("cpu", 0) == "cpu"
+
+
+def test_every_benchmark_records_through_the_ledger() -> None:
+    """A benchmark's report goes through `ledger.record` (its current report and ledger line), never a
+    Markdown file of its own; the GPU checks do so through their harness (tests/test_gpu_checks.py)."""
+    benchmarks = sorted((ledger.ROOT / "benchmarks").glob("*.py"))
+    assert len(benchmarks) >= 7
+    for path in benchmarks:
+        source = path.read_text()
+        assert "ledger.record(" in source, f"{path.name} does not record through kpipe.infra.ledger"
+        assert '.md").write_text' not in source and ".md').write_text" not in source, path.name
