@@ -319,6 +319,23 @@ def pipeline_checkpoint(name, section=EVAL):
     return rl_selection(run) if section["checkpoint"] == "best_val" else rl_final_model(run)
 
 
+def rl_selection(run):
+    """The file naming the RL checkpoint of `run` that best_val evaluates (rule select_checkpoint)."""
+    if not RL_VALIDATED_ITERATIONS:
+        raise ValueError("config error: eval.checkpoint / stts.checkpoint: best_val needs RL validation "
+                         "(rl.validation.every > 0)")
+    return f"{RESULTS}/models/rl-{run}/selected.json"
+
+
+def checkpoint_selections():
+    """Every selection file an evaluating stage reads (none under eval.checkpoint and stts.checkpoint last)."""
+    stages = [(EVAL, stage_models(EVAL)), (STTS, stage_models(STTS) if STTS["enabled"] else []),
+              (EVAL, stage_models(BUDGET) if BUDGET["models"] else [])]
+    return sorted({pipeline_checkpoint(name, section) for section, names in stages for name in names
+                   if MODELS[name]["kind"] == "pipeline" and MODELS[name]["source"] == "rl"
+                   and section["checkpoint"] == "best_val"})
+
+
 def eval_parts():
     return expand(f"{EVAL_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
                   model=stage_models(EVAL), level=stage_levels(EVAL), shard=range(EVAL["shards"]))

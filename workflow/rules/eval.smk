@@ -49,23 +49,6 @@ rule eval:
 # the choice and its score.
 
 
-def rl_selection(run):
-    """The file naming the RL checkpoint of `run` that best_val evaluates (rule select_checkpoint)."""
-    if not RL_VALIDATED_ITERATIONS:
-        raise ValueError("config error: eval.checkpoint / stts.checkpoint: best_val needs RL validation "
-                         "(rl.validation.every > 0)")
-    return f"{RESULTS}/models/rl-{run}/selected.json"
-
-
-def checkpoint_selections():
-    """Every selection file an evaluating stage reads (none under eval.checkpoint and stts.checkpoint last)."""
-    stages = [(EVAL, stage_models(EVAL)), (STTS, stage_models(STTS) if STTS["enabled"] else []),
-              (EVAL, stage_models(BUDGET) if BUDGET["models"] else [])]
-    return sorted({pipeline_checkpoint(name, section) for section, names in stages for name in names
-                   if MODELS[name]["kind"] == "pipeline" and MODELS[name]["source"] == "rl"
-                   and section["checkpoint"] == "best_val"})
-
-
 rule select_checkpoint:
     """kpipe.evaluate.kernelbench.selection_job: the RL checkpoint best_val evaluates, by its validation."""
     input:
