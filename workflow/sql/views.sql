@@ -38,7 +38,7 @@ LEFT JOIN tasks k USING (task_id);
 
 -- KernelBench's verdict beside kpipe's: every turn whose candidate KernelBench's allclose alone (atol = rtol =
 -- 1e-2, trajectories.kb_correct) accepts but kpipe rejects as a mismatch, and which of kpipe's extra
--- correctness checks did it (docs/evaluation.md, "Differences from KernelBench"): `relative_norm` (the
+-- correctness checks did it (docs/kernelgym.md, "Differences from KernelBench's harness"): `relative_norm` (the
 -- output's relative error norm above 0.05: zeros or noise on outputs smaller than atol) or `eval_mode`
 -- (the module's output in eval() mode differs from the reference's). Counts per stage and model:
 --   select stage, model, kpipe_check, count(*) from kb_verdict_changes group by all
