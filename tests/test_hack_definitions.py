@@ -14,7 +14,10 @@ from kpipe.gym.evaluation import hack_reasons_before_timing
 from kpipe.gym.protocol import Protocol
 from kpipe.report.tables import DEFAULT_SQL_DIR, best_turn, build_tables, run_table_sql, table_sql_files, turn_rule
 
-PAPER_REASON = hack_reasons_before_timing({"launches": {"train": [], "eval": ["add_kernel"]}}, {}, Protocol(), False)[0]
+# a candidate that launched no Triton kernel in train() mode and is otherwise clean (integrity evidence recorded)
+CLEAN = {"patched": [], "hooks_intact": True, "threads": []}
+PAPER_REASON = hack_reasons_before_timing({"launches": {"train": [], "eval": ["add_kernel"]}, **CLEAN}, {}, Protocol(),
+                                          False)[0]
 GHOST = "ghost_replay: output still correct with every Triton launch suppressed"
 STATIC = "static try_except: try/except around the kernel (line 3)"
 TIMED = "no_triton_launch: the timed calls launched no Triton kernel"
