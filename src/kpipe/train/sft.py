@@ -355,12 +355,12 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
         raise ValueError(f"no SFT samples left after filtering: {report.as_dict()}")
     n_steps = total_steps(cfg, len(samples))
     warmup = int(cfg.warmup_ratio * n_steps)
-    key = sft_restart_key(cfg, samples)
     if accelerator.is_main_process:
         log.info("SFT samples: %s%s", report.as_dict(), since_job_started())
 
     # --- model, optimizer, schedule
     model = load_model(cfg)
+    key = sft_restart_key(cfg, samples)  # after the load: a hub model's weights are then in the local cache
     # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
     model, optimizer = accelerator.prepare(model, build_optimizer(model, cfg))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
