@@ -53,6 +53,10 @@ class RLConfig:
     rollouts_per_prompt: int = 16
     max_turns: int = 3
     max_tokens: int = 8192  # generated tokens per turn
+    # ... and `extend_max_tokens` from rollout step `extend_at_step` on (1-based, as the metrics count steps):
+    # Kevin §4.4, "we extend the max response length from 16K to 22K tokens at step 30"; null: never
+    extend_max_tokens: int | None = None
+    extend_at_step: int = 1
     max_context_tokens: int = 32768
     temperature: float = 1.0
     top_p: float = 1.0
@@ -155,6 +159,8 @@ class RLConfig:
              f"kl_estimator must be one of {KL_ESTIMATORS} and kl_coef >= 0"),
             (self.prs_softness > 0, "prs_softness must be > 0 (prs_hard gives the hard threshold)"),
             (self.dual_clip is None or self.dual_clip > 1, "dual_clip must be > 1 or null"),
+            ((self.extend_max_tokens is None or self.extend_max_tokens >= 1) and self.extend_at_step >= 1,
+             "extend_max_tokens must be >= 1 or null and extend_at_step >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -177,6 +183,13 @@ class RLConfig:
         if unknown:
             raise ValueError(f"RLConfig: unknown key(s) {sorted(unknown)}")
         return with_ablation(cls(**values), ablation) if ablation else cls(**values)
+
+    def max_tokens_at(self, global_step: int) -> int:
+        """The per-turn token cap of the rollouts of 0-based step `global_step` (`extend_max_tokens` from
+        `extend_at_step` on)."""
+        if self.extend_max_tokens is not None and global_step + 1 >= self.extend_at_step:
+            return self.extend_max_tokens
+        return self.max_tokens
 
     def fingerprint(self) -> str:
         """Identity of the settings that change what an iteration computes (resume must match it)."""

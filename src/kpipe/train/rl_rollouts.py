@@ -84,7 +84,8 @@ def rollout_rows(tasks: Sequence[AgentTask], engine: Any, evaluator: Any, cfg: R
                  global_step: int, progress: bool) -> list[dict[str, Any]]:
     """The rollouts of one step: n episodes per prompt through the shared multi-turn loop, each turn
     judged while the engine decodes the others unless `async` is off."""
-    sampling = Sampling(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p, logprobs=True)
+    sampling = Sampling(max_tokens=cfg.max_tokens_at(global_step), temperature=cfg.temperature, top_p=cfg.top_p,
+                        logprobs=True)
     return run_episodes(
         tasks, engine, evaluator, make_policy(cfg.history, cfg.history_window), n_samples=cfg.rollouts_per_prompt,
         max_turns=cfg.max_turns, sampling=sampling,
