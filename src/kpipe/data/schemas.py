@@ -93,7 +93,7 @@ TRAJECTORIES = _schema(
     [
         ("run", pa.string(), "run name (config `run`, or an rl.runs ablation)"),
         ("stage", pa.string(), "coldstart | rl | rl_val (RL validation: run, iteration = RL's) | eval | budget | stts"),
-        ("iteration", pa.int32(), "RL iteration (0 outside RL)"),
+        ("iteration", pa.int32(), "RL iteration: of the rollout or validated checkpoint (rl, rl_val), of the evaluated RL checkpoint (eval, stts, budget of a source: rl model); 0 otherwise"),
         ("task_id", pa.string(), "tasks.task_id or queries.query_id"),
         ("sample", pa.int32(), "trajectory number within its task"),
         ("turn", pa.int32(), "turn number, 1-based"),

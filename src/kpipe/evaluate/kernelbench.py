@@ -34,6 +34,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
@@ -129,7 +130,7 @@ def eval_tasks(tasks_path: str | os.PathLike, level: int, shard: int = 0, num_sh
 def resolved_checkpoint(checkpoint: str | os.PathLike) -> str:
     """A pipeline checkpoint's directory: the path itself, or the one a `selection_job` file chose."""
     if str(checkpoint).endswith(".json"):
-        return json.loads(open(checkpoint).read())["checkpoint"]
+        return json.loads(Path(checkpoint).read_text())["checkpoint"]
     return str(checkpoint)
 
 
