@@ -10,10 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_fastp_definition import write_fixture
 
 from kpipe.data.io import write_table
 from kpipe.evaluate.kernelbench import checkpoint_iteration, resolved_checkpoint, select_iteration, selection_job
-from kpipe.report.tables import checkpoint_notes
+from kpipe.report.tables import build_tables, checkpoint_notes
 
 
 def test_the_best_turn3_validation_is_chosen_ties_by_fast_1_2_then_the_later_iteration():
@@ -53,6 +54,11 @@ def test_selection_job_picks_the_best_turn3_validation_and_the_evaluations_read_
     assert checkpoint_iteration("results/models/rl-r/iter=29/") == 29 and checkpoint_iteration(None) == 0
     assert checkpoint_notes([out]) == ["RL run r: checkpoint of iteration 3 (chosen by best_val: validation fast_1 "
                                        "at turn 3 = 75.0; the last iteration, 4, 50.0)."]
+    tables = tmp_path / "tables"
+    build_tables(write_fixture(tmp_path / "db"), tables, n_boot=0, checkpoints=[out])
+    for name in ("table1_fastp_eager", "table2_fastp_compile", "stts_curves", "eval_summary"):
+        assert "RL run r: checkpoint of iteration 3" in (tables / f"{name}.md").read_text(), name
+    assert "checkpoint of iteration" not in (tables / "training_curves.md").read_text()
     with pytest.raises(ValueError, match=r"iteration\(s\) \[4\] have no checkpoint"):
         selection_job(paths, {1: "a", 3: "b"}, out, run="r", turn=3)
 

@@ -39,6 +39,8 @@ REPORT_TURN_NOTES = {
     "last": "every model at its last evaluated turn",
     "best": "every model at its best turn by mean Fast@p",
 }
+# tables of evaluation rows besides Tables 1 and 2: their notes also say which RL checkpoint a best_val model is
+CHECKPOINT_TABLES = ("stts_curves", "ablations", "eval_summary", "kevin_metrics", "kevin_budget")
 STTS_PAPER_LEVELS = {1: (18.8, 25.1), 2: (31.6, 47.8), 3: (3.0, 7.3)}  # Table 1, Dr. Kernel-14B-STTS(†) Fast@1.2
 
 
@@ -341,6 +343,8 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
         if name in INTERVALS:
             table = with_intervals(db_path, name, table, n_boot, seed)
             notes = notes + ["", f"95% task-bootstrap intervals ({n_boot} replicates): `*_lo`, `*_hi`."]
+        if name in CHECKPOINT_TABLES and checkpoints:
+            notes = notes + ["", *checkpoint_notes(checkpoints)]
         body = markdown_frame(MARKDOWN_VIEWS.get(name, lambda frame: frame)(table))
         csv = pd.concat([table.assign(source="kpipe"), paper], ignore_index=True) if paper is not None else table
     out_dir.mkdir(parents=True, exist_ok=True)
