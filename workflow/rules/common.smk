@@ -1,4 +1,5 @@
 # Shared helpers: config validation, code versions, GPU counts, stage paths, target lists.
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -40,6 +41,16 @@ if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(D
 
 # `--until rl_iter` runs every iteration (Snakemake would stop after the first: kpipe/infra/until.py)
 until_stops_after_chained_rules()
+
+
+def job_code(script, *parts):
+    """A rule's `code` param: the hash of the kpipe `parts` it runs (kpipe.infra.provenance.code_version)
+    and of its script, workflow/scripts/<script>.py. A changed one reruns the rule's jobs. The profiles
+    leave Snakemake's own `code` trigger off: for a script it compares the file's modification time,
+    so a fresh clone (every file new) reran every job of a copied results/ tree."""
+    script_digest = hashlib.sha256((Path(workflow.basedir) / "scripts" / f"{script}.py").read_bytes()).hexdigest()
+    return f"{code_version(*parts)}-{script_digest[:12]}"
+
 
 # asked once per DAG build (nvidia-smi), not once per rule
 RUN_GPUS = visible_gpus()

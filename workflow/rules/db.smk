@@ -11,7 +11,7 @@ rule export_evals:
         EVALS_EXPORT,
     params:
         cache=config["gym"]["cache"],
-        code=code_version("gym/cache.py", "gym/result.py", "data/io.py", "data/schemas.py"),
+        code=job_code("export_evals", "gym/cache.py", "gym/result.py", "data/io.py", "data/schemas.py"),
     log:
         f"{LOGS}/export_evals.log",
     conda:
@@ -34,7 +34,7 @@ rule build_db:
         # the views name their files by absolute path (any DuckDB client opens the database from any
         # directory): a moved or copied results tree rebuilds it, and what reads it
         results=os.path.abspath(RESULTS),
-        code=code_version("data/db.py", "data/schemas.py", "data/io.py"),
+        code=job_code("build_db", "data/db.py", "data/schemas.py", "data/io.py"),
     log:
         f"{LOGS}/build_db.log",
     conda:

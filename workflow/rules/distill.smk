@@ -18,7 +18,7 @@ if DISTILL["teacher"] == "released":
             f"{COLDSTART_DIR}/part-0.parquet",
         params:
             run=RUN,
-            code=code_version("agent", "llm/extract.py"),
+            code=job_code("coldstart_released", "agent", "llm/extract.py"),
         log:
             f"{LOGS}/coldstart_released.log",
         conda:
@@ -40,7 +40,7 @@ else:
             num_shards=DISTILL["shards"],
             run=RUN,
             cache=lambda wildcards: f"{RESULTS}/cache/distill/run={RUN}/shard-{wildcards.shard}.jsonl",
-            code=code_version("agent", "llm", "gym", "data/schemas.py"),
+            code=job_code("distill", "agent", "llm", "gym", "data/schemas.py"),
         wildcard_constraints:
             shard=r"\d+",
         priority: CRITICAL_PATH

@@ -22,7 +22,7 @@ rule eval:
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}"
                                  f"-{wildcards.shard}.jsonl"),
-        code=code_version("evaluate/kernelbench.py", "agent", "llm", "gym"),
+        code=job_code("eval", "evaluate/kernelbench.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",
         level="[123]",
@@ -60,7 +60,7 @@ rule select_checkpoint:
         checkpoints=lambda wildcards: {iteration: rl_model_dir(wildcards.run, iteration)
                                        for iteration in RL_VALIDATED_ITERATIONS},
         turn=RL_VALIDATION["turns"],
-        code=code_version("evaluate/kernelbench.py", "data/metrics.py"),
+        code=job_code("select_checkpoint", "evaluate/kernelbench.py", "data/metrics.py"),
     wildcard_constraints:
         run="[A-Za-z0-9_.-]+",
     log:
@@ -90,7 +90,7 @@ rule eval_budget:
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/budget/run={RUN}/{wildcards.model}-L{wildcards.level}"
                                  f"-{wildcards.shard}.jsonl"),
-        code=code_version("evaluate/kernelbench.py", "agent", "llm", "gym"),
+        code=job_code("eval_budget", "evaluate/kernelbench.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",
         level="[123]",

@@ -8,7 +8,7 @@ rule ingest_tasks:
         f"{RESULTS}/tasks/tasks.parquet",
     params:
         kernelbench=config["kernelbench"],
-        code=code_version("data"),
+        code=job_code("ingest_tasks", "data"),
     priority: CRITICAL_PATH
     log:
         f"{LOGS}/ingest_tasks.log",
@@ -24,7 +24,7 @@ rule ingest_queries:
         f"{RESULTS}/queries_raw/source={{source}}/part-0.parquet",
     params:
         source=lambda wildcards: query_sources()[wildcards.source],
-        code=code_version("data"),
+        code=job_code("ingest_queries", "data"),
     priority: CRITICAL_PATH
     log:
         f"{LOGS}/ingest_queries/{{source}}.log",
@@ -46,7 +46,7 @@ rule decontaminate:
         counts=f"{RESULTS}/reports/decontamination.json",
     params:
         decontamination=config["queries"]["decontamination"],
-        code=code_version("data"),
+        code=job_code("decontaminate", "data"),
     priority: CRITICAL_PATH
     log:
         f"{LOGS}/decontaminate.log",

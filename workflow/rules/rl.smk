@@ -37,7 +37,7 @@ rule rl_iter:
         state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),
         scratch=lambda wildcards: f"{RESULTS}/work/rl-{wildcards.run}/iter={wildcards.iter}/scratch",
         drop_init_state=not RL["keep_optimizer_states"],
-        code=code_version(*RL_CODE),
+        code=job_code("rl_iter", *RL_CODE),
     priority: CRITICAL_PATH
     resources:
         gpu_slots=RL_SLOTS,
@@ -75,7 +75,7 @@ rule rl_validate:
         run=lambda wildcards: wildcards.run,
         iteration=lambda wildcards: int(wildcards.iter),
         cache=lambda wildcards: f"{RESULTS}/cache/rl_val/run={wildcards.run}/iter={wildcards.iter}.jsonl",
-        code=code_version("evaluate/kernelbench.py", "agent", "llm", "gym"),
+        code=job_code("rl_validate", "evaluate/kernelbench.py", "agent", "llm", "gym"),
     resources:
         gpu_slots=evaluating_job_slots(TINY_POLICY),
         gpu=whole_gpus(evaluating_job_slots(TINY_POLICY)),

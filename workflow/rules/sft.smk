@@ -23,7 +23,7 @@ rule tiny_model:
         # byte | bpe<vocab size>; the BPE is trained on the templates, the bank and KernelBench
         tokenizer=lambda wildcards: ({"tokenizer": "byte"} if wildcards.tokenizer == "byte"
                                      else {"tokenizer": "bpe", "vocab_size": int(wildcards.tokenizer[3:])}),
-        code=code_version("train/tiny_model.py", "llm/prompts", "gym/bank", "data/files/kernelbench"),
+        code=job_code("tiny_model", "train/tiny_model.py", "llm/prompts", "gym/bank", "data/files/kernelbench"),
     priority: CRITICAL_PATH
     log:
         f"{LOGS}/tiny_model/{{size}}-{{tokenizer}}-seed{{seed}}.log",
@@ -51,7 +51,7 @@ rule sft:
         # its params rerun trigger, so a changed `sft` section would not rerun this job
         settings=json.dumps(sft_settings(sft_base_model_input()), sort_keys=True),
         work=f"{RESULTS}/work/sft-{RUN}",
-        code=code_version(*SFT_CODE),
+        code=job_code("sft", *SFT_CODE),
     priority: CRITICAL_PATH
     resources:
         gpu_slots=SFT_SLOTS,

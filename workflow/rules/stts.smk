@@ -22,7 +22,7 @@ rule stts:
         run=RUN,
         cache=lambda wildcards: (f"{RESULTS}/cache/stts/run={RUN}/{wildcards.model}-{wildcards.strategy}"
                                  f"-L{wildcards.level}-{wildcards.shard}.jsonl"),
-        code=code_version("evaluate/stts.py", "evaluate/kernelbench.py", "agent", "llm", "gym"),
+        code=job_code("stts", "evaluate/stts.py", "evaluate/kernelbench.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",
         strategy="full|top_w|best_window",

@@ -17,7 +17,7 @@ rule tables:
         report_turn=config["tables"]["report_turn"],
         own_models=own_models(),
         sql_dir=lambda wildcards, input: str(Path(input.sql[0]).parent),
-        code=code_version("report/tables.py", "report/paper_numbers.py", "data/metrics.py"),
+        code=job_code("tables", "report/tables.py", "report/paper_numbers.py", "data/metrics.py"),
     log:
         f"{LOGS}/tables.log",
     conda:
@@ -39,7 +39,7 @@ rule figures:
     params:
         n_boot=config["tables"]["n_boot"],
         sql_dir=lambda wildcards, input: str(Path(input.sql[0]).parent),
-        code=code_version("report/figures.py", "report/tables.py", "data/metrics.py"),
+        code=job_code("figures", "report/figures.py", "report/tables.py", "data/metrics.py"),
     log:
         f"{LOGS}/figures.log",
     conda:

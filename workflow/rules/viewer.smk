@@ -11,7 +11,7 @@ rule viewer:
         report(directory(f"{RESULTS}/viewer"), htmlindex="index.html", caption="../report/viewer.rst",
                category="Trajectories", labels={"page": "trajectory viewer"}),
     params:
-        code=code_version("report/viewer.py", "report/web"),
+        code=job_code("viewer", "report/viewer.py", "report/web"),
     threads: 4  # processes rendering the data files (Snakemake lowers it to --cores)
     log:
         f"{LOGS}/viewer.log",
