@@ -1,7 +1,8 @@
 """Reruns of the stages that resume, in real Snakemake runs of a small DAG (one distillation shard,
-40 SFT steps, one RL iteration of three steps): a rerun never hands back stale work. A code change
-to SFT retrains, `--forcerun sft` trains again from step 0, and Ctrl-C during `rl_iter` followed by
-the same command resumes the iteration (README, "Reruns")."""
+40 SFT steps, one RL iteration of three steps, one-sample evaluations): a rerun never hands back
+stale work. A code change to SFT retrains, `--forcerun sft` trains again from step 0, an edited
+offline teacher answers again, and Ctrl-C during `rl_iter` followed by the same command resumes the
+iteration (README, "Reruns")."""
 
 import json
 import os
@@ -26,10 +27,12 @@ SMALL = {
     "sft": {"max_steps": 40, "save_every": 10},
     "rl": {"iterations": 1, "steps_per_iteration": 3, "prompts_per_step": 1, "rollouts_per_prompt": 2,
            "validation": {"every": 0}},
+    "eval": {"samples": 1, "turns": 1},
 }
 SFT_MODEL = "results/models/sft-default"
 RL_MODEL = "results/models/rl-default/iter=0"
 RL_SCRATCH = "results/work/rl-default/iter=0/scratch"
+TEACHER_EVAL = "results/trajectories/stage=eval/run=default/model=teacher/level=1/part-0.parquet"
 WAIT_S = 600.0  # a bound on waiting for a file, so a broken run fails instead of hanging
 
 
@@ -43,6 +46,17 @@ def snakemake(workdir: Path, target: str, *args: str, env: dict | None = None) -
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     return output
+
+
+def edited_kpipe(tmp_path: Path, module: str, addition: str) -> Path:
+    """A copy of kpipe with `addition` appended to `module`: a folder for PYTHONPATH, so a run's
+    processes import the edited code (and the rules' code params hash it)."""
+    edited = tmp_path / "src"
+    shutil.copytree(Path(__import__("kpipe").__file__).parent, edited / "kpipe",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    path = edited / "kpipe" / module
+    path.write_text(path.read_text() + "\n\n" + addition)
+    return edited
 
 
 def weights(workdir: Path) -> bytes:
@@ -76,12 +90,8 @@ def test_a_code_change_to_sft_retrains_and_the_model_differs(workdir, tmp_path):
     """An edit of kpipe's SFT code (here: the learning rate set to 0, in a copy of kpipe that the run
     imports) reruns sft, which trains a new model instead of resuming the old one."""
     before = weights(workdir)
-    edited = tmp_path / "src"
-    shutil.copytree(Path(__import__("kpipe").__file__).parent, edited / "kpipe",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    sft = edited / "kpipe" / "train" / "sft.py"
-    sft.write_text(sft.read_text() + "\n\ndef lr_factor(*args, **kwargs) -> float:  # the edit: no learning\n"
-                   "    return 0.0\n")
+    edited = edited_kpipe(tmp_path, "train/sft.py", "def lr_factor(*args, **kwargs) -> float:  # the edit: no learning\n"
+                                                    "    return 0.0\n")
     output = snakemake(workdir, SFT_MODEL, env={"PYTHONPATH": str(edited)})
     assert "rule sft:" in output
     assert weights(workdir) != before
@@ -89,6 +99,18 @@ def test_a_code_change_to_sft_retrains_and_the_model_differs(workdir, tmp_path):
     assert summary["resumed_from"] is None
     snakemake(workdir, SFT_MODEL)  # the code as it is: trains again, the model as before
     assert weights(workdir) == before
+
+
+def test_an_edited_offline_teacher_answers_again(workdir, tmp_path):
+    """The offline teacher's answers are cached per job (results/cache/); after an edit of the
+    teacher's code the rerun gets the edited teacher's answers, not the cached ones."""
+    snakemake(workdir, TEACHER_EVAL)
+    edited = edited_kpipe(tmp_path, "llm/teacher.py", "_answer_text = Teacher.answer_text\n"
+                          "Teacher.answer_text = lambda self, request, rng: _answer_text(self, request, rng) + '\\n# edited'\n")
+    output = snakemake(workdir, TEACHER_EVAL, env={"PYTHONPATH": str(edited)})
+    assert "rule eval:" in output
+    rows = read_table(workdir / TEACHER_EVAL, "trajectories").to_pylist()
+    assert rows and all(row["response"].endswith("# edited") for row in rows)
 
 
 def wait_for(condition, what: str):

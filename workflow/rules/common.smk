@@ -52,6 +52,18 @@ def job_code(script, *parts):
     return f"{code_version(*parts)}-{script_digest[:12]}"
 
 
+# The offline teacher's answers are a function of its code and the bank: a job's cached answers (its
+# `cache` param) are kept per teacher version, so a changed teacher answers again; an API model's
+# cached answers (paid for) stay valid whatever kpipe's code
+TEACHER_VERSION = code_version("llm/teacher.py", "llm/server.py", "llm/extract.py", "llm/types.py",
+                               "data/source_text.py", "gym/bank")
+
+
+def answers_cache(path, offline_teacher):
+    """A job's answer cache `path`, in a folder of the teacher's version when the offline teacher answers."""
+    return str(Path(path).parent / f"teacher-{TEACHER_VERSION}" / Path(path).name) if offline_teacher else path
+
+
 # asked once per DAG build (nvidia-smi), not once per rule
 RUN_GPUS = visible_gpus()
 USE_GPUS = config["device"] == "cuda" or (config["device"] == "auto" and len(RUN_GPUS) > 0)

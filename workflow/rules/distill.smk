@@ -39,7 +39,8 @@ else:
             gym=CRITICAL_GYM,
             num_shards=DISTILL["shards"],
             run=RUN,
-            cache=lambda wildcards: f"{RESULTS}/cache/distill/run={RUN}/shard-{wildcards.shard}.jsonl",
+            cache=lambda wildcards: answers_cache(f"{RESULTS}/cache/distill/run={RUN}/shard-{wildcards.shard}.jsonl",
+                                                  DISTILL["teacher"] == "offline"),
             code=job_code("distill", "agent", "llm", "gym", "data/schemas.py"),
         wildcard_constraints:
             shard=r"\d+",

@@ -20,8 +20,9 @@ rule eval:
         gym=GYM,
         num_shards=EVAL["shards"],
         run=RUN,
-        cache=lambda wildcards: (f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}"
-                                 f"-{wildcards.shard}.jsonl"),
+        cache=lambda wildcards: answers_cache(f"{RESULTS}/cache/eval/run={RUN}/{wildcards.model}-L{wildcards.level}"
+                                              f"-{wildcards.shard}.jsonl",
+                                              MODELS[wildcards.model]["kind"] == "offline_teacher"),
         code=job_code("eval", "evaluate/kernelbench.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",
@@ -88,8 +89,9 @@ rule eval_budget:
         gym=GYM,
         num_shards=BUDGET["shards"],
         run=RUN,
-        cache=lambda wildcards: (f"{RESULTS}/cache/budget/run={RUN}/{wildcards.model}-L{wildcards.level}"
-                                 f"-{wildcards.shard}.jsonl"),
+        cache=lambda wildcards: answers_cache(f"{RESULTS}/cache/budget/run={RUN}/{wildcards.model}-L{wildcards.level}"
+                                              f"-{wildcards.shard}.jsonl",
+                                              MODELS[wildcards.model]["kind"] == "offline_teacher"),
         code=job_code("eval_budget", "evaluate/kernelbench.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",

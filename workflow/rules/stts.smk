@@ -20,8 +20,9 @@ rule stts:
         gym=GYM,
         num_shards=STTS["shards"],
         run=RUN,
-        cache=lambda wildcards: (f"{RESULTS}/cache/stts/run={RUN}/{wildcards.model}-{wildcards.strategy}"
-                                 f"-L{wildcards.level}-{wildcards.shard}.jsonl"),
+        cache=lambda wildcards: answers_cache(f"{RESULTS}/cache/stts/run={RUN}/{wildcards.model}-{wildcards.strategy}"
+                                              f"-L{wildcards.level}-{wildcards.shard}.jsonl",
+                                              MODELS[wildcards.model]["kind"] == "offline_teacher"),
         code=job_code("stts", "evaluate/stts.py", "evaluate/kernelbench.py", "agent", "llm", "gym"),
     wildcard_constraints:
         model="[A-Za-z0-9_.-]+",
