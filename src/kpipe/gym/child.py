@@ -542,9 +542,12 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
         raise RuntimeError("the judge sent no timing challenge")
     seed = int(json.loads(asked)["seed"])
     input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
-    timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep, **recheck_region(protocol))
+    # no warm-up: the model ran its timing already, and a warm-up of warmup_ms would run a number
+    # of calls that differs between the two children (and shift which call draws which input set)
+    timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep, **{**recheck_region(protocol), "warmup_ms": 0.0})
+    by_input_set = sorted(timed["samples"], key=lambda sample: sample["input_set"])
     write_result(str(workdir / "challenge.pt"),
-                 {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in timed["samples"]]})
+                 {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in by_input_set]})
 
 
 # ----------------------------------------------------------------------------- entry
