@@ -89,8 +89,9 @@ class ModelNew(nn.Module):
         if os.path.exists("challenge"):  # the judge's last step: make every reported time tiny
             for thing in gc.get_objects():
                 if isinstance(thing, dict) and isinstance(thing.get("timing"), dict) and "ms" in thing["timing"]:
-                    for key in ("ms", "ms_synced", "host_ms"):
-                        thing["timing"][key] = [1e-6] * len(thing["timing"][key])
+                    for key, value in list(thing["timing"].items()):
+                        if key == "ms" or key.endswith("_ms") and isinstance(value, list):
+                            thing["timing"][key] = [1e-6] * len(value)
         return torch_behind_a_kernel(x)
 ''',
     # class 3: the judge's helpers in the candidate's own process

@@ -536,6 +536,14 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
     clocks everything from revealing the seed to the answer's file appearing; the host times
     written here are trusted only from the reference child."""
     phase(f"{job['role']} timing challenge")
+    # before the seed, what needs none: the allocator's blocks for the inputs and one untimed call
+    # (caches, TLB), so the two children's answers differ by their calls alone, not by what their
+    # allocators happened to hold (on an H200 that made honest calls read up to 4x their time)
+    warm = [make_inputs(get_inputs, trial_seed(protocol.seed, call), device) for call in range(calls)]
+    with torch.no_grad():
+        forward(*warm[0])
+    clocks.sync()
+    del warm
     (workdir / "challenge-ready").write_bytes(b"")
     asked = wait_for_judge(workdir / "challenge", job["gate_wait_s"], job["parent_pid"], CHALLENGE_WAIT_POLL_S)
     if asked is None:

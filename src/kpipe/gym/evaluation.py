@@ -348,8 +348,11 @@ def challenge_reasons(answer: dict[str, Any] | None, answer_s: float | None, ref
     outputs = answer.get("outputs")
     if not isinstance(outputs, list) or len(outputs) != len(expected["outputs"]):
         return [f"integrity: the timing challenge's answer holds no {len(expected['outputs'])} outputs"], {}
+    # the relative-norm check alone: the challenge makes a forger compute, and leaves correctness to
+    # the trials (an honest kernel at the edge of atol failed one of 16 fresh calls on an H200)
+    computed = Tolerance(float("inf"), 0.0, protocol.norm_rtol)
     for call, (c, r) in enumerate(zip(outputs, expected["outputs"])):
-        check = compare_outputs(c, r, tolerance(protocol))
+        check = compare_outputs(c, r, computed)
         if not check.ok:
             return [f"challenge_output_mismatch: call {call} on the judge's fresh inputs returned a wrong output ({check.detail})"], {}
     reported = answer.get("host_ms")
