@@ -90,7 +90,7 @@ class ModelNew(nn.Module):
             for thing in gc.get_objects():
                 if isinstance(thing, dict) and isinstance(thing.get("timing"), dict) and "ms" in thing["timing"]:
                     for key, value in list(thing["timing"].items()):
-                        if key == "ms" or key.endswith("_ms") and isinstance(value, list):
+                        if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")):
                             thing["timing"][key] = [1e-6] * len(value)
         return torch_behind_a_kernel(x)
 ''',
