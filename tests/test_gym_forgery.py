@@ -212,7 +212,7 @@ def assert_caught(name: str, result: dict[str, object], tmp_path: Path) -> None:
 EXPECTED = {  # the status each attack must end with and what its reasons must say
     "writes_pass": ("hacked", "integrity: the candidate's process wrote the status 'pass'"),
     "forges_the_final_result": ("hacked", "integrity: the candidate's process recorded no outputs"),
-    "rewrites_its_timings_in_memory": ("hacked", "on the judge's clock"),
+    "rewrites_its_timings_in_memory": ("hacked", "recorded no host-clock re-check"),  # its rewritten median asks for one
     "rebinds_the_judges_helpers": ("hacked", "monkey_patch: replaced kpipe.gym.child.flatten_output"),
     "swaps_a_helpers_code": ("hacked", "kpipe.gym.trial_data.fingerprint.__code__"),
     "reads_the_ghost_replays_switch": ("hacked", "ghost_replay"),

@@ -227,18 +227,23 @@ def _timed_payload(ms: list[float], host_ms: list[float], sample_value: float = 
 def test_timing_sanity_checks_in_the_parent():
     from kpipe.gym.evaluation import timing_reasons
 
-    reference = {"outputs": [[torch.ones(4)]]}
+    reference = {"outputs": [[torch.ones(4)]], "recheck_outputs": [[torch.ones(4)]]}
     honest = _timed_payload([1.0, 1.1, 1.0], [1.05, 1.15, 1.05])
-    assert timing_reasons(honest, reference, Protocol(), wall_s=10.0) == []
+    assert timing_reasons(honest, reference, Protocol(), wall_s=10.0, ref_ms=2.0, measured_ms=honest["timing"]["ms"]) == []
     # a cached (stale) output on a timed trial
     stale = _timed_payload([1.0, 1.1, 1.0], [1.05, 1.15, 1.05], sample_value=0.0)
-    assert timing_reasons(stale, reference, Protocol(), 10.0)[0].startswith("timed_output_mismatch")
+    assert timing_reasons(stale, reference, Protocol(), 10.0, 2.0, stale["timing"]["ms"])[0].startswith("timed_output_mismatch")
     # more time reported than the parent saw the child live
-    assert any(r.startswith("timing_inconsistent") for r in timing_reasons(honest, reference, Protocol(), 0.001))
+    assert any(r.startswith("timing_inconsistent") for r in timing_reasons(honest, reference, Protocol(), 0.001, 2.0, honest["timing"]["ms"]))
+    # a speedup the host clock on fresh inputs does not reproduce
+    fast = _timed_payload([0.01] * 3, [0.02] * 3)
+    fast["recheck"] = {"host_ms": [1.0, 1.0], "samples": [{"trial": 0, "input_set": 0, "outputs": [torch.ones(4)]}]}
+    reasons = timing_reasons(fast, reference, Protocol(), 10.0, 2.0, fast["timing"]["ms"])
+    assert any(r.startswith("speedup_not_reproduced") for r in reasons)
     # no launch in the timed path
     silent = _timed_payload([1.0], [1.1])
     silent["launches"]["timed"] = []
-    assert timing_reasons(silent, reference, Protocol(), 10.0)[0].startswith("no_triton_launch")
+    assert timing_reasons(silent, reference, Protocol(), 10.0, 2.0, silent["timing"]["ms"])[0].startswith("no_triton_launch")
 
 
 def _challenge(calls: int, call_ms: float, wall_s: float) -> dict:
@@ -286,8 +291,8 @@ def test_the_challenge_fails_closed_and_bounds_what_the_candidate_reported():
     assert forged and forged[0].startswith("timing_inconsistent: a call took 20.5 ms on the judge's clock")
     bound = CHALLENGE_FACTOR * 4.0 + 0.5 + 0.1 + CHALLENGE_WALL_SLACK_MS["cuda"] / 2
     assert reasons(answer, 0.2 - 2 * (20.5 - bound + 0.01) * 1e-3, 4.0) == []  # just inside the bound
-    # ... and a forger that reported 2000x is also beyond the speedup re-check
-    assert any(r.startswith("speedup_not_reproduced") for r in reasons(answer, 0.2, 0.01))
+    # ... and one that reported 2000x
+    assert reasons(answer, 0.2, 0.01)[0].startswith("timing_inconsistent: a call took 20.5 ms")
     # host times reported for the challenge may not undercut the judge's clock beyond its factor and slack
     assert not any("as the candidate's process reported them" in r for r in reasons(answer, 0.2, 4.0))
     undercut = reasons(answer, 0.2, 4.0, reported_ms=0.05)
@@ -332,6 +337,10 @@ def test_the_judge_takes_the_challenge_with_or_without_the_hacking_check_and_tra
         forged = _judged(payload, reference, Protocol(**{**protocol.to_dict(), "hacking_check": hacking_check}), 0.2)
         assert forged["status"] == "hacked" and forged["hack_reasons"][0].startswith("timing_inconsistent")
     # evidence left out is judged, not excused
+    # a re-check left out where the claimed speedup asks for one (20 ms against 1 ms: 20x)
+    fast = _evidence({"ms": [1.0] * 3, "host_ms": [1.1] * 3, "samples": [{"trial": 2, "input_set": 0, "outputs": [torch.ones(4)]}]})
+    skipped = _judged(fast, reference, protocol, 0.2 - 2 * 19.0e-3)
+    assert skipped["status"] == "hacked" and "host-clock re-check" in skipped["hack_reasons"][0]
     without_samples = {**payload, "timing": {**payload["timing"], "samples": []}}
     missing = _judged(without_samples, reference, protocol, 0.17)
     assert missing["status"] == "hacked" and "timed trials and their sampled outputs" in missing["hack_reasons"][0]

@@ -23,7 +23,7 @@ from kpipe.data.source_text import source_hash
 from kpipe.gym.compare import Comparison, Tolerance, compare_outputs
 from kpipe.gym.faults import classify_exit
 from kpipe.gym.feedback import build_feedback, clip
-from kpipe.gym.child import CHALLENGE_MAX_CALLS, CHALLENGE_MIN_CALLS
+from kpipe.gym.child import CHALLENGE_MAX_CALLS, CHALLENGE_MIN_CALLS, rechecked
 from kpipe.gym.isolate import Challenge, ChildRun, Launcher, fresh_interpreter, run_isolated
 from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
 from kpipe.gym.protocol import Protocol
@@ -256,10 +256,11 @@ def integrity_reasons(candidate: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def missing_evidence(candidate: dict[str, Any], protocol: Protocol, timed: bool) -> list[str]:
+def missing_evidence(candidate: dict[str, Any], protocol: Protocol, timed: bool, recheck_below: float | None = None) -> list[str]:
     """What the candidate child should have recorded and did not: every check fails closed, so a
     child that leaves out (or reshapes) the evidence of a check is judged by it, not excused.
-    `timed`: the final result (after timing), else the partial one at the gate."""
+    `timed`: the final result (after timing), else the partial one at the gate; `recheck_below`:
+    the judge's re-check threshold (``recheck_below_ms``)."""
     def has(key: str, kind: type | tuple[type, ...]) -> bool:
         return isinstance(candidate.get(key), kind)
 
@@ -289,11 +290,19 @@ def missing_evidence(candidate: dict[str, Any], protocol: Protocol, timed: bool)
             missing.append("timed calls without a launch")
         if protocol.profile and not has("profile", dict):
             missing.append("profile")
+        recheck = candidate.get("recheck")
+        if (isinstance(timing, dict) and isinstance(timing.get("ms"), list) and timing["ms"]
+                and rechecked(timing["ms"], recheck_below) and (not isinstance(recheck, dict)
+                                                                or not isinstance(recheck.get("host_ms"), list)
+                                                                or not isinstance(recheck.get("samples"), list))):
+            missing.append("host-clock re-check")
     return missing
 
 
-def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, wall_s: float) -> list[str]:
-    """Why the timed run, as the candidate's process reported it, cannot be trusted."""
+def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, wall_s: float, ref_ms: float | None,
+                   measured_ms: list[float]) -> list[str]:
+    """Why the timed run, as the candidate's process reported it, cannot be trusted; `measured_ms`:
+    the candidate's trials as measured (``candidate_times``, before the drift correction)."""
     reasons = []
     timing = candidate["timing"]
     if not candidate["launches"].get("timed"):
@@ -310,13 +319,24 @@ def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protoco
         reasons.append("timing_inconsistent: reported times exceed the wall time observed by the parent")
     if median(timing["ms"]) > median(timing["host_ms"]) + EVENT_HOST_SLACK_MS:
         reasons.append("timing_inconsistent: device time exceeds the host time around it")
+    recheck = candidate.get("recheck")
+    if recheck is not None and ref_ms is not None:
+        for sample in recheck["samples"]:
+            if not compare_outputs(sample["outputs"], reference["recheck_outputs"][sample["input_set"]], tol).ok:
+                reasons.append("recheck_output_mismatch: wrong output on fresh inputs during the speedup re-check")
+                break
+        ratio = host_recheck_ratio(median(recheck["host_ms"]), ref_ms, measured_ms, recheck_harness_ms(reference, protocol))
+        if ratio is not None and ratio < HOST_RECHECK_MIN_RATIO:
+            event_speedup = speedup(ref_ms, median(measured_ms))
+            reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {event_speedup * ratio:.3g}x by the host clock "
+                           "on fresh inputs")
     return reasons
 
 
 def host_recheck_ratio(host_call_ms: float, ref_ms: float, measured_ms: list[float], harness_ms: float = 0.0) -> float | None:
     """The speedup on the host clock over the event-timed one (the same baseline `ref_ms`):
-    ``median(measured_ms) / (host_call_ms - harness_ms)``, `host_call_ms` being a call's host time in
-    the timing challenge and `harness_ms` the harness's host cost around a call
+    ``median(measured_ms) / (host_call_ms - harness_ms)``, `host_call_ms` being the re-check's median
+    host time per call and `harness_ms` the harness's host cost around a call
     (``recheck_harness_ms``); it fails below ``HOST_RECHECK_MIN_RATIO``. None where nothing is left
     to compare: no event speedup, or a host time no longer than the harness's own."""
     event_speedup = speedup(ref_ms, median(measured_ms))
@@ -324,6 +344,11 @@ def host_recheck_ratio(host_call_ms: float, ref_ms: float, measured_ms: list[flo
     if not event_speedup or host_speedup is None:
         return None
     return host_speedup / event_speedup
+
+
+def recheck_below_ms(ref_ms: float | None, protocol: Protocol) -> float | None:
+    """Below this median event time a candidate's speedup is re-checked on the host clock."""
+    return ref_ms / protocol.recheck_speedup_above if ref_ms else None
 
 
 def challenge_call_ms(reference_challenge: dict[str, Any], candidate_s: float) -> float:
@@ -372,15 +397,6 @@ def challenge_reasons(answer: dict[str, Any] | None, answer_s: float | None, ref
     if judged_ms > CHALLENGE_FACTOR * figures["challenge_reported_ms"] + slack_ms:
         reasons.append(f"timing_inconsistent: the challenge's calls took {judged_ms:.3g} ms each on the judge's clock, "
                        f"{figures['challenge_reported_ms']:.3g} ms as the candidate's process reported them")
-    if ref_ms is not None and (speedup(ref_ms, claimed_ms) or 0.0) > protocol.recheck_speedup_above:
-        # the host times the candidate reported (precise to microseconds), held to the judge's clock above
-        harness_ms = recheck_harness_ms(reference, protocol)
-        ratio = host_recheck_ratio(median(reported), ref_ms, measured_ms, harness_ms)
-        figures.update(recheck_host_to_event=ratio, recheck_harness_ms=harness_ms)
-        if ratio is not None and ratio < HOST_RECHECK_MIN_RATIO:
-            event_speedup = speedup(ref_ms, claimed_ms)
-            reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {event_speedup * ratio:.3g}x by the host clock "
-                           "on fresh inputs")
     return reasons, figures
 
 
@@ -627,6 +643,7 @@ def evaluate(
         "candidate_src": candidate_src,
         "protocol": protocol.to_dict(),
         "device": device,
+        "recheck_below_ms": recheck_below_ms(ref_for_recheck, protocol),
     }
     expected = reference["challenge"]
     candidate_started = time.monotonic()
@@ -692,7 +709,7 @@ def judge(
     if not check.ok:
         return finish("mismatch", diagnostic=check.detail, **common)
 
-    missing = missing_evidence(payload, protocol, timed=True)
+    missing = missing_evidence(payload, protocol, timed=True, recheck_below=recheck_below_ms(ref_for_recheck, protocol))
     if missing:
         return finish("hacked", hack_reasons=[f"integrity: the candidate's process recorded no {', '.join(missing)}"], **common)
     timing = payload["timing"]
@@ -703,8 +720,14 @@ def judge(
     reasons, figures = challenge_reasons(run.challenge, run.challenge_s, reference, protocol, device, measured_ms, ref_for_recheck)
     if trace is not None:
         trace.update(figures)
+        if payload.get("recheck") is not None and ref_for_recheck is not None:
+            harness_ms = recheck_harness_ms(reference, protocol)
+            trace.update(recheck_host_to_event=host_recheck_ratio(median(payload["recheck"]["host_ms"]), ref_for_recheck, measured_ms,
+                                                                  harness_ms),
+                         recheck_harness_ms=harness_ms, recheck_host_ms=median(payload["recheck"]["host_ms"]),
+                         recheck_event_ms=median(measured_ms))
     if protocol.hacking_check:
-        reasons += timing_reasons(payload, reference, protocol, run.wall_s) + integrity_reasons(payload)
+        reasons += timing_reasons(payload, reference, protocol, run.wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)
     reasons = sorted(set(reasons), key=reasons.index)
     if reasons:
         return finish("hacked", hack_reasons=reasons, **common)

@@ -51,8 +51,8 @@ from kpipe.gym.screen import FINDING_CODES
 # (`965801b:docs/gpu-results/gym_scaling_2026-11-28_2xH200.md`), and one was judged hacked once in 480 (`965801b:docs/gpu-results/gym_scaling_2026-11-27m_4xH200.md`).
 # kgym-11: the candidate's process is untrusted, whatever it writes. After its timing the judge
 # reveals a timing challenge (kpipe.gym.isolate.Challenge): fresh inputs from a seed no candidate has
-# seen, whose calls the judge clocks itself against the reference's; the challenge replaces the
-# re-check of fast candidates and is never skipped, with or without the hacking check. Every check
+# seen, whose calls the judge clocks itself against the reference's, never skipped, with or without
+# the hacking check (the host-clock re-check of fast candidates stays, its evidence required). Every check
 # fails closed when its evidence is missing; the judge reads the scratch directory without following
 # links, blocking or reading past a cap; a status only the judge gives is never taken from a child.
 PROTOCOL_VERSION = "kgym-11"
