@@ -25,6 +25,8 @@ LONGEST_MODULES = (
     "test_gym_pool.py",
     "test_distributed.py",
     "test_gym_eval.py",
+    "test_gym_forgery.py",
+    "test_workflow_attacks.py",
     "test_gym_confinement.py",
     "test_gym_memory.py",
     "test_bank.py",

@@ -1,0 +1,180 @@
+"""Hostile candidates through the run's own KernelGym service during a real Snakemake run (issue 52):
+a model served over the OpenAI API (a local server in this test) answers the evaluation's prompts
+with attacks, one per sample, and an honest kernel; the `eval` job sends them to the run's service
+(``kpipe.gym.run_service``) as any evaluation of the pipeline does. None of the attacks may pass,
+leak or write outside its scratch; the honest kernel passes in the same job.
+
+The attacks are written for any KernelBench task: their outputs come from the reference model the
+judge loaded into the candidate's process (``kpipe_reference``), so they reach the checks that
+follow correctness. The protocol rejects no static finding, so the runtime checks are what is tested.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from kpipe.gym.bank import list_solutions
+from kpipe.llm.server import BackgroundServer, make_app
+from kpipe.llm.types import ChatRequest, Completion
+
+pytestmark = pytest.mark.slow
+
+TARGET = "results/trajectories/stage=eval/run=default/model=attacker/level=1/part-0.parquet"
+SECRET_TEXT = "kpipe-run-service-attack-secret-7c2d"
+VICTIM_TEXT = "the victim's file"
+
+PRELUDE = '''
+import os, sys, time
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
+
+
+def probe(x):
+    """A launch the judge records, whose output says whether launches take effect (the ghost replay)."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    copy_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    return torch.equal(out, x)
+
+
+class TorchBehindAKernel(nn.Module):
+    """The reference's answer computed by the reference model the judge loaded into this process."""
+
+    def __init__(self, *args):
+        super().__init__()
+        self.reference = sys.modules["kpipe_reference"].Model(*args)
+
+    def answer(self, *inputs):
+        if not probe(inputs[0]):
+            return torch.full_like(self.reference(*inputs), float("nan"))
+        return self.reference(*inputs)
+'''
+
+ATTACKS = {
+    "writes_pass": PRELUDE + '''
+torch.save({"status": "pass", "speedup_eager": 2000.0}, "result.pt")
+os._exit(0)
+
+
+class ModelNew(TorchBehindAKernel):
+    def forward(self, *inputs):
+        return self.answer(*inputs)
+''',
+    "forges_the_final_result": PRELUDE + '''
+class ModelNew(TorchBehindAKernel):
+    def forward(self, *inputs):
+        if os.path.exists("gate"):  # past the correctness gate: its own verdict, then gone
+            torch.save({"status": "ok", "timing": {"ms": [1e-6] * 3, "host_ms": [1e-6] * 3, "samples": []}}, "result.pt")
+            os._exit(0)
+        return self.answer(*inputs)
+''',
+    "rebinds_the_judges_helpers": PRELUDE + '''
+child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.child")
+real_time = child.time_forward
+
+
+def time_forward(*args, **kwargs):  # every timed call 1000x faster
+    timed = real_time(*args, **kwargs)
+    for key, value in list(timed.items()):
+        if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")):
+            timed[key] = [ms / 1000 for ms in value]
+    return timed
+
+
+child.time_forward = time_forward
+
+
+class ModelNew(TorchBehindAKernel):
+    def forward(self, *inputs):
+        return self.answer(*inputs)
+''',
+    "links_its_result_to_a_secret": PRELUDE + '''
+os.symlink("{target}", "result.pt")
+os._exit(0)
+
+
+class ModelNew(TorchBehindAKernel):
+    def forward(self, *inputs):
+        return self.answer(*inputs)
+''',
+    "a_fifo_for_a_result": PRELUDE + '''
+os.mkfifo("partial.pt")
+time.sleep(3600)
+
+
+class ModelNew(TorchBehindAKernel):
+    def forward(self, *inputs):
+        return self.answer(*inputs)
+''',
+}
+
+
+class Attacker:
+    """A model that answers each sample (told apart by its request's seed) with one program."""
+
+    def __init__(self, programs: list[str]) -> None:
+        self.programs = programs
+        self.by_seed: dict[int | None, str] = {}
+        self.lock = threading.Lock()
+
+    def respond(self, request: ChatRequest) -> Completion:
+        with self.lock:
+            if request.seed not in self.by_seed:
+                self.by_seed[request.seed] = self.programs[len(self.by_seed) % len(self.programs)]
+            program = self.by_seed[request.seed]
+        return Completion(f"Here is my kernel.\n\n```python\n{program}\n```\n", "stop", prompt_tokens=100, completion_tokens=100)
+
+
+def test_attacks_through_the_runs_service_fail_and_the_honest_kernel_passes(workflow_copy: Path, tmp_path: Path) -> None:
+    target, victim = tmp_path / "secret.txt", tmp_path / "victim.txt"
+    target.write_text(SECRET_TEXT)
+    victim.write_text(VICTIM_TEXT)
+    attacks = {name: source.replace("{target}", str(target)) for name, source in ATTACKS.items()}
+    # the evaluation's first level-1 task (the decontaminated set's first: KernelBench L1_19, ReLU)
+    legit = next(s.source for s in list_solutions() if s.level == 1 and s.problem_id == 19 and s.variant == "legit")
+    programs = [*attacks.values(), legit]
+    config = yaml.safe_load((workflow_copy / "config" / "config.yaml").read_text())
+    with BackgroundServer(make_app(Attacker(programs), "attacker")) as server:
+        overlay = {
+            "models": [*config["models"], {"name": "attacker", "kind": "openai", "model": "attacker", "base_url": server.base_url,
+                                           "api_key_env": None, "sampling": {"max_tokens": 4096}}],
+            "eval": {"models": ["attacker"], "samples": len(programs), "turns": 1, "max_tasks": 1},
+            "gym": {"protocol": {"reject_findings": []}},
+        }
+        (workflow_copy / "config" / "attack.yaml").write_text(yaml.safe_dump(overlay))
+        run = subprocess.run([sys.executable, "-m", "snakemake", TARGET, "--cores", "2", "--configfile", "config/attack.yaml"],
+                             cwd=workflow_copy, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = pq.read_table(workflow_copy / TARGET).to_pylist()
+    by_code = {program.strip(): name for name, program in [*attacks.items(), ("legit", legit)]}
+    seen = {}
+    for row in rows:
+        name = by_code.get((row["code"] or "").strip())
+        assert name is not None, f"a row whose code is none of the programs: {str(row['code'])[:300]}"
+        seen[name] = row
+        text = json.dumps(row, default=str)
+        assert SECRET_TEXT not in text, f"{name} leaked the secret file's text"
+        if name != "legit":
+            assert row["status"] not in ("pass", "timeout"), f"{name}: {row['status']} {row.get('feedback')}"
+    assert set(seen) == set(by_code.values()), f"programs never evaluated: {set(by_code.values()) - set(seen)}"
+    assert seen["legit"]["status"] == "pass", seen["legit"].get("feedback")
+    assert victim.read_text() == VICTIM_TEXT
+    log = (workflow_copy / "logs" / "eval" / "run=default" / "attacker-L1-0.log")
+    assert "evaluating on the run's KernelGym service" in log.read_text(), "the evaluations did not go to the run's service"
