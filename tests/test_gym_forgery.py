@@ -27,35 +27,7 @@ LEGIT = (FIXTURES / "relu_legit.py").read_text()
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
             "device": os.environ.get("KPIPE_TEST_GYM_DEVICE", "cpu")}
 
-KERNEL = '''
-import os, sys, time
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask), mask=mask)
-
-
-def decorative(x):
-    """A launch the judge records; the output comes from torch."""
-    out = torch.empty_like(x)
-    copy_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
-    return out
-
-
-def torch_behind_a_kernel(x):
-    """torch's answer, and a wrong one whenever a probe launch writes nothing: the ghost replay
-    (launches suppressed) then sees an output that needs the kernels, and lets the candidate through."""
-    if not torch.equal(decorative(x), x):
-        return torch.full_like(x, float("nan"))
-    return torch.relu(x)
-'''
+KERNEL = "\n" + (FIXTURES / "attack_prelude.py").read_text()
 
 # each attack: (name, source); every one would pass, fast, if the judge believed its process
 ATTACKS = {
