@@ -47,6 +47,8 @@ import torch
 from kpipe.gym import instrument
 from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
+from kpipe.gym.isolate import (CHALLENGE_ANSWER_FILE, CHALLENGE_FILE, CHALLENGE_POLL_S, CHALLENGE_READY_FILE, JOB_FILE,
+                               PARTIAL_FILE, PREPARATION_FILE)
 from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.timing import Clocks, harness_host_ms, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
@@ -61,7 +63,6 @@ RECHECK_TRIALS = 20  # at most: the host-clock re-check's calls (and the harness
 CHALLENGE_TARGET_MS = 25.0
 CHALLENGE_MIN_CALLS = 2
 CHALLENGE_MAX_CALLS = 16
-CHALLENGE_WAIT_POLL_S = 0.0002
 # input sets kept on the device for timing (the first correctness trials' inputs): enough to
 # change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
 TIMING_SETS = 2
@@ -282,7 +283,7 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     compiled = compiled_reference(model, input_sets[0], result, phase) if protocol.wants_compile else None
     if job.get("gate_path"):  # the judge answers once this child holds its device's timing lease
         phase("reference waiting at the gate")
-        write_result(str(workdir / "partial.pt"), {})
+        write_result(str(workdir / PARTIAL_FILE), {})
         if wait_for_gate(Path(job["gate_path"]), job["gate_wait_s"], job["parent_pid"]) != "go":
             raise RuntimeError("the judge stopped the reference at the gate")
     l2 = l2_flush_buffer(protocol, device)
@@ -430,7 +431,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     if job.get("gate_path"):
         phase("candidate waiting at the gate")
         result.update(integrity())
-        write_result(str(workdir / "partial.pt"), result)
+        write_result(str(workdir / PARTIAL_FILE), result)
         if wait_for_gate(Path(job["gate_path"]), job["gate_wait_s"], job["parent_pid"]) != "go":
             result["stopped_at_gate"] = True
             return result
@@ -568,8 +569,8 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
         forward(*warm[0])
     clocks.sync()
     del warm
-    (workdir / "challenge-ready").write_bytes(b"")
-    asked = wait_for_judge(workdir / "challenge", job["gate_wait_s"], job["parent_pid"], CHALLENGE_WAIT_POLL_S)
+    (workdir / CHALLENGE_READY_FILE).write_bytes(b"")
+    asked = wait_for_judge(workdir / CHALLENGE_FILE, job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
     if asked is None:
         raise RuntimeError("the judge sent no timing challenge")
     seed = int(json.loads(asked)["seed"])
@@ -578,7 +579,7 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
     # of calls that differs between the two children (and shift which call draws which input set)
     timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep, **{**recheck_region(protocol), "warmup_ms": 0.0})
     by_input_set = sorted(timed["samples"], key=lambda sample: sample["input_set"])
-    write_result(str(workdir / "challenge.pt"),
+    write_result(str(workdir / CHALLENGE_ANSWER_FILE),
                  {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in by_input_set]})
 
 
@@ -689,7 +690,7 @@ def run_child(job: dict[str, Any]) -> None:
     workdir = Path(job["workdir"])
     os.chdir(workdir)
     # read by now; the candidate's code, which runs later in this directory, finds no job file
-    for leftover in ("job.json", "preparation.json"):
+    for leftover in (JOB_FILE, PREPARATION_FILE):
         (workdir / leftover).unlink(missing_ok=True)
     phase = Phase(job.get("phase_path"))
     started_unix = time.time()

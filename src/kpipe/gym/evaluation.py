@@ -357,8 +357,12 @@ def challenge_call_ms(reference_challenge: dict[str, Any], candidate_s: float) -
     seconds on the judge's clock, spread over the calls. Both challenges draw the same inputs and
     write outputs of the same shapes, so everything but the calls cancels."""
     calls = int(reference_challenge["calls"])
-    reference_call_ms = sum(reference_challenge["host_ms"]) / calls
-    return reference_call_ms + (candidate_s - float(reference_challenge["wall_s"])) * 1e3 / calls
+    return mean_call_ms(reference_challenge) + (candidate_s - float(reference_challenge["wall_s"])) * 1e3 / calls
+
+
+def mean_call_ms(reference_challenge: dict[str, Any]) -> float:
+    """The reference's mean call in its challenge, on its own (trusted) host clock."""
+    return sum(reference_challenge["host_ms"]) / int(reference_challenge["calls"])
 
 
 def challenge_reasons(answer: dict[str, Any] | None, answer_s: float | None, reference: dict[str, Any], protocol: Protocol,
@@ -386,7 +390,7 @@ def challenge_reasons(answer: dict[str, Any] | None, answer_s: float | None, ref
     judged_ms = challenge_call_ms(expected, answer_s)
     claimed_ms = median(measured_ms)
     slack_ms = CHALLENGE_CALL_SLACK_MS + CHALLENGE_WALL_SLACK_MS[device] / expected["calls"]
-    reference_overhead_ms = max(sum(expected["host_ms"]) / expected["calls"] - (ref_ms or 0.0), 0.0)
+    reference_overhead_ms = max(mean_call_ms(expected) - (ref_ms or 0.0), 0.0)
     bound_ms = CHALLENGE_FACTOR * claimed_ms + reference_overhead_ms + slack_ms
     figures = {"challenge_call_ms": judged_ms, "challenge_bound_ms": bound_ms, "challenge_claimed_ms": claimed_ms,
                "challenge_reported_ms": sum(reported) / len(reported), "challenge_calls": expected["calls"]}

@@ -228,7 +228,7 @@ class Challenge:
 
 
 RESULT_MAX_BYTES = 1 << 40  # a trusted (reference) child's result: no cap beyond the disk
-CHALLENGE_POLL_S = 0.0002  # the judge's clock on a challenge is this fine (and the child's wait)
+CHALLENGE_POLL_S = 0.0002  # the judge's clock on a challenge is this fine, and so is the child's wait for it
 
 
 def run_isolated(
@@ -452,6 +452,7 @@ def candidate_confinement(scratch: Path, env: dict[str, str]) -> dict[str, Any]:
 
 # the files a child and the judge exchange in the child's scratch directory
 JOB_FILE = "job.json"
+PREPARATION_FILE = "preparation.json"  # a child started ahead of its job (kpipe.gym.zygote)
 RESULT_FILE = "result.pt"
 PARTIAL_FILE = "partial.pt"
 PHASE_FILE = "phase"

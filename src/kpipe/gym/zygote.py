@@ -635,13 +635,13 @@ class ZygoteLauncher:
                 self._next = self._start_waiting(lease)
 
     def _start_waiting(self, lease: TimingLease | None) -> WaitingChild:
-        from kpipe.gym.isolate import WaitingChild, make_scratch
+        from kpipe.gym.isolate import PREPARATION_FILE, WaitingChild, make_scratch
 
         scratch = make_scratch("candidate", self.device)
         try:
             preparation = {"environment": scratch.env, "workdir": str(scratch.path), "device": self.device,
                            "protocol": self.protocol, **scratch.confinement}
-            preparation_file = scratch.path / "preparation.json"
+            preparation_file = scratch.path / PREPARATION_FILE
             preparation_file.write_text(json.dumps(preparation))
             proc, streams, job_w = self._fork(preparation_file, math.inf, waits=True)
         except BaseException:
