@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kpipe.data.schemas import EVALS
-from kpipe.gym.compare import Tolerance, compare_outputs, compare_tensor
+from kpipe.gym.compare import Tolerance, compare_norms, compare_outputs, compare_tensor
 from kpipe.gym.faults import classify_exception, classify_exit
 from kpipe.gym.feedback import build_feedback
 from kpipe.gym.protocol import Protocol
@@ -140,6 +140,39 @@ def test_compare_nan_shape_dtype_and_integers():
     assert not compare_tensor(integers + 1, integers, TOL).ok
     assert compare_outputs([reference + 1e-6], [reference], TOL).ok
     assert "2 output tensors" in compare_outputs([reference, reference], [reference], TOL).detail
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-4, 5e-3, 2e-2, 1.0])
+def test_compare_of_finite_tensors_is_allclose_and_the_norm(scale):
+    """The all-finite fast path decides as torch.allclose and the relative-norm guard do."""
+    generator = torch.Generator().manual_seed(int(scale * 1e6))
+    reference = torch.randn(64, 64, generator=generator)
+    candidate = reference + scale * torch.randn(64, 64, generator=generator)
+    result = compare_tensor(candidate, reference, TOL)
+    c, r = candidate.double(), reference.double()
+    expected = torch.allclose(c, r, atol=TOL.atol, rtol=TOL.rtol) and (
+        torch.linalg.vector_norm(c - r) / torch.linalg.vector_norm(r)).item() <= TOL.norm_rtol
+    assert result.ok == expected
+    assert result.max_abs_diff == pytest.approx((c - r).abs().max().item())
+    assert compare_tensor(torch.zeros(3), torch.zeros(3), TOL).ok
+    assert not compare_tensor(torch.full((3,), 1e-9), torch.zeros(3), TOL).ok  # zeros expected: anything else fails the norm
+
+
+def test_challenge_compares_the_norm_alone():
+    reference = torch.randn(128, 128)
+    close = reference + 1e-3 * torch.randn(128, 128)
+    assert compare_norms([close], [reference], 0.05).ok
+    assert not compare_norms([torch.zeros_like(reference)], [reference], 0.05).ok
+    poisoned = close.clone()
+    poisoned[0, 0] = float("nan")
+    assert not compare_norms([poisoned], [reference], 0.05).ok
+    assert compare_norms([close.half()], [reference.half()], 0.05).ok
+    assert "shape" in compare_norms([close[:2]], [reference], 0.05).detail
+    assert "2 output tensors" in compare_norms([close, close], [reference], 0.05).detail
+    sampled = {"shape": [128, 128], "dtype": "torch.float32", "sample": reference[0]}
+    assert compare_norms([{**sampled, "sample": close[0]}], [sampled], 0.05).ok
+    assert "sampled" in compare_norms([{**sampled, "sample": -close[0]}], [sampled], 0.05).detail
+    assert not compare_norms([torch.arange(4) + 1], [torch.arange(4)], 0.05).ok
 
 
 def test_classify_exceptions():

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kpipe.data.source_text import source_hash
-from kpipe.gym.compare import Comparison, Tolerance, compare_outputs
+from kpipe.gym.compare import Comparison, Tolerance, compare_norms, compare_outputs
 from kpipe.gym.faults import classify_exit
 from kpipe.gym.feedback import build_feedback, clip
 from kpipe.gym.child import CHALLENGE_MAX_CALLS, CHALLENGE_MIN_CALLS, rechecked
@@ -379,9 +379,8 @@ def challenge_reasons(answer: dict[str, Any] | None, answer_s: float | None, ref
         return [f"integrity: the timing challenge's answer holds no {len(expected['outputs'])} outputs"], {}
     # the relative-norm check alone: the challenge makes a forger compute, and leaves correctness to
     # the trials (an honest kernel at the edge of atol failed one of 16 fresh calls on an H200)
-    computed = Tolerance(float("inf"), 0.0, protocol.norm_rtol)
     for call, (c, r) in enumerate(zip(outputs, expected["outputs"])):
-        check = compare_outputs(c, r, computed)
+        check = compare_norms(c, r, protocol.norm_rtol)
         if not check.ok:
             return [f"challenge_output_mismatch: call {call} on the judge's fresh inputs returned a wrong output ({check.detail})"], {}
     reported = answer.get("host_ms")
