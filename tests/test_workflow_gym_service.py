@@ -79,8 +79,9 @@ def marked(mark: str) -> list[int]:
     return pids
 
 
-def wait_for(condition, what: str):
-    deadline = time.monotonic() + WAIT_S
+def wait_for(condition, what: str, timeout_s: float = WAIT_S):
+    """`condition()`'s first truthy value, polled; fails (never hangs) after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while not (value := condition()):
         assert time.monotonic() < deadline, f"still waiting for {what}"
         time.sleep(0.2)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from kpipe.data.io import read_table
-from test_workflow_gym_service import as_a_terminal_job
+from test_workflow_gym_service import as_a_terminal_job, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -113,14 +113,6 @@ def test_an_edited_offline_teacher_answers_again(workdir, tmp_path):
     assert rows and all(row["response"].endswith("# edited") for row in rows)
 
 
-def wait_for(condition, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"still waiting for {what}"
-        time.sleep(0.2)
-    return value
-
-
 def test_ctrl_c_during_rl_iter_then_the_same_command_resumes_it(workdir):
     """Ctrl-C once the iteration's first step is checkpointed; the same command then resumes the
     iteration at that step (the default profile's rerun-incomplete: no IncompleteFilesException), and
@@ -129,7 +121,7 @@ def test_ctrl_c_during_rl_iter_then_the_same_command_resumes_it(workdir):
     args = command(RL_MODEL, "--forcerun", "rl_iter")
     process = subprocess.Popen(args, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True, preexec_fn=as_a_terminal_job)
-    wait_for(lambda: list((workdir / RL_SCRATCH / "checkpoints").glob("step-*")), "the first step's checkpoint")
+    wait_for(lambda: list((workdir / RL_SCRATCH / "checkpoints").glob("step-*")), "the first step's checkpoint", WAIT_S)
     os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: snakemake and its jobs
     output, _ = process.communicate(timeout=WAIT_S)
     assert process.returncode != 0, output[-4000:]
