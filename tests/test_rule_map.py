@@ -1,5 +1,6 @@
-"""Rule -> code in one hop: every rule runs workflow/scripts/<rule>.py, which calls the one library
-function the rule's docstring names, and docs/architecture.md's table of it (scripts/rule_map.py) is current."""
+"""Rule -> code in one hop: every rule runs workflow/scripts/<rule>.py, which runs the one library
+function the rule's docstring names through the one job wrapper (kpipe.infra.jobs.run_job), and
+docs/architecture.md's table of it (scripts/rule_map.py) is current."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _load_rule_map():
 rule_map = _load_rule_map()
 
 
-def test_every_rule_runs_its_script_which_calls_the_named_function() -> None:
+def test_every_rule_runs_its_script_which_runs_the_named_function_through_the_wrapper() -> None:
     rules = rule_map.parse_rules()
     assert {"ingest_tasks", "distill", "coldstart_released", "tiny_model", "sft", "rl_iter", "eval", "viewer"} <= {
         rule.name for rule in rules}
@@ -38,7 +39,7 @@ def test_the_architecture_table_is_generated_from_the_rules() -> None:
 
 @pytest.fixture
 def scratch_repository(tmp_path: Path) -> Path:
-    """A minimal repository: one module with three rules, their scripts and a library module."""
+    """A minimal repository: one module with four rules, their scripts and a library module."""
     (tmp_path / "workflow" / "rules").mkdir(parents=True)
     (tmp_path / "workflow" / "scripts").mkdir()
     (tmp_path / "src" / "kpipe" / "data").mkdir(parents=True)
@@ -70,11 +71,21 @@ else:
             "c",
         script:
             "../scripts/wrong_call.py"
+
+
+rule unwrapped:
+    """kpipe.data.stage.good_job: called without the job wrapper."""
+    output:
+        "d",
+    script:
+        "../scripts/unwrapped.py"
 ''')
     (tmp_path / "src" / "kpipe" / "data" / "stage.py").write_text("def good_job(path):\n    return path\n")
     (tmp_path / "workflow" / "scripts" / "good.py").write_text(
-        "from kpipe.infra.jobs import snakemake_job\n\nwith snakemake_job(snakemake) as job:\n"
-        "    from kpipe.data.stage import good_job\n\n    good_job(job.output[0])\n")
+        "from kpipe.data.stage import good_job\nfrom kpipe.infra.jobs import run_job\n\n"
+        "run_job(snakemake, good_job, snakemake.output[0])\n")
+    (tmp_path / "workflow" / "scripts" / "unwrapped.py").write_text(
+        "from kpipe.data.stage import good_job\n\ngood_job(snakemake.output[0])\n")
     (tmp_path / "workflow" / "scripts" / "wrong_call.py").write_text(
         "from kpipe.data.stage import good_job\nfrom kpipe.data.io import write_table\n\n"
         "write_table(good_job(snakemake.output[0]))\n")
@@ -88,13 +99,16 @@ def test_the_check_names_each_broken_rule(scratch_repository: Path) -> None:
         ("good", "workflow/scripts/good.py", "kpipe.data.stage.good_job"),
         ("shelled", None, "kpipe.data.stage.good_job"),
         ("wrong_call", "workflow/scripts/wrong_call.py", "kpipe.data.stage.missing_job"),
+        ("unwrapped", "workflow/scripts/unwrapped.py", "kpipe.data.stage.good_job"),
     ]
     found = rule_map.problems(rules, scratch_repository)
     assert not [line for line in found if "rule good " in line]
     assert any("rule shelled" in line and "`shell:`" in line for line in found)
     assert any("rule shelled" in line and "script is missing" in line for line in found)
     assert any("rule wrong_call" in line and "defines no function missing_job" in line for line in found)
-    assert any("rule wrong_call" in line and "does not call kpipe.data.stage.missing_job" in line for line in found)
+    assert any("rule wrong_call" in line and "does not run kpipe.data.stage.missing_job" in line for line in found)
+    assert any("rule unwrapped" in line and "through kpipe.infra.jobs.run_job(snakemake, good_job, ...)" in line
+               for line in found)
     assert any("imports more of kpipe" in line and "kpipe.data.io.write_table" in line for line in found)
     assert "workflow/scripts/orphan.py: no rule runs it" in found
 

@@ -22,7 +22,6 @@ SUBCOMMANDS = {
     "eval": "kpipe.evaluate.cli:eval_cli",
     "tables": "kpipe.report.cli:tables",
     "launch": "kpipe.infra.launch:launch",
-    "job": "kpipe.infra.launch:job_command",
     "view": "kpipe.report.viewer:view_command",
 }
 

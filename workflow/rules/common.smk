@@ -114,20 +114,21 @@ onstart:
     if config["device"] == "cuda" and RUNS_HERE and not RUN_GPUS:
         sys.exit("config error: device: cuda (config/gpu.yaml and config/paper.yaml set it), but this "
                  "machine shows no GPU (nvidia-smi -L, CUDA_VISIBLE_DEVICES); on a CPU, run without them")
-    # one-process training jobs are forked from a process with torch and transformers imported
-    # (kpipe.infra.warm_start): ~10 s less per job; it ends with this process
+    # the heavy one-process jobs are forked from a process with torch and transformers imported
+    # (kpipe.infra.warm_start): ~10 s less per job; it ends with this process. Its socket's name
+    # and token reach the jobs (this process's children) through the environment
     if config["warm_start"] and RUNS_HERE:
-        os.environ[warm_start.WARM_START_ENV] = str(warm_start.start(GYM_SERVICE_DIR, os.getpid()))
+        os.environ.update(warm_start.start(GYM_SERVICE_DIR, os.getpid()))
 
 
 onsuccess:
     stop_services(GYM_SERVICE_DIR)
-    warm_start.stop(GYM_SERVICE_DIR)
+    warm_start.stop()
 
 
 onerror:
     stop_services(GYM_SERVICE_DIR)
-    warm_start.stop(GYM_SERVICE_DIR)
+    warm_start.stop()
 
 
 # distill -> sft -> rl_iter, the run's longest chain, and the jobs it waits for (ingest, decontaminate,

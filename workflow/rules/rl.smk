@@ -8,8 +8,8 @@
 # input models and state, code, library versions) is unchanged, and nothing else reruns; a
 # finished iteration leaves no partial work, so a forced rerun trains it again.
 # `rl.gpus` decides the process count: `kpipe launch` runs one process per GPU (FSDP2,
-# data-parallel rollouts), plain Python on a CPU: the rule's script becomes that launch
-# (kpipe.train.jobs, kpipe.infra.launch.exec_launch).
+# data-parallel rollouts); one process (a CPU, one GPU) is forked from the run's warm starter or runs
+# in the job's own (kpipe.train.jobs, kpipe.infra.jobs.run_job).
 
 import json
 
@@ -20,7 +20,7 @@ RL_SLOTS = gpu_slots(RL["gpus"], SHARED_GYM and TINY_POLICY and RL["gpus"] == 1)
 
 
 rule rl_iter:
-    """kpipe.train.jobs.rl_job: `kpipe launch --gpus N -- train rl` (kpipe.train.rl.run_iteration)."""
+    """kpipe.train.jobs.rl_job: `kpipe train rl` in one process per GPU (kpipe.train.rl.run_iteration)."""
     input:
         queries=f"{RESULTS}/queries/queries.parquet",
         model=rl_init_model,

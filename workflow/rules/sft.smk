@@ -4,8 +4,8 @@
 # (kpipe.train.sft) and keeps the loss rows before it, when the checkpoint's restart key (settings,
 # data, code, base weights, library versions) is the job's; else it starts over and its log says
 # which part changed. A finished run drops its checkpoints: a forced rerun trains again. `sft.gpus` decides the process count:
-# `kpipe launch` runs one process per GPU (FSDP2 from two), plain Python on a CPU: the rule's
-# script becomes that launch (kpipe.train.jobs, kpipe.infra.launch.exec_launch).
+# `kpipe launch` runs one process per GPU (FSDP2 from two); one process (a CPU, one GPU) is forked
+# from the run's warm starter or runs in the job's own (kpipe.train.jobs, kpipe.infra.jobs.run_job).
 
 import json
 
@@ -38,7 +38,7 @@ rule tiny_model:
 
 
 rule sft:
-    """kpipe.train.jobs.sft_job: `kpipe launch --gpus N -- train sft` (kpipe.train.sft.train_sft)."""
+    """kpipe.train.jobs.sft_job: `kpipe train sft` in one process per GPU (kpipe.train.sft.train_sft)."""
     input:
         trajectories=coldstart_parts(),
         base=sft_base_model_input(),

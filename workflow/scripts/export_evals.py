@@ -1,9 +1,9 @@
-"""Snakemake wrapper: the KernelGym result cache (gym.cache) as results/evals/gym_cache.parquet."""
+"""Rule export_evals -> kpipe.gym.cache.export_evals: the KernelGym result cache (gym.cache) as
+results/evals/gym_cache.parquet."""
 
-from kpipe.infra.jobs import snakemake_job
+from kpipe.gym.cache import export_evals
+from kpipe.infra.jobs import run_job
 
-with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.gym.cache import export_evals
+job = snakemake  # noqa: F821 (injected by Snakemake)
 
-    rows = export_evals(job.params.cache, job.output[0])
-    print(f"wrote {job.output[0]}: {rows} evaluations from the result cache {job.params.cache}")
+run_job(job, export_evals, job.params.cache, job.output[0])

@@ -1,13 +1,11 @@
-"""Snakemake wrapper: the paper's figures (4-8) as results/figures/*.png."""
+"""Rule figures -> kpipe.report.figures.build_figures: the paper's figures (4-8) as results/figures/*.png."""
 
 from pathlib import Path
 
-from kpipe.infra.jobs import snakemake_job
+from kpipe.infra.jobs import run_job
+from kpipe.report.figures import build_figures
 
-with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.report.figures import build_figures
+job = snakemake  # noqa: F821 (injected by Snakemake)
 
-    sql_dir = Path(job.params.sql_dir)  # the checkout's SQL (the inputs are its rerun triggers)
-    figures = build_figures(Path(job.input.db), Path(job.output[0]).parent, sql_dir, job.params.n_boot)
-    for name, path in figures.items():
-        print(f"{name}: {path}")
+# the checkout's SQL (sql_dir; the inputs are its rerun triggers)
+run_job(job, build_figures, Path(job.input.db), Path(job.output[0]).parent, Path(job.params.sql_dir), job.params.n_boot)

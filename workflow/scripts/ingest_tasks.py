@@ -1,8 +1,8 @@
 """Rule ingest_tasks -> kpipe.data.ingest.ingest_tasks_job: the evaluation tasks from the vendored KernelBench sets."""
 
-from kpipe.infra.jobs import snakemake_job
+from kpipe.data.ingest import ingest_tasks_job
+from kpipe.infra.jobs import run_job
 
-with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.data.ingest import ingest_tasks_job
+job = snakemake  # noqa: F821 (injected by Snakemake)
 
-    ingest_tasks_job(job.params.kernelbench, job.output[0])
+run_job(job, ingest_tasks_job, job.params.kernelbench, job.output[0])

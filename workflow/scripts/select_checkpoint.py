@@ -1,9 +1,10 @@
-"""Snakemake wrapper: the RL checkpoint an evaluation with `checkpoint: best_val` reads, chosen by validation."""
+"""Rule select_checkpoint -> kpipe.evaluate.kernelbench.selection_job: the RL checkpoint an evaluation
+with `checkpoint: best_val` reads, chosen by validation."""
 
-from kpipe.infra.jobs import snakemake_job
+from kpipe.evaluate.kernelbench import selection_job
+from kpipe.infra.jobs import run_job
 
-with snakemake_job(snakemake) as job:  # noqa: F821 (injected by Snakemake)
-    from kpipe.evaluate.kernelbench import selection_job
+job = snakemake  # noqa: F821 (injected by Snakemake)
 
-    selection_job(list(job.input), job.params.checkpoints, job.output[0], run=job.wildcards.run,
-                  turn=job.params.turn)
+run_job(job, selection_job, list(job.input), job.params.checkpoints, job.output[0], run=job.wildcards.run,
+        turn=job.params.turn)

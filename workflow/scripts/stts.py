@@ -1,27 +1,15 @@
-"""Snakemake wrapper: one STTS shard of one model, history strategy and level (forked from the run's
-warm starter when it is ready: kpipe.infra.launch.job_function)."""
+"""Rule stts -> kpipe.evaluate.stts.stts_job: one STTS shard of one model, history strategy and level
+(forkable: from the run's warm starter when it is ready)."""
 
 from kpipe.evaluate.stts import stts_job
-from kpipe.infra.launch import job_function
+from kpipe.infra.jobs import run_job
 
 job = snakemake  # noqa: F821 (injected by Snakemake)
 
 settings = dict(job.params.settings)
 if job.params.window is not None:
     settings["window"] = job.params.window
-job_function(
-    job,
-    stts_job,
-    job.input.tasks,
-    job.output[0],
-    job.params.cache,
-    job.params.model,
-    settings,
-    strategy=job.wildcards.strategy,
-    level=int(job.wildcards.level),
-    shard=int(job.wildcards.shard),
-    num_shards=job.params.num_shards,
-    run=job.params.run,
-    gym=job.params.gym,
-    checkpoint=job.input.checkpoint or None,
-)
+run_job(job, stts_job, job.input.tasks, job.output[0], job.params.cache, job.params.model, settings,
+        strategy=job.wildcards.strategy, level=int(job.wildcards.level), shard=int(job.wildcards.shard),
+        num_shards=job.params.num_shards, run=job.params.run, gym=job.params.gym,
+        checkpoint=job.input.checkpoint or None)

@@ -11,30 +11,23 @@ processes, ranked by SLURM's node id. Configs live in ``workflow/accelerate/``:
 
 ``kpipe launch --gpus N -- train sft ...`` does all of it, holding a GPU lease
 (:mod:`kpipe.infra.gpu`) on a shared box; ``--print`` shows the command instead of running it.
-A Snakemake script becomes that command with :func:`exec_launch` (the training rules' jobs,
-:mod:`kpipe.train.jobs`).
+A training rule's job of several processes becomes that command (:func:`kpipe.infra.jobs.run_job`,
+the jobs of :mod:`kpipe.train.jobs`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import json
 import os
 import re
 import shlex
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
 
 import click
-
-from kpipe.infra.jobs import (configure_logging, dies_on_interrupt, job_slots, lease_message, log_line, mark_job_started,
-                              snakemake_job, threads_held_to)
 
 DEFAULT_CONFIG_DIR = Path("workflow") / "accelerate"
 CONFIG_DIR_ENV = "KPIPE_ACCELERATE_DIR"
@@ -155,100 +148,6 @@ def launch_command(gpus: int, args: Sequence[str], slots: tuple[int, int] | None
     slots per GPU) leases that many slots instead of N whole GPUs (kpipe.infra.gpu.gpu_slot_lease)."""
     share = ["--gpu-slots", str(slots[0]), "--slots-per-gpu", str(slots[1])] if slots is not None else []
     return [sys.executable, "-m", "kpipe.cli", "launch", "--gpus", str(gpus), *share, "--", *args]
-
-
-def exec_launch(gpus: int, args: Sequence[str], log: str | os.PathLike | None = None,
-                slots: tuple[int, int] | None = None) -> NoReturn:
-    """Replace this process by ``kpipe launch --gpus N -- ARGS``, stdout and stderr to `log`.
-
-    A rule's ``script:`` runs in the job's own process (locally, in a SLURM job step, on a
-    Kubernetes pod), so after the exec the job *is* the launch: the GPU lease, the srun fan-out
-    over the job's nodes and accelerate's processes happen exactly as for a shell rule running
-    ``kpipe launch ... > {log} 2>&1``, and Snakemake sees its exit status.
-    """
-    mark_job_started()
-    if (code := run_warm_started(gpus, args, log, slots)) is not None:
-        sys.exit(code)
-    command = launch_command(gpus, args, slots)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if log is not None:
-        Path(log).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    os.execv(command[0], command)
-
-
-def run_warm_started(gpus: int, args: Sequence[str], log: str | os.PathLike | None,
-                     slots: tuple[int, int] | None, ready_only: bool = False,
-                     leased_line: Callable[[list[str]], str] | None = None) -> int | None:
-    """A one-process job on this node through the run's warm starter (:mod:`kpipe.infra.warm_start`),
-    under the GPU lease `kpipe launch` would take; its exit status, or None when the job is not one
-    process here or the run has no starter (with `ready_only`: none done with its imports).
-    `leased_line(leased GPUs)`: the log's first line, as the job's own process would write it."""
-    from kpipe.infra import warm_start
-
-    try:
-        plan = launch_plan(gpus, args, os.environ, node_task=False)
-    except (ValueError, FileNotFoundError):
-        return None  # `kpipe launch` says what is wrong
-    if plan[1:3] != ["-m", "kpipe.cli"] or (conn := warm_start.connect(ready_only=ready_only)) is None:
-        return None
-    from kpipe.infra.gpu import GPULeaseError, job_lease
-
-    try:
-        with job_lease(gpus, slots) as leased, contextlib.ExitStack() as stack:
-            if log is None:
-                out = sys.stdout.fileno()
-            else:
-                Path(log).parent.mkdir(parents=True, exist_ok=True)
-                out = stack.enter_context(open(log, "w")).fileno()
-            sys.stdout.flush()
-            if leased_line is not None:
-                os.write(out, (leased_line(leased) + "\n").encode())
-            with dies_on_interrupt():  # a Ctrl-C'd client ends its forked worker (kpipe.infra.warm_start)
-                return warm_start.run_job(conn, args, out)
-    except GPULeaseError as error:
-        conn.close()
-        print(f"Error: {error}", file=sys.stderr)
-        return 1
-
-
-def job_function(smk: Any, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Run a module's `function` on `args` and `kwargs` (JSON values) as this Snakemake job.
-
-    Where the run's warm starter (:mod:`kpipe.infra.warm_start`) is done with its imports, the job
-    is forked from it (``kpipe job``): torch, transformers and the Qwen3 modeling module already
-    imported, under the job's GPU slots, its output to the rule's log. Else (no starter, one still
-    importing at the run's start, a cluster job) it runs in this process (``snakemake_job``). A job
-    that loads a local model pays ~10 s of those imports in a fresh Python on an H200: the default
-    DAG's evaluations of the tiny policies and their STTS took 17-20 s there, their loop 3 s of it
-    (``965801b:docs/gpu-results/dag_2026-11-28d_H200.run-logs.tar.gz``)."""
-    mark_job_started()
-    threads_held_to(smk.threads)  # before the hand-over: the forked worker takes this environment
-    slots = job_slots(smk)
-    call = json.dumps({"args": list(args), "kwargs": kwargs})
-    target = f"{function.__module__}:{function.__name__}"
-    code = run_warm_started(1, ["job", target, call], smk.log[0] if smk.log else None, slots, ready_only=True,
-                            leased_line=lambda leased: log_line(lease_message(smk.rule, *slots, leased)))
-    if code is not None:
-        sys.exit(code)
-    with snakemake_job(smk):
-        function(*args, **kwargs)
-
-
-@click.command("job", hidden=True)
-@click.argument("target")
-@click.argument("call")
-def job_command(target: str, call: str) -> None:
-    """Run TARGET ("module:function") on CALL (JSON: args, kwargs): a Snakemake job that
-    ``job_function`` hands the run's warm starter."""
-    configure_logging()
-    spec = json.loads(call)
-    module, _, name = target.partition(":")
-    getattr(importlib.import_module(module), name)(*spec["args"], **spec["kwargs"])
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})

@@ -1,18 +1,31 @@
-"""One-process jobs without a fresh Python: a process of the Snakemake run imports torch,
-transformers, accelerate, kpipe's trainers and evaluation stages once, and forks each
-single-process training job (`sft`, every `rl_iter`) from there, and once it is done importing
-each job that loads a local model to evaluate it (`eval`, `stts`, `rl_validate`:
-``kpipe.infra.launch.job_function``).
+"""The warm starter: one process of a Snakemake run imports torch, transformers, accelerate, kpipe's
+trainers and evaluation stages once and forks the run's heavy one-process jobs from there
+(`sft`, each `rl_iter`, `eval`, `stts`, `rl_validate`): a backend of :func:`kpipe.infra.jobs.run_job`.
 
 Why: a fresh process pays ~10 s before an RL iteration's first step on an H200 (the imports 4.4 s,
 transformers' Qwen3 modeling module and what it pulls in 5.4 s, measured with the `dag` check),
-and the default DAG runs six such jobs one after another on its longest chain.
+and the default DAG runs six such jobs one after another on its longest chain. Config
+``warm_start: false`` (or a job without ``$KPIPE_WARM_START``) starts each job in its own Python
+instead: the same outputs, seconds later.
+
+Who may ask it (issue 52: a candidate reached the starter of old and ran commands outside its sandbox):
+- it listens on an *abstract* Unix socket (Linux) whose name holds 128 random bits: no file on disk,
+  and unreachable from another network namespace (a KernelGym candidate's);
+- a client must run as the run's owner (``SO_PEERCRED``) and send the run's secret token
+  (``$KPIPE_WARM_START_TOKEN``, compared with ``hmac.compare_digest``), which reaches jobs only
+  through Snakemake's environment (the starter reads it from a pipe; :func:`kpipe.infra.jobs.run_job`
+  drops both names from the job's environment before its work starts, so nothing the job starts
+  inherits them);
+- a client names a job of the starter's fixed table, the functions its preloaded modules marked
+  forkable (:func:`register`, through kpipe.infra.jobs' decorators), and JSON arguments: never
+  a module, function or command line of its own. Anything else is refused, in the starter's log and
+  in the client's answer.
 
 How, so that a forked job is the job Snakemake started in every way that matters:
-- the job's process (the *client*, a thin `exec_launch`) takes the GPU lease, connects to the
-  starter's Unix socket and sends its argv, environment and working directory with its stdin,
-  stdout and stderr as file descriptors (SCM_RIGHTS); the forked *worker* takes those over, runs
-  ``kpipe <argv>`` and its exit status comes back to the client, which exits with it;
+- the job's process (the *client*) holds the GPU lease, connects, and sends its job, arguments,
+  environment and working directory with its stdin, stdout and stderr as file descriptors
+  (SCM_RIGHTS); the forked *worker* takes those over, runs the job, and its exit status comes back
+  to the client, which exits with it;
 - the worker starts a session of its own and ends it (SIGKILL to the group) when the client ends,
   so Snakemake killing a job (Ctrl-C, a failed run) kills its work; the starter ends with the
   run's snakemake process (a pidfd) or when ``onsuccess``/``onerror`` stop it;
@@ -20,73 +33,105 @@ How, so that a forked job is the job Snakemake started in every way that matters
   environment when torch was imported);
 - the starter never touches CUDA (``PYTORCH_NVML_BASED_CUDA_CHECK``), so each worker initialises
   CUDA itself after it has the client's ``CUDA_VISIBLE_DEVICES``, as the kpipe.gym zygote's
-  children do.
+  children do;
+- the preload is imported beside the listener (a thread): a job that starts before it is done is
+  told so at once and starts its own Python rather than wait.
 
 Not covered: Snakemake's ``benchmark:`` files of these rules measure the client, not the worker.
-A run whose starter cannot be reached starts jobs the usual way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import importlib
 import json
 import os
-import runpy
+import secrets
 import select
 import signal
 import socket
 import struct
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-WARM_START_ENV = "KPIPE_WARM_START"  # the socket of the run's starter, set by the Snakefile for its jobs
+WARM_START_ENV = "KPIPE_WARM_START"  # the abstract socket name of the run's starter, set by the Snakefile for its jobs
+TOKEN_ENV = "KPIPE_WARM_START_TOKEN"  # the run's secret a client proves itself with
 PRELOAD = ("torch", "accelerate", "transformers", "transformers.models.qwen3.modeling_qwen3", "kpipe.train.rl",
-           "kpipe.train.sft", "kpipe.train.cli", "kpipe.evaluate.kernelbench", "kpipe.evaluate.stts")
-CONNECT_TIMEOUT_S = 5.0  # the socket listens from the start; the starter answers once its imports are done
+           "kpipe.train.sft", "kpipe.train.cli", "kpipe.train.jobs", "kpipe.evaluate.kernelbench",
+           "kpipe.evaluate.stts")
+HANDSHAKE_TIMEOUT_S = 5.0  # a client that connects and says nothing holds the starter no longer than this
+MAX_REQUEST_BYTES = 1 << 20
 STD_FDS = 3
+LOG_NAME = "warm-start.log"
+
+# A forkable job: "module:function" -> what runs it in this process on its JSON (args, kwargs).
+# Filled by the imports of the modules that define them; the starter freezes it after its preload.
+Runner = Callable[[list, dict], None]
+FORKABLE: dict[str, Runner] = {}
 
 
-def socket_path(directory: str | os.PathLike) -> Path:
-    return Path(directory).resolve() / "warm-start.sock"
+def register(name: str, run: Runner) -> None:
+    """Make job `name` one a warm starter may fork (kpipe.infra.jobs' decorators call this)."""
+    FORKABLE[name] = run
 
 
-def ready_path(socket: str | os.PathLike) -> Path:
-    """Exists once the starter at `socket` has imported its preload and forks at once."""
-    return Path(socket).with_suffix(".ready")
+class Refused(RuntimeError):
+    """The run's starter refused this client's credentials. An attack, or a job of another run:
+    the job fails rather than start elsewhere."""
 
 
-def start(directory: str | os.PathLike, owner: int, preload: Sequence[str] = PRELOAD) -> Path:
-    """Start the run's starter (``python -m kpipe.infra.warm_start``) owned by `owner`, log in
-    `directory`; returns its socket path, which it listens on before it imports `preload`."""
+def start(directory: str | os.PathLike, owner: int, preload: Sequence[str] = PRELOAD) -> dict[str, str]:
+    """Start the run's starter (``python -m kpipe.infra.warm_start``) owned by `owner`, its log in
+    `directory`; returns the environment its clients need (the socket's name and the token).
+
+    The socket is bound and listening here, before the starter runs, and handed to it: a job that
+    connects at once is queued, never refused."""
     import subprocess
 
-    path = socket_path(directory)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    ready_path(path).unlink(missing_ok=True)
-    with open(path.with_suffix(".log"), "a") as log:
-        subprocess.Popen([sys.executable, "-m", "kpipe.infra.warm_start", str(path), str(owner), *preload], stdin=subprocess.DEVNULL,
-                         stdout=log, stderr=log, start_new_session=True)
-    deadline = time.monotonic() + 30.0
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return path
+    name = f"kpipe-warm-start-{secrets.token_hex(16)}"
+    token = secrets.token_hex(32)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
+            open(Path(directory) / LOG_NAME, "a") as log:
+        listener.bind(f"\0{name}")
+        listener.listen(64)
+        starter = subprocess.Popen([sys.executable, "-m", "kpipe.infra.warm_start", str(listener.fileno()), str(owner),
+                                    *preload], stdin=subprocess.PIPE, stdout=log, stderr=log,
+                                   pass_fds=[listener.fileno()], start_new_session=True)
+        starter.stdin.write(token.encode())  # a pipe: never a file, an argument or the starter's environment
+        starter.stdin.close()
+    return {WARM_START_ENV: name, TOKEN_ENV: token}
 
 
-def stop(directory: str | os.PathLike) -> None:
+def stop(environ: Mapping[str, str] = os.environ) -> None:
     """Ask the run's starter to end (``onsuccess``/``onerror``); its workers end with their jobs."""
-    path = socket_path(directory)
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(CONNECT_TIMEOUT_S)
-        conn.connect(str(path))
-        send_request(conn, {"stop": True}, [])
-    path.unlink(missing_ok=True)
-    ready_path(path).unlink(missing_ok=True)
+    if (conn := _connect(environ)) is None:
+        return
+    with conn, contextlib.suppress(OSError):
+        send_request(conn, {"token": environ.get(TOKEN_ENV, ""), "stop": True}, [])
+        _read_answer(conn)  # the starter has stopped listening
+
+
+def _connect(environ: Mapping[str, str]) -> socket.socket | None:
+    """A connection to the run's starter, or None without one (none named, or none listening: it
+    ends with its run), when a job starts the usual way."""
+    name = environ.get(WARM_START_ENV)
+    if not name:
+        return None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(HANDSHAKE_TIMEOUT_S)
+    try:
+        conn.connect(f"\0{name}")
+    except OSError:
+        conn.close()
+        return None
+    return conn
 
 
 def send_request(conn: socket.socket, request: Mapping[str, object], fds: Sequence[int]) -> None:
@@ -98,57 +143,76 @@ def send_request(conn: socket.socket, request: Mapping[str, object], fds: Sequen
 
 def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
     header, fds, _, _ = socket.recv_fds(conn, 4, STD_FDS)
-    if len(header) < 4:
-        raise ConnectionError("no request")
-    size = struct.unpack("!I", header)[0]
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("request cut short")
-        data += chunk
-    return json.loads(data), fds
-
-
-def connect(environ: Mapping[str, str] = os.environ, ready_only: bool = False) -> socket.socket | None:
-    """A connection to the run's starter, or None when there is none to ask (no run, a dead
-    starter; with `ready_only`, one still importing its preload): the caller then starts the job
-    the usual way."""
-    path = environ.get(WARM_START_ENV)
-    if not path or (ready_only and not ready_path(path).exists()):
-        return None
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.settimeout(CONNECT_TIMEOUT_S)
     try:
-        conn.connect(path)
-    except OSError:
-        conn.close()
+        if len(header) < 4:
+            raise ConnectionError("no request")
+        size = struct.unpack("!I", header)[0]
+        if size > MAX_REQUEST_BYTES:
+            raise ValueError(f"a request of {size} bytes (at most {MAX_REQUEST_BYTES})")
+        data = b""
+        while len(data) < size:
+            chunk = conn.recv(size - len(data))
+            if not chunk:
+                raise ConnectionError("request cut short")
+            data += chunk
+        request = json.loads(data)
+        if not isinstance(request, dict):
+            raise ValueError("a request is a JSON object")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return request, fds
+
+
+def _answer(conn: socket.socket, **answer: object) -> None:
+    conn.sendall(json.dumps(answer).encode() + b"\n")
+
+
+def _read_answer(conn: socket.socket) -> dict | None:
+    """The starter's next one-line answer; None when it closed the connection first."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = conn.recv(1)
+        if not chunk:
+            return None
+        line += chunk
+    return json.loads(line)
+
+
+def fork_job(name: str, args: list, kwargs: dict, log_fd: int, say: Callable[[str], None],
+             environ: Mapping[str, str]) -> int | None:
+    """Run job `name` on `args` and `kwargs` in a worker of the run's starter (`environ` names it
+    and holds its token), output to `log_fd`, with this process's environment and directory; its
+    exit status (128 + N when signal N ended it). None when the job should start here instead: no
+    starter, one still importing, or one that does not know the job (`say` tells the job's log why).
+    Raises :class:`Refused` when the starter refuses the credentials."""
+    if (conn := _connect(environ)) is None:
         return None
-    conn.settimeout(None)
-    return conn
-
-
-def run_job(conn: socket.socket, argv: Sequence[str], log_fd: int) -> int:
-    """Run ``kpipe <argv>`` in a worker of the starter at `conn`, output to `log_fd`, with this
-    process's environment and directory; its exit status (128 + N when signal N ended it)."""
     with conn, open(os.devnull) as stdin:
-        send_request(conn, {"argv": list(argv), "env": dict(os.environ), "cwd": os.getcwd()},
-                     [stdin.fileno(), log_fd, log_fd])
-        answer = b""
-        while chunk := conn.recv(64):
-            answer += chunk
-    if not answer.strip():
-        raise RuntimeError(f"the warm starter ({os.environ.get(WARM_START_ENV)}) ended before the job did")
-    code = int(answer)
+        send_request(conn, {"token": environ.get(TOKEN_ENV, ""), "job": name, "args": args, "kwargs": kwargs,
+                            "env": dict(os.environ), "cwd": os.getcwd()}, [stdin.fileno(), log_fd, log_fd])
+        conn.settimeout(None)  # the answer comes once the starter has read the request, the exit status when the job ends
+        answer = _read_answer(conn)
+        if answer is None or answer.get("status") == "starting":
+            return None
+        if answer.get("status") == "refused":
+            if answer.get("unauthenticated"):
+                raise Refused(f"the run's warm starter refused this job: {answer.get('reason')}")
+            say(f"the run's warm starter refused job {name}: {answer.get('reason')}; it runs in this process")
+            return None
+        done = _read_answer(conn)
+    if done is None:
+        raise RuntimeError(f"the warm starter ({environ.get(WARM_START_ENV)}) ended before the job did")
+    code = int(done["exit"])
     return 128 - code if code < 0 else code
 
 
-def _worker(conn: socket.socket, request: dict, fds: list[int], client: int) -> NoReturn:
+def _worker(request: dict, fds: list[int], client: int, run: Runner) -> NoReturn:
     """In the forked child: become the job (its stdio, directory, environment), die with its
-    client, run ``kpipe <argv>``, exit with its status."""
+    client, run it, exit with its status."""
     code = 1
     try:
-        conn.close()  # the client reads its exit status from the starter, after this process is gone
         os.setsid()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -165,14 +229,10 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], client: int) -> 
             select.select([pidfd], [], [])
             os.killpg(0, signal.SIGKILL)
 
-        import threading
-
         threading.Thread(target=watch, daemon=True, name="client-watch").start()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        # what `python -m kpipe.cli ARGV` runs (kpipe.infra.launch's command), in this process
-        sys.argv = ["kpipe", *request["argv"]]
-        runpy.run_module("kpipe.cli", run_name="__main__", alter_sys=True)
+        run(request["args"], request["kwargs"])
         code = 0
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
@@ -185,56 +245,118 @@ def _worker(conn: socket.socket, request: dict, fds: list[int], client: int) -> 
         os._exit(code)
 
 
-def serve(path: Path, owner: int, preload: Sequence[str] = PRELOAD) -> None:
-    """Listen at `path`, import `preload`, then fork a worker per request until `owner` ends or a
-    stop request comes. One thread: the listener, the owner and every worker are file
-    descriptors to select on (a pidfd per process)."""
+def peer_uid_and_pid(conn: socket.socket) -> tuple[int, int]:
+    """The connected client's uid and pid, as the kernel saw them at connect (``SO_PEERCRED``)."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid, pid
+
+
+def refusal(request: dict, peer_uid: int, token: str) -> str | None:
+    """Why a client is not the run's own (None: it is): another user, or no or a wrong token."""
+    if peer_uid != os.getuid():
+        return f"uid {peer_uid} is not the run's owner (uid {os.getuid()})"
+    offered = request.get("token")
+    if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), token.encode()):
+        return "no valid token (the run's $" + TOKEN_ENV + ")"
+    return None
+
+
+def serve(listener: socket.socket, owner: int, token: str, preload: Sequence[str] = PRELOAD) -> None:
+    """Import `preload` (a thread) while answering on `listener`, then fork a worker per job of its
+    table until `owner` ends or an authenticated stop request comes. One thread serves: the
+    listener, the owner, the importer and every worker are file descriptors to select on."""
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch.cuda.is_available() without a CUDA context
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    path.unlink(missing_ok=True)
-    listener.bind(str(path))
-    listener.listen(64)
-    started = time.monotonic()
-    for module in preload:
-        importlib.import_module(module)
-    print(f"warm starter: {len(preload)} modules imported in {time.monotonic() - started:.1f} s", flush=True)
-    ready_path(path).touch()
+    ready_read, ready_write = os.pipe()
+    failed: list[str] = []
+
+    def import_preload() -> None:
+        started = time.monotonic()
+        try:
+            for module in preload:
+                importlib.import_module(module)
+            print(f"warm starter: {len(preload)} modules imported in {time.monotonic() - started:.1f} s", flush=True)
+        except BaseException:  # noqa: BLE001 (a starter that cannot import is none: jobs start the usual way)
+            failed.append(traceback.format_exc())
+        finally:
+            os.write(ready_write, b"x")
+
+    importer = threading.Thread(target=import_preload, name="preload", daemon=True)
+    importer.start()
+    table: dict[str, Runner] | None = None  # the jobs it forks, fixed once the preload is imported
     owner_fd = os.pidfd_open(owner)
     workers: dict[int, tuple[int, socket.socket]] = {}  # pidfd -> (pid, the client's connection)
     while True:
-        ready, _, _ = select.select([listener, owner_fd, *workers], [], [])
+        watched = [listener, owner_fd, *workers] + ([ready_read] if table is None else [])
+        ready, _, _ = select.select(watched, [], [])
         if owner_fd in ready:
             return
+        if ready_read in ready:
+            importer.join()  # no thread runs beside a fork
+            if failed:
+                print(f"warm starter: the preload failed; ending\n{failed[0]}", flush=True)
+                return
+            table = dict(FORKABLE)
+            print(f"warm starter: ready to fork {', '.join(sorted(table)) or 'no job'}", flush=True)
         for fd in ready:
             if fd in workers:
                 pid, conn = workers.pop(fd)
                 _, status = os.waitpid(pid, 0)
                 os.close(fd)
                 with contextlib.suppress(OSError), conn:
-                    conn.sendall(str(os.waitstatus_to_exitcode(status)).encode())
+                    _answer(conn, exit=os.waitstatus_to_exitcode(status))
         if listener not in ready:
             continue
         conn, _ = listener.accept()
-        try:
-            request, fds = receive_request(conn)
-        except (OSError, ValueError):
-            conn.close()
-            continue
-        if request.get("stop"):
+        if _handle(conn, token, table, listener, workers) == "stop":
             return
-        client = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            listener.close()
-            for _, other in workers.values():
-                other.close()
-            _worker(conn, request, fds, client)
+
+
+def _handle(conn: socket.socket, token: str, table: Mapping[str, Runner] | None, listener: socket.socket,
+            workers: dict[int, tuple[int, socket.socket]]) -> str | None:
+    """Answer one connection: refuse it, tell it the starter is still importing, stop, or fork its job."""
+    conn.settimeout(HANDSHAKE_TIMEOUT_S)
+    try:
+        peer_uid, client = peer_uid_and_pid(conn)
+        request, fds = receive_request(conn)
+    except (OSError, ValueError) as error:
+        print(f"warm starter: refused a client: unreadable request ({error})", flush=True)
+        conn.close()
+        return None
+    job = request.get("job")
+    try:
+        if (why := refusal(request, peer_uid, token)) is not None:
+            print(f"warm starter: refused pid {client} (uid {peer_uid}): {why}", flush=True)
+            _answer(conn, status="refused", unauthenticated=True, reason=why)
+        elif request.get("stop"):
+            _answer(conn, status="stopping")
+            return "stop"
+        elif table is None:
+            _answer(conn, status="starting")
+        elif not isinstance(job, str) or job not in table:
+            why = f"unknown job {job!r} (it forks {', '.join(sorted(table))})"
+            print(f"warm starter: refused pid {client}: {why}", flush=True)
+            _answer(conn, status="refused", unauthenticated=False, reason=why)
+        else:
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                for _, other in workers.values():
+                    other.close()
+                conn.close()  # the client reads its exit status from the starter, after this process is gone
+                _worker(request, fds, client, table[job])
+            workers[os.pidfd_open(pid)] = (pid, conn)
+            _answer(conn, status="forked", pid=pid)
+            print(f"warm starter: job {job} forked as pid {pid}", flush=True)
+            return None
+    finally:
         for fd in fds:
             os.close(fd)
-        workers[os.pidfd_open(pid)] = (pid, conn)
-        print(f"warm starter: job {' '.join(request['argv'][:2])} forked as pid {pid}", flush=True)
+    conn.close()
+    return None
 
 
 if __name__ == "__main__":
-    serve(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:])
+    from kpipe.infra import warm_start  # the module jobs register with (FORKABLE), not this __main__ copy
+
+    warm_start.serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]), sys.stdin.read(), sys.argv[3:])
