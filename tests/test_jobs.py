@@ -1,4 +1,4 @@
-"""kpipe.infra.jobs.snakemake_job: a Ctrl-C ends a Snakemake script's job, after it has unwound, and
+"""kpipe.infra.jobs.run_job in the job's own process: a Ctrl-C ends a Snakemake script's job, after it has unwound, and
 even where Python would swallow it (and the handler it replaced comes back after the job); Rust's
 thread pools held to the job's threads."""
 
@@ -17,11 +17,12 @@ SWALLOWED = textwrap.dedent("""
     from types import SimpleNamespace
     signal.signal(signal.SIGINT, signal.default_int_handler)
     import kpipe.infra.jobs
-    from kpipe.infra.jobs import snakemake_job
+    from kpipe.infra.jobs import run_job
 
     kpipe.infra.jobs.INTERRUPT_GRACE_S = 0.5
     smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t", threads=1)
-    with snakemake_job(smk):
+
+    def work():
         class Held:
             pass
 
@@ -34,11 +35,13 @@ SWALLOWED = textwrap.dedent("""
         del held
         time.sleep(2.0)  # the job's work goes on
         print("ran on after Ctrl-C", flush=True)
+
+    run_job(smk, work)
 """)
 
 
 def test_a_ctrl_c_that_python_would_swallow_still_ends_the_job():
-    bare = subprocess.run([sys.executable, "-c", SWALLOWED.replace("with snakemake_job(smk):", "if True:")],
+    bare = subprocess.run([sys.executable, "-c", SWALLOWED.replace("run_job(smk, work)", "work()")],
                           capture_output=True, text=True, timeout=60)
     assert "ran on after Ctrl-C" in bare.stdout and "KeyboardInterrupt" in bare.stderr  # what Python does
     job = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=60)
@@ -49,15 +52,18 @@ def test_a_ctrl_c_that_python_would_swallow_still_ends_the_job():
 UNWINDS = textwrap.dedent("""
     import os, signal, sys, time
     from types import SimpleNamespace
-    from kpipe.infra.jobs import snakemake_job
+    from kpipe.infra.jobs import run_job
 
     smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t", threads=1)
-    with snakemake_job(smk):
+
+    def work():
         try:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(10)
         finally:
             open(sys.argv[1], "w").write("stopped its server")
+
+    run_job(smk, work)
 """)
 
 
@@ -69,15 +75,18 @@ def test_a_ctrl_c_job_unwinds_first(tmp_path):
     assert marker.read_text() == "stopped its server"
 
 
-def test_the_previous_sigint_handler_comes_back_after_the_job():
+def test_the_previous_sigint_handler_comes_back_after_the_job(monkeypatch):
     from types import SimpleNamespace
 
-    from kpipe.infra.jobs import snakemake_job
+    from kpipe.infra import jobs
 
+    monkeypatch.setenv(jobs.JOB_STARTED, "0")  # what run_job sets stays in this test
+    monkeypatch.setenv("RAYON_NUM_THREADS", "1")
     before = signal.getsignal(signal.SIGINT)
     smk = SimpleNamespace(log=[], resources=SimpleNamespace(gpu_slots=0), config={"gpu": {"slots_per_gpu": 1}}, rule="t", threads=1)
-    with snakemake_job(smk):
-        assert signal.getsignal(signal.SIGINT) is not before
+    during = []
+    jobs.run_job(smk, lambda: during.append(signal.getsignal(signal.SIGINT)))
+    assert during and during[0] is not before
     assert signal.getsignal(signal.SIGINT) is before
 
 
