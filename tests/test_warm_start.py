@@ -176,16 +176,49 @@ def test_a_client_without_the_runs_token_is_refused_and_nothing_runs(starter, tm
 @pytest.mark.skipif(os.getuid() != 0, reason="a client of another user: root drops to it")
 def test_a_client_of_another_user_is_refused_even_with_the_token(starter, tmp_path):
     made = tmp_path / "made.json"
-    client = subprocess.run([sys.executable, "-c", (
-        "import os; from kpipe.infra import warm_start\n"
+    client = subprocess.run([sys.executable, "-c", (  # the protocol by hand: kpipe's client would not ask
+        "import os, socket, sys; from kpipe.infra import warm_start\n"
         "os.setgid(65534)\n"
         "os.setuid(65534)\n"
-        "try:\n"
-        f"    warm_start.fork_job('{JOBS}:report', [{str(made)!r}, []], {{}}, 1, print, os.environ)\n"
-        "except warm_start.Refused as error:\n"
-        "    print(error)\n")], env={**os.environ, **starter}, capture_output=True, text=True, timeout=120)
+        "conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "conn.connect('\\0' + os.environ[warm_start.WARM_START_ENV])\n"
+        "warm_start.send_request(conn, {'token': os.environ[warm_start.TOKEN_ENV], 'job': sys.argv[1], "
+        "'args': [sys.argv[2], []], 'kwargs': {}, 'env': {}, 'cwd': '/'}, [])\n"
+        "print(conn.makefile().readline())\n"), f"{JOBS}:report", str(made)],
+        env={**os.environ, **starter}, capture_output=True, text=True, timeout=120)
     assert "uid 65534 is not the run's owner (uid 0)" in client.stdout, client.stdout + client.stderr
     assert not made.exists()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="a listener of another user: root drops to it")
+def test_a_job_never_sends_the_token_to_a_socket_of_another_user():
+    """A squatter on the run's socket name (another user's process) gets nothing and fails the job."""
+    name = f"kpipe-test-squatter-{os.getpid()}"
+    squatter = subprocess.Popen([sys.executable, "-c", (
+        "import os, socket, sys\n"
+        "os.setgid(65534)\n"
+        "os.setuid(65534)\n"
+        "listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "listener.bind('\\0' + sys.argv[1])\n"
+        "listener.listen(1)\n"
+        "print('listening', flush=True)\n"
+        "conn, _ = listener.accept()\n"
+        "conn.settimeout(10)\n"
+        "data = b''\n"
+        "try:\n"
+        "    while chunk := conn.recv(4096):\n"
+        "        data += chunk\n"
+        "except OSError:\n"
+        "    pass\n"
+        "print(data.hex(), flush=True)\n"), name], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "listening"
+        with pytest.raises(warm_start.Refused, match="belongs to uid 65534"):
+            fork({warm_start.WARM_START_ENV: name, warm_start.TOKEN_ENV: "the-run-s-secret"}, f"{JOBS}:report", [])
+        received = bytes.fromhex(squatter.communicate(timeout=60)[0].strip())
+        assert b"the-run-s-secret" not in received
+    finally:
+        squatter.kill()
 
 
 @pytest.mark.parametrize("job", ["os:system", "builtins:exec", f"{JOBS}:not_forkable", "kpipe.cli:main", None])

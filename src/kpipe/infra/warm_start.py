@@ -82,8 +82,8 @@ def register(name: str, run: Runner) -> None:
 
 
 class Refused(RuntimeError):
-    """The run's starter refused this client's credentials. An attack, or a job of another run:
-    the job fails rather than start elsewhere."""
+    """The run's starter refused this client's credentials, or the socket is not the run's. An
+    attack, or a job of another run: the job fails rather than start elsewhere."""
 
 
 def start(directory: str | os.PathLike, owner: int, preload: Sequence[str] = PRELOAD) -> dict[str, str]:
@@ -166,7 +166,9 @@ def receive_request(conn: socket.socket) -> tuple[dict, list[int]]:
 
 
 def _answer(conn: socket.socket, **answer: object) -> None:
-    conn.sendall(json.dumps(answer).encode() + b"\n")
+    """One line to a client; one that is gone is its own business, not the starter's end."""
+    with contextlib.suppress(OSError):
+        conn.sendall(json.dumps(answer).encode() + b"\n")
 
 
 def _read_answer(conn: socket.socket) -> dict | None:
@@ -186,10 +188,13 @@ def fork_job(name: str, args: list, kwargs: dict, log_fd: int, say: Callable[[st
     and holds its token), output to `log_fd`, with this process's environment and directory; its
     exit status (128 + N when signal N ended it). None when the job should start here instead: no
     starter, one still importing, or one that does not know the job (`say` tells the job's log why).
-    Raises :class:`Refused` when the starter refuses the credentials."""
+    Raises :class:`Refused` when the starter refuses the credentials, or when another user listens
+    on the socket (the token is never sent there)."""
     if (conn := _connect(environ)) is None:
         return None
     with conn, open(os.devnull) as stdin:
+        if (owner := peer_uid_and_pid(conn)[0]) != os.getuid():  # the token goes to the run's own starter only
+            raise Refused(f"the socket {environ.get(WARM_START_ENV)!r} belongs to uid {owner}, not to this run's")
         send_request(conn, {"token": environ.get(TOKEN_ENV, ""), "job": name, "args": args, "kwargs": kwargs,
                             "env": dict(os.environ), "cwd": os.getcwd()}, [stdin.fileno(), log_fd, log_fd])
         conn.settimeout(None)  # the answer comes once the starter has read the request, the exit status when the job ends
@@ -302,7 +307,7 @@ def serve(listener: socket.socket, owner: int, token: str, preload: Sequence[str
                 pid, conn = workers.pop(fd)
                 _, status = os.waitpid(pid, 0)
                 os.close(fd)
-                with contextlib.suppress(OSError), conn:
+                with conn:
                     _answer(conn, exit=os.waitstatus_to_exitcode(status))
         if listener not in ready:
             continue
