@@ -135,8 +135,9 @@ def test_the_starter_ends_with_its_run_and_then_jobs_start_the_usual_way(tmp_pat
     owner.kill()
     owner.wait()
     assert gone(pid), "the starter outlived the run (its owner)"
-    assert fork(environ, f"{JOBS}:report", [str(tmp_path / "seen.json"), []]) == (None, [])
-    assert fork({}, f"{JOBS}:report", [str(tmp_path / "seen.json"), []]) == (None, [])
+    assert fork(environ, f"{JOBS}:report", [str(tmp_path / "seen.json"), []]) == (
+        None, ["the run's warm starter is gone; the job runs in this process"])
+    assert fork({}, f"{JOBS}:report", [str(tmp_path / "seen.json"), []]) == (None, [])  # warm starting off
     assert not (tmp_path / "seen.json").exists()
 
 
@@ -149,7 +150,8 @@ def test_a_job_that_starts_before_the_starter_is_done_importing_starts_the_usual
     environ = warm_start.start(tmp_path / "run", os.getpid(), ("kpipe_test_slow_module", JOBS))
     try:
         seen = tmp_path / "seen.json"
-        assert fork(environ, f"{JOBS}:report", [str(seen), []]) == (None, [])  # still importing
+        assert fork(environ, f"{JOBS}:report", [str(seen), []]) == (
+            None, ["the run's warm starter is still importing; the job runs in this process"])
         wait_ready(tmp_path / "run")
         assert fork(environ, f"{JOBS}:report", [str(seen), []]) == (0, [])
         assert json.loads(seen.read_text())["pid"] != os.getpid()
@@ -234,7 +236,7 @@ def test_a_client_asking_for_a_job_outside_the_table_is_refused_and_nothing_runs
         assert answer["status"] == "refused" and not answer["unauthenticated"]
     else:
         code, said = fork(starter, job, [f"touch {marker}"] if "not_forkable" not in job else [str(marker)])
-        assert code is None and len(said) == 1 and "unknown job" in said[0] and "in this process" in said[0]
+        assert code is None and len(said) == 1 and "unknown job" in said[0] and "runs in this process" in said[0]
     assert not marker.exists()  # and never will: the starter answers `forked` for what it forks
     assert f"unknown job {job!r}" in starter_log(tmp_path)
 
@@ -342,6 +344,7 @@ def test_a_forkable_job_takes_json_values_forked_or_not(tmp_path, monkeypatch, j
 def test_a_launched_job_of_one_process_runs_its_command_here_or_forked(starter, tmp_path, monkeypatch, job_environment,
                                                                        test_jobs):
     """`sft` and `rl_iter` on a CPU or one GPU: ``kpipe <command>`` in one process, no launcher."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command takes this process's
     for environ, name in (({}, "here"), (starter, "forked")):
         for variable, value in environ.items():
             monkeypatch.setenv(variable, value)

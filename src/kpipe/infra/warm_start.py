@@ -187,10 +187,12 @@ def fork_job(name: str, args: list, kwargs: dict, log_fd: int, say: Callable[[st
     """Run job `name` on `args` and `kwargs` in a worker of the run's starter (`environ` names it
     and holds its token), output to `log_fd`, with this process's environment and directory; its
     exit status (128 + N when signal N ended it). None when the job should start here instead: no
-    starter, one still importing, or one that does not know the job (`say` tells the job's log why).
-    Raises :class:`Refused` when the starter refuses the credentials, or when another user listens
-    on the socket (the token is never sent there)."""
+    starter named, or one gone, still importing or that does not know the job (`say` tells the job's
+    log which). Raises :class:`Refused` when the starter refuses the credentials, or when another
+    user listens on the socket (the token is never sent there)."""
     if (conn := _connect(environ)) is None:
+        if environ.get(WARM_START_ENV):
+            say("the run's warm starter is gone; the job runs in this process")
         return None
     with conn, open(os.devnull) as stdin:
         if (owner := peer_uid_and_pid(conn)[0]) != os.getuid():  # the token goes to the run's own starter only
@@ -200,11 +202,13 @@ def fork_job(name: str, args: list, kwargs: dict, log_fd: int, say: Callable[[st
         conn.settimeout(None)  # the answer comes once the starter has read the request, the exit status when the job ends
         answer = _read_answer(conn)
         if answer is None or answer.get("status") == "starting":
+            say("the run's warm starter is " + ("gone" if answer is None else "still importing")
+                + "; the job runs in this process")
             return None
         if answer.get("status") == "refused":
             if answer.get("unauthenticated"):
                 raise Refused(f"the run's warm starter refused this job: {answer.get('reason')}")
-            say(f"the run's warm starter refused job {name}: {answer.get('reason')}; it runs in this process")
+            say(f"the run's warm starter refused job {name}: {answer.get('reason')}; the job runs in this process")
             return None
         done = _read_answer(conn)
     if done is None:
