@@ -17,6 +17,7 @@ run builds again); each good build is also copied to ``kpipe.last-good.duckdb`` 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ import pyarrow.parquet as pq
 from kpipe.infra.config import REPO_ROOT
 from kpipe.data.io import SchemaError, check_schema
 from kpipe.data.schemas import TABLES, column_descriptions, schema_of
+
+log = logging.getLogger(__name__)
 
 DB_NAME = "kpipe.duckdb"
 LAST_GOOD_NAME = "kpipe.last-good.duckdb"
@@ -102,7 +105,9 @@ def build_db(results: Path, db_path: Path, views_sql: Path = DEFAULT_VIEWS_SQL,
     finally:
         tmp.unlink(missing_ok=True)
     shutil.copyfile(db_path, db_path.with_name(LAST_GOOD_NAME))
-    return {table: len(paths) for table, paths in by_table.items()}
+    counts = {table: len(paths) for table, paths in by_table.items()}
+    log.info("built %s: Parquet files per table %s", db_path, counts)
+    return counts
 
 
 def uncommented_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:

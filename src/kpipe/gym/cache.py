@@ -17,6 +17,7 @@ joins to.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -26,6 +27,8 @@ from pathlib import Path
 
 from kpipe.data.io import write_table
 from kpipe.gym.result import EvalResult
+
+log = logging.getLogger(__name__)
 
 BUSY_TIMEOUT_S = 60.0
 SCHEMA = """
@@ -124,4 +127,5 @@ def export_evals(cache_path: str | os.PathLike[str] | None, output: str | os.Pat
     finally:
         cache.close()
     write_table(rows, output, "evals")
+    log.info("wrote %s: %d evaluations from the result cache %s", output, len(rows), cache_path)
     return len(rows)

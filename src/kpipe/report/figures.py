@@ -30,6 +30,7 @@ usual spellings (e.g. "val/fast@1.2_turn3", "fast_1.2").
 
 from __future__ import annotations
 
+import logging
 import re
 import textwrap
 from collections.abc import Iterable
@@ -41,6 +42,8 @@ import pandas as pd
 
 from kpipe.data.db import connect
 from kpipe.report.tables import DEFAULT_SQL_DIR, run_table_sql, with_intervals
+
+log = logging.getLogger(__name__)
 
 
 class Panel(NamedTuple):
@@ -416,4 +419,5 @@ def build_figures(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR,
     written["fig_kevin_budget"] = budget_figure(budget, out_dir / "fig_kevin_budget.png",
                                                 source_of(provenance, ["budget"], None))
     written["fig_rl_reward"] = reward_figure(reward, out_dir / "fig_rl_reward.png", training)
+    log.info("figures in %s: %s", out_dir, ", ".join(sorted(written)))
     return dict(sorted(written.items()))

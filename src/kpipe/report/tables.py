@@ -11,6 +11,7 @@ task are correlated.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -24,6 +25,8 @@ from kpipe.data import metrics
 from kpipe.data.db import connect
 from kpipe.infra.config import REPO_ROOT
 from kpipe.report.paper_numbers import FAST_COLUMNS, HACKING_RATIO, KEVIN_BUDGET, REPORTING, TABLE1_EAGER, TABLE2_COMPILE, FastRow
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SQL_DIR = REPO_ROOT / "workflow" / "sql"
 VIEWS_FILE = "views.sql"  # not a table: the views every table reads
@@ -363,4 +366,5 @@ def build_tables(db_path: Path, out_dir: Path, sql_dir: Path = DEFAULT_SQL_DIR, 
     for sql_file in table_sql_files(sql_dir):
         build_table(Path(db_path), sql_file, Path(out_dir), n_boot, seed, report_turn, own_models, checkpoints)
         written[sql_file.stem] = Path(out_dir) / f"{sql_file.stem}.md"
+    log.info("tables in %s: %s", out_dir, ", ".join(written))
     return written

@@ -24,6 +24,7 @@ import gzip
 import html
 import itertools
 import json
+import logging
 import math
 import multiprocessing
 import os
@@ -47,6 +48,8 @@ from pygments.formatters import HtmlFormatter
 from pygments.lexers import PythonLexer
 
 from kpipe.data.db import connect, locate_db
+
+log = logging.getLogger(__name__)
 
 STAGE_ORDER = ("coldstart", "rl", "rl_val", "eval", "budget", "stts")  # pipeline order, for the default view
 TRAJECTORY_KEY = ("stage", "run", "iteration", "model", "task_id", "sample")
@@ -389,7 +392,9 @@ def build_viewer(db_path: Path, out_dir: Path, per_file: int = TRAJECTORIES_PER_
     except BaseException:
         shutil.rmtree(built, ignore_errors=True)
         raise
-    return {"trajectories": len(entries), "turns": sum(e["turns"] for e in entries), "files": n_files}
+    counts = {"trajectories": len(entries), "turns": sum(e["turns"] for e in entries), "files": n_files}
+    log.info("%s/index.html: %d trajectories, %d turns, %d data file(s)", out_dir, *counts.values())
+    return counts
 
 
 @click.command("view")
