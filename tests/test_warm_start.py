@@ -241,6 +241,18 @@ def test_a_client_asking_for_a_job_outside_the_table_is_refused_and_nothing_runs
     assert f"unknown job {job!r}" in starter_log(tmp_path)
 
 
+@pytest.mark.parametrize("sent", [b"", b"\xff\xff\xff\xff", b"\x00\x00\x00\x05junk!", b"\x00\x00\x00\x04[[[[",
+                                  b"\x00\x00\x00\x03[1]"])
+def test_a_client_that_sends_junk_is_refused_and_the_starter_serves_on(starter, tmp_path, sent):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(f"\0{starter[warm_start.WARM_START_ENV]}")
+        conn.sendall(sent)
+        conn.shutdown(socket.SHUT_WR)
+        assert conn.recv(4096) == b""  # no answer: closed
+    assert "unreadable request" in starter_log(tmp_path)
+    assert fork(starter, f"{JOBS}:report", [str(tmp_path / "seen.json"), []]) == (0, [])
+
+
 def test_the_socket_is_abstract_and_the_token_is_on_no_disk_and_in_no_command_line(starter, tmp_path):
     name, token = starter[warm_start.WARM_START_ENV], starter[warm_start.TOKEN_ENV]
     assert len(name) > len("kpipe-warm-start-") + 30 and len(token) >= 64  # random per run

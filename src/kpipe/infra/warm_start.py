@@ -260,10 +260,8 @@ def peer_uid_and_pid(conn: socket.socket) -> tuple[int, int]:
     return uid, pid
 
 
-def refusal(request: dict, peer_uid: int, token: str) -> str | None:
-    """Why a client is not the run's own (None: it is): another user, or no or a wrong token."""
-    if peer_uid != os.getuid():
-        return f"uid {peer_uid} is not the run's owner (uid {os.getuid()})"
+def token_refusal(request: dict, token: str) -> str | None:
+    """Why a request is not one of the run's own jobs (None: it is): no or a wrong token."""
     offered = request.get("token")
     if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), token.encode()):
         return "no valid token (the run's $" + TOKEN_ENV + ")"
@@ -326,15 +324,21 @@ def _handle(conn: socket.socket, token: str, table: Mapping[str, Runner] | None,
     conn.settimeout(HANDSHAKE_TIMEOUT_S)
     try:
         peer_uid, client = peer_uid_and_pid(conn)
+        if peer_uid != os.getuid():  # refused before a byte of its request is read
+            why = f"uid {peer_uid} is not the run's owner (uid {os.getuid()})"
+            print(f"warm starter: refused pid {client}: {why}", flush=True)
+            _answer(conn, status="refused", unauthenticated=True, reason=why)
+            conn.close()
+            return None
         request, fds = receive_request(conn)
-    except (OSError, ValueError) as error:
-        print(f"warm starter: refused a client: unreadable request ({error})", flush=True)
+    except (OSError, ValueError, RecursionError) as error:
+        print(f"warm starter: refused a client: unreadable request ({error!r})", flush=True)
         conn.close()
         return None
     job = request.get("job")
     try:
-        if (why := refusal(request, peer_uid, token)) is not None:
-            print(f"warm starter: refused pid {client} (uid {peer_uid}): {why}", flush=True)
+        if (why := token_refusal(request, token)) is not None:
+            print(f"warm starter: refused pid {client}: {why}", flush=True)
             _answer(conn, status="refused", unauthenticated=True, reason=why)
         elif request.get("stop"):
             _answer(conn, status="stopping")
