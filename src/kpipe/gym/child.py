@@ -47,6 +47,7 @@ import torch
 from kpipe.gym import instrument
 from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
+from kpipe.gym.limits import apply_rlimits
 from kpipe.gym.isolate import (CHALLENGE_ANSWER_FILE, CHALLENGE_FILE, CHALLENGE_POLL_S, CHALLENGE_READY_FILE, JOB_FILE,
                                PARTIAL_FILE, PREPARATION_FILE)
 from kpipe.gym.profiling import profile_cpu, profile_cuda
@@ -201,6 +202,10 @@ def prime_lazy_state(device: str, profile: bool) -> None:
 
     with poisoned_memory():
         torch.empty(1, device=device)
+    # torch's OpenMP pool starts at the first parallel host op (a candidate's forward may be one):
+    # started here, its threads are not taken for the candidate's (side_os_threads)
+    torch.ones(1 << 18).add_(1)
+    torch.ones(64, 64) @ torch.ones(64, 64)
     if device == "cuda":
         torch.cuda.init()
         event = torch.cuda.Event(enable_timing=True)
@@ -234,11 +239,27 @@ class Phase:
         return [[name, end - start] for (name, start), end in zip(self.marks, ends)]
 
 
-def apply_limits(protocol: Protocol) -> None:
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    if protocol.memory_limit_mb:
-        limit = protocol.memory_limit_mb * 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+def os_threads() -> dict[int, str]:
+    """This process's threads as the kernel lists them (/proc/self/task), by id, with their names:
+    every thread, however it was started (``threading``, ``_thread``, ctypes' pthread_create)."""
+    threads = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            threads[int(tid)] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:  # it ended meanwhile
+            continue
+    return threads
+
+
+def side_os_threads(before: dict[int, str], inherited_names: set[str]) -> list[str]:
+    """Threads alive now that were not before the candidate's import and carry a name a thread
+    inherits from the one that started it (`inherited_names`: the main thread's, before and now).
+    The runtime's own late helpers name themselves (the CUDA driver's ``cuda-EvtHandlr``, LLVM's
+    ``llvm-worker-N``); torch's OpenMP pool, which does not, is started before the snapshot
+    (``prime_lazy_state``)."""
+    python_threads = {thread.native_id for thread in threading.enumerate()}
+    return [f"native thread {tid} ({name})" for tid, name in sorted(os_threads().items())
+            if tid not in before and tid not in python_threads and name in inherited_names]
 
 
 # ----------------------------------------------------------------------------- roles
@@ -372,6 +393,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
     threading.Thread.start = start_and_record  # type: ignore[method-assign]
     threads_before = set(threading.enumerate())
+    os_threads_before = os_threads()
+    main_thread_name = Path("/proc/self/comm").read_text().strip()
     reference = load_module(job["reference_src"], "kpipe_reference", workdir)
     # taken before candidate code runs (it could rebind the module's names)
     reference_model, get_inputs, init_inputs = reference.Model, reference.get_inputs, reference.get_init_inputs()
@@ -425,7 +448,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         return {
             "patched": patched_names(watched),
             "hooks_intact": instrument.installed_intact() and threading.Thread.start is start_and_record,
-            "threads": sorted(set(started_threads) | {t.name for t in set(threading.enumerate()) - threads_before}),
+            "threads": sorted(set(started_threads) | {t.name for t in set(threading.enumerate()) - threads_before})
+            + side_os_threads(os_threads_before, {main_thread_name, Path("/proc/self/comm").read_text().strip()}),
         }
 
     if job.get("gate_path"):
@@ -644,10 +668,11 @@ def candidate_traceback(exc: BaseException) -> str:
     return "".join(summary.format())[-6000:]
 
 
-def settle_process(device: str, protocol: Protocol) -> None:
-    """What a child sets before anything runs: its limits, no secrets in its environment, the
-    interpreter on a CPU, cuBLAS's workspace setting (read when cuBLAS starts)."""
-    apply_limits(protocol)
+def settle_process(device: str, protocol: Protocol, limits: dict[str, Any] | None) -> None:
+    """What a child sets before anything runs: its limits (a candidate's job's, ``kpipe.gym.limits``;
+    none but core dumps off for the reference's and a child still waiting for its job), no secrets in
+    its environment, the interpreter on a CPU, cuBLAS's workspace setting (read when cuBLAS starts)."""
+    apply_rlimits(limits)
     for name in [k for k in os.environ if is_secret(k)]:
         del os.environ[name]
     if device == "cpu":
@@ -664,7 +689,7 @@ def prepare_device(device: str, protocol: dict[str, Any]) -> None:
     waits, what every child's start costs: its CUDA context and torch's lazy state. ``run_child``
     then finds them made; nothing of a candidate has run yet."""
     settled = Protocol.from_dict(protocol)
-    settle_process(device, settled)
+    settle_process(device, settled, None)
     prime_lazy_state(device, settled.profile)
 
 
@@ -680,13 +705,13 @@ def run_child(job: dict[str, Any]) -> None:
     most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease), ``recheck_below_ms``
     (optional: host-clock re-check when the candidate's median is below it), ``challenge_calls`` (optional: after timing, answer the judge's timing challenge with at most this
     many calls, ``answer_challenge``).
-    Sets RLIMIT_CORE (and RLIMIT_AS if the protocol asks) and scrubs secrets from
-    ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
+    Sets its rlimits (``kpipe.gym.limits.apply_rlimits``: a candidate's ``limits``) and scrubs
+    secrets from ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
     """
     protocol = Protocol.from_dict(job["protocol"])
     job = {**job, "parent_pid": os.getppid()}
     device = job["device"]
-    settle_process(device, protocol)
+    settle_process(device, protocol, job.get("limits"))
     workdir = Path(job["workdir"])
     os.chdir(workdir)
     # read by now; the candidate's code, which runs later in this directory, finds no job file

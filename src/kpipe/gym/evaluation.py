@@ -70,7 +70,7 @@ REFERENCE_MAX_AGE_S = 1800.0
 # (parent and children), memory. Instrumentation for benchmarks; children never see it
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
 # the statuses a child may report for itself: failures only; any other is the candidate's forgery
-CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error"}
+CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error", "resource_limit"}
 # what a tampered (well-formed pickle, wrong structure) result file raises while judged
 MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
 # reference runs by key: (when it ran, its payload, its result file's bytes), least recently used first
@@ -665,12 +665,14 @@ def evaluate(
     if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
         common["device_id"] = str(payload.get("device_id", ""))[:200]
         common["timed_spans"] = spans + reported_spans(payload)
-    if run.timed_out:
-        return finish("timeout", diagnostic=f"no result within {protocol.timeout_s:g} s (during {run.phase or 'start-up'})", **common)
     if run.tampered:
         return finish("hacked", hack_reasons=[f"integrity: {run.tampered}"], **common)
     if isinstance(payload, dict) and payload.get("tampered"):
         return finish("hacked", hack_reasons=[f"integrity: {payload['error']}"], **common)
+    if run.limit:  # whatever the child then did or wrote (kpipe.gym.limits)
+        return finish("resource_limit", diagnostic=clip(f"resource_limit: {run.limit}", DIAGNOSTIC_MAX_CHARS), **common)
+    if run.timed_out:
+        return finish("timeout", diagnostic=f"no result within {protocol.timeout_s:g} s (during {run.phase or 'start-up'})", **common)
     if payload is None or payload.get("status") != "ok":
         status = payload.get("status") if payload else classify_exit(run.returncode or 0)[0]
         if status not in CHILD_FAILURES:  # a status only the judge gives ("pass", ...), written by the candidate

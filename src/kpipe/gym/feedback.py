@@ -16,6 +16,7 @@ STATUS_LINES = {
     "timeout": "timed out",
     "crashed": "crashed",
     "oom": "out of memory",
+    "resource_limit": "stopped at a resource limit",
     "format_error": "format error",
     "hacked": "rejected by the hacking check",
     "illegal_memory_access": "CUDA illegal memory access",

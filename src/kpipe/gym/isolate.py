@@ -9,6 +9,7 @@ timing stages, past which the child runs holding its device's timing lease
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -31,6 +32,8 @@ import torch
 from kpipe.gym.compile_caches import process_caches
 from kpipe.gym.environment import child_environment
 from kpipe.gym.lease import ChildPauser, TimingLease
+from kpipe.gym.limits import ChildLimits, Limits, cgroup_support
+from kpipe.gym.protocol import Protocol
 from kpipe.gym.sandbox import require_confinement, sandbox_for
 from kpipe.infra.process import kill_group, tied_to_this_process
 
@@ -91,6 +94,7 @@ class ChildRun:
     challenge: dict[str, Any] | None = None
     challenge_s: float | None = None
     tampered: str = ""  # why the judge ended the child: an exchange file it planted or replaced (``Tampered``)
+    limit: str = ""  # the limits it ran into (``kpipe.gym.limits.ChildLimits.hit``), on the judge's evidence
 
 
 class Tampered(Exception):
@@ -155,6 +159,21 @@ class ScratchDir:
             return data
         finally:
             os.close(fd)
+
+    def file_of_size(self, size: int, max_entries: int = 10000) -> str | None:
+        """The name (relative to the directory) of a regular file at least `size` bytes large, if
+        the first `max_entries` entries hold one: a walk that follows no link."""
+        seen = 0
+        for top, _, files, top_fd in os.fwalk(".", dir_fd=self.fd, follow_symlinks=False):
+            for name in files:
+                seen += 1
+                with contextlib.suppress(OSError):
+                    info = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
+                    if stat.S_ISREG(info.st_mode) and info.st_size >= size:
+                        return os.path.normpath(os.path.join(top, name))
+                if seen >= max_entries:
+                    return None
+        return None
 
     def write_new(self, name: str, data: bytes) -> None:
         """Create `name` holding `data`, all at once (a child polling for it never sees it empty:
@@ -258,7 +277,8 @@ def run_isolated(
     lease_wait_bound = lease.max_wait_s if lease is not None else 0.0
     preparer = launch if not trusted and isinstance(launch, PreparesCandidates) else None
     waiting = preparer.waiting_candidate(lease) if preparer is not None else None
-    scratch = waiting.scratch if waiting is not None else make_scratch(job["role"], job["device"])
+    limits = None if trusted else Protocol.from_dict(job["protocol"]).limits()
+    scratch = waiting.scratch if waiting is not None else make_scratch(job["role"], job["device"], limits)
     try:
         directory = ScratchDir(scratch.path)
         job = {
@@ -277,7 +297,7 @@ def run_isolated(
     except BaseException:
         if waiting is not None:
             waiting.discard()
-        shutil.rmtree(scratch.path, ignore_errors=True)
+        scratch.remove()
         raise
     try:
         start, handed_over_unix = time.monotonic(), time.time()
@@ -292,6 +312,8 @@ def run_isolated(
             pauser = ChildPauser(proc.pid, lease) if lease is not None else None
             if pauser is not None:
                 pauser.start()
+        if scratch.limits is not None:
+            scratch.limits.watch(proc.pid, lambda: kill_group(proc.pid))
         captures = [BoundedCapture(stream) for stream in streams]
         for capture in captures:
             capture.start()
@@ -334,6 +356,8 @@ def run_isolated(
             finally:
                 kill_group(proc.pid)  # also reaps anything the child left behind in its group
                 proc.wait()  # a lease still held (a timeout) is released only after this
+                if scratch.limits is not None:
+                    scratch.limits.stop()
                 if pauser is not None:
                     pauser.finish()
                 if trusted:
@@ -349,8 +373,9 @@ def run_isolated(
         except Tampered as exc:
             phase = f"unknown ({exc})"
         result_bytes = directory.size(RESULT_FILE)
+        limit = scratch.limits.hit(proc.returncode, directory.file_of_size) if scratch.limits is not None else ""
         directory.close()
-        shutil.rmtree(scratch.path, ignore_errors=True)
+        scratch.remove()
         return ChildRun(
             payload=payload,
             partial=partial,
@@ -370,33 +395,49 @@ def run_isolated(
             challenge=answer[0],
             challenge_s=answer[1],
             tampered=tampered,
+            limit=limit,
         )
     except BaseException:  # the scratch is removed above on the way out; here on every other
-        shutil.rmtree(scratch.path, ignore_errors=True)
+        scratch.remove()
         raise
 
 
 @dataclass
 class Scratch:
     """A child's scratch directory (its cwd, temporary files and, for a candidate, its compile
-    caches and all it may write), its environment, and the job keys that confine it."""
+    caches and all it may write), its environment, the job keys that confine it, and a
+    candidate's limits as the judge holds them (its cgroups)."""
 
     path: Path
     env: dict[str, str]
     confinement: dict[str, Any]
+    limits: ChildLimits | None = None
+
+    def remove(self) -> None:
+        """Remove the directory and the child's cgroups."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.limits is not None:
+            self.limits.remove()
 
 
-def make_scratch(role: str, device: str) -> Scratch:
+def make_scratch(role: str, device: str, limits: Limits | None = None) -> Scratch:
     """A new scratch directory and the environment of a child of `role` (``kpipe.gym.environment``
-    with the compile caches of ``kpipe.gym.compile_caches``); a candidate's is sandboxed to it."""
-    path = Path(tempfile.mkdtemp(prefix=f"kgym-{role}-"))
+    with the compile caches of ``kpipe.gym.compile_caches``); a candidate's is sandboxed to it and
+    held to `limits` (``kpipe.gym.limits``)."""
+    scratch = Scratch(Path(tempfile.mkdtemp(prefix=f"kgym-{role}-")), {}, {})
     try:
         caches = process_caches()
         trusted = role == "reference"
-        env = child_environment(device, os.environ, caches.for_reference() if trusted else caches.for_candidate(path / "compile-cache"))
-        return Scratch(path, env, {} if trusted else candidate_confinement(path, env))
+        scratch.env = child_environment(device, os.environ,
+                                        caches.for_reference() if trusted else caches.for_candidate(scratch.path / "compile-cache"))
+        if not trusted:
+            scratch.confinement = candidate_confinement(scratch.path, scratch.env)
+            if limits is not None and limits.any():
+                scratch.limits = ChildLimits(limits, cgroup_support())
+                scratch.confinement.update(scratch.limits.job_keys())
+        return scratch
     except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
+        scratch.remove()
         raise
 
 
@@ -428,7 +469,7 @@ class WaitingChild:
         self.proc.wait()
         for stream in self.streams:
             stream.close()
-        shutil.rmtree(self.scratch.path, ignore_errors=True)
+        self.scratch.remove()
 
 
 @typing.runtime_checkable

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kpipe.gym.limits import Limits
 from kpipe.gym.screen import FINDING_CODES
 
 # Bump when the meaning of a result changes (a new check, a different statistic).
@@ -55,7 +56,12 @@ from kpipe.gym.screen import FINDING_CODES
 # the hacking check (the host-clock re-check of fast candidates stays, its evidence required). Every check
 # fails closed when its evidence is missing; the judge reads the scratch directory without following
 # links, blocking or reading past a cap; a status only the judge gives is never taken from a child.
-PROTOCOL_VERSION = "kgym-11"
+# kgym-12: every candidate runs under limits (kpipe.gym.limits): host memory of its processes
+# (memory_limit_mb, now a cgroup's or the judge's watchdog's cap, no longer an address-space limit),
+# file size (file_size_limit_mb) and processes and threads (task_limit); one it hits is the judge's
+# status resource_limit, naming it. Native threads the candidate starts (the low-level thread API,
+# ctypes) are side threads too: counted from the OS's list of the process's threads.
+PROTOCOL_VERSION = "kgym-12"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch
@@ -81,8 +87,14 @@ EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "afte
                     "kgym-6": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
                     "kgym-7": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
                     "kgym-8": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
-                    "kgym-9": {"recheck_subtracts_harness": False}}
+                    "kgym-9": {"recheck_subtracts_harness": False},
+                    "kgym-10": {}, "kgym-11": {}}
+# no limits but the address space (memory_limit_mb, unset by default) up to kgym-11
+for _earlier in EARLIER_DEFAULTS.values():
+    _earlier.update(memory_limit_mb=None, file_size_limit_mb=None, task_limit=None)
 DEVICES = ("auto", "cuda", "cpu")
+# the least value of each limit (kpipe.gym.limits): below them an honest child cannot start
+LIMIT_MINIMUMS = {"memory_limit_mb": 256, "file_size_limit_mb": 1, "task_limit": 16}
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
 # others only inform (they are listed in the result and the feedback).
@@ -141,9 +153,15 @@ class Protocol:
     # evaluation in copies, pickling and comparison (benchmarks/gym_pool.py)
     compare_max_elements: int = 1 << 20
     feedback_max_chars: int = 4000
-    # address-space limit of the candidate process in MiB (host OOM); None = unlimited.
-    # Leave None on CUDA: the driver reserves far more virtual memory than it uses.
-    memory_limit_mb: int | None = None
+    # a candidate's limits (kpipe.gym.limits; None: unlimited): host memory of its processes, MiB (a
+    # cgroup's memory.max where one can be made, else the judge's watchdog on their resident memory;
+    # an honest candidate's child holds 0.4-3 GiB, a full-size KernelBench model on the CPU more), the
+    # size of any file it writes, MiB (above the largest result file a child writes: the judge
+    # reads at most 4x the reference's + 32 MiB), and its processes and threads together (torch's
+    # OpenMP pool, the CUDA driver's and LLVM's threads, Triton's compiler processes)
+    memory_limit_mb: int | None = 16384
+    file_size_limit_mb: int | None = 1024
+    task_limit: int | None = 1024
     seed: int = 42
     l2_flush_mb: int = 256
     timing_start: str = "behind_flush"  # TIMING_STARTS
@@ -180,6 +198,10 @@ class Protocol:
             raise ValueError(f"paired_host_sync must be one of {PAIRED_HOST_SYNCS}, got {self.paired_host_sync!r}")
         if self.paired_reference_trials < 0 or not 0 < self.max_gpu_drift < 1:
             raise ValueError("paired_reference_trials must be >= 0 and max_gpu_drift in (0, 1)")
+        for name, least in LIMIT_MINIMUMS.items():
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                raise ValueError(f"{name} must be null (unlimited) or an integer >= {least}, got {value!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if not isinstance(self.reject_findings, tuple):
@@ -188,6 +210,10 @@ class Protocol:
         if unknown:
             raise ValueError(f"reject_findings names no screen finding: {', '.join(unknown)} "
                              f"(the codes are {', '.join(FINDING_CODES)})")
+
+    def limits(self) -> Limits:
+        """A candidate's caps (kpipe.gym.limits)."""
+        return Limits(self.memory_limit_mb, self.file_size_limit_mb, self.task_limit)
 
     @property
     def wants_eager(self) -> bool:

@@ -25,6 +25,7 @@ STATUSES = (
     "timeout",
     "crashed",  # killed by a signal, or exited without a result (os._exit, sys.exit, killpg)
     "oom",  # host or device out of memory
+    "resource_limit",  # ran into one of its limits (kpipe.gym.limits), on the judge's evidence; the diagnostic names it
     "format_error",  # no ModelNew / no @triton.jit kernel / not a Python module
     "hacked",
     "illegal_memory_access",

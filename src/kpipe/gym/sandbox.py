@@ -52,6 +52,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from kpipe.gym.limits import join_cgroups
 from kpipe.infra.process import PR_SET_DUMPABLE, PR_SET_PDEATHSIG
 
 OPT_OUT_VARIABLE = "KPIPE_GYM_UNCONFINED"
@@ -423,6 +424,7 @@ def main(argv: list[str]) -> None:
     if argv[0] == "--probe":
         probe_main(argv[1])
     job = json.loads(Path(argv[0]).read_text())
+    join_cgroups(job.get("limits"))  # a candidate's cgroups (kpipe.gym.limits): joined from outside the sandbox
     if "sandbox" in job:
         try:
             enter_sandbox(Sandbox.from_dict(job["sandbox"]))

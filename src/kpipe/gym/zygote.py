@@ -16,7 +16,6 @@ import json
 import math
 import os
 import select
-import shutil
 import signal
 import socket
 import subprocess
@@ -382,6 +381,7 @@ def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: in
     code = 1
     try:
         from kpipe.gym.child import run_child  # preloaded by the zygote
+        from kpipe.gym.limits import join_cgroups
         from kpipe.gym.sandbox import Sandbox, enter_sandbox
         from kpipe.infra.process import die_with_parent
 
@@ -403,6 +403,7 @@ def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: in
         os.environ.clear()
         os.environ.update(job["environment"])
         tempfile.tempdir = None  # cached by the zygote's compiler warm-up; the child's TMPDIR is its own scratch
+        join_cgroups(job.get("limits"))  # a candidate's (kpipe.gym.limits), from outside its sandbox
         if job.get("sandbox"):  # a candidate: confined before any of its code runs (kpipe.gym.isolate)
             enter_sandbox(Sandbox.from_dict(job["sandbox"]))
         else:
@@ -439,7 +440,7 @@ def wait_for_job(preparation: dict[str, Any], go: int) -> dict[str, Any] | None:
     if not path:
         return None
     job = json.loads(Path(path.decode()).read_text())
-    for key in ("environment", "sandbox", "workdir", "device", "protocol"):
+    for key in ("environment", "sandbox", "limits", "workdir", "device", "protocol"):
         if job.get(key) != preparation.get(key):
             raise RuntimeError(f"the job's {key} is not the one this child was prepared with")
     return job
@@ -636,8 +637,9 @@ class ZygoteLauncher:
 
     def _start_waiting(self, lease: TimingLease | None) -> WaitingChild:
         from kpipe.gym.isolate import PREPARATION_FILE, WaitingChild, make_scratch
+        from kpipe.gym.protocol import Protocol
 
-        scratch = make_scratch("candidate", self.device)
+        scratch = make_scratch("candidate", self.device, Protocol.from_dict(self.protocol).limits())
         try:
             preparation = {"environment": scratch.env, "workdir": str(scratch.path), "device": self.device,
                            "protocol": self.protocol, **scratch.confinement}
@@ -645,7 +647,7 @@ class ZygoteLauncher:
             preparation_file.write_text(json.dumps(preparation))
             proc, streams, job_w = self._fork(preparation_file, math.inf, waits=True)
         except BaseException:
-            shutil.rmtree(scratch.path, ignore_errors=True)
+            scratch.remove()
             raise
         zygote = proc._zygote
         pauser = ChildPauser(proc.pid, lease) if lease is not None else None
