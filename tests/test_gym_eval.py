@@ -191,7 +191,7 @@ def test_candidate_cannot_read_api_keys(monkeypatch):
         ("faults/os_exit.py", "crashed", "exited with code 3"),
         ("faults/sys_exit.py", "crashed", "sys.exit(2)"),
         ("faults/kill_own_group.py", "crashed", "SIGKILL"),
-        ("faults/host_oom.py", "oom", "allocate"),
+        ("faults/host_oom.py", "resource_limit", "memory: its processes passed the host memory cap of 6000 MiB"),
     ],
 )
 def test_faults_are_classified_and_the_caller_survives(candidate, status, detail):

@@ -603,7 +603,7 @@ def test_each_candidate_trial_is_divided_by_its_reference_chunks_drift_and_the_m
 
 def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked():
     current = Protocol()
-    assert current.paired_reference_trials == 50 and current.version == "kgym-11"
+    assert current.paired_reference_trials == 50 and current.version == "kgym-12"
     kgym3 = {k: v for k, v in current.to_dict().items() if k not in ("paired_reference_trials", "max_gpu_drift")}
     kgym3["version"] = "kgym-3"
     earlier = Protocol.from_dict(kgym3)

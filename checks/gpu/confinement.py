@@ -1,5 +1,5 @@
 """Confined candidates on a GPU (issues 25, 52): every attack of the attack tests (``ATTACK_TESTS``) fails on the
-GPU, and confinement costs KernelGym no throughput. (The bank's 66 pairs through the confined pool,
+GPU, a candidate's limits hold there without breaking CUDA (``limits``), and confinement costs KernelGym no throughput. (The bank's 66 pairs through the confined pool,
 with their expected statuses, are the ``pool`` section of ``gym_paths``: candidates run confined by
 default.)"""
 
@@ -54,4 +54,46 @@ def cost(report: Report, options: argparse.Namespace) -> None:
     report.expect(code == 0, f"confined and unconfined runs gave different statuses (exit {code})")
 
 
-SECTIONS = (Section("attacks", 240, attacks), Section("cost", 240, cost))
+# the limits probe's candidates (tests/test_gym_attack_limits.py has them all): an honest Triton kernel, and
+# the same kernel after writing 4 GiB at its import, against a 2 GiB memory cap
+LIMITS_FIXTURES = ROOT / "tests" / "fixtures" / "gym"
+LIMITS_HOARD = "\nhoard = [b'x' * (64 << 20) for _ in range(64)]\n"
+
+
+def limits(report: Report, options: argparse.Namespace) -> None:
+    """Which mechanisms bound a candidate's memory and processes on this machine (a cgroup, or the judge's
+    watchdog: kpipe.gym.limits), and under each of them, on the GPU: CUDA and a real Triton kernel work
+    (an honest candidate passes with the default limits) and the memory cap trips (``resource_limit``)."""
+    import json
+    import tempfile
+
+    from kpipe.gym.limits import detect_cgroups
+
+    support = detect_cgroups()
+    report.line(f"cgroups here: {support or 'none can be made: the watchdog bounds memory and processes'}; "
+                f"the judge runs as uid {os.getuid()} (RLIMIT_NPROC would bind nothing for root)")
+    modes = [("cgroup", {})] if support is not None else []
+    modes.append(("watchdog", {"KPIPE_GYM_NO_CGROUP": "1"}))
+    honest = (LIMITS_FIXTURES / "relu_legit.py").read_text()
+    report.line("", "| enforced by: candidate | status | diagnostic |", "|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="kpipe-limits-") as scratch:
+        root = Path(scratch)
+        (root / "reference.py").write_text((LIMITS_FIXTURES / "relu_reference.py").read_text())
+        for mode, env in modes:
+            for name, source, protocol, expected in (
+                    ("honest, default limits", honest, {"device": "cuda"}, "pass"),
+                    ("writes 4 GiB, 2 GiB cap", honest + LIMITS_HOARD, {"device": "cuda", "memory_limit_mb": 2048}, "resource_limit")):
+                (root / "candidate.py").write_text(source)
+                (root / "protocol.json").write_text(json.dumps({**protocol, "reject_findings": []}))
+                done = subprocess.run([sys.executable, "-m", "kpipe.cli", "gym", "eval", "--reference", str(root / "reference.py"),
+                                       "--candidate", str(root / "candidate.py"), "--protocol", str(root / "protocol.json"), "--json"],
+                                      cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
+                try:
+                    result = json.loads(done.stdout)
+                except ValueError:
+                    result = {"status": f"no result (exit {done.returncode})", "diagnostic": done.stderr[-300:]}
+                report.row(f"{mode}: {name}", result["status"], str(result.get("diagnostic", ""))[:200],
+                           ok=result["status"] == expected)
+
+
+SECTIONS = (Section("attacks", 240, attacks), Section("limits", 90, limits), Section("cost", 240, cost))
