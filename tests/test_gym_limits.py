@@ -21,7 +21,7 @@ from kpipe.gym.evaluation import CHILD_FAILURES
 from kpipe.gym.feedback import STATUS_LINES
 from kpipe.gym.isolate import ScratchDir
 from kpipe.gym.limits import (MiB, CgroupSupport, ChildLimits, Limits, Watchdog, apply_rlimits, cgroup_directory,
-                              tree_usage)
+                              detect_cgroups, tree_usage)
 from kpipe.gym.protocol import PROTOCOL_VERSION, Protocol
 from kpipe.gym.result import STATUSES, EvalResult
 
@@ -70,6 +70,14 @@ def test_cgroup_paths_resolve_under_their_mount() -> None:
     assert cgroup_directory("/", "/", "/") == "/"
     assert cgroup_directory("/elsewhere", "/sys/fs/cgroup", "/not/under/it") is None
     assert cgroup_directory("/", "/nonexistent-mount", "/a") is None
+
+
+def test_a_delegated_cgroup_that_cannot_serve_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cgroup.subtree_control").write_text("memory pids\n")  # a plain directory: its children get no limit files
+    monkeypatch.setenv("KPIPE_GYM_CGROUP", str(tmp_path))
+    with pytest.raises(ValueError, match="KPIPE_GYM_CGROUP=.* is no cgroup v2 directory with memory and pids"):
+        detect_cgroups()
+    assert list(tmp_path.iterdir()) == [tmp_path / "cgroup.subtree_control"]  # its probe cleaned up
 
 
 def fake_cgroups(tmp_path: Path, version: int) -> ChildLimits:

@@ -8,8 +8,8 @@ How each is enforced, and why:
   writer with SIGXFSZ (the judge sees the exit signal) or, where the candidate ignores that signal,
   fails with EFBIG and leaves a file at the cap in its scratch (the judge looks: ``ChildLimits.hit``).
 - **memory and tasks**: a cgroup per candidate child where the judge can make one
-  (``cgroup_support``: a writable cgroup v2 with the memory and pids controllers delegated to
-  its children, else writable cgroup v1 memory and pids hierarchies). The child joins it before
+  (``cgroup_support``: a cgroup v2 directory delegated to it, ``KPIPE_GYM_CGROUP``, else writable
+  cgroup v1 memory and pids hierarchies). The child joins it before
   its sandbox (``join_cgroups``); the kernel then kills past ``memory.max`` (its OOM killer) and
   refuses a fork past ``pids.max``, and counts both in files only the judge can write
   (``memory.events``/``memory.oom_control``, ``pids.events``; Landlock denies the candidate any
@@ -41,6 +41,10 @@ from typing import Any
 
 # set to 1 to enforce memory and tasks by the watchdog even where a cgroup could be made
 NO_CGROUP_VARIABLE = "KPIPE_GYM_NO_CGROUP"
+# a cgroup v2 directory delegated to KernelGym (memory and pids in its cgroup.subtree_control, writable by the
+# judge): where the judge makes its children's cgroups. Its own cgroup cannot be one while it has processes
+# in it (cgroup v2 has no internal processes), so only an administrator can make one for it
+DELEGATED_CGROUP_VARIABLE = "KPIPE_GYM_CGROUP"
 WATCH_INTERVAL_S = 0.05
 MiB = 1 << 20
 CGROUP_REMOVE_WAIT_S = 2.0
@@ -135,19 +139,31 @@ def can_make_children(directory: str, files: tuple[str, ...]) -> bool:
             os.rmdir(probe)
 
 
+def delegates(directory: str) -> bool:
+    """Whether cgroup v2 `directory` gives its children memory and pids limits this process can make."""
+    try:
+        delegated = set(Path(directory, "cgroup.subtree_control").read_text().split())
+    except OSError:
+        return False
+    return {"memory", "pids"} <= delegated and can_make_children(directory, ("memory.max", "pids.max"))
+
+
 def detect_cgroups() -> CgroupSupport | None:
-    """cgroup v2 where this process's cgroup delegates memory and pids to its children, else the
-    cgroup v1 memory and pids hierarchies it can write; None where neither."""
+    """The cgroup v2 directory named by ``KPIPE_GYM_CGROUP`` (ValueError when it cannot serve), else
+    this process's cgroup v2 where it delegates memory and pids to its children (only the root can,
+    having processes), else the cgroup v1 memory and pids hierarchies it can write; None where none."""
+    named = os.environ.get(DELEGATED_CGROUP_VARIABLE, "")
+    if named:
+        if not delegates(named):
+            raise ValueError(f"{DELEGATED_CGROUP_VARIABLE}={named} is no cgroup v2 directory with memory and pids in its "
+                             f"cgroup.subtree_control in which this process can make cgroups (docs/kernelgym.md, 'Limits')")
+        return CgroupSupport(2, named, named)
     mounts, own = mount_points(), own_cgroups()
     for root, point, kind, _ in mounts:
         if kind == "cgroup2" and "" in own:
             directory = cgroup_directory(root, point, own[""])
-            if directory is None:
-                continue
-            with contextlib.suppress(OSError):
-                delegated = set(Path(directory, "cgroup.subtree_control").read_text().split())
-                if {"memory", "pids"} <= delegated and can_make_children(directory, ("memory.max", "pids.max")):
-                    return CgroupSupport(2, directory, directory)
+            if directory is not None and delegates(directory):
+                return CgroupSupport(2, directory, directory)
     found: dict[str, str] = {}
     for controller, limit_file in (("memory", "memory.limit_in_bytes"), ("pids", "pids.max")):
         for root, point, kind, options in mounts:
@@ -216,9 +232,10 @@ class ChildLimits:
             size = str(self.limits.memory_mb * MiB)
             if self.version == 2:
                 Path(memory, "memory.max").write_text(size)
-                for name, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
-                    with contextlib.suppress(OSError):  # no swap accounting: nothing to bound
-                        Path(memory, name).write_text(value)
+                # no swap to hide in; an OOM kill ends the whole tree (absent without swap accounting)
+                for setting, value in (("memory.swap.max", "0"), ("memory.oom.group", "1")):
+                    with contextlib.suppress(OSError):
+                        Path(memory, setting).write_text(value)
             else:
                 Path(memory, "memory.limit_in_bytes").write_text(size)
                 with contextlib.suppress(OSError):  # memsw exists only with swap accounting
