@@ -47,9 +47,9 @@ import torch
 from kpipe.gym import instrument
 from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
-from kpipe.gym.limits import apply_rlimits
 from kpipe.gym.isolate import (CHALLENGE_ANSWER_FILE, CHALLENGE_FILE, CHALLENGE_POLL_S, CHALLENGE_READY_FILE, JOB_FILE,
                                PARTIAL_FILE, PREPARATION_FILE)
+from kpipe.gym.limits import apply_rlimits
 from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.timing import Clocks, harness_host_ms, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
@@ -205,7 +205,7 @@ def prime_lazy_state(device: str, profile: bool) -> None:
     # torch's OpenMP pool starts at the first parallel host op (a candidate's forward may be one):
     # started here, its threads are not taken for the candidate's (side_os_threads)
     torch.ones(1 << 18).add_(1)
-    torch.ones(64, 64) @ torch.ones(64, 64)
+    torch.ones(256, 256) @ torch.ones(256, 256)
     if device == "cuda":
         torch.cuda.init()
         event = torch.cuda.Event(enable_timing=True)
