@@ -4,7 +4,7 @@ thread API. Each runs for real through ``kpipe gym eval`` (a fresh interpreter p
 ``kpipe gym eval-batch`` (the pool's zygote), with an honest kernel after every attack in the batch,
 and must end with the judge's status naming its limit, never ``pass``.
 
-Every attack is bounded by itself (4 GiB, 256 MiB, 300 sleeping processes) so that a limit that
+Every attack is bounded by itself (twice the memory cap, 256 MiB, 300 sleeping processes) so that a limit that
 failed costs this machine little; the protocol's caps are smaller. The memory and process attacks
 run again with the judge's watchdog in place of cgroups (``KPIPE_GYM_NO_CGROUP=1``): where no
 cgroup can be made, that is what bounds them. ``checks/gpu/confinement.py`` runs this file on a GPU.
@@ -26,15 +26,18 @@ FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 RELU_REFERENCE = (FIXTURES / "relu_reference.py").read_text()
 LEGIT = (FIXTURES / "relu_legit.py").read_text()
 
+DEVICE = os.environ.get("KPIPE_TEST_GYM_DEVICE", "cpu")
+# an honest child's tree holds 0.25-0.7 GiB on the CPU as the watchdog counts it (a forked child's pages
+# shared with its sandbox's waiter and init count once each); a CUDA context adds its own
+MEMORY_CAP_MB = 2048 if DEVICE == "cpu" else 8192
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
-            "device": os.environ.get("KPIPE_TEST_GYM_DEVICE", "cpu"),
-            "memory_limit_mb": 2048, "file_size_limit_mb": 64, "task_limit": 128}
+            "device": DEVICE, "memory_limit_mb": MEMORY_CAP_MB, "file_size_limit_mb": 64, "task_limit": 128}
 
 # each attack is the honest kernel (relu_legit.py) with the attack at its import: only its limit stops it passing
 ATTACKS = {
     "allocates_past_the_memory_cap": LEGIT + '''
-hoard = [b"x" * (64 << 20) for _ in range(64)]  # 4 GiB, every page written
-''',
+hoard = [b"x" * (64 << 20) for _ in range(HOARD_BLOCKS)]  # twice the cap, every page written
+'''.replace("HOARD_BLOCKS", str(2 * MEMORY_CAP_MB // 64)),
     "writes_a_huge_file": LEGIT + '''
 with open("big.bin", "wb") as handle:
     for _ in range(4):  # 256 MiB
@@ -69,7 +72,7 @@ _thread.start_new_thread(time.sleep, (3600,))  # not a threading.Thread: threadi
 ''',
 }
 EXPECTED = {  # the status each attack must end with and what its diagnostic or reasons must say
-    "allocates_past_the_memory_cap": ("resource_limit", "memory: its processes passed the host memory cap of 2048 MiB"),
+    "allocates_past_the_memory_cap": ("resource_limit", f"memory: its processes passed the host memory cap of {MEMORY_CAP_MB} MiB"),
     "writes_a_huge_file": ("resource_limit", "file size: it wrote past the file size cap of 64 MiB"),
     "ignores_sigxfsz_and_carries_on": ("resource_limit", "file size: it wrote past the file size cap of 64 MiB: big.bin reached it"),
     "starts_many_processes": ("resource_limit", "processes: it"),

@@ -75,7 +75,7 @@ def limits(report: Report, options: argparse.Namespace) -> None:
     modes = [("cgroup", {})] if support is not None else []
     modes.append(("watchdog", {"KPIPE_GYM_NO_CGROUP": "1"}))
     honest = (LIMITS_FIXTURES / "relu_legit.py").read_text()
-    report.line("", "| enforced by: candidate | status | diagnostic |", "|---|---|---|")
+    report.line("", "| enforced by: candidate | status | its tree's peak | diagnostic |", "|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="kpipe-limits-") as scratch:
         root = Path(scratch)
         (root / "reference.py").write_text((LIMITS_FIXTURES / "relu_reference.py").read_text())
@@ -85,14 +85,18 @@ def limits(report: Report, options: argparse.Namespace) -> None:
                     ("writes 4 GiB, 2 GiB cap", honest + LIMITS_HOARD, {"device": "cuda", "memory_limit_mb": 2048}, "resource_limit")):
                 (root / "candidate.py").write_text(source)
                 (root / "protocol.json").write_text(json.dumps({**protocol, "reject_findings": []}))
+                trace = root / "trace.jsonl"
+                trace.unlink(missing_ok=True)
                 done = subprocess.run([sys.executable, "-m", "kpipe.cli", "gym", "eval", "--reference", str(root / "reference.py"),
                                        "--candidate", str(root / "candidate.py"), "--protocol", str(root / "protocol.json"), "--json"],
-                                      cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
+                                      cwd=ROOT, env={**os.environ, **env, "KPIPE_GYM_TRACE": str(trace)}, capture_output=True, text=True)
+                peaks = json.loads(trace.read_text().splitlines()[-1]).get("candidate_peaks") if trace.exists() else None
+                peak = ", ".join(f"{key} {value:.0f}" for key, value in (peaks or {}).items())
                 try:
                     result = json.loads(done.stdout)
                 except ValueError:
                     result = {"status": f"no result (exit {done.returncode})", "diagnostic": done.stderr[-300:]}
-                report.row(f"{mode}: {name}", result["status"], str(result.get("diagnostic", ""))[:200],
+                report.row(f"{mode}: {name}", result["status"], peak, str(result.get("diagnostic", ""))[:200],
                            ok=result["status"] == expected)
 
 

@@ -659,6 +659,7 @@ def evaluate(
     payload = run.payload
     trace["candidate"] = child_stats(payload, run.wall_s)
     trace["candidate_lease_wait_s"] = run.lease_wait_s
+    trace["candidate_peaks"] = run.peaks  # what its limits must leave room for (kpipe.gym.limits)
     trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s,
                  candidate_handed_over_unix=run.handed_over_unix)
     common: dict[str, Any] = {"findings": findings, "timed_spans": spans, "kb_correct": verdict.get("kb_correct")}

@@ -95,6 +95,7 @@ class ChildRun:
     challenge_s: float | None = None
     tampered: str = ""  # why the judge ended the child: an exchange file it planted or replaced (``Tampered``)
     limit: str = ""  # the limits it ran into (``kpipe.gym.limits.ChildLimits.hit``), on the judge's evidence
+    peaks: dict[str, float] | None = None  # the most memory and tasks it held, where limited (instrumentation)
 
 
 class Tampered(Exception):
@@ -374,6 +375,7 @@ def run_isolated(
             phase = f"unknown ({exc})"
         result_bytes = directory.size(RESULT_FILE)
         limit = scratch.limits.hit(proc.returncode, directory.file_of_size) if scratch.limits is not None else ""
+        peaks = scratch.limits.peaks() if scratch.limits is not None else None
         directory.close()
         scratch.remove()
         return ChildRun(
@@ -396,6 +398,7 @@ def run_isolated(
             challenge_s=answer[1],
             tampered=tampered,
             limit=limit,
+            peaks=peaks,
         )
     except BaseException:  # the scratch is removed above on the way out; here on every other
         scratch.remove()

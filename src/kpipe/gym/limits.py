@@ -197,6 +197,14 @@ def counter(path: str, name: str) -> int:
     return 0
 
 
+def counter_file(path: str) -> int | None:
+    """The number a single-valued cgroup file holds (``memory.peak``, ``pids.peak``); None without one."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 # ----------------------------------------------------------------------------- the judge's side
 
 
@@ -263,6 +271,24 @@ class ChildLimits:
     def stop(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+
+    def peaks(self) -> dict[str, float]:
+        """The most memory (MiB) and tasks the child's tree held, as its cgroups or the watchdog saw
+        them (instrumentation: what the caps must leave room for)."""
+        found: dict[str, float] = {}
+        memory, tasks = self.cgroups.get("memory"), self.cgroups.get("pids")
+        if memory is not None:
+            peak = counter_file(os.path.join(memory, "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"))
+            if peak is not None:
+                found["memory_mb"] = peak / MiB
+        if tasks is not None and (peak := counter_file(os.path.join(tasks, "pids.peak"))) is not None:
+            found["tasks"] = peak
+        if self.watchdog is not None:
+            if self.watchdog.memory_mb is not None:
+                found["memory_mb"] = self.watchdog.peak_memory / MiB
+            if self.watchdog.tasks is not None:
+                found["tasks"] = self.watchdog.peak_tasks
+        return found
 
     def hit(self, returncode: int | None, oversized_file: Callable[[int], str | None]) -> str:
         """Which limit the child ran into ("" for none), from what it cannot forge: the kernel's
@@ -367,11 +393,13 @@ class Watchdog(threading.Thread):
         super().__init__(daemon=True, name=f"kgym-limits-{root}")
         self.root, self.memory_mb, self.tasks, self.kill = root, memory_mb, tasks, kill
         self.record = ""
+        self.peak_tasks, self.peak_memory = 0, 0
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(WATCH_INTERVAL_S):
             tasks, memory = tree_usage(self.root, self.tasks)
+            self.peak_tasks, self.peak_memory = max(self.peak_tasks, tasks), max(self.peak_memory, memory)
             if self.tasks is not None and tasks > self.tasks:
                 self.record = f"processes: it ran more than {self.tasks} processes and threads (killed by the judge's watchdog)"
             elif self.memory_mb is not None and memory > self.memory_mb * MiB:
