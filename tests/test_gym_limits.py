@@ -21,7 +21,7 @@ from kpipe.gym.evaluation import CHILD_FAILURES
 from kpipe.gym.feedback import STATUS_LINES
 from kpipe.gym.isolate import ScratchDir
 from kpipe.gym.limits import (MiB, CgroupSupport, ChildLimits, Limits, Watchdog, apply_rlimits, cgroup_directory,
-                              detect_cgroups, tree_usage)
+                              detect_cgroups, remove_orphaned_cgroups, tree_usage)
 from kpipe.gym.protocol import PROTOCOL_VERSION, Protocol
 from kpipe.gym.result import STATUSES, EvalResult
 
@@ -106,6 +106,17 @@ def test_the_judge_reads_which_limit_was_hit_from_the_kernels_counters(tmp_path:
     hit = limits.hit(-signal.SIGKILL, nothing)
     assert f"memory: its processes passed the host memory cap of 512 MiB (killed by the kernel, cgroup v{version})" in hit
     assert f"processes: it tried to run more than 64 processes and threads (a fork refused, cgroup v{version})" in hit
+
+
+def test_the_empty_cgroups_of_a_judge_that_is_gone_are_removed(tmp_path: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    for name in (f"kpipe-candidate-{gone}-2", f"kpipe-candidate-{os.getpid()}-2", "kpipe-candidate-x-1", "someone-elses"):
+        (tmp_path / name).mkdir()
+    (tmp_path / f"kpipe-candidate-{gone}-3").mkdir()
+    (tmp_path / f"kpipe-candidate-{gone}-3" / "busy").write_text("")  # rmdir fails: left as it is
+    remove_orphaned_cgroups(CgroupSupport(2, str(tmp_path), str(tmp_path)))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"kpipe-candidate-{gone}-3", f"kpipe-candidate-{os.getpid()}-2",
+                                                                 "kpipe-candidate-x-1", "someone-elses"])
 
 
 def test_a_file_at_the_cap_or_death_by_sigxfsz_is_the_file_size_limit(tmp_path: Path) -> None:

@@ -184,7 +184,24 @@ def cgroup_support() -> CgroupSupport | None:
         return None
     if not _support:
         _support.append(detect_cgroups())
+        if _support[0] is not None:
+            remove_orphaned_cgroups(_support[0])
     return _support[0]
+
+
+CHILD_CGROUP_PREFIX = "kpipe-candidate-"
+
+
+def remove_orphaned_cgroups(support: CgroupSupport) -> None:
+    """Remove the empty cgroups a judge that is gone left behind (killed before it could: a pool
+    worker's end by SIGKILL); a judge's cgroups are named after its pid."""
+    for parent in {support.memory, support.pids} - {None}:
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(parent):
+                owner = entry.name[len(CHILD_CGROUP_PREFIX):].split("-", 1)[0]
+                if entry.name.startswith(CHILD_CGROUP_PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+                    with contextlib.suppress(OSError):  # still busy, or another judge's
+                        os.rmdir(entry.path)
 
 
 def counter(path: str, name: str) -> int:
@@ -226,7 +243,7 @@ class ChildLimits:
             raise
 
     def _make(self, support: CgroupSupport) -> None:
-        name = f"kpipe-candidate-{os.getpid()}-{next(_names)}"
+        name = f"{CHILD_CGROUP_PREFIX}{os.getpid()}-{next(_names)}"
         wanted = {"memory": self.limits.memory_mb, "pids": self.limits.tasks}
         for controller, parent in (("memory", support.memory), ("pids", support.pids)):
             if parent is None or wanted[controller] is None:
