@@ -241,6 +241,14 @@ def run_eval(pairs: list[dict[str, Any]], perf_trials: int, work: Path, report: 
     return rows, {"cli_pairs": min(cli_pairs, len(rows))}
 
 
+
+def why_not(row: dict[str, Any]) -> str:
+    """A row's reason for its status: the diagnostic, or a hacked row's reasons (it has no diagnostic)."""
+    reasons = row.get("hack_reasons")
+    if reasons is not None and len(reasons) and not row.get("diagnostic"):
+        return "; ".join(str(reason) for reason in reasons)
+    return str(row.get("diagnostic", ""))
+
 def status_table(pairs: list[dict[str, Any]], by_path: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], bool, dict[str, int]]:
     """One row per pair, one column per path (rows keyed by pair); a path that did not run a
     pair shows "—" and is not counted against it. Returns the lines, whether every status run
@@ -263,7 +271,7 @@ def status_table(pairs: list[dict[str, Any]], by_path: dict[str, dict[str, dict[
                 cells.append("—")
                 continue
             s = row.get("status", "?")
-            cells.append(s + ("" if s == pair["expected"] else f" ({str(row.get('diagnostic', ''))[:60]})"))
+            cells.append(s + ("" if s == pair["expected"] else f" ({why_not(row)[:160]})"))
         lines.append(f"| {pair['key']} | {pair['expected']} | " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells)
                      + f" | {'yes' if agree else 'NO'}{' (CLI: ' + cli[0] + ')' if cli else ''} |")
     return lines, ok, {p: len(by_path[p]) for p in paths}
