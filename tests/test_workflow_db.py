@@ -235,7 +235,7 @@ def test_configfile_layers_over_the_default_config(workflow_copy):
 
 
 def test_until_works_for_every_rule(workflow_copy):
-    """`--until RULE` plans for every rule, rl_iter included (its iterations chain: kpipe/infra/until.py)."""
+    """`--until RULE` plans for every rule, rl_iter included (its iterations chain: kpipe/infra/snakemake_adapter.py)."""
     listed = ok(snakemake(workflow_copy, "--list-rules"))
     rules = [line.split()[0] for line in listed.splitlines() if line and not line.startswith("Using ")]
     assert "rl_iter" in rules

@@ -11,7 +11,8 @@ from kpipe.gym.run_service import announce, stop_services, withdraw
 from kpipe.infra import warm_start
 from kpipe.infra.gpu import visible_gpus
 from kpipe.infra.provenance import code_version
-from kpipe.infra.until import until_stops_after_chained_rules
+from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, resource_total, runs_here,
+                                           until_stops_after_chained_rules)
 from kpipe.report.tables import table_sql_files
 
 # The default run; Snakemake merges --configfile files, then --config values, over it (mappings
@@ -21,7 +22,7 @@ configfile: str(Path(workflow.basedir).parent / "config" / "config.yaml")
 
 
 # nested --config values (kernelbench='{"size_cap": 128}') read as a config file would read them
-config.update(deep_merge(config, {key: parse_nested_strings(value) for key, value in workflow.config_settings.config.items()
+config.update(deep_merge(config, {key: parse_nested_strings(value) for key, value in command_line_config(workflow).items()
                                   if isinstance(value, (dict, list))}))
 try:
     validate_config(config, load_schema(Path(workflow.basedir) / "schemas" / "config.schema.yaml"))
@@ -39,7 +40,7 @@ if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(D
              "(distill.teacher: released reads it)")
 
 
-# `--until rl_iter` runs every iteration (Snakemake would stop after the first: kpipe/infra/until.py)
+# `--until rl_iter` runs every iteration (Snakemake would stop after the first: kpipe/infra/snakemake_adapter.py)
 until_stops_after_chained_rules()
 
 
@@ -69,11 +70,8 @@ RUN_GPUS = visible_gpus()
 USE_GPUS = config["device"] == "cuda" or (config["device"] == "auto" and len(RUN_GPUS) > 0)
 SLOTS_PER_GPU = config["gpu"]["slots_per_gpu"]
 DEFAULT_API_JOBS = 4
-# A run on this machine, not a cluster: `workflow.local_exec` cannot tell while the Snakefile is
-# parsed (the executor plugin is set after parsing), but a remote executor needs --jobs
-# (`nodes`), which a local run turns into --cores; a job run by a remote executor (exec mode
-# `remote`) parses this file too, on its own node.
-RUNS_HERE = workflow.resource_settings.nodes is None and not workflow.remote_exec
+# a run on this machine, not a cluster (kpipe.infra.snakemake_adapter.runs_here)
+RUNS_HERE = runs_here(workflow)
 
 
 def register_default_resources():
@@ -85,18 +83,14 @@ def register_default_resources():
     jobs share GPUs by slots (kpipe.infra.gpu.gpu_slot_lease); `gpu` (the whole GPUs a job
     touches) is left uncapped: on a cluster it is what the executor turns into `sbatch --gpus`.
     """
-    given = workflow.global_resources
-    if "api" not in given:
-        workflow.register_resource("api", DEFAULT_API_JOBS)
-    if "gpu_slots" not in given and RUNS_HERE:
-        workflow.register_resource("gpu_slots", len(RUN_GPUS) * SLOTS_PER_GPU if USE_GPUS else 0)
+    default_resource_total(workflow, "api", DEFAULT_API_JOBS)
+    if RUNS_HERE:
+        default_resource_total(workflow, "gpu_slots", len(RUN_GPUS) * SLOTS_PER_GPU if USE_GPUS else 0)
 
 
 register_default_resources()
-# whole GPUs a job of a local run may hold: the slot total's (all GPUs, or fewer by --resources gpu_slots=N;
-# a given total is a snakemake Resource, a registered one an int)
-SLOT_TOTAL = workflow.global_resources.get("gpu_slots")
-LOCAL_GPUS = max(1, int(getattr(SLOT_TOTAL, "value", SLOT_TOTAL)) // SLOTS_PER_GPU) if RUNS_HERE else None
+# whole GPUs a job of a local run may hold: the slot total's (all GPUs, or fewer by --resources gpu_slots=N)
+LOCAL_GPUS = max(1, resource_total(workflow, "gpu_slots") // SLOTS_PER_GPU) if RUNS_HERE else None
 
 # One KernelGym service per run and machine (kpipe.gym.run_service): jobs (child processes of this
 # one) find it through the environment; it stops with the run, or by itself when this process ends.

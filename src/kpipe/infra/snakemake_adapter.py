@@ -1,0 +1,68 @@
+"""Every touch of Snakemake's internals, in one module (tests/test_snakemake_adapter.py pins each).
+
+The Snakefile reads only Snakemake's documented interface (`config`, `workflow.basedir`, rules,
+`onstart`...); what it needs beyond that goes through these functions, so a Snakemake upgrade
+breaks here and in that test, not across the rule files. Tested with the versions pinned in
+pyproject.toml and `min_version` in workflow/Snakefile (`TESTED_SNAKEMAKE`).
+
+- `until_stops_after_chained_rules` replaces `snakemake.dag.DAG.in_until`. Upstream behaviour it
+  works around (no upstream issue names it; the symptom is the one of snakemake/snakemake#823):
+  `DAG.finish` marks no dependent of a finished `--until` job ready ("Skip jobs that are marked as
+  until jobs"), so with every job of a chained rule (rl_iter: iteration k reads iteration k-1)
+  counted as an until job, iteration 1 waits for ever and Snakemake stops with "BUG: Out of jobs
+  ready to be started" after iteration 0. A target rule cannot replace it: `--until RULE` is the
+  user's command (README, Reruns), for any rule.
+- `command_line_config`, `runs_here`, `resource_total` and `default_resource_total` read and set
+  `Workflow` attributes that Snakemake does not document (`config_settings`, `resource_settings`,
+  `remote_exec`, `global_resources`, `register_resource`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+TESTED_SNAKEMAKE = ("9.27", "9.28")  # [lowest, first untested): pyproject.toml and the Snakefile's min_version
+_PATCHED = "_kpipe_until_frontier"
+
+
+def until_stops_after_chained_rules() -> None:
+    """Narrow `DAG.in_until` to a chained rule's last jobs: `--until` stops after the rule, as it
+    means, and the chain inside the rule runs (idempotent: each parse of the Snakefile calls it)."""
+    from snakemake.dag import DAG
+
+    if getattr(DAG.in_until, _PATCHED, False):
+        return
+    in_until = DAG.in_until
+
+    def frontier_only(dag: Any, job: Any) -> bool:
+        return in_until(dag, job) and not any(dependent.rule is job.rule for dependent in dag.depending[job])
+
+    setattr(frontier_only, _PATCHED, True)
+    DAG.in_until = frontier_only
+
+
+def command_line_config(workflow: Any) -> dict[str, Any]:
+    """The `--config KEY=VALUE` pairs as given, before Snakemake merged them into `config`
+    (nested values arrive there as strings, which the Snakefile parses)."""
+    return dict(workflow.config_settings.config)
+
+
+def runs_here(workflow: Any) -> bool:
+    """A run on this machine, not a cluster. `workflow.local_exec` cannot tell while the Snakefile
+    is parsed (the executor plugin is set after parsing), but a remote executor needs --jobs
+    (`nodes`), which a local run turns into --cores; a job run by a remote executor (exec mode
+    `remote`) parses the Snakefile too, on its own node."""
+    return workflow.resource_settings.nodes is None and not workflow.remote_exec
+
+
+def resource_total(workflow: Any, name: str) -> int | None:
+    """The run's total of resource `name` (--resources, a profile, or a registered default);
+    None where nobody gave one (Snakemake answers a `Resource` holding None)."""
+    total = workflow.global_resources.get(name).value
+    return None if total is None else int(total)
+
+
+def default_resource_total(workflow: Any, name: str, total: int) -> None:
+    """Set resource `name`'s total where nobody gave one (a given total wins)."""
+    if name not in workflow.global_resources:
+        workflow.register_resource(name, total)
