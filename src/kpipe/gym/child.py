@@ -23,6 +23,7 @@ module's ``__main__`` is the fresh-interpreter path: ``python -m kpipe.gym.child
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import json
 import math
@@ -48,7 +49,7 @@ from kpipe.gym import instrument
 from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
 from kpipe.gym.isolate import (CHALLENGE_ANSWER_FILE, CHALLENGE_FILE, CHALLENGE_POLL_S, CHALLENGE_READY_FILE, JOB_FILE,
-                               PARTIAL_FILE, PREPARATION_FILE)
+                               PARTIAL_FILE, PREPARATION_FILE, gc_paused)
 from kpipe.gym.limits import apply_rlimits
 from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
@@ -593,18 +594,19 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
         forward(*warm[0])
     clocks.sync()
     del warm
-    (workdir / CHALLENGE_READY_FILE).write_bytes(b"")
-    asked = wait_for_judge(workdir / CHALLENGE_FILE, job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
-    if asked is None:
-        raise RuntimeError("the judge sent no timing challenge")
-    seed = int(json.loads(asked)["seed"])
-    input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
-    # no warm-up: the model ran its timing already, and a warm-up of warmup_ms would run a number
-    # of calls that differs between the two children (and shift which call draws which input set)
-    timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep, **{**recheck_region(protocol), "warmup_ms": 0.0})
-    by_input_set = sorted(timed["samples"], key=lambda sample: sample["input_set"])
-    write_result(str(workdir / CHALLENGE_ANSWER_FILE),
-                 {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in by_input_set]})
+    with gc_paused():  # the judge's clock runs from the seed to the answer
+        (workdir / CHALLENGE_READY_FILE).write_bytes(b"")
+        asked = wait_for_judge(workdir / CHALLENGE_FILE, job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
+        if asked is None:
+            raise RuntimeError("the judge sent no timing challenge")
+        seed = int(json.loads(asked)["seed"])
+        input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
+        # no warm-up: the model ran its timing already, and a warm-up of warmup_ms would run a number
+        # of calls that differs between the two children (and shift which call draws which input set)
+        timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep, **{**recheck_region(protocol), "warmup_ms": 0.0})
+        by_input_set = sorted(timed["samples"], key=lambda sample: sample["input_set"])
+        write_result(str(workdir / CHALLENGE_ANSWER_FILE),
+                     {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in by_input_set]})
 
 
 # ----------------------------------------------------------------------------- entry
@@ -708,6 +710,9 @@ def run_child(job: dict[str, Any]) -> None:
     Sets its rlimits (``kpipe.gym.limits.apply_rlimits``: a candidate's ``limits``) and scrubs
     secrets from ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
     """
+    # what is imported by now is never garbage: a collection that walked it (0.1-0.2 s with torch
+    # and Triton) would land in whatever this process was timing
+    gc.freeze()
     protocol = Protocol.from_dict(job["protocol"])
     job = {**job, "parent_pid": os.getppid()}
     device = job["device"]

@@ -10,6 +10,7 @@ timing stages, past which the child runs holding its device's timing lease
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import json
 import os
@@ -549,6 +550,20 @@ def answer_gate(scratch: ScratchDir, go: bool) -> bool:
     return go
 
 
+@contextlib.contextmanager
+def gc_paused() -> typing.Iterator[None]:
+    """No garbage collection inside: a full collection of a process holding torch and Triton takes
+    0.1-0.2 s, which a clock around it (the timing challenge's, on both sides) would charge to the
+    candidate."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float], challenge: Challenge,
                   max_bytes: int) -> tuple[dict[str, Any] | None, float | None]:
     """Reveal `challenge` once the child waits for it and clock its answer: (the answer, seconds
@@ -556,11 +571,12 @@ def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: 
     Tampered when the exchange was."""
     if not wait_for_file(proc, scratch, CHALLENGE_READY_FILE, deadline):
         return None, None
-    revealed = time.monotonic()
-    scratch.write_new(CHALLENGE_FILE, json.dumps({"seed": challenge.seed, "calls": challenge.calls}).encode())
-    if not wait_for_file(proc, scratch, CHALLENGE_ANSWER_FILE, deadline, CHALLENGE_POLL_S):
-        return None, None
-    answered = time.monotonic()
+    with gc_paused():
+        revealed = time.monotonic()
+        scratch.write_new(CHALLENGE_FILE, json.dumps({"seed": challenge.seed, "calls": challenge.calls}).encode())
+        if not wait_for_file(proc, scratch, CHALLENGE_ANSWER_FILE, deadline, CHALLENGE_POLL_S):
+            return None, None
+        answered = time.monotonic()
     answer = load_payload(scratch, CHALLENGE_ANSWER_FILE, max_bytes)
     if answer is not None and answer.get("tampered"):
         raise Tampered(answer["error"])

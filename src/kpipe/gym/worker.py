@@ -9,6 +9,7 @@ end of the connection.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -59,6 +60,7 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     from kpipe.gym.isolate import fresh_interpreter
 
     marks.append(("judge's imports", time.monotonic()))
+    gc.freeze()  # the imports are never garbage: no collection walks them while the judge clocks a child
 
     conn = Connection(conn_fd)
     protocol = Protocol.from_json(protocol_json)
