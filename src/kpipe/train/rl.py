@@ -51,7 +51,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -284,8 +284,9 @@ def run_iteration(
     key = iteration_key(cfg, run, iteration, tasks, protocol.to_json(), init_model, init_state, reference_model)
     accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
     check_processes(cfg, min(cfg.prompts_per_step, len(tasks)), accelerator.num_processes)
-    trainer = IterationTrainer(accelerator, cfg, Path(init_model), init_state, Path(scratch), key, run,
-                               iteration, progress, reference_model)
+    trainer = IterationTrainer(accelerator, IterationSettings(
+        cfg=cfg, run=run, iteration=iteration, tasks=tuple(tasks), init_model=Path(init_model), init_state=init_state,
+        scratch=Path(scratch), key=key, progress=progress, reference_model=reference_model))
     with contextlib.ExitStack() as stack:
         if evaluator is None:
             evaluator = stack.enter_context(open_evaluator(gym, reuse_reference=reference_reuse(None),
@@ -295,32 +296,128 @@ def run_iteration(
                                  protocol.to_json())
         resumed_steps = trainer.start_step
         for step in range(trainer.start_step, cfg.steps_per_iteration):
-            trainer.step(step, tasks, cached)
+            trainer.step(step, cached)
     return trainer.finish(Path(model_out), state_out, trajectories_path, metrics_path, resumed_steps)
 
 
+@dataclass(frozen=True)
+class IterationSettings:
+    """What one iteration's trainer is built from: the RL settings, which iteration of which run on
+    which prompts, the model and optimizer state it starts from, its scratch and restart key."""
+
+    cfg: RLConfig
+    run: str
+    iteration: int
+    tasks: tuple[AgentTask, ...]
+    init_model: Path
+    init_state: Path | None  # the previous iteration's optimizer state; None: a fresh optimizer
+    scratch: Path
+    key: dict[str, str]  # the restart key (iteration_key) guarding the scratch
+    progress: bool
+    reference_model: Path | None = None  # the KL term's reference policy (rl.kl_coef > 0)
+
+    def global_step(self, step: int) -> int:
+        """`step` of this iteration counted over the run: the seeds and metrics' step."""
+        return self.iteration * self.cfg.steps_per_iteration + step
+
+
+class RolloutSource:
+    """A step's rollouts, wherever they come from: saved in the scratch (by a killed attempt, or
+    generated ahead during the step before), else generated now; with `async: off_policy_1` the
+    next step's are generated ahead on a background thread while the update runs. Every step's
+    rollouts are saved before they are trained on (the ahead ones before the step's checkpoint), so a
+    resumed step finds them."""
+
+    def __init__(self, settings: IterationSettings, accelerator: Any, engine: TimedEngine, policy: Any) -> None:
+        self.settings, self.accelerator, self.engine = settings, accelerator, engine
+        self.policy = policy  # HF generation may run on the policy itself: in eval mode then
+
+    def of_step(self, step: int, evaluator: Evaluator) -> list[dict[str, Any]]:
+        """This process's rollouts of `step`: the saved ones, or generated now and saved."""
+        rows = self.saved(step)
+        if rows is None:
+            self.policy.eval()
+            rows = self.save(step, self.generate(step, evaluator))
+        return rows
+
+    @contextlib.contextmanager
+    def ahead(self, step: int, evaluator: Evaluator) -> Iterator[None]:
+        """With off_policy_1, generate `step`'s rollouts on a background thread during the block, from
+        the rollout weights of now, and save them after it (none past the iteration's last step, none
+        already saved)."""
+        cfg = self.settings.cfg
+        if cfg.async_mode != "off_policy_1" or step >= cfg.steps_per_iteration or self.path(step).exists():
+            yield
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") as background:
+            rows = background.submit(self.generate, step, evaluator, side_stream())
+            yield
+            self.save(step, rows.result())
+
+    def policy_lag(self, step: int) -> int:
+        """Updates between the policy that generated `step`'s rollouts and the one trained on them: with
+        off_policy_1 every step but an iteration's first trains on rollouts generated during the
+        previous step's update (also after a resume: they are saved before that step's checkpoint)."""
+        return int(self.settings.cfg.async_mode == "off_policy_1" and step > 0)
+
+    def path(self, step: int) -> Path:
+        return self.settings.scratch / f"rollouts-{step:04d}.parquet"
+
+    def my_tasks(self, step: int) -> list[AgentTask]:
+        """This process's prompts of `step`."""
+        cfg = self.settings.cfg
+        return process_tasks(step_tasks(self.settings.tasks, cfg.prompts_per_step, cfg.seed,
+                                        self.settings.global_step(step)),
+                             self.accelerator.process_index, self.accelerator.num_processes)
+
+    def saved(self, step: int) -> list[dict[str, Any]] | None:
+        """This process's rollouts of `step` as a previous attempt (or the step before) saved them."""
+        path = self.path(step)
+        if not path.exists():
+            return None
+        mine = {task.task_id for task in self.my_tasks(step)}
+        return [row for row in read_table(path, "trajectories").to_pylist() if row["task_id"] in mine]
+
+    def generate(self, step: int, evaluator: Evaluator, stream: Any = None) -> list[dict[str, Any]]:
+        """This process's rollouts of `step`, generated and judged now by the rollout engine's current
+        weights, on the CUDA `stream` if given. No collectives: it runs on a background thread during
+        the update (off_policy_1)."""
+        settings = self.settings
+        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        # HF rollouts in the trainer's precision: less mismatch for MRS
+        with on_stream, self.accelerator.autocast():
+            return rollout_rows(self.my_tasks(step), self.engine, evaluator, settings.cfg, run=settings.run,
+                                iteration=settings.iteration, global_step=settings.global_step(step),
+                                progress=settings.progress and self.accelerator.is_main_process)
+
+    def save(self, step: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every process's rollouts of `step` into the scratch (rank 0 writes); returns this process's."""
+        all_rows = gather_object(rows)
+        if self.accelerator.is_main_process:
+            write_table(all_rows, self.path(step), "trajectories")
+        return rows
+
+
 class IterationTrainer:
-    """The state of one iteration in one process: accelerator, policy, optimizer, rollout engine and
+    """The state of one iteration in one process: accelerator, policy, optimizer, rollout source and
     metrics log. With several processes and the HF engine, rollouts run on `rollout_model`, a full-weight copy of the
     policy refreshed before every step: generation through the sharded policy would need every
     process to run the same number of forward passes, which the processes' episodes do not. With
     `async: off_policy_1` (HF engine) too: the next step's rollouts are generated from that copy while
     the update changes the policy's own weights."""
 
-    def __init__(self, accelerator: Any, cfg: RLConfig, init_model: Path, init_state: Path | None, scratch: Path,
-                 key: dict[str, str], run: str, iteration: int, progress: bool,
-                 reference_model: Path | None = None) -> None:
+    def __init__(self, accelerator: Any, settings: IterationSettings) -> None:
         from accelerate.utils import set_seed
 
         set_up = time.perf_counter()
+        cfg, scratch, run, iteration = settings.cfg, settings.scratch, settings.run, settings.iteration
         self.accelerator, processes = accelerator, accelerator.num_processes
-        self.cfg, self.scratch, self.key = cfg, scratch, key
-        self.run, self.iteration = run, iteration
-        self.progress = progress and self.accelerator.is_main_process
+        self.settings, self.cfg, self.scratch = settings, cfg, scratch
+        self.progress = settings.progress and self.accelerator.is_main_process
         with self.accelerator.main_process_first():  # rank 0 clears a stale scratch before the others look
-            resumed = prepare_scratch(scratch, key)
+            resumed = prepare_scratch(scratch, settings.key)
         set_seed(cfg.seed + iteration)
-        model, self.tokenizer = load_policy(init_model, cfg)
+        model, self.tokenizer = load_policy(settings.init_model, cfg)
         # bf16 under bf16 autocast (what vLLM would sample from too): half the memory of an fp32 copy,
         # and no autocast cache of its casts held through the rollouts
         rollout_dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
@@ -330,10 +427,10 @@ class IterationTrainer:
                               if needs_copy else None)
         self.reference = None  # the KL term's frozen reference policy, a whole copy in every process
         if cfg.kl_coef > 0:
-            if reference_model is None:
+            if settings.reference_model is None:
                 raise ValueError("rl.kl_coef > 0 needs a reference model (the run's SFT checkpoint)")
-            self.reference = load_policy(reference_model, cfg)[0].to(self.accelerator.device,
-                                                                      dtype=rollout_dtype).eval()
+            self.reference = load_policy(settings.reference_model, cfg)[0].to(self.accelerator.device,
+                                                                               dtype=rollout_dtype).eval()
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                       fused=torch.cuda.is_available())
         # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
@@ -342,10 +439,10 @@ class IterationTrainer:
         self.start_step = checkpoint.step if checkpoint is not None else 0
         if checkpoint is not None:
             self.accelerator.load_state(str(checkpoint.state_dir))
-        elif init_state is not None:
-            self.accelerator.load_state(str(init_state))
+        elif settings.init_state is not None:
+            self.accelerator.load_state(str(settings.init_state))
         self.metrics = MetricsLog(scratch / "metrics.parquet", run=run, stage=STAGE, iteration=iteration)
-        self.metrics.resume(iteration * cfg.steps_per_iteration + self.start_step)
+        self.metrics.resume(settings.global_step(self.start_step))
         if self.accelerator.is_main_process:
             # the job's start-up in two parts: this set-up (policy, optimizer, state), and all before it
             log.info("RL %s iteration %d on %d process(es) (%s)%s, %.1f s of it loading the policy and its state",
@@ -356,9 +453,10 @@ class IterationTrainer:
                          scratch)
         policy = self.rollout_model if self.rollout_model is not None else self.accelerator.unwrap_model(self.model)
         # the engine in the rows' model label: figures name where rollouts came from (views.sql provenance)
-        self.raw_engine = make_engine(cfg, policy, self.tokenizer, init_model,
+        self.raw_engine = make_engine(cfg, policy, self.tokenizer, settings.init_model,
                                       f"{run}/rl-iter{iteration}/{cfg.engine}", self.progress, processes)
         self.engine = TimedEngine(self.raw_engine)
+        self.rollouts = RolloutSource(settings, accelerator, self.engine, self.model)
         self.filter_generator, self.shuffle_generator = torch.Generator(), torch.Generator()
 
     def evaluation_gpus(self) -> list[str] | None:
@@ -371,103 +469,74 @@ class IterationTrainer:
             return None
         return [gpus[self.accelerator.local_process_index]]
 
-    def step(self, step: int, tasks: Sequence[AgentTask], evaluator: Evaluator) -> dict[str, float]:
-        """This process's rollouts (their saved copy, or generated now), training on them, metrics; a
-        checkpoint unless it is the last step. With `async: off_policy_1` the next step's rollouts are
-        generated during the update and saved before the checkpoint, so a resumed step finds them."""
-        cfg, accelerator = self.cfg, self.accelerator
-        global_step = self.iteration * cfg.steps_per_iteration + step
-        if self.rollout_model is not None:
-            copy_full_weights(accelerator.unwrap_model(self.model), self.rollout_model)
-        if cfg.engine == "vllm" and step > 0:
-            push_weights_to_vllm(self.raw_engine, accelerator.unwrap_model(self.model))
+    def step(self, step: int, evaluator: Evaluator) -> dict[str, float]:
+        """One step, in order: the rollout engine gets the policy's weights; this process's rollouts
+        (saved, or generated and judged now); the update on them (rewards → returns → MRS/PRS and the
+        other filters → advantages → PPO-clip, `train_on_rollouts`), with off_policy_1 the next step's
+        rollouts generated meanwhile; metrics over every process's rows; the step's rows and a
+        checkpoint in the scratch."""
+        self.sync_rollout_weights(step)
         timed = TimedEvaluator(evaluator)
         self.engine.seconds = 0.0
         started = time.perf_counter()
-        rows = self.saved_rollouts(step, tasks)
-        if rows is None:
-            self.model.eval()  # HF generation may run on the policy itself
-            rows = self.save_rollouts(step, self.generate_rollouts(step, tasks, timed))
+        rows = self.rollouts.of_step(step, timed)
         rollout_s = time.perf_counter() - started
-        ahead = (cfg.async_mode == "off_policy_1" and step + 1 < cfg.steps_per_iteration
-                 and not self.rollouts_path(step + 1).exists())
-        # PRS's coin flips: a stream per process (rank 0's is the one-process stream); mini-batches: one for all
-        self.filter_generator.manual_seed(step_seed(cfg.seed + 1, global_step) + accelerator.process_index)
-        self.shuffle_generator.manual_seed(step_seed(cfg.seed + 2, global_step))
-        with ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") as background:
-            next_rows = (background.submit(self.generate_rollouts, step + 1, tasks, timed, side_stream())
-                         if ahead else None)
+        self.seed_step_generators(step)
+        with self.rollouts.ahead(step + 1, timed):
             train_started = time.perf_counter()
-            values = train_on_rollouts(rows, cfg, accelerator, self.model, self.optimizer, self.tokenizer,
+            values = train_on_rollouts(rows, self.cfg, self.accelerator, self.model, self.optimizer, self.tokenizer,
                                        self.filter_generator, self.shuffle_generator, self.progress, self.reference)
             train_s = time.perf_counter() - train_started
-            if next_rows is not None:
-                self.save_rollouts(step + 1, next_rows.result())
-        if torch.cuda.is_available():
-            # hand the update's cached blocks back: the next rollouts' evaluation children share this GPU
-            torch.cuda.empty_cache()
+        release_cached_gpu_memory()
         all_rows = gather_object(rows)
-        values.update(rollout_metrics(all_rows, cfg.max_turns))
-        # times are this process's (the step ends in collectives, so step_s is everyone's); gen_s and eval_s
-        # count whatever generation and evaluation ran during the step, overlap_s what running them alongside
-        # each other and the update saved against one after the other
-        step_s = time.perf_counter() - started
+        values.update(self.step_metrics(step, all_rows, timed, rollout_s, train_s, time.perf_counter() - started))
+        self.save_step(step, all_rows, values)
+        return values
+
+    def sync_rollout_weights(self, step: int) -> None:
+        """Give the rollout engine the policy's current weights: the HF rollout copy every step, vLLM's
+        engine after the first (it loaded the iteration's initial model itself)."""
+        policy = self.accelerator.unwrap_model(self.model)
+        if self.rollout_model is not None:
+            copy_full_weights(policy, self.rollout_model)
+        if self.cfg.engine == "vllm" and step > 0:
+            push_weights_to_vllm(self.raw_engine, policy)
+
+    def seed_step_generators(self, step: int) -> None:
+        """Seed the step's two random streams from the run's seed and global step, so a resumed step
+        draws what the first attempt drew: PRS's coin flips, one stream per process (rank 0's is the
+        one-process stream), and the mini-batches' shuffle, one stream for all."""
+        global_step = self.settings.global_step(step)
+        self.filter_generator.manual_seed(step_seed(self.cfg.seed + 1, global_step) + self.accelerator.process_index)
+        self.shuffle_generator.manual_seed(step_seed(self.cfg.seed + 2, global_step))
+
+    def step_metrics(self, step: int, all_rows: list[dict[str, Any]], timed: TimedEvaluator, rollout_s: float,
+                     train_s: float, step_s: float) -> dict[str, float]:
+        """The step's rollout metrics and times. The times are this process's (the step ends in
+        collectives, so step_s is everyone's); gen_s and eval_s count whatever generation and evaluation
+        ran during the step, overlap_s what running them alongside each other and the update saved
+        against one after the other."""
+        values = rollout_metrics(all_rows, self.cfg.max_turns)
         values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=rollout_s, train_s=train_s,
                       step_s=step_s, overlap_s=self.engine.seconds + timed.seconds + train_s - step_s,
-                      policy_lag=float(self.policy_lag(step)), lr=cfg.lr, rows=float(len(all_rows)))
-        self.metrics.log(global_step + 1, values)
+                      policy_lag=float(self.rollouts.policy_lag(step)), lr=self.cfg.lr, rows=float(len(all_rows)))
+        return values
+
+    def save_step(self, step: int, all_rows: list[dict[str, Any]], values: dict[str, float]) -> None:
+        """The step's metrics and rows into the scratch, and a checkpoint unless it is the iteration's last
+        step (finish writes that one's model and state)."""
+        accelerator = self.accelerator
+        self.metrics.log(self.settings.global_step(step) + 1, values)
         if accelerator.is_main_process:
             write_table(all_rows, self.scratch / f"step-{step:04d}.parquet", "trajectories")
-            log.info("RL %s iteration %d step %d: reward %.3f, kept %.2f, grad norm %.3g", self.run, self.iteration,
-                     step, values["reward_mean"], values["kept_frac"], values.get("grad_norm", 0.0))
-        if step + 1 < cfg.steps_per_iteration:
+            log.info("RL %s iteration %d step %d: reward %.3f, kept %.2f, grad norm %.3g", self.settings.run,
+                     self.settings.iteration, step, values["reward_mean"], values["kept_frac"],
+                     values.get("grad_norm", 0.0))
+        if step + 1 < self.cfg.steps_per_iteration:
             if accelerator.is_main_process:
                 self.metrics.flush()
             save_checkpoint(accelerator, self.model, self.tokenizer, self.scratch / "checkpoints", step + 1,
-                            self.key, keep_last=1)
-        return values
-
-    def my_tasks(self, step: int, tasks: Sequence[AgentTask]) -> list[AgentTask]:
-        """This process's prompts of `step`."""
-        global_step = self.iteration * self.cfg.steps_per_iteration + step
-        return process_tasks(step_tasks(tasks, self.cfg.prompts_per_step, self.cfg.seed, global_step),
-                             self.accelerator.process_index, self.accelerator.num_processes)
-
-    def rollouts_path(self, step: int) -> Path:
-        return self.scratch / f"rollouts-{step:04d}.parquet"
-
-    def saved_rollouts(self, step: int, tasks: Sequence[AgentTask]) -> list[dict[str, Any]] | None:
-        """This process's rollouts of `step` as a previous attempt (or the step before) saved them."""
-        path = self.rollouts_path(step)
-        if not path.exists():
-            return None
-        mine = {task.task_id for task in self.my_tasks(step, tasks)}
-        return [row for row in read_table(path, "trajectories").to_pylist() if row["task_id"] in mine]
-
-    def generate_rollouts(self, step: int, tasks: Sequence[AgentTask], evaluator: Evaluator,
-                          stream: Any = None) -> list[dict[str, Any]]:
-        """This process's rollouts of `step`, generated and judged now by the rollout engine's current
-        weights, on the CUDA `stream` if given. No collectives: it runs on a background thread during
-        the update (off_policy_1)."""
-        global_step = self.iteration * self.cfg.steps_per_iteration + step
-        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        # HF rollouts in the trainer's precision: less mismatch for MRS
-        with on_stream, self.accelerator.autocast():
-            return rollout_rows(self.my_tasks(step, tasks), self.engine, evaluator, self.cfg, run=self.run,
-                                iteration=self.iteration, global_step=global_step, progress=self.progress)
-
-    def save_rollouts(self, step: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Every process's rollouts of `step` into the scratch (rank 0 writes); returns this process's."""
-        all_rows = gather_object(rows)
-        if self.accelerator.is_main_process:
-            write_table(all_rows, self.rollouts_path(step), "trajectories")
-        return rows
-
-    def policy_lag(self, step: int) -> int:
-        """Updates between the policy that generated `step`'s rollouts and the one trained on them: with
-        off_policy_1 every step but an iteration's first trains on rollouts generated during the
-        previous step's update (also after a resume: they are saved before that step's checkpoint)."""
-        return int(self.cfg.async_mode == "off_policy_1" and step > 0)
+                            self.settings.key, keep_last=1)
 
     def finish(self, model_out: Path, state_out: str | os.PathLike | None, trajectories_path: str | os.PathLike,
                metrics_path: str | os.PathLike, resumed_steps: int) -> IterationResult:
@@ -488,6 +557,12 @@ class IterationTrainer:
         accelerator.wait_for_everyone()
         mean_reward = float(np.mean([row["reward"] for row in rows])) if rows else math.nan
         return IterationResult(model_out, self.cfg.steps_per_iteration, resumed_steps, len(rows), mean_reward)
+
+
+def release_cached_gpu_memory() -> None:
+    """Hand the update's cached blocks back: the next rollouts' evaluation children share this GPU."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def side_stream() -> Any:
