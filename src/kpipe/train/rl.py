@@ -18,6 +18,10 @@ One iteration runs `steps_per_iteration` steps. A step:
 Every turn becomes a `trajectories` row (stage "rl") with its reward, return, advantage and
 whether (and by which filter) it was dropped; every step logs `train_metrics` rows.
 
+In code, `IterationTrainer.step` says it in order: the rollout engine gets the policy's weights,
+`RolloutSource` hands the step's rollouts (saved, generated now, or generated ahead during the step
+before), `train_on_rollouts` runs steps 2–5, then the step's metrics and checkpoint.
+
 Asynchronous inference (`rl.async`, paper §6.1): `eval` judges each turn while the engine decodes
 the others (in the agent loop; same rows as `off`); `off_policy_1` also generates the next step's
 rollouts on a background thread, from a copy of the policy before this step's update, while the
@@ -197,22 +201,10 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
     reference policy of the KL term (`rl.kl_coef` > 0)."""
     samples = token_samples(rows, tokenizer)
     has_tokens = torch.tensor([bool(s.response_ids) for s in samples], dtype=torch.bool)
-    pad_id = tokenizer.pad_token_id
-    model.eval()
-    with accelerator.autocast():  # the same precision as the update: PPO's ratio starts at 1
-        train_logp = policy_log_probs(model, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
-                                      accelerator.device, progress, partial(max_over_processes, accelerator))
-        # the reference is a whole copy in every process: no collective, so no shared pass count
-        ref_logp = (policy_log_probs(reference, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
-                                     accelerator.device) if reference is not None else [None] * len(rows))
-    model.train()
-    rollout_logp = [list(row.get("response_logprobs") or []) for row in rows]
-    for row, sample, logp in zip(rows, samples, rollout_logp, strict=True):
-        if len(logp) != len(sample.response_ids):
-            raise ValueError(f"{row['task_id']} sample {row['sample']} turn {row['turn']}: "
-                             f"{len(logp)} rollout log-probs for {len(sample.response_ids)} tokens")
-    mrs_keep, log_w = mismatch_keep(train_logp, rollout_logp, cfg)
-    returns = row_returns(rows, cfg)
+    train_logp, ref_logp = recompute_log_probs(samples, cfg, accelerator, model, tokenizer, progress, reference)
+    rollout_logp = rollout_log_probs(rows, samples)
+    mrs_keep, log_w = mismatch_keep(train_logp, rollout_logp, cfg)  # MRS (Eq. 6): kept or not, whatever `mrs`
+    returns = row_returns(rows, cfg)  # the turns' rewards to reward-to-go returns (Eq. 2)
     masks = buffer_masks(rows, returns, cfg) | filter_masks(rows, cfg, mrs_keep, filter_generator)
     reasons = rejection_reasons(has_tokens, masks)
     kept = torch.tensor([reason is None for reason in reasons])
@@ -222,18 +214,57 @@ def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: An
 
     items = [TrainItem(row_key(rows[i]), samples[i], float(advantages[i]), train_logp[i], ref_logp[i])
              for i in range(len(rows)) if kept[i]]
-    values = update_policy(accelerator, model, optimizer, items, cfg, pad_id, shuffle_generator, progress)
+    values = update_policy(accelerator, model, optimizer, items, cfg, tokenizer.pad_token_id, shuffle_generator,
+                           progress)
+    values.update(filter_metrics(accelerator, has_tokens, masks, kept, returns, advantages, log_w, mrs_keep,
+                                 train_logp, rollout_logp))
+    return values
+
+
+def recompute_log_probs(samples: Sequence[Any], cfg: RLConfig, accelerator: Any, model: Any, tokenizer: Any,
+                        progress: bool, reference: Any | None) -> tuple[list[Any], list[Any]]:
+    """π_train's log-probabilities of the rollout tokens (PPO's old log-probs, MRS's numerator), and the
+    reference policy's for the KL term (None each without one), in the update's precision: PPO's ratio
+    starts at 1."""
+    pad_id = tokenizer.pad_token_id
+    model.eval()
+    with accelerator.autocast():
+        train_logp = policy_log_probs(model, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
+                                      accelerator.device, progress, partial(max_over_processes, accelerator))
+        # the reference is a whole copy in every process: no collective, so no shared pass count
+        ref_logp = (policy_log_probs(reference, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
+                                     accelerator.device) if reference is not None else [None] * len(samples))
+    model.train()
+    return train_logp, ref_logp
+
+
+def rollout_log_probs(rows: Sequence[dict[str, Any]], samples: Sequence[Any]) -> list[list[float]]:
+    """The generating policy's log-probabilities that each row recorded, one per response token."""
+    rollout_logp = [list(row.get("response_logprobs") or []) for row in rows]
+    for row, sample, logp in zip(rows, samples, rollout_logp, strict=True):
+        if len(logp) != len(sample.response_ids):
+            raise ValueError(f"{row['task_id']} sample {row['sample']} turn {row['turn']}: "
+                             f"{len(logp)} rollout log-probs for {len(sample.response_ids)} tokens")
+    return rollout_logp
+
+
+def filter_metrics(accelerator: Any, has_tokens: torch.Tensor, masks: Mapping[str, torch.Tensor], kept: torch.Tensor,
+                   returns: torch.Tensor, advantages: torch.Tensor, log_w: torch.Tensor, mrs_keep: torch.Tensor,
+                   train_logp: Sequence[Any], rollout_logp: Sequence[Any]) -> dict[str, float]:
+    """What each filter kept, the returns, advantages and the rollout/trainer mismatch, as means over
+    every process's rows."""
+    rows = len(kept)
     with_tokens = float(has_tokens.sum())
     totals = {f"kept_frac_{name}": (float((mask & has_tokens).sum()), with_tokens) for name, mask in masks.items()}
-    totals.update(kept_frac=(float(kept.sum()), len(rows)), return_mean=(float(returns.sum()), len(rows)),
+    totals.update(kept_frac=(float(kept.sum()), rows), return_mean=(float(returns.sum()), rows),
                   advantage_abs_mean=(float(advantages[kept].abs().sum()), float(kept.sum())),
                   mismatch_abs_log_w=(float(log_w[has_tokens].abs().sum()), with_tokens),
                   # what MRS would keep with `mrs: false` too (Figure 7's mismatch, whatever the filters)
                   mrs_would_keep=(float((mrs_keep & has_tokens).sum()), with_tokens))
-    totals.update(token_totals([train_logp[i] for i in range(len(rows)) if has_tokens[i]],
-                               [rollout_logp[i] for i in range(len(rows)) if has_tokens[i]]))
+    totals.update(token_totals([train_logp[i] for i in range(rows) if has_tokens[i]],
+                               [rollout_logp[i] for i in range(rows) if has_tokens[i]]))
     means = global_means(accelerator, totals)
-    values.update({name: means.get(name, 0.0) for name in totals if not name.endswith("_nll")})
+    values = {name: means.get(name, 0.0) for name in totals if not name.endswith("_nll")}
     values.update({f"{engine}_ppl": algos.perplexity(means[f"{engine}_nll"]) for engine in ("rollout", "train")
                    if f"{engine}_nll" in means})
     return values
