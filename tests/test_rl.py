@@ -310,6 +310,34 @@ def test_a_step_whose_gradient_is_not_finite_is_not_taken(nano_model):
 # ----------------------------------------------------------------------------- one iteration, killed and resumed
 
 
+class OneProcess:
+    """What RolloutSource asks of an accelerator, for one process."""
+    process_index, num_processes, is_main_process = 0, 1, True
+
+
+@pytest.mark.parametrize(("async_mode", "step", "saved", "generated"), [
+    ("off_policy_1", 1, False, [1]),  # the next step's, generated during the block and saved after it
+    ("off_policy_1", 1, True, []),  # saved by a killed attempt: kept, not generated again
+    ("off_policy_1", 2, False, []),  # past the iteration's last step
+    ("off", 1, False, []),
+])
+def test_the_rollout_source_generates_ahead_only_what_off_policy_1_needs(tmp_path, monkeypatch, async_mode, step,
+                                                                        saved, generated):
+    settings = rl.IterationSettings(cfg=RLConfig(steps_per_iteration=2, async_mode=async_mode), run="r", iteration=3,
+                                    tasks=(AgentTask("relu", RELU),), init_model=tmp_path, init_state=None,
+                                    scratch=tmp_path, key={}, progress=False)
+    source = rl.RolloutSource(settings, OneProcess(), engine=None, policy=None)
+    if saved:
+        source.path(step).touch()
+    calls: list[int] = []
+    monkeypatch.setattr(source, "generate", lambda step, evaluator, stream=None: calls.append(step) or [])
+    monkeypatch.setattr(rl, "gather_object", lambda rows: rows)
+    with source.ahead(step, evaluator=None):
+        pass
+    assert calls == generated and source.path(step).exists() == (saved or bool(generated))
+    assert settings.global_step(step) == 3 * 2 + step
+
+
 def test_a_killed_iteration_resumes_and_writes_each_output_once(nano_model, tmp_path, monkeypatch):
     cfg = RLConfig(prompts_per_step=1, rollouts_per_prompt=2, max_turns=2, max_tokens=6, steps_per_iteration=2,
                    lr=1e-3, mrs=True, regression_filter=True)
