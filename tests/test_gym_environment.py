@@ -1,8 +1,9 @@
 """What an evaluation child sees of its environment, and what it can leave for others.
 
-- A child's environment is its launcher's minus secrets, on every path (warm pool fork, fresh
-  interpreter): PATH, HOME, LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES and TRITON_* /
-  TORCHINDUCTOR_* settings present, a secret-looking variable absent, its home and TMPDIR its
+- A child's environment is what its launcher's holds of an allowlist, on every path (warm pool
+  fork, fresh interpreter): PATH, HOME, LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES and TRITON_* /
+  TORCHINDUCTOR_* settings present; a secret-looking variable, the run's services (KernelGym's,
+  the warm starter's) and any other setting of the caller absent; its home and TMPDIR its
   scratch. Checked from inside a real child: the candidate reports ``os.environ`` in its exception. (Before the fix, a forked pool
   child ran with an empty environment: no PATH, so gcc and Inductor's C++ compiler failed.)
 - No evaluation can change another's result through the compile caches: a candidate that
@@ -39,8 +40,11 @@ ENV_DUMP = '''
 import json as _json, os as _os
 raise RuntimeError("ENV " + _json.dumps({{k: v for k, v in _os.environ.items() if k in {names!r}}}) + " END")
 '''
+RUN_SERVICES = {"KPIPE_GYM_RUN": "/tmp/kpipe-test-run", "KPIPE_WARM_START": "kpipe-warm-start-test",
+                "KPIPE_WARM_START_TOKEN": "do-not-leak", "SLURM_JOB_ID": "42"}
 REPORTED = ("PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "KPIPE_TEST_CALLER_SETTING", "TRITON_PRINT_AUTOTUNING",
-            "TORCHINDUCTOR_MAX_AUTOTUNE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MY_SERVICE_API_KEY", "HF_TOKEN")
+            "TORCHINDUCTOR_MAX_AUTOTUNE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MY_SERVICE_API_KEY", "HF_TOKEN",
+            *RUN_SERVICES)
 
 CALLER_SETTINGS = {
     "KPIPE_TEST_CALLER_SETTING": "from-the-caller",
@@ -50,6 +54,7 @@ CALLER_SETTINGS = {
     "TRITON_CACHE_DIR": "/tmp/kpipe-test-shared-triton-cache",  # replaced: caches are per child
     "MY_SERVICE_API_KEY": "do-not-leak",
     "HF_TOKEN": "do-not-leak",
+    **RUN_SERVICES,
 }
 
 
@@ -60,12 +65,11 @@ def child_env(run: object) -> dict[str, str]:
 
 
 def check_child_env(env: dict[str, str]) -> None:
-    for name in ("PATH", "HOME", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "KPIPE_TEST_CALLER_SETTING",
-                 "TRITON_PRINT_AUTOTUNING", "TORCHINDUCTOR_MAX_AUTOTUNE"):
+    for name in ("PATH", "HOME", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "TRITON_PRINT_AUTOTUNING", "TORCHINDUCTOR_MAX_AUTOTUNE"):
         assert name in env, f"{name} missing from the child's environment"
-    assert env["KPIPE_TEST_CALLER_SETTING"] == "from-the-caller"
     assert env["LD_LIBRARY_PATH"] == "/opt/kpipe-test/lib"
-    assert "MY_SERVICE_API_KEY" not in env and "HF_TOKEN" not in env
+    for name in ("MY_SERVICE_API_KEY", "HF_TOKEN", "KPIPE_TEST_CALLER_SETTING", *RUN_SERVICES):
+        assert name not in env, f"{name} reached the child"
     # the candidate compiles into a private directory, never the caller's shared cache
     assert env["TRITON_CACHE_DIR"] != CALLER_SETTINGS["TRITON_CACHE_DIR"]
     assert "kgym-candidate-" in env["TRITON_CACHE_DIR"] and "kgym-candidate-" in env["TORCHINDUCTOR_CACHE_DIR"]
@@ -99,6 +103,16 @@ def test_child_environment_replaces_inherited_cache_locations_and_kernel_overrid
     assert env["TRITON_CACHE_DIR"] == "/private" and env["PATH"] == "/bin"
     assert "TRITON_KERNEL_OVERRIDE" not in env and "OPENAI_API_KEY" not in env and "TRITON_INTERPRET" not in env
     assert child_environment("cpu", parent, {})["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.parametrize("name, inherited", [
+    ("PATH", True), ("LC_ALL", True), ("CUDA_HOME", True), ("TRITON_PTXAS_PATH", True), ("OMP_NUM_THREADS", True),
+    ("PYTORCH_CUDA_ALLOC_CONF", True), ("KPIPE_GYM_RUN", False), ("KPIPE_WARM_START", False), ("SLURM_JOB_ID", False),
+    ("SNAKEMAKE_PROFILE", False), ("OPENAI_BASE_URL", False), ("CUDA_API_TOKEN", False), ("HF_HOME", False),
+    ("TRITON_KERNEL_OVERRIDE", False), ("KPIPE_GYM_TRACE", False), ("PYTHONSTARTUP", False), ("LD_PRELOAD", False),
+])
+def test_the_child_environment_is_an_allowlist(name: str, inherited: bool) -> None:
+    assert (name in child_environment("cuda", {name: "value"}, {})) is inherited
 
 
 # ----------------------------------------------------------------------------- planted artifacts

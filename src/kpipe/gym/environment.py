@@ -1,9 +1,13 @@
 """The environment of every process KernelGym starts, built in one place.
 
 An evaluation child (reference or candidate, forked from a warm zygote or started as a fresh
-interpreter, on a pool worker, a Ray actor or behind the HTTP service) runs with the
-environment of the process that launched it, minus anything that looks like a credential,
-plus its device settings and its compile-cache directories (``kpipe.gym.compile_caches``).
+interpreter, on a pool worker, a Ray actor or behind the HTTP service) runs with what its
+launcher's environment holds of an allowlist (``CHILD_NAMES``, ``CHILD_PREFIXES``: the toolchain,
+the locale, CUDA's, torch's, Triton's and the thread pools' settings), minus anything that looks
+like a credential, plus its device settings and its compile-cache directories
+(``kpipe.gym.compile_caches``). An allowlist, not a denylist: a candidate is hostile code, and
+whatever else a run sets (its services' addresses, a scheduler's job variables, tokens under new
+names) is none of its business.
 The launching process builds it (``child_environment``) and hands it over whole: a forked
 child must not rebuild it from its own ``os.environ`` after clearing it (that left children
 with no ``PATH``, so gcc, Inductor's C++ compiler and ``CUDA_VISIBLE_DEVICES`` were lost).
@@ -23,6 +27,17 @@ DROPPED_VARIABLES = ("TRITON_KERNEL_OVERRIDE", "TRITON_KERNEL_DUMP", "TRITON_CAC
                      "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_REMOTE_CACHE",
                      # the judge's per-evaluation trace file (kpipe.gym.evaluation): no child may write to it
                      "KPIPE_GYM_TRACE")
+
+
+# what an evaluation child may inherit from its launcher, by exact name or prefix: what compilers,
+# the dynamic linker, Python, CUDA, torch, Triton and the thread pools read
+CHILD_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TZ", "LANG", "LANGUAGE", "TMPDIR",
+    "LD_LIBRARY_PATH", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH", "CPLUS_INCLUDE_PATH", "CC", "CXX",
+    "PYTHONPATH", "PYTHONHASHSEED", "VIRTUAL_ENV", "CONDA_PREFIX",
+})
+CHILD_PREFIXES = ("LC_", "CUDA_", "NVIDIA_", "CUBLAS_", "CUDNN_", "TRITON_", "TORCHINDUCTOR_", "TORCH_", "PYTORCH_",
+                  "OMP_", "KMP_", "MKL_", "OPENBLAS_")
 
 
 def is_secret(name: str) -> bool:
@@ -51,11 +66,16 @@ def scrubbed_environment(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not is_secret(k)}
 
 
+def inherited_by_children(name: str) -> bool:
+    return (name in CHILD_NAMES or name.startswith(CHILD_PREFIXES)) and not is_secret(name) \
+        and name not in CACHE_VARIABLES and name not in DROPPED_VARIABLES
+
+
 def child_environment(device: str, parent: Mapping[str, str], caches: Mapping[str, str]) -> dict[str, str]:
-    """An evaluation child's complete environment: `parent`'s (the launching process's: PATH,
-    HOME, LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES, TRITON_*/TORCHINDUCTOR_* settings) minus
-    secrets, with `caches` (compile-cache variables) replacing any inherited cache location."""
-    env = {k: v for k, v in scrubbed_environment(parent).items() if k not in CACHE_VARIABLES and k not in DROPPED_VARIABLES}
+    """An evaluation child's complete environment: what `parent` (the launching process's) holds
+    of the allowlist (PATH, HOME, LD_LIBRARY_PATH, CUDA_VISIBLE_DEVICES, TRITON_*/TORCHINDUCTOR_*
+    settings, ...), with `caches` (compile-cache variables) replacing any inherited cache location."""
+    env = {k: v for k, v in parent.items() if inherited_by_children(k)}
     env.update(caches)
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
