@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "gpu": "kpipe.infra.gpu:gpu_command",
     "eval": "kpipe.evaluate.cli:eval_cli",
     "tables": "kpipe.report.cli:tables",
+    "plan": "kpipe.report.cost_cli:plan",
     "launch": "kpipe.infra.launch:launch",
     "view": "kpipe.report.viewer:view_command",
 }

@@ -1,0 +1,33 @@
+"""``kpipe plan --cost``: the cost model (kpipe.report.cost) for a run's config files, before the run."""
+
+from __future__ import annotations
+
+import click
+
+from kpipe.infra.config import ConfigError, load_config
+from kpipe.report.cost import format_plan, load_units, plan_cost
+
+
+@click.command("plan")
+@click.option("--cost", is_flag=True, help="print GPU-hours per stage, the critical path and the wall time")
+@click.option("--configfile", "configfiles", multiple=True, required=True,
+              help="config files layered over --base as Snakemake layers them (more may follow as arguments)")
+@click.argument("overlays", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--base", default="config/config.yaml", show_default=True, type=click.Path(exists=True, dir_okay=False),
+              help="the workflow's own config file, under every --configfile")
+@click.option("--units", default="config/cost_units.yaml", show_default=True,
+              type=click.Path(exists=True, dir_okay=False), help="the cost model's units and their sources")
+@click.option("--gpus", type=click.IntRange(min=1), required=True, help="GPUs of the machine the run gets")
+@click.option("--gpu-kind", type=click.Choice(["h100", "h200"], case_sensitive=False), required=True)
+def plan(cost: bool, configfiles: tuple[str, ...], overlays: tuple[str, ...], base: str, units: str, gpus: int,
+         gpu_kind: str) -> None:
+    """Plan a run's cost from its config (kpipe plan --cost --configfile config/paper.yaml --gpus 8 --gpu-kind h100)."""
+    if not cost:
+        raise click.UsageError("kpipe plan prints the cost model: pass --cost")
+    files = [*configfiles, *overlays]
+    try:
+        config = load_config(base, *files)
+        report = format_plan(plan_cost(config, load_units(units), gpus, gpu_kind.lower()), files)
+    except (ConfigError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(report)
