@@ -16,8 +16,8 @@ from kpipe.data.kernelbench import load_problems
 FLOPS_PER_PARAM_TRAINED = 6  # forward 2 + backward 4 per parameter and token
 FLOPS_PER_PARAM_FORWARD = 2
 # the paper's own compute statement, beside the model's totals (docs/cost.md)
-PAPER_COMPUTE = ("the paper reports its hardware (NVIDIA H100, §6.1) but no GPU-hours, GPU count or wall time; "
-                 "its released code gives none either")
+PAPER_COMPUTE = ("the paper reports its hardware (NVIDIA H100, §6.1) but no GPU-hours, GPU count or wall time "
+                 "(its released code was not read here)")
 
 
 @dataclass(frozen=True)
