@@ -64,6 +64,7 @@ ROUND_UNITS = Units(
 
 def small_config(rl_async: str = "off") -> dict:
     return {
+        "run": "small",
         "kernelbench": {"version": "main", "levels": [1], "ids": None},
         "policy": {"base_model": "m"},
         "distill": {"teacher": "offline", "max_queries": 10, "samples": 2, "turns": 3, "sampling": {"max_tokens": 2000}},
@@ -165,3 +166,32 @@ def test_plan_without_cost_says_so():
     result = CliRunner().invoke(plan, ["--configfile", str(ROOT / "config" / "paper.yaml"), "--gpus", "8",
                                        "--gpu-kind", "h100"])
     assert result.exit_code != 0 and "pass --cost" in result.output
+
+
+def write_benchmark(logs: Path, name: str, seconds: float) -> None:
+    """A Snakemake benchmark file as `benchmark:` writes it: a header, then one row per repeat."""
+    path = logs / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"s\th:m:s\tmax_rss\n{seconds}\t0:00:00\t1.0\n")
+
+
+def test_a_finished_run_is_compared_stage_by_stage(tmp_path):
+    """The small plan's sft job is 50.6 s and its RL run 2 x (3 x 10.292 + 150) = 361.752 s (by hand above)."""
+    plan_ = cost.plan_cost(small_config(), ROUND_UNITS, 2, "h200")
+    write_benchmark(tmp_path, "benchmarks/sft-small.tsv", 50.6)
+    write_benchmark(tmp_path, "benchmarks/rl-a-iter0.tsv", 100.0)
+    write_benchmark(tmp_path, "benchmarks/rl-a-iter1.tsv", 100.0)
+    rows = {line.split()[0]: line.split() for line in cost.format_comparison(plan_, tmp_path).splitlines()[1:]}
+    assert rows["sft"] == ["sft", "51", "51", "1.00", "yes"]
+    assert rows["rl"] == ["rl", "362", "200", "1.81", "NO"]
+    (tmp_path / "benchmarks/rl-a-iter1.tsv").unlink()
+    with pytest.raises(ValueError, match="no benchmark .*rl-a-iter1.tsv"):
+        cost.format_comparison(plan_, tmp_path)
+
+
+def test_measured_without_the_runs_benchmarks_is_a_clear_error(tmp_path):
+    result = CliRunner().invoke(plan, [
+        "--cost", "--base", str(ROOT / "config" / "config.yaml"), "--units", str(ROOT / "config" / "cost_units.yaml"),
+        "--configfile", str(ROOT / "config" / "paper.yaml"), str(ROOT / "config" / "paper_smoke.yaml"),
+        "--gpus", "4", "--gpu-kind", "h200", "--measured", str(tmp_path)])
+    assert result.exit_code != 0 and "no benchmark" in result.output and "sft-paper-smoke.tsv" in result.output

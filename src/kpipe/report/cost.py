@@ -119,6 +119,10 @@ class Stage:
     wall_s: float
     critical: bool
     note: str
+    # the stage's Snakemake benchmark files (under the run's logs/) and their predicted sum of seconds: set for
+    # the stages whose jobs run one after another on the GPUs they ask, where a job's time is the model's
+    benchmarks: list[str] = field(default_factory=list)
+    job_seconds: float = 0.0
 
     @property
     def gpu_hours(self) -> float:
@@ -205,11 +209,14 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> Cos
         sft_samples = min(sft_samples, sft["max_steps"] * sft.get("batch_size", units["sft_batch_size"]))
     sft_gpu = training_gpu_seconds(sft_samples * sft_sequence, params, peak, units["training_mfu"])
     sft_gpus = job_gpus("sft", sft["gpus"])
-    stages.append(Stage("sft", sft_gpu, job_wall_seconds(sft_gpu, sft_gpus, units["trainer_startup_s"]), True,
-                        f"{sft_samples:.0f} samples of {sft_sequence:.0f} tokens on {sft_gpus} GPUs"))
+    sft_wall = job_wall_seconds(sft_gpu, sft_gpus, units["trainer_startup_s"])
+    stages.append(Stage("sft", sft_gpu, sft_wall, True,
+                        f"{sft_samples:.0f} samples of {sft_sequence:.0f} tokens on {sft_gpus} GPUs",
+                        [f"benchmarks/sft-{config['run']}.tsv"], sft_wall))
 
     rl = config["rl"]
-    runs = len(rl.get("runs") or {}) + (1 if rl.get("base_run", True) else 0)
+    run_names = [*([config["run"]] if rl.get("base_run", True) else []), *(rl.get("runs") or {})]
+    runs = len(run_names)
     rl_gpus = job_gpus("rl", rl["gpus"])
     step_trajectories = rl["prompts_per_step"] * rl["rollouts_per_prompt"]
     rollout, gym = generation(step_trajectories, rl["max_turns"], rl["max_tokens"])
@@ -232,12 +239,15 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> Cos
     stages.append(Stage("rl", runs * rl_gpu_per_run, rl_wall, True,
                         f"{runs} run(s) x {steps} steps of {step_trajectories} trajectories x {rl['max_turns']} "
                         f"turns on {rl_gpus} GPUs ({step_wall:.0f} s a step, async {rl.get('async', 'off')}), "
-                        f"weights pushed every step ({sync:.1f} s)"))
+                        f"weights pushed every step ({sync:.1f} s)",
+                        [f"benchmarks/rl-{run}-iter{k}.tsv" for run in run_names for k in range(rl["iterations"])],
+                        runs * rl["iterations"] * iteration_wall))
 
     validation = rl["validation"]
     if validation["every"]:
-        validated = len([k for k in range(rl["iterations"])
-                         if k % validation["every"] == validation["every"] - 1 or k == rl["iterations"] - 1])
+        validated_iterations = [k for k in range(rl["iterations"])
+                                if k % validation["every"] == validation["every"] - 1 or k == rl["iterations"] - 1]
+        validated = len(validated_iterations)
         val_trajectories = _tasks(config, [validation["level"]], validation["max_tasks"]) * validation["samples"]
         val_rollout, val_gym = generation(val_trajectories, validation["turns"], validation["sampling"]["max_tokens"])
         validations = runs * validated
@@ -252,7 +262,9 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> Cos
             overlap = "between iterations, on every GPU"
         stages.append(Stage("rl_validate", val_gpu, val_wall, True,
                             f"{validations} validations of {val_trajectories} trajectories x "
-                            f"{validation['turns']} turns, {overlap}"))
+                            f"{validation['turns']} turns, {overlap}",
+                            [f"benchmarks/rl_val-{run}-iter{k}.tsv" for run in run_names for k in validated_iterations],
+                            validations * val_last))
 
     policy_models = {model["name"] for model in config["models"] if model.get("kind") == "pipeline"}
     for stage_name in ("eval", "stts"):
@@ -314,4 +326,29 @@ def format_plan(plan: CostPlan, configfiles: list[str]) -> str:
         where = f"measured, {figure.report}" if figure.source == "measured" else "estimated"
         lines.append(f"  {figure.name} = {figure.value:g} {figure.unit} ({where}): {figure.why}")
     lines += ["", "notes:", *(f"  {note}" for note in plan.notes)]
+    return "\n".join(lines)
+
+
+def measured_job_seconds(logs: Path, benchmarks: list[str]) -> float:
+    """The sum of the jobs' wall seconds that Snakemake's `benchmark:` files recorded (column `s`)."""
+    total = 0.0
+    for name in benchmarks:
+        path = logs / name
+        if not path.is_file():
+            raise ValueError(f"no benchmark {path}: did the run of this config finish under {logs}?")
+        header, first = path.read_text().splitlines()[:2]
+        total += float(dict(zip(header.split("\t"), first.split("\t")))["s"])
+    return total
+
+
+def format_comparison(plan: CostPlan, logs: Path, tolerance: float = 0.25) -> str:
+    """Predicted against measured seconds of each timed stage (issue 54: within 25 %)."""
+    lines = [f"{'stage':<12} {'predicted s':>12} {'measured s':>11} {'ratio':>6}  within {tolerance:.0%}"]
+    for stage in plan.stages:
+        if not stage.benchmarks:
+            continue
+        measured = measured_job_seconds(logs, stage.benchmarks)
+        ratio = stage.job_seconds / measured
+        lines.append(f"{stage.name:<12} {stage.job_seconds:>12.0f} {measured:>11.0f} {ratio:>6.2f}  "
+                     f"{'yes' if abs(ratio - 1) <= tolerance else 'NO'}")
     return "\n".join(lines)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from kpipe.infra.config import ConfigError, load_config
-from kpipe.report.cost import format_plan, load_units, plan_cost
+from kpipe.report.cost import format_comparison, format_plan, load_units, plan_cost
 
 
 @click.command("plan")
@@ -19,15 +21,20 @@ from kpipe.report.cost import format_plan, load_units, plan_cost
               type=click.Path(exists=True, dir_okay=False), help="the cost model's units and their sources")
 @click.option("--gpus", type=click.IntRange(min=1), required=True, help="GPUs of the machine the run gets")
 @click.option("--gpu-kind", type=click.Choice(["h100", "h200"], case_sensitive=False), required=True)
+@click.option("--measured", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="the logs/ folder of a finished run of this config: compare its timed stages with the plan")
 def plan(cost: bool, configfiles: tuple[str, ...], overlays: tuple[str, ...], base: str, units: str, gpus: int,
-         gpu_kind: str) -> None:
+         gpu_kind: str, measured: Path | None) -> None:
     """Plan a run's cost from its config (kpipe plan --cost --configfile config/paper.yaml --gpus 8 --gpu-kind h100)."""
     if not cost:
         raise click.UsageError("kpipe plan prints the cost model: pass --cost")
     files = [*configfiles, *overlays]
     try:
         config = load_config(base, *files)
-        report = format_plan(plan_cost(config, load_units(units), gpus, gpu_kind.lower()), files)
+        cost_plan = plan_cost(config, load_units(units), gpus, gpu_kind.lower())
+        report = format_plan(cost_plan, files)
+        if measured is not None:
+            report += f"\n\nmeasured ({measured}):\n" + format_comparison(cost_plan, measured)
     except (ConfigError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     click.echo(report)
