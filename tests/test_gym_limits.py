@@ -171,9 +171,28 @@ def test_the_watchdog_kills_a_tree_past_a_cap_and_says_which(children: int, mega
             process.wait()
 
 
+# a process with two side threads and a child process of one thread: four tasks in its tree
+THREE_THREADS_AND_A_CHILD = """
+import subprocess, sys, threading, time
+for _ in range(2):
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+child = subprocess.Popen(["sleep", "60"])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
 def test_tree_usage_counts_threads_and_resident_memory_of_descendants() -> None:
-    tasks, memory = tree_usage(os.getpid())
-    assert tasks == len(os_threads()) and memory > 0
+    """Counted in a tree that holds still (this test process's own threads come and go)."""
+    process = subprocess.Popen([sys.executable, "-c", THREE_THREADS_AND_A_CHILD], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        tasks, memory = tree_usage(process.pid)
+        assert tasks == 4 and memory > 0
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def test_a_thread_started_by_the_low_level_api_is_counted_from_the_kernels_list() -> None:
