@@ -280,9 +280,16 @@ def test_timing_sanity_checks_in_the_parent():
 
 
 def _challenge(calls: int, call_ms: float, wall_s: float) -> dict:
-    """A reference's challenge record: its calls' host times (its own, trusted clock), their outputs,
-    and the seconds the judge's clock saw its answer take."""
+    """A round of a reference's challenge record: its calls' host times (its own, trusted clock),
+    their outputs, and the seconds the judge's clock saw its answer take."""
     return {"seed": 7, "calls": calls, "host_ms": [call_ms] * calls, "outputs": [[torch.ones(4)]] * calls, "wall_s": wall_s}
+
+
+def _rounds(calls: int, call_ms: float, wall_s: float) -> dict:
+    """A reference's challenge record: every round alike."""
+    from kpipe.gym.evaluation import CHALLENGE_ROUNDS
+
+    return {"rounds": [_challenge(calls, call_ms, wall_s) for _ in range(CHALLENGE_ROUNDS)]}
 
 
 def test_the_challenge_times_a_candidates_calls_on_the_judges_clock():
@@ -300,14 +307,17 @@ def test_the_challenge_times_a_candidates_calls_on_the_judges_clock():
 def test_the_challenge_fails_closed_and_bounds_what_the_candidate_reported():
     from kpipe.gym.evaluation import CHALLENGE_FACTOR, CHALLENGE_WALL_SLACK_MS, challenge_reasons
 
-    reference = {"challenge": _challenge(calls=2, call_ms=20.5, wall_s=0.2), "eager": {"ms": [20.0] * 3}}
+    reference = {"challenge": _rounds(calls=2, call_ms=20.5, wall_s=0.2), "eager": {"ms": [20.0] * 3}}
     protocol = Protocol(baseline="eager")
 
     def reasons(answer, answer_s, claimed_ms, reported_ms=None):
+        """Every round answered alike."""
         if answer is not None and "host_ms" not in answer:  # the host times a process that did the calls reports
             judged = 20.5 + (answer_s - 0.2) * 1e3 / 2
             answer = {**answer, "host_ms": [reported_ms if reported_ms is not None else judged] * 2}
-        return challenge_reasons(answer, answer_s, reference, protocol, "cuda", [claimed_ms] * 3, 20.0)[0]
+        if answer is None:
+            return challenge_reasons(None, None, reference, protocol, "cuda", [claimed_ms] * 3, 20.0)[0]
+        return challenge_reasons([answer, answer], [answer_s, answer_s], reference, protocol, "cuda", [claimed_ms] * 3, 20.0)[0]
 
     answer = {"calls": 2, "outputs": [[torch.ones(4)]] * 2}
 
@@ -330,8 +340,29 @@ def test_the_challenge_fails_closed_and_bounds_what_the_candidate_reported():
     assert not any("as the candidate's process reported them" in r for r in reasons(answer, 0.2, 4.0))
     undercut = reasons(answer, 0.2, 4.0, reported_ms=0.05)
     assert any("20.5 ms each on the judge's clock, 0.05 ms as the candidate's process reported them" in r for r in undercut)
-    assert challenge_reasons({**answer, "host_ms": [1, 2]}, 0.2, reference, protocol, "cuda", [5.0], 20.0)[0][0].startswith(
+    assert challenge_reasons([{**answer, "host_ms": [1, 2]}] * 2, [0.2] * 2, reference, protocol, "cuda", [5.0], 20.0)[0][0].startswith(
         "integrity: the timing challenge's answer holds no 2 host times")
+    assert challenge_reasons([answer], [0.2], reference, protocol, "cuda", [5.0], 20.0)[0][0].startswith(
+        "integrity: no valid answer")  # a round left out
+
+
+def test_the_challenge_judges_the_better_round_and_a_wrong_output_in_any():
+    """An honest answer delayed 60 ms once (its fixed costs, on a busy host) passes on its other round;
+    a forger slow in every round does not; a wrong output in either round fails the challenge."""
+    from kpipe.gym.evaluation import challenge_reasons
+
+    reference = {"challenge": _rounds(calls=10, call_ms=2.0, wall_s=0.05), "eager": {"ms": [2.0] * 3}}
+    protocol = Protocol(baseline="eager")
+    honest = {"calls": 10, "outputs": [[torch.ones(4)]] * 10, "host_ms": [2.0] * 10}
+
+    def verdict(answers_s, answers=None):
+        return challenge_reasons(answers or [honest, honest], answers_s, reference, protocol, "cuda", [2.0] * 3, 2.0)
+
+    delayed_once, figures = verdict([0.05 + 0.060, 0.05 + 0.001])
+    assert delayed_once == [] and figures["challenge_call_ms"] == pytest.approx(2.1) and figures["challenge_rounds_over"] == 1
+    assert verdict([0.05 + 0.060, 0.05 + 0.060])[0][0].startswith("timing_inconsistent: a call took 8 ms")
+    wrong = {**honest, "outputs": [[torch.ones(4)]] * 9 + [[torch.zeros(4)]]}
+    assert verdict([0.05, 0.05], [honest, wrong])[0][0].startswith("challenge_output_mismatch: call 9")
 
 
 def _evidence(timing: dict, **fields) -> dict:
@@ -349,10 +380,11 @@ def _judged(payload: dict, reference: dict, protocol: Protocol, answer_s: float,
     from kpipe.gym.compare import Comparison
     from kpipe.gym.evaluation import challenge_call_ms, judge
 
-    calls = reference["challenge"]["calls"]
-    judged_ms = challenge_call_ms(reference["challenge"], answer_s)
+    rounds = reference["challenge"]["rounds"]
+    calls = rounds[0]["calls"]
+    judged_ms = challenge_call_ms(rounds[0], answer_s)
     answer = {"calls": calls, "host_ms": [judged_ms] * calls, "outputs": [[torch.ones(4)]] * calls}
-    run = SimpleNamespace(challenge=answer, challenge_s=answer_s, wall_s=10.0)
+    run = SimpleNamespace(challenge=[answer] * len(rounds), challenge_s=[answer_s] * len(rounds), wall_s=10.0)
     ref_ms = sorted(reference["eager"]["ms"])[len(reference["eager"]["ms"]) // 2]
     return judge(payload, {"check": Comparison(True, "", 0.0, 0.0), "reasons": []}, reference, protocol, run, "cuda", ref_ms, None,
                  lambda status, **fields: {"status": status, **fields}, {}, trace)
@@ -360,7 +392,7 @@ def _judged(payload: dict, reference: dict, protocol: Protocol, answer_s: float,
 
 def test_the_judge_takes_the_challenge_with_or_without_the_hacking_check_and_traces_it():
     protocol = Protocol(baseline="eager", correct_trials=1, perf_trials=3, timed_output_checks=1, profile=False)
-    reference = {"outputs": [[torch.ones(4)]], "eager": {"ms": [20.0] * 3}, "challenge": _challenge(2, 20.5, 0.2)}
+    reference = {"outputs": [[torch.ones(4)]], "eager": {"ms": [20.0] * 3}, "challenge": _rounds(2, 20.5, 0.2)}
     payload = _evidence({"ms": [4.0] * 3, "host_ms": [4.1] * 3, "samples": [{"trial": 2, "input_set": 0, "outputs": [torch.ones(4)]}]})
 
     trace: dict = {}
@@ -617,7 +649,7 @@ def test_kgym3_protocols_load_without_pairing_and_pairing_settings_are_checked()
 def test_the_judge_reports_drift_corrected_times_and_the_drift():
     protocol = Protocol(hacking_check=False, baseline="eager", max_gpu_drift=0.05, correct_trials=1, perf_trials=5,
                         timed_output_checks=1, profile=False)
-    reference = {"eager": {"ms": [2.0] * 5}, "challenge": _challenge(2, 2.0, 0.1)}
+    reference = {"eager": {"ms": [2.0] * 5}, "challenge": _rounds(2, 2.0, 0.1)}
 
     def run(reference_beside: list[float]) -> dict:
         payload = _evidence({"ms": [1.1] * 5, "ms_synced": [1.12] * 5, "host_ms": [1.2] * 5,

@@ -334,7 +334,8 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     if job.get("challenge_calls"):
         baseline = result.get("eager") or result.get("compile")
         calls = challenge_calls(statistics.median(baseline["ms"]) if baseline else None, job["challenge_calls"])
-        answer_challenge(job, workdir, model, module.get_inputs, device, clocks, l2, keep, protocol, phase, calls)
+        answer_challenge(job, workdir, model, module.get_inputs, device, clocks, l2, keep, protocol, phase, calls,
+                         job["challenge_rounds"])
     return result
 
 
@@ -505,7 +506,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         result["profile"] = profile_cuda(forward, launched) if device == "cuda" else profile_cpu(forward, clocks)
 
     if job.get("challenge_calls"):
-        answer_challenge(job, workdir, model, get_inputs, device, clocks, l2, keep, protocol, phase, job["challenge_calls"])
+        answer_challenge(job, workdir, model, get_inputs, device, clocks, l2, keep, protocol, phase, job["challenge_calls"],
+                         job["challenge_rounds"])
 
     phase("candidate integrity")
     result.update(integrity())
@@ -580,11 +582,11 @@ def challenge_calls(baseline_ms: float | None, most: int) -> int:
 
 def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., Any], get_inputs: Callable[[], Any], device: str,
                      clocks: Clocks, l2: torch.Tensor | None, keep: Callable[..., Any], protocol: Protocol, phase: Phase,
-                     calls: int) -> None:
-    """Say we are ready, wait for the judge's challenge seed, then draw one fresh input set per call
-    from it, run the calls and write their outputs (``kpipe.gym.isolate.Challenge``). The judge
-    clocks everything from revealing the seed to the answer's file appearing; the host times
-    written here are trusted only from the reference child."""
+                     calls: int, rounds: int) -> None:
+    """For each of the challenge's `rounds`: say we are ready, wait for the judge's seed, then draw
+    one fresh input set per call from it, run the calls and write their outputs
+    (``kpipe.gym.isolate.Challenge``). The judge clocks everything from revealing a seed to its
+    answer's file appearing; the host times written here are trusted only from the reference child."""
     phase(f"{job['role']} timing challenge")
     # before the seed, what needs none: the allocator's blocks for the inputs and one untimed call
     # (caches, TLB), so the two children's answers differ by their calls alone, not by what their
@@ -594,19 +596,22 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
         forward(*warm[0])
     clocks.sync()
     del warm
-    with gc_paused():  # the judge's clock runs from the seed to the answer
-        (workdir / CHALLENGE_READY_FILE).write_bytes(b"")
-        asked = wait_for_judge(workdir / CHALLENGE_FILE, job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
-        if asked is None:
-            raise RuntimeError("the judge sent no timing challenge")
-        seed = int(json.loads(asked)["seed"])
-        input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
-        # no warm-up: the model ran its timing already, and a warm-up of warmup_ms would run a number
-        # of calls that differs between the two children (and shift which call draws which input set)
-        timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep, **{**recheck_region(protocol), "warmup_ms": 0.0})
-        by_input_set = sorted(timed["samples"], key=lambda sample: sample["input_set"])
-        write_result(str(workdir / CHALLENGE_ANSWER_FILE),
-                     {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in by_input_set]})
+    for index in range(rounds):
+        with gc_paused():  # the judge's clock runs from the seed to the answer
+            (workdir / CHALLENGE_READY_FILE.format(round=index)).write_bytes(b"")
+            asked = wait_for_judge(workdir / CHALLENGE_FILE.format(round=index), job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
+            if asked is None:
+                raise RuntimeError("the judge sent no timing challenge")
+            seed = int(json.loads(asked)["seed"])
+            input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
+            # no warm-up: the model ran its timing already, and a warm-up of warmup_ms would run a number
+            # of calls that differs between the two children (and shift which call draws which input set)
+            timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep,
+                                 **{**recheck_region(protocol), "warmup_ms": 0.0})
+            by_input_set = sorted(timed["samples"], key=lambda sample: sample["input_set"])
+            write_result(str(workdir / CHALLENGE_ANSWER_FILE.format(round=index)),
+                         {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in by_input_set]})
+        del input_sets, timed, by_input_set
 
 
 # ----------------------------------------------------------------------------- entry
@@ -705,8 +710,8 @@ def run_child(job: dict[str, Any]) -> None:
     (optional), ``gate_path`` (optional: stop before timing — a candidate after its
     correctness stage — write ``workdir/partial.pt`` and wait for "go"/"stop" in that file, at
     most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease), ``recheck_below_ms``
-    (optional: host-clock re-check when the candidate's median is below it), ``challenge_calls`` (optional: after timing, answer the judge's timing challenge with at most this
-    many calls, ``answer_challenge``).
+    (optional: host-clock re-check when the candidate's median is below it), ``challenge_calls`` and ``challenge_rounds`` (optional: after timing, answer the judge's timing challenge, each
+    round with at most this many calls, ``answer_challenge``).
     Sets its rlimits (``kpipe.gym.limits.apply_rlimits``: a candidate's ``limits``) and scrubs
     secrets from ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
     """

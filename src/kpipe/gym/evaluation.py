@@ -42,6 +42,11 @@ HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-tim
 # bank's honest candidates' calls read 1.5-1.8x their own host times on the judge's clock (their
 # inputs' allocation in a process whose allocator holds other blocks than the reference's)
 CHALLENGE_FACTOR = 3.0
+# rounds of the challenge, each with its own seed; the better one is judged. An honest answer's fixed
+# costs (drawing inputs, writing outputs, the two processes' polling) differed from the reference's by
+# -44 to +27 ms, and by 60 ms in a tail that judged honest kernels timing_inconsistent on an H200; a
+# forger is slow in every round
+CHALLENGE_ROUNDS = 2
 CHALLENGE_CALL_SLACK_MS = 0.1
 CHALLENGE_WALL_SLACK_MS = {"cuda": 10.0, "cpu": 200.0}
 # a candidate's result file may be at most this many times the reference's, plus this many bytes
@@ -148,7 +153,7 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
     # the seed no candidate sees before it must answer (kpipe.gym.isolate.Challenge); the reference
     # chooses how many calls, up to this many
-    challenge = Challenge(seed=secrets.randbits(40),  # kpipe.gym.trial_data.trial_seed keeps it within 63 bits
+    challenge = Challenge(seeds=tuple(secrets.randbits(40) for _ in range(CHALLENGE_ROUNDS)),  # trial_seed keeps each within 63 bits
                           calls=max(CHALLENGE_MIN_CALLS, min(CHALLENGE_MAX_CALLS, protocol.perf_trials)))
     run = run_isolated(job, protocol.timeout_s, gate=lambda _: True, launch=launch, lease=lease, challenge=challenge)
     if run.payload is None or run.payload.get("status") != "ok":
@@ -157,7 +162,8 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
         raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
     if run.challenge is None or run.challenge_s is None:
         raise ReferenceFailure("the reference program did not answer the timing challenge (kpipe.gym.isolate.Challenge)")
-    run.payload["challenge"] = {**run.challenge, "seed": challenge.seed, "wall_s": run.challenge_s}
+    run.payload["challenge"] = {"rounds": [{**answer, "seed": seed, "wall_s": seconds}
+                                           for answer, seed, seconds in zip(run.challenge, challenge.seeds, run.challenge_s)]}
     run.payload["result_bytes"] = run.result_bytes
     run.payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s, setup_s=run.setup_s,
                                                child_s=run.child_s, cleanup_s=run.cleanup_s)
@@ -365,13 +371,29 @@ def mean_call_ms(reference_challenge: dict[str, Any]) -> float:
     return sum(reference_challenge["host_ms"]) / int(reference_challenge["calls"])
 
 
-def challenge_reasons(answer: dict[str, Any] | None, answer_s: float | None, reference: dict[str, Any], protocol: Protocol,
-                      device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
+def challenge_reasons(answers: list[dict[str, Any]] | None, answers_s: list[float] | None, reference: dict[str, Any],
+                      protocol: Protocol, device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
     """The verdict of the judge's timing challenge (``kpipe.gym.isolate.Challenge``), always taken:
-    no answer, a wrong output on its fresh inputs, or calls slower on the judge's clock than the
-    times the candidate's process reported allow. Returns the reasons and, for the trace, the figures."""
-    expected = reference["challenge"]
-    if answer is None or answer_s is None or answer.get("status") is not None:
+    no answer or a wrong output on its fresh inputs in any round, or calls slower on the judge's
+    clock than the times the candidate's process reported allow in every round. Returns the reasons
+    and, for the trace, the figures of the round judged (the better one)."""
+    expected = reference["challenge"]["rounds"]
+    if answers is None or answers_s is None or len(answers) != len(expected) or len(answers_s) != len(expected):
+        return ["integrity: no valid answer to the judge's timing challenge (no answer)"], {}
+    judged = []
+    for answer, answer_s, expected_round in zip(answers, answers_s, expected):
+        reasons, figures = challenge_round_reasons(answer, answer_s, expected_round, protocol, device, measured_ms, ref_ms)
+        if not figures:  # no valid answer, or a wrong output: the whole challenge fails
+            return reasons, figures
+        judged.append((reasons, figures))
+    reasons, figures = min(judged, key=lambda verdict: (bool(verdict[0]), verdict[1]["challenge_call_ms"]))
+    return reasons, {**figures, "challenge_rounds_over": sum(1 for round_reasons, _ in judged if round_reasons)}
+
+
+def challenge_round_reasons(answer: dict[str, Any] | None, answer_s: float, expected: dict[str, Any], protocol: Protocol,
+                            device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
+    """One round of the challenge: the reasons and figures, none where its answer is missing or wrong."""
+    if answer is None or answer.get("status") is not None:
         why = (answer or {}).get("error", "no answer")
         return [f"integrity: no valid answer to the judge's timing challenge ({why})"], {}
     outputs = answer.get("outputs")
@@ -651,7 +673,8 @@ def evaluate(
     expected = reference["challenge"]
     candidate_started = time.monotonic()
     run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease,
-                       challenge=Challenge(seed=expected["seed"], calls=expected["calls"]),
+                       challenge=Challenge(seeds=tuple(round_["seed"] for round_ in expected["rounds"]),
+                                           calls=expected["rounds"][0]["calls"]),
                        max_result_bytes=RESULT_SIZE_FACTOR * int(reference["result_bytes"]) + RESULT_SIZE_SLACK)
     candidate_done = time.monotonic()
     # the judge's whole candidate run: setup, the child (its waits included), clean-up

@@ -90,10 +90,10 @@ class ChildRun:
     child_s: float = 0.0
     cleanup_s: float = 0.0
     handed_over_unix: float = 0.0  # when the child had its job (its own stats say when it began)
-    # the judge's timing challenge (``Challenge``): the child's answer, and the seconds from the
-    # judge revealing the challenge to the answer appearing, on the judge's own clock
-    challenge: dict[str, Any] | None = None
-    challenge_s: float | None = None
+    # the judge's timing challenge (``Challenge``), a round each: the child's answers, and the seconds
+    # from the judge revealing a round's seed to its answer appearing, on the judge's own clock
+    challenge: list[dict[str, Any]] | None = None
+    challenge_s: list[float] | None = None
     tampered: str = ""  # why the judge ended the child: an exchange file it planted or replaced (``Tampered``)
     limit: str = ""  # the limits it ran into (``kpipe.gym.limits.ChildLimits.hit``), on the judge's evidence
     peaks: dict[str, float] | None = None  # the most memory and tasks it held, where limited (instrumentation)
@@ -240,11 +240,13 @@ def fresh_interpreter(job_file: Path, env: dict[str, str], timeout_s: float) -> 
 @dataclass
 class Challenge:
     """What the judge reveals to a child only after it has run and been judged correct: the seed of
-    fresh inputs no process has seen. The child draws them, runs `calls` forward calls and writes
-    their outputs; the judge clocks the whole answer itself (``ChildRun.challenge_s``), so a child
-    cannot have computed it earlier nor report a time for it (``kpipe.gym.evaluation``)."""
+    fresh inputs no process has seen, one per round. For each round the child draws its inputs, runs
+    `calls` forward calls and writes their outputs; the judge clocks each whole answer itself
+    (``ChildRun.challenge_s``), so a child cannot have computed it earlier nor report a time for it
+    (``kpipe.gym.evaluation``, which takes the better round: an honest answer's fixed costs vary by
+    tens of milliseconds on a busy host, and a forger is slow in every round)."""
 
-    seed: int
+    seeds: tuple[int, ...]
     calls: int
 
 
@@ -292,6 +294,7 @@ def run_isolated(
             "gate_path": str(scratch.path / GATE_FILE) if gate else None,
             "gate_wait_s": timeout_s + 2 * lease_wait_bound,
             "challenge_calls": challenge.calls if challenge is not None and gate else None,
+            "challenge_rounds": len(challenge.seeds) if challenge is not None and gate else None,
             "environment": scratch.env,  # a forked child takes it whole (kpipe.gym.pool)
         }
         job_file = scratch.path / JOB_FILE
@@ -322,7 +325,7 @@ def run_isolated(
         partial = None
         timed_out = False
         lease_wait_s = 0.0
-        answer: tuple[dict[str, Any] | None, float | None] = (None, None)
+        answer: tuple[list[dict[str, Any]] | None, list[float] | None] = (None, None)
 
         def held_up() -> float:
             """Seconds the child could not run, which are nobody's fault: waiting at the gate for the
@@ -502,9 +505,10 @@ RESULT_FILE = "result.pt"
 PARTIAL_FILE = "partial.pt"
 PHASE_FILE = "phase"
 GATE_FILE = "gate"
-CHALLENGE_READY_FILE = "challenge-ready"
-CHALLENGE_FILE = "challenge"
-CHALLENGE_ANSWER_FILE = "challenge.pt"
+# a round each (``.format(round=...)``)
+CHALLENGE_READY_FILE = "challenge-ready-{round}"
+CHALLENGE_FILE = "challenge-{round}"
+CHALLENGE_ANSWER_FILE = "challenge-{round}.pt"
 PHASE_MAX_BYTES = 200
 
 
@@ -565,19 +569,25 @@ def gc_paused() -> typing.Iterator[None]:
 
 
 def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float], challenge: Challenge,
-                  max_bytes: int) -> tuple[dict[str, Any] | None, float | None]:
-    """Reveal `challenge` once the child waits for it and clock its answer: (the answer, seconds
-    from revealing to the answer's file appearing), or (None, None) when the child exited first;
-    Tampered when the exchange was."""
-    if not wait_for_file(proc, scratch, CHALLENGE_READY_FILE, deadline):
-        return None, None
-    with gc_paused():
-        revealed = time.monotonic()
-        scratch.write_new(CHALLENGE_FILE, json.dumps({"seed": challenge.seed, "calls": challenge.calls}).encode())
-        if not wait_for_file(proc, scratch, CHALLENGE_ANSWER_FILE, deadline, CHALLENGE_POLL_S):
+                  max_bytes: int) -> tuple[list[dict[str, Any]] | None, list[float] | None]:
+    """Reveal each round of `challenge` once the child waits for it and clock its answer: (the
+    answers, the seconds from revealing a round to its answer's file appearing), or (None, None)
+    when the child exited first; Tampered when the exchange was."""
+    answers, seconds = [], []
+    for index, seed in enumerate(challenge.seeds):
+        if not wait_for_file(proc, scratch, CHALLENGE_READY_FILE.format(round=index), deadline):
             return None, None
-        answered = time.monotonic()
-    answer = load_payload(scratch, CHALLENGE_ANSWER_FILE, max_bytes)
-    if answer is not None and answer.get("tampered"):
-        raise Tampered(answer["error"])
-    return answer, answered - revealed
+        with gc_paused():
+            revealed = time.monotonic()
+            scratch.write_new(CHALLENGE_FILE.format(round=index), json.dumps({"seed": seed, "calls": challenge.calls}).encode())
+            if not wait_for_file(proc, scratch, CHALLENGE_ANSWER_FILE.format(round=index), deadline, CHALLENGE_POLL_S):
+                return None, None
+            answered = time.monotonic()
+        answer = load_payload(scratch, CHALLENGE_ANSWER_FILE.format(round=index), max_bytes)
+        if answer is None:
+            return None, None
+        if answer.get("tampered"):
+            raise Tampered(answer["error"])
+        answers.append(answer)
+        seconds.append(answered - revealed)
+    return answers, seconds

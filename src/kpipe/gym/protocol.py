@@ -61,6 +61,8 @@ from kpipe.gym.screen import FINDING_CODES
 # file size (file_size_limit_mb) and processes and threads (task_limit); one it hits is the judge's
 # status resource_limit, naming it. Native threads the candidate starts (the low-level thread API,
 # ctypes) are side threads too: counted from the OS's list of the process's threads.
+# The timing challenge runs two rounds, a seed each, and the better one is judged (an honest answer's
+# fixed costs once read 60 ms over the reference's on an H200).
 PROTOCOL_VERSION = "kgym-12"
 
 BASELINES = ("eager", "compile", "both")
