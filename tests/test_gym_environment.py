@@ -41,7 +41,7 @@ import json as _json, os as _os
 raise RuntimeError("ENV " + _json.dumps({{k: v for k, v in _os.environ.items() if k in {names!r}}}) + " END")
 '''
 RUN_SERVICES = {"KPIPE_GYM_RUN": "/tmp/kpipe-test-run", "KPIPE_WARM_START": "kpipe-warm-start-test",
-                "KPIPE_WARM_START_TOKEN": "do-not-leak", "SLURM_JOB_ID": "42"}
+                "KPIPE_WARM_START_TOKEN": "do-not-leak", "KPIPE_GYM_TOKEN": "the-run-service-token", "SLURM_JOB_ID": "42"}
 REPORTED = ("PATH", "HOME", "TMPDIR", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "KPIPE_TEST_CALLER_SETTING", "TRITON_PRINT_AUTOTUNING",
             "TORCHINDUCTOR_MAX_AUTOTUNE", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MY_SERVICE_API_KEY", "HF_TOKEN",
             *RUN_SERVICES)
@@ -107,7 +107,7 @@ def test_child_environment_replaces_inherited_cache_locations_and_kernel_overrid
 
 @pytest.mark.parametrize("name, inherited", [
     ("PATH", True), ("LC_ALL", True), ("CUDA_HOME", True), ("TRITON_PTXAS_PATH", True), ("OMP_NUM_THREADS", True),
-    ("PYTORCH_CUDA_ALLOC_CONF", True), ("KPIPE_GYM_RUN", False), ("KPIPE_WARM_START", False), ("SLURM_JOB_ID", False),
+    ("PYTORCH_CUDA_ALLOC_CONF", True), ("KPIPE_GYM_RUN", False), ("KPIPE_GYM_TOKEN", False), ("KPIPE_WARM_START", False), ("SLURM_JOB_ID", False),
     ("SNAKEMAKE_PROFILE", False), ("OPENAI_BASE_URL", False), ("CUDA_API_TOKEN", False), ("HF_HOME", False),
     ("TRITON_KERNEL_OVERRIDE", False), ("KPIPE_GYM_TRACE", False), ("PYTHONSTARTUP", False), ("LD_PRELOAD", False),
 ])

@@ -159,3 +159,19 @@ def test_fault_soak_of_200_candidates_through_the_service(service: tuple[str, Gy
     assert not wrong, wrong[:5]
     health = client.health()
     assert health["status"] == "ok" and health["workers_alive"] == 2 and health["pending"] == 0
+
+
+def test_a_request_without_the_token_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Every endpoint but the health check wants the token; each refusal leaves a warning that
+    names the request, never the token it was given."""
+    from fastapi.testclient import TestClient
+
+    app = create_app(None, token=TOKEN)  # type: ignore[arg-type]  # refused before the pool is asked
+    with TestClient(app) as http, caplog.at_level("WARNING", logger="kpipe.gym.service"):
+        assert http.get("/v1/workers").status_code == 401
+        assert http.post("/v1/evaluate", json={"reference_src": REFERENCE, "candidate_src": LEGIT},
+                         headers={"Authorization": "Bearer guessed-token"}).status_code == 401
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert refusals == ["KernelGym service refused GET /v1/workers from testclient: no bearer token",
+                        "KernelGym service refused POST /v1/evaluate from testclient: a wrong bearer token"]
+    assert "guessed-token" not in caplog.text

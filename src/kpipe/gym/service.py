@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -31,6 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kpipe.gym.pool import GymPool
 from kpipe.gym.result import REFERENCE_ERROR, EvalResult
+
+log = logging.getLogger(__name__)
 
 MAX_SOURCE_CHARS = 200_000
 MAX_BATCH_JOBS = 1024
@@ -208,12 +211,18 @@ def check_reference_or_422(reference_src: str) -> None:
 
 
 def bearer_guard(token: str | None) -> Any:
+    """Refuse (401) a request without the service's token, and log it: a refused request on a
+    run's service is someone other than the run's jobs knocking (a candidate has neither the
+    token nor a route to the service, kpipe.gym.environment and kpipe.gym.sandbox), worth a trace."""
     def guard(request: Request) -> None:
         if token is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            peer = request.client.host if request.client else "unknown"
+            log.warning("KernelGym service refused %s %s from %s: %s bearer token", request.method, request.url.path, peer,
+                        "no" if scheme.lower() != "bearer" else "a wrong")
             raise HTTPException(status_code=401, detail="missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     return guard
