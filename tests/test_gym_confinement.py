@@ -7,7 +7,8 @@ One candidate carries every attack of issue 25 and reports what it got in its ex
 loot reversed so that redaction alone could not hide a leak: reading every process's
 environment, writing into the kpipe package and site-packages, reading a planted ``.netrc``,
 reading and rewriting another evaluation's scratch and result, signalling the judge and a
-bystander process, and TCP and abstract UNIX sockets. Each must fail, and the candidate must end
+bystander process, TCP, abstract UNIX sockets and a pathname one in the temporary directory (where a
+run's Ray and vLLM keep theirs). Each must fail, and the candidate must end
 with a plain ``runtime_error``. Nothing here is skipped where the kernel cannot confine: CI's
 machines (root, no GPU) must run it.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -113,6 +115,13 @@ def report():
         connected.append("abstract unix")
     except OSError:
         pass
+    try:
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        unix.connect({pathname!r})
+        unix.sendall(b"pwned")
+        connected.append("pathname unix")
+    except OSError:
+        pass
     loot["connected"] = connected
     return loot
 
@@ -134,12 +143,14 @@ class Targets:
     bystander: subprocess.Popen[bytes]
     port: int
     abstract: bytes
+    pathname: str  # a run's socket where runs keep them (Ray's, vLLM's): in the temporary directory
     received: list[bytes]
 
     def candidate(self) -> str:
         return LEGIT + ATTACKS.format(planted_name=self.planted_name, netrc=str(self.netrc),
                                       victim_glob=str(self.victim.parent.parent / "kgym-*" / "*"), bystander=self.bystander.pid,
-                                      test_pid=os.getpid(), port=self.port, abstract=self.abstract)
+                                      test_pid=os.getpid(), port=self.port, abstract=self.abstract,
+                                      pathname=self.pathname)
 
     def planted_files(self) -> list[Path]:
         return [Path(kpipe.__file__).parent / self.planted_name, Path(torch.__file__).parent / self.planted_name]
@@ -169,14 +180,18 @@ def targets(tmp_path: Path) -> Iterator[Targets]:
     abstract = f"\0kpipe-confinement-{os.getpid()}-{tmp_path.name}".encode()
     unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     unix.bind(abstract)
+    socket_dir = Path(tempfile.mkdtemp(prefix="kpipe-run-sockets-", dir="/tmp"))
+    named = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    named.bind(str(socket_dir / "service.sock"))
     received: list[bytes] = []
-    for server in (tcp, unix):
+    for server in (tcp, unix, named):
         threading.Thread(target=listen, args=(server, received), daemon=True).start()
-    found = Targets(f"kpipe_planted_{os.getpid()}.py", netrc, victim, bystander, tcp.getsockname()[1], abstract, received)
+    found = Targets(f"kpipe_planted_{os.getpid()}.py", netrc, victim, bystander, tcp.getsockname()[1], abstract,
+                    str(socket_dir / "service.sock"), received)
     try:
         yield found
     finally:
-        for server in (tcp, unix):
+        for server in (tcp, unix, named):
             server.shutdown(socket.SHUT_RDWR)
             server.close()
         bystander.kill()
@@ -185,6 +200,7 @@ def targets(tmp_path: Path) -> Iterator[Targets]:
             path.unlink(missing_ok=True)
         victim.unlink(missing_ok=True)
         victim_dir.rmdir()
+        shutil.rmtree(socket_dir)
 
 
 def kpipe_gym(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

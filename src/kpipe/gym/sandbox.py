@@ -13,6 +13,8 @@ an ancestor's ``/proc/<pid>/environ``, so the operating system confines it
   itself and its own children, so it sees no other process's ``/proc`` entry, environment or
   memory, and cannot name one to signal (``getppid()`` is 0);
 - **network namespace** (no interface but a downed loopback) and **IPC namespace**;
+- **mount namespace**: an empty tmpfs over the directories that hold pathname Unix sockets
+  (``SOCKET_DIRS``), which Landlock does not govern, the scratch directory bind-mounted back;
 - **Landlock** (the kernel's unprivileged access-control LSM, ABI >= 1): reads and execution
   only under the interpreter, its site-packages, the system's libraries and toolchains and the
   GPU's device nodes; writes only inside the evaluation's scratch directory. From ABI 4 it
@@ -60,7 +62,7 @@ OPT_OUT_VARIABLE = "KPIPE_GYM_UNCONFINED"
 # linux/sched.h
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000
 # linux/mount.h
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 0x4000, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 0x1000, 0x4000, 1 << 18
 # linux/prctl.h, linux/securebits.h, linux/capability.h
 PR_CAPBSET_DROP, PR_SET_SECUREBITS, PR_SET_NO_NEW_PRIVS = 24, 28, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
@@ -95,6 +97,11 @@ SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/opt/conda"
 # when it initialises; CUDA_VISIBLE_DEVICES, set by the worker, picks the GPU).
 DEVICE_GLOBS = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/dev/nvidia*",
                 "/dev/nvidia-caps/*", "/dev/dri/*")
+# Where processes keep their pathname Unix sockets (Ray's raylet and object store under /tmp/ray,
+# vLLM's ZMQ ipc:// sockets in the temporary directory, D-Bus and systemd's under /run): Landlock
+# does not govern connect() to a pathname socket, so each is covered by an empty tmpfs in the
+# sandbox's mount namespace (``hide_socket_dirs``); a socket elsewhere stays reachable by its name.
+SOCKET_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -274,6 +281,30 @@ def mount_own_proc() -> None:
     check(_libc.mount(b"proc", b"/proc", b"proc", ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC), None), "mounting /proc")
 
 
+def hide_socket_dirs(sandbox: Sandbox) -> None:
+    """Cover each of SOCKET_DIRS with an empty tmpfs, so no pathname socket of the run or the
+    host under it can be named from the sandbox; the scratch directory, when under one, is
+    bind-mounted back at its own path. A directory holding anything else the sandbox reads (a
+    driver under /run/opengl-driver) stays as it is."""
+    scratch = os.path.realpath(sandbox.scratch)
+    kept = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # reachable after its parent is covered
+    try:
+        for directory in SOCKET_DIRS:
+            if os.path.islink(directory) or not os.path.isdir(directory):
+                continue  # /var/run is a link to /run: covered there
+            inside = f"{directory}/"
+            if any(os.path.realpath(p).startswith(inside) for p in (*sandbox.read, *sandbox.devices)):
+                continue
+            check(_libc.mount(b"tmpfs", directory.encode(), b"tmpfs", ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC),
+                              b"mode=0755,size=64k"), f"covering {directory}")
+            if scratch.startswith(inside):
+                os.makedirs(scratch)
+                check(_libc.mount(f"/proc/self/fd/{kept}".encode(), scratch.encode(), None, ctypes.c_ulong(MS_BIND | MS_REC), None),
+                      f"bind-mounting the scratch directory {scratch}")
+    finally:
+        os.close(kept)
+
+
 def enter_sandbox(sandbox: Sandbox) -> None:
     """Confine the calling process: on return it is pid 2 of a fresh PID namespace, in its own
     user, mount, network and IPC namespaces, Landlocked to `sandbox`, with no capabilities.
@@ -303,6 +334,7 @@ def enter_sandbox(sandbox: Sandbox) -> None:
     try:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the waiter outside dies (a timeout's SIGKILL): so does the namespace
         mount_own_proc()
+        hide_socket_dirs(sandbox)
     except BaseException as exc:
         os.write(report_w, f"failed {type(exc).__name__}: {exc}\n".encode()[:4000])
         os._exit(SETUP_FAILED)
