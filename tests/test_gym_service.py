@@ -162,8 +162,7 @@ def test_fault_soak_of_200_candidates_through_the_service(service: tuple[str, Gy
 
 
 def test_a_request_without_the_token_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
-    """Every endpoint but the health check wants the token; each refusal leaves a warning that
-    names the request, never the token it was given."""
+    """Each refusal leaves a warning that names the request, never the token it was given."""
     from fastapi.testclient import TestClient
 
     app = create_app(None, token=TOKEN)  # type: ignore[arg-type]  # refused before the pool is asked
@@ -175,3 +174,25 @@ def test_a_request_without_the_token_is_refused_and_logged(caplog: pytest.LogCap
     assert refusals == ["KernelGym service refused GET /v1/workers from testclient: no bearer token",
                         "KernelGym service refused POST /v1/evaluate from testclient: a wrong bearer token"]
     assert "guessed-token" not in caplog.text
+
+
+def test_every_endpoint_refuses_and_logs_a_request_without_the_token(caplog: pytest.LogCaptureFixture) -> None:
+    """A run's service answers only its jobs (issue 52, class 1): no endpoint, health included,
+    answers a client that does not send the per-run token, and the refusal is in the log."""
+    from types import SimpleNamespace
+
+    from fastapi.testclient import TestClient
+
+    idle_pool = SimpleNamespace(workers=lambda: [], pending=lambda: 0, device_kind="cpu", protocol=PROTOCOL, reuse_reference=False)
+    app = create_app(idle_pool, token=TOKEN)  # type: ignore[arg-type]
+    requests = [("GET", "/v1/health", None), ("GET", "/v1/workers", None), ("GET", "/v1/batches/1", None),
+                ("GET", f"/v1/results/{'0' * 64}", None), ("POST", "/v1/batches", {"jobs": []}),
+                ("POST", "/v1/evaluate", {"reference_src": REFERENCE, "candidate_src": LEGIT})]
+    with TestClient(app) as http, caplog.at_level("WARNING", logger="kpipe.gym.service"):
+        for method, path, body in requests:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                caplog.clear()
+                answer = http.request(method, path, json=body, headers=headers)
+                assert answer.status_code == 401, (method, path, headers, answer.text)
+                assert f"refused {method} {path}" in caplog.text, (method, path, headers)
+        assert http.get("/v1/health", headers={"Authorization": f"Bearer {TOKEN}"}).json()["status"] == "ok"

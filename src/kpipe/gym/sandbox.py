@@ -12,9 +12,13 @@ an ancestor's ``/proc/<pid>/environ``, so the operating system confines it
 - **PID namespace** with its own ``/proc``: the candidate is pid 1 of a namespace holding only
   itself and its own children, so it sees no other process's ``/proc`` entry, environment or
   memory, and cannot name one to signal (``getppid()`` is 0);
-- **network namespace** (no interface but a downed loopback) and **IPC namespace**;
-- **mount namespace**: an empty tmpfs over the directories that hold pathname Unix sockets
-  (``SOCKET_DIRS``), which Landlock does not govern, the scratch directory bind-mounted back;
+- **network namespace** (no interface but a downed loopback: no TCP service of the host, and no
+  abstract UNIX socket, which lives in a network namespace) and **IPC namespace**;
+- **mount namespace**: neither namespace nor Landlock governs ``connect()`` to a socket file, so
+  an empty tmpfs covers the directories that hold pathname Unix sockets (``SOCKET_DIRS``), the
+  scratch directory bind-mounted back, and every other pathname socket bound on the host when
+  the candidate starts (``/proc/net/unix``: a socket in a checkout, a Docker socket under
+  ``/var/lib``) is covered by ``/dev/null``;
 - **Landlock** (the kernel's unprivileged access-control LSM, ABI >= 1): reads and execution
   only under the interpreter, its site-packages, the system's libraries and toolchains and the
   GPU's device nodes; writes only inside the evaluation's scratch directory. From ABI 4 it
@@ -48,6 +52,7 @@ import resource
 import shutil
 import signal
 import site
+import stat
 import struct
 import sys
 import sysconfig
@@ -305,6 +310,31 @@ def hide_socket_dirs(sandbox: Sandbox) -> None:
         os.close(kept)
 
 
+def bound_unix_sockets(table: str = "/proc/net/unix") -> list[str]:
+    """The absolute paths of the pathname UNIX sockets bound in this network namespace (read before
+    leaving it: the new one lists only its own). Abstract sockets (``@name``) and relative paths
+    are left out: the first stay behind with the namespace, the second name no file we can find."""
+    try:
+        lines = Path(table).read_text(errors="replace").splitlines()[1:]
+    except OSError:
+        return []
+    paths = {fields[7] for line in lines if len(fields := line.split(None, 7)) == 8 and fields[7].startswith("/")}
+    return sorted(paths)
+
+
+def hide_unix_sockets(paths: list[str]) -> None:
+    """Cover every socket file of `paths` with /dev/null in this mount namespace, so a connect()
+    to it is refused. A path that is gone, or that this process cannot reach (nor then the
+    candidate), needs no cover; a socket that stays reachable is an error."""
+    for path in paths:
+        try:
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                continue
+        except OSError:
+            continue
+        check(_libc.mount(b"/dev/null", os.fsencode(path), None, ctypes.c_ulong(MS_BIND), None), f"covering the socket {path}")
+
+
 def enter_sandbox(sandbox: Sandbox) -> None:
     """Confine the calling process: on return it is pid 2 of a fresh PID namespace, in its own
     user, mount, network and IPC namespaces, Landlocked to `sandbox`, with no capabilities.
@@ -322,6 +352,7 @@ def enter_sandbox(sandbox: Sandbox) -> None:
     if abi < 1:
         raise SandboxUnavailable("the kernel has no Landlock (Linux >= 5.13 with landlock in the lsm= list)")
     uid, gid = os.geteuid(), os.getegid()
+    sockets = bound_unix_sockets()
     check(_libc.unshare(ctypes.c_int(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC)),
           "unshare(user, mount, pid, net, ipc namespaces)")
     write_id_maps(uid, gid)
@@ -335,6 +366,7 @@ def enter_sandbox(sandbox: Sandbox) -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the waiter outside dies (a timeout's SIGKILL): so does the namespace
         mount_own_proc()
         hide_socket_dirs(sandbox)
+        hide_unix_sockets(sockets)  # the sockets outside SOCKET_DIRS
     except BaseException as exc:
         os.write(report_w, f"failed {type(exc).__name__}: {exc}\n".encode()[:4000])
         os._exit(SETUP_FAILED)

@@ -111,6 +111,7 @@ def serve_command(ctx: click.Context, **_: Any) -> None:
     import uvicorn
 
     from kpipe.gym import run_service
+    from kpipe.gym.client import TOKEN_ENV
     from kpipe.gym.pool import GymPool
     from kpipe.gym.sandbox import opted_out
     from kpipe.gym.service import create_app, is_loopback
@@ -119,6 +120,7 @@ def serve_command(ctx: click.Context, **_: Any) -> None:
     p = ctx.params
     if not is_loopback(p["host"]) and not p["token"]:
         raise click.UsageError(f"binding {p['host']} (not loopback) needs --token or KPIPE_GYM_TOKEN")
+    os.environ.pop(TOKEN_ENV, None)  # the pool's workers and their children never hold the token
     if p["owner"] is not None and run_service.process_start(p["owner"]) is None:
         raise click.ClickException(f"owner process {p['owner']} is not running")
     # bound before the pool starts: port 0 picks a free port, and the URL is known up front

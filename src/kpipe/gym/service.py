@@ -11,7 +11,9 @@ Endpoints (OpenAPI at /openapi.json, docs at /docs):
 
 Bad input (a reference that is not a KernelBench program, oversized bodies, malformed JSON)
 is a 4xx with a reason; a failing candidate is a 200 with its status. With a token every
-endpoint but /v1/health wants ``Authorization: Bearer <token>``.
+endpoint wants ``Authorization: Bearer <token>`` (a run's service always has one: its jobs read it
+from the run's record, which no candidate can reach); a request without it is refused (401) and
+logged with its client's address.
 """
 
 from __future__ import annotations
@@ -287,7 +289,7 @@ def create_app(pool: GymPool, token: str | None = None, max_request_bytes: int =
             raise HTTPException(status_code=404, detail=f"no result with key {key}")
         return outcome
 
-    @app.get("/v1/health", response_model=Health)
+    @app.get("/v1/health", response_model=Health, dependencies=guarded, responses={401: ERRORS[401]})
     def health() -> Health:
         workers = pool.workers()
         alive = sum(w["alive"] for w in workers)
