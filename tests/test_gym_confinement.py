@@ -403,3 +403,20 @@ def test_opting_out_keeps_unconfined_results_apart_in_the_cache(monkeypatch: pyt
     confined = eval_key("ref", "cand", Protocol(), "cpu")
     monkeypatch.setenv(OPT_OUT_VARIABLE, "1")
     assert eval_key("ref", "cand", Protocol(), "cpu") != confined
+
+
+def test_the_bound_pathname_unix_sockets_are_read_from_the_kernels_table(tmp_path: Path) -> None:
+    """What the sandbox covers: absolute socket paths, each once; abstract (``@``) and unbound
+    sockets are left out (kpipe.gym.sandbox.bound_unix_sockets)."""
+    from kpipe.gym.sandbox import bound_unix_sockets
+
+    table = tmp_path / "unix"
+    table.write_text("Num       RefCount Protocol Flags    Type St Inode Path\n"
+                     "0000000000000000: 00000002 00000000 00010000 0001 01 1001 /run/docker.sock\n"
+                     "0000000000000000: 00000003 00000000 00000000 0001 03 1002 /run/docker.sock\n"
+                     "0000000000000000: 00000002 00000000 00010000 0001 01 1003 @kpipe-warm-start\n"
+                     "0000000000000000: 00000002 00000000 00010000 0001 01 1004 /tmp/a dir/with space.sock\n"
+                     "0000000000000000: 00000002 00000000 00010000 0001 01 1005 relative.sock\n"
+                     "0000000000000000: 00000003 00000000 00000000 0001 03 1006\n")
+    assert bound_unix_sockets(str(table)) == ["/run/docker.sock", "/tmp/a dir/with space.sock"]
+    assert bound_unix_sockets(str(tmp_path / "absent")) == []
