@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,14 +73,15 @@ except OSError:
     "connects_to_a_pathname_socket_outside": '''
 import socket
 REACHED = []
-try:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-        client.settimeout(2)
-        client.connect("{pathname}")
-        client.sendall(b"run: kpipe anything")
-        REACHED.append("{pathname}")
-except OSError:
-    pass
+for path in ("{pathname}", "{elsewhere}"):  # in the temporary directory, and outside every directory the cover hides
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.settimeout(2)
+            client.connect(path)
+            client.sendall(b"run: kpipe anything")
+            REACHED.append(path)
+    except OSError:
+        pass
 ''',
     "connects_to_an_abstract_socket_outside": '''
 import socket
@@ -112,19 +115,22 @@ class Outside:
 
     run: Path
     pathname: socket.socket
+    elsewhere: socket.socket
     abstract: socket.socket
     service: socket.socket
     process: subprocess.Popen[bytes]
 
     def formats(self) -> dict[str, object]:
         return {"run": self.run, "token": RUN_TOKEN, "port": self.service.getsockname()[1],
-                "pathname": self.pathname.getsockname(), "abstract": self.abstract.getsockname()[1:].decode(),
+                "pathname": self.pathname.getsockname(), "elsewhere": self.elsewhere.getsockname(),
+                "abstract": self.abstract.getsockname()[1:].decode(),
                 "outside": self.process.pid}
 
     def reached(self) -> list[str]:
         """The listeners that accepted a connection, and the outside process if it ended."""
         reached = []
-        for name, listener in (("pathname", self.pathname), ("abstract", self.abstract), ("service", self.service)):
+        for name, listener in (("pathname", self.pathname), ("elsewhere", self.elsewhere), ("abstract", self.abstract),
+                               ("service", self.service)):
             try:
                 listener.accept()[0].close()
                 reached.append(name)
@@ -141,20 +147,25 @@ def outside(tmp_path: Path) -> Iterator[Outside]:
     (run / "service-0.json").chmod(0o600)
     pathname = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     pathname.bind(str(tmp_path / "run.sock"))
+    # a socket outside the directories the sandbox covers with a tmpfs (kpipe.gym.sandbox.SOCKET_DIRS)
+    home = Path(tempfile.mkdtemp(prefix=".kpipe-sock-", dir=Path.home()))
+    elsewhere = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    elsewhere.bind(str(home / "run.sock"))
     abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     abstract.bind(f"\0kpipe-test-{os.getpid()}-{tmp_path.name}")
     service = socket.create_server(("127.0.0.1", 0))
-    for listener in (pathname, abstract, service):
+    for listener in (pathname, elsewhere, abstract, service):
         listener.listen()
         listener.setblocking(False)
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     try:
-        yield Outside(run, pathname, abstract, service, process)
+        yield Outside(run, pathname, elsewhere, abstract, service, process)
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
-        for listener in (pathname, abstract, service):
+        for listener in (pathname, elsewhere, abstract, service):
             listener.close()
+        shutil.rmtree(home)
 
 
 def attack_sources(outside: Outside) -> dict[str, str]:
