@@ -195,3 +195,11 @@ def test_measured_without_the_runs_benchmarks_is_a_clear_error(tmp_path):
         "--configfile", str(ROOT / "config" / "paper.yaml"), str(ROOT / "config" / "paper_smoke.yaml"),
         "--gpus", "4", "--gpu-kind", "h200", "--measured", str(tmp_path)])
     assert result.exit_code != 0 and "no benchmark" in result.output and "sft-paper-smoke.tsv" in result.output
+
+
+def test_a_real_size_local_preset_is_priced_as_the_model_whose_shapes_it_copies():
+    from kpipe.report.cost import policy_architecture
+
+    assert policy_architecture({"policy": {"base_model": "tiny", "tiny": {"size": "qwen3-8b"}}}) == "Qwen/Qwen3-8B-Base"
+    assert policy_architecture({"policy": {"base_model": "tiny", "tiny": {"size": "nano"}}}) == "tiny:nano"
+    assert policy_architecture({"policy": {"base_model": "Qwen/Qwen3-14B-Base"}}) == "Qwen/Qwen3-14B-Base"

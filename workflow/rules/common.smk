@@ -138,7 +138,8 @@ GYM = {key: value for key, value in config["gym"].items() if key != "service"}
 # queue serves the highest priority waiting (kpipe.gym.pool.JobQueue): on two H200s, RL
 # iterations took 10-12 s instead of 4-5 while the evaluations only the report needs ran there
 CRITICAL_GYM = {**GYM, "priority": CRITICAL_PATH}
-TINY_POLICY = config["policy"]["base_model"] == "tiny"
+# a small local policy shares its GPU; the real-size presets (qwen3-*: config/paper_smoke.yaml) take GPUs whole
+TINY_POLICY = config["policy"]["base_model"] == "tiny" and not config["policy"]["tiny"]["size"].startswith("qwen3-")
 
 
 def gpu_slots(gpus, small):

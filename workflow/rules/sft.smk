@@ -28,7 +28,7 @@ rule tiny_model:
     log:
         f"{LOGS}/tiny_model/{{size}}-{{tokenizer}}-seed{{seed}}.log",
     wildcard_constraints:
-        size="[a-z0-9.]+",
+        size="[a-z0-9.-]+",
         tokenizer="byte|bpe[0-9]+",
         seed="[0-9]+",
     conda:

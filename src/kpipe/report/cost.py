@@ -157,13 +157,24 @@ def _tasks(config: dict[str, Any], levels: list[int] | None, max_tasks: int | No
     return sum(min(count, max_tasks or count) for count in counts.values())
 
 
+def policy_architecture(config: dict[str, Any]) -> str:
+    """The hub model whose parameters price the policy: a real-size local preset (config/paper_smoke.yaml's
+    qwen3-8b, random weights) costs what the model whose shapes it copies costs."""
+    from kpipe.train.tiny_model import PRESET_HUB_MODELS
+
+    policy = config["policy"]
+    if policy["base_model"] == "tiny":
+        return PRESET_HUB_MODELS.get(policy["tiny"]["size"], f"tiny:{policy['tiny']['size']}")
+    return policy["base_model"]
+
+
 def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> CostPlan:
     """GPU-hours and wall time of each stage of a validated, merged config on `gpus` GPUs of `kind`."""
     if kind not in units.gpu_kinds:
         raise ValueError(f"unknown GPU kind {kind!r} (known: {', '.join(sorted(units.gpu_kinds))})")
     if gpus < 1:
         raise ValueError("--gpus must be at least 1")
-    base_model = config["policy"]["base_model"]
+    base_model = policy_architecture(config)
     if base_model not in units.models:
         raise ValueError(f"no parameter count for policy.base_model {base_model!r} in the units file's models")
     params = units.models[base_model].value

@@ -21,7 +21,7 @@ def train() -> None:
 
 @train.command("tiny-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--size", default="tiny", show_default=True, help="nano | tiny | small | qwen3-0.6b")
+@click.option("--size", default="tiny", show_default=True, help="nano | tiny | small | qwen3-0.6b | qwen3-8b | qwen3-14b")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--tokenizer", type=click.Choice(["byte", "bpe"]), default="byte", show_default=True,
               help="byte: one token per byte; bpe: a BPE trained on the templates, bank kernels and references")

@@ -34,8 +34,9 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-# Architecture presets. "qwen3-0.6b" mirrors Qwen/Qwen3-0.6B's config (for GPU throughput checks);
-# the others are scaled down for CPU runs.
+# Architecture presets. "qwen3-0.6b", "qwen3-8b" and "qwen3-14b" mirror Qwen/Qwen3-*-Base's configs (GPU
+# throughput checks and config/paper_smoke.yaml: the paper's architecture without a download); the others are
+# scaled down for CPU runs.
 SIZE_PRESETS: dict[str, dict[str, Any]] = {
     "nano": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=16, intermediate_size=192),
@@ -45,7 +46,16 @@ SIZE_PRESETS: dict[str, dict[str, Any]] = {
                   head_dim=64, intermediate_size=1536),
     "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=40960),
+    "qwen3-8b": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=32768,
+                     tie_word_embeddings=False),
+    "qwen3-14b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8,
+                      head_dim=128, intermediate_size=17408, vocab_size=151936, max_position_embeddings=32768,
+                      tie_word_embeddings=False),
 }
+
+# the hub model whose shapes a real-size preset copies (what its cost is priced as: kpipe.report.cost)
+PRESET_HUB_MODELS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-8b": "Qwen/Qwen3-8B-Base", "qwen3-14b": "Qwen/Qwen3-14B-Base"}
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -121,12 +131,11 @@ def tiny_config(size: str, vocab_size: int, eos_token_id: int, pad_token_id: int
     """
     if size not in SIZE_PRESETS:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZE_PRESETS)}")
-    arch = {"vocab_size": vocab_size, "max_position_embeddings": 32768, **SIZE_PRESETS[size]}
+    arch = {"vocab_size": vocab_size, "max_position_embeddings": 32768, "tie_word_embeddings": True, **SIZE_PRESETS[size]}
     if exact_vocab:
         arch["vocab_size"] = vocab_size
     return Qwen3Config(
         **arch,
-        tie_word_embeddings=True,
         rms_norm_eps=1e-6,
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
