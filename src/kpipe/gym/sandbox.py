@@ -105,7 +105,7 @@ DEVICE_GLOBS = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/uran
 # Where processes keep their pathname Unix sockets (Ray's raylet and object store under /tmp/ray,
 # vLLM's ZMQ ipc:// sockets in the temporary directory, D-Bus and systemd's under /run): Landlock
 # does not govern connect() to a pathname socket, so each is covered by an empty tmpfs in the
-# sandbox's mount namespace (``hide_socket_dirs``); a socket elsewhere stays reachable by its name.
+# sandbox's mount namespace (``hide_socket_dirs``); a socket bound elsewhere before the candidate starts is covered one by one (``hide_unix_sockets``).
 SOCKET_DIRS = ("/tmp", "/var/tmp", "/run", "/dev/shm")
 
 
