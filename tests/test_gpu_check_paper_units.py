@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_a_layer_count_extrapolates_linearly_from_two_measured_ones():
     assert paper_units.extrapolate((2, 3.0), (6, 7.0), 36) == pytest.approx(37.0)  # 1 s a layer, 1 s intercept
+    # a larger model measured no slower (noise on a busy host): its own seconds per layer, never a negative time
+    assert paper_units.extrapolate((2, 3.0), (4, 2.0), 36) == pytest.approx(18.0)
 
 
 def test_training_flops_count_weights_and_causal_attention():

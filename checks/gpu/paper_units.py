@@ -113,10 +113,13 @@ def training_flops(params: int, layers: int, hidden: int, tokens: int) -> float:
 
 
 def extrapolate(small: tuple[int, float], large: tuple[int, float], layers: int) -> float:
-    """Seconds at `layers` from two measured (layers, seconds) points, linear per layer."""
+    """Seconds at `layers` from two measured (layers, seconds) points, linear per layer. Where noise
+    made the larger model no slower (no per-layer cost to read), the larger point's seconds per
+    layer, embeddings and head included, scaled up: an overestimate, never a negative time."""
     (k1, t1), (k2, t2) = small, large
-    per_layer = (t2 - t1) / (k2 - k1)
-    return t1 + per_layer * (layers - k1)
+    if t2 <= t1:
+        return t2 / k2 * layers
+    return t1 + (t2 - t1) / (k2 - k1) * (layers - k1)
 
 
 def device() -> Any:
