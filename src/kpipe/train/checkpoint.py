@@ -79,6 +79,7 @@ def save_checkpoint(accelerator: Any, model: Any, tokenizer: Any, root: str | Pa
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / "state"))
     export_hf(accelerator, model, tokenizer, tmp / "model")
+    accelerator.wait_for_everyone()  # every rank's RNG state is in tmp before rank 0 renames it
     if accelerator.is_main_process:
         (tmp / TRAINER_STATE).write_text(json.dumps({"step": step, "key": key}))
         shutil.rmtree(final, ignore_errors=True)
