@@ -23,15 +23,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gym"
-RELU_REFERENCE = (FIXTURES / "relu_reference.py").read_text()
-LEGIT = (FIXTURES / "relu_legit.py").read_text()
+from gym_attack_runs import DEVICE, LEGIT, evaluate_each_then_honest, evaluate_fresh
+
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
-            "device": os.environ.get("KPIPE_TEST_GYM_DEVICE", "cpu")}
+            "device": DEVICE}
 RUN_TOKEN = "run-token-that-no-candidate-may-read"
 # what a run's job holds (kpipe.gym.run_service, kpipe.infra.warm_start, Slurm, Snakemake) and a candidate must not
 RUN_VARIABLES = {"KPIPE_GYM_RUN": "{run}", "KPIPE_GYM_TOKEN": RUN_TOKEN, "KPIPE_WARM_START": "kpipe-warm-start-test",
@@ -174,23 +171,12 @@ def attack_sources(outside: Outside) -> dict[str, str]:
 
 def run_environment(outside: Outside) -> dict[str, str]:
     """A job's environment: the run's variables beside the usual ones."""
-    return {**os.environ, **{name: value.format(run=outside.run) for name, value in RUN_VARIABLES.items()}}
-
-
-def kpipe_gym(outside: Outside, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kpipe.cli", "gym", *args], capture_output=True, text=True, timeout=900,
-                          env=run_environment(outside))
+    return {name: value.format(run=outside.run) for name, value in RUN_VARIABLES.items()}
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_each_attack_on_the_runs_services_reaches_nothing_through_kpipe_gym_eval(name: str, outside: Outside, tmp_path: Path) -> None:
-    (tmp_path / "reference.py").write_text(RELU_REFERENCE)
-    (tmp_path / "candidate.py").write_text(attack_sources(outside)[name])
-    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
-    run = kpipe_gym(outside, "eval", "--reference", str(tmp_path / "reference.py"), "--candidate", str(tmp_path / "candidate.py"),
-                    "--protocol", str(tmp_path / "protocol.json"), "--json")
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout)
+    result = evaluate_fresh(tmp_path, attack_sources(outside)[name], PROTOCOL, env=run_environment(outside))
     assert outside.reached() == [], f"{name} reached the outside"
     assert result["status"] == "pass", f"{name} got hold of something: {json.dumps(result, default=str)[:3000]}"
     assert RUN_TOKEN not in json.dumps(result, default=str)
@@ -198,18 +184,8 @@ def test_each_attack_on_the_runs_services_reaches_nothing_through_kpipe_gym_eval
 
 def test_attacks_on_the_runs_services_reach_nothing_through_the_pool_and_each_next_honest_kernel_passes(
         outside: Outside, tmp_path: Path) -> None:
-    names = sorted(ATTACKS)
-    sources = attack_sources(outside)
-    batch = [source for name in names for source in (sources[name], LEGIT)]
-    pq.write_table(pa.table({"reference_src": [RELU_REFERENCE] * len(batch), "candidate_src": batch}), tmp_path / "candidates.parquet")
-    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
-    run = kpipe_gym(outside, "eval-batch", "--input", str(tmp_path / "candidates.parquet"), "--output", str(tmp_path / "evals.parquet"),
-                    "--protocol", str(tmp_path / "protocol.json"), "--workers", "1", "--cache", str(tmp_path / "cache.sqlite"),
-                    "--quiet")
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = pq.read_table(tmp_path / "evals.parquet").to_pylist()
+    judged = evaluate_each_then_honest(tmp_path, attack_sources(outside), PROTOCOL, env=run_environment(outside))
     assert outside.reached() == []
-    for index, name in enumerate(names):
-        attacked, honest = rows[2 * index], rows[2 * index + 1]
+    for name, (attacked, honest) in judged.items():
         assert attacked["status"] == "pass", f"{name} got hold of something: {attacked['status']} {attacked['diagnostic']}"
         assert honest["status"] == "pass", f"the honest kernel after {name}: {honest['status']} {honest['diagnostic']}"

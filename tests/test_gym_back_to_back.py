@@ -213,7 +213,7 @@ def test_back_to_back_trials_are_corrected_by_the_reference_timed_the_same_way_a
 
 def test_current_protocol_pairs_back_to_back_and_earlier_protocols_synchronise_every_trial():
     current = Protocol()
-    assert current.version == "kgym-12" and current.paired_host_sync == "chunk"
+    assert current.version == "kgym-13" and current.paired_host_sync == "chunk"
     kgym4 = {k: v for k, v in current.to_dict().items() if k != "paired_host_sync"}
     kgym4["version"] = "kgym-4"
     assert Protocol.from_dict(kgym4).paired_host_sync == "trial"

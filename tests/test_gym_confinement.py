@@ -28,8 +28,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 import kpipe
@@ -38,15 +36,15 @@ from kpipe.gym.environment import redact_secrets
 from kpipe.gym.result import EvalResult
 from kpipe.gym.sandbox import OPT_OUT_VARIABLE, SandboxUnavailable, enter_sandbox, handled_access, sandbox_for
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gym"
-RELU_REFERENCE = (FIXTURES / "relu_reference.py").read_text()
-LEGIT = (FIXTURES / "relu_legit.py").read_text()
+import gym_attack_runs
+from gym_attack_runs import DEVICE, LEGIT, RELU_REFERENCE
+
 SECRET = "sk-kpipe-confinement-test-0123456789abcdef"
 # runtime checks only: the static screen would reject some of these before they run, and a
 # screen is exactly what a string trick defeats
 # KPIPE_TEST_GYM_DEVICE=cuda runs the same attacks on a GPU (python -m checks.gpu confinement)
 PROTOCOL = {"correct_trials": 1, "perf_trials": 2, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
-            "device": os.environ.get("KPIPE_TEST_GYM_DEVICE", "cpu")}
+            "device": DEVICE}
 
 ATTACKS = '''
 import glob, json, os, signal, socket, sys
@@ -203,33 +201,14 @@ def targets(tmp_path: Path) -> Iterator[Targets]:
         shutil.rmtree(socket_dir)
 
 
-def kpipe_gym(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "OPENAI_API_KEY": SECRET, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "kpipe.cli", "gym", *args], capture_output=True, text=True, env=environment,
-                          timeout=600)
-
-
 def evaluate_fresh(tmp_path: Path, candidate: str) -> dict[str, object]:
-    """``kpipe gym eval``: every child a fresh interpreter, started by the CLI's process."""
-    (tmp_path / "reference.py").write_text(RELU_REFERENCE)
-    (tmp_path / "candidate.py").write_text(candidate)
-    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
-    run = kpipe_gym("eval", "--reference", str(tmp_path / "reference.py"), "--candidate", str(tmp_path / "candidate.py"),
-                    "--protocol", str(tmp_path / "protocol.json"), "--json")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout)
+    """``kpipe gym eval`` with an API key in its environment: every child a fresh interpreter."""
+    return gym_attack_runs.evaluate_fresh(tmp_path, candidate, PROTOCOL, env={"OPENAI_API_KEY": SECRET})
 
 
 def evaluate_pool(tmp_path: Path, candidates: list[str]) -> list[dict[str, object]]:
-    """``kpipe gym eval-batch``: the pool, children forked from its worker's zygote."""
-    table = pa.table({"reference_src": [RELU_REFERENCE] * len(candidates), "candidate_src": candidates})
-    pq.write_table(table, tmp_path / "candidates.parquet")
-    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
-    run = kpipe_gym("eval-batch", "--input", str(tmp_path / "candidates.parquet"), "--output", str(tmp_path / "evals.parquet"),
-                    "--protocol", str(tmp_path / "protocol.json"), "--workers", "1", "--cache", str(tmp_path / "cache.sqlite"),
-                    "--quiet")
-    assert run.returncode == 0, run.stderr[-3000:]
-    return pq.read_table(tmp_path / "evals.parquet").to_pylist()
+    """``kpipe gym eval-batch`` with an API key in its environment: children forked from its worker's zygote."""
+    return gym_attack_runs.evaluate_pool(tmp_path, candidates, PROTOCOL, env={"OPENAI_API_KEY": SECRET})
 
 
 def evaluate_service(tmp_path: Path, candidate: str) -> dict[str, object]:

@@ -253,7 +253,7 @@ def test_kept_references_are_budgeted_by_bytes_not_count(monkeypatch):
     def fake_run(job, timeout_s, gate, launch, lease, challenge):
         runs.append(job["reference_src"])
         return ChildRun({"status": "ok"}, None, 0, False, 0.1, "", "", 0, "done", result_bytes=30 << 20,
-                        challenge=[{"calls": 2, "host_ms": [1.0, 1.0], "outputs": []}] * evaluation.CHALLENGE_ROUNDS,
+                        challenge=[{"calls": 2, "calls_ms": 2.0, "outputs": []}] * evaluation.CHALLENGE_ROUNDS,
                         challenge_s=[0.01] * evaluation.CHALLENGE_ROUNDS)
 
     monkeypatch.setattr(evaluation, "run_isolated", fake_run)

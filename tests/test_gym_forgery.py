@@ -12,20 +12,14 @@ rejects it before it runs.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures" / "gym"
-RELU_REFERENCE = (FIXTURES / "relu_reference.py").read_text()
-LEGIT = (FIXTURES / "relu_legit.py").read_text()
+from gym_attack_runs import DEVICE, FIXTURES, evaluate_each_then_honest, evaluate_fresh, reasons_of
+
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
-            "device": os.environ.get("KPIPE_TEST_GYM_DEVICE", "cpu")}
+            "device": DEVICE}
 
 KERNEL = "\n" + (FIXTURES / "attack_prelude.py").read_text()
 
@@ -64,6 +58,22 @@ class ModelNew(nn.Module):
                     for key, value in list(thing["timing"].items()):
                         if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")):
                             thing["timing"][key] = [1e-6] * len(value)
+        return torch_behind_a_kernel(x)
+''',
+    "shrinks_its_timings_below_the_recheck": KERNEL + '''
+import gc
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        time.sleep(0.3)  # the truth: a slow kernel
+        if os.path.exists("challenge-0"):  # timed: report 6x faster, below the host-clock re-check's 10x
+            for thing in gc.get_objects():
+                if isinstance(thing, dict) and isinstance(thing.get("timing"), dict) and "ms" in thing["timing"]:
+                    for key, value in list(thing["timing"].items()):
+                        if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")) and not getattr(self, "done", False):
+                            thing["timing"][key] = [ms / 6 for ms in value]
+            self.done = True
         return torch_behind_a_kernel(x)
 ''',
     # class 3: the judge's helpers in the candidate's own process
@@ -161,10 +171,6 @@ SECRET_TEXT = "kpipe-forgery-test-secret-5f1e"
 VICTIM_TEXT = "the victim's file"
 
 
-def kpipe_gym(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kpipe.cli", "gym", *args], capture_output=True, text=True, timeout=900)
-
-
 def attacks(tmp_path: Path) -> dict[str, str]:
     """The attacks, aimed at a secret file and a victim file outside any scratch directory."""
     target, victim = tmp_path / "secret.txt", tmp_path / "victim.txt"
@@ -185,6 +191,8 @@ EXPECTED = {  # the status each attack must end with and what its reasons must s
     "writes_pass": ("hacked", "integrity: the candidate's process wrote the status 'pass'"),
     "forges_the_final_result": ("hacked", "integrity: the candidate's process recorded no outputs"),
     "rewrites_its_timings_in_memory": ("hacked", "recorded no host-clock re-check"),  # its rewritten median asks for one
+    # only the timing challenge, on the judge's clock, sees what it hid
+    "shrinks_its_timings_below_the_recheck": ("hacked", "timing_inconsistent: a call took"),
     "rebinds_the_judges_helpers": ("hacked", "monkey_patch: replaced kpipe.gym.child.flatten_output"),
     "swaps_a_helpers_code": ("hacked", "kpipe.gym.trial_data.fingerprint.__code__"),
     "reads_the_ghost_replays_switch": ("hacked", "ghost_replay"),
@@ -195,39 +203,16 @@ EXPECTED = {  # the status each attack must end with and what its reasons must s
 }
 
 
-def reasons_of(result: dict[str, object]) -> str:
-    reasons = result.get("hack_reasons") or []
-    return " | ".join(reasons if isinstance(reasons, list) else json.loads(str(reasons)))
-
-
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_each_forgery_fails_through_kpipe_gym_eval(tmp_path: Path, name: str) -> None:
-    (tmp_path / "reference.py").write_text(RELU_REFERENCE)
-    (tmp_path / "candidate.py").write_text(attacks(tmp_path)[name])
-    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
-    run = kpipe_gym("eval", "--reference", str(tmp_path / "reference.py"), "--candidate", str(tmp_path / "candidate.py"),
-                    "--protocol", str(tmp_path / "protocol.json"), "--json")
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout)
+    result = evaluate_fresh(tmp_path, attacks(tmp_path)[name], PROTOCOL)
     assert_caught(name, result, tmp_path)
     status, reason = EXPECTED[name]
     assert result["status"] == status and reason in reasons_of(result), json.dumps(result, default=str)[:3000]
 
 
 def test_every_forgery_fails_through_the_pool_and_each_next_honest_kernel_passes(tmp_path: Path) -> None:
-    names = sorted(ATTACKS)
-    sources = attacks(tmp_path)
-    batch = [source for name in names for source in (sources[name], LEGIT)]
-    pq.write_table(pa.table({"reference_src": [RELU_REFERENCE] * len(batch), "candidate_src": batch}), tmp_path / "candidates.parquet")
-    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
-    run = kpipe_gym("eval-batch", "--input", str(tmp_path / "candidates.parquet"), "--output", str(tmp_path / "evals.parquet"),
-                    "--protocol", str(tmp_path / "protocol.json"), "--workers", "1", "--cache", str(tmp_path / "cache.sqlite"),
-                    "--quiet")
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = pq.read_table(tmp_path / "evals.parquet").to_pylist()
-    assert len(rows) == len(batch)
-    for index, name in enumerate(names):
-        attacked, honest = rows[2 * index], rows[2 * index + 1]
+    for name, (attacked, honest) in evaluate_each_then_honest(tmp_path, attacks(tmp_path), PROTOCOL).items():
         assert_caught(name, attacked, tmp_path)
         status, reason = EXPECTED[name]
         assert attacked["status"] == status and reason in reasons_of(attacked), f"{name}: {attacked['status']} {reasons_of(attacked)}"

@@ -53,8 +53,8 @@ from kpipe.gym.isolate import (CHALLENGE_ANSWER_FILE, CHALLENGE_FILE, CHALLENGE_
 from kpipe.gym.limits import apply_rlimits
 from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.timing import Clocks, harness_host_ms, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
-from kpipe.gym.trial_data import clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs, trial_seed
+from kpipe.gym.timing import Clocks, flush_l2, harness_host_ms, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
+from kpipe.gym.trial_data import CallOutputs, clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs, trial_seed
 
 RECHECK_SEED_OFFSET = 1000
 RECHECK_SETS = 2
@@ -64,7 +64,8 @@ RECHECK_TRIALS = 20  # at most: the host-clock re-check's calls (and the harness
 # under the judge's clock), between these bounds (and never more than the protocol's timed trials)
 CHALLENGE_TARGET_MS = 25.0
 CHALLENGE_MIN_CALLS = 2
-CHALLENGE_MAX_CALLS = 16
+CHALLENGE_MAX_CALLS = 64
+CHALLENGE_MAX_BYTES = 1 << 30  # a round's input sets and gathered outputs on the device
 # input sets kept on the device for timing (the first correctness trials' inputs): enough to
 # change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
 TIMING_SETS = 2
@@ -333,9 +334,11 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     if job.get("challenge_calls"):
         baseline = result.get("eager") or result.get("compile")
-        calls = challenge_calls(statistics.median(baseline["ms"]) if baseline else None, job["challenge_calls"])
-        answer_challenge(job, workdir, model, module.get_inputs, device, clocks, l2, keep, protocol, phase, calls,
-                         job["challenge_rounds"])
+        # a round holds its calls' inputs and their outputs as gathered (a huge output's sample)
+        gathered = [d.get("full", d.get("sample")) for d in (result["outputs"][0] if result["outputs"] else [])]
+        call_bytes = tensor_bytes(input_sets[0]) + tensor_bytes(gathered)
+        calls = challenge_calls(statistics.median(baseline["ms"]) if baseline else None, job["challenge_calls"], call_bytes)
+        answer_challenge(job, workdir, model, module.get_inputs, device, clocks, l2, protocol, phase, calls, job["challenge_rounds"])
     return result
 
 
@@ -506,7 +509,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         result["profile"] = profile_cuda(forward, launched) if device == "cuda" else profile_cpu(forward, clocks)
 
     if job.get("challenge_calls"):
-        answer_challenge(job, workdir, model, get_inputs, device, clocks, l2, keep, protocol, phase, job["challenge_calls"],
+        answer_challenge(job, workdir, model, get_inputs, device, clocks, l2, protocol, phase, job["challenge_calls"],
                          job["challenge_rounds"])
 
     phase("candidate integrity")
@@ -573,20 +576,58 @@ def rechecked(timed_ms: list[float], recheck_below_ms: float | None) -> bool:
     return recheck_below_ms is not None and sorted(timed_ms)[len(timed_ms) // 2] < recheck_below_ms
 
 
-def challenge_calls(baseline_ms: float | None, most: int) -> int:
+def challenge_calls(baseline_ms: float | None, most: int, call_bytes: int) -> int:
     """The calls of the judge's timing challenge, chosen by the reference child from its own
-    baseline time: about ``CHALLENGE_TARGET_MS`` of it, within the bounds and at most `most`."""
+    baseline time: about ``CHALLENGE_TARGET_MS`` of it, within the bounds, at most `most`, and no
+    more than ``CHALLENGE_MAX_BYTES`` of inputs and outputs (`call_bytes` a call) on the device."""
     wanted = math.ceil(CHALLENGE_TARGET_MS / baseline_ms) if baseline_ms and baseline_ms > 0 else CHALLENGE_MAX_CALLS
-    return max(CHALLENGE_MIN_CALLS, min(wanted, most, CHALLENGE_MAX_CALLS))
+    fit = CHALLENGE_MAX_BYTES // call_bytes if call_bytes > 0 else CHALLENGE_MAX_CALLS
+    return max(CHALLENGE_MIN_CALLS, min(wanted, most, CHALLENGE_MAX_CALLS, fit))
+
+
+def tensor_bytes(values: Any) -> int:
+    """The bytes of the tensors in `values` (inputs or outputs, nested as forwards take and return them)."""
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    if isinstance(values, (list, tuple)):
+        return sum(tensor_bytes(value) for value in values)
+    return 0
+
+
+def run_challenge_calls(forward: Callable[..., Any], input_sets: list[list[Any]], clocks: Clocks, l2: torch.Tensor | None,
+                        protocol: Protocol) -> tuple[list[list[dict[str, Any]]], float]:
+    """One round's calls, back to back as a GPU queue takes them: each behind the L2 flush, the
+    host waiting for the GPU once before the first (its inputs drawn) and once after the last, then
+    one copy to the host per output position (``CallOutputs``). Returns each call's output digests
+    and the host milliseconds from the first call to the GPU's end of the last (trusted from the
+    reference child only). The timing trials wait three times per call; in the challenge, on a GPU
+    shared with another process, each wait could cost a time slice."""
+    gathered: list[CallOutputs] = []
+    clocks.sync()
+    started = clocks.perf_counter()
+    with torch.no_grad():
+        for call, inputs in enumerate(input_sets):
+            flush_l2(l2)
+            outputs = flatten_output(forward(*inputs))
+            if call == 0:
+                gathered = [CallOutputs(output, len(input_sets), protocol.compare_max_elements, protocol.seed) for output in outputs]
+            if len(outputs) != len(gathered):
+                raise ValueError(f"call {call} returned {len(outputs)} outputs, the first call {len(gathered)}")
+            for position, output in zip(gathered, outputs):
+                position.put(call, output)
+            del outputs
+    clocks.sync()
+    calls_ms = (clocks.perf_counter() - started) * 1e3
+    columns = [position.digests() for position in gathered]
+    return [[column[call] for column in columns] for call in range(len(input_sets))], calls_ms
 
 
 def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., Any], get_inputs: Callable[[], Any], device: str,
-                     clocks: Clocks, l2: torch.Tensor | None, keep: Callable[..., Any], protocol: Protocol, phase: Phase,
-                     calls: int, rounds: int) -> None:
+                     clocks: Clocks, l2: torch.Tensor | None, protocol: Protocol, phase: Phase, calls: int, rounds: int) -> None:
     """For each of the challenge's `rounds`: say we are ready, wait for the judge's seed, then draw
-    one fresh input set per call from it, run the calls and write their outputs
-    (``kpipe.gym.isolate.Challenge``). The judge clocks everything from revealing a seed to its
-    answer's file appearing; the host times written here are trusted only from the reference child."""
+    one fresh input set per call from it, run the calls (``run_challenge_calls``) and write their
+    outputs (``kpipe.gym.isolate.Challenge``). The judge clocks everything from revealing a seed to
+    its answer's file appearing; the calls' host time written here is trusted only from the reference child."""
     phase(f"{job['role']} timing challenge")
     # before the seed, what needs none: the allocator's blocks for the inputs and one untimed call
     # (caches, TLB), so the two children's answers differ by their calls alone, not by what their
@@ -604,14 +645,9 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
                 raise RuntimeError("the judge sent no timing challenge")
             seed = int(json.loads(asked)["seed"])
             input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
-            # no warm-up: the model ran its timing already, and a warm-up of warmup_ms would run a number
-            # of calls that differs between the two children (and shift which call draws which input set)
-            timed = time_forward(forward, input_sets, calls, 0, clocks, l2, set(range(calls)), keep,
-                                 **{**recheck_region(protocol), "warmup_ms": 0.0})
-            by_input_set = sorted(timed["samples"], key=lambda sample: sample["input_set"])
-            write_result(str(workdir / CHALLENGE_ANSWER_FILE.format(round=index)),
-                         {"calls": calls, "host_ms": timed["host_ms"], "outputs": [sample["outputs"] for sample in by_input_set]})
-        del input_sets, timed, by_input_set
+            outputs, calls_ms = run_challenge_calls(forward, input_sets, clocks, l2, protocol)
+            write_result(str(workdir / CHALLENGE_ANSWER_FILE.format(round=index)), {"calls": calls, "calls_ms": calls_ms, "outputs": outputs})
+        del input_sets, outputs
 
 
 # ----------------------------------------------------------------------------- entry

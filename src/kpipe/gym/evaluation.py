@@ -36,16 +36,16 @@ DIAGNOSTIC_MAX_CHARS = 3000
 EVENT_HOST_SLACK_MS = 0.05
 HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-timed one
 # the timing challenge's bound (``challenge_reasons``): a candidate's call on the judge's clock may
-# take at most this many times its reported time, plus the reference's own harness overhead, plus
+# take at most this many times its timed trials' median, plus the reference's own harness overhead, plus
 # the clock's slack: per call, and per challenge (polling and scheduling jitter, shared by its calls).
 # The factor covers what the two answers do beside their calls and does not cancel: on an H200 the
 # bank's honest candidates' calls read 1.5-1.8x their own host times on the judge's clock (their
 # inputs' allocation in a process whose allocator holds other blocks than the reference's)
 CHALLENGE_FACTOR = 3.0
 # rounds of the challenge, each with its own seed; the better one is judged. An honest answer's fixed
-# costs (drawing inputs, writing outputs, the two processes' polling) differed from the reference's by
-# -44 to +27 ms, and by 60 ms in a tail that judged honest kernels timing_inconsistent on an H200; a
-# forger is slow in every round
+# costs (drawing inputs, writing outputs, the two processes' polling, and at kgym-12 three waits for
+# the GPU per call) differed from the reference's by -44 to +27 ms, and by 60 ms in a tail that judged
+# honest kernels timing_inconsistent on an H200; a forger is slow in every round
 CHALLENGE_ROUNDS = 2
 CHALLENGE_CALL_SLACK_MS = 0.1
 CHALLENGE_WALL_SLACK_MS = {"cuda": 10.0, "cpu": 200.0}
@@ -367,16 +367,16 @@ def challenge_call_ms(reference_challenge: dict[str, Any], candidate_s: float) -
 
 
 def mean_call_ms(reference_challenge: dict[str, Any]) -> float:
-    """The reference's mean call in its challenge, on its own (trusted) host clock."""
-    return sum(reference_challenge["host_ms"]) / int(reference_challenge["calls"])
+    """The reference's mean call in its challenge, back to back, on its own (trusted) host clock."""
+    return float(reference_challenge["calls_ms"]) / int(reference_challenge["calls"])
 
 
 def challenge_reasons(answers: list[dict[str, Any]] | None, answers_s: list[float] | None, reference: dict[str, Any],
                       protocol: Protocol, device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
     """The verdict of the judge's timing challenge (``kpipe.gym.isolate.Challenge``), always taken:
     no answer or a wrong output on its fresh inputs in any round, or calls slower on the judge's
-    clock than the times the candidate's process reported allow in every round. Returns the reasons
-    and, for the trace, the figures of the round judged (the better one)."""
+    clock than the candidate's timed trials allow in every round. Returns the reasons and, for the
+    trace, the figures of the round judged (the better one)."""
     expected = reference["challenge"]["rounds"]
     if answers is None or answers_s is None or len(answers) != len(expected) or len(answers_s) != len(expected):
         return ["integrity: no valid answer to the judge's timing challenge (no answer)"], {}
@@ -392,7 +392,8 @@ def challenge_reasons(answers: list[dict[str, Any]] | None, answers_s: list[floa
 
 def challenge_round_reasons(answer: dict[str, Any] | None, answer_s: float, expected: dict[str, Any], protocol: Protocol,
                             device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
-    """One round of the challenge: the reasons and figures, none where its answer is missing or wrong."""
+    """One round of the challenge: the reasons and figures, none where its answer is missing or
+    wrong. The candidate's own host time for its calls (``calls_ms``) is never read."""
     if answer is None or answer.get("status") is not None:
         why = (answer or {}).get("error", "no answer")
         return [f"integrity: no valid answer to the judge's timing challenge ({why})"], {}
@@ -405,23 +406,19 @@ def challenge_round_reasons(answer: dict[str, Any] | None, answer_s: float, expe
         check = compare_norms(c, r, protocol.norm_rtol)
         if not check.ok:
             return [f"challenge_output_mismatch: call {call} on the judge's fresh inputs returned a wrong output ({check.detail})"], {}
-    reported = answer.get("host_ms")
-    if not isinstance(reported, list) or len(reported) != expected["calls"] or not all(isinstance(ms, float) for ms in reported):
-        return [f"integrity: the timing challenge's answer holds no {expected['calls']} host times"], {}
     judged_ms = challenge_call_ms(expected, answer_s)
     claimed_ms = median(measured_ms)
     slack_ms = CHALLENGE_CALL_SLACK_MS + CHALLENGE_WALL_SLACK_MS[device] / expected["calls"]
+    # the reference's back-to-back call over its timed one: what the harness adds to a call (its
+    # launch and the flush) that the candidate's timed trials do not count either
     reference_overhead_ms = max(mean_call_ms(expected) - (ref_ms or 0.0), 0.0)
     bound_ms = CHALLENGE_FACTOR * claimed_ms + reference_overhead_ms + slack_ms
     figures = {"challenge_call_ms": judged_ms, "challenge_bound_ms": bound_ms, "challenge_claimed_ms": claimed_ms,
-               "challenge_reported_ms": sum(reported) / len(reported), "challenge_calls": expected["calls"]}
+               "challenge_calls": expected["calls"]}
     reasons = []
     if judged_ms > bound_ms:
         reasons.append(f"timing_inconsistent: a call took {judged_ms:.3g} ms on the judge's clock (fresh inputs), "
                        f"against {claimed_ms:.3g} ms reported")
-    if judged_ms > CHALLENGE_FACTOR * figures["challenge_reported_ms"] + slack_ms:
-        reasons.append(f"timing_inconsistent: the challenge's calls took {judged_ms:.3g} ms each on the judge's clock, "
-                       f"{figures['challenge_reported_ms']:.3g} ms as the candidate's process reported them")
     return reasons, figures
 
 

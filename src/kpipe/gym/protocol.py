@@ -63,7 +63,12 @@ from kpipe.gym.screen import FINDING_CODES
 # ctypes) are side threads too: counted from the OS's list of the process's threads.
 # The timing challenge runs two rounds, a seed each, and the better one is judged (an honest answer's
 # fixed costs once read 60 ms over the reference's on an H200).
-PROTOCOL_VERSION = "kgym-12"
+# kgym-13: the challenge's calls run back to back, the host waiting for the GPU before the first and
+# after the last and copying each output position once (kpipe.gym.child.run_challenge_calls), instead
+# of three waits and a copy per call, each a point where a GPU shared with another process may switch
+# away for a time slice; the reference's mean call is its back-to-back one; up to 64 calls (16 before)
+# within 1 GiB on the device; the candidate's own host times for them are no longer read.
+PROTOCOL_VERSION = "kgym-13"
 
 BASELINES = ("eager", "compile", "both")
 # where a timed call's start event is recorded: queued behind the L2 flush (the call's launch

@@ -87,6 +87,33 @@ def digest(outputs: list[torch.Tensor], max_elements: int, seed: int) -> list[di
     return digests
 
 
+class CallOutputs:
+    """One output position of a run of calls (the timing challenge's), gathered on the device as
+    the calls run and brought to the host in one copy at the end: its `digest` per call. Every copy
+    to the host waits for the GPU, and a GPU time-sliced with another process's context may have
+    switched away at each wait; a copy per call made an honest answer's wall clock on a shared GPU
+    read tens of milliseconds over the reference's. Each call's output is copied into the gathered
+    buffer when it returns, since a kernel may hand back a buffer its next call reuses."""
+
+    def __init__(self, first: torch.Tensor, calls: int, max_elements: int, seed: int) -> None:
+        self.shape, self.dtype = tuple(first.shape), first.dtype
+        self.positions = None if first.numel() <= max_elements else sample_positions(first.numel(), max_elements, seed).to(first.device)
+        width = self.shape if self.positions is None else (len(self.positions),)
+        self.buffer = torch.empty((calls, *width), dtype=first.dtype, device=first.device)
+
+    def put(self, call: int, output: torch.Tensor) -> None:
+        output = output.detach().as_subclass(torch.Tensor)
+        if tuple(output.shape) != self.shape or output.dtype != self.dtype:  # copy_ would broadcast or cast
+            raise ValueError(f"call {call} returned {tuple(output.shape)} {output.dtype}, the first call {self.shape} {self.dtype}")
+        self.buffer[call].copy_(output if self.positions is None else output.reshape(-1)[self.positions])
+
+    def digests(self) -> list[dict[str, Any]]:
+        host = self.buffer.to("cpu")
+        if self.positions is None:
+            return [{"full": row} for row in host.unbind(0)]
+        return [{"sample": row, "shape": list(self.shape), "dtype": str(self.dtype)} for row in host.unbind(0)]
+
+
 def fingerprint(inputs: list[Any]) -> list[tuple[float, float]]:
     """Cheap, copy-free summary of the input values (to notice a forward writing into them)."""
     prints = []
