@@ -32,17 +32,31 @@ SERVICE_MODULES = ("fastapi", "uvicorn")
 # every attack test: escapes and leaks (issue 25), forged results, judge tampering, the scratch directory (issue 52)
 ATTACK_TESTS = sorted(str(path.relative_to(ROOT)) for pattern in ("test_gym_confinement.py", "test_gym_forgery.py", "test_gym_attack*.py")
                       for path in (ROOT / "tests").glob(pattern))
+# the same attacks through the run's KernelGym service in a Snakemake run: needs the project's install
+# on the device (`python -m checks.gpu dag setup` first, in the same warm call or machine)
+WORKFLOW_ATTACK_TEST = "tests/test_workflow_attacks.py"
+ATTACK_WORKERS = 6  # of a device's 16 cores
 
 
 def attacks(report: Report, options: argparse.Namespace) -> None:
-    """Every attack, through `kpipe gym eval`, `eval-batch` and `kpipe gym serve`, with the candidates on the GPU."""
+    """Every attack, through `kpipe gym eval`, `eval-batch`, `kpipe gym serve` and the run's service in a
+    Snakemake run, with the candidates on the GPU."""
     import importlib.util
 
     missing = [name for name in SERVICE_MODULES if importlib.util.find_spec(name) is None]
     report.expect(not missing, f"cannot check the service path: {', '.join(missing)} missing (carry their wheels in .whl/)")
     if missing:
         return
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *ATTACK_TESTS]
+    # serially they took more than the 424 s left in a device call (every `kpipe gym eval` starts torch,
+    # CUDA and its children cold); in parallel the honest kernels also time beside one another, as a
+    # pool's workers do, and no test may hang the call
+    with_workflow = importlib.util.find_spec("snakemake") is not None
+    report.expect(with_workflow, f"cannot check the run's service in a Snakemake run: snakemake missing ({WORKFLOW_ATTACK_TEST}; "
+                                 "run `python -m checks.gpu dag setup` first)")
+    spread = ["-n", str(ATTACK_WORKERS), "--dist", "load"] if importlib.util.find_spec("xdist") else []
+    bounded = ["--timeout", "300"] if importlib.util.find_spec("pytest_timeout") else []
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", *spread, *bounded, *ATTACK_TESTS,
+            *([WORKFLOW_ATTACK_TEST] if with_workflow else [])]
     code = run_logged(report, argv, {"KPIPE_TEST_GYM_DEVICE": "cuda"})
     report.expect(code == 0, f"an attack was not stopped (pytest exited {code})")
 
@@ -100,4 +114,4 @@ def limits(report: Report, options: argparse.Namespace) -> None:
                            ok=result["status"] == expected)
 
 
-SECTIONS = (Section("attacks", 240, attacks), Section("limits", 90, limits), Section("cost", 240, cost))
+SECTIONS = (Section("attacks", 300, attacks), Section("limits", 90, limits), Section("cost", 240, cost))
