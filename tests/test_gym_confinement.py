@@ -106,20 +106,14 @@ def report():
         connected.append("tcp")
     except OSError:
         pass
-    try:
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        unix.connect({abstract!r})
-        unix.sendall(b"pwned")
-        connected.append("abstract unix")
-    except OSError:
-        pass
-    try:
-        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        unix.connect({pathname!r})
-        unix.sendall(b"pwned")
-        connected.append("pathname unix")
-    except OSError:
-        pass
+    for kind, address in (("abstract unix", {abstract!r}), ("pathname unix", {pathname!r})):
+        try:
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.connect(address)
+            unix.sendall(b"pwned")
+            connected.append(kind)
+        except OSError:
+            pass
     loot["connected"] = connected
     return loot
 
