@@ -873,16 +873,20 @@ def test_the_torch_compile_baseline_is_compiled_before_the_gate_not_under_the_ti
     assert "compile" not in result and "eager" in result  # the eager baseline is still timed
 
 
-def test_challenge_calls_take_about_the_target_within_the_bounds_and_the_device_memory_cap():
-    from kpipe.gym.child import CHALLENGE_MAX_BYTES, CHALLENGE_MAX_CALLS, CHALLENGE_MIN_CALLS, CHALLENGE_TARGET_MS, challenge_calls
+def test_challenge_calls_take_about_the_target_within_the_bounds_and_the_byte_caps():
+    from kpipe.gym.child import (CHALLENGE_MAX_ANSWER_BYTES, CHALLENGE_MAX_CALLS, CHALLENGE_MAX_INPUT_BYTES, CHALLENGE_MIN_CALLS,
+                                 CHALLENGE_TARGET_MS, challenge_calls)
 
-    assert challenge_calls(CHALLENGE_TARGET_MS / 5, 100, 1 << 20) == 5
-    assert challenge_calls(0.01, 100, 1 << 20) == CHALLENGE_MAX_CALLS  # a fast kernel: as many as allowed
-    assert challenge_calls(0.01, 3, 1 << 20) == 3  # never more than the protocol's timed trials
-    assert challenge_calls(1000.0, 100, 1 << 20) == CHALLENGE_MIN_CALLS
-    assert challenge_calls(None, 100, 1 << 20) == CHALLENGE_MAX_CALLS
-    assert challenge_calls(0.01, 100, CHALLENGE_MAX_BYTES // 10) == 10  # 10 calls' inputs and outputs fill the cap
-    assert challenge_calls(0.01, 100, CHALLENGE_MAX_BYTES) == CHALLENGE_MIN_CALLS
+    small = (1 << 10, 1 << 10)  # a call's input and output bytes
+    assert challenge_calls(CHALLENGE_TARGET_MS / 5, 100, *small) == 5
+    assert challenge_calls(0.01, 100, *small) == CHALLENGE_MAX_CALLS  # a fast kernel: as many as allowed
+    assert challenge_calls(0.01, 3, *small) == 3  # never more than the protocol's timed trials
+    assert challenge_calls(1000.0, 100, *small) == CHALLENGE_MIN_CALLS
+    assert challenge_calls(None, 100, *small) == CHALLENGE_MAX_CALLS
+    assert challenge_calls(0.01, 100, CHALLENGE_MAX_INPUT_BYTES // 10, 1 << 10) == 10  # 10 calls' inputs fill the device's cap
+    assert challenge_calls(0.01, 100, 1 << 10, CHALLENGE_MAX_ANSWER_BYTES // 8) == 8  # 8 calls' outputs fill the answer's
+    assert challenge_calls(0.01, 100, CHALLENGE_MAX_INPUT_BYTES, 1 << 10) == CHALLENGE_MIN_CALLS
+    assert challenge_calls(0.01, 100, 0, 0) == CHALLENGE_MAX_CALLS  # a forward of no tensors
 
 
 def test_call_outputs_gather_each_calls_own_values_and_digest_them_as_digest_does():

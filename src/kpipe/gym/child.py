@@ -65,7 +65,10 @@ RECHECK_TRIALS = 20  # at most: the host-clock re-check's calls (and the harness
 CHALLENGE_TARGET_MS = 25.0
 CHALLENGE_MIN_CALLS = 2
 CHALLENGE_MAX_CALLS = 64
-CHALLENGE_MAX_BYTES = 1 << 30  # a round's input sets and gathered outputs on the device
+# a round's input sets on the device, and its gathered outputs (a huge output's sample), which its
+# answer's file carries: at most what 16 calls of the largest digest (compare_max_elements) wrote before kgym-13
+CHALLENGE_MAX_INPUT_BYTES = 1 << 30
+CHALLENGE_MAX_ANSWER_BYTES = 64 << 20
 # input sets kept on the device for timing (the first correctness trials' inputs): enough to
 # change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
 TIMING_SETS = 2
@@ -334,10 +337,9 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     if job.get("challenge_calls"):
         baseline = result.get("eager") or result.get("compile")
-        # a round holds its calls' inputs and their outputs as gathered (a huge output's sample)
         gathered = [d.get("full", d.get("sample")) for d in (result["outputs"][0] if result["outputs"] else [])]
-        call_bytes = tensor_bytes(input_sets[0]) + tensor_bytes(gathered)
-        calls = challenge_calls(statistics.median(baseline["ms"]) if baseline else None, job["challenge_calls"], call_bytes)
+        calls = challenge_calls(statistics.median(baseline["ms"]) if baseline else None, job["challenge_calls"],
+                                tensor_bytes(input_sets[0]), tensor_bytes(gathered))
         answer_challenge(job, workdir, model, module.get_inputs, device, clocks, l2, protocol, phase, calls, job["challenge_rounds"])
     return result
 
@@ -576,12 +578,14 @@ def rechecked(timed_ms: list[float], recheck_below_ms: float | None) -> bool:
     return recheck_below_ms is not None and sorted(timed_ms)[len(timed_ms) // 2] < recheck_below_ms
 
 
-def challenge_calls(baseline_ms: float | None, most: int, call_bytes: int) -> int:
+def challenge_calls(baseline_ms: float | None, most: int, input_bytes: int, output_bytes: int) -> int:
     """The calls of the judge's timing challenge, chosen by the reference child from its own
-    baseline time: about ``CHALLENGE_TARGET_MS`` of it, within the bounds, at most `most`, and no
-    more than ``CHALLENGE_MAX_BYTES`` of inputs and outputs (`call_bytes` a call) on the device."""
+    baseline time: about ``CHALLENGE_TARGET_MS`` of it, within the bounds, at most `most`, with no
+    more than ``CHALLENGE_MAX_INPUT_BYTES`` of input sets on the device (`input_bytes` a call) and
+    no more than ``CHALLENGE_MAX_ANSWER_BYTES`` of gathered outputs (`output_bytes` a call), which
+    the answer's file carries and the judge reads."""
     wanted = math.ceil(CHALLENGE_TARGET_MS / baseline_ms) if baseline_ms and baseline_ms > 0 else CHALLENGE_MAX_CALLS
-    fit = CHALLENGE_MAX_BYTES // call_bytes if call_bytes > 0 else CHALLENGE_MAX_CALLS
+    fit = min(CHALLENGE_MAX_INPUT_BYTES // max(input_bytes, 1), CHALLENGE_MAX_ANSWER_BYTES // max(output_bytes, 1))
     return max(CHALLENGE_MIN_CALLS, min(wanted, most, CHALLENGE_MAX_CALLS, fit))
 
 

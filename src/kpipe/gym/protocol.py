@@ -67,7 +67,8 @@ from kpipe.gym.screen import FINDING_CODES
 # after the last and copying each output position once (kpipe.gym.child.run_challenge_calls), instead
 # of three waits and a copy per call, each a point where a GPU shared with another process may switch
 # away for a time slice; the reference's mean call is its back-to-back one; up to 64 calls (16 before)
-# within 1 GiB on the device; the candidate's own host times for them are no longer read.
+# within 1 GiB of inputs on the device and 64 MiB of outputs in the answer; the candidate's own host
+# times for them are no longer read.
 PROTOCOL_VERSION = "kgym-13"
 
 BASELINES = ("eager", "compile", "both")
