@@ -939,3 +939,15 @@ def test_the_challenges_calls_run_back_to_back_and_return_each_calls_outputs():
 
     with pytest.raises(ValueError, match="call 1 returned 2 outputs, the first call 1"):
         run_challenge_calls(varying, input_sets, Clocks("cpu"), None, protocol)
+
+
+def test_a_candidates_files_are_capped_by_the_larger_of_the_references_result_and_challenge_answer():
+    from kpipe.gym.evaluation import RESULT_SIZE_FACTOR, RESULT_SIZE_SLACK, candidate_max_bytes
+
+    def reference(result_bytes: int, calls: int, elements: int) -> dict:
+        outputs = [[{"full": torch.zeros(elements)}, {"sample": torch.zeros(8), "shape": [1 << 30], "dtype": "torch.float32"}]] * calls
+        return {"result_bytes": result_bytes, "challenge": {"rounds": [{"outputs": outputs}, {"outputs": outputs[:1]}]}}
+
+    # 64 calls of 1 MiB outputs: an answer larger than a result of a few trials' outputs
+    assert candidate_max_bytes(reference(8 << 20, 64, 1 << 18)) == RESULT_SIZE_FACTOR * (64 * ((1 << 20) + 32)) + RESULT_SIZE_SLACK
+    assert candidate_max_bytes(reference(100 << 20, 2, 16)) == RESULT_SIZE_FACTOR * (100 << 20) + RESULT_SIZE_SLACK

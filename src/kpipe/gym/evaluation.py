@@ -357,6 +357,17 @@ def recheck_below_ms(ref_ms: float | None, protocol: Protocol) -> float | None:
     return ref_ms / protocol.recheck_speedup_above if ref_ms else None
 
 
+def candidate_max_bytes(reference: dict[str, Any]) -> int:
+    """The cap on each file a candidate's process writes for the judge (its result, each challenge
+    answer): ``RESULT_SIZE_FACTOR`` times the larger of the reference's result file and its largest
+    challenge answer's outputs (up to 64 calls' worth, which a small result can be below), plus
+    ``RESULT_SIZE_SLACK``."""
+    answer_bytes = max((sum(tensor.numel() * tensor.element_size() for call in round_["outputs"] for digest in call
+                            for tensor in digest.values() if isinstance(tensor, torch.Tensor))
+                        for round_ in reference["challenge"]["rounds"]), default=0)
+    return RESULT_SIZE_FACTOR * max(int(reference["result_bytes"]), answer_bytes) + RESULT_SIZE_SLACK
+
+
 def challenge_call_ms(reference_challenge: dict[str, Any], candidate_s: float) -> float:
     """A candidate's mean call in the timing challenge, on clocks it cannot write: the reference's
     mean call (timed in its own, trusted process) plus the difference between the two challenges'
@@ -672,7 +683,7 @@ def evaluate(
     run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease,
                        challenge=Challenge(seeds=tuple(round_["seed"] for round_ in expected["rounds"]),
                                            calls=expected["rounds"][0]["calls"]),
-                       max_result_bytes=RESULT_SIZE_FACTOR * int(reference["result_bytes"]) + RESULT_SIZE_SLACK)
+                       max_result_bytes=candidate_max_bytes(reference))
     candidate_done = time.monotonic()
     # the judge's whole candidate run: setup, the child (its waits included), clean-up
     trace["candidate_run_s"] = candidate_done - candidate_started
