@@ -154,6 +154,7 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
             "worker_start_s": [w["start_s"] for w in workers], "worker_start_phases": [w["start_phases"] for w in workers],
             **worker_time(records, ready_unix, done_unix),
             "mean_phase_s": {name: sum(v) / len(records) for name, v in phases.items()} if records else {},
+            "challenge_rounds": challenge_rounds(every_record),
             # every pass's trace records, each with its pass (1: the cold one): the warm passes' seconds too
             "records": [{**record, "pass": 1 + index // len(jobs)} for index, record in enumerate(every_record)]}
 
@@ -317,6 +318,8 @@ def main() -> None:
     lines += ["", "Mean seconds per evaluation, by phase (the judge's trace):", "",
               "| phase | " + " | ".join(label(r) for r in runs) + " |", "|---|" + "---|" * len(runs)]
     lines += [f"| {name} | " + " | ".join(f"{r['mean_phase_s'].get(name, 0.0):.2f}" for r in runs) + " |" for name in names]
+    lines += ["", "Timing challenge rounds per evaluation (the judge stops at the first that fits the claim; kgym-13), "
+              "evaluations by rounds run: " + "; ".join(f"{label(r)}: {r.get('challenge_rounds') or 'none traced'}" for r in runs)]
     starts = list(dict.fromkeys(name for run in runs for phases in run.get("worker_start_phases", []) for name in phases))
     lines += ["", "Worker start-up, seconds, mean (max) over the workers: the pool's wait from launch to ready, and its parts as the "
               "worker measured them:", "", "| | " + " | ".join(label(r) for r in runs) + " |", "|---|" + "---|" * len(runs)]
@@ -390,6 +393,15 @@ def steady_table(runs: list[dict[str, Any]]) -> list[str]:
         lines.append(f"| {label(run)} | {rate:.1f} | {rate / base:.2f} | {one_pass_s(run, 0):.1f} | " +
                      " | ".join(f"{ratio:.2f}" for ratio in ratios) + " |")
     return lines
+
+
+def challenge_rounds(records: list[dict[str, Any]]) -> str:
+    """How many evaluations ran 1, 2, ... rounds of the timing challenge, from the judge's trace."""
+    counts: dict[int, int] = defaultdict(int)
+    for record in records:
+        if record.get("challenge_rounds"):
+            counts[int(record["challenge_rounds"])] += 1
+    return ", ".join(f"{rounds}: {counts[rounds]}" for rounds in sorted(counts))
 
 
 def label(run: dict[str, Any]) -> str:

@@ -253,8 +253,8 @@ def test_kept_references_are_budgeted_by_bytes_not_count(monkeypatch):
     def fake_run(job, timeout_s, gate, launch, lease, challenge):
         runs.append(job["reference_src"])
         return ChildRun({"status": "ok"}, None, 0, False, 0.1, "", "", 0, "done", result_bytes=30 << 20,
-                        challenge=[{"calls": 2, "calls_ms": 2.0, "outputs": []}] * evaluation.CHALLENGE_ROUNDS,
-                        challenge_s=[0.01] * evaluation.CHALLENGE_ROUNDS)
+                        challenge=[{"calls": 2, "calls_ms": 2.0, "outputs": []}] * evaluation.CHALLENGE_MAX_ROUNDS,
+                        challenge_s=[0.01] * evaluation.CHALLENGE_MAX_ROUNDS)
 
     monkeypatch.setattr(evaluation, "run_isolated", fake_run)
     monkeypatch.setattr(evaluation, "_reference_cache", evaluation.OrderedDict())

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_attack_runs import DEVICE, FIXTURES, evaluate_each_then_honest, evaluate_fresh, reasons_of
+from gym_attack_runs import DEVICE, FIXTURES, LEGIT, evaluate_each_then_honest, evaluate_fresh, reasons_of
 
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
             "device": DEVICE}
@@ -67,13 +67,13 @@ import gc
 class ModelNew(nn.Module):
     def forward(self, x):
         time.sleep(0.3)  # the truth: a slow kernel
-        if os.path.exists("challenge-0"):  # timed: report 6x faster, below the host-clock re-check's 10x
+        if os.path.exists("gate") and not getattr(self, "done", False):  # once timed: 6x faster, below the re-check's 10x
             for thing in gc.get_objects():
                 if isinstance(thing, dict) and isinstance(thing.get("timing"), dict) and "ms" in thing["timing"]:
                     for key, value in list(thing["timing"].items()):
-                        if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")) and not getattr(self, "done", False):
+                        if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")):
                             thing["timing"][key] = [ms / 6 for ms in value]
-            self.done = True
+                    self.done = True
         return torch_behind_a_kernel(x)
 ''',
     # class 3: the judge's helpers in the candidate's own process
@@ -228,3 +228,19 @@ def test_the_default_screen_rejects_reaching_the_judge_before_anything_runs() ->
         assert "introspection" in screen(ATTACKS[name]).codes() & rejected, name
     closure = KERNEL + "\nswitch = sys.modules['kpipe.gym.instrument'].suppressed.__wrapped__.__closure__\n"
     assert "introspection" in screen(closure).codes()
+
+
+def test_the_challenge_stops_after_one_round_for_an_honest_kernel_and_runs_every_round_for_a_forger(tmp_path: Path) -> None:
+    """The judge stops at the first round that fits the claim written before the challenge; a
+    forger's (its timings rewritten as soon as they exist) never does, so it answers every round
+    and is judged on the best. One that rewrites them later stops after its first round and is
+    judged on that round against its final, smaller claim (rewrites_its_timings_in_memory)."""
+    from kpipe.gym.evaluation import CHALLENGE_MAX_ROUNDS
+
+    trace = tmp_path / "trace.jsonl"
+    for name, source, rounds, status in (("honest", LEGIT, 1, "pass"),
+                                         ("forger", attacks(tmp_path)["shrinks_its_timings_below_the_recheck"], CHALLENGE_MAX_ROUNDS, "hacked")):
+        (tmp_path / name).mkdir()
+        result = evaluate_fresh(tmp_path / name, source, PROTOCOL, env={"KPIPE_GYM_TRACE": str(trace)})
+        record = json.loads(trace.read_text().splitlines()[-1])
+        assert result["status"] == status and record["challenge_rounds"] == rounds, (name, result["status"], record.get("challenge_rounds"))

@@ -287,9 +287,9 @@ def _challenge(calls: int, call_ms: float, wall_s: float) -> dict:
 
 def _rounds(calls: int, call_ms: float, wall_s: float) -> dict:
     """A reference's challenge record: every round alike."""
-    from kpipe.gym.evaluation import CHALLENGE_ROUNDS
+    from kpipe.gym.evaluation import CHALLENGE_MAX_ROUNDS
 
-    return {"rounds": [_challenge(calls, call_ms, wall_s) for _ in range(CHALLENGE_ROUNDS)]}
+    return {"rounds": [_challenge(calls, call_ms, wall_s) for _ in range(CHALLENGE_MAX_ROUNDS)]}
 
 
 def test_the_challenge_times_a_candidates_calls_on_the_judges_clock():
@@ -337,8 +337,12 @@ def test_the_challenge_fails_closed_and_bounds_what_the_candidate_reported():
     # the host time the candidate's process writes for its calls is never read
     assert reasons({**answer, "calls_ms": 0.001}, 0.2, 4.0) == forged
     assert reasons({**answer, "calls_ms": 1e6}, 0.2 - 2 * 16.5e-3, 4.0) == []
-    assert challenge_reasons([answer], [0.2], reference, protocol, "cuda", [5.0], 20.0)[0][0].startswith(
-        "integrity: no valid answer")  # a round left out
+    # the judge decides how many rounds run: from one to all of the reference's, never none or more
+    assert challenge_reasons([answer], [0.2 - 2 * 16.5e-3], reference, protocol, "cuda", [4.0] * 3, 20.0)[0] == []
+    rounds = len(reference["challenge"]["rounds"])
+    for answers, seconds in (([], []), ([answer] * (rounds + 1), [0.2] * (rounds + 1)), ([answer, answer], [0.2])):
+        assert challenge_reasons(answers, seconds, reference, protocol, "cuda", [5.0], 20.0)[0][0].startswith(
+            "integrity: no valid answer"), (len(answers), len(seconds))
 
 
 def test_the_challenge_judges_the_better_round_and_a_wrong_output_in_any():
@@ -358,6 +362,21 @@ def test_the_challenge_judges_the_better_round_and_a_wrong_output_in_any():
     assert verdict([0.05 + 0.060, 0.05 + 0.060])[0][0].startswith("timing_inconsistent: a call took 8 ms")
     wrong = {**honest, "outputs": [[torch.ones(4)]] * 9 + [[torch.zeros(4)]]}
     assert verdict([0.05, 0.05], [honest, wrong])[0][0].startswith("challenge_output_mismatch: call 9")
+
+
+def test_the_judge_stops_the_challenge_at_the_first_round_that_fits_the_claim_written_before_it():
+    """An honest answer stops after its first round; one that was slow (a busy GPU) gets another; a
+    claim that is missing, malformed or not finite never stops it (the forger pays for every round)."""
+    from kpipe.gym.evaluation import early_stop
+
+    reference = _rounds(calls=10, call_ms=2.0, wall_s=0.05)["rounds"]
+    enough = early_stop(reference, Protocol(baseline="eager"), "cuda", 2.0)
+    answer = {"calls": 10, "outputs": [[torch.ones(4)]] * 10}
+    assert enough(0, {"ms": [2.0] * 3}, answer, 0.05)
+    assert not enough(0, {"ms": [2.0] * 3}, answer, 0.05 + 0.060)  # 8 ms a call against a 2 ms claim
+    assert not enough(1, {"ms": [2.0] * 3}, {**answer, "outputs": [[torch.zeros(4)]] * 10}, 0.05)  # wrong outputs
+    for claim in (None, {}, {"ms": []}, {"ms": "fast"}, {"ms": [float("nan")] * 3}, {"ms": [1, 2, 3]}, {"status": "crashed"}):
+        assert not enough(0, claim, answer, 0.05), claim
 
 
 def _evidence(timing: dict, **fields) -> dict:

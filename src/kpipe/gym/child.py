@@ -48,7 +48,7 @@ import torch
 from kpipe.gym import instrument
 from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
-from kpipe.gym.isolate import (CHALLENGE_ANSWER_FILE, CHALLENGE_FILE, CHALLENGE_POLL_S, CHALLENGE_READY_FILE, JOB_FILE,
+from kpipe.gym.isolate import (CHALLENGE_ANSWER_FILE, CHALLENGE_CLAIM_FILE, CHALLENGE_FILE, CHALLENGE_POLL_S, CHALLENGE_READY_FILE, JOB_FILE,
                                PARTIAL_FILE, PREPARATION_FILE, gc_paused)
 from kpipe.gym.limits import apply_rlimits
 from kpipe.gym.profiling import profile_cpu, profile_cuda
@@ -511,6 +511,9 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         result["profile"] = profile_cuda(forward, launched) if device == "cuda" else profile_cpu(forward, clocks)
 
     if job.get("challenge_calls"):
+        # the timed trials as they stand, for the judge to stop the challenge's rounds at the first that
+        # fits them; the verdict reads the final result's, so a different claim here gains nothing
+        write_result(str(workdir / CHALLENGE_CLAIM_FILE), {"ms": result["timing"]["ms"]})
         answer_challenge(job, workdir, model, get_inputs, device, clocks, l2, protocol, phase, job["challenge_calls"],
                          job["challenge_rounds"])
 
@@ -628,10 +631,11 @@ def run_challenge_calls(forward: Callable[..., Any], input_sets: list[list[Any]]
 
 def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., Any], get_inputs: Callable[[], Any], device: str,
                      clocks: Clocks, l2: torch.Tensor | None, protocol: Protocol, phase: Phase, calls: int, rounds: int) -> None:
-    """For each of the challenge's `rounds`: say we are ready, wait for the judge's seed, then draw
-    one fresh input set per call from it, run the calls (``run_challenge_calls``) and write their
-    outputs (``kpipe.gym.isolate.Challenge``). The judge clocks everything from revealing a seed to
-    its answer's file appearing; the calls' host time written here is trusted only from the reference child."""
+    """For each of the challenge's `rounds` until the judge says stop: say we are ready, wait for the
+    judge's seed, then draw one fresh input set per call from it, run the calls
+    (``run_challenge_calls``) and write their outputs (``kpipe.gym.isolate.Challenge``). The judge
+    clocks everything from revealing a seed to its answer's file appearing; the calls' host time
+    written here is trusted only from the reference child."""
     phase(f"{job['role']} timing challenge")
     # before the seed, what needs none: the allocator's blocks for the inputs and one untimed call
     # (caches, TLB), so the two children's answers differ by their calls alone, not by what their
@@ -644,10 +648,13 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
     for index in range(rounds):
         with gc_paused():  # the judge's clock runs from the seed to the answer
             (workdir / CHALLENGE_READY_FILE.format(round=index)).write_bytes(b"")
-            asked = wait_for_judge(workdir / CHALLENGE_FILE.format(round=index), job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
-            if asked is None:
+            text = wait_for_judge(workdir / CHALLENGE_FILE.format(round=index), job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
+            if text is None:
                 raise RuntimeError("the judge sent no timing challenge")
-            seed = int(json.loads(asked)["seed"])
+            asked = json.loads(text)
+            if asked.get("stop"):  # an earlier round was enough for the judge
+                break
+            seed = int(asked["seed"])
             input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
             outputs, calls_ms = run_challenge_calls(forward, input_sets, clocks, l2, protocol)
             write_result(str(workdir / CHALLENGE_ANSWER_FILE.format(round=index)), {"calls": calls, "calls_ms": calls_ms, "outputs": outputs})

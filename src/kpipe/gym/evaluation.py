@@ -10,6 +10,7 @@ import ast
 import functools
 import hashlib
 import json
+import math
 import os
 import secrets
 import time
@@ -42,11 +43,12 @@ HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-tim
 # bank's honest candidates' calls read 1.5-1.8x their own host times on the judge's clock (their
 # inputs' allocation in a process whose allocator holds other blocks than the reference's)
 CHALLENGE_FACTOR = 3.0
-# rounds of the challenge, each with its own seed; the better one is judged. An honest answer's fixed
-# costs (drawing inputs, writing outputs, the two processes' polling, and at kgym-12 three waits for
-# the GPU per call) differed from the reference's by -44 to +27 ms, and by 60 ms in a tail that judged
-# honest kernels timing_inconsistent on an H200; a forger is slow in every round
-CHALLENGE_ROUNDS = 2
+# rounds of the challenge at most, each with its own seed; the judge stops at the first that fits the
+# candidate's claim and judges the best that ran. An honest answer's fixed costs (drawing inputs,
+# writing outputs, the two processes' polling, and at kgym-12 three waits for the GPU per call)
+# differed from the reference's by -44 to +27 ms, and by 60 ms in a tail that judged honest kernels
+# timing_inconsistent on an H200; a forger is slow in every round, and pays for all of them
+CHALLENGE_MAX_ROUNDS = 3
 CHALLENGE_CALL_SLACK_MS = 0.1
 CHALLENGE_WALL_SLACK_MS = {"cuda": 10.0, "cpu": 200.0}
 # a candidate's result file may be at most this many times the reference's, plus this many bytes
@@ -153,7 +155,7 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
     # the seed no candidate sees before it must answer (kpipe.gym.isolate.Challenge); the reference
     # chooses how many calls, up to this many
-    challenge = Challenge(seeds=tuple(secrets.randbits(40) for _ in range(CHALLENGE_ROUNDS)),  # trial_seed keeps each within 63 bits
+    challenge = Challenge(seeds=tuple(secrets.randbits(40) for _ in range(CHALLENGE_MAX_ROUNDS)),  # trial_seed keeps each within 63 bits
                           calls=max(CHALLENGE_MIN_CALLS, min(CHALLENGE_MAX_CALLS, protocol.perf_trials)))
     run = run_isolated(job, protocol.timeout_s, gate=lambda _: True, launch=launch, lease=lease, challenge=challenge)
     if run.payload is None or run.payload.get("status") != "ok":
@@ -385,11 +387,12 @@ def mean_call_ms(reference_challenge: dict[str, Any]) -> float:
 def challenge_reasons(answers: list[dict[str, Any]] | None, answers_s: list[float] | None, reference: dict[str, Any],
                       protocol: Protocol, device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
     """The verdict of the judge's timing challenge (``kpipe.gym.isolate.Challenge``), always taken:
-    no answer or a wrong output on its fresh inputs in any round, or calls slower on the judge's
-    clock than the candidate's timed trials allow in every round. Returns the reasons and, for the
-    trace, the figures of the round judged (the better one)."""
+    no answer or a wrong output on its fresh inputs in any round that ran, or calls slower on the
+    judge's clock than the candidate's timed trials allow in every round that ran. Returns the
+    reasons and, for the trace, the figures of the round judged (the best one) and how many ran."""
     expected = reference["challenge"]["rounds"]
-    if answers is None or answers_s is None or len(answers) != len(expected) or len(answers_s) != len(expected):
+    # the judge decides how many rounds run (``early_stop``), from one to all of the reference's
+    if answers is None or answers_s is None or not 0 < len(answers) == len(answers_s) <= len(expected):
         return ["integrity: no valid answer to the judge's timing challenge (no answer)"], {}
     judged = []
     for answer, answer_s, expected_round in zip(answers, answers_s, expected):
@@ -398,7 +401,24 @@ def challenge_reasons(answers: list[dict[str, Any]] | None, answers_s: list[floa
             return reasons, figures
         judged.append((reasons, figures))
     reasons, figures = min(judged, key=lambda verdict: (bool(verdict[0]), verdict[1]["challenge_call_ms"]))
-    return reasons, {**figures, "challenge_rounds_over": sum(1 for round_reasons, _ in judged if round_reasons)}
+    return reasons, {**figures, "challenge_rounds": len(judged), "challenge_rounds_over": sum(1 for round_reasons, _ in judged if round_reasons)}
+
+
+def early_stop(reference_rounds: list[dict[str, Any]], protocol: Protocol, device: str,
+               ref_ms: float | None) -> Callable[[int, dict[str, Any] | None, dict[str, Any], float], bool]:
+    """The judge's ``Challenge.enough``: a round is enough when it fits the claim the candidate's
+    process wrote before the challenge (its timed trials' median). That claim only decides how many
+    rounds run: the verdict (``challenge_reasons``) judges the rounds that ran against the final
+    result's claim, so a child that claimed more here than there stopped its own second chance."""
+
+    def enough(index: int, claim: dict[str, Any] | None, answer: dict[str, Any], answer_s: float) -> bool:
+        ms = (claim or {}).get("ms")
+        if not isinstance(ms, list) or not ms or not all(isinstance(value, float) and math.isfinite(value) for value in ms):
+            return False
+        reasons, figures = challenge_round_reasons(answer, answer_s, reference_rounds[index], protocol, device, ms, ref_ms)
+        return bool(figures) and not reasons
+
+    return enough
 
 
 def challenge_round_reasons(answer: dict[str, Any] | None, answer_s: float, expected: dict[str, Any], protocol: Protocol,
@@ -682,7 +702,8 @@ def evaluate(
     candidate_started = time.monotonic()
     run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease,
                        challenge=Challenge(seeds=tuple(round_["seed"] for round_ in expected["rounds"]),
-                                           calls=expected["rounds"][0]["calls"]),
+                                           calls=expected["rounds"][0]["calls"],
+                                           enough=early_stop(expected["rounds"], protocol, device, ref_for_recheck)),
                        max_result_bytes=candidate_max_bytes(reference))
     candidate_done = time.monotonic()
     # the judge's whole candidate run: setup, the child (its waits included), clean-up

@@ -243,11 +243,16 @@ class Challenge:
     fresh inputs no process has seen, one per round. For each round the child draws its inputs, runs
     `calls` forward calls and writes their outputs; the judge clocks each whole answer itself
     (``ChildRun.challenge_s``), so a child cannot have computed it earlier nor report a time for it
-    (``kpipe.gym.evaluation``, which takes the better round: an honest answer's fixed costs vary by
-    tens of milliseconds on a busy host, and a forger is slow in every round)."""
+    (``kpipe.gym.evaluation``, which takes the best round that ran: an honest answer's fixed costs
+    vary by tens of milliseconds on a busy host, and a forger is slow in every round). Rounds run
+    until ``enough`` says one was."""
 
     seeds: tuple[int, ...]
     calls: int
+    # the judge's early stop: given a round's index, the claim the child wrote before the challenge
+    # (its timed trials, or None), the round's answer and its seconds, whether that round is enough.
+    # The verdict is taken afterwards over every round that ran, against the final result's claim
+    enough: Callable[[int, dict[str, Any] | None, dict[str, Any], float], bool] | None = None
 
 
 RESULT_MAX_BYTES = 1 << 40  # a trusted (reference) child's result: no cap beyond the disk
@@ -509,6 +514,7 @@ GATE_FILE = "gate"
 CHALLENGE_READY_FILE = "challenge-ready-{round}"
 CHALLENGE_FILE = "challenge-{round}"
 CHALLENGE_ANSWER_FILE = "challenge-{round}.pt"
+CHALLENGE_CLAIM_FILE = "challenge-claim.pt"  # a candidate's timed trials, written before the first round
 PHASE_MAX_BYTES = 200
 
 
@@ -572,11 +578,17 @@ def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: 
                   max_bytes: int) -> tuple[list[dict[str, Any]] | None, list[float] | None]:
     """Reveal each round of `challenge` once the child waits for it and clock its answer: (the
     answers, the seconds from revealing a round to its answer's file appearing), or (None, None)
-    when the child exited first; Tampered when the exchange was."""
+    when the child exited first; Tampered when the exchange was. With ``challenge.enough``, the
+    child is told to stop after the first round that is enough."""
     answers, seconds = [], []
+    claim: dict[str, Any] | None = None
     for index, seed in enumerate(challenge.seeds):
         if not wait_for_file(proc, scratch, CHALLENGE_READY_FILE.format(round=index), deadline):
             return None, None
+        if index == 0 and challenge.enough is not None:  # written before the first round's ready file
+            claim = load_payload(scratch, CHALLENGE_CLAIM_FILE, max_bytes)
+            if claim is not None and claim.get("tampered"):
+                raise Tampered(claim["error"])
         with gc_paused():
             revealed = time.monotonic()
             scratch.write_new(CHALLENGE_FILE.format(round=index), json.dumps({"seed": seed, "calls": challenge.calls}).encode())
@@ -590,4 +602,7 @@ def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: 
             raise Tampered(answer["error"])
         answers.append(answer)
         seconds.append(answered - revealed)
+        if index + 1 < len(challenge.seeds) and challenge.enough is not None and challenge.enough(index, claim, answer, seconds[-1]):
+            scratch.write_new(CHALLENGE_FILE.format(round=index + 1), json.dumps({"stop": True}).encode())
+            break
     return answers, seconds

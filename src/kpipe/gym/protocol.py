@@ -68,7 +68,8 @@ from kpipe.gym.screen import FINDING_CODES
 # of three waits and a copy per call, each a point where a GPU shared with another process may switch
 # away for a time slice; the reference's mean call is its back-to-back one; up to 64 calls (16 before)
 # within 1 GiB of inputs on the device and 64 MiB of outputs in the answer; the candidate's own host
-# times for them are no longer read.
+# times for them are no longer read. Up to three rounds, the judge stopping at the first that fits the
+# claim the candidate's process wrote just before them (kpipe.gym.evaluation.early_stop).
 PROTOCOL_VERSION = "kgym-13"
 
 BASELINES = ("eager", "compile", "both")
