@@ -54,7 +54,8 @@ from kpipe.gym.limits import apply_rlimits
 from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.timing import Clocks, flush_l2, harness_host_ms, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
-from kpipe.gym.trial_data import CallOutputs, clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs, trial_seed
+from kpipe.gym.trial_data import (CallOutputs, clone_inputs, digest, digest_bytes, fingerprint, flatten_output, make_inputs,
+                                  subclass_outputs, tensor_bytes, trial_seed)
 
 RECHECK_SEED_OFFSET = 1000
 RECHECK_SETS = 2
@@ -337,9 +338,8 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     if job.get("challenge_calls"):
         baseline = result.get("eager") or result.get("compile")
-        gathered = [d.get("full", d.get("sample")) for d in (result["outputs"][0] if result["outputs"] else [])]
         calls = challenge_calls(statistics.median(baseline["ms"]) if baseline else None, job["challenge_calls"],
-                                tensor_bytes(input_sets[0]), tensor_bytes(gathered))
+                                tensor_bytes(input_sets[0]), digest_bytes(result["outputs"][0]))
         answer_challenge(job, workdir, model, module.get_inputs, device, clocks, l2, protocol, phase, calls, job["challenge_rounds"])
     return result
 
@@ -590,15 +590,6 @@ def challenge_calls(baseline_ms: float | None, most: int, input_bytes: int, outp
     wanted = math.ceil(CHALLENGE_TARGET_MS / baseline_ms) if baseline_ms and baseline_ms > 0 else CHALLENGE_MAX_CALLS
     fit = min(CHALLENGE_MAX_INPUT_BYTES // max(input_bytes, 1), CHALLENGE_MAX_ANSWER_BYTES // max(output_bytes, 1))
     return max(CHALLENGE_MIN_CALLS, min(wanted, most, CHALLENGE_MAX_CALLS, fit))
-
-
-def tensor_bytes(values: Any) -> int:
-    """The bytes of the tensors in `values` (inputs or outputs, nested as forwards take and return them)."""
-    if isinstance(values, torch.Tensor):
-        return values.numel() * values.element_size()
-    if isinstance(values, (list, tuple)):
-        return sum(tensor_bytes(value) for value in values)
-    return 0
 
 
 def run_challenge_calls(forward: Callable[..., Any], input_sets: list[list[Any]], clocks: Clocks, l2: torch.Tensor | None,

@@ -31,6 +31,7 @@ from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import STATUSES, EvalResult, eval_key
 from kpipe.gym.screen import screen
 from kpipe.gym.timing import PAIRED_CHUNK_TRIALS, interleaving, sample_trials
+from kpipe.gym.trial_data import digest_bytes
 
 DIAGNOSTIC_MAX_CHARS = 3000
 # a candidate's event time may not exceed what the host clock around the same region saw
@@ -364,9 +365,7 @@ def candidate_max_bytes(reference: dict[str, Any]) -> int:
     answer): ``RESULT_SIZE_FACTOR`` times the larger of the reference's result file and its largest
     challenge answer's outputs (up to 64 calls' worth, which a small result can be below), plus
     ``RESULT_SIZE_SLACK``."""
-    answer_bytes = max((sum(tensor.numel() * tensor.element_size() for call in round_["outputs"] for digest in call
-                            for tensor in digest.values() if isinstance(tensor, torch.Tensor))
-                        for round_ in reference["challenge"]["rounds"]), default=0)
+    answer_bytes = max((sum(digest_bytes(call) for call in round_["outputs"]) for round_ in reference["challenge"]["rounds"]), default=0)
     return RESULT_SIZE_FACTOR * max(int(reference["result_bytes"]), answer_bytes) + RESULT_SIZE_SLACK
 
 

@@ -87,6 +87,20 @@ def digest(outputs: list[torch.Tensor], max_elements: int, seed: int) -> list[di
     return digests
 
 
+def tensor_bytes(values: Any) -> int:
+    """The bytes of the tensors in `values` (inputs or outputs, nested as forwards take and return them)."""
+    if isinstance(values, torch.Tensor):
+        return values.numel() * values.element_size()
+    if isinstance(values, (list, tuple)):
+        return sum(tensor_bytes(value) for value in values)
+    return 0
+
+
+def digest_bytes(digests: list[dict[str, Any]]) -> int:
+    """The bytes one call's `digest` holds: its full outputs, or a huge output's sample."""
+    return tensor_bytes([d.get("full", d.get("sample")) for d in digests])
+
+
 class CallOutputs:
     """One output position of a run of calls (the timing challenge's), gathered on the device as
     the calls run and brought to the host in one copy at the end: its `digest` per call. Every copy
