@@ -365,18 +365,22 @@ def test_the_challenge_judges_the_better_round_and_a_wrong_output_in_any():
 
 
 def test_the_judge_stops_the_challenge_at_the_first_round_that_fits_the_claim_written_before_it():
-    """An honest answer stops after its first round; one that was slow (a busy GPU) gets another; a
-    claim that is missing, malformed or not finite never stops it (the forger pays for every round)."""
-    from kpipe.gym.evaluation import early_stop
+    """An answer in time stops after its first round; one that was slow (a busy GPU) gets another; a
+    claim that is missing, malformed or not finite never stops it (the forger pays for every round).
+    Only the clock decides: a wrong output stops the rounds too, and fails the verdict, which
+    compares every round that ran."""
+    from kpipe.gym.evaluation import challenge_reasons, early_stop
 
-    reference = _rounds(calls=10, call_ms=2.0, wall_s=0.05)["rounds"]
-    enough = early_stop(reference, Protocol(baseline="eager"), "cuda", 2.0)
-    answer = {"calls": 10, "outputs": [[torch.ones(4)]] * 10}
-    assert enough(0, {"ms": [2.0] * 3}, answer, 0.05)
-    assert not enough(0, {"ms": [2.0] * 3}, answer, 0.05 + 0.060)  # 8 ms a call against a 2 ms claim
-    assert not enough(1, {"ms": [2.0] * 3}, {**answer, "outputs": [[torch.zeros(4)]] * 10}, 0.05)  # wrong outputs
+    rounds = _rounds(calls=10, call_ms=2.0, wall_s=0.05)
+    protocol = Protocol(baseline="eager")
+    enough = early_stop(rounds["rounds"], protocol, "cuda", 2.0)
+    assert enough(0, {"ms": [2.0] * 3}, 0.05)
+    assert not enough(0, {"ms": [2.0] * 3}, 0.05 + 0.060)  # 8 ms a call against a 2 ms claim
     for claim in (None, {}, {"ms": []}, {"ms": "fast"}, {"ms": [float("nan")] * 3}, {"ms": [1, 2, 3]}, {"status": "crashed"}):
-        assert not enough(0, claim, answer, 0.05), claim
+        assert not enough(0, claim, 0.05), claim
+    wrong_in_time = {"calls": 10, "outputs": [[torch.zeros(4)]] * 10}
+    reasons, _ = challenge_reasons([wrong_in_time], [0.05], {"challenge": rounds}, protocol, "cuda", [2.0] * 3, 2.0)
+    assert reasons[0].startswith("challenge_output_mismatch: call 0")
 
 
 def _evidence(timing: dict, **fields) -> dict:

@@ -405,17 +405,20 @@ def challenge_reasons(answers: list[dict[str, Any]] | None, answers_s: list[floa
 
 def early_stop(reference_rounds: list[dict[str, Any]], protocol: Protocol, device: str,
                ref_ms: float | None) -> Callable[[int, dict[str, Any] | None, dict[str, Any], float], bool]:
-    """The judge's ``Challenge.enough``: a round is enough when it fits the claim the candidate's
-    process wrote before the challenge (its timed trials' median). That claim only decides how many
-    rounds run: the verdict (``challenge_reasons``) judges the rounds that ran against the final
-    result's claim, so a child that claimed more here than there stopped its own second chance."""
+    """The judge's ``Challenge.enough``: a round is enough when its time on the judge's clock fits
+    the claim the candidate's process wrote before the challenge (its timed trials' median). That
+    claim only decides how many rounds run: the verdict (``challenge_reasons``) judges the rounds
+    that ran against the final result's claim, so a child that claimed more here than there stopped
+    its own second chance. The outputs are not read here: a wrong one in any round fails the whole
+    challenge, so another round could not change the verdict, and the child waits for this answer
+    while it holds the GPU's timing lease (the verdict decodes and compares each answer once)."""
 
-    def enough(index: int, claim: dict[str, Any] | None, answer: dict[str, Any], answer_s: float) -> bool:
+    def enough(index: int, claim: dict[str, Any] | None, answer_s: float) -> bool:
         ms = (claim or {}).get("ms")
         if not isinstance(ms, list) or not ms or not all(isinstance(value, float) and math.isfinite(value) for value in ms):
             return False
-        reasons, figures = challenge_round_reasons(answer, answer_s, reference_rounds[index], protocol, device, ms, ref_ms)
-        return bool(figures) and not reasons
+        reasons, _ = challenge_round_timing(answer_s, reference_rounds[index], device, ms, ref_ms)
+        return not reasons
 
     return enough
 
@@ -436,6 +439,13 @@ def challenge_round_reasons(answer: dict[str, Any] | None, answer_s: float, expe
         check = compare_norms(c, r, protocol.norm_rtol)
         if not check.ok:
             return [f"challenge_output_mismatch: call {call} on the judge's fresh inputs returned a wrong output ({check.detail})"], {}
+    return challenge_round_timing(answer_s, expected, device, measured_ms, ref_ms)
+
+
+def challenge_round_timing(answer_s: float, expected: dict[str, Any], device: str, measured_ms: list[float],
+                           ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
+    """One round's time on the judge's clock against the candidate's claim (its timed trials'
+    median): the reasons (``timing_inconsistent`` past the bound) and the figures."""
     judged_ms = challenge_call_ms(expected, answer_s)
     claimed_ms = median(measured_ms)
     slack_ms = CHALLENGE_CALL_SLACK_MS + CHALLENGE_WALL_SLACK_MS[device] / expected["calls"]

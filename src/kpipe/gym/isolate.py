@@ -205,8 +205,11 @@ def load_payload(scratch: ScratchDir, name: str, max_bytes: int) -> dict[str, An
         data = scratch.read(name, max_bytes)
     except Tampered as exc:
         return {"status": "crashed", "tampered": True, "error": f"tampered result: {exc}"}
-    if data is None:
-        return None
+    return None if data is None else decode_payload(data)
+
+
+def decode_payload(data: bytes) -> dict[str, Any]:
+    """A child's result file's bytes as its payload, or a crashed result naming why."""
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -250,9 +253,9 @@ class Challenge:
     seeds: tuple[int, ...]
     calls: int
     # the judge's early stop: given a round's index, the claim the child wrote before the challenge
-    # (its timed trials, or None), the round's answer and its seconds, whether that round is enough.
-    # The verdict is taken afterwards over every round that ran, against the final result's claim
-    enough: Callable[[int, dict[str, Any] | None, dict[str, Any], float], bool] | None = None
+    # (its timed trials, or None) and the round's seconds, whether that round is enough. The
+    # verdict is taken afterwards over every round that ran, against the final result's claim
+    enough: Callable[[int, dict[str, Any] | None, float], bool] | None = None
 
 
 RESULT_MAX_BYTES = 1 << 40  # a trusted (reference) child's result: no cap beyond the disk
@@ -330,7 +333,7 @@ def run_isolated(
         partial = None
         timed_out = False
         lease_wait_s = 0.0
-        answer: tuple[list[dict[str, Any]] | None, list[float] | None] = (None, None)
+        answer: tuple[list[bytes] | None, list[float] | None] = (None, None)
 
         def held_up() -> float:
             """Seconds the child could not run, which are nobody's fault: waiting at the gate for the
@@ -403,7 +406,7 @@ def run_isolated(
             child_s=wall_s,
             cleanup_s=time.monotonic() - exited,
             handed_over_unix=handed_over_unix,
-            challenge=answer[0],
+            challenge=None if answer[0] is None else [decode_payload(data) for data in answer[0]],
             challenge_s=answer[1],
             tampered=tampered,
             limit=limit,
@@ -575,11 +578,13 @@ def gc_paused() -> typing.Iterator[None]:
 
 
 def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float], challenge: Challenge,
-                  max_bytes: int) -> tuple[list[dict[str, Any]] | None, list[float] | None]:
+                  max_bytes: int) -> tuple[list[bytes] | None, list[float] | None]:
     """Reveal each round of `challenge` once the child waits for it and clock its answer: (the
-    answers, the seconds from revealing a round to its answer's file appearing), or (None, None)
-    when the child exited first; Tampered when the exchange was. With ``challenge.enough``, the
-    child is told to stop after the first round that is enough."""
+    answers' bytes, read as soon as each file appears, and the seconds from revealing a round to
+    its answer's file appearing), or (None, None) when the child exited first; Tampered when the
+    exchange was. With ``challenge.enough``, the child is told to stop after the first round that
+    is enough. The answers are decoded once the child has exited (``run_isolated``): the child
+    waits for the judge's word while it holds the GPU's timing lease."""
     answers, seconds = [], []
     claim: dict[str, Any] | None = None
     for index, seed in enumerate(challenge.seeds):
@@ -595,14 +600,15 @@ def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: 
             if not wait_for_file(proc, scratch, CHALLENGE_ANSWER_FILE.format(round=index), deadline, CHALLENGE_POLL_S):
                 return None, None
             answered = time.monotonic()
-        answer = load_payload(scratch, CHALLENGE_ANSWER_FILE.format(round=index), max_bytes)
-        if answer is None:
+        try:
+            data = scratch.read(CHALLENGE_ANSWER_FILE.format(round=index), max_bytes)
+        except Tampered as exc:  # not a regular file, or past the cap
+            raise Tampered(f"tampered result: {exc}") from exc
+        if data is None:
             return None, None
-        if answer.get("tampered"):
-            raise Tampered(answer["error"])
-        answers.append(answer)
+        answers.append(data)
         seconds.append(answered - revealed)
-        if index + 1 < len(challenge.seeds) and challenge.enough is not None and challenge.enough(index, claim, answer, seconds[-1]):
+        if index + 1 < len(challenge.seeds) and challenge.enough is not None and challenge.enough(index, claim, seconds[-1]):
             scratch.write_new(CHALLENGE_FILE.format(round=index + 1), json.dumps({"stop": True}).encode())
             break
     return answers, seconds
