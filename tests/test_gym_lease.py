@@ -51,10 +51,10 @@ def test_a_second_holder_waits_for_the_first_and_gives_up_past_its_bound(tmp_pat
         with pytest.raises(LeaseTimeout, match="not free within 0.1 s"):
             with TimingLease("dev", 0.1, tmp_path).hold():
                 pass
-        with TimingLease("dev", 30.0, tmp_path).hold() as waited:
-            assert waited > 0.1  # it had to wait for the other process's release
-        with TimingLease("another device", 0.1, tmp_path).hold() as waited:
-            assert waited < 0.1
+        with TimingLease("dev", 30.0, tmp_path).hold() as held_lease:
+            assert held_lease.waited_s > 0.1  # it had to wait for the other process's release
+        with TimingLease("another device", 0.1, tmp_path).hold() as held_lease:
+            assert held_lease.waited_s < 0.1
     finally:
         other.join()
 
@@ -125,13 +125,15 @@ def test_evaluations_overlap_but_their_timed_regions_do_not(tmp_path: Path, monk
     assert overlaps(evaluations), "the two workers never evaluated at once: the test shows nothing"
 
 
-def test_a_child_keeps_the_lease_until_it_has_exited(tmp_path: Path) -> None:
+def test_a_child_keeps_its_device_until_it_has_exited_and_lets_the_others_run_after_the_challenge(tmp_path: Path) -> None:
     """A context's teardown is GPU work: a timing child's exit must not run beside the next one's
-    timed region, so its judge releases the lease only once the child is gone."""
+    timed region, so its judge releases the device only once the child is gone. The challenge is the
+    last thing it times, so the timing part (which stops every other child) ends when it is answered."""
     import threading
 
     from kpipe.gym.evaluation import run_reference
     from kpipe.gym.isolate import fresh_interpreter
+    from kpipe.gym.lease import DEVICE_BYTE
 
     lease = TimingLease("dev", 60.0, tmp_path)
     pids: list[int] = []
@@ -147,9 +149,15 @@ def test_a_child_keeps_the_lease_until_it_has_exited(tmp_path: Path) -> None:
     def watch() -> None:
         fd = lease.open_file()
         while not done.is_set():
-            if lease.held_elsewhere(fd):
-                seen["held"] = True
-            elif seen.get("held"):
+            timing, device = lease.held_elsewhere(fd), lease.held_elsewhere(fd, DEVICE_BYTE)
+            if timing:
+                seen["timing held"] = True
+            elif seen.get("timing held") and "child alive when timing ended" not in seen:
+                seen["child alive when timing ended"] = Path(f"/proc/{pids[0]}").exists()
+                seen["device held when timing ended"] = device
+            if device:
+                seen["device held"] = True
+            elif seen.get("device held"):
                 seen["child alive at release"] = Path(f"/proc/{pids[0]}").exists()
                 return
             time.sleep(0.0005)
@@ -161,8 +169,9 @@ def test_a_child_keeps_the_lease_until_it_has_exited(tmp_path: Path) -> None:
     finally:
         done.set()
         watcher.join()
-    assert ran and payload["status"] == "ok"
-    assert seen == {"held": True, "child alive at release": False}
+    assert ran and payload["status"] == "ok" and payload["challenge"]["rounds"]
+    assert seen == {"timing held": True, "device held": True, "child alive when timing ended": True,
+                    "device held when timing ended": True, "child alive at release": False}
 
 
 def test_a_long_wait_for_the_lease_is_taken_off_the_childs_wall_time_once(tmp_path: Path) -> None:

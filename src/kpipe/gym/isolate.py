@@ -275,9 +275,10 @@ def run_isolated(
 
     With `gate`, the child stops after its correctness stage and writes a partial result;
     `gate(partial)` (run here, in the parent) decides whether it goes on to timing. With `lease`
-    (``kpipe.gym.lease``), a child told to go first waits for its device's timing lease, held
-    until the child has exited, and the child is stopped whenever
-    another child holds the lease; both are added to its deadline (they are nobody's fault).
+    (``kpipe.gym.lease``), a child told to go first waits for its device's timing lease, its device
+    held until the child has exited and its timing part until the child has answered the challenge,
+    and the child is stopped whenever another child holds the timing part; both are added to its
+    deadline (they are nobody's fault).
     With `challenge`, a child that went on is asked, after its timing, for the challenge's
     outputs, clocked here. `launch` starts the process (the worker pool forks it from a warm
     zygote instead). Every file the child leaves is read through ``ScratchDir`` and at most
@@ -351,15 +352,17 @@ def run_isolated(
             try:
                 if gate is not None:
                     partial, go = wait_at_gate(proc, directory, deadline, gate, max_result_bytes)
-                    leased = go and lease is not None
-                    if leased:
-                        lease_wait_s = held.enter_context(lease.hold())  # type: ignore[union-attr]
+                    held_lease = held.enter_context(lease.hold()) if go and lease is not None else None
+                    if held_lease is not None:
+                        lease_wait_s = held_lease.waited_s
                         pauser.take_over()  # type: ignore[union-attr]
                     if partial is not None:
                         go = answer_gate(directory, go)
                     if go and challenge is not None:
                         answer = ask_challenge(proc, directory, deadline, challenge, max_result_bytes)
-                # a leased child keeps the lease until it has exited: its context's teardown (GPU
+                        if held_lease is not None:  # the challenge is the last thing the child times
+                            held_lease.end_timing()
+                # a leased child keeps the device until it has exited: its context's teardown (GPU
                 # memory freed, page tables unmapped) is GPU work, which no timed region may run beside
                 wait_for_exit(proc, deadline)
             except subprocess.TimeoutExpired:

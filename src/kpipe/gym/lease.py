@@ -6,11 +6,19 @@ region overlaps none of them: the judge (never the candidate) takes the device's
 child from the gate until the child has exited (its context's teardown is GPU work too;
 ``kpipe.gym.isolate.run_isolated``),
 and every other judge on the device stops its own child (SIGSTOP to its process group) while the
-lease is held by someone else, and resumes it after (``ChildPauser``; the paused seconds are added
+lease's timing part (below) is held by someone else, and resumes it after (``ChildPauser``; the paused seconds are added
 to that child's deadline). Overlapping only the timed regions was measured and is not enough: the
 other children's correctness trials on the GPU spread one candidate's speedups over 8 evaluations
 by up to 1.28x on an H200, where one child at a time kept them within 1.006x
 (`965801b:docs/gpu-results/gym_scaling_2026-11-26_4xH200.md`).
+
+The lease has two parts, each a byte of the lock file: the **device** (no other timed region may
+start) and **timing** (every other child is stopped). The judge takes both at the gate; once its child
+has answered the timing challenge, the last thing it times, the judge gives up the timing part alone
+(``HeldLease.end_timing``): the other children run again during the child's integrity check, result
+and exit, while the device stays held until the child has exited, so no timed region runs beside its
+teardown. On an H200 with two workers a GPU, the other child was stopped for those 0.15-0.17 s of
+every evaluation.
 
 The lease is an open-file-description lock on a file named after the GPU's UUID, so every pool,
 service and job on the machine shares it, whatever its own process tree; a holder that dies
@@ -35,6 +43,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 LEASE_DIR_VARIABLE = "KPIPE_GYM_LEASE_DIR"
@@ -50,6 +59,27 @@ POLL_S = 0.001
 SETTLE_S = 0.01
 # struct flock on Linux (x86_64, aarch64): l_type, l_whence, l_start, l_len, l_pid
 FLOCK = struct.Struct("hhxxxxqqixxxx")
+# the lock file's bytes: the device part (taken first, kept until the child's exit) and the
+# timing part (other children stopped while someone holds it)
+DEVICE_BYTE, TIMING_BYTE = 0, 1
+
+
+def lock_request(kind: int, byte: int) -> bytes:
+    return FLOCK.pack(kind, os.SEEK_SET, byte, 1, 0)
+
+
+@dataclass
+class HeldLease:
+    """A judge's hold of its device's lease: the seconds it waited for it (the caller adds them to
+    its child's deadline), and the open lock file."""
+
+    waited_s: float
+    fd: int
+
+    def end_timing(self) -> None:
+        """Let the device's other children run again, keeping the device until the hold ends: the
+        child's timed work is over, its exit (GPU work) is not."""
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, lock_request(fcntl.F_UNLCK, TIMING_BYTE))
 
 
 class LeaseTimeout(RuntimeError):
@@ -82,29 +112,30 @@ class TimingLease:
         return fd
 
     @contextlib.contextmanager
-    def hold(self) -> Iterator[float]:
-        """Wait for the device (at most ``max_wait_s``), hold it for the block and give the other
-        judges ``SETTLE_S`` to stop their children; yields the seconds waited, which the caller
-        adds to its child's deadline."""
+    def hold(self) -> Iterator[HeldLease]:
+        """Wait for the device (at most ``max_wait_s``), hold both parts of its lease for the block
+        (the device, then timing) and give the other judges ``SETTLE_S`` to stop their children."""
         fd = self.open_file()
         started = time.monotonic()
         try:
-            while True:
-                try:
-                    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
-                    break
-                except (BlockingIOError, PermissionError):
-                    if time.monotonic() - started > self.max_wait_s:
-                        raise LeaseTimeout(f"the timing lease of {self.key} was not free within {self.max_wait_s:g} s") from None
-                    time.sleep(POLL_S)
+            for byte in (DEVICE_BYTE, TIMING_BYTE):  # one order for every holder: none waits on another's second part
+                while True:
+                    try:
+                        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock_request(fcntl.F_WRLCK, byte))
+                        break
+                    except (BlockingIOError, PermissionError):
+                        if time.monotonic() - started > self.max_wait_s:
+                            raise LeaseTimeout(f"the timing lease of {self.key} was not free within {self.max_wait_s:g} s") from None
+                        time.sleep(POLL_S)
             time.sleep(SETTLE_S)
-            yield time.monotonic() - started
+            yield HeldLease(time.monotonic() - started, fd)
         finally:
-            os.close(fd)  # releases the lock
+            os.close(fd)  # releases both parts
 
-    def held_elsewhere(self, fd: int) -> bool:
-        """Whether an open of the lease other than `fd`'s holds it (asked without taking it)."""
-        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+    def held_elsewhere(self, fd: int, byte: int = TIMING_BYTE) -> bool:
+        """Whether an open of the lease other than `fd`'s holds its timing part (or `byte`'s part),
+        asked without taking it."""
+        answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, lock_request(fcntl.F_WRLCK, byte))
         return FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
 
