@@ -627,7 +627,9 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
     (``run_challenge_calls``) and write their outputs (``kpipe.gym.isolate.Challenge``). The judge
     clocks everything from revealing a seed to its answer's file appearing; the calls' host time
     written here is trusted only from the reference child."""
-    phase(f"{job['role']} timing challenge")
+    step = f"{job['role']} timing challenge"
+    phase(step)  # the phase file names the challenge; its steps are timed for the trace alone
+    phase(f"{step}: warm-up", announce=False)
     # before the seed, what needs none: the allocator's blocks for the inputs and one untimed call
     # (caches, TLB), so the two children's answers differ by their calls alone, not by what their
     # allocators happened to hold (on an H200 that made honest calls read up to 4x their time)
@@ -638,6 +640,7 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
     del warm
     for index in range(rounds):
         with gc_paused():  # the judge's clock runs from the seed to the answer
+            phase(f"{step}: waiting for the judge", announce=False)
             (workdir / CHALLENGE_READY_FILE.format(round=index)).write_bytes(b"")
             text = wait_for_judge(workdir / CHALLENGE_FILE.format(round=index), job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
             if text is None:
@@ -646,8 +649,11 @@ def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., 
             if asked.get("stop"):  # an earlier round was enough for the judge
                 break
             seed = int(asked["seed"])
+            phase(f"{step}: drawing the inputs", announce=False)
             input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
+            phase(f"{step}: calls, their outputs to the host", announce=False)
             outputs, calls_ms = run_challenge_calls(forward, input_sets, clocks, l2, protocol)
+            phase(f"{step}: writing the answer", announce=False)
             write_result(str(workdir / CHALLENGE_ANSWER_FILE.format(round=index)), {"calls": calls, "calls_ms": calls_ms, "outputs": outputs})
         del input_sets, outputs
 
