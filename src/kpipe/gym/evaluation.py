@@ -404,7 +404,7 @@ def challenge_reasons(answers: list[dict[str, Any]] | None, answers_s: list[floa
 
 
 def early_stop(reference_rounds: list[dict[str, Any]], protocol: Protocol, device: str,
-               ref_ms: float | None) -> Callable[[int, dict[str, Any] | None, dict[str, Any], float], bool]:
+               ref_ms: float | None) -> Callable[[int, dict[str, Any] | None, float], bool]:
     """The judge's ``Challenge.enough``: a round is enough when its time on the judge's clock fits
     the claim the candidate's process wrote before the challenge (its timed trials' median). That
     claim only decides how many rounds run: the verdict (``challenge_reasons``) judges the rounds

@@ -580,6 +580,15 @@ def gc_paused() -> typing.Iterator[None]:
             gc.enable()
 
 
+def read_exchange_file(scratch: ScratchDir, name: str, max_bytes: int) -> bytes | None:
+    """The bytes of a file the child writes during the challenge (None: it is not there); Tampered,
+    which ends the exchange, when it is not a regular file or is past the cap."""
+    try:
+        return scratch.read(name, max_bytes)
+    except Tampered as exc:
+        raise Tampered(f"tampered result: {exc}") from exc
+
+
 def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float], challenge: Challenge,
                   max_bytes: int) -> tuple[list[bytes] | None, list[float] | None]:
     """Reveal each round of `challenge` once the child waits for it and clock its answer: (the
@@ -594,19 +603,15 @@ def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: 
         if not wait_for_file(proc, scratch, CHALLENGE_READY_FILE.format(round=index), deadline):
             return None, None
         if index == 0 and challenge.enough is not None:  # written before the first round's ready file
-            claim = load_payload(scratch, CHALLENGE_CLAIM_FILE, max_bytes)
-            if claim is not None and claim.get("tampered"):
-                raise Tampered(claim["error"])
+            data = read_exchange_file(scratch, CHALLENGE_CLAIM_FILE, max_bytes)
+            claim = None if data is None else decode_payload(data)
         with gc_paused():
             revealed = time.monotonic()
             scratch.write_new(CHALLENGE_FILE.format(round=index), json.dumps({"seed": seed, "calls": challenge.calls}).encode())
             if not wait_for_file(proc, scratch, CHALLENGE_ANSWER_FILE.format(round=index), deadline, CHALLENGE_POLL_S):
                 return None, None
             answered = time.monotonic()
-        try:
-            data = scratch.read(CHALLENGE_ANSWER_FILE.format(round=index), max_bytes)
-        except Tampered as exc:  # not a regular file, or past the cap
-            raise Tampered(f"tampered result: {exc}") from exc
+        data = read_exchange_file(scratch, CHALLENGE_ANSWER_FILE.format(round=index), max_bytes)
         if data is None:
             return None, None
         answers.append(data)
