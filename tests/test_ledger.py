@@ -5,6 +5,7 @@ overwrites its check's report and appends one line; a device's folder is taken i
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from kpipe.infra import ledger
@@ -40,6 +41,21 @@ def test_record_overwrites_the_current_report_and_appends_a_line(tmp_path: Path,
     assert set(second) == KEYS
     monkeypatch.delenv("KPIPE_COMMIT")
     assert ledger.current_commit() != "abc1234"
+
+
+def test_a_tree_that_differs_from_its_head_is_not_credited_to_that_commit(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("KPIPE_COMMIT", raising=False)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "code.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    (tmp_path / "untracked.log").write_text("a run's output\n")
+    assert ledger.current_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert ledger.current_commit(tmp_path) == f"{head}+changes"
+    assert ledger.current_commit(tmp_path / "missing") == "unknown"
 
 
 def test_the_latest_line_per_check_and_device_is_what_the_pages_show() -> None:
