@@ -361,8 +361,6 @@ def run_isolated(
                     if go and challenge is not None:  # the challenge is the last thing the child times
                         timing_done = held_lease.end_timing if held_lease is not None else (lambda: None)
                         answer = ask_challenge(proc, directory, deadline, challenge, max_result_bytes, timing_done)
-                    if held_lease is not None:
-                        held_lease.end_timing()
                 # a leased child keeps the device until it has exited: its context's teardown (GPU
                 # memory freed, page tables unmapped) is GPU work, which no timed region may run beside
                 wait_for_exit(proc, deadline)
