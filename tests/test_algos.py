@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from kpipe.train import algos, turn_rewards
+from kpipe.train import algos
 
 
 def close(actual, expected, tol=1e-6):
@@ -20,31 +20,31 @@ def close(actual, expected, tol=1e-6):
 
 
 def test_reward_paper_eq1_and_eq8():
-    assert turn_rewards.reward_paper(True, False, 2.0) == 3.0  # 1 + 2
-    assert turn_rewards.reward_paper(True, False, 5.0) == 4.0  # speedup clipped at 3
-    assert turn_rewards.reward_paper(True, False, 0.5) == 1.5  # slower but correct still earns C
-    assert turn_rewards.reward_paper(True, False, 5.0, pr=0.5, use_pr=True) == 4.5  # Eq. 8: + C·PR
-    assert turn_rewards.reward_paper(True, False, 2.0, pr=0.9) == 3.0  # PR ignored unless use_pr
+    assert algos.reward_paper(True, False, 2.0) == 3.0  # 1 + 2
+    assert algos.reward_paper(True, False, 5.0) == 4.0  # speedup clipped at 3
+    assert algos.reward_paper(True, False, 0.5) == 1.5  # slower but correct still earns C
+    assert algos.reward_paper(True, False, 5.0, pr=0.5, use_pr=True) == 4.5  # Eq. 8: + C·PR
+    assert algos.reward_paper(True, False, 2.0, pr=0.9) == 3.0  # PR ignored unless use_pr
 
 
 def test_rewards_are_zero_when_hacked_or_failed():
-    for name, reward in turn_rewards.REWARDS.items():
+    for name, reward in algos.REWARDS.items():
         assert reward(True, True, 2.5) == 0.0, name  # hacked counts as incorrect
         assert reward(False, False, None) == 0.0, name  # failed / timed out: no speedup at all
         assert reward(False, False, 2.5) == 0.0, name
 
 
 def test_reward_released_code_weighting():
-    assert turn_rewards.reward_released_code(True, False, 2.0, pr=0.4, use_pr=True) == pytest.approx(0.5 + 1.0 + 0.2)
-    assert turn_rewards.reward_released_code(True, False, 4.0) == pytest.approx(0.5 + 1.5)
+    assert algos.reward_released_code(True, False, 2.0, pr=0.4, use_pr=True) == pytest.approx(0.5 + 1.0 + 0.2)
+    assert algos.reward_released_code(True, False, 4.0) == pytest.approx(0.5 + 1.5)
 
 
 def test_reward_kevin():
-    assert turn_rewards.reward_kevin(True, False, 2.0) == pytest.approx(2.3)
-    assert turn_rewards.reward_kevin(True, False, 5.0) == pytest.approx(3.3)
-    assert turn_rewards.reward_kevin(True, False, 5.0, speedup_cap=math.inf) == pytest.approx(5.3)
+    assert algos.reward_kevin(True, False, 2.0) == pytest.approx(2.3)
+    assert algos.reward_kevin(True, False, 5.0) == pytest.approx(3.3)
+    assert algos.reward_kevin(True, False, 5.0, speedup_cap=math.inf) == pytest.approx(5.3)
     with pytest.raises(ValueError, match="no profiling"):
-        turn_rewards.reward_kevin(True, False, 1.0, pr=0.5, use_pr=True)
+        algos.reward_kevin(True, False, 1.0, pr=0.5, use_pr=True)
 
 
 def test_kevin_preset_matches_kevin_32b():
@@ -55,7 +55,7 @@ def test_kevin_preset_matches_kevin_32b():
     cfg = RLConfig.from_dict({}, "kevin")
     assert (cfg.reward, cfg.gamma, cfg.return_aggregate, cfg.advantage, cfg.history) == (
         "kevin", 0.4, "sum", "kevin", "kevin")
-    score = turn_rewards.turn_reward(cfg.reward, speedup_cap=cfg.speedup_cap)
+    score = algos.turn_reward(cfg.reward, speedup_cap=cfg.speedup_cap)
     fast = {"correct": True, "hacked": False, "speedup_eager": 5.0, "findings": ["try_except: x (line 2)"]}
     assert score(fast) == pytest.approx(0.3 + 5.0)  # uncapped (the old cap of 3 gave 3.3)
     lazy = {**fast, "findings": ["torch_op_in_forward: torch.nn.functional.conv2d (line 9)"]}
@@ -80,7 +80,7 @@ def test_kevin_advantages_normalise_per_task_over_all_turns():
 
 
 def test_reward_tritonforge_tiers():
-    reward = turn_rewards.reward_tritonforge
+    reward = algos.reward_tritonforge
     assert reward(False, False, None) == 0.0  # no code / request failed (nothing compiled)
     assert reward(False, True, None, compiled=True) == 0.0  # rejected
     assert reward(False, False, None, compiled=True) == 0.1  # compiles
@@ -97,16 +97,16 @@ def test_reward_tritonforge_tiers():
 
 def test_reward_rejects_bad_inputs():
     with pytest.raises(ValueError, match="speedup"):
-        turn_rewards.reward_paper(True, False, None)
+        algos.reward_paper(True, False, None)
     with pytest.raises(ValueError, match="speedup"):
-        turn_rewards.reward_paper(True, False, float("nan"))
+        algos.reward_paper(True, False, float("nan"))
     with pytest.raises(ValueError, match="profiling ratio"):
-        turn_rewards.reward_paper(True, False, 1.0, pr=1.5, use_pr=True)
+        algos.reward_paper(True, False, 1.0, pr=1.5, use_pr=True)
     with pytest.raises(ValueError, match="profiling ratio"):
-        turn_rewards.reward_paper(True, False, 1.0, pr=None, use_pr=True)
+        algos.reward_paper(True, False, 1.0, pr=None, use_pr=True)
     with pytest.raises(KeyError, match="known: paper"):
-        turn_rewards.reward_fn("nope")
-    assert turn_rewards.reward_fn("kevin") is turn_rewards.reward_kevin
+        algos.reward_fn("nope")
+    assert algos.reward_fn("kevin").fn is algos.reward_kevin
 
 
 # --- returns -----------------------------------------------------------------------------
@@ -379,17 +379,17 @@ def test_turn_reward_reads_kernelgym_results():
     from types import SimpleNamespace as EvalResult  # attribute access, like kpipe.gym's EvalResult
 
     result = EvalResult(status="pass", correct=True, hacked=False, speedup_eager=2.0, speedup_compile=0.5, pr=0.25)
-    assert turn_rewards.turn_reward("paper")(result) == 3.0
-    assert turn_rewards.turn_reward("paper", use_pr=True, baseline="compile")(result) == 1.75
-    assert turn_rewards.turn_reward("released_code", use_pr=True)({"correct": True, "hacked": False, "speedup_eager": 4.0,
+    assert algos.turn_reward("paper")(result) == 3.0
+    assert algos.turn_reward("paper", use_pr=True, baseline="compile")(result) == 1.75
+    assert algos.turn_reward("released_code", use_pr=True)({"correct": True, "hacked": False, "speedup_eager": 4.0,
                                                             "pr": 0.5}) == pytest.approx(0.5 + 1.5 + 0.25)
-    assert turn_rewards.turn_reward("kevin")(None) == 0.0  # nothing to evaluate (format error)
+    assert algos.turn_reward("kevin")(None) == 0.0  # nothing to evaluate (format error)
     hacked = EvalResult(status="hacked", correct=True, hacked=True, speedup_eager=9.0, pr=None)
-    assert turn_rewards.turn_reward("paper")(hacked) == 0.0
+    assert algos.turn_reward("paper")(hacked) == 0.0
 
 
 def test_turn_reward_tritonforge_reads_compilation_from_the_status():
-    score = turn_rewards.turn_reward("tritonforge")
+    score = algos.turn_reward("tritonforge")
     turn = {"correct": False, "hacked": False, "speedup_eager": None, "pr": None}
     assert score({**turn, "status": "mismatch"}) == 0.1
     assert score({**turn, "status": "runtime_error"}) == 0.1
@@ -410,7 +410,7 @@ TF_GROUP = [("p", 1)] * 8
 
 
 def test_tritonforge_group_rewards_are_the_tiers():
-    score = turn_rewards.turn_reward("tritonforge")
+    score = algos.turn_reward("tritonforge")
     rewards = [score({"status": status, "correct": status == "pass", "hacked": status == "hacked",
                       "speedup_eager": speedup, "pr": None}) for status, speedup in zip(TF_STATUSES, TF_SPEEDUPS)]
     assert rewards == pytest.approx(TF_REWARDS)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kpipe.data.io import read_table
 from kpipe.train.samples import build_samples
-from kpipe.train.mechanics import batch_indices, plan_micro_batches
+from kpipe.train.batching import batch_indices, plan_micro_batches
 from kpipe.train.sft import (
     PRESETS,
     SFTConfig,

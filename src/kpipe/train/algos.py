@@ -1,6 +1,7 @@
-"""The RL math of Dr. Kernel after the rewards, as small pure functions (cf. verl's ``core_algos.py``):
-returns, advantages, sample filters, TritonForge's group buffer, the policy loss. What one turn
-earns (the rewards) is :mod:`kpipe.train.turn_rewards`.
+"""The RL math of Dr. Kernel as small pure functions (cf. verl's ``core_algos.py``): what one turn
+earns (the rewards), returns, advantages, sample filters, TritonForge's group buffer, the policy loss.
+Rewards and advantage estimators each sit in one registry (`REWARDS`, `ADVANTAGES`), registered
+beside their function; the config keys ``rl.reward`` and ``rl.advantage`` name an entry.
 
 Equation numbers refer to the Dr. Kernel paper (``papers/dr-kernel.md``). Where the
 authors' released code (hkust-nlp/KernelGYM on a patched verl) differs from the paper,
@@ -22,8 +23,6 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from kpipe.train.turn_rewards import kernel_compiled
-
 GroupKeys = Sequence[Hashable] | torch.Tensor
 Singleton = Literal["zero", "return"]
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -42,6 +41,170 @@ ZERO_VARIANCE_MIN_STD = 1e-3  # released code: groups whose last-turn rewards ba
 TRITONFORGE_MIN_VALID_GROUP_RATIO = 1.0  # TritonForge §3.2.3: a group must be complete
 TRITONFORGE_MIN_VALID_ITEM_RATIO = 0.7  # TritonForge §3.2.3: >= 70% of a group's items must survive the filter
 TRITONFORGE_EPS = 1e-8  # the buffer's z-score epsilon (slime's default_normalize_group_data)
+
+
+# ---------------------------------------------------------------------------------------
+# Rewards (Eq. 1, Eq. 8, the released code's, Kevin's, TritonForge's): one registry (`REWARDS`)
+# ---------------------------------------------------------------------------------------
+# A reward maps one KernelGym result (correct, hacked, speedup, PR; a reward may read more of it
+# through its `extras`) to a number; plain Python on scalars.
+
+SPEEDUP_CAP = 3.0  # paper §4.2: speedups above 3x are mostly timing artefacts
+KEVIN_CORRECTNESS_WEIGHT = 0.3  # Kevin App. B.2
+RELEASED_CODE_WEIGHT = 0.5  # released code: every term of the reward weighted by 0.5
+TRITONFORGE_COMPILED_REWARD = 0.1  # TritonForge (papers/tritonforge.md, its kernel generator): compiles
+TRITONFORGE_CORRECT_REWARD = 0.3  # correct; + min(max(speedup - 1, 0), 2) when faster
+TORCH_OP_FINDING = "torch_op_in_forward:"  # kpipe.gym.screen's finding for torch compute left in forward
+# statuses of turns whose kernel never compiled: the request failed, no code / no Triton kernel, compiler error
+TRITONFORGE_NOT_COMPILED = ("generation_error", "format_error", "compilation_error", "reference_error")
+
+
+def result_field(result: object, name: str) -> object:
+    """A field of a KernelGym result: an EvalResult, or an `evals` row as a dict."""
+    return result.get(name) if isinstance(result, dict) else getattr(result, name, None)
+
+
+@dataclass(frozen=True)
+class Reward:
+    """A registered reward: fn(correct, hacked, speedup, pr, use_pr, speedup_cap, **extras), `extras`
+    reading what else it needs from the KernelGym result (TritonForge: compiled; Kevin: torch ops)."""
+
+    name: str
+    fn: Callable[..., float]
+    extras: Callable[[object], dict[str, Any]]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> float:
+        return self.fn(*args, **kwargs)
+
+
+REWARDS: dict[str, Reward] = {}
+RewardFunction = TypeVar("RewardFunction", bound=Callable[..., float])
+
+
+def register_reward(name: str, extras: Callable[[object], dict[str, Any]] = lambda result: {}
+                    ) -> Callable[[RewardFunction], RewardFunction]:
+    """Register the decorated function as the reward `name` (config key ``rl.reward``, whose choices are
+    the registry's); `extras` maps a KernelGym result to the function's keyword arguments beyond the six."""
+    def register(fn: RewardFunction) -> RewardFunction:
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} registered twice")
+        REWARDS[name] = Reward(name, fn, extras)
+        return fn
+    return register
+
+
+def reward_fn(name: str) -> Reward:
+    """The reward registered as `name` (config key ``rl.reward``)."""
+    if name not in REWARDS:
+        raise KeyError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+    return REWARDS[name]
+
+
+def clipped_speedup(speedup: float | None, cap: float = SPEEDUP_CAP) -> float:
+    """min(T_ref / T_kernel, cap): the speedup term of Eq. 1, robust to timing artefacts."""
+    if speedup is None or not math.isfinite(speedup) or speedup < 0:
+        raise ValueError(f"a correct kernel needs a finite, non-negative speedup, got {speedup!r}")
+    return min(speedup, cap)
+
+
+def _checked_pr(pr: float | None) -> float:
+    """PR (Eq. 7) is a time fraction; anything outside [0, 1] is a profiling bug."""
+    if pr is None or not math.isfinite(pr) or not 0.0 <= pr <= 1.0:
+        raise ValueError(f"the PR term needs a profiling ratio in [0, 1], got {pr!r}")
+    return pr
+
+
+def earns_reward(correct: bool, hacked: bool) -> bool:
+    """C(y) of Eq. 1: only a correct, non-hacked kernel scores (failed, timed-out, hacked: 0)."""
+    return bool(correct) and not bool(hacked)
+
+
+@register_reward("paper")
+def reward_paper(correct: bool, hacked: bool, speedup: float | None, pr: float | None = None, use_pr: bool = False,
+                 speedup_cap: float = SPEEDUP_CAP) -> float:
+    """Eq. 1 (R = C + C·min(speedup, 3)), plus C·PR with `use_pr` (Eq. 8)."""
+    if not earns_reward(correct, hacked):
+        return 0.0
+    reward = 1.0 + clipped_speedup(speedup, speedup_cap)
+    if use_pr:
+        reward += _checked_pr(pr)
+    return reward
+
+
+@register_reward("released_code")
+def reward_released_code(correct: bool, hacked: bool, speedup: float | None, pr: float | None = None,
+                         use_pr: bool = False, speedup_cap: float = SPEEDUP_CAP) -> float:
+    """The released code's weighting: 0.5·C + 0.5·min(speedup, 3) [+ 0.5·PR·C]; 0 unless correct."""
+    if not earns_reward(correct, hacked):
+        return 0.0
+    reward = RELEASED_CODE_WEIGHT * (1.0 + clipped_speedup(speedup, speedup_cap))
+    if use_pr:
+        reward += RELEASED_CODE_WEIGHT * _checked_pr(pr)
+    return reward
+
+
+def uses_torch_ops(findings: Sequence[str] | None) -> bool:
+    """Kevin's rule on a kpipe turn: the screen found torch compute (torch.*, F.*) in ModelNew.forward."""
+    return any(finding.startswith(TORCH_OP_FINDING) for finding in findings or ())
+
+
+@register_reward("kevin", extras=lambda result: {"torch_ops": uses_torch_ops(result_field(result, "findings"))})
+def reward_kevin(correct: bool, hacked: bool, speedup: float | None, pr: float | None = None, use_pr: bool = False,
+                 speedup_cap: float = SPEEDUP_CAP, torch_ops: bool = False) -> float:
+    """Kevin's score 0.3·correct + speedup (speedup only for correct kernels), and 0 for a kernel that
+    uses PyTorch ops (Kevin §6.2: "assign 0 reward to responses with any PyTorch functional operators").
+
+    Kevin does not clip the speedup: its preset (``ablation: kevin``) sets ``speedup_cap`` to infinity.
+    The cap defaults to the paper's 3 so that ``reward: kevin`` alone differs from the base run in one thing.
+    `torch_ops` comes from KernelGym's screen (`uses_torch_ops`).
+    """
+    if use_pr:
+        raise ValueError("Kevin's reward has no profiling (PR) term")
+    if not earns_reward(correct, hacked) or torch_ops:
+        return 0.0
+    return KEVIN_CORRECTNESS_WEIGHT + clipped_speedup(speedup, speedup_cap)
+
+
+def kernel_compiled(status: str | None) -> bool:
+    """TritonForge's ``compiled`` for a kpipe turn: KernelGym got past compilation, i.e. any status but a
+    failed request, a format violation (no code, no ModelNew or Triton kernel), a compiler error or a
+    broken reference. Runtime faults, mismatches, timeouts and hacks ran a compiled kernel."""
+    return status is not None and status not in TRITONFORGE_NOT_COMPILED
+
+
+@register_reward("tritonforge", extras=lambda result: {"compiled": kernel_compiled(result_field(result, "status"))})
+def reward_tritonforge(correct: bool, hacked: bool, speedup: float | None, pr: float | None = None,
+                       use_pr: bool = False, speedup_cap: float = SPEEDUP_CAP, compiled: bool = False) -> float:
+    """TritonForge's tiers: 0 (no code, rejected, request failed), 0.1 (compiles), 0.3 (correct),
+    0.3 + min(max(speedup - 1, 0), 2) (correct and faster; the 2 is `speedup_cap` - 1).
+
+    `compiled` comes from the turn's status (`kernel_compiled`); a hacked kernel is rejected (0).
+    """
+    if use_pr:
+        raise ValueError("TritonForge's reward has no profiling (PR) term")
+    if hacked:
+        return 0.0
+    if correct:
+        return TRITONFORGE_CORRECT_REWARD + max(clipped_speedup(speedup, speedup_cap) - 1.0, 0.0)
+    return TRITONFORGE_COMPILED_REWARD if compiled else 0.0
+
+
+def turn_reward(name: str, use_pr: bool = False, baseline: Literal["eager", "compile"] = "eager",
+                speedup_cap: float = SPEEDUP_CAP) -> Callable[[object], float]:
+    """The reward `name` as a function of one KernelGym result (an EvalResult, an `evals` row
+    as a dict, or None when nothing could be evaluated): the agent loop's ``reward_fn``."""
+    reward = reward_fn(name)
+    if baseline not in ("eager", "compile"):
+        raise ValueError(f"baseline must be 'eager' or 'compile', got {baseline!r}")
+
+    def score(result: object) -> float:
+        if result is None:
+            return 0.0
+        return reward(bool(result_field(result, "correct")), bool(result_field(result, "hacked")),
+                      result_field(result, f"speedup_{baseline}"), result_field(result, "pr"), use_pr, speedup_cap,
+                      **reward.extras(result))
+
+    return score
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,21 +6,25 @@ One iteration runs `steps_per_iteration` steps. A step:
 1. picks `prompts_per_step` training queries (a pure function of seed and global step) and runs
    `rollouts_per_prompt` multi-turn episodes each through the one agent loop
    (`kpipe.agent.run_episodes`), the policy generating with per-token log-probabilities and
-   KernelGym judging every turn (per-turn reward, Eq. 1 / Eq. 8) — `rl_rollouts`;
-2. computes reward-to-go returns per trajectory (Eq. 2) and recomputes π_train on the very
-   same tokens (the old log-probs of PPO, and the numerator of MRS's ratio, Eq. 6) — `rl_update`;
+   KernelGym judging every turn (per-turn reward, Eq. 1 / Eq. 8, `rl.reward` of `algos.REWARDS`);
+2. recomputes π_train on the very same tokens (the old log-probs of PPO, and the numerator of MRS's
+   ratio, Eq. 6) and computes reward-to-go returns per trajectory (Eq. 2);
 3. applies the switchable filters — TritonForge's group buffer, MRS (Eq. 6), PRS (Eq. 9), the
-   released code's zero-variance and regression masks — each counted in the metrics — `rl_advantages`;
-4. computes advantages over (prompt, turn) groups of the kept rows (TRLOO, Eq. 5, by default; on the
-   buffer's normalised returns when `rl.buffer` is set) — `rl_advantages`;
-5. takes PPO-clip token-level optimizer steps (dual clip, seq-mean-token-sum, grad clipping) — `rl_update`.
+   released code's zero-variance and regression masks — each counted in the metrics;
+4. computes advantages over (prompt, turn) groups of the kept rows (TRLOO, Eq. 5, by default, `rl.advantage`
+   of `algos.ADVANTAGES`; on the buffer's normalised returns when `rl.buffer` is set);
+5. takes PPO-clip token-level optimizer steps (dual clip, seq-mean-token-sum, grad clipping).
 
 Every turn becomes a `trajectories` row (stage "rl") with its reward, return, advantage and
 whether (and by which filter) it was dropped; every step logs `train_metrics` rows.
 
-In code, `IterationTrainer.step` says it in order: the rollout engine gets the policy's weights,
-`RolloutSource` hands the step's rollouts (saved, generated now, or generated ahead during the step
-before), `train_on_rollouts` runs steps 2–5, then the step's metrics and checkpoint.
+In code, `IterationTrainer.step` says it in order: the rollout engine gets the policy's weights
+(`kpipe.train.rollouts`), `RolloutSource` hands the step's rollouts (saved, generated now, or generated
+ahead during the step before), they become one `StepBatch` (`kpipe.train.rl_batch`) and
+`IterationTrainer.train` runs phases 2–5 on it, each phase adding its fields and running under its
+own timer (`<phase>_s` in the metrics); the update is `kpipe.train.rl_update.update_policy(batch, model,
+optimizer, ...)`; then the step's metrics and checkpoint. The math is `kpipe.train.algos`, the settings
+`kpipe.train.rl_config` (`RLConfig`; `IterationSettings`, the one argument of `run_iteration`).
 
 Asynchronous inference (`rl.async`, paper §6.1): `eval` judges each turn while the engine decodes
 the others (in the agent loop; same rows as `off`); `off_policy_1` also generates the next step's
@@ -34,7 +38,7 @@ redoes only unfinished work. Final outputs are written once, atomically, at the 
 restart key (settings, tasks, input models and state, code, library versions) guards the scratch
 directory. The scratch goes once the outputs are written: a rerun of a finished iteration starts over.
 
-Several processes (``kpipe launch --gpus N -- train rl ...``: one per GPU, FSDP2) run the same
+Several processes (`rl.gpus`, ``kpipe launch``: one per GPU, FSDP2) run the same
 step data-parallel: each takes an equal share of the step's prompts, generates and evaluates
 their rollouts itself (on its own GPU, with a full-weight copy of the policy for HF `generate` or its
 own in-process vLLM engine, fed the gathered weights before each step), and computes
@@ -56,8 +60,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -70,45 +73,34 @@ from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
 from kpipe.data.sources import training_queries
-from kpipe.infra.jobs import since_job_started
+from kpipe.infra.jobs import launched, since_job_started
 from kpipe.infra.provenance import RL_CODE, code_version, key_changes, library_versions, restart_key, weights_identity
 from kpipe.train import algos
+from kpipe.train.batching import max_over_processes, resolve_precision
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, save_checkpoint
 from kpipe.train.metrics_log import MetricsLog
-from kpipe.train.rl_advantages import (
-    annotate_rows,
+from kpipe.train.rl_batch import (
+    StepBatch,
+    advantages,
     buffer_masks,
-    buffer_values,
     filter_masks,
     mismatch_keep,
     rejection_reasons,
-    row_advantages,
-    row_returns,
+    returns,
 )
-from kpipe.train.rl_config import RLConfig
-from kpipe.train.rl_rollouts import (
+from kpipe.train.rl_config import IterationSettings, RLConfig
+from kpipe.train.rl_update import global_means, policy_log_probs, token_totals, update_policy
+from kpipe.train.rollouts import (
     STAGE,
+    RolloutSource,
     TimedEngine,
     TimedEvaluator,
     copy_full_weights,
     make_engine,
-    process_tasks,
     push_weights_to_vllm,
     rollout_metrics,
-    rollout_rows,
     step_seed,
-    step_tasks,
 )
-from kpipe.train.rl_update import (
-    TrainItem,
-    global_means,
-    policy_log_probs,
-    row_key,
-    token_samples,
-    token_totals,
-    update_policy,
-)
-from kpipe.train.mechanics import max_over_processes, resolve_precision
 
 log = logging.getLogger(__name__)
 
@@ -192,41 +184,30 @@ def gym_protocol(cfg: RLConfig, base: Mapping[str, Any] | None) -> Any:
     return Protocol.from_dict(values)
 
 
-def train_on_rollouts(rows: list[dict[str, Any]], cfg: RLConfig, accelerator: Any, model: Any, optimizer: Any,
-                      tokenizer: Any, filter_generator: torch.Generator, shuffle_generator: torch.Generator,
-                      progress: bool, reference: Any | None = None) -> dict[str, float]:
-    """Steps 2–5 of the module docstring on this process's rollouts; annotates `rows` and returns the
-    step's metrics over every process's rows. `filter_generator` draws PRS's coin flips,
-    `shuffle_generator` the mini-batches (the same state on every process); `reference` is the
-    reference policy of the KL term (`rl.kl_coef` > 0)."""
-    samples = token_samples(rows, tokenizer)
-    has_tokens = torch.tensor([bool(s.response_ids) for s in samples], dtype=torch.bool)
-    train_logp, ref_logp = recompute_log_probs(samples, cfg, accelerator, model, tokenizer, progress, reference)
-    rollout_logp = rollout_log_probs(rows, samples)
-    mrs_keep, log_w = mismatch_keep(train_logp, rollout_logp, cfg)  # MRS (Eq. 6): kept or not, whatever `mrs`
-    returns = row_returns(rows, cfg)  # the turns' rewards to reward-to-go returns (Eq. 2)
-    masks = buffer_masks(rows, returns, cfg) | filter_masks(rows, cfg, mrs_keep, filter_generator)
-    reasons = rejection_reasons(has_tokens, masks)
-    kept = torch.tensor([reason is None for reason in reasons])
-    valid = has_tokens if cfg.baseline_includes_rejected else kept
-    advantages = row_advantages(rows, buffer_values(rows, returns, masks, cfg), valid, cfg)
-    annotate_rows(rows, returns, advantages, reasons)
+class PhaseTimer:
+    """Wall seconds of a step's phases (`with timer("update"): ...`), reported as `<phase>_s` metrics."""
 
-    items = [TrainItem(row_key(rows[i]), samples[i], float(advantages[i]), train_logp[i], ref_logp[i])
-             for i in range(len(rows)) if kept[i]]
-    values = update_policy(accelerator, model, optimizer, items, cfg, tokenizer.pad_token_id, shuffle_generator,
-                           progress)
-    values.update(filter_metrics(accelerator, has_tokens, masks, kept, returns, advantages, log_w, mrs_keep,
-                                 train_logp, rollout_logp))
-    return values
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+    def metrics(self) -> dict[str, float]:
+        return {f"{phase}_s": seconds for phase, seconds in self.seconds.items()}
 
 
-def recompute_log_probs(samples: Sequence[Any], cfg: RLConfig, accelerator: Any, model: Any, tokenizer: Any,
-                        progress: bool, reference: Any | None) -> tuple[list[Any], list[Any]]:
+def recompute_log_probs(batch: StepBatch, cfg: RLConfig, accelerator: Any, model: Any, progress: bool,
+                        reference: Any | None) -> tuple[list[Any], list[Any]]:
     """π_train's log-probabilities of the rollout tokens (PPO's old log-probs, MRS's numerator), and the
     reference policy's for the KL term (None each without one), in the update's precision: PPO's ratio
     starts at 1."""
-    pad_id = tokenizer.pad_token_id
+    samples, pad_id = batch.samples, batch.pad_id
     model.eval()
     with accelerator.autocast():
         train_logp = policy_log_probs(model, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
@@ -238,26 +219,16 @@ def recompute_log_probs(samples: Sequence[Any], cfg: RLConfig, accelerator: Any,
     return train_logp, ref_logp
 
 
-def rollout_log_probs(rows: Sequence[dict[str, Any]], samples: Sequence[Any]) -> list[list[float]]:
-    """The generating policy's log-probabilities that each row recorded, one per response token."""
-    rollout_logp = [list(row.get("response_logprobs") or []) for row in rows]
-    for row, sample, logp in zip(rows, samples, rollout_logp, strict=True):
-        if len(logp) != len(sample.response_ids):
-            raise ValueError(f"{row['task_id']} sample {row['sample']} turn {row['turn']}: "
-                             f"{len(logp)} rollout log-probs for {len(sample.response_ids)} tokens")
-    return rollout_logp
-
-
-def filter_metrics(accelerator: Any, has_tokens: torch.Tensor, masks: Mapping[str, torch.Tensor], kept: torch.Tensor,
-                   returns: torch.Tensor, advantages: torch.Tensor, log_w: torch.Tensor, mrs_keep: torch.Tensor,
-                   train_logp: Sequence[Any], rollout_logp: Sequence[Any]) -> dict[str, float]:
+def filter_metrics(accelerator: Any, batch: StepBatch) -> dict[str, float]:
     """What each filter kept, the returns, advantages and the rollout/trainer mismatch, as means over
     every process's rows."""
+    has_tokens, masks, kept, log_w, mrs_keep = batch.has_tokens, batch.masks, batch.kept, batch.log_w, batch.mrs_keep
+    train_logp, rollout_logp = batch.train_logp, batch.rollout_logp
     rows = len(kept)
     with_tokens = float(has_tokens.sum())
     totals = {f"kept_frac_{name}": (float((mask & has_tokens).sum()), with_tokens) for name, mask in masks.items()}
-    totals.update(kept_frac=(float(kept.sum()), rows), return_mean=(float(returns.sum()), rows),
-                  advantage_abs_mean=(float(advantages[kept].abs().sum()), float(kept.sum())),
+    totals.update(kept_frac=(float(kept.sum()), rows), return_mean=(float(batch.returns.sum()), rows),
+                  advantage_abs_mean=(float(batch.advantages[kept].abs().sum()), float(kept.sum())),
                   mismatch_abs_log_w=(float(log_w[has_tokens].abs().sum()), with_tokens),
                   # what MRS would keep with `mrs: false` too (Figure 7's mismatch, whatever the filters)
                   mrs_would_keep=(float((mrs_keep & has_tokens).sum()), with_tokens))
@@ -270,163 +241,45 @@ def filter_metrics(accelerator: Any, has_tokens: torch.Tensor, masks: Mapping[st
     return values
 
 
-def run_iteration(
-    cfg: RLConfig,
-    tasks: Sequence[AgentTask],
-    init_model: str | os.PathLike,
-    model_out: str | os.PathLike,
-    trajectories_path: str | os.PathLike,
-    metrics_path: str | os.PathLike,
-    scratch: str | os.PathLike,
-    *,
-    run: str,
-    iteration: int,
-    init_state: str | os.PathLike | None = None,
-    state_out: str | os.PathLike | None = None,
-    gym: Mapping[str, Any] | None = None,
-    evaluator: Evaluator | None = None,
-    progress: bool = True,
-    reference_model: str | os.PathLike | None = None,
-) -> IterationResult:
-    """RL iteration `iteration` of `run`, starting from the HF model `init_model`.
+def run_iteration(settings: IterationSettings, evaluator: Evaluator | None = None) -> IterationResult:
+    """RL iteration `settings.iteration` of `settings.run`, from the HF model `settings.init_model`.
 
-    `init_model` is the previous iteration's model (iteration 0: the SFT model); `init_state`
-    the previous iteration's optimizer state, so Adam's moments carry over (missing: a fresh
-    optimizer, with a warning after iteration 0). Writes the HF model to `model_out`, the
-    optimizer state to `state_out`, the rollouts to `trajectories_path` and the step metrics
-    to `metrics_path`. `gym` is the `gym` config section (backend, workers, cache, protocol);
-    `evaluator` replaces the backend it names (tests, an evaluator shared across iterations).
-    `reference_model`: the KL term's reference policy (the run's SFT model), loaded only if `kl_coef` > 0.
+    The previous iteration's optimizer state (`init_state`) carries Adam's moments over (missing: a
+    fresh optimizer, with a warning after iteration 0). Writes the HF model to `model_out`, the
+    optimizer state to `state_out`, the rollouts to `trajectories` and the step metrics to `metrics`.
+    `gym` is the `gym` config section (backend, workers, cache, protocol); `evaluator` replaces the
+    backend it names (tests, an evaluator shared across iterations). The reference model is loaded
+    only if `kl_coef` > 0.
     """
     from accelerate import Accelerator
 
     from kpipe.agent.evaluator import open_evaluator, reference_reuse
 
-    if not tasks:
+    cfg = settings.cfg
+    if not settings.tasks:
         raise ValueError("RL needs at least one training task")
-    gym = dict(gym or {})
-    protocol = gym_protocol(cfg, gym.get("protocol"))
-    gym["protocol"] = protocol.to_dict()
-    init_state = Path(init_state) if init_state is not None and Path(init_state).is_dir() else None
-    if init_state is None and iteration > 0:
+    protocol = gym_protocol(cfg, settings.gym.get("protocol"))
+    init_state = settings.init_state if settings.init_state is not None and Path(settings.init_state).is_dir() else None
+    if init_state is None and settings.iteration > 0:
         log.warning("RL iteration %d of %s starts with a fresh optimizer: no state from iteration %d",
-                    iteration, run, iteration - 1)
-    reference_model = Path(reference_model) if reference_model is not None and cfg.kl_coef > 0 else None
-    key = iteration_key(cfg, run, iteration, tasks, protocol.to_json(), init_model, init_state, reference_model)
+                    settings.iteration, settings.run, settings.iteration - 1)
+    settings = replace(settings, init_state=init_state, gym={**settings.gym, "protocol": protocol.to_dict()},
+                       reference_model=settings.reference_model if cfg.kl_coef > 0 else None)
+    key = iteration_key(cfg, settings.run, settings.iteration, settings.tasks, protocol.to_json(), settings.init_model,
+                        settings.init_state, settings.reference_model)
     accelerator = Accelerator(mixed_precision=resolve_precision(cfg.mixed_precision))
-    check_processes(cfg, min(cfg.prompts_per_step, len(tasks)), accelerator.num_processes)
-    trainer = IterationTrainer(accelerator, IterationSettings(
-        cfg=cfg, run=run, iteration=iteration, tasks=tuple(tasks), init_model=Path(init_model), init_state=init_state,
-        scratch=Path(scratch), key=key, progress=progress, reference_model=reference_model))
+    check_processes(cfg, min(cfg.prompts_per_step, len(settings.tasks)), accelerator.num_processes)
+    trainer = IterationTrainer(accelerator, settings, key)
     with contextlib.ExitStack() as stack:
         if evaluator is None:
-            evaluator = stack.enter_context(open_evaluator(gym, reuse_reference=reference_reuse(None),
+            evaluator = stack.enter_context(open_evaluator(settings.gym, reuse_reference=reference_reuse(None),
                                                            progress=trainer.progress,
                                                            gpus=trainer.evaluation_gpus()))
-        cached = CachedEvaluator(evaluator, trainer.scratch / f"evals-{trainer.accelerator.process_index}.jsonl",
+        cached = CachedEvaluator(evaluator, settings.scratch / f"evals-{accelerator.process_index}.jsonl",
                                  protocol.to_json())
-        resumed_steps = trainer.start_step
         for step in range(trainer.start_step, cfg.steps_per_iteration):
             trainer.step(step, cached)
-    return trainer.finish(Path(model_out), state_out, trajectories_path, metrics_path, resumed_steps)
-
-
-@dataclass(frozen=True)
-class IterationSettings:
-    """What one iteration's trainer is built from: the RL settings, which iteration of which run on
-    which prompts, the model and optimizer state it starts from, its scratch and restart key."""
-
-    cfg: RLConfig
-    run: str
-    iteration: int
-    tasks: tuple[AgentTask, ...]
-    init_model: Path
-    init_state: Path | None  # the previous iteration's optimizer state; None: a fresh optimizer
-    scratch: Path
-    key: dict[str, str]  # the restart key (iteration_key) guarding the scratch
-    progress: bool
-    reference_model: Path | None = None  # the KL term's reference policy (rl.kl_coef > 0)
-
-    def global_step(self, step: int) -> int:
-        """`step` of this iteration counted over the run: the seeds and metrics' step."""
-        return self.iteration * self.cfg.steps_per_iteration + step
-
-
-class RolloutSource:
-    """A step's rollouts, wherever they come from: saved in the scratch (by a killed attempt, or
-    generated ahead during the step before), else generated now; with `async: off_policy_1` the
-    next step's are generated ahead on a background thread while the update runs. Every step's
-    rollouts are saved before they are trained on (the ahead ones before the step's checkpoint), so a
-    resumed step finds them."""
-
-    def __init__(self, settings: IterationSettings, accelerator: Any, engine: TimedEngine, policy: Any) -> None:
-        self.settings, self.accelerator, self.engine = settings, accelerator, engine
-        self.policy = policy  # HF generation may run on the policy itself: in eval mode then
-
-    def of_step(self, step: int, evaluator: Evaluator) -> list[dict[str, Any]]:
-        """This process's rollouts of `step`: the saved ones, or generated now and saved."""
-        rows = self.saved(step)
-        if rows is None:
-            self.policy.eval()
-            rows = self.save(step, self.generate(step, evaluator))
-        return rows
-
-    @contextlib.contextmanager
-    def ahead(self, step: int, evaluator: Evaluator) -> Iterator[None]:
-        """With off_policy_1, generate `step`'s rollouts on a background thread during the block, from
-        the rollout weights of now, and save them after it (none past the iteration's last step, none
-        already saved)."""
-        cfg = self.settings.cfg
-        if cfg.async_mode != "off_policy_1" or step >= cfg.steps_per_iteration or self.path(step).exists():
-            yield
-            return
-        with ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") as background:
-            rows = background.submit(self.generate, step, evaluator, side_stream())
-            yield
-            self.save(step, rows.result())
-
-    def policy_lag(self, step: int) -> int:
-        """Updates between the policy that generated `step`'s rollouts and the one trained on them: with
-        off_policy_1 every step but an iteration's first trains on rollouts generated during the
-        previous step's update (also after a resume: they are saved before that step's checkpoint)."""
-        return int(self.settings.cfg.async_mode == "off_policy_1" and step > 0)
-
-    def path(self, step: int) -> Path:
-        return self.settings.scratch / f"rollouts-{step:04d}.parquet"
-
-    def my_tasks(self, step: int) -> list[AgentTask]:
-        """This process's prompts of `step`."""
-        cfg = self.settings.cfg
-        return process_tasks(step_tasks(self.settings.tasks, cfg.prompts_per_step, cfg.seed,
-                                        self.settings.global_step(step)),
-                             self.accelerator.process_index, self.accelerator.num_processes)
-
-    def saved(self, step: int) -> list[dict[str, Any]] | None:
-        """This process's rollouts of `step` as a previous attempt (or the step before) saved them."""
-        path = self.path(step)
-        if not path.exists():
-            return None
-        mine = {task.task_id for task in self.my_tasks(step)}
-        return [row for row in read_table(path, "trajectories").to_pylist() if row["task_id"] in mine]
-
-    def generate(self, step: int, evaluator: Evaluator, stream: Any = None) -> list[dict[str, Any]]:
-        """This process's rollouts of `step`, generated and judged now by the rollout engine's current
-        weights, on the CUDA `stream` if given. No collectives: it runs on a background thread during
-        the update (off_policy_1)."""
-        settings = self.settings
-        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        # HF rollouts in the trainer's precision: less mismatch for MRS
-        with on_stream, self.accelerator.autocast():
-            return rollout_rows(self.my_tasks(step), self.engine, evaluator, settings.cfg, run=settings.run,
-                                iteration=settings.iteration, global_step=settings.global_step(step),
-                                progress=settings.progress and self.accelerator.is_main_process)
-
-    def save(self, step: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Every process's rollouts of `step` into the scratch (rank 0 writes); returns this process's."""
-        all_rows = gather_object(rows)
-        if self.accelerator.is_main_process:
-            write_table(all_rows, self.path(step), "trajectories")
-        return rows
+    return trainer.finish(resumed_steps=trainer.start_step)
 
 
 class IterationTrainer:
@@ -437,16 +290,16 @@ class IterationTrainer:
     `async: off_policy_1` (HF engine) too: the next step's rollouts are generated from that copy while
     the update changes the policy's own weights."""
 
-    def __init__(self, accelerator: Any, settings: IterationSettings) -> None:
+    def __init__(self, accelerator: Any, settings: IterationSettings, key: dict[str, str]) -> None:
         from accelerate.utils import set_seed
 
         set_up = time.perf_counter()
         cfg, scratch, run, iteration = settings.cfg, settings.scratch, settings.run, settings.iteration
         self.accelerator, processes = accelerator, accelerator.num_processes
-        self.settings, self.cfg, self.scratch = settings, cfg, scratch
+        self.settings, self.cfg, self.scratch, self.key = settings, cfg, scratch, key
         self.progress = settings.progress and self.accelerator.is_main_process
         with self.accelerator.main_process_first():  # rank 0 clears a stale scratch before the others look
-            resumed = prepare_scratch(scratch, settings.key)
+            resumed = prepare_scratch(scratch, key)
         set_seed(cfg.seed + iteration)
         model, self.tokenizer = load_policy(settings.init_model, cfg)
         # bf16 under bf16 autocast (what vLLM would sample from too): half the memory of an fp32 copy,
@@ -502,27 +355,47 @@ class IterationTrainer:
 
     def step(self, step: int, evaluator: Evaluator) -> dict[str, float]:
         """One step, in order: the rollout engine gets the policy's weights; this process's rollouts
-        (saved, or generated and judged now); the update on them (rewards → returns → MRS/PRS and the
-        other filters → advantages → PPO-clip, `train_on_rollouts`), with off_policy_1 the next step's
-        rollouts generated meanwhile; metrics over every process's rows; the step's rows and a
-        checkpoint in the scratch."""
+        (saved, or generated and judged now); the phases on their batch (`train`), with off_policy_1 the
+        next step's rollouts generated meanwhile; metrics over every process's rows; the step's rows
+        and a checkpoint in the scratch."""
         self.sync_rollout_weights(step)
-        timed = TimedEvaluator(evaluator)
+        timed, timer = TimedEvaluator(evaluator), PhaseTimer()
         self.engine.seconds = 0.0
         started = time.perf_counter()
-        rows = self.rollouts.of_step(step, timed)
-        rollout_s = time.perf_counter() - started
+        with timer("rollout"):
+            rows = self.rollouts.of_step(step, timed)
         self.seed_step_generators(step)
-        with self.rollouts.ahead(step + 1, timed):
-            train_started = time.perf_counter()
-            values = train_on_rollouts(rows, self.cfg, self.accelerator, self.model, self.optimizer, self.tokenizer,
-                                       self.filter_generator, self.shuffle_generator, self.progress, self.reference)
-            train_s = time.perf_counter() - train_started
+        with self.rollouts.ahead(step + 1, timed), timer("train"):
+            batch = self.train(StepBatch.of_rows(rows, self.tokenizer), timer)
+            values = {**batch.update, **filter_metrics(self.accelerator, batch)}
         release_cached_gpu_memory()
-        all_rows = gather_object(rows)
-        values.update(self.step_metrics(step, all_rows, timed, rollout_s, train_s, time.perf_counter() - started))
+        all_rows = gather_object(batch.rows)
+        values.update(self.step_metrics(step, all_rows, timed, timer, time.perf_counter() - started))
         self.save_step(step, all_rows, values)
         return values
+
+    def train(self, batch: StepBatch, timer: PhaseTimer) -> StepBatch:
+        """Phases 2–5 of the module docstring on this process's batch, each under its timer, each adding
+        its fields to the batch. PRS draws its coin flips from `filter_generator`, the update its
+        mini-batches from `shuffle_generator`."""
+        cfg = self.cfg
+        with timer("log_probs"):
+            batch.train_logp, batch.ref_logp = recompute_log_probs(batch, cfg, self.accelerator, self.model,
+                                                                   self.progress, self.reference)
+            batch.mrs_keep, batch.log_w = mismatch_keep(batch.train_logp, batch.rollout_logp, cfg)
+        with timer("returns"):
+            batch.returns = returns(batch, cfg)
+        with timer("filters"):
+            batch.masks = buffer_masks(batch, cfg) | filter_masks(batch, cfg, self.filter_generator)
+            batch.reasons = rejection_reasons(batch.has_tokens, batch.masks)
+            batch.kept = torch.tensor([reason is None for reason in batch.reasons])
+        with timer("advantages"):
+            batch.advantages = advantages(batch, cfg)
+            batch.annotate()
+        with timer("update"):
+            batch.update = update_policy(batch, self.model, self.optimizer, self.accelerator, cfg,
+                                         self.shuffle_generator, self.progress)
+        return batch
 
     def sync_rollout_weights(self, step: int) -> None:
         """Give the rollout engine the policy's current weights: the HF rollout copy every step, vLLM's
@@ -541,16 +414,19 @@ class IterationTrainer:
         self.filter_generator.manual_seed(step_seed(self.cfg.seed + 1, global_step) + self.accelerator.process_index)
         self.shuffle_generator.manual_seed(step_seed(self.cfg.seed + 2, global_step))
 
-    def step_metrics(self, step: int, all_rows: list[dict[str, Any]], timed: TimedEvaluator, rollout_s: float,
-                     train_s: float, step_s: float) -> dict[str, float]:
+    def step_metrics(self, step: int, all_rows: list[dict[str, Any]], timed: TimedEvaluator, timer: PhaseTimer,
+                     step_s: float) -> dict[str, float]:
         """The step's rollout metrics and times. The times are this process's (the step ends in
         collectives, so step_s is everyone's); gen_s and eval_s count whatever generation and evaluation
         ran during the step, overlap_s what running them alongside each other and the update saved
         against one after the other."""
         values = rollout_metrics(all_rows, self.cfg.max_turns)
-        values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=rollout_s, train_s=train_s,
-                      step_s=step_s, overlap_s=self.engine.seconds + timed.seconds + train_s - step_s,
+        phases = timer.metrics()
+        values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=phases.pop("rollout_s"),
+                      train_s=phases["train_s"], step_s=step_s,
+                      overlap_s=self.engine.seconds + timed.seconds + phases.pop("train_s") - step_s,
                       policy_lag=float(self.rollouts.policy_lag(step)), lr=self.cfg.lr, rows=float(len(all_rows)))
+        values.update(phases)  # the train phases' own seconds
         return values
 
     def save_step(self, step: int, all_rows: list[dict[str, Any]], values: dict[str, float]) -> None:
@@ -567,13 +443,12 @@ class IterationTrainer:
             if accelerator.is_main_process:
                 self.metrics.flush()
             save_checkpoint(accelerator, self.model, self.tokenizer, self.scratch / "checkpoints", step + 1,
-                            self.settings.key, keep_last=1)
+                            self.key, keep_last=1)
 
-    def finish(self, model_out: Path, state_out: str | os.PathLike | None, trajectories_path: str | os.PathLike,
-               metrics_path: str | os.PathLike, resumed_steps: int) -> IterationResult:
+    def finish(self, resumed_steps: int) -> IterationResult:
         """Write the iteration's outputs (each atomically, the model and state via a rename; files by
         rank 0), drop the scratch."""
-        accelerator = self.accelerator
+        accelerator, model_out, state_out = self.accelerator, Path(self.settings.model_out), self.settings.state_out
         replace_dir(accelerator, model_out, lambda tmp: export_hf(accelerator, self.model, self.tokenizer, tmp))
         if state_out is not None:
             replace_dir(accelerator, Path(state_out), lambda tmp: accelerator.save_state(str(tmp)))
@@ -582,8 +457,8 @@ class IterationTrainer:
             rows.extend(read_table(self.scratch / f"step-{step:04d}.parquet", "trajectories").to_pylist())
         accelerator.wait_for_everyone()  # everyone has read the scratch
         if accelerator.is_main_process:
-            write_table(rows, trajectories_path, "trajectories")
-            write_table(self.metrics.rows, metrics_path, "train_metrics")
+            write_table(rows, self.settings.trajectories, "trajectories")
+            write_table(self.metrics.rows, self.settings.metrics, "train_metrics")
             shutil.rmtree(self.scratch, ignore_errors=True)
         accelerator.wait_for_everyone()
         mean_reward = float(np.mean([row["reward"] for row in rows])) if rows else math.nan
@@ -594,17 +469,6 @@ def release_cached_gpu_memory() -> None:
     """Hand the update's cached blocks back: the next rollouts' evaluation children share this GPU."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def side_stream() -> Any:
-    """A CUDA stream for a background thread's rollouts, ordered after the work queued so far (the
-    rollout copy's weights); None without CUDA. Threads share the default stream, on which the
-    rollouts' kernels would queue behind the update's instead of running beside them."""
-    if not torch.cuda.is_available():
-        return None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    return stream
 
 
 def replace_dir(accelerator: Any, target: Path, write: Callable[[Path], Any]) -> Path:
@@ -635,3 +499,26 @@ def drop_optimizer_state(path: str | os.PathLike) -> None:
     moments are twice the model in fp32: one per iteration would fill any disk)."""
     shutil.rmtree(path, ignore_errors=True)
 
+
+
+@launched
+def rl_job(*, queries: str, init_model: str, model_out: str, trajectories: str, metrics: str, scratch: str, run: str,
+           iteration: int, rl: Mapping[str, Any], gym: Mapping[str, Any], state_out: str,
+           init_state: str | None = None, drop_init_state: bool = False, reference_model: str | None = None) -> None:
+    """Rule `rl_iter`: one RL iteration in each of the job's processes (`kpipe.infra.jobs.run_job`), its
+    settings the rule's (`rl`: the run's `rl` section; `gym`: the `gym` section); the prompts are the
+    non-contaminated queries of `queries`. `drop_init_state`: delete `init_state` once done (the next
+    iteration needs only this one's)."""
+    from accelerate import PartialState
+
+    cfg = RLConfig.from_dict(dict(rl))
+    result = run_iteration(IterationSettings(
+        cfg=cfg, tasks=tuple(training_tasks(queries, cfg.max_prompts)), init_model=Path(init_model),
+        model_out=Path(model_out), trajectories=Path(trajectories), metrics=Path(metrics), scratch=Path(scratch),
+        run=run, iteration=iteration, init_state=Path(init_state) if init_state else None, state_out=Path(state_out),
+        gym=dict(gym), reference_model=Path(reference_model) if reference_model else None))
+    if PartialState().is_main_process:
+        if drop_init_state and init_state:
+            drop_optimizer_state(init_state)
+        log.info("RL %s iteration %d: %d turns, mean reward %.3f, %d step(s) resumed -> %s", run, iteration,
+                 result.rows, result.mean_reward, result.resumed_steps, result.model_dir)

@@ -1,4 +1,5 @@
-"""RL hyper-parameters: the paper's defaults and the paper's ablations as named overlays.
+"""RL settings: `RLConfig`, the hyper-parameters (the paper's defaults, the paper's ablations as named
+overlays), and `IterationSettings`, everything one iteration is run with (`kpipe.train.rl.run_iteration`).
 
 `RLConfig` holds everything one RL iteration depends on. Defaults are the paper's (§4–6,
 facts.md); where only the released code says something (hkust-nlp/KernelGYM on verl), the
@@ -12,11 +13,15 @@ from __future__ import annotations
 import hashlib
 import math
 import json
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from kpipe.train.algos import (
     ADVANTAGES,
+    REWARDS,
+    SPEEDUP_CAP,
     KEVIN_GAMMA,
     KL_ESTIMATORS,
     MRS_DELTA,
@@ -28,8 +33,10 @@ from kpipe.train.algos import (
     TRITONFORGE_MIN_VALID_ITEM_RATIO,
     ZERO_VARIANCE_MIN_STD,
 )
-from kpipe.train.mechanics import PRECISIONS, accepted_types
-from kpipe.train.turn_rewards import REWARDS, SPEEDUP_CAP
+from kpipe.train.batching import PRECISIONS, accepted_types
+
+if TYPE_CHECKING:
+    from kpipe.agent.loop import AgentTask
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 ADVANTAGE_NAMES = tuple(ADVANTAGES)
@@ -233,3 +240,28 @@ def with_ablation(cfg: RLConfig, name: str) -> RLConfig:
         raise ValueError(f"RLConfig: unknown ablation {name!r}; choose one of {sorted(ABLATIONS)}")
     return replace(cfg, **ABLATIONS[name])
 
+
+
+@dataclass(frozen=True)
+class IterationSettings:
+    """One RL iteration: its hyper-parameters, which iteration of which run on which prompts, the model
+    and optimizer state it starts from, and where its outputs and partial work go."""
+
+    cfg: RLConfig
+    tasks: tuple[AgentTask, ...]
+    init_model: Path  # the previous iteration's model (iteration 0: the SFT model)
+    model_out: Path
+    trajectories: Path  # the rollouts (`trajectories` rows, stage rl)
+    metrics: Path  # the steps' `train_metrics` rows
+    scratch: Path  # partial work: a rerun with the same restart key resumes from it
+    run: str = "default"
+    iteration: int = 0
+    init_state: Path | None = None  # the previous iteration's optimizer state; None: a fresh optimizer
+    state_out: Path | None = None  # where this iteration's optimizer state goes
+    gym: Mapping[str, Any] = field(default_factory=dict)  # the `gym` config section (backend, workers, protocol)
+    reference_model: Path | None = None  # the KL term's reference policy (the run's SFT model; rl.kl_coef > 0)
+    progress: bool = True
+
+    def global_step(self, step: int) -> int:
+        """`step` of this iteration counted over the run: the seeds and metrics' step."""
+        return self.iteration * self.cfg.steps_per_iteration + step

@@ -1,7 +1,8 @@
-"""The policy update of an RL step: the trainer's token sequences (the rollout's exact prompt render,
-left padding), π_train log-probs of the sampled tokens, and PPO-clip optimizer steps over
-micro-batches whose losses are weighted so that accumulation over micro-batches and processes gives
-the one-big-batch gradient.
+"""The policy side of an RL step: π_train's log-probs of the sampled tokens (left padding, the
+rollout's exact prompt render) and the update, `update_policy(batch, model, optimizer, ...)`: PPO-clip
+optimizer steps over micro-batches whose losses are weighted so that accumulation over micro-batches
+and processes gives the one-big-batch gradient. Another optimizer or log-prob implementation plugs in
+here: the loop (`kpipe.train.rl`) calls `policy_log_probs` and `update_policy` and nothing else of it.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,39 +17,10 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from kpipe.llm.hf_engine import plain_chat_prompt
 from kpipe.train import algos
+from kpipe.train.batching import max_over_processes, plan_micro_batches
+from kpipe.train.rl_batch import StepBatch, TokenSample, TrainItem, response_mask, right_aligned
 from kpipe.train.rl_config import RLConfig
-from kpipe.train.mechanics import max_over_processes, plan_micro_batches
-
-
-def prompt_text(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """The prompt exactly as the rollout engines render it (chat template, generation prompt)."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return plain_chat_prompt(messages)
-
-
-@dataclass
-class TokenSample:
-    """One turn as the trainer sees it: prompt ids + the sampled response ids."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
-
-
-def token_samples(rows: Sequence[dict[str, Any]], tokenizer: Any) -> list[TokenSample]:
-    """Trainer inputs of rows with a response (rows without one get an empty response)."""
-    samples = []
-    for row in rows:
-        text = prompt_text(tokenizer, list(row["prompt_messages"]))
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        samples.append(TokenSample(prompt_ids, list(row.get("response_token_ids") or [])))
-    return samples
 
 
 def left_padded(samples: Sequence[TokenSample], pad_id: int) -> dict[str, torch.Tensor]:
@@ -67,20 +38,6 @@ def left_padded(samples: Sequence[TokenSample], pad_id: int) -> dict[str, torch.
         attention_mask[row, width - len(ids):] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-
-
-def response_mask(lengths: Sequence[int], width: int) -> torch.Tensor:
-    """[rows, width] mask of the response tokens in right-aligned [rows, width] tensors."""
-    return torch.arange(width).unsqueeze(0) >= (width - torch.tensor(list(lengths))).unsqueeze(1)
-
-
-def right_aligned(values: Sequence[Sequence[float]], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per-row sequences as a [rows, width] tensor, each row's values at the right end, 0 elsewhere."""
-    out = torch.zeros((len(values), width), dtype=dtype)
-    for row, sequence in enumerate(values):
-        if len(sequence):
-            out[row, width - len(sequence):] = torch.as_tensor(list(sequence), dtype=dtype)
-    return out
 
 
 def response_logits(model: Any, samples: Sequence[TokenSample], pad_id: int,
@@ -130,22 +87,6 @@ def policy_log_probs(model: Any, samples: Sequence[TokenSample], temperature: fl
     return out
 
 
-RowKey = tuple[str, int, int]  # (task_id, sample, turn): names a row of a step on every process
-
-
-def row_key(row: Mapping[str, Any]) -> RowKey:
-    return (row["task_id"], int(row["sample"]), int(row["turn"]))
-
-
-@dataclass
-class TrainItem:
-    key: RowKey
-    sample: TokenSample
-    advantage: float
-    old_logp: torch.Tensor  # π_train before the update (PPO's old policy)
-    ref_logp: torch.Tensor | None = None  # the reference policy's (rl.kl_coef > 0)
-
-
 def loss_units(agg_mode: str, response_lengths: Sequence[int]) -> int:
     """What a mini-batch's loss is a mean over: its response tokens (token-mean) or its sequences."""
     return sum(response_lengths) if agg_mode == "token-mean" else len(response_lengths)
@@ -173,8 +114,14 @@ def global_means(accelerator: Any, totals: Mapping[str, tuple[float, float]]) ->
     return {name: sums[name] / counts[name] for name in totals if counts[name]}
 
 
-def update_policy(accelerator: Any, model: Any, optimizer: Any, items: Sequence[TrainItem], cfg: RLConfig,
-                  pad_id: int, generator: torch.Generator, progress: bool = False) -> dict[str, float]:
+def update_policy(batch: StepBatch, model: Any, optimizer: Any, accelerator: Any, cfg: RLConfig,
+                  generator: torch.Generator, progress: bool = False) -> dict[str, float]:
+    """The update phase: optimizer steps on the batch's kept rows (`ppo_clip_steps`); returns its metrics."""
+    return ppo_clip_steps(accelerator, model, optimizer, batch.train_items(), cfg, batch.pad_id, generator, progress)
+
+
+def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence[TrainItem], cfg: RLConfig,
+                   pad_id: int, generator: torch.Generator, progress: bool = False) -> dict[str, float]:
     """PPO-clip optimizer steps on this process's `items`: `ppo_epochs` passes over `mini_batches`
     mini-batches each, the same steps one process would take on every process's items.
 

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from kpipe.infra.jobs import since_job_started
 from kpipe.infra.provenance import SFT_CODE, code_version, hub_weights_identity, library_versions, restart_key
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, remove_checkpoints, save_checkpoint
-from kpipe.train.mechanics import (
+from kpipe.train.batching import (
     PRECISIONS,
     accepted_types,
     batch_indices,

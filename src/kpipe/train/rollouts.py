@@ -1,31 +1,37 @@
-"""The rollouts of an RL step (paper §4.3, §6.1): which prompts, the engine that generates them (HF
-`generate` on the policy or an in-process vLLM engine, fed the trainer's weights), the timing wrappers
-behind the step's time split, and the rollouts' reward metrics. The episodes themselves run in the
-one multi-turn loop, `kpipe.agent.run_episodes`.
+"""The rollouts of an RL step (paper §4.3, §6.1): which prompts, where a step's rollouts come from
+(`RolloutSource`: saved, generated now, or generated ahead during the step before), the engine that
+generates them (HF `generate` on the policy or an in-process vLLM engine) and the weight push that
+feeds it the trainer's weights, the timing wrappers behind the step's time split, and the rollouts'
+reward metrics. The episodes themselves run in the one multi-turn loop, `kpipe.agent.run_episodes`;
+each turn's reward is `kpipe.train.algos.turn_reward` of KernelGym's result.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
+from accelerate.utils import gather_object
 
 from kpipe.agent.evaluator import Evaluator
 from kpipe.agent.history import make_policy
 from kpipe.agent.loop import GENERATION_ERROR, AgentTask, Sampling, run_episodes
 from kpipe.data import metrics as kmetrics
+from kpipe.data.io import read_table, write_table
 from kpipe.llm.extract import FORMAT_ERROR
 from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
-from kpipe.train.rl_config import RLConfig
-from kpipe.train.mechanics import batch_indices
-from kpipe.train.turn_rewards import turn_reward
+from kpipe.train.algos import turn_reward
+from kpipe.train.batching import batch_indices
+from kpipe.train.rl_config import IterationSettings, RLConfig
 
 STAGE = "rl"
 FAST_PS = (1.0, 1.2)
@@ -196,3 +202,90 @@ def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name
 
 _LIVE_VLLM: dict[str, Any] = {}  # this process's in-process vLLM engine: key (its arguments), module, engine
 
+
+class RolloutSource:
+    """A step's rollouts, wherever they come from: saved in the scratch (by a killed attempt, or
+    generated ahead during the step before), else generated now; with `async: off_policy_1` the
+    next step's are generated ahead on a background thread while the update runs. Every step's
+    rollouts are saved before they are trained on (the ahead ones before the step's checkpoint), so a
+    resumed step finds them."""
+
+    def __init__(self, settings: IterationSettings, accelerator: Any, engine: TimedEngine, policy: Any) -> None:
+        self.settings, self.accelerator, self.engine = settings, accelerator, engine
+        self.policy = policy  # HF generation may run on the policy itself: in eval mode then
+
+    def of_step(self, step: int, evaluator: Evaluator) -> list[dict[str, Any]]:
+        """This process's rollouts of `step`: the saved ones, or generated now and saved."""
+        rows = self.saved(step)
+        if rows is None:
+            self.policy.eval()
+            rows = self.save(step, self.generate(step, evaluator))
+        return rows
+
+    @contextlib.contextmanager
+    def ahead(self, step: int, evaluator: Evaluator) -> Iterator[None]:
+        """With off_policy_1, generate `step`'s rollouts on a background thread during the block, from
+        the rollout weights of now, and save them after it (none past the iteration's last step, none
+        already saved)."""
+        cfg = self.settings.cfg
+        if cfg.async_mode != "off_policy_1" or step >= cfg.steps_per_iteration or self.path(step).exists():
+            yield
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") as background:
+            rows = background.submit(self.generate, step, evaluator, side_stream())
+            yield
+            self.save(step, rows.result())
+
+    def policy_lag(self, step: int) -> int:
+        """Updates between the policy that generated `step`'s rollouts and the one trained on them: with
+        off_policy_1 every step but an iteration's first trains on rollouts generated during the
+        previous step's update (also after a resume: they are saved before that step's checkpoint)."""
+        return int(self.settings.cfg.async_mode == "off_policy_1" and step > 0)
+
+    def path(self, step: int) -> Path:
+        return self.settings.scratch / f"rollouts-{step:04d}.parquet"
+
+    def my_tasks(self, step: int) -> list[AgentTask]:
+        """This process's prompts of `step`."""
+        cfg = self.settings.cfg
+        return process_tasks(step_tasks(self.settings.tasks, cfg.prompts_per_step, cfg.seed,
+                                        self.settings.global_step(step)),
+                             self.accelerator.process_index, self.accelerator.num_processes)
+
+    def saved(self, step: int) -> list[dict[str, Any]] | None:
+        """This process's rollouts of `step` as a previous attempt (or the step before) saved them."""
+        path = self.path(step)
+        if not path.exists():
+            return None
+        mine = {task.task_id for task in self.my_tasks(step)}
+        return [row for row in read_table(path, "trajectories").to_pylist() if row["task_id"] in mine]
+
+    def generate(self, step: int, evaluator: Evaluator, stream: Any = None) -> list[dict[str, Any]]:
+        """This process's rollouts of `step`, generated and judged now by the rollout engine's current
+        weights, on the CUDA `stream` if given. No collectives: it runs on a background thread during
+        the update (off_policy_1)."""
+        settings = self.settings
+        on_stream = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        # HF rollouts in the trainer's precision: less mismatch for MRS
+        with on_stream, self.accelerator.autocast():
+            return rollout_rows(self.my_tasks(step), self.engine, evaluator, settings.cfg, run=settings.run,
+                                iteration=settings.iteration, global_step=settings.global_step(step),
+                                progress=settings.progress and self.accelerator.is_main_process)
+
+    def save(self, step: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every process's rollouts of `step` into the scratch (rank 0 writes); returns this process's."""
+        all_rows = gather_object(rows)
+        if self.accelerator.is_main_process:
+            write_table(all_rows, self.path(step), "trajectories")
+        return rows
+
+
+def side_stream() -> Any:
+    """A CUDA stream for a background thread's rollouts, ordered after the work queued so far (the
+    rollout copy's weights); None without CUDA. Threads share the default stream, on which the
+    rollouts' kernels would queue behind the update's instead of running beside them."""
+    if not torch.cuda.is_available():
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return stream

@@ -1,4 +1,4 @@
-"""Training mechanics that SFT and RL share: config typing, precision, data order and micro-batching.
+"""What SFT and RL share about batches: data order, micro-batching under a token budget, precision, config typing.
 
 Both trainers run the same kind of step (length-grouped micro-batches under a token budget, every
 process as many passes as the busiest, bf16 on a GPU), so they take these from here rather than
