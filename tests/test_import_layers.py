@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("kpipe.train",)),
     ("evaluate", ("kpipe.evaluate",)),
     ("report", ("kpipe.report",)),
+    ("workflow", ("kpipe.workflow",)),  # what the Snakefile calls: the run's services
 ]
 
 

@@ -88,30 +88,6 @@ class ModelNew(TorchBehindAKernel):
     def forward(self, *inputs):
         return self.answer(*inputs)
 ''',
-    "asks_the_runs_warm_starter": PRELUDE + '''
-import json, socket, struct
-# the run's warm starter ran `kpipe <argv>` for any client of its socket (issue 52, class 1): find it
-# by the environment or among the abstract sockets this process can see, and ask it to run a command
-names = {os.environ.get("KPIPE_WARM_START")} | {line.split()[-1][1:] for line in open("/proc/net/unix").read().splitlines()[1:]
-                                               if line.split()[-1].startswith("@kpipe-warm-start-")}
-for name in names - {None}:
-    try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(5)
-        conn.connect("\\0" + name)
-        payload = json.dumps({"token": os.environ.get("KPIPE_WARM_START_TOKEN", ""), "job": "os:system",
-                              "args": ["echo pwned > {victim}"], "kwargs": {}, "env": dict(os.environ), "cwd": "/",
-                              "argv": ["gpu", "run", "-n", "0", "--", "sh", "-c", "echo pwned > {victim}"]}).encode()
-        conn.sendall(struct.pack("!I", len(payload)) + payload)
-        conn.recv(4096)
-    except OSError:
-        pass
-
-
-class ModelNew(TorchBehindAKernel):  # wrong outputs: what is tested is whether the starter ran a command
-    def forward(self, *inputs):
-        return self.answer(*inputs) + 1
-''',
     "a_fifo_for_a_result": PRELUDE + '''
 os.mkfifo("partial.pt")
 time.sleep(3600)
@@ -191,8 +167,5 @@ def test_attacks_through_the_runs_service_fail_and_the_honest_kernel_passes(work
     assert set(seen) == set(by_code.values()), f"programs never evaluated: {set(by_code.values()) - set(seen)}"
     assert seen["legit"]["status"] == "pass", seen["legit"].get("feedback")
     assert victim.read_text() == VICTIM_TEXT
-    # the run's warm starter (config warm_start: on) heard from no candidate: its socket is out of their reach
-    starter_log = (workflow_copy / "results" / ".gym" / "warm-start.log").read_text()
-    assert "refused" not in starter_log, starter_log
     log = (workflow_copy / "logs" / "eval" / "run=default" / "attacker-L1-0.log")
     assert "evaluating on the run's KernelGym service" in log.read_text(), "the evaluations did not go to the run's service"

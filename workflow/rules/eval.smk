@@ -6,6 +6,101 @@
 # Answers of API models and all evaluations are cached under results/cache/eval/ (not outputs:
 # a killed job keeps them and its rerun pays for nothing twice).
 
+from kpipe.evaluate.kernelbench import budget_splits, model_gpus, models_by_name
+
+# KernelBench evaluation (rules/eval.smk)
+MODELS = models_by_name(config["models"])
+EVAL = config["eval"]
+EVAL_DIR = f"{RESULTS}/trajectories/stage=eval/run={RUN}"
+def stage_models(section):
+    """The `models:` entries a stage runs (default: all of them; names checked below)."""
+    return section.get("models") or list(MODELS)
+
+
+for _stage in ("eval", "stts", "eval_budget"):
+    _unknown = [name for name in config[_stage].get("models") or [] if name not in MODELS]
+    if _unknown:
+        sys.exit(f"config error: {_stage}.models: {', '.join(map(repr, _unknown))} not defined under models: "
+                 f"(defined: {', '.join(MODELS)})")
+
+
+def model_job_slots(wildcards):
+    """GPU slots of an eval/STTS/budget job: one when its model is small (the offline teacher, an
+    API model, the nano pipeline policy in process), else its model's GPUs whole (`vllm serve`'s
+    tensor x data parallel, or one)."""
+    entry = MODELS[wildcards.model]
+    gpus = model_gpus(entry)
+    small = entry["kind"] in ("offline_teacher", "openai") or (entry["kind"] == "pipeline" and TINY_POLICY and gpus == 1
+                                                                and entry.get("serve") != "vllm")
+    return evaluating_job_slots(small) if gpus == 1 else gpu_slots(gpus, False)
+
+
+def model_job_gpus(wildcards):
+    """Whole GPUs of an eval/STTS/budget job (its `gpu` resource)."""
+    return whole_gpus(model_job_slots(wildcards))
+
+
+def stage_levels(section):
+    return section.get("levels") or config["kernelbench"]["levels"]
+
+
+def pipeline_checkpoint(name, section=EVAL):
+    """The checkpoint of a `kind: pipeline` model (an input, so it is built first): the SFT model, or its RL
+    run's last checkpoint (`section["checkpoint"]`: last) or the file naming its best validated one
+    (best_val: rule select_checkpoint, rules/eval.smk)."""
+    entry = MODELS[name]
+    if entry["kind"] != "pipeline":
+        return []
+    if entry["source"] == "sft":
+        return f"{RESULTS}/models/sft-{RUN}"
+    run = entry.get("rl_run") or RUN  # which RL run's checkpoint (rules/rl.smk)
+    if run not in RL_RUNS:
+        raise ValueError(f"config error: models.{name}.rl_run: {run!r} is not an RL run ({', '.join(RL_RUNS)})")
+    return rl_selection(run) if section["checkpoint"] == "best_val" else rl_final_model(run)
+
+
+def rl_selection(run):
+    """The file naming the RL checkpoint of `run` that best_val evaluates (rule select_checkpoint)."""
+    if not RL_VALIDATED_ITERATIONS:
+        raise ValueError("config error: eval.checkpoint / stts.checkpoint: best_val needs RL validation "
+                         "(rl.validation.every > 0)")
+    return f"{RESULTS}/models/rl-{run}/selected.json"
+
+
+def checkpoint_selections():
+    """Every selection file an evaluating stage reads (none under eval.checkpoint and stts.checkpoint last)."""
+    stages = [(EVAL, stage_models(EVAL)), (STTS, stage_models(STTS) if STTS["enabled"] else []),
+              (EVAL, stage_models(BUDGET) if BUDGET["models"] else [])]
+    return sorted({pipeline_checkpoint(name, section) for section, names in stages for name in names
+                   if MODELS[name]["kind"] == "pipeline" and MODELS[name]["source"] == "rl"
+                   and section["checkpoint"] == "best_val"})
+
+
+def eval_parts():
+    return expand(f"{EVAL_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
+                  model=stage_models(EVAL), level=stage_levels(EVAL), shard=range(EVAL["shards"]))
+
+
+# Kevin's test-time budget (rules/eval.smk): the evaluation's settings, the budget's splits
+BUDGET = config["eval_budget"]
+BUDGET_DIR = f"{RESULTS}/trajectories/stage=budget/run={RUN}"
+BUDGET_SETTINGS = {**job_settings(EVAL, drop=(*DAG_ONLY_KEYS, "samples", "turns", "shards")),
+                   "kernels": BUDGET["kernels"], "turns": BUDGET["turns"]}
+try:
+    budget_splits(BUDGET["kernels"], BUDGET["turns"])
+except ValueError as error:
+    sys.exit(f"config error: {error}")
+
+
+def budget_parts():
+    """Every budget file: eval_budget.models x levels (default: the evaluation's) x shards; none
+    when eval_budget.models is empty."""
+    if not BUDGET["models"]:
+        return []
+    return expand(f"{BUDGET_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
+                  model=stage_models(BUDGET), level=BUDGET["levels"] or stage_levels(EVAL),
+                  shard=range(BUDGET["shards"]))
+
 
 rule eval:
     """kpipe.evaluate.kernelbench.eval_job: one KernelBench shard of one model and level."""

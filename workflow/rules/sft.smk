@@ -4,8 +4,25 @@
 # (kpipe.train.sft) and keeps the loss rows before it, when the checkpoint's restart key (settings,
 # data, code, base weights, library versions) is the job's; else it starts over and its log says
 # which part changed. A finished run drops its checkpoints: a forced rerun trains again. `sft.gpus` decides the process count:
-# `kpipe launch` runs one process per GPU (FSDP2 from two); one process (a CPU, one GPU) is forked
-# from the run's warm starter or runs in the job's own (kpipe.train.jobs, kpipe.infra.jobs.run_job).
+# `kpipe launch` runs one process per GPU (FSDP2 from two); one process (a CPU, one GPU) runs in the
+# job's own (kpipe.infra.jobs.run_job).
+
+def sft_base_model_input():
+    """The locally built tiny model when the config asks for it (else the base model is a param)."""
+    policy = config["policy"]
+    if policy["base_model"] != "tiny":
+        return []
+    tiny = policy["tiny"]
+    tokenizer = "byte" if tiny["tokenizer"] == "byte" else f"bpe{tiny['vocab_size']}"
+    return [f"{RESULTS}/models/tiny-{tiny['size']}-{tokenizer}-seed{tiny['seed']}"]
+
+
+def sft_settings(base_inputs):
+    """The SFTConfig values of the run: the `sft` section, the run name and the base model (the
+    tiny model built here, `base_inputs` of sft_base_model_input, else the config's hub id or path)."""
+    base_model = base_inputs[0] if base_inputs else config["policy"]["base_model"]
+    return {**job_settings(config["sft"], drop=("gpus",)), "base_model": base_model, "run": RUN}
+
 
 import json
 
@@ -38,7 +55,7 @@ rule tiny_model:
 
 
 rule sft:
-    """kpipe.train.jobs.sft_job: `kpipe train sft` in one process per GPU (kpipe.train.sft.train_sft)."""
+    """kpipe.train.sft.sft_job: supervised fine-tuning (kpipe.train.sft.train_sft), in one process per GPU."""
     input:
         trajectories=coldstart_parts(),
         base=sft_base_model_input(),

@@ -1,5 +1,5 @@
 """Rule eval -> kpipe.evaluate.kernelbench.eval_job: one KernelBench evaluation shard of one model and
-level (forkable: from the run's warm starter when it is ready)."""
+level."""
 
 from kpipe.evaluate.kernelbench import eval_job
 from kpipe.infra.jobs import run_job

@@ -1,5 +1,5 @@
 """Rule rl_validate -> kpipe.evaluate.kernelbench.validation_job: one RL iteration's checkpoint on the
-validation tasks (stage=rl_val; forkable: from the run's warm starter when it is ready)."""
+validation tasks (stage=rl_val)."""
 
 from kpipe.evaluate.kernelbench import validation_job
 from kpipe.infra.jobs import run_job

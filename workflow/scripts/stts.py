@@ -1,5 +1,4 @@
-"""Rule stts -> kpipe.evaluate.stts.stts_job: one STTS shard of one model, history strategy and level
-(forkable: from the run's warm starter when it is ready)."""
+"""Rule stts -> kpipe.evaluate.stts.stts_job: one STTS shard of one model, history strategy and level."""
 
 from kpipe.evaluate.stts import stts_job
 from kpipe.infra.jobs import run_job

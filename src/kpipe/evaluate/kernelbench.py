@@ -41,7 +41,6 @@ from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.history import FullHistory, HistoryPolicy
 from kpipe.agent.loop import AgentTask, Sampling, run_episodes
 from kpipe.data.io import read_table, write_table
-from kpipe.infra.jobs import forkable
 from kpipe.llm.types import Engine
 
 if TYPE_CHECKING:
@@ -270,7 +269,6 @@ def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settin
     return rows
 
 
-@forkable
 def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
              entry: Mapping[str, Any], settings: Mapping[str, Any], *, level: int, shard: int = 0,
              num_shards: int = 1, run: str = "default", gym: Mapping[str, Any] | None = None,
@@ -294,7 +292,6 @@ def validated_iterations(iterations: int, every: int) -> list[int]:
     return sorted({*range(every - 1, iterations, every), iterations - 1})
 
 
-@forkable
 def validation_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
                    checkpoint: str, settings: Mapping[str, Any], rl_settings: Mapping[str, Any], *, run: str,
                    iteration: int, gym: Mapping[str, Any] | None = None,

@@ -21,7 +21,6 @@ from typing import Any
 
 from kpipe.agent.history import make_policy
 from kpipe.evaluate.kernelbench import check_model, checkpoint_iteration, eval_tasks, run_model_shard
-from kpipe.infra.jobs import forkable
 
 STAGE = "stts"
 STRATEGIES = ("full", "top_w", "best_window")
@@ -34,7 +33,6 @@ def stts_model_label(model: str, strategy: str, w: int) -> str:
     return f"{model}@{strategy}" if strategy == "full" else f"{model}@{strategy}(w={w})"
 
 
-@forkable
 def stts_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
              entry: Mapping[str, Any], settings: Mapping[str, Any], *, strategy: str, level: int, shard: int = 0,
              num_shards: int = 1, run: str = "default", gym: Mapping[str, Any] | None = None,

@@ -1,20 +1,21 @@
 """The one way a rule's job runs: ``run_job(snakemake, function, *args, **kwargs)``.
 
-Every script under ``workflow/scripts`` is that one call (scripts/rule_map.py checks it). The job
-runs in its own process, logged to the rule's log file under its GPU slots; a job marked
-:func:`forkable` or :func:`launched` may instead be forked from the run's warm starter
-(:mod:`kpipe.infra.warm_start`), or become ``kpipe launch`` on its GPUs (:mod:`kpipe.infra.launch`).
-Which backend runs it changes its start time, never its outputs. A job's module must not touch
-CUDA when imported: the job's lease sets ``CUDA_VISIBLE_DEVICES`` after the script's imports.
+Every script under ``workflow/scripts`` is that one call (scripts/rule_map.py checks it): the rule's
+script calls the job's function, in the job's own process, logged to the rule's log file under its
+GPU slots. A job marked :func:`launched` (the training rules) whose rule asks for several processes
+becomes ``kpipe launch`` on its GPUs (:mod:`kpipe.infra.launch`) instead: its settings (its keyword
+arguments, JSON values) go into one file beside its log, and every process runs
+``python -m kpipe.infra.jobs FILE``, which calls the function with them. A job's module must not
+touch CUDA when imported: the job's lease sets ``CUDA_VISIBLE_DEVICES`` after the script's imports.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
-import runpy
 import signal
 import sys
 import threading
@@ -24,7 +25,6 @@ from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO, TypeVar
 
-from kpipe.infra import warm_start
 from kpipe.infra.gpu import gpu_slot_lease
 from kpipe.infra.launch import launch_command, launch_plan
 from kpipe.infra.process import process_age
@@ -124,102 +124,89 @@ def threads_held_to(threads: int, environ: MutableMapping[str, str] = os.environ
 
 
 Job = TypeVar("Job", bound=Callable[..., Any])
-# jobs whose function returns the `kpipe` command line each of their processes runs (`launched`)
+# jobs that may run in one process per GPU of their rule (`launched`), by `job_name`
 LAUNCHED: set[str] = set()
+JOBS_MODULE = "kpipe.infra.jobs"  # what each process of a launched job runs: python -m kpipe.infra.jobs FILE
 
 
 def job_name(function: Callable[..., Any]) -> str:
-    """``module:function``: how the warm starter's table names a job."""
+    """``module:function``: how a job's settings file names its function."""
     return f"{function.__module__}:{function.__qualname__}"
 
 
-def forkable(function: Job) -> Job:
-    """Mark a job the run's warm starter may fork: one that imports torch and transformers (it loads
-    a local model: ~10 s in a fresh Python on an H200). Its arguments are JSON values, forked or not."""
-    warm_start.register(job_name(function), _runner(function))
-    return function
-
-
 def launched(function: Job) -> Job:
-    """Mark a job whose function returns the ``kpipe`` command line each of its processes runs: one
-    per GPU of the rule's `gpu` resource (``kpipe launch``: FSDP from two, ``srun`` over a multi-node
-    job's nodes). A job of one process here is :func:`forkable` like any other."""
+    """Mark a job that runs in one process per GPU of its rule's `gpu` resource (``kpipe launch``: FSDP
+    from two, ``srun`` over a multi-node job's nodes), each process calling it with the same keyword
+    arguments (JSON values)."""
     LAUNCHED.add(job_name(function))
-    warm_start.register(job_name(function), _runner(function))
     return function
 
 
-def run_kpipe(argv: Sequence[str]) -> None:
-    """Run ``kpipe ARGV`` in this process, as the one-process launch ``python -m kpipe.cli ARGV`` does;
-    exits with its status (click's)."""
-    sys.argv = ["kpipe", *argv]
-    runpy.run_module("kpipe.cli", run_name="__main__", alter_sys=True)
+def write_job_file(path: str | os.PathLike, function: Callable[..., Any], settings: dict[str, Any]) -> Path:
+    """A launched job's settings file: its function and keyword arguments, read by every process."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"job": job_name(function), "settings": settings}, indent=1, sort_keys=True))
+    return path
 
 
-def _runner(function: Callable[..., Any]) -> warm_start.Runner:
-    """What runs a job in the process it ends up in (the job's own, or a forked worker)."""
-    def run(args: list, kwargs: dict) -> None:
-        configure_logging()
-        if job_name(function) in LAUNCHED:
-            run_kpipe(function(*args, **kwargs))
-        else:
-            function(*args, **kwargs)
-
-    return run
+def run_job_file(path: str | os.PathLike) -> None:
+    """Call the job a settings file names with its settings (each process of a launched job does)."""
+    document = json.loads(Path(path).read_text())
+    module, _, name = document["job"].partition(":")
+    function = getattr(importlib.import_module(module), name)
+    if job_name(function) not in LAUNCHED:
+        raise ValueError(f"{document['job']} is not a launched job (kpipe.infra.jobs.launched)")
+    configure_logging()
+    function(**document["settings"])
 
 
 def run_job(smk: Any, function: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
     """Run ``function(*args, **kwargs)`` as the Snakemake job `smk` (a script's ``snakemake``).
 
-    - A :func:`launched` job whose rule asks for several processes here, or several nodes: this
-      process becomes ``kpipe launch --gpus N -- <its command>``, its output in ``log[0]``; the
-      launch leases the GPUs.
-    - Else the job's own process holds its lease of ``resources.gpu_slots`` (of config
-      ``gpu.slots_per_gpu`` per GPU), logs to ``log[0]`` and the terminal, ends on Ctrl-C
+    - A :func:`launched` job (keyword arguments only) whose rule asks for several processes here, or
+      several nodes: its settings go into ``<log>.job.json`` and this process becomes ``kpipe launch
+      --gpus N --module kpipe.infra.jobs -- <that file>``, its output in ``log[0]``; the launch leases the GPUs.
+    - Else the function runs in this process, which holds its lease of ``resources.gpu_slots`` (of
+      config ``gpu.slots_per_gpu`` per GPU), logs to ``log[0]`` and the terminal, ends on Ctrl-C
       (:func:`dies_on_interrupt`) and holds Rust's thread pools to the job's ``threads``
-      (:func:`threads_held_to`). A :func:`forkable` or launched job is forked from the run's warm
-      starter when there is one done with its imports (this process waits for its exit status);
-      any other runs here. A starter that refuses the job's credentials fails it; one that is
-      gone, still importing or without the job lets it run here.
+      (:func:`threads_held_to`).
     """
     mark_job_started()
-    threads_held_to(smk.threads)  # before a hand-over: the forked worker takes this environment
-    # the run's starter is this job's to ask, not a thing anything the job starts should see
-    starter = {name: os.environ.pop(name) for name in (warm_start.WARM_START_ENV, warm_start.TOKEN_ENV)
-               if name in os.environ}
-    name = job_name(function)
-    if name in warm_start.FORKABLE:
-        args, kwargs = json.loads(json.dumps([list(args), kwargs]))  # JSON values: a job runs alike forked or not
-    if name in LAUNCHED:
-        command = function(*args, **kwargs)
-        if not _one_process_here(int(smk.resources.gpu), command):
-            _become_launch(int(smk.resources.gpu), command, smk.log[0] if smk.log else None, job_slots(smk))
-    with _job_process(smk) as log_fd:
-        if name in warm_start.FORKABLE and starter:
-            code = warm_start.fork_job(name, list(args), kwargs, log_fd, log.warning, starter)
-            if code is not None:
-                sys.exit(code)
-        _runner(function)(list(args), kwargs)
+    threads_held_to(smk.threads)
+    if job_name(function) in LAUNCHED:
+        if args:
+            raise TypeError(f"{job_name(function)}: a launched job takes keyword arguments only")
+        kwargs = json.loads(json.dumps(kwargs))  # JSON values: each process reads them from the file
+        gpus = int(smk.resources.gpu)
+        if not _one_process_here(gpus):
+            if not smk.log:
+                raise ValueError(f"rule {smk.rule}: a launched job needs a log (its settings file goes beside it)")
+            settings = write_job_file(Path(smk.log[0]).with_suffix(".job.json"), function, kwargs)
+            _become_launch(gpus, [str(settings)], smk.log[0], job_slots(smk))
+    with _job_process(smk):
+        function(*args, **kwargs)
 
 
-def _one_process_here(gpus: int, command: Sequence[str]) -> bool:
-    """Whether ``kpipe launch --gpus N -- COMMAND`` would run one plain Python process on this node."""
+def _one_process_here(gpus: int) -> bool:
+    """Whether ``kpipe launch --gpus N`` of a job would run one plain Python process on this node."""
     try:
-        plan = launch_plan(gpus, command, os.environ, node_task=False)
+        plan = launch_plan(gpus, ["-"], os.environ, node_task=False, module=JOBS_MODULE)
     except (ValueError, FileNotFoundError):
         return False  # `kpipe launch` says what is wrong
-    return plan[1:3] == ["-m", "kpipe.cli"]
+    return plan[1:3] == ["-m", JOBS_MODULE]
 
 
 def _become_launch(gpus: int, command: Sequence[str], log_path: str | os.PathLike | None,
                    slots: tuple[int, int]) -> NoReturn:
-    """Replace this process by ``kpipe launch --gpus N -- COMMAND``, stdout and stderr to `log_path`.
+    """Replace this process by ``kpipe launch --gpus N --module kpipe.infra.jobs -- COMMAND``, stdout and
+    stderr to `log_path`.
 
     A rule's ``script:`` runs in the job's own process (locally, in a SLURM job step, on a
     Kubernetes pod), so after the exec the job *is* the launch: the GPU lease, the srun fan-out
     over the job's nodes and accelerate's processes happen exactly as for a shell rule running
     ``kpipe launch ... > {log} 2>&1``, and Snakemake sees its exit status."""
-    launch = launch_command(gpus, command, slots)
+    launch = launch_command(gpus, command, slots, module=JOBS_MODULE)
     sys.stdout.flush()
     sys.stderr.flush()
     if log_path is not None:
@@ -232,18 +219,16 @@ def _become_launch(gpus: int, command: Sequence[str], log_path: str | os.PathLik
 
 
 @contextlib.contextmanager
-def _job_process(smk: Any) -> Iterator[int]:
+def _job_process(smk: Any) -> Iterator[None]:
     """The job's own process while it runs: logging to ``log[0]`` (and the terminal), the lease of
-    its GPU slots, Ctrl-C ending it; yields the file descriptor of its log (a forked job writes there)."""
+    its GPU slots, Ctrl-C ending it."""
     log_path = Path(smk.log[0]) if smk.log else None
     stack = contextlib.ExitStack()
     with stack:
         stack.enter_context(dies_on_interrupt())
-        log_fd = sys.__stdout__.fileno()
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             log_file = stack.enter_context(open(log_path, "w"))
-            log_fd = log_file.fileno()
             stack.enter_context(contextlib.redirect_stdout(_Tee(log_file, sys.__stdout__)))
             stack.enter_context(contextlib.redirect_stderr(_Tee(log_file, sys.__stderr__)))
         configure_logging()
@@ -251,7 +236,15 @@ def _job_process(smk: Any) -> Iterator[int]:
         leased = stack.enter_context(gpu_slot_lease(slots, per_gpu))
         log.info("rule %s: %d of %d GPU slot(s) per GPU leased on %s", smk.rule, slots, per_gpu, leased)
         try:
-            yield log_fd
+            yield
         except Exception:
             traceback.print_exc()
             raise
+
+
+if __name__ == "__main__":  # each process of a launched job: python -m kpipe.infra.jobs SETTINGS_FILE
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m kpipe.infra.jobs SETTINGS_FILE (written by kpipe.infra.jobs.run_job)")
+    from kpipe.infra import jobs  # the module the jobs register with (this one runs as __main__)
+
+    jobs.run_job_file(sys.argv[1])

@@ -9,10 +9,10 @@ processes, ranked by SLURM's node id. Configs live in ``workflow/accelerate/``:
 - several GPUs of one node: ``fsdp_single_node.yaml``;
 - several nodes: ``fsdp_multi_node.yaml``, started once per node through ``srun``.
 
-``kpipe launch --gpus N -- train sft ...`` does all of it, holding a GPU lease
-(:mod:`kpipe.infra.gpu`) on a shared box; ``--print`` shows the command instead of running it.
-A training rule's job of several processes becomes that command (:func:`kpipe.infra.jobs.run_job`,
-the jobs of :mod:`kpipe.train.jobs`).
+``kpipe launch --gpus N --module M -- ARGS`` (``python -m M ARGS`` in each process; M defaults to
+``kpipe.cli``) does all of it, holding a GPU lease (:mod:`kpipe.infra.gpu`) on a shared box; ``--print``
+shows the command instead of running it. A training rule's job of several processes becomes
+``kpipe launch --gpus N --module kpipe.infra.jobs -- SETTINGS_FILE`` (:func:`kpipe.infra.jobs.run_job`).
 """
 
 from __future__ import annotations
@@ -123,31 +123,32 @@ def accelerate_command(gpus: int, args: Sequence[str], node: NodeInfo = NodeInfo
     return [*command, "-m", module, *args]
 
 
-def srun_per_node(gpus: int, args: Sequence[str], nodes: int) -> list[str]:
+def srun_per_node(gpus: int, args: Sequence[str], nodes: int, module: str = "kpipe.cli") -> list[str]:
     """From the job's first node: one task per node, each running ``kpipe launch --node-task``
     (which reads its own SLURM_NODEID). ``--overlap`` lets the tasks share the resources of the
     job step Snakemake's jobstep executor already holds."""
     return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--overlap",
             "--kill-on-bad-exit=1", sys.executable, "-m", "kpipe.cli", "launch", "--gpus", str(gpus),
-            "--node-task", "--", *args]
+            "--module", module, "--node-task", "--", *args]
 
 
 def launch_plan(gpus: int, args: Sequence[str], env: Mapping[str, str], node_task: bool,
-                config_dir: Path | None = None) -> list[str]:
+                config_dir: Path | None = None, module: str = "kpipe.cli") -> list[str]:
     """What `kpipe launch` runs here: the per-node fan-out on a multi-node job's first node,
     else this node's accelerate (or plain Python) command."""
     node = node_info_from_env(env)
     if node.nodes > 1 and not node_task:
         gpus_per_node(gpus, node.nodes)  # fail before srun starts anything
-        return srun_per_node(gpus, args, node.nodes)
-    return accelerate_command(gpus, args, node, config_dir)
+        return srun_per_node(gpus, args, node.nodes, module)
+    return accelerate_command(gpus, args, node, config_dir, module)
 
 
-def launch_command(gpus: int, args: Sequence[str], slots: tuple[int, int] | None = None) -> list[str]:
-    """``kpipe launch --gpus N -- ARGS`` as this interpreter runs it; `slots` (the job's GPU slots,
+def launch_command(gpus: int, args: Sequence[str], slots: tuple[int, int] | None = None,
+                   module: str = "kpipe.cli") -> list[str]:
+    """``kpipe launch --gpus N --module M -- ARGS`` as this interpreter runs it; `slots` (the job's GPU slots,
     slots per GPU) leases that many slots instead of N whole GPUs (kpipe.infra.gpu.gpu_slot_lease)."""
     share = ["--gpu-slots", str(slots[0]), "--slots-per-gpu", str(slots[1])] if slots is not None else []
-    return [sys.executable, "-m", "kpipe.cli", "launch", "--gpus", str(gpus), *share, "--", *args]
+    return [sys.executable, "-m", "kpipe.cli", "launch", "--gpus", str(gpus), *share, "--module", module, "--", *args]
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True})
@@ -157,17 +158,20 @@ def launch_command(gpus: int, args: Sequence[str], slots: tuple[int, int] | None
 @click.option("--slots-per-gpu", type=click.IntRange(min=1), default=1, show_default=True, help="slots of one GPU (config gpu.slots_per_gpu)")
 @click.option("--config-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help=f"accelerate configs (default: ${CONFIG_DIR_ENV} or {DEFAULT_CONFIG_DIR})")
+@click.option("--module", default="kpipe.cli", show_default=True,
+              help="what each process runs: python -m MODULE ARGS (kpipe.infra.jobs: a job's settings file)")
 @click.option("--node-task", is_flag=True, help="internal: this is one node's task of a multi-node job")
 @click.option("--print", "print_only", is_flag=True, help="print the command instead of running it")
 @click.argument("args", nargs=-1, required=True, type=click.UNPROCESSED)
-def launch(gpus: int, gpu_slots: int | None, slots_per_gpu: int, config_dir: Path | None, node_task: bool,
-           print_only: bool, args: tuple[str, ...]) -> None:
-    """Run `kpipe ARGS...` on N GPUs: one process per GPU (FSDP), across nodes under SLURM.
+def launch(gpus: int, gpu_slots: int | None, slots_per_gpu: int, config_dir: Path | None, module: str,
+           node_task: bool, print_only: bool, args: tuple[str, ...]) -> None:
+    """Run `python -m MODULE ARGS...` (default: `kpipe ARGS...`) on N GPUs: one process per GPU (FSDP),
+    across nodes under SLURM.
 
-    Example: kpipe launch --gpus 8 -- train sft --trajectories results/... --out ... --metrics ...
+    Example: kpipe launch --gpus 8 --module kpipe.infra.jobs -- logs/sft-default.job.json
     """
     try:
-        command = launch_plan(gpus, args, os.environ, node_task, config_dir)
+        command = launch_plan(gpus, args, os.environ, node_task, config_dir, module)
     except (ValueError, FileNotFoundError) as error:
         raise click.ClickException(str(error)) from None
     if print_only:

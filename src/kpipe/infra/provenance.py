@@ -17,8 +17,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # src/kpipe
 # The code the resumable training stages run: their rules' `code` param and the `code` part of
 # their restart key (a checkpoint of other code is never resumed).
 SFT_CODE = ("train/sft.py", "train/samples.py", "train/batching.py", "train/checkpoint.py", "train/metrics_log.py",
-            "train/cli.py", "train/jobs.py", "data/io.py", "data/schemas.py", "infra/launch.py", "infra/jobs.py",
-            "infra/provenance.py")
+            "data/io.py", "data/schemas.py", "infra/launch.py", "infra/jobs.py", "infra/provenance.py")
 RL_CODE = ("train", "agent", "llm", "gym", "data/io.py", "data/schemas.py", "infra/launch.py", "infra/jobs.py",
            "infra/provenance.py")
 # Libraries whose version can change what training computes (absent ones: "-")

@@ -19,8 +19,9 @@ import hashlib
 import json
 import logging
 import math
+import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kpipe.infra.jobs import since_job_started
+from kpipe.infra.jobs import launched, since_job_started
 from kpipe.infra.provenance import SFT_CODE, code_version, hub_weights_identity, library_versions, restart_key
 from kpipe.train.checkpoint import export_hf, latest_checkpoint, remove_checkpoints, save_checkpoint
 from kpipe.train.batching import (
@@ -421,3 +422,36 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     if accelerator.is_main_process:
         remove_checkpoints(ckpt_root)
     return SFTResult(model_dir, n_steps, resumed_from, report, last_loss)
+
+
+def publish(source: Path, target: Path) -> None:
+    """Copy a finished result of the run directory to a pipeline output. Snakemake deletes the
+    outputs of a killed job, so what a rerun resumes from must live in the run directory."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    else:
+        shutil.copy(source, target)
+
+
+@launched
+def sft_job(*, trajectories: Sequence[str], work_dir: str, settings: Mapping[str, Any], model_out: str,
+            summary_out: str, metrics_out: str) -> None:
+    """Rule `sft`: fine-tune on the cold-start `trajectories` in each of the job's processes
+    (`kpipe.infra.jobs.run_job`), `settings` the SFTConfig values (the `sft` section, the run, the base
+    model). Checkpoints and the metrics so far live in `work_dir` (a rerun resumes from them); the
+    finished model, summary and metrics are copied to the rule's outputs."""
+    from accelerate import PartialState
+
+    from kpipe.train.samples import load_trajectory_rows
+
+    cfg = SFTConfig.from_dict(dict(settings))
+    work, metrics = Path(work_dir), Path(work_dir) / "train_metrics.parquet"
+    result = train_sft(cfg, load_trajectory_rows([Path(path) for path in trajectories]), work, metrics)
+    if not PartialState().is_main_process:
+        return
+    publish(result.model_dir, Path(model_out))
+    publish(work / "sft_summary.json", Path(summary_out))
+    publish(metrics, Path(metrics_out))
+    log.info("SFT %s: %d steps (resumed from %s), final loss %.4f, %s", cfg.run, result.steps, result.resumed_from,
+             result.final_loss, json.dumps(result.samples.as_dict()))

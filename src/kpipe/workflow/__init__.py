@@ -1,0 +1,1 @@
+"""What the Snakefile calls beyond config and paths: the run's services (`kpipe.workflow.services`)."""
