@@ -1,5 +1,5 @@
 """checks.gpu.vllm's pure parts (statistics, log parsing, verdict) and its refusals on a CPU; and
-kpipe.train.rl_rollouts.make_engine reusing one in-process vLLM engine across RL iterations."""
+kpipe.train.rollouts.make_engine reusing one in-process vLLM engine across RL iterations."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from checks.gpu import CHECKS
 from checks.gpu import vllm as check
 from checks.gpu.harness import CheckFailed, Report, sections_of
-from kpipe.train import rl_rollouts
+from kpipe.train import rollouts
 from kpipe.train.rl_config import RLConfig
 
 
@@ -112,21 +112,21 @@ def test_make_engine_reuses_the_process_engine_and_pushes_the_new_policy(monkeyp
     module = types.ModuleType("vllm")
     module.LLM, module.SamplingParams = FakeLLM, dict
     monkeypatch.setitem(sys.modules, "vllm", module)
-    monkeypatch.setattr(rl_rollouts, "_LIVE_VLLM", {})
+    monkeypatch.setattr(rollouts, "_LIVE_VLLM", {})
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     FakeLLM.built = 0
     cfg = RLConfig(engine="vllm")
-    first = rl_rollouts.make_engine(cfg, torch.nn.Linear(2, 2), None, Path("/ckpt/sft"), "rl-iter0", progress=False)
+    first = rollouts.make_engine(cfg, torch.nn.Linear(2, 2), None, Path("/ckpt/sft"), "rl-iter0", progress=False)
     assert FakeLLM.built == 1 and first.llm.rpcs == []  # built from the checkpoint, nothing pushed
-    second = rl_rollouts.make_engine(cfg, torch.nn.Linear(2, 2), None, Path("/ckpt/iter0"), "rl-iter1",
+    second = rollouts.make_engine(cfg, torch.nn.Linear(2, 2), None, Path("/ckpt/iter0"), "rl-iter1",
                                      progress=False)
     assert second is first and FakeLLM.built == 1 and second.model == "rl-iter1"
     assert len(first.llm.rpcs) == 2  # the new policy's two tensors pushed
-    other = rl_rollouts.make_engine(RLConfig(engine="vllm", vllm_gpu_memory_utilization=0.5), None, None,
+    other = rollouts.make_engine(RLConfig(engine="vllm", vllm_gpu_memory_utilization=0.5), None, None,
                                     Path("/ckpt/x"), "other", progress=False)
     assert other is not first and FakeLLM.built == 2  # other arguments: another engine
     fresh = types.ModuleType("vllm")
     fresh.LLM, fresh.SamplingParams = FakeLLM, dict
     monkeypatch.setitem(sys.modules, "vllm", fresh)
-    assert rl_rollouts.make_engine(RLConfig(engine="vllm", vllm_gpu_memory_utilization=0.5), None, None,
+    assert rollouts.make_engine(RLConfig(engine="vllm", vllm_gpu_memory_utilization=0.5), None, None,
                                    Path("/ckpt/x"), "other", progress=False) is not other

@@ -30,7 +30,7 @@ from gym_attack_runs import DEVICE, LEGIT, evaluate_each_then_honest, evaluate_f
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
             "device": DEVICE}
 RUN_TOKEN = "run-token-that-no-candidate-may-read"
-# what a run's job holds (kpipe.gym.run_service, kpipe.infra.warm_start, Slurm, Snakemake) and a candidate must not
+# what a run's job holds (kpipe.gym.run_service, Slurm, Snakemake) and a candidate must not
 RUN_VARIABLES = {"KPIPE_GYM_RUN": "{run}", "KPIPE_GYM_TOKEN": RUN_TOKEN, "KPIPE_WARM_START": "kpipe-warm-start-test",
                  "KPIPE_WARM_START_TOKEN": RUN_TOKEN, "SLURM_JOB_ID": "4242", "SNAKEMAKE_PROFILE": "cluster",
                  "OPENAI_API_KEY": RUN_TOKEN}

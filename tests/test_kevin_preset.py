@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kpipe.agent.loop import Sampling
-from kpipe.train import rl_rollouts
+from kpipe.train import rollouts
 from kpipe.train.rl_config import RLConfig
 
 CONFIG = Path(__file__).resolve().parents[1] / "config"
@@ -30,9 +30,9 @@ def test_kevin_responses_grow_from_16k_to_22k_tokens_at_step_30_and_each_batch_t
 
 def test_rollouts_of_a_step_use_that_steps_cap(monkeypatch):
     seen: list[Sampling] = []
-    monkeypatch.setattr(rl_rollouts, "run_episodes", lambda *args, sampling, **kwargs: seen.append(sampling) or [])
+    monkeypatch.setattr(rollouts, "run_episodes", lambda *args, sampling, **kwargs: seen.append(sampling) or [])
     for step in (28, 29):
-        rl_rollouts.rollout_rows([], engine=None, evaluator=None, cfg=kevin_run(), run="kevin", iteration=2,
+        rollouts.rollout_rows([], engine=None, evaluator=None, cfg=kevin_run(), run="kevin", iteration=2,
                                  global_step=step, progress=False)
     assert [sampling.max_tokens for sampling in seen] == [16384, 22528]
 

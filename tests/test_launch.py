@@ -22,7 +22,7 @@ from kpipe.infra.launch import (
 )
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "workflow" / "accelerate"
-TRAIN = ["train", "sft", "--out", "results/work/sft"]
+TRAIN = ["logs/sft-default.job.json"]
 SLURM_TWO_NODES = {"SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[03-04]",
                    "SLURM_JOB_ID": "81234"}
 
@@ -78,11 +78,12 @@ def test_uneven_gpu_split_is_refused() -> None:
 
 
 def test_first_node_fans_out_with_srun_and_node_tasks_launch_accelerate() -> None:
-    fan_out = launch_plan(16, TRAIN, SLURM_TWO_NODES, node_task=False, config_dir=CONFIG_DIR)
+    jobs = "kpipe.infra.jobs"  # what a training rule's job launches: its settings file in every process
+    fan_out = launch_plan(16, TRAIN, SLURM_TWO_NODES, node_task=False, config_dir=CONFIG_DIR, module=jobs)
     assert fan_out[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
-    assert fan_out[-len(TRAIN) - 5:] == ["launch", "--gpus", "16", "--node-task", "--", *TRAIN]
-    node = launch_plan(16, TRAIN, SLURM_TWO_NODES, node_task=True, config_dir=CONFIG_DIR)
-    assert parsed(node).machine_rank == 1
+    assert fan_out[-len(TRAIN) - 7:] == ["launch", "--gpus", "16", "--module", jobs, "--node-task", "--", *TRAIN]
+    node = launch_plan(16, TRAIN, SLURM_TWO_NODES, node_task=True, config_dir=CONFIG_DIR, module=jobs)
+    assert parsed(node).machine_rank == 1 and node[-3:] == ["-m", jobs, *TRAIN]
 
 
 def test_cli_prints_and_runs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,11 +19,12 @@ import yaml
 from kpipe.agent.evaluator import LocalEvaluator
 from kpipe.agent.loop import AgentTask
 from kpipe.data.io import read_table, write_table
+from kpipe.infra.jobs import JOBS_MODULE, write_job_file
 from kpipe.infra.launch import NodeInfo, accelerate_command, free_port
 from kpipe.llm.hf_engine import HFEngine
 from kpipe.llm.types import ChatRequest
-from kpipe.train import algos, rl, rl_advantages, rl_rollouts, rl_update
-from kpipe.train.rl_config import ABLATIONS, AGG_MODES, RLConfig, with_ablation
+from kpipe.train import algos, rl, rl_batch, rl_update, rollouts
+from kpipe.train.rl_config import ABLATIONS, AGG_MODES, IterationSettings, RLConfig, with_ablation
 
 REPO = Path(__file__).resolve().parents[1]
 RELU = '''import torch
@@ -111,35 +112,50 @@ def turn_row(task: str, sample: int, turn: int, reward: float, **fields) -> dict
             "pr": None, **fields}
 
 
+def batch_of(rows: list[dict], **fields) -> rl_batch.StepBatch:
+    """A step's batch of `rows` (one token each), with the phases' `fields` already filled."""
+    batch = rl_batch.StepBatch(rows=rows, samples=[rl_batch.TokenSample([1], [1]) for _ in rows], pad_id=0,
+                               rewards=torch.tensor([float(row["reward"]) for row in rows], dtype=torch.float64),
+                               has_tokens=torch.ones(len(rows), dtype=torch.bool), rollout_logp=[[0.0] for _ in rows])
+    for name, value in fields.items():
+        setattr(batch, name, value)
+    return batch
+
+
+def filtered(batch: rl_batch.StepBatch, cfg: RLConfig, generator: torch.Generator | None = None) -> rl_batch.StepBatch:
+    """The returns and filters phases on `batch`, as the loop runs them."""
+    batch.returns = rl_batch.returns(batch, cfg)
+    batch.masks = rl_batch.buffer_masks(batch, cfg) | rl_batch.filter_masks(batch, cfg, generator or torch.Generator())
+    batch.reasons = rl_batch.rejection_reasons(batch.has_tokens, batch.masks)
+    batch.kept = torch.tensor([reason is None for reason in batch.reasons])
+    return batch
+
+
 def test_regression_rows_are_rejected_and_left_out_of_the_trloo_baseline():
     # one prompt, three trajectories of two turns; trajectory 0 regresses at turn 2
     rows = [turn_row("a", 0, 1, 2.0), turn_row("a", 0, 2, 0.0),
             turn_row("a", 1, 1, 0.0), turn_row("a", 1, 2, 1.0),
             turn_row("a", 2, 1, 0.0), turn_row("a", 2, 2, 3.0)]
     cfg = RLConfig(regression_filter=True)
-    masks = rl_advantages.filter_masks(rows, cfg, torch.ones(6, dtype=torch.bool), torch.Generator())
-    reasons = rl_advantages.rejection_reasons(torch.ones(6, dtype=torch.bool), masks)
-    assert reasons == [None, "regression", None, None, None, None]
-    returns = rl_advantages.row_returns(rows, cfg)  # gamma = 1: reward-to-go
-    assert returns.tolist() == [2.0, 0.0, 1.0, 1.0, 3.0, 3.0]
-    kept = torch.tensor([r is None for r in reasons])
-    advantages = rl_advantages.row_advantages(rows, returns, kept, cfg)
+    batch = filtered(batch_of(rows), cfg)
+    assert batch.reasons == [None, "regression", None, None, None, None]
+    assert batch.returns.tolist() == [2.0, 0.0, 1.0, 1.0, 3.0, 3.0]  # gamma = 1: reward-to-go
+    advantages = rl_batch.advantages(batch, cfg)
     # turn 1: G = (2, 1, 3): A_i = G_i - mean of the other two
     assert advantages[[0, 2, 4]].tolist() == pytest.approx([2 - 2.0, 1 - 2.5, 3 - 1.5])
     # turn 2: trajectory 0 is rejected, so the group is (1, 3): A = G - the other one
     assert advantages[[1, 3, 5]].tolist() == pytest.approx([0.0, 1 - 3, 3 - 1])
     # the released code's variant: rejected rows still count in the baseline
-    released = rl_advantages.row_advantages(rows, returns, torch.ones(6, dtype=torch.bool),
-                                 dataclasses.replace(cfg, baseline_includes_rejected=True))
+    released = rl_batch.advantages(batch, dataclasses.replace(cfg, baseline_includes_rejected=True))
     assert released[[3, 5]].tolist() == pytest.approx([1 - 1.5, 3 - 0.5])
 
 
 def test_gamma_zero_and_grpo_are_what_their_equations_say():
     rows = [turn_row("a", 0, 1, 1.0), turn_row("a", 0, 2, 2.0), turn_row("a", 1, 1, 0.0), turn_row("a", 1, 2, 0.0)]
     cfg = RLConfig(gamma=0.0, advantage="grpo")
-    returns = rl_advantages.row_returns(rows, cfg)
-    assert returns.tolist() == [1.0, 2.0, 0.0, 0.0]
-    advantages = rl_advantages.row_advantages(rows, returns, torch.ones(4, dtype=torch.bool), cfg)
+    batch = filtered(batch_of(rows), cfg)
+    assert batch.returns.tolist() == [1.0, 2.0, 0.0, 0.0]
+    advantages = rl_batch.advantages(batch, cfg)
     assert advantages.tolist() == pytest.approx([0.5, 1.0, -0.5, -1.0])  # Eq. 3: G - group mean, self included
 
 
@@ -151,9 +167,8 @@ def test_tritonforge_buffer_rows_kept_and_their_advantages(buffer):
     rows = [turn_row("a", i, 1, r, status=s) for i, (r, s) in enumerate(zip([0.0, 0.1, 0.3, 1.3], statuses))]
     rows += [turn_row("b", i, 1, 0.3, status="pass") for i in range(4)]
     cfg = dataclasses.replace(with_ablation(RLConfig(), buffer), rollouts_per_prompt=4)  # groups of 4 here (TritonForge: 8)
-    returns = rl_advantages.row_returns(rows, cfg)
-    masks = rl_advantages.buffer_masks(rows, returns, cfg)
-    reasons = rl_advantages.rejection_reasons(torch.ones(8, dtype=torch.bool), masks)
+    batch = filtered(batch_of(rows), cfg)
+    reasons = batch.reasons
     dropped = "buffer_item"
     if buffer == "tritonforge":  # the compile error is filtered; the 2x kernel trains
         assert reasons[:4] == [dropped, None, None, None]
@@ -162,32 +177,31 @@ def test_tritonforge_buffer_rows_kept_and_their_advantages(buffer):
         assert reasons[:4] == [None, None, None, dropped]
         kept = [0.0, 0.1, 0.3]
     assert reasons[4:] == ["buffer_group"] * 4
-    kept_mask = torch.tensor([reason is None for reason in reasons])
-    advantages = rl_advantages.row_advantages(rows, rl_advantages.buffer_values(rows, returns, masks, cfg), kept_mask, cfg)
+    kept_mask = batch.kept
+    advantages = rl_batch.advantages(batch, cfg)
     mean, std = statistics.fmean(kept), statistics.pstdev(kept)
     expected = iter([(r - mean) / (std + 1e-8) * 4 / 3 for r in kept])  # z-score, padded from 3 to 4 slots
     assert advantages[:4].tolist() == pytest.approx([next(expected) if k else 0.0 for k in kept_mask[:4]])
     assert advantages[4:].tolist() == [0.0] * 4
-    assert rl_advantages.buffer_masks(rows, returns, RLConfig()) == {}
+    assert rl_batch.buffer_masks(batch, RLConfig()) == {}
 
 
 def test_prs_filters_every_turn_by_its_profiling_ratio_and_the_released_scope_only_correct_ones():
     rows = [turn_row("a", 0, 1, 2.0, pr=0.05), turn_row("a", 1, 1, 2.0, pr=0.9), turn_row("a", 2, 1, 0.0)]
-    keep = torch.ones(3, dtype=torch.bool)
-    masks = rl_advantages.filter_masks(rows, RLConfig(prs=True), keep, torch.Generator().manual_seed(0))
+    batch = batch_of(rows, mrs_keep=torch.ones(3, dtype=torch.bool))
+    masks = rl_batch.filter_masks(batch, RLConfig(prs=True), torch.Generator().manual_seed(0))
     assert masks["prs"].tolist() == [False, True, False]  # Eq. 9 on every sample; incorrect: PR = 0
-    code = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_scope="correct"), keep,
-                                      torch.Generator().manual_seed(0))
+    code = rl_batch.filter_masks(batch, RLConfig(prs=True, prs_scope="correct"), torch.Generator().manual_seed(0))
     assert code["prs"].tolist() == [False, True, True]  # released code: incorrect turns kept
-    hard = rl_advantages.filter_masks(rows, RLConfig(prs=True, prs_hard=True, prs_tau=0.85, prs_scope="correct"),
-                                      keep, torch.Generator())
+    hard = rl_batch.filter_masks(batch, RLConfig(prs=True, prs_hard=True, prs_tau=0.85, prs_scope="correct"),
+                                 torch.Generator())
     assert hard["prs"].tolist() == [False, True, True]
 
 
 def test_mrs_rejects_a_sequence_whose_rollout_probabilities_drifted():
     train = [torch.log(torch.tensor([0.5, 0.5])), torch.log(torch.tensor([0.5, 0.5])), torch.zeros(0)]
     rollout = [torch.log(torch.tensor([0.5, 0.5])).tolist(), torch.log(torch.tensor([0.5, 0.49])).tolist(), []]
-    keep, log_w = rl_advantages.mismatch_keep(train, rollout, RLConfig(mrs=True))
+    keep, log_w = rl_batch.mismatch_keep(train, rollout, RLConfig(mrs=True))
     assert keep.tolist() == [True, False, False]  # w = sqrt(0.5 / 0.49) = 1.0101 is outside [0.999, 1.001]
     assert log_w[1].item() == pytest.approx(0.5 * float(torch.log(torch.tensor(0.5 / 0.49))), rel=1e-6)
 
@@ -198,7 +212,7 @@ def test_rollout_metrics_count_hacks_among_evaluated_turns_and_fast_p_at_the_las
             turn_row("a", 1, 1, 0.0, status="hacked", speedup_eager=None),
             turn_row("a", 1, 2, 1.9, status="pass", speedup_eager=0.9)]
     rows[2]["hacked"] = True
-    values = rl_rollouts.rollout_metrics(rows, max_turns=2)
+    values = rollouts.rollout_metrics(rows, max_turns=2)
     assert values["hacking_ratio"] == pytest.approx(1 / 3)  # the format error never reached KernelGym
     assert values["reward_mean"] == pytest.approx(4.4 / 4)
     assert values["reward_mean_turn2"] == pytest.approx(2.2)
@@ -219,11 +233,11 @@ def test_trainer_recomputes_the_rollout_log_probs_on_the_same_tokens(nano_model)
                 for i, m in enumerate(prompts)]
     completions = engine.generate(requests)
     rows = [{"prompt_messages": m, "response_token_ids": c.token_ids} for m, c in zip(prompts, completions)]
-    samples = rl_update.token_samples(rows, tokenizer)
+    samples = rl_batch.token_samples(rows, tokenizer)
     train = rl_update.policy_log_probs(model, samples, 0.7, 10_000, tokenizer.pad_token_id, torch.device("cpu"))
     for logp, completion in zip(train, completions):
         assert torch.allclose(logp, torch.tensor(completion.logprobs), atol=1e-4)
-    keep, _ = rl_advantages.mismatch_keep(train, [c.logprobs for c in completions], RLConfig(mrs=True))
+    keep, _ = rl_batch.mismatch_keep(train, [c.logprobs for c in completions], RLConfig(mrs=True))
     assert keep.all()
 
 
@@ -245,14 +259,14 @@ def test_micro_batching_leaves_the_gradient_unchanged(nano_model, agg):
     from accelerate import Accelerator
 
     model, tokenizer = rl.load_policy(nano_model, RLConfig())
-    items = [rl_update.TrainItem(("t", i, 1), rl_update.TokenSample(list(range(40, 40 + n)), list(range(60, 60 + m))), adv,
+    items = [rl_batch.TrainItem(("t", i, 1), rl_batch.TokenSample(list(range(40, 40 + n)), list(range(60, 60 + m))), adv,
                           torch.full((m,), -5.0))
              for i, (n, m, adv) in enumerate([(5, 3, 1.0), (9, 6, -0.5), (4, 2, 0.25)])]
     grads = []
     for budget in (10_000, 1):  # one micro-batch, then one sample per micro-batch
         optimizer = RecordingOptimizer(model)
         cfg = RLConfig(loss_agg=agg, micro_batch_tokens=budget, grad_clip=1e9)
-        rl_update.update_policy(Accelerator(cpu=True), model, optimizer, items, cfg, tokenizer.pad_token_id,
+        rl_update.ppo_clip_steps(Accelerator(cpu=True), model, optimizer, items, cfg, tokenizer.pad_token_id,
                          torch.Generator().manual_seed(0))
         grads.append(optimizer.grads)
     for whole, accumulated in zip(*grads):
@@ -265,13 +279,13 @@ def test_the_kl_term_adds_kl_coef_times_the_reference_kl_to_the_loss(nano_model)
     from accelerate import Accelerator
 
     model, tokenizer = rl.load_policy(nano_model, RLConfig())
-    sample = rl_update.TokenSample(list(range(40, 45)), list(range(60, 63)))
+    sample = rl_batch.TokenSample(list(range(40, 45)), list(range(60, 63)))
     pi = rl_update.policy_log_probs(model, [sample], 1.0, 10_000, tokenizer.pad_token_id, torch.device("cpu"))[0]
 
     def update(ref_logp, **cfg):
         optimizer = RecordingOptimizer(model)
-        item = rl_update.TrainItem(("t", 0, 1), sample, 0.0, pi, ref_logp)  # advantage 0: only the KL term acts
-        stats = rl_update.update_policy(Accelerator(cpu=True), model, optimizer, [item],
+        item = rl_batch.TrainItem(("t", 0, 1), sample, 0.0, pi, ref_logp)  # advantage 0: only the KL term acts
+        stats = rl_update.ppo_clip_steps(Accelerator(cpu=True), model, optimizer, [item],
                                         RLConfig(grad_clip=1e9, **cfg), tokenizer.pad_token_id,
                                         torch.Generator().manual_seed(0))
         return stats, torch.cat([g.flatten() for g in optimizer.grads])
@@ -291,12 +305,12 @@ def test_a_step_whose_gradient_is_not_finite_is_not_taken(nano_model):
     from accelerate import Accelerator
 
     model, tokenizer = rl.load_policy(nano_model, RLConfig())
-    sample = rl_update.TokenSample(list(range(40, 45)), list(range(60, 63)))
+    sample = rl_batch.TokenSample(list(range(40, 45)), list(range(60, 63)))
 
     def update(advantage):
         optimizer = RecordingOptimizer(model)
-        item = rl_update.TrainItem(("t", 0, 1), sample, advantage, torch.full((3,), -5.0), torch.zeros(3))
-        stats = rl_update.update_policy(Accelerator(cpu=True), model, optimizer, [item],
+        item = rl_batch.TrainItem(("t", 0, 1), sample, advantage, torch.full((3,), -5.0), torch.zeros(3))
+        stats = rl_update.ppo_clip_steps(Accelerator(cpu=True), model, optimizer, [item],
                                         RLConfig(mini_batches=1, ppo_epochs=2), tokenizer.pad_token_id,
                                         torch.Generator().manual_seed(0))
         return stats, optimizer.grads
@@ -323,15 +337,15 @@ class OneProcess:
 ])
 def test_the_rollout_source_generates_ahead_only_what_off_policy_1_needs(tmp_path, monkeypatch, async_mode, step,
                                                                         saved, generated):
-    settings = rl.IterationSettings(cfg=RLConfig(steps_per_iteration=2, async_mode=async_mode), run="r", iteration=3,
-                                    tasks=(AgentTask("relu", RELU),), init_model=tmp_path, init_state=None,
-                                    scratch=tmp_path, key={}, progress=False)
-    source = rl.RolloutSource(settings, OneProcess(), engine=None, policy=None)
+    settings = IterationSettings(cfg=RLConfig(steps_per_iteration=2, async_mode=async_mode), run="r", iteration=3,
+                                 tasks=(AgentTask("relu", RELU),), init_model=tmp_path, model_out=tmp_path,
+                                 trajectories=tmp_path, metrics=tmp_path, scratch=tmp_path, progress=False)
+    source = rollouts.RolloutSource(settings, OneProcess(), engine=None, policy=None)
     if saved:
         source.path(step).touch()
     calls: list[int] = []
     monkeypatch.setattr(source, "generate", lambda step, evaluator, stream=None: calls.append(step) or [])
-    monkeypatch.setattr(rl, "gather_object", lambda rows: rows)
+    monkeypatch.setattr(rollouts, "gather_object", lambda rows: rows)
     with source.ahead(step, evaluator=None):
         pass
     assert calls == generated and source.path(step).exists() == (saved or bool(generated))
@@ -341,34 +355,35 @@ def test_the_rollout_source_generates_ahead_only_what_off_policy_1_needs(tmp_pat
 def test_a_killed_iteration_resumes_and_writes_each_output_once(nano_model, tmp_path, monkeypatch):
     cfg = RLConfig(prompts_per_step=1, rollouts_per_prompt=2, max_turns=2, max_tokens=6, steps_per_iteration=2,
                    lr=1e-3, mrs=True, regression_filter=True)
-    tasks = [AgentTask("relu", RELU)]
-    out = {"model_out": tmp_path / "iter=0", "trajectories_path": tmp_path / "traj.parquet",
-           "metrics_path": tmp_path / "metrics.parquet", "scratch": tmp_path / "scratch"}
-    kwargs = dict(run="t", iteration=0, state_out=tmp_path / "state", gym={"backend": "local"}, progress=False)
-    real_train, real_rollouts = rl.train_on_rollouts, rl.rollout_rows
-    calls = {"train": 0, "rollouts": 0}
+    settings = IterationSettings(cfg=cfg, tasks=(AgentTask("relu", RELU),), init_model=nano_model,
+                                 model_out=tmp_path / "iter=0", trajectories=tmp_path / "traj.parquet",
+                                 metrics=tmp_path / "metrics.parquet", scratch=tmp_path / "scratch", run="t",
+                                 iteration=0, state_out=tmp_path / "state", gym={"backend": "local"}, progress=False)
+    real_update, real_rollouts = rl.update_policy, rollouts.rollout_rows
+    calls = {"update": 0, "rollouts": 0}
 
-    def train_then_die(*args, **kw):
-        calls["train"] += 1
-        if calls["train"] == 2:
+    def update_then_die(*args, **kw):
+        calls["update"] += 1
+        if calls["update"] == 2:
             raise KeyboardInterrupt("killed during step 1's update")
-        return real_train(*args, **kw)
+        return real_update(*args, **kw)
 
     def counted_rollouts(*args, **kw):
         calls["rollouts"] += 1
         return real_rollouts(*args, **kw)
 
-    monkeypatch.setattr(rl, "train_on_rollouts", train_then_die)
-    monkeypatch.setattr(rl, "rollout_rows", counted_rollouts)
+    monkeypatch.setattr(rl, "update_policy", update_then_die)
+    monkeypatch.setattr(rollouts, "rollout_rows", counted_rollouts)
     with pytest.raises(KeyboardInterrupt):
-        rl.run_iteration(cfg, tasks, nano_model, **out, **kwargs)
-    assert calls["rollouts"] == 2 and not out["trajectories_path"].exists()
+        rl.run_iteration(settings)
+    assert calls["rollouts"] == 2 and not settings.trajectories.exists()
 
-    monkeypatch.setattr(rl, "train_on_rollouts", real_train)
-    result = rl.run_iteration(cfg, tasks, nano_model, **out, **kwargs)
+    monkeypatch.setattr(rl, "update_policy", real_update)
+    result = rl.run_iteration(settings)
     assert result.resumed_steps == 1 and calls["rollouts"] == 2  # step 1's saved rollouts were reused
-    assert (out["model_out"] / "config.json").exists() and (tmp_path / "state").is_dir()
-    assert not out["scratch"].exists()
+    assert (settings.model_out / "config.json").exists() and (tmp_path / "state").is_dir()
+    assert not settings.scratch.exists()
+    out = {"trajectories_path": settings.trajectories, "metrics_path": settings.metrics}
 
     rows = read_table(out["trajectories_path"], "trajectories").to_pylist()
     assert len(rows) == 2 * 2 * 2 and {r["stage"] for r in rows} == {"rl"}
@@ -411,16 +426,18 @@ def iteration_outputs(nano_model: Path, root: Path, async_mode: str) -> tuple[li
     torch.set_num_threads(1)  # as `single_torch_thread`, also for the module-scoped run: same float sums
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop, "extract_code", lambda text: Extracted(text or None, "empty answer"))
-        rl.run_iteration(cfg, tasks, nano_model, root / "model", root / "traj.parquet", root / "metrics.parquet",
-                         root / "scratch", run="async", iteration=0, gym={"backend": "local"}, evaluator=judge,
-                         progress=False)
+        rl.run_iteration(IterationSettings(cfg=cfg, tasks=tuple(tasks), init_model=nano_model,
+                                           model_out=root / "model", trajectories=root / "traj.parquet",
+                                           metrics=root / "metrics.parquet", scratch=root / "scratch", run="async",
+                                           iteration=0, gym={"backend": "local"}, progress=False), evaluator=judge)
     torch.set_num_threads(threads)
     metrics = read_table(root / "metrics.parquet", "train_metrics").to_pandas()
     values = {(r.step, r.name): r.value for r in metrics.itertuples()}
     return read_table(root / "traj.parquet", "trajectories").to_pylist(), values, judge
 
 
-TIMES = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "overlap_s")
+TIMES = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "overlap_s", "log_probs_s", "returns_s", "filters_s",
+         "advantages_s", "update_s")
 
 
 def untimed(rows: list[dict]) -> list[dict]:
@@ -455,7 +472,7 @@ def test_one_step_off_policy_rollouts_are_generated_during_the_update(nano_model
     assert [metrics[(step, "policy_lag")] for step in (1, 2)] == [0.0, 1.0]
     assert untimed(rows[:8]) == untimed(off_rows[:8])
     assert len(rows) == 16 and {row["iteration"] for row in rows} == {0}
-    assert sorted(rl_update.row_key(row) for row in rows[8:]) == sorted(rl_update.row_key(row) for row in off_rows[8:])
+    assert sorted(rl_batch.row_key(row) for row in rows[8:]) == sorted(rl_batch.row_key(row) for row in off_rows[8:])
     for row in rows:
         assert len(row["response_logprobs"]) == len(row["response_token_ids"]) and row["return_to_go"] is not None
         assert row["kept"] == (row["rejected_by"] is None)
@@ -498,7 +515,7 @@ def test_micro_batch_weights_normalise_by_the_global_mini_batch():
     processes, add up to the loss of the whole mini-batch in one piece, in every aggregation mode."""
     lengths = [3, 5, 2, 4]  # response tokens of the mini-batch's four rows
     losses = torch.arange(20, dtype=torch.float64).reshape(4, 5) / 7
-    mask = rl_update.response_mask(lengths, 5)
+    mask = rl_batch.response_mask(lengths, 5)
     micro_batches = [[0], [1], [2, 3]]  # process 0 holds rows 0 and 1 (one each), process 1 rows 2 and 3
     for agg in AGG_MODES:
         whole = algos.aggregate_loss(losses, mask, agg)
@@ -521,7 +538,7 @@ def test_prompts_must_split_evenly_over_processes_whatever_the_engine():
     with pytest.raises(ValueError, match="3 prompts per step cannot be split evenly over 2 processes"):
         rl.check_processes(RLConfig(engine="vllm"), 3, 2)
     tasks = [AgentTask(name, RELU) for name in "abcd"]
-    assert [[t.task_id for t in rl_rollouts.process_tasks(tasks, rank, 2)] for rank in (0, 1)] == [["a", "c"], ["b", "d"]]
+    assert [[t.task_id for t in rollouts.process_tasks(tasks, rank, 2)] for rank in (0, 1)] == [["a", "c"], ["b", "d"]]
 
 
 def queries_file(path: Path, tasks: list[AgentTask]) -> Path:
@@ -542,7 +559,7 @@ def test_two_processes_train_as_one_process_on_the_same_rows(nano_model, tmp_pat
     # step 0's rollouts, saved where an interrupted run would have left them
     model, tokenizer = rl.load_policy(nano_model, cfg)
     engine = HFEngine(model.eval(), tokenizer, name="nano", batch_size=8, progress=False)
-    seeded = rl_rollouts.rollout_rows(tasks, engine, LocalEvaluator(progress=False), cfg, run="mp", iteration=0,
+    seeded = rollouts.rollout_rows(tasks, engine, LocalEvaluator(progress=False), cfg, run="mp", iteration=0,
                              global_step=0, progress=False)
     for row in seeded:
         row["reward"] = {"relu-a": [0.0, 1.0, 2.0], "relu-b": [3.0, 0.5, 0.0]}[row["task_id"]][row["sample"]]
@@ -555,12 +572,14 @@ def test_two_processes_train_as_one_process_on_the_same_rows(nano_model, tmp_pat
     outputs = {n: {"model_out": tmp_path / n / "model", "trajectories_path": tmp_path / n / "traj.parquet",
                    "metrics_path": tmp_path / n / "metrics.parquet"} for n in ("two", "one")}
     two = outputs["two"]
-    args = ["train", "rl", "--queries", str(queries_file(tmp_path / "queries.parquet", tasks)),
-            "--init-model", str(nano_model), "--model-out", str(two["model_out"]),
-            "--trajectories", str(two["trajectories_path"]), "--metrics", str(two["metrics_path"]),
-            "--scratch", str(scratch["two"]), "--run", "mp", "--settings", json.dumps(dataclasses.asdict(cfg)),
-            "--gym", json.dumps(gym)]
-    command = accelerate_command(2, args, NodeInfo(main_port=free_port()), config_dir=REPO / "workflow" / "accelerate")
+    # what rule rl_iter's job hands each of its processes: one settings file (kpipe.infra.jobs)
+    job_file = write_job_file(tmp_path / "rl.job.json", rl.rl_job, {
+        "queries": str(queries_file(tmp_path / "queries.parquet", tasks)), "init_model": str(nano_model),
+        "model_out": str(two["model_out"]), "trajectories": str(two["trajectories_path"]),
+        "metrics": str(two["metrics_path"]), "scratch": str(scratch["two"]), "run": "mp", "iteration": 0,
+        "rl": dataclasses.asdict(cfg), "gym": gym, "state_out": str(tmp_path / "two" / "state")})
+    command = accelerate_command(2, [str(job_file)], NodeInfo(main_port=free_port()),
+                                 config_dir=REPO / "workflow" / "accelerate", module=JOBS_MODULE)
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     ranks = "\n".join(line for line in done.stderr.splitlines() if line.startswith("[rank"))
@@ -570,17 +589,19 @@ def test_two_processes_train_as_one_process_on_the_same_rows(nano_model, tmp_pat
     rows = read_table(two["trajectories_path"], "trajectories").to_pylist()
     steps = [rows[:len(seeded)], rows[len(seeded):]]
     for step_rows in steps:  # each process's rows exactly once
-        assert sorted(rl_update.row_key(r) for r in step_rows) == sorted(rl_update.row_key(r) for r in seeded)
+        assert sorted(rl_batch.row_key(r) for r in step_rows) == sorted(rl_batch.row_key(r) for r in seeded)
     assert not scratch["two"].exists()
 
     write_table(steps[1], scratch["one"] / "rollouts-0001.parquet", "trajectories")
-    rl.run_iteration(cfg, tasks, nano_model, **outputs["one"], scratch=scratch["one"], run="mp", iteration=0,
-                     gym=gym, progress=False)
-    one_rows = {rl_update.row_key(r): r
+    one = outputs["one"]
+    rl.run_iteration(IterationSettings(cfg=cfg, tasks=tuple(tasks), init_model=nano_model, model_out=one["model_out"],
+                                       trajectories=one["trajectories_path"], metrics=one["metrics_path"],
+                                       scratch=scratch["one"], run="mp", iteration=0, gym=gym, progress=False))
+    one_rows = {rl_batch.row_key(r): r
                 for r in read_table(outputs["one"]["trajectories_path"], "trajectories").to_pylist()[:len(seeded)]}
     for row in steps[0]:
-        assert row["advantage"] == pytest.approx(one_rows[rl_update.row_key(row)]["advantage"])
-        assert row["kept"] == one_rows[rl_update.row_key(row)]["kept"]
+        assert row["advantage"] == pytest.approx(one_rows[rl_batch.row_key(row)]["advantage"])
+        assert row["kept"] == one_rows[rl_batch.row_key(row)]["kept"]
     assert any(row["advantage"] for row in steps[0])
 
     from safetensors.torch import load_file

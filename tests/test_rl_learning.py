@@ -21,7 +21,7 @@ from kpipe.gym import Protocol
 from kpipe.gym.bank import list_solutions
 from kpipe.llm.prompts import first_turn_messages
 from kpipe.train.rl import run_iteration
-from kpipe.train.rl_config import RLConfig
+from kpipe.train.rl_config import IterationSettings, RLConfig
 from kpipe.train.tiny_model import build_tiny_model
 
 ITERATIONS = 5
@@ -88,9 +88,11 @@ def test_rl_iterations_raise_the_mean_reward(tmp_path):
         for iteration in range(ITERATIONS):
             out = tmp_path / f"iter={iteration}"
             metric_files.append(out / "metrics.parquet")
-            run_iteration(cfg, [task], model, out / "model", out / "trajectories.parquet", metric_files[-1],
-                          out / "scratch", run="learn", iteration=iteration, init_state=state,
-                          state_out=out / "state", gym={"protocol": PROTOCOL}, evaluator=pool, progress=False)
+            run_iteration(IterationSettings(cfg=cfg, tasks=(task,), init_model=model, model_out=out / "model",
+                                            trajectories=out / "trajectories.parquet", metrics=metric_files[-1],
+                                            scratch=out / "scratch", run="learn", iteration=iteration,
+                                            init_state=state, state_out=out / "state", gym={"protocol": PROTOCOL},
+                                            progress=False), evaluator=pool)
             model, state = out / "model", out / "state"
     metrics = read_table(metric_files, "train_metrics").to_pandas()
     reward = metrics[metrics.name == "reward_mean"].set_index("iteration")["value"]

@@ -243,47 +243,34 @@ def test_checkpoints_of_other_settings_code_libraries_or_weights_are_not_resumed
            "training from step 0" in caplog.text
 
 
-def test_cli_builds_the_tiny_model_and_runs_sft_from_parquet(tmp_path):
+def test_cli_builds_the_tiny_model(tmp_path):
     from click.testing import CliRunner
 
     from kpipe.cli import main
-    from kpipe.data.io import write_table
 
-    write_table(synthetic_rows(2), tmp_path / "traj" / "stage=coldstart" / "part-0.parquet", "trajectories")
-    runner = CliRunner()
-    built = runner.invoke(main, ["train", "tiny-model", str(tmp_path / "base"), "--size", "nano"])
+    built = CliRunner().invoke(main, ["train", "tiny-model", str(tmp_path / "base"), "--size", "nano"])
     assert built.exit_code == 0, built.output
-    trained = runner.invoke(main, ["train", "sft", "-t", str(tmp_path / "traj"), "--out", str(tmp_path / "out"),
-                                   "--metrics", str(tmp_path / "m.parquet"), "--preset", "offline",
-                                   "--set", f"base_model={tmp_path / 'base'}", "--set", "epochs=1"])
-    assert trained.exit_code == 0, trained.output
-    assert json.loads(trained.stdout[trained.stdout.index("{"):])["samples"]["samples"] == 4
-    assert [s for s, _ in loss_series(tmp_path / "m.parquet")] == [1]
+    assert (tmp_path / "base" / "config.json").is_file()
 
 
-def test_cli_publishes_its_results_and_a_rerun_without_them_trains_again(nano, tmp_path):
-    """The `sft` rule's job: settings as JSON, results copied to the pipeline outputs, which a
+def test_the_sft_job_publishes_its_results_and_a_rerun_without_them_trains_again(nano, tmp_path):
+    """The `sft` rule's job: its settings as JSON values, results copied to the pipeline outputs, which a
     Snakemake rerun deletes first. A finished run leaves no checkpoint, so the rerun (`--forcerun
     sft`, deleted outputs) trains again from step 0 instead of handing back the old model."""
     import shutil
 
-    from click.testing import CliRunner
-
-    from kpipe.cli import main
     from kpipe.data.io import write_table
+    from kpipe.train.sft import sft_job
 
     trajectories = tmp_path / "coldstart.parquet"
     write_table(synthetic_rows(2), trajectories, "trajectories")
     work, published = tmp_path / "work", tmp_path / "results"
-    settings = json.dumps({"preset": "offline", "base_model": nano, "run": "cli", "epochs": 2, "batch_size": 2,
-                           "micro_batch_tokens": 600, "max_length": 4096})
-    args = ["train", "sft", "-t", str(trajectories), "--out", str(work), "--metrics", str(work / "metrics.parquet"),
-            "--settings", settings, "--model-out", str(published / "model"),
-            "--summary-out", str(published / "reports" / "sft.json"),
-            "--metrics-out", str(published / "train_metrics" / "part-0.parquet")]
-    runner = CliRunner()
-    first = runner.invoke(main, args)
-    assert first.exit_code == 0, first.output
+    job = {"trajectories": [str(trajectories)], "work_dir": str(work),
+           "settings": {"preset": "offline", "base_model": str(nano), "run": "cli", "epochs": 2, "batch_size": 2,
+                        "micro_batch_tokens": 600, "max_length": 4096},
+           "model_out": str(published / "model"), "summary_out": str(published / "reports" / "sft.json"),
+           "metrics_out": str(published / "train_metrics" / "part-0.parquet")}
+    sft_job(**job)
     losses = loss_series(published / "train_metrics" / "part-0.parquet")
     assert [step for step, _ in losses] == [1, 2, 3, 4]
     assert (published / "model" / "model.safetensors").is_file()
@@ -291,8 +278,7 @@ def test_cli_publishes_its_results_and_a_rerun_without_them_trains_again(nano, t
     assert (summary["config"]["run"], summary["steps"], summary["final_loss"]) == ("cli", 4, losses[-1][1])
 
     shutil.rmtree(published)  # what Snakemake does before it reruns the job
-    rerun = runner.invoke(main, args)
-    assert rerun.exit_code == 0, rerun.output
+    sft_job(**job)
     assert loss_series(published / "train_metrics" / "part-0.parquet") == losses
     summary = json.loads((published / "reports" / "sft.json").read_text())
     assert (summary["resumed_from"], summary["final_loss"]) == (None, losses[-1][1])

@@ -21,7 +21,7 @@ import torch
 
 from kpipe.llm.types import ChatRequest
 from kpipe.llm.vllm_server import API_KEY_ENV, VLLMServerConfig, serve_args
-from kpipe.train import rl_rollouts
+from kpipe.train import rollouts
 from kpipe.train.rl_config import RLConfig
 
 from packaging.requirements import Requirement
@@ -102,7 +102,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 def test_rl_rollout_engine_arguments_and_outputs_exist(fake_vllm, api):
     cfg = RLConfig(engine="vllm", max_context_tokens=4096)
-    engine = rl_rollouts.make_engine(cfg, None, None, Path("/ckpt/sft"), "rl-iter0", progress=False)
+    engine = rollouts.make_engine(cfg, None, None, Path("/ckpt/sft"), "rl-iter0", progress=False)
     kwargs = engine.llm.kwargs
     assert set(kwargs) <= set(api["llm_init_params"]) | set(api["engine_args_fields"])
     assert kwargs["logprobs_mode"] in api["logprobs_modes"] and kwargs["logprobs_mode"] == "processed_logprobs"
@@ -121,9 +121,9 @@ def test_rl_rollout_engine_arguments_and_outputs_exist(fake_vllm, api):
 
 
 def test_rl_weight_push_uses_existing_methods(fake_vllm, api):
-    engine = rl_rollouts.make_engine(RLConfig(engine="vllm"), None, None, Path("/ckpt/sft"), "rl", progress=False)
+    engine = rollouts.make_engine(RLConfig(engine="vllm"), None, None, Path("/ckpt/sft"), "rl", progress=False)
     model = torch.nn.Linear(2, 2)
-    rl_rollouts.push_weights_to_vllm(engine, model)
+    rollouts.push_weights_to_vllm(engine, model)
     assert [call[0] for call in engine.llm.calls] == ["collective_rpc", "collective_rpc", "reset_prefix_cache"]
     for method, _, call_kwargs in engine.llm.calls:
         assert set(call_kwargs) <= set(api["llm_methods"][method])
@@ -139,10 +139,10 @@ def test_rl_weight_push_uses_existing_methods(fake_vllm, api):
 
 def test_rl_engines_of_several_processes_join_the_launcher(fake_vllm, api):
     """`kpipe launch --gpus N` with engine vllm: each process's engine joins the launcher's group."""
-    engine = rl_rollouts.make_engine(RLConfig(engine="vllm"), None, None, Path("/ckpt/sft"), "rl", progress=False,
+    engine = rollouts.make_engine(RLConfig(engine="vllm"), None, None, Path("/ckpt/sft"), "rl", progress=False,
                                      processes=2)
     kwargs = engine.llm.kwargs
     assert kwargs["distributed_executor_backend"] == "external_launcher"
     assert "external_launcher" in api["executor_backends"]
     assert set(kwargs) <= set(api["llm_init_params"]) | set(api["engine_args_fields"])
-    assert "distributed_executor_backend" not in rl_rollouts.vllm_engine_args(RLConfig(engine="vllm"), 1)
+    assert "distributed_executor_backend" not in rollouts.vllm_engine_args(RLConfig(engine="vllm"), 1)

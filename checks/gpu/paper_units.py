@@ -22,7 +22,7 @@ measured):
    max_model_len 32,768): start-up seconds; prefill tokens/s (a batch of prompts, one output token);
    decode tokens/s (a batch of sequences decoding with ``ignore_eos``: the paper's 8,192 tokens a turn
    cut to --decode-tokens to fit the call); then the weight push of a bf16 HF copy of the same
-   architecture through ``kpipe.train.rl_rollouts.push_weights_to_vllm`` (seconds) and MRS's log-prob
+   architecture through ``kpipe.train.rollouts.push_weights_to_vllm`` (seconds) and MRS's log-prob
    agreement of the trainer's own samples after the push (``mismatch_keep`` at RLConfig's thresholds).
 """
 
@@ -242,7 +242,7 @@ def rollout(report: Report, args: argparse.Namespace) -> None:
     import torch
 
     from kpipe.train.rl_config import RLConfig
-    from kpipe.train.rl_rollouts import push_weights_to_vllm, vllm_engine_args
+    from kpipe.train.rollouts import push_weights_to_vllm, vllm_engine_args
 
     cfg = RLConfig()
     work = Path(tempfile.mkdtemp(prefix="kpipe-paper-units-"))
@@ -303,7 +303,7 @@ def rollout(report: Report, args: argparse.Namespace) -> None:
         return {"push_s": time.perf_counter() - started, "parameters": model.num_parameters()}
 
     def agreement() -> dict[str, Any]:
-        from kpipe.train.rl_advantages import mismatch_keep
+        from kpipe.train.rl_batch import mismatch_keep
 
         model = held["model"]
         _, outputs = generate(16, 256 if not args.tiny else 16)

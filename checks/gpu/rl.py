@@ -86,7 +86,7 @@ def rl_step(report: Report, args: argparse.Namespace) -> None:
     from kpipe.data.io import read_table
     from kpipe.data.kernelbench import load_problems, shrink_sizes
     from kpipe.train.rl import gym_protocol, run_iteration
-    from kpipe.train.rl_config import RLConfig
+    from kpipe.train.rl_config import IterationSettings, RLConfig
     from kpipe.train.sft import SFTConfig, train_sft
     from kpipe.train.tiny_model import build_tiny_model
 
@@ -126,9 +126,10 @@ def rl_step(report: Report, args: argparse.Namespace) -> None:
                 cfg = replace(settings, async_mode=mode)
                 out = root / f"rl-{index}"
                 started = time.perf_counter()
-                run_iteration(cfg, tasks, sft.model_dir, out / "model", out / "trajectories.parquet",
-                              out / "metrics.parquet", out / "scratch", run="gpu-check", iteration=0, gym=gym,
-                              evaluator=pool)
+                run_iteration(IterationSettings(cfg=cfg, tasks=tuple(tasks), init_model=sft.model_dir,
+                                                model_out=out / "model", trajectories=out / "trajectories.parquet",
+                                                metrics=out / "metrics.parquet", scratch=out / "scratch",
+                                                run="gpu-check", iteration=0, gym=gym), evaluator=pool)
                 metrics = read_table(out / "metrics.parquet", "train_metrics").to_pandas()
                 trajectories = read_table(out / "trajectories.parquet", "trajectories").to_pandas()
                 runs[label] = {

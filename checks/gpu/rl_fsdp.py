@@ -1,5 +1,5 @@
 """Data-parallel RL: one RL iteration of the nano policy on N GPUs through the command the `rl_iter`
-rule runs (`kpipe launch --gpus N -- train rl ...`: FSDP2, one process per GPU, each evaluating on its
+rule runs (`kpipe launch --gpus N --module kpipe.infra.jobs -- <settings file>`: FSDP2, one process per GPU, each evaluating on its
 own GPU), then the rows and metrics it wrote.
 
     python3 -m checks.gpu rl_fsdp --gpus 2      # a 2-GPU machine, ~2 minutes
@@ -10,7 +10,6 @@ Fails when the launch fails or a row is gathered twice.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,9 @@ def launch(report: Report, args: argparse.Namespace) -> None:
     """The rl_iter rule's command exits 0 on N GPUs and rank 0 gathers each process's rows once."""
     from kpipe.data.io import read_table, write_table
     from kpipe.data.kernelbench import load_problems, shrink_sizes
+    from kpipe.infra.jobs import JOBS_MODULE, write_job_file
+    from kpipe.infra.launch import launch_command
+    from kpipe.train.rl import rl_job
     from kpipe.train.tiny_model import build_tiny_model
 
     problems = {(p.level, p.problem_id): p for p in load_problems("main")}
@@ -45,16 +47,18 @@ def launch(report: Report, args: argparse.Namespace) -> None:
                     "steps_per_iteration": 2, "mixed_precision": "bf16"}
         gym = {"backend": "pool", "cache": None,
                "protocol": {"correct_trials": 2, "perf_trials": 10, "warmup": 2}}
-        command = [sys.executable, "-m", "kpipe.cli", "launch", "--gpus", str(args.gpus), "--", "train", "rl",
-                   "--queries", str(root / "queries.parquet"), "--init-model", str(model),
-                   "--model-out", str(root / "out" / "model"), "--trajectories", str(root / "out" / "traj.parquet"),
-                   "--metrics", str(root / "out" / "metrics.parquet"), "--scratch", str(root / "scratch"),
-                   "--run", "fsdp-check", "--settings", json.dumps(settings), "--gym", json.dumps(gym)]
+        # what rule rl_iter's job of several processes runs: its settings in one file (kpipe.infra.jobs)
+        job_file = write_job_file(root / "rl.job.json", rl_job, {
+            "queries": str(root / "queries.parquet"), "init_model": str(model), "model_out": str(root / "out" / "model"),
+            "trajectories": str(root / "out" / "traj.parquet"), "metrics": str(root / "out" / "metrics.parquet"),
+            "scratch": str(root / "scratch"), "state_out": str(root / "out" / "state"), "run": "fsdp-check",
+            "iteration": 0, "rl": settings, "gym": gym})
+        command = launch_command(args.gpus, [str(job_file)], module=JOBS_MODULE)
         started = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True)
         wall = time.perf_counter() - started
         log = (done.stdout + done.stderr)[-6000:]
-        report.line(f"`{' '.join(command[2:7])} train rl ...` on {args.gpus} GPUs: exit {done.returncode} in {wall:.0f} s", "")
+        report.line(f"`{' '.join(command[2:])}` (rl_job) on {args.gpus} GPUs: exit {done.returncode} in {wall:.0f} s", "")
         report.expect(done.returncode == 0, f"the launch exited {done.returncode}")
         if done.returncode == 0:
             rows = read_table(root / "out" / "traj.parquet", "trajectories").to_pandas()

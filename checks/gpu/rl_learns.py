@@ -360,7 +360,7 @@ def run(args: argparse.Namespace, config: dict[str, Any], sink: Report, work: Pa
     from kpipe.gym import Protocol
     from kpipe.llm.teacher import Teacher, TeacherBehaviour
     from kpipe.train.rl import run_iteration
-    from kpipe.train.rl_config import RLConfig
+    from kpipe.train.rl_config import IterationSettings, RLConfig
     from kpipe.train.sft import SFTConfig, train_sft
     from kpipe.train.tiny_model import tiny_model_job
 
@@ -463,10 +463,11 @@ def run(args: argparse.Namespace, config: dict[str, Any], sink: Report, work: Pa
             started = time.monotonic()
             before = evaluator.snapshot()
             it_dir = work / f"iter={iteration}"
-            run_iteration(cfg, tasks, model, it_dir / "model", it_dir / "trajectories.parquet",
-                          it_dir / "metrics.parquet", it_dir / "scratch", run=RUN, iteration=iteration,
-                          init_state=state, state_out=it_dir / "state", gym={"protocol": protocol.to_dict()},
-                          evaluator=evaluator, progress=False)
+            run_iteration(IterationSettings(cfg=cfg, tasks=tuple(tasks), init_model=model, model_out=it_dir / "model",
+                                            trajectories=it_dir / "trajectories.parquet",
+                                            metrics=it_dir / "metrics.parquet", scratch=it_dir / "scratch", run=RUN,
+                                            iteration=iteration, init_state=state, state_out=it_dir / "state",
+                                            gym={"protocol": protocol.to_dict()}, progress=False), evaluator=evaluator)
             if state is not None:
                 shutil.rmtree(state, ignore_errors=True)  # the next iteration needs only this one's
             model, state = it_dir / "model", it_dir / "state"

@@ -13,7 +13,7 @@ head_dim 16) and a Qwen3-0.6B-sized one (the ``qwen3-0.6b`` preset of the same b
 weights, the nano policy's tokenizer, so one embedding row per token: 4,000 rows instead of Qwen's
 151,936). Every vLLM engine runs in a child process of its own (``python -m checks.gpu.vllm CHILD
 SPEC``) so that its GPU memory is freed when it ends, built as kpipe's RL builds it:
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``kpipe.train.rl_rollouts.vllm_engine_args`` (processed
+``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``kpipe.train.rollouts.vllm_engine_args`` (processed
 log-probs, ``max_model_len`` = rl.max_context_tokens) with ``gpu_memory_utilization`` 0.3, through
 ``kpipe.llm.vllm_engine.VLLMEngine`` (``LLM.chat``).
 
@@ -31,7 +31,7 @@ Sections (each fails alone; a later one still runs):
 3. ``mismatch``: per-sequence importance ratios w = pi_train/pi_rollout (geometric mean over the
    tokens, Eq. 6) of 64 sequences per engine, the trainer's log-probs recomputed exactly as kpipe's RL
    does (``load_policy``: fp32 weights, ``policy_log_probs`` under ``Accelerator(mixed_precision=
-   "bf16").autocast()``), MRS rejections by ``kpipe.train.rl_advantages.mismatch_keep`` at the paper's
+   "bf16").autocast()``), MRS rejections by ``kpipe.train.rl_batch.mismatch_keep`` at the paper's
    thresholds (RLConfig defaults: |w - 1| <= 1e-3, token veto 1e-4), rollout and trainer perplexity.
    Two policies: the random nano policy and the same after 30 quick training steps on the bank's
    legit kernels ("trained"; pushed into the running vLLM engine by ``push_weights_to_vllm``, which the
@@ -409,7 +409,7 @@ def child_main(spec_path: str) -> int:
 
         from kpipe.llm.vllm_engine import VLLMEngine
         from kpipe.train.rl_config import RLConfig
-        from kpipe.train.rl_rollouts import vllm_engine_args
+        from kpipe.train.rollouts import vllm_engine_args
 
         out.update(vllm=vllm.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                    import_s=time.monotonic() - started)
@@ -445,7 +445,7 @@ def child_main(spec_path: str) -> int:
             save()
         if spec.get("push_from"):
             from kpipe.train.rl import load_policy
-            from kpipe.train.rl_rollouts import push_weights_to_vllm
+            from kpipe.train.rollouts import push_weights_to_vllm
 
             model = load_policy(Path(spec["push_from"]), cfg)[0].to("cuda" if torch.cuda.is_available() else "cpu")
             started = time.monotonic()
@@ -576,7 +576,7 @@ def trainer_mismatch(path: Path, sampled: list[dict[str, Any]]) -> dict[str, Any
     from accelerate import Accelerator
 
     from kpipe.train.rl import load_policy
-    from kpipe.train.rl_advantages import mismatch_keep
+    from kpipe.train.rl_batch import mismatch_keep
     from kpipe.train.rl_config import RLConfig
     from kpipe.train.rl_update import policy_log_probs, token_samples, token_totals
 
