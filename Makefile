@@ -32,7 +32,7 @@ STAMP := $(VENV)/.kpipe-installed
 # and Ray with its dependencies was most of a fresh machine's setup time
 DEV_STAMP := $(VENV)/.kpipe-dev-installed
 
-.PHONY: setup setup-dev run test test-browser lint clean wheelhouse wheelhouse-vllm setup-offline
+.PHONY: setup setup-dev run test test-browser lint test-snakemake-floor clean wheelhouse wheelhouse-vllm setup-offline
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,20 @@ test: test-browser setup-dev
 
 lint: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/snakemake --lint
+
+# The floor of Snakemake's pin (kpipe.infra.snakemake_adapter.TESTED_SNAKEMAKE): that version in a venv
+# layered over the project's, then the adapter's tests, the lint and the default DAG's plan under it
+SNAKEMAKE_FLOOR ?= 9.17.0
+FLOOR_VENV ?= .venv-snakemake-floor
+test-snakemake-floor: setup-dev
+	rm -rf $(FLOOR_VENV) && $(BIN)/python -m venv $(FLOOR_VENV)
+	$(BIN)/python -c "import site; print(site.getsitepackages()[0])" > \
+		"$$($(FLOOR_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/project-venv.pth"
+	$(FLOOR_VENV)/bin/python -m pip install -q "snakemake==$(SNAKEMAKE_FLOOR)"
+	PATH="$(abspath $(FLOOR_VENV))/bin:$$PATH" PYTHONPATH="$(abspath src)" $(FLOOR_VENV)/bin/python -m pytest \
+		-p no:randomly -n 0 tests/test_snakemake_adapter.py
+	PYTHONPATH="$(abspath src)" $(FLOOR_VENV)/bin/python -m snakemake --lint
+	PYTHONPATH="$(abspath src)" $(FLOOR_VENV)/bin/python -m snakemake -n --quiet rules
 
 # For a machine without internet (HPC clusters, the lent GPU device): the wheels kpipe needs beyond
 # what the target has (HAVE: its `python -m pip list --format=freeze`), for its Python, in parts of

@@ -120,3 +120,15 @@ def test_a_stale_table_is_rewritten_between_the_markers() -> None:
     updated = rule_map.with_table(document, rules)
     assert rule_map.table_block(updated) == rule_map.table(rules)
     assert updated.startswith("# x\n\n") and updated.endswith("\n\nafter\n")
+
+
+def test_the_shared_rule_module_stays_short_and_the_input_functions_hold_no_rules() -> None:
+    """rules/common.smk holds what every stage shares (config, resources, the run's services) in at
+    most 150 lines; each stage's paths and input functions sit in rules/inputs.smk, which defines no
+    rule (Snakemake's lint wants functions and rules apart), and the rule modules define no function."""
+    rules = Path(__file__).resolve().parents[1] / "workflow" / "rules"
+    assert len((rules / "common.smk").read_text().splitlines()) <= 150
+    assert "\nrule " not in (rules / "inputs.smk").read_text()
+    for path in rules.glob("*.smk"):
+        if path.name not in ("common.smk", "inputs.smk"):
+            assert "\ndef " not in path.read_text(), path.name

@@ -72,8 +72,9 @@ def test_the_grep_sees_a_private_import():
 
 
 def test_pins_name_the_tested_versions():
-    """The installed Snakemake is a tested one, and pyproject.toml, environment.yml and the Snakefile's
-    min_version say the same range."""
+    """The installed Snakemake is in the pinned range (the newest under `make test`, the floor under
+    `make test-snakemake-floor`), and pyproject.toml, environment.yml, the Snakefile's min_version and
+    the Makefile's floor say the same range."""
     lowest, first_untested = TESTED_SNAKEMAKE
     assert Version(lowest) <= Version(version("snakemake")) < Version(first_untested)
     pyproject = (ROOT / "pyproject.toml").read_text()
@@ -82,6 +83,7 @@ def test_pins_name_the_tested_versions():
     assert [str(requirement.specifier) for requirement in pinned] == [f"<{first_untested},>={lowest}"]
     assert f"snakemake-minimal>={lowest},<{first_untested}" in (ROOT / "environment.yml").read_text()
     assert f'min_version("{lowest}")' in (ROOT / "workflow" / "Snakefile").read_text()
+    assert f"SNAKEMAKE_FLOOR ?= {lowest}.0" in (ROOT / "Makefile").read_text()
 
 
 CHAIN = """

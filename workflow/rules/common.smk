@@ -1,6 +1,6 @@
-# Shared by the rule modules: the config (loaded, validated), the stage paths' roots, code versions,
-# GPU resources, the run's services and the default targets. Each stage's own paths and input
-# functions live in its rule module (rules/<stage>.smk); the Python they call is kpipe's.
+# What every stage shares: the config (loaded, validated), the roots of the paths, code versions,
+# GPU resources and the run's services. Each stage's own paths and input functions are in
+# rules/inputs.smk, its rules in rules/<stage>.smk; the Python they call is kpipe's.
 import hashlib
 import sys
 from pathlib import Path

@@ -2,49 +2,6 @@
 # Every stage's evaluations go to KernelGym's result cache (gym.cache), not to Parquet: export_evals
 # writes the cache out as the `evals` table once every stage that evaluates has finished.
 
-import os
-
-from kpipe.report.tables import table_sql_files
-
-# The `evals` table of the DAG: the KernelGym result cache (gym.cache) written out by rules/db.smk
-EVALS_EXPORT = f"{RESULTS}/evals/gym_cache.parquet"
-
-
-def trajectory_parts():
-    """The trajectory files of every stage, all of which evaluate through KernelGym (and so fill
-    gym.cache; the released cold start, read rather than generated, is the one exception)."""
-    return [
-        *coldstart_parts(),
-        *rl_parts("trajectories"),
-        *rl_validation_parts(),
-        *eval_parts(),
-        *budget_parts(),
-        *stts_parts(),
-    ]
-
-
-def table_files():
-    """Every Parquet file the database views read, per table: the outputs of all stages. The views
-    read exactly these (never other files on disk, e.g. left by other settings)."""
-    return {
-        "tasks": [f"{RESULTS}/tasks/tasks.parquet"],
-        "queries": [f"{RESULTS}/queries/queries.parquet"],
-        "train_metrics": [f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet", *rl_parts("train_metrics")],
-        "trajectories": trajectory_parts(),
-        "evals": [EVALS_EXPORT],
-    }
-
-
-# Tables and figures (rules/tables.smk)
-# relative to the working directory, as every other path of the DAG: a moved tree reruns nothing
-SQL_DIR = Path(os.path.relpath(Path(workflow.current_basedir).parent / "sql"))
-
-
-def sql_file(name):
-    """workflow/sql/<name>.sql, as a path relative to the working directory."""
-    return str(SQL_DIR / f"{name}.sql")
-TABLE_NAMES = [path.stem for path in table_sql_files(SQL_DIR)]
-
 
 rule export_evals:
     """kpipe.gym.cache.export_evals: the KernelGym result cache (gym.cache) as the evals table."""

@@ -8,20 +8,6 @@
 # Answers and evaluations are cached under results/cache/ (not outputs: a failed or killed job
 # keeps them), so rerunning a shard re-sends no request that was already answered.
 
-DISTILL = config["distill"]
-if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(DISTILL["released_path"]).exists()):
-    # checked here: an earlier run's cold-start file would otherwise satisfy the rule and hide it
-    sys.exit(f"config error: distill.released_path: {DISTILL['released_path']!r} does not exist "
-             "(distill.teacher: released reads it)")
-COLDSTART_DIR = f"{RESULTS}/trajectories/stage=coldstart/run={RUN}/iter=0"
-
-
-def coldstart_parts():
-    """The cold-start trajectory files of this run (one per shard; one for released data)."""
-    shards = 1 if DISTILL["teacher"] == "released" else DISTILL["shards"]
-    return expand(f"{COLDSTART_DIR}/part-{{shard}}.parquet", shard=range(shards))
-
-
 if DISTILL["teacher"] == "released":
 
     rule coldstart_released:

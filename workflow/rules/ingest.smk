@@ -1,9 +1,6 @@
 # Ingest: evaluation tasks from the vendored KernelBench sets, training queries from their
 # sources, then decontamination of the queries against the evaluation tasks.
 
-def query_sources():
-    return {source["name"]: source for source in config["queries"]["sources"]}
-
 
 rule ingest_tasks:
     """kpipe.data.ingest.ingest_tasks_job: the evaluation tasks from the vendored KernelBench sets."""

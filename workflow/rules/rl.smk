@@ -11,60 +11,7 @@
 # data-parallel rollouts); one process (a CPU, one GPU) runs in the job's own (kpipe.infra.jobs.run_job).
 import json
 
-from kpipe.evaluate.kernelbench import validated_iterations
 from kpipe.infra.provenance import RL_CODE
-
-RL = config["rl"]
-RL_ITERATIONS = RL["iterations"]
-RL_DAG_KEYS = ("iterations", "runs", "base_run", "gpus", "keep_optimizer_states", "validation")  # not a result of rl_iter
-RL_RUNS = {**({RUN: {}} if RL["base_run"] else {}), **RL["runs"]}
-if not RL_RUNS:
-    raise ValueError("config error: rl.base_run is false and rl.runs is empty: no RL run to train")
-
-
-def rl_settings(run):
-    """The RLConfig values of `run`: the `rl` section with the run's overlay on top."""
-    base = {key: value for key, value in RL.items() if key not in RL_DAG_KEYS}
-    return {**base, **RL_RUNS[run]}
-
-
-def rl_model_dir(run, iteration):
-    return f"{RESULTS}/models/rl-{run}/iter={iteration}"
-
-
-def rl_state_dir(run, iteration):
-    return f"{RESULTS}/work/rl-{run}/iter={iteration}/state"
-
-
-def rl_init_model(wildcards):
-    iteration = int(wildcards.iter)
-    return f"{RESULTS}/models/sft-{RUN}" if iteration == 0 else rl_model_dir(wildcards.run, iteration - 1)
-
-
-def rl_final_model(run=RUN):
-    """The model of the last RL iteration of `run` (evaluated as `source: rl`)."""
-    return rl_model_dir(run, RL_ITERATIONS - 1)
-
-
-def rl_parts(kind):
-    """Every RL iteration's `trajectories` or `train_metrics` file, over all runs."""
-    return expand(f"{RESULTS}/{kind}/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
-                  run=list(RL_RUNS), iter=range(RL_ITERATIONS))
-
-
-# RL validation (rules/rl.smk, rl_validate jobs): iteration checkpoints on the validation tasks
-RL_VALIDATION = RL["validation"]
-RL_VALIDATED_ITERATIONS = validated_iterations(RL_ITERATIONS, RL_VALIDATION["every"])
-if RL_VALIDATED_ITERATIONS and RL_VALIDATION["level"] not in config["kernelbench"]["levels"]:
-    sys.exit(f"config error: rl.validation.level: {RL_VALIDATION['level']} is not one of kernelbench.levels "
-             f"{config['kernelbench']['levels']} (or set rl.validation.every: 0)")
-
-
-def rl_validation_parts():
-    """Every validation file: each run x validated iteration (none when rl.validation.every is 0)."""
-    return expand(f"{RESULTS}/trajectories/stage=rl_val/run={{run}}/iter={{iter}}/part-0.parquet",
-                  run=list(RL_RUNS), iter=RL_VALIDATED_ITERATIONS)
-
 
 # the nano policy on one GPU shares it (its rollouts are timed by the run's service); else whole GPUs
 RL_SLOTS = gpu_slots(RL["gpus"], SHARED_GYM and TINY_POLICY and RL["gpus"] == 1)

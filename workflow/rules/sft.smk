@@ -7,23 +7,6 @@
 # `kpipe launch` runs one process per GPU (FSDP2 from two); one process (a CPU, one GPU) runs in the
 # job's own (kpipe.infra.jobs.run_job).
 
-def sft_base_model_input():
-    """The locally built tiny model when the config asks for it (else the base model is a param)."""
-    policy = config["policy"]
-    if policy["base_model"] != "tiny":
-        return []
-    tiny = policy["tiny"]
-    tokenizer = "byte" if tiny["tokenizer"] == "byte" else f"bpe{tiny['vocab_size']}"
-    return [f"{RESULTS}/models/tiny-{tiny['size']}-{tokenizer}-seed{tiny['seed']}"]
-
-
-def sft_settings(base_inputs):
-    """The SFTConfig values of the run: the `sft` section, the run name and the base model (the
-    tiny model built here, `base_inputs` of sft_base_model_input, else the config's hub id or path)."""
-    base_model = base_inputs[0] if base_inputs else config["policy"]["base_model"]
-    return {**job_settings(config["sft"], drop=("gpus",)), "base_model": base_model, "run": RUN}
-
-
 import json
 
 from kpipe.infra.provenance import SFT_CODE

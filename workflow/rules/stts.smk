@@ -5,18 +5,6 @@
 # and what reads them (build_db, tables, figures), never the evaluation or the vanilla run.
 # Needs rules/eval.smk (models, helpers).
 
-# Sequential test-time scaling (rules/stts.smk)
-STTS = config["stts"]
-STTS_DIR = f"{RESULTS}/trajectories/stage=stts/run={RUN}"
-
-
-def stts_parts():
-    if not STTS["enabled"]:
-        return []
-    return expand(f"{STTS_DIR}/model={{model}}/strategy={{strategy}}/level={{level}}/part-{{shard}}.parquet",
-                  model=stage_models(STTS), strategy=STTS["strategies"], level=stage_levels(STTS),
-                  shard=range(STTS["shards"]))
-
 
 rule stts:
     """kpipe.evaluate.stts.stts_job: one STTS shard of one model, history strategy and level."""

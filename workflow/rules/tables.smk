@@ -2,29 +2,6 @@
 # all in `snakemake --report report.html`. The database's views read every stage's Parquet
 # files; build_db depends on the stage outputs, so these rerun whenever a stage does.
 
-from kpipe.report.figures import FIGURE_NAMES
-
-def own_models():
-    """The models the Fast@p tables report at their last turn (tables.own_models; default: kind pipeline)."""
-    named = config["tables"]["own_models"]
-    return named if named is not None else [entry["name"] for entry in config["models"] if entry["kind"] == "pipeline"]
-
-
-def report_tables():
-    outputs = []
-    for name in TABLE_NAMES:
-        outputs.append(report(f"{RESULTS}/tables/{name}.md", caption=f"../report/{name}.rst", category="Tables",
-                              labels={"table": name, "format": "markdown"}))
-        outputs.append(report(f"{RESULTS}/tables/{name}.csv", caption=f"../report/{name}.rst", category="Tables",
-                              labels={"table": name, "format": "csv"}))
-    return outputs
-
-
-def table_targets():
-    """The default targets of this module: every table and figure."""
-    return ([f"{RESULTS}/tables/{name}.{ext}" for name in TABLE_NAMES for ext in ("md", "csv")]
-            + [f"{RESULTS}/figures/{name}.png" for name in FIGURE_NAMES])
-
 
 rule tables:
     """kpipe.report.tables.build_tables: every workflow/sql/<name>.sql as Markdown and CSV."""

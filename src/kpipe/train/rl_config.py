@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from kpipe.agent.loop import AgentTask
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-ADVANTAGE_NAMES = tuple(ADVANTAGES)
 RETURN_AGGREGATES = ("sum", "max")
 SINGLETONS = ("zero", "return")
 BASELINES = ("eager", "compile")
@@ -136,8 +135,9 @@ class RLConfig:
             if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
                 raise ValueError(f"RLConfig: {item.name} must be {item.type}, got {value!r}")
         checks = [
+            # the registries as they are now: an entry registered after this module's import counts too
             (self.reward in REWARDS, f"reward must be one of {tuple(REWARDS)}"),
-            (self.advantage in ADVANTAGE_NAMES, f"advantage must be one of {ADVANTAGE_NAMES}"),
+            (self.advantage in ADVANTAGES, f"advantage must be one of {tuple(ADVANTAGES)}"),
             (self.return_aggregate in RETURN_AGGREGATES, f"return_aggregate must be one of {RETURN_AGGREGATES}"),
             (self.singleton in SINGLETONS, f"singleton must be one of {SINGLETONS}"),
             (self.baseline in BASELINES, f"baseline must be one of {BASELINES}"),
