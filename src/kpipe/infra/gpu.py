@@ -109,7 +109,7 @@ def gpu_slot_lease(slots: int, slots_per_gpu: int, lock_dir: Path = LOCK_DIR, wa
 
 def job_lease(gpus: int, slots: tuple[int, int] | None = None) -> AbstractContextManager[list[str]]:
     """What a job holds while it runs: `slots` (its GPU slots, slots per GPU) when it declared
-    them, else `gpus` whole GPUs (``kpipe launch`` and its warm-started jobs alike)."""
+    them, else `gpus` whole GPUs (``kpipe launch`` and a job in its own process alike)."""
     return gpu_lease(gpus) if slots is None else gpu_slot_lease(*slots)
 
 
