@@ -90,3 +90,32 @@ def test_no_guide_names_a_commit(path: str) -> None:
         pytest.skip(f"docs/{path}: its rewrite (the KernelGym issue) removes its commit hashes")
     found = COMMIT.findall((DOCS / path).read_text())
     assert not found, f"docs/{path} names commits: {found[:10]}"
+
+
+def where_things_are() -> str:
+    text = README.read_text()
+    start = text.index("## Where things are")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def test_where_things_are_names_only_modules_and_files_that_exist() -> None:
+    table = where_things_are()
+    modules = set(re.findall(r"`(kpipe(?:\.\w+)+)`", table))
+    paths = set(re.findall(r"`((?:workflow|src|config)/[^`]+)`", table))
+    assert {"kpipe.train.algos", "kpipe.train.rl", "kpipe.gym.evaluation", "kpipe.report.tables"} <= modules
+    source = README.parent / "src"
+    for module in modules:
+        base = source.joinpath(*module.split("."))
+        assert base.with_suffix(".py").is_file() or (base / "__init__.py").is_file(), f"README names {module}: no such module"
+    for path in paths:
+        pattern = path.replace("<rule>", "*")
+        assert list(README.parent.glob(pattern)), f"README names {path}: nothing there"
+
+
+def test_the_extending_section_names_registries_that_exist() -> None:
+    from kpipe.train import algos
+
+    text = README.read_text()
+    for name in re.findall(r"`@(register_\w+)\(", text):
+        assert callable(getattr(algos, name, None)), f"README names algos.{name}: it does not exist"
+    assert "@register_advantage(" in text and "@register_reward(" in text
