@@ -126,12 +126,13 @@ def test_patched_until_runs_the_chain_and_stops_after_it(tmp_path):
 
 READER = """
 import json
-from kpipe.infra.snakemake_adapter import command_line_config, default_resource_total, resource_total, runs_here
+from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, is_main_process, resource_total,
+                                           runs_here)
 
 default_resource_total(workflow, "api", 4)
 default_resource_total(workflow, "gpu_slots", 8)
 Path("read.json").write_text(json.dumps({
-    "config": command_line_config(workflow), "runs_here": runs_here(workflow),
+    "config": command_line_config(workflow), "runs_here": runs_here(workflow), "main": is_main_process(workflow),
     "api": resource_total(workflow, "api"), "gpu_slots": resource_total(workflow, "gpu_slots"),
     "absent": resource_total(workflow, "absent")}))
 
@@ -151,5 +152,5 @@ def test_workflow_attributes_read_as_the_adapter_expects(tmp_path, given_slots):
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert result.returncode == 0, result.stdout + result.stderr
     read = json.loads((tmp_path / "read.json").read_text())
-    assert read == {"config": {"nested": {"size": "1"}, "count": 2}, "runs_here": True, "api": 4,
+    assert read == {"config": {"nested": {"size": "1"}, "count": 2}, "runs_here": True, "main": True, "api": 4,
                     "gpu_slots": 8 if given_slots is None else given_slots, "absent": None}

@@ -11,8 +11,9 @@ from kpipe.gym.run_service import announce, stop_services, withdraw
 from kpipe.infra import warm_start
 from kpipe.infra.gpu import visible_gpus
 from kpipe.infra.provenance import code_version
-from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, resource_total, runs_here,
-                                           until_stops_after_chained_rules)
+from kpipe.infra.run_lock import clear_stale_lock
+from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, is_main_process, resource_total,
+                                           runs_here, until_stops_after_chained_rules)
 from kpipe.report.tables import table_sql_files
 
 # The default run; Snakemake merges --configfile files, then --config values, over it (mappings
@@ -39,6 +40,9 @@ if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(D
     sys.exit(f"config error: distill.released_path: {DISTILL['released_path']!r} does not exist "
              "(distill.teacher: released reads it)")
 
+
+if is_main_process(workflow):
+    clear_stale_lock()  # a killed run's lock: the same command runs again (kpipe.infra.run_lock)
 
 # `--until rl_iter` runs every iteration (Snakemake would stop after the first: kpipe/infra/snakemake_adapter.py)
 until_stops_after_chained_rules()

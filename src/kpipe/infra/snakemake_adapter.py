@@ -12,9 +12,9 @@ pyproject.toml and `min_version` in workflow/Snakefile (`TESTED_SNAKEMAKE`).
   counted as an until job, iteration 1 waits for ever and Snakemake stops with "BUG: Out of jobs
   ready to be started" after iteration 0. A target rule cannot replace it: `--until RULE` is the
   user's command (README, Reruns), for any rule.
-- `command_line_config`, `runs_here`, `resource_total` and `default_resource_total` read and set
-  `Workflow` attributes that Snakemake does not document (`config_settings`, `resource_settings`,
-  `remote_exec`, `global_resources`, `register_resource`).
+- `command_line_config`, `runs_here`, `is_main_process`, `resource_total` and `default_resource_total`
+  read and set `Workflow` attributes that Snakemake does not document (`config_settings`,
+  `resource_settings`, `remote_exec`, `is_main_process`, `global_resources`, `register_resource`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ def runs_here(workflow: Any) -> bool:
     (`nodes`), which a local run turns into --cores; a job run by a remote executor (exec mode
     `remote`) parses the Snakefile too, on its own node."""
     return workflow.resource_settings.nodes is None and not workflow.remote_exec
+
+
+def is_main_process(workflow: Any) -> bool:
+    """The Snakemake process that plans and locks the run, not a job's own Snakemake (a cluster
+    job or a group's subprocess parses the Snakefile too, and takes no lock)."""
+    return bool(workflow.is_main_process)
 
 
 def resource_total(workflow: Any, name: str) -> int | None:
