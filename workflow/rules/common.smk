@@ -1,5 +1,4 @@
 # Shared helpers: config validation, code versions, GPU counts, stage paths, target lists.
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -10,7 +9,7 @@ from kpipe.report.figures import FIGURE_NAMES
 from kpipe.gym.run_service import announce, stop_services, withdraw
 from kpipe.infra import warm_start
 from kpipe.infra.gpu import visible_gpus
-from kpipe.infra.provenance import code_version
+from kpipe.infra.provenance import code_version, job_code_version
 from kpipe.infra.run_lock import clear_stale_lock
 from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, is_main_process, resource_total,
                                            runs_here, until_stops_after_chained_rules)
@@ -49,12 +48,12 @@ until_stops_after_chained_rules()
 
 
 def job_code(script, *parts):
-    """A rule's `code` param: the hash of the kpipe `parts` it runs (kpipe.infra.provenance.code_version)
-    and of its script, workflow/scripts/<script>.py. A changed one reruns the rule's jobs. The profiles
+    """A rule's `code` param: the hash of the kpipe `parts` it runs and of its script,
+    workflow/scripts/<script>.py, by syntax tree (comments and docstrings do not count;
+    kpipe.infra.provenance.job_code_version). A changed one reruns the rule's jobs. The profiles
     leave Snakemake's own `code` trigger off: for a script it compares the file's modification time,
     so a fresh clone (every file new) reran every job of a copied results/ tree."""
-    script_digest = hashlib.sha256((Path(workflow.basedir) / "scripts" / f"{script}.py").read_bytes()).hexdigest()
-    return f"{code_version(*parts)}-{script_digest[:12]}"
+    return job_code_version(Path(workflow.basedir) / "scripts" / f"{script}.py", *parts)
 
 
 # The offline teacher's answers are a function of its code and the bank: a job's cached answers (its
