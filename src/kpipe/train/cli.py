@@ -62,13 +62,17 @@ def yaml_mapping(text: str, option: str) -> dict:
     return value
 
 
-def publish(source: Path, target: Path | None) -> None:
+def publish(source: Path, target: Path | None, *, move: bool = False) -> None:
     """Copy a finished result of the run directory to a pipeline output. Snakemake deletes the
-    outputs of a killed job, so what a rerun resumes from must live in the run directory."""
+    outputs of a killed job, so what a rerun resumes from must live in the run directory. `move`:
+    what no rerun reads (the finished model) is moved, so the run directory keeps no full copy."""
     if target is None:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    if source.is_dir():
+    if move:
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(source, target)
+    elif source.is_dir():
         shutil.copytree(source, target, dirs_exist_ok=True)
     else:
         shutil.copy(source, target)
@@ -118,7 +122,7 @@ def sft_command(trajectories: tuple[Path, ...], out_dir: Path, metrics_path: Pat
     result = train_sft(cfg, rows, out_dir, metrics_path)
     if not PartialState().is_main_process:
         return
-    publish(result.model_dir, model_out)
+    publish(result.model_dir, model_out, move=True)
     publish(out_dir / "sft_summary.json", summary_out)
     publish(metrics_path, metrics_out)
     click.echo(json.dumps({"model": str(model_out or result.model_dir), "steps": result.steps,
