@@ -10,22 +10,25 @@ per table, matched by the file's path relative to the tree plus the table's key 
 
 - **deterministic**: what two clean runs of the same code and config reproduce, on a CPU too. The
   exit status is this part's: 0 when it is the same in every table, 1 otherwise.
-- **timing-dependent**: what measured times decide, reported but never failing the comparison.
-  On a CPU the times are the Triton interpreter's (they vary run to run), and so are the speedups,
-  the paper reward and PR computed from them, and through the rewards the RL policy's weights:
+- **run-dependent**: what differs between clean runs, reported but never failing the comparison:
+  what measured times decide (on a CPU the Triton interpreter's times vary run to run, and so do
+  the speedups, the paper reward and PR computed from them, and through the rewards the RL
+  policy's weights), and what a wrong kernel's uninitialised output decides:
   - columns ``speedup_*`` (compared by their side of 1: faster, as fast, slower), ``reward``,
     ``return_to_go``, ``advantage``, ``kept``, ``rejected_by`` (RL's filters read rewards), ``pr``,
-    ``gpu_drift``;
+    ``gpu_drift``; ``feedback`` and ``diagnostic`` of a pass, mismatch or hacked verdict (they quote
+    measured times and profiles, or the candidate's wrong output);
   - whole rows written by an RL-trained policy: trajectories of stages rl and rl_val and of every
     model whose `source` is rl in the run's config (``--config``, default config/config.yaml;
-    STTS's ``<model>@<strategy>`` too), and train_metrics of stages rl and val;
+    STTS's and the budget's ``<model>@<strategy>`` too), and train_metrics of stages rl and val;
   - trajectory turns after the first: their prompt quotes the measured times of earlier turns;
   - evals rows that no deterministic trajectory row references (``eval_key``).
 
 Left out of both, as nothing a rerun reproduces: timings and durations (columns ending in ``_ms``,
 ``_ms_iqr`` or ``_s``, ``timed_spans``; train_metrics rows whose name is a timing,
-``TIMING_METRIC``), ``device_id``, and decimal numbers in free text (``feedback``, ``diagnostic``,
-the prompt's messages: the measured times they quote; the words around them still count).
+``TIMING_METRIC``), ``device_id``, and in free text (``feedback``, ``diagnostic``, the prompt's
+messages) decimal numbers (the measured times they quote) and the names of scratch folders under
+/tmp; the words around them still count.
 Floats are equal within ``--rtol``; ``--ignore NAME`` leaves out more columns or train_metrics
 metrics. Prints one summary line per table and part (and the first differing rows).
 """
@@ -56,11 +59,18 @@ IGNORED_COLUMNS = {"timed_spans", "device_id"}
 TIMING_COLUMNS = {"reward", "return_to_go", "advantage", "kept", "rejected_by", "pr", "gpu_drift"}
 TIMING_STAGES = {"trajectories": {"rl", "rl_val"}, "train_metrics": {"rl", "val"}}
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
-DETERMINISTIC, TIMING = "deterministic", "timing-dependent"
+DETERMINISTIC, VARYING = "deterministic", "run-dependent"
 TIMING_SUFFIXES = ("_ms", "_ms_iqr", "_s")
 TIMING_METRIC = re.compile(r"(^|_)(time|seconds|elapsed|wall|duration|throughput)($|_)|_s$|_ms$|per_s(ec)?($|_)")
 FREE_TEXT = {"feedback", "diagnostic", "prompt_messages"}
 DECIMAL = re.compile(r"\d+\.\d+(?:[eE][-+]?\d+)?")
+SCRATCH_PATH = re.compile(r"/tmp/[^/\s'\"]+")  # a candidate's scratch folder, named at random, in tracebacks
+# the diagnostic and feedback of a candidate that ran to a verdict quote what it measured (a pass: its
+# times, their spread and profile, in words too) or what it output (a mismatch: a kernel that leaves
+# memory unwritten returns what was there, max abs diff 1e29 in one run, NaN in the next; a hack
+# check: the timings or outputs it caught)
+VERDICT_TEXT = {"feedback", "diagnostic"}
+MEASURED_VERDICTS = {"pass", "mismatch", "hacked"}
 
 
 def ignored(column: str, extra: Iterable[str] = ()) -> bool:
@@ -77,7 +87,7 @@ def speedup_side(value: float | None) -> str | None:
 def masked(value: Any) -> Any:
     """Free text with its decimal numbers (measured times) replaced by '#'."""
     if isinstance(value, str):
-        return DECIMAL.sub("#", value)
+        return SCRATCH_PATH.sub("/tmp/#", DECIMAL.sub("#", value))
     if isinstance(value, list):
         return [masked(item) for item in value]
     if isinstance(value, dict):
@@ -124,8 +134,10 @@ def _sort_key(row: dict[str, Any], keys: Sequence[str]) -> tuple:
                  for key in keys)
 
 
-def timing_column(column: str) -> bool:
-    return column in TIMING_COLUMNS or column.startswith("speedup_")
+def run_dependent_column(column: str, row: dict[str, Any]) -> bool:
+    """A column measured times decide, or a verdict's text quoting measurements or outputs."""
+    return (column in TIMING_COLUMNS or column.startswith("speedup_")
+            or (column in VERDICT_TEXT and row.get("status") in MEASURED_VERDICTS))
 
 
 def rl_models(config_files: Sequence[Path]) -> set[str]:
@@ -152,10 +164,10 @@ def timing_dependent_row(table: str, row: dict[str, Any], trained_on_timings: se
 def table_rows(files: dict[str, Path], table: str, extra_ignored: Sequence[str], trained_on_timings: set[str],
                deterministic_evals: set[str]) -> dict[str, list[dict[str, Any]]]:
     """Every compared row of one table, tagged with its file, in key order, split into the
-    deterministic and the timing-dependent part (a deterministic row's timing columns, with its
-    keys, go to the timing-dependent part)."""
+    deterministic and the run-dependent part (a deterministic row's run-dependent columns, with its
+    keys, go to the run-dependent part)."""
     keys = ("file", *KEYS.get(table, ()))
-    parts: dict[str, list[dict[str, Any]]] = {DETERMINISTIC: [], TIMING: []}
+    parts: dict[str, list[dict[str, Any]]] = {DETERMINISTIC: [], VARYING: []}
     for relative, path in sorted(files.items()):
         for row in pq.read_table(path).to_pylist():
             if table == "train_metrics" and (TIMING_METRIC.search(str(row.get("name", "")))
@@ -164,12 +176,12 @@ def table_rows(files: dict[str, Path], table: str, extra_ignored: Sequence[str],
             kept = {"file": relative, **{column: comparable(column, value) for column, value in row.items()
                                          if not ignored(column, extra_ignored)}}
             if timing_dependent_row(table, row, trained_on_timings, deterministic_evals):
-                parts[TIMING].append(kept)
+                parts[VARYING].append(kept)
                 continue
-            parts[DETERMINISTIC].append({column: value for column, value in kept.items() if not timing_column(column)})
-            timed = {column: value for column, value in kept.items() if timing_column(column)}
-            if timed:
-                parts[TIMING].append({**{key: kept.get(key) for key in keys}, **timed})
+            varying = {column for column in kept if run_dependent_column(column, row)}
+            parts[DETERMINISTIC].append({column: value for column, value in kept.items() if column not in varying})
+            if varying:
+                parts[VARYING].append({**{key: kept.get(key) for key in keys}, **{column: kept[column] for column in varying}})
     for rows in parts.values():
         rows.sort(key=lambda row: (_sort_key(row, keys), repr(sorted(row.items()))))
     return parts
@@ -220,7 +232,7 @@ def compare_table(table: str, part: str, files_a: dict[str, Path], files_b: dict
             parts.append(f"{n_differing_rows} row(s) differ in " + ", ".join(f"{c} ({n})" for c, n in differing.most_common()))
         if only_a or only_b:
             parts.append(f"{len(only_a)} file(s) only in A, {len(only_b)} only in B")
-        summary += (": DIFFERENT: " if part == DETERMINISTIC else ": differs (measured times decide it): ") + "; ".join(parts)
+        summary += (": DIFFERENT: " if part == DETERMINISTIC else ": differs (as runs may): ") + "; ".join(parts)
     return same, [summary, *lines, *examples]
 
 
@@ -243,9 +255,9 @@ def compare(root_a: Path, root_b: Path, rtol: float = 1e-9, extra_ignored: Seque
         files_a, files_b = tables_a.get(table, {}), tables_b.get(table, {})
         parts_a = table_rows(files_a, table, extra_ignored, trained_on_timings, evals_a)
         parts_b = table_rows(files_b, table, extra_ignored, trained_on_timings, evals_b)
-        for part in (DETERMINISTIC, TIMING):
+        for part in (DETERMINISTIC, VARYING):
             part_same, lines = compare_table(table, part, files_a, files_b, parts_a[part], parts_b[part], rtol, show)
-            same &= part_same or part == TIMING
+            same &= part_same or part == VARYING
             report += lines
     return same, report
 
@@ -268,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     same, report = compare(args.results_a, args.results_b, args.rtol, args.ignore, args.show,
                            args.config or [DEFAULT_CONFIG])
     print("\n".join(report))
-    print("the same deterministic rows in every table (the timing-dependent part may differ between clean runs)"
+    print("the same deterministic rows in every table (the run-dependent part may differ between clean runs)"
           if same else "the result trees differ in their deterministic part")
     return 0 if same else 1
 

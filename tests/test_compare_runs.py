@@ -82,9 +82,12 @@ def test_a_rerun_with_other_timings_has_the_same_rows(tmp_path: Path) -> None:
     (dict(feedback="wrong; 1.234 ms"), "feedback"),
 ])
 def test_a_changed_value_is_named(tmp_path: Path, change: dict, column: str) -> None:
-    changed = copy.deepcopy(TRAJECTORIES)
+    """(A runtime error's feedback is deterministic; a pass's quotes its times: the next test.)"""
+    base = copy.deepcopy(TRAJECTORIES)
+    base[2].update(status="runtime_error", feedback="RuntimeError: shape mismatch")
+    changed = copy.deepcopy(base)
     changed[2].update(change)
-    same, report = compare_runs.compare(tree(tmp_path / "a"), tree(tmp_path / "b", changed))
+    same, report = compare_runs.compare(tree(tmp_path / "a", base), tree(tmp_path / "b", changed))
     assert not same
     line = next(line for line in report if line.startswith("trajectories [deterministic]:"))
     assert f"1 row(s) differ in {column} (1)" in line, report
@@ -94,6 +97,7 @@ def test_a_changed_value_is_named(tmp_path: Path, change: dict, column: str) -> 
 @pytest.mark.parametrize("change, column", [
     (dict(reward=2.5), "reward"),
     (dict(speedup_compile=1.3), "speedup_compile"),  # 0.7 -> 1.3: slower became faster
+    (dict(feedback="correct; profile: host 60%, kernel 40%"), "feedback"),  # a pass's feedback quotes its times
 ])
 def test_what_measured_times_decide_is_reported_apart_and_does_not_fail(tmp_path: Path, change: dict,
                                                                          column: str) -> None:
@@ -101,21 +105,21 @@ def test_what_measured_times_decide_is_reported_apart_and_does_not_fail(tmp_path
     changed[2].update(change)
     same, report = compare_runs.compare(tree(tmp_path / "a"), tree(tmp_path / "b", changed))
     assert same, report
-    line = next(line for line in report if line.startswith("trajectories [timing-dependent]:"))
-    assert f"differs (measured times decide it): 1 row(s) differ in {column} (1)" in line, report
+    line = next(line for line in report if line.startswith("trajectories [run-dependent]:"))
+    assert f"differs (as runs may): 1 row(s) differ in {column} (1)" in line, report
     assert next(line for line in report if line.startswith("trajectories [deterministic]:")).endswith("same rows")
 
 
 @pytest.mark.parametrize("change", [dict(model="tiny-rl"), dict(model="tiny-rl@best_of_n"), dict(stage="rl"),
                                     dict(turn=2)])
-def test_rows_of_an_rl_policy_and_later_turns_are_timing_dependent_whole(tmp_path: Path, change: dict) -> None:
+def test_rows_of_an_rl_policy_and_later_turns_are_run_dependent_whole(tmp_path: Path, change: dict) -> None:
     """tiny-rl's `source` is rl in config/config.yaml; a later turn's prompt quotes measured times."""
     a = [dict(row, **change) for row in TRAJECTORIES]
     b = [dict(row, code="other", status="timeout") for row in a]
     same, report = compare_runs.compare(tree(tmp_path / "a", a), tree(tmp_path / "b", b))
     assert same, report
     assert any(line.startswith("trajectories [deterministic]: 1 / 1 file(s), 0 / 0 row(s)") for line in report)
-    assert any(line.startswith("trajectories [timing-dependent]") and "code (3)" in line for line in report)
+    assert any(line.startswith("trajectories [run-dependent]") and "code (3)" in line for line in report)
     # their evaluations too: no deterministic row references k1
     assert report[0].startswith("evals [deterministic]: 1 / 1 file(s), 0 / 0 row(s)")
 
