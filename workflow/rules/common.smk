@@ -11,8 +11,9 @@ from kpipe.infra import warm_start
 from kpipe.infra.gpu import visible_gpus
 from kpipe.infra.provenance import code_version, job_code_version
 from kpipe.infra.run_lock import clear_stale_lock
-from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, is_main_process, resource_total,
-                                           runs_here, until_stops_after_chained_rules)
+from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, is_main_process,
+                                           label_interrupted_jobs, resource_total, runs_here,
+                                           until_stops_after_chained_rules)
 from kpipe.report.tables import table_sql_files
 
 # The default run; Snakemake merges --configfile files, then --config values, over it (mappings
@@ -45,6 +46,7 @@ if is_main_process(workflow):
 
 # `--until rl_iter` runs every iteration (Snakemake would stop after the first: kpipe/infra/snakemake_adapter.py)
 until_stops_after_chained_rules()
+label_interrupted_jobs()  # a job rerun after an interruption is not "Forced execution" (snakemake_adapter)
 
 
 def job_code(script, *parts):

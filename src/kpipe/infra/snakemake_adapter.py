@@ -12,6 +12,11 @@ pyproject.toml and `min_version` in workflow/Snakefile (`TESTED_SNAKEMAKE`).
   counted as an until job, iteration 1 waits for ever and Snakemake stops with "BUG: Out of jobs
   ready to be started" after iteration 0. A target rule cannot replace it: `--until RULE` is the
   user's command (README, Reruns), for any rule.
+- `label_interrupted_jobs` wraps `DAG.check_incomplete`, `DAG.update_needrun`, `Reason.__str__` and
+  `Reason.get_names`. Upstream behaviour: with `--rerun-incomplete` (both profiles) Snakemake adds the
+  incomplete outputs to `DAG.forcefiles`, so a job rerun after an interruption is labelled "Forced
+  execution", as if the user had forced it; Snakemake's own "Incomplete output files" wording is
+  never reached.
 - `command_line_config`, `runs_here`, `is_main_process`, `resource_total` and `default_resource_total`
   read and set `Workflow` attributes that Snakemake does not document (`config_settings`,
   `resource_settings`, `remote_exec`, `is_main_process`, `global_resources`, `register_resource`).
@@ -23,6 +28,7 @@ from typing import Any
 
 TESTED_SNAKEMAKE = ("9.27", "9.28")  # [lowest, first untested): pyproject.toml and the Snakefile's min_version
 _PATCHED = "_kpipe_until_frontier"
+_INTERRUPTED = "_kpipe_interrupted_outputs"  # DAG attribute: the outputs rerun-incomplete forced
 
 
 def until_stops_after_chained_rules() -> None:
@@ -39,6 +45,49 @@ def until_stops_after_chained_rules() -> None:
 
     setattr(frontier_only, _PATCHED, True)
     DAG.in_until = frontier_only
+
+
+def label_interrupted_jobs() -> None:
+    """A job rerun because an interrupted run left its outputs incomplete says "Incomplete output
+    files: ..." (Snakemake's words) in `snakemake -n` and the run's log, not "Forced execution";
+    a rule the user forced (--forcerun) keeps "Forced execution". Idempotent."""
+    from snakemake.dag import DAG
+    from snakemake.jobs import Reason
+
+    if getattr(DAG.check_incomplete, _PATCHED, False):
+        return
+    check_incomplete, update_needrun = DAG.check_incomplete, DAG.update_needrun
+    reason_text, reason_names = Reason.__str__, Reason.get_names
+
+    async def remembering(dag: Any) -> None:
+        forced_before = set(dag.forcefiles)
+        await check_incomplete(dag)
+        setattr(dag, _INTERRUPTED, set(dag.forcefiles) - forced_before)
+
+    async def labelling(dag: Any, *args: Any, **kwargs: Any) -> None:
+        await update_needrun(dag, *args, **kwargs)
+        interrupted = getattr(dag, _INTERRUPTED, set())
+        for job in dag.needrun_jobs() if interrupted else ():
+            reason = dag.reason(job)
+            files = interrupted.intersection(job.output)
+            if reason.forced and files and job.rule not in dag.forcerules:
+                reason._incomplete_output = files
+
+    def unforced(method: Any) -> Any:
+        def call(reason: Any) -> Any:
+            if not (reason.forced and reason._incomplete_output):
+                return method(reason)
+            reason.forced = False
+            try:
+                return list(method(reason)) if method is reason_names else method(reason)
+            finally:
+                reason.forced = True
+        return call
+
+    for function in (remembering, labelling):
+        setattr(function, _PATCHED, True)
+    DAG.check_incomplete, DAG.update_needrun = remembering, labelling
+    Reason.__str__, Reason.get_names = unforced(reason_text), unforced(reason_names)
 
 
 def command_line_config(workflow: Any) -> dict[str, Any]:
