@@ -76,3 +76,15 @@ def test_a_changed_constant_plans_exactly_its_dependants(finished, tmp_path):
     tiny = edited_kpipe(tmp_path, "train/tiny_model.py", "SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)",
                         "SPECIAL_TOKENS = (ENDOFTEXT, IM_END, IM_START)")
     assert planned_rules(snakemake(finished, "-n", kpipe=tiny)) == {"tiny_model"}
+
+
+def test_the_dry_run_parser_reads_each_job_and_leaves_out_none():
+    from kpipe.infra.outdated import OutdatedJob, planned_jobs
+
+    plan = ("[Mon Dec  7 02:16:26 2026]\nrule decontaminate:\n    input: a, b\n    output: q.parquet, d.json\n"
+            "    jobid: 0\n    reason: Params have changed since last execution\n    priority: 10\n"
+            "Shell command: None\n\nlocalrule all:\n    input: q.parquet\n    jobid: 1\n"
+            "    reason: Input files updated by another job: q.parquet\n")
+    assert planned_jobs(plan) == [OutdatedJob("decontaminate", ("q.parquet", "d.json"),
+                                              "Params have changed since last execution"),
+                                  OutdatedJob("all", (), "Input files updated by another job: q.parquet")]

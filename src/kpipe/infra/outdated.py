@@ -62,7 +62,7 @@ def describe(jobs: list[OutdatedJob]) -> str:
         return "nothing is out of date (snakemake -n: nothing to be done)"
     lines = [f"{len(jobs)} job(s) out of date (what `snakemake` with the same arguments would run):"]
     for job in jobs:
-        lines.append(f"{job.rule}: {', '.join(job.outputs) or '(no output)'}")
+        lines.append(f"{job.rule}: {', '.join(job.outputs)}")
         lines.append(f"    why: {job.reason or 'not given'}")
     return "\n".join(lines)
 
@@ -78,4 +78,4 @@ def outdated_command(snakemake_args: tuple[str, ...]) -> None:
     jobs = planned_jobs(output)
     if not jobs and NOTHING_TO_DO not in output:
         raise click.ClickException("snakemake -n planned jobs kpipe could not read:\n" + output[-2000:])
-    click.echo(describe(jobs))
+    click.echo(describe([job for job in jobs if job.outputs]))  # not the target rule `all`: it has none
