@@ -34,10 +34,24 @@ DEV_STAMP := $(VENV)/.kpipe-dev-installed
 
 .PHONY: setup setup-dev run test test-browser lint test-snakemake-floor clean wheelhouse wheelhouse-vllm setup-offline
 
+# The torch requirement the venv was set up with: `make setup TORCH=torch` on an existing .venv (a GPU
+# box that got the CPU pin) replaces torch and Triton by what TORCH names; pip alone would keep the
+# installed torch, which satisfies a bare `torch`.
+# A venv set up before this stamp existed had the default pin.
+TORCH_STAMP := $(VENV)/.kpipe-torch
+TORCH_WANTED = $(strip $(TORCH) $(TRITON))
+TORCH_HAD = $$(cat $(TORCH_STAMP) 2>/dev/null || echo "torch==2.13.0 triton==3.8.0")
+SWITCH_TORCH = if [ -x $(BIN)/python ] && [ "$(TORCH_HAD)" != "$(TORCH_WANTED)" ]; then \
+	echo "torch requirement changed: $(TORCH_HAD) -> $(TORCH_WANTED)"; \
+	$(BIN)/python -m pip uninstall -q -y torch triton; $(call PIP_INSTALL,"$(TORCH)" $(TRITON)); \
+	echo "$(TORCH_WANTED)" > $(TORCH_STAMP); fi
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "pip install --upgrade pip"; $(call RETRY,$(BIN)/python -m pip install -q --retries 10 --upgrade pip)
+	@$(SWITCH_TORCH)
 	@$(call PIP_INSTALL,"$(TORCH)" $(TRITON))
+	@echo "$(TORCH_WANTED)" > $(TORCH_STAMP)
 	@$(call PIP_INSTALL,-e .)
 	touch $(STAMP)
 
@@ -46,9 +60,11 @@ $(DEV_STAMP): $(STAMP)
 	touch $(DEV_STAMP)
 
 setup: $(STAMP)
+	@$(SWITCH_TORCH)
 	@$(COMPILE_SRC)
 
 setup-dev: $(DEV_STAMP)
+	@$(SWITCH_TORCH)
 	@$(COMPILE_SRC)
 
 run: setup

@@ -1,25 +1,36 @@
-"""Do two result trees hold the same rows? A before/after check for refactors.
+"""Do two result trees hold the same rows? A before/after check: did my change alter results?
 
-    python scripts/compare_runs.py RESULTS_A RESULTS_B [--ignore COLUMN ...] [--rtol 1e-9] [--show 5]
+    python scripts/compare_runs.py RESULTS_A RESULTS_B [--config FILE ...] [--ignore COLUMN ...] [--rtol 1e-9] [--show 5]
 
 Every kpipe Parquet table under each tree (files stamped ``kpipe.table`` by
 ``kpipe.data.io.write_table``: tasks, queries, queries_raw, trajectories, train_metrics, evals;
 ``work/`` and ``cache/`` are partial work, not results, and are skipped) is compared row by row,
 per table, matched by the file's path relative to the tree plus the table's key columns
-(``KEYS``). What a rerun cannot reproduce is left out:
+(``KEYS``), in two parts:
 
-- timings and durations: columns ending in ``_ms``, ``_ms_iqr`` or ``_s`` (``gen_s``, ``eval_s``,
-  ``wall_s``), ``timed_spans``; train_metrics rows whose name is a timing (``TIMING_METRIC``);
-- where it ran: ``device_id`` (the GPU's uuid and bus address);
-- in free text (``feedback``, ``diagnostic``, the prompt's messages), decimal numbers, which are
-  the measured times the feedback quotes (``1.23 ms``) -- the words around them still count;
-- speedups (``speedup_*``): only their side of 1 is compared (faster, as fast, slower), and
-  whether there is one.
+- **deterministic**: what two clean runs of the same code and config reproduce, on a CPU too. The
+  exit status is this part's: 0 when it is the same in every table, 1 otherwise.
+- **run-dependent**: what differs between clean runs, reported but never failing the comparison:
+  what measured times decide (on a CPU the Triton interpreter's times vary run to run, and so do
+  the speedups, the paper reward and PR computed from them, and through the rewards the RL
+  policy's weights), and what a wrong kernel's uninitialised output decides:
+  - columns ``speedup_*`` (compared by their side of 1: faster, as fast, slower), ``reward``,
+    ``return_to_go``, ``advantage``, ``kept``, ``rejected_by`` (RL's filters read rewards), ``pr``,
+    ``gpu_drift``; ``feedback`` and ``diagnostic`` of a pass, mismatch or hacked verdict (they quote
+    measured times and profiles, or the candidate's wrong output);
+  - whole rows written by an RL-trained policy: trajectories of stages rl and rl_val and of every
+    model whose `source` is rl in the run's config (``--config``, default config/config.yaml;
+    STTS's and the budget's ``<model>@<strategy>`` too), and train_metrics of stages rl and val;
+  - trajectory turns after the first: their prompt quotes the measured times of earlier turns;
+  - evals rows that no deterministic trajectory row references (``eval_key``).
 
-Everything else counts: statuses, correct/hacked, codes, responses, rewards, returns,
-advantages, losses (floats equal within ``--rtol``); ``--ignore NAME`` leaves out more columns or
-train_metrics metrics. Prints one summary line per table (and the first differing rows) and
-exits 1 on any difference, 0 when every table holds the same rows.
+Left out of both, as nothing a rerun reproduces: timings and durations (columns ending in ``_ms``,
+``_ms_iqr`` or ``_s``, ``timed_spans``; train_metrics rows whose name is a timing,
+``TIMING_METRIC``), ``device_id``, and in free text (``feedback``, ``diagnostic``, the prompt's
+messages) decimal numbers (the measured times they quote) and the names of scratch folders under
+/tmp; the words around them still count.
+Floats are equal within ``--rtol``; ``--ignore NAME`` leaves out more columns or train_metrics
+metrics. Prints one summary line per table and part (and the first differing rows).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+import yaml
 
 SKIPPED_DIRS = {"work", "cache"}
 KEYS: dict[str, tuple[str, ...]] = {
@@ -44,10 +56,21 @@ KEYS: dict[str, tuple[str, ...]] = {
     "train_metrics": ("run", "stage", "iteration", "step", "name"),
 }
 IGNORED_COLUMNS = {"timed_spans", "device_id"}
+TIMING_COLUMNS = {"reward", "return_to_go", "advantage", "kept", "rejected_by", "pr", "gpu_drift"}
+TIMING_STAGES = {"trajectories": {"rl", "rl_val"}, "train_metrics": {"rl", "val"}}
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "config.yaml"
+DETERMINISTIC, VARYING = "deterministic", "run-dependent"
 TIMING_SUFFIXES = ("_ms", "_ms_iqr", "_s")
 TIMING_METRIC = re.compile(r"(^|_)(time|seconds|elapsed|wall|duration|throughput)($|_)|_s$|_ms$|per_s(ec)?($|_)")
 FREE_TEXT = {"feedback", "diagnostic", "prompt_messages"}
 DECIMAL = re.compile(r"\d+\.\d+(?:[eE][-+]?\d+)?")
+SCRATCH_PATH = re.compile(r"/tmp/[^/\s'\"]+")  # a candidate's scratch folder, named at random, in tracebacks
+# the diagnostic and feedback of a candidate that ran to a verdict quote what it measured (a pass: its
+# times, their spread and profile, in words too) or what it output (a mismatch: a kernel that leaves
+# memory unwritten returns what was there, max abs diff 1e29 in one run, NaN in the next; a hack
+# check: the timings or outputs it caught)
+VERDICT_TEXT = {"feedback", "diagnostic"}
+MEASURED_VERDICTS = {"pass", "mismatch", "hacked"}
 
 
 def ignored(column: str, extra: Iterable[str] = ()) -> bool:
@@ -64,7 +87,7 @@ def speedup_side(value: float | None) -> str | None:
 def masked(value: Any) -> Any:
     """Free text with its decimal numbers (measured times) replaced by '#'."""
     if isinstance(value, str):
-        return DECIMAL.sub("#", value)
+        return SCRATCH_PATH.sub("/tmp/#", DECIMAL.sub("#", value))
     if isinstance(value, list):
         return [masked(item) for item in value]
     if isinstance(value, dict):
@@ -111,34 +134,78 @@ def _sort_key(row: dict[str, Any], keys: Sequence[str]) -> tuple:
                  for key in keys)
 
 
-def table_rows(files: dict[str, Path], table: str, extra_ignored: Sequence[str]) -> list[dict[str, Any]]:
-    """Every compared row of one table, tagged with its file, in key order."""
-    rows = []
+def run_dependent_column(column: str, row: dict[str, Any]) -> bool:
+    """A column measured times decide, or a verdict's text quoting measurements or outputs."""
+    return (column in TIMING_COLUMNS or column.startswith("speedup_")
+            or (column in VERDICT_TEXT and row.get("status") in MEASURED_VERDICTS))
+
+
+def rl_models(config_files: Sequence[Path]) -> set[str]:
+    """Names of the models whose `source` is rl, in the config the files make (a later file's
+    `models` list replaces an earlier one's, as Snakemake layers --configfile files)."""
+    models: list[dict[str, Any]] = []
+    for path in config_files:
+        models = (yaml.safe_load(path.read_text()) or {}).get("models", models)
+    return {model["name"] for model in models if model.get("source") == "rl"}
+
+
+def timing_dependent_row(table: str, row: dict[str, Any], trained_on_timings: set[str],
+                         deterministic_evals: set[str]) -> bool:
+    """Whether the measured times decide the whole row (the module docstring says when)."""
+    if table == "evals":
+        return row.get("key") not in deterministic_evals
+    if row.get("stage") in TIMING_STAGES.get(table, ()):
+        return True
+    if table == "trajectories":
+        return str(row.get("model") or "").split("@")[0] in trained_on_timings or (row.get("turn") or 1) > 1
+    return False
+
+
+def table_rows(files: dict[str, Path], table: str, extra_ignored: Sequence[str], trained_on_timings: set[str],
+               deterministic_evals: set[str]) -> dict[str, list[dict[str, Any]]]:
+    """Every compared row of one table, tagged with its file, in key order, split into the
+    deterministic and the run-dependent part (a deterministic row's run-dependent columns, with its
+    keys, go to the run-dependent part)."""
+    keys = ("file", *KEYS.get(table, ()))
+    parts: dict[str, list[dict[str, Any]]] = {DETERMINISTIC: [], VARYING: []}
     for relative, path in sorted(files.items()):
         for row in pq.read_table(path).to_pylist():
             if table == "train_metrics" and (TIMING_METRIC.search(str(row.get("name", "")))
                                              or row.get("name") in extra_ignored):
                 continue
-            kept = {column: comparable(column, value) for column, value in row.items()
-                    if not ignored(column, extra_ignored)}
-            rows.append({"file": relative, **kept})
-    keys = ("file", *KEYS.get(table, ()))
-    rows.sort(key=lambda row: (_sort_key(row, keys), repr(sorted(row.items()))))
-    return rows
+            kept = {"file": relative, **{column: comparable(column, value) for column, value in row.items()
+                                         if not ignored(column, extra_ignored)}}
+            if timing_dependent_row(table, row, trained_on_timings, deterministic_evals):
+                parts[VARYING].append(kept)
+                continue
+            varying = {column for column in kept if run_dependent_column(column, row)}
+            parts[DETERMINISTIC].append({column: value for column, value in kept.items() if column not in varying})
+            if varying:
+                parts[VARYING].append({**{key: kept.get(key) for key in keys}, **{column: kept[column] for column in varying}})
+    for rows in parts.values():
+        rows.sort(key=lambda row: (_sort_key(row, keys), repr(sorted(row.items()))))
+    return parts
 
 
-def compare_table(table: str, files_a: dict[str, Path], files_b: dict[str, Path], rtol: float,
-                  extra_ignored: Sequence[str], show: int) -> tuple[bool, list[str]]:
-    """(same?, report lines) for one table."""
+def deterministic_eval_keys(files: dict[str, Path], trained_on_timings: set[str]) -> set[str]:
+    """The eval_key of every deterministic trajectory row: their evals rows are deterministic too."""
+    return {row["eval_key"] for path in files.values() for row in pq.read_table(path).to_pylist()
+            if row.get("eval_key") and not timing_dependent_row("trajectories", row, trained_on_timings, set())}
+
+
+def compare_table(table: str, part: str, files_a: dict[str, Path], files_b: dict[str, Path],
+                  rows_a: list[dict[str, Any]], rows_b: list[dict[str, Any]], rtol: float,
+                  show: int) -> tuple[bool, list[str]]:
+    """(same?, report lines) for one part of one table; files only in one tree count in the
+    deterministic part."""
     lines = []
-    only_a, only_b = sorted(set(files_a) - set(files_b)), sorted(set(files_b) - set(files_a))
+    only_a, only_b = (sorted(set(files_a) - set(files_b)), sorted(set(files_b) - set(files_a))) \
+        if part == DETERMINISTIC else ([], [])
     for name, only in (("A", only_a), ("B", only_b)):
         for relative in only[:show]:
             lines.append(f"  only in {name}: {relative}")
         if len(only) > show:
             lines.append(f"  ... and {len(only) - show} more file(s) only in {name}")
-    rows_a = table_rows(files_a, table, extra_ignored)
-    rows_b = table_rows(files_b, table, extra_ignored)
     keys = ("file", *KEYS.get(table, ()))
     differing = Counter()
     examples = []
@@ -154,7 +221,7 @@ def compare_table(table: str, files_a: dict[str, Path], files_b: dict[str, Path]
     n_differing_rows = sum(1 for a, b in zip(rows_a, rows_b)
                            if any(not same_value(a.get(c), b.get(c), rtol) for c in set(a) | set(b)))
     same = not only_a and not only_b and len(rows_a) == len(rows_b) and not differing
-    summary = f"{table}: {len(files_a)} / {len(files_b)} file(s), {len(rows_a)} / {len(rows_b)} row(s)"
+    summary = f"{table} [{part}]: {len(files_a)} / {len(files_b)} file(s), {len(rows_a)} / {len(rows_b)} row(s)"
     if same:
         summary += ": same rows"
     else:
@@ -165,7 +232,7 @@ def compare_table(table: str, files_a: dict[str, Path], files_b: dict[str, Path]
             parts.append(f"{n_differing_rows} row(s) differ in " + ", ".join(f"{c} ({n})" for c, n in differing.most_common()))
         if only_a or only_b:
             parts.append(f"{len(only_a)} file(s) only in A, {len(only_b)} only in B")
-        summary += ": DIFFERENT: " + "; ".join(parts)
+        summary += (": DIFFERENT: " if part == DETERMINISTIC else ": differs (as runs may): ") + "; ".join(parts)
     return same, [summary, *lines, *examples]
 
 
@@ -175,17 +242,23 @@ def _short(value: Any, width: int = 60) -> str:
 
 
 def compare(root_a: Path, root_b: Path, rtol: float = 1e-9, extra_ignored: Sequence[str] = (),
-            show: int = 5) -> tuple[bool, list[str]]:
-    """(every table the same?, the report) for two result trees."""
+            show: int = 5, config_files: Sequence[Path] = (DEFAULT_CONFIG,)) -> tuple[bool, list[str]]:
+    """(the deterministic part the same in every table?, the report) for two result trees."""
     tables_a, tables_b = kpipe_tables(root_a), kpipe_tables(root_b)
     if not tables_a and not tables_b:
         return False, [f"no kpipe Parquet tables under {root_a} or {root_b}"]
+    trained_on_timings = rl_models(config_files)
+    evals_a = deterministic_eval_keys(tables_a.get("trajectories", {}), trained_on_timings)
+    evals_b = deterministic_eval_keys(tables_b.get("trajectories", {}), trained_on_timings)
     same, report = True, []
     for table in sorted(set(tables_a) | set(tables_b)):
-        table_same, lines = compare_table(table, tables_a.get(table, {}), tables_b.get(table, {}), rtol,
-                                          extra_ignored, show)
-        same &= table_same
-        report += lines
+        files_a, files_b = tables_a.get(table, {}), tables_b.get(table, {})
+        parts_a = table_rows(files_a, table, extra_ignored, trained_on_timings, evals_a)
+        parts_b = table_rows(files_b, table, extra_ignored, trained_on_timings, evals_b)
+        for part in (DETERMINISTIC, VARYING):
+            part_same, lines = compare_table(table, part, files_a, files_b, parts_a[part], parts_b[part], rtol, show)
+            same &= part_same or part == VARYING
+            report += lines
     return same, report
 
 
@@ -197,13 +270,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave this column (or train_metrics metric, e.g. fast@1) out too (repeatable)")
     parser.add_argument("--rtol", type=float, default=1e-9, help="relative tolerance of float columns")
     parser.add_argument("--show", type=int, default=5, help="differing rows (and files) shown per table")
+    parser.add_argument("--config", action="append", type=Path, metavar="FILE",
+                        help="the runs' config files, in --configfile order (default: config/config.yaml): "
+                             "which models RL trained (repeatable)")
     args = parser.parse_args(argv)
     for root in (args.results_a, args.results_b):
         if not root.is_dir():
             parser.error(f"{root} is not a directory")
-    same, report = compare(args.results_a, args.results_b, args.rtol, args.ignore, args.show)
+    same, report = compare(args.results_a, args.results_b, args.rtol, args.ignore, args.show,
+                           args.config or [DEFAULT_CONFIG])
     print("\n".join(report))
-    print("same rows in every table" if same else "the result trees differ")
+    print("the same deterministic rows in every table (the run-dependent part may differ between clean runs)"
+          if same else "the result trees differ in their deterministic part")
     return 0 if same else 1
 
 

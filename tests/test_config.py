@@ -120,6 +120,16 @@ def test_range_errors_say_range(schema):
         validate_config(cfg, schema)
 
 
+def test_an_exponent_without_a_dot_says_why_it_is_text(schema):
+    """`--config 'sft={"lr": 1e-12}'` (or `lr: 1e-12` in a file): YAML 1.1 reads 1e-12 as a string."""
+    from kpipe.infra.config import parse_nested_strings
+
+    cfg = deep_merge(default_config(), parse_nested_strings({"sft": {"lr": "1e-12"}}))
+    with pytest.raises(ConfigError, match=r"^config error: sft.lr: '1e-12' is not of type 'number': YAML reads a number "
+                                          r"with an exponent but no dot as text; write 1.0e-12$"):
+        validate_config(cfg, schema)
+
+
 def leaves(value: object, prefix: str = "") -> dict[str, object]:
     """Every leaf of a nested config as dotted key -> value (an empty mapping is a leaf)."""
     if isinstance(value, dict) and value:

@@ -94,3 +94,57 @@ def test_a_moved_database_is_refused_until_rebuilt_and_a_missing_one_names_the_l
     rebuilt = CliRunner().invoke(query_command, ["select count(*) as n from train_metrics", "--db",
                                                  str(moved / "kpipe.duckdb"), "--rebuild", "--format", "csv"])
     assert rebuilt.output.strip().splitlines() == ["n", "5"]
+
+
+def turn_row(eval_key: str) -> dict:
+    return {"run": "r", "stage": "eval", "iteration": 0, "task_id": "kb-main-L1-1", "sample": 0, "turn": 1,
+            "model": "m", "eval_key": eval_key, "status": "pass", "correct": True}
+
+
+def test_evals_holds_only_what_the_trajectories_reference_and_gym_cache_holds_all(results):
+    """The result cache keeps results of replaced runs (an unchanged candidate is not evaluated
+    again); `evals` shows only those of the current trajectories, the cache is `gym_cache`."""
+    import duckdb
+
+    write_table([turn_row("current"), turn_row(None)], results / "trajectories" / "part-0.parquet", "trajectories")
+    write_table([{"key": "current", "status": "pass"}, {"key": "replaced", "status": "mismatch"}],
+                results / "evals" / "gym_cache.parquet", "evals")
+    build_db(results, results / "kpipe.duckdb")
+    with duckdb.connect(str(results / "kpipe.duckdb"), read_only=True) as con:
+        assert con.sql("select key from evals").fetchall() == [("current",)]
+        assert sorted(con.sql("select key from gym_cache").fetchall()) == [("current",), ("replaced",)]
+
+
+def test_the_newest_duckdb_1x_cli_opens_the_database_and_runs_the_readme_queries(results):
+    """DuckDB 2 writes a storage version that 1.x refuses; build_db writes one that 1.x reads
+    (the CLI of `pip install duckdb-cli`, a dev extra)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cli = Path(sys.executable).parent / "duckdb"
+    assert cli.exists(), "the DuckDB 1.x CLI is missing: pip install 'duckdb-cli>=1.5,<2' (kpipe's dev extra)"
+    assert subprocess.run([str(cli), "--version"], capture_output=True, text=True).stdout.startswith("v1.")
+    write_table([turn_row("current")], results / "trajectories" / "part-0.parquet", "trajectories")
+    build_db(results, results / "kpipe.duckdb")
+    readme_queries = ["select level, count(*) from tasks group by level", "describe trajectories",
+                      "select column_name, comment from duckdb_columns() where table_name = 'trajectories'",
+                      (Path(__file__).resolve().parents[1] / "workflow" / "sql" / "rl_reward.sql").read_text(),
+                      "select count(*) as turns from turns"]
+    for sql in readme_queries:
+        result = subprocess.run([str(cli), "-readonly", "-csv", str(results / "kpipe.duckdb"), "-c", sql],
+                                capture_output=True, text=True)
+        assert result.returncode == 0 and not result.stderr, (sql, result.stderr)
+    assert result.stdout.split() == ["turns", "1"]
+
+
+def test_query_prints_null_as_null_and_a_corrupt_file_says_it_regenerates(results):
+    from kpipe.data.db import DatabaseError
+
+    db = results / "kpipe.duckdb"
+    build_db(results, db)
+    out = CliRunner().invoke(query_command, ["select null as nothing, 'nan'::double as not_a_number", "--db", str(db)])
+    assert out.output.splitlines()[-1].split() == ["|", "NULL", "|", "nan", "|"]
+    (results / "train_metrics" / "stage=sft" / "part-0.parquet").write_bytes(b"not parquet")
+    with pytest.raises(DatabaseError, match="delete it and run the same snakemake command again"):
+        build_db(results, db)

@@ -45,6 +45,15 @@ def test_answers_in_order_with_token_and_cost_accounting():
     assert out[0].cost_usd == pytest.approx(7 * 1.0 + 3 * 2.0)
 
 
+def test_requests_log_no_line_at_info(caplog):
+    """The transport's "HTTP Request: POST ..." line per request stays out of the job's console."""
+    import logging
+
+    with caplog.at_level(logging.INFO), BackgroundServer(make_app(Echo(), "echo")) as server:
+        engine_for(server).generate(requests(2))
+    assert not [record for record in caplog.records if "HTTP Request" in record.getMessage()]
+
+
 def test_retries_through_429_500_and_timeouts():
     # a delay far past the client's timeout, and a timeout far past an ordinary answer's time, both on a
     # loaded 2-core CI machine: with a delay of 1.0 s against a timeout of 0.4, a client whose event loop

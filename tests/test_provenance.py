@@ -75,3 +75,21 @@ def test_cached_evaluations_of_another_judge_are_not_replayed(tmp_path, monkeypa
     assert result.eval_key("ref", "cand", Protocol(), "cpu") != key
     evaluator.CachedEvaluator(Counting(), path, "protocol").evaluate_many([("ref", "cand")])
     assert len(calls) == 2
+
+
+def test_source_digest_ignores_comments_docstrings_and_formatting_not_constants(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('"""Module."""\nLIMIT = 3\n\n\ndef f(x):\n    """Why."""\n    return x + LIMIT\n')
+    before = provenance.source_digest(module)
+    module.write_text('"""Module, reworded."""\n# a comment\nLIMIT = 3  # why three\n\ndef f( x ):\n'
+                      '    """Why, reworded."""\n    return (x + LIMIT)\n')
+    assert provenance.source_digest(module) == before
+    module.write_text('"""Module."""\nLIMIT = 4\n\n\ndef f(x):\n    """Why."""\n    return x + LIMIT\n')
+    assert provenance.source_digest(module) != before
+    module.write_text('"""Module."""\nLIMIT = 3\n\n\ndef f(x):\n    return x + LIMIT\n    """no longer a docstring"""\n')
+    assert provenance.source_digest(module) != before
+    data = tmp_path / "bank.json"
+    data.write_text('{"a": 1}')
+    before = provenance.source_digest(data)
+    data.write_text('{"a":  1}')
+    assert provenance.source_digest(data) != before  # package data counts by its bytes

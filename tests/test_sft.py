@@ -274,6 +274,7 @@ def test_the_sft_job_publishes_its_results_and_a_rerun_without_them_trains_again
     losses = loss_series(published / "train_metrics" / "part-0.parquet")
     assert [step for step, _ in losses] == [1, 2, 3, 4]
     assert (published / "model" / "model.safetensors").is_file()
+    assert not (work / "model").exists()  # moved: results/work keeps no full copy of a finished model
     summary = json.loads((published / "reports" / "sft.json").read_text())
     assert (summary["config"]["run"], summary["steps"], summary["final_loss"]) == ("cli", 4, losses[-1][1])
 

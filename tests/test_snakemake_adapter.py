@@ -128,12 +128,13 @@ def test_patched_until_runs_the_chain_and_stops_after_it(tmp_path):
 
 READER = """
 import json
-from kpipe.infra.snakemake_adapter import command_line_config, default_resource_total, resource_total, runs_here
+from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, is_main_process, resource_total,
+                                           runs_here)
 
 default_resource_total(workflow, "api", 4)
 default_resource_total(workflow, "gpu_slots", 8)
 Path("read.json").write_text(json.dumps({
-    "config": command_line_config(workflow), "runs_here": runs_here(workflow),
+    "config": command_line_config(workflow), "runs_here": runs_here(workflow), "main": is_main_process(workflow),
     "api": resource_total(workflow, "api"), "gpu_slots": resource_total(workflow, "gpu_slots"),
     "absent": resource_total(workflow, "absent")}))
 
@@ -153,5 +154,46 @@ def test_workflow_attributes_read_as_the_adapter_expects(tmp_path, given_slots):
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert result.returncode == 0, result.stdout + result.stderr
     read = json.loads((tmp_path / "read.json").read_text())
-    assert read == {"config": {"nested": {"size": "1"}, "count": 2}, "runs_here": True, "api": 4,
+    assert read == {"config": {"nested": {"size": "1"}, "count": 2}, "runs_here": True, "main": True, "api": 4,
                     "gpu_slots": 8 if given_slots is None else given_slots, "absent": None}
+
+
+INTERRUPTED = """
+import os
+from pathlib import Path
+{patch}
+if not Path("main.pid").exists():
+    Path("main.pid").write_text(str(os.getpid()))
+
+rule all:
+    input: "out"
+
+rule write:
+    output: "out"
+    shell: "touch {{output}}; kill -9 $(cat main.pid); sleep 30"
+"""
+
+
+def dry_run_after_a_kill(tmp_path: Path, patched: bool) -> str:
+    """The plan after a run killed (SIGKILL) while its job's output was written: incomplete."""
+    patch = "from kpipe.infra.snakemake_adapter import label_interrupted_jobs\nlabel_interrupted_jobs()" if patched else ""
+    (tmp_path / "Snakefile").write_text(INTERRUPTED.format(patch=patch))
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    killed = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--nolock"], cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    plan = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "--rerun-incomplete", "-n"], cwd=tmp_path,
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    return plan.stdout + plan.stderr
+
+
+def test_upstream_labels_a_job_rerun_after_an_interruption_forced(tmp_path):
+    """When this fails, Snakemake labels such jobs itself: drop label_interrupted_jobs."""
+    assert "reason: Forced execution" in dry_run_after_a_kill(tmp_path, patched=False)
+
+
+def test_a_job_rerun_after_an_interruption_says_its_output_is_incomplete(tmp_path):
+    plan = dry_run_after_a_kill(tmp_path, patched=True)
+    assert "reason: Incomplete output files: out" in plan and "Forced execution" not in plan
+    assert "incomplete output files:\n        write" in plan  # the Reasons summary

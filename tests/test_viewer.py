@@ -300,3 +300,79 @@ def test_list_shows_every_column_at_1400_px(tmp_path):
     layout = json.loads(re.search(r'data-layout="([^"]*)"', dom).group(1).replace("&quot;", '"'))
     assert layout["lastColumnRight"] <= layout["listRight"], layout
     assert layout["listHeight"] <= layout["viewportHeight"], layout
+
+
+NAME_COLUMNS = {"stage": 0, "run": 1, "model": 3, "task": 4, "status": 7}
+WRAP_PROBE = """<script>
+// Every line break inside a name cell of the list, found from each character's box: a break is
+// mid-word unless the character before it is a separator (_ - @ / . =)
+const SEPARATOR = /[_\\-@\\/.=]/;
+const box = document.getElementById("list");
+const midWord = [];
+let wrapped = 0;
+for (const row of box.querySelectorAll("tbody tr")) {
+  for (const [column, index] of Object.entries(COLUMNS)) {
+    const cell = row.children[index];
+    const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    const range = document.createRange();
+    let lastTop = null, previous = "", node;
+    while ((node = walker.nextNode())) {
+      for (let i = 0; i < node.length; i++) {
+        range.setStart(node, i); range.setEnd(node, i + 1);
+        const rects = range.getClientRects();
+        if (!rects.length) continue;
+        if (lastTop !== null && rects[0].top > lastTop + 1) {
+          wrapped += 1;
+          if (!SEPARATOR.test(previous)) midWord.push(column + ": " + cell.textContent);
+        }
+        lastTop = rects[0].top; previous = node.data[i];
+      }
+    }
+  }
+}
+const heads = Array.from(box.querySelectorAll("th"));
+document.body.dataset.layout = JSON.stringify({midWord, wrapped, listRight: box.getBoundingClientRect().right,
+  lastColumnRight: heads[heads.length - 1].getBoundingClientRect().right,
+  scrolls: box.scrollWidth > box.clientWidth, hintShown: !(document.getElementById("list-hint") || {hidden: true}).hidden});
+</script></body>"""
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+@pytest.mark.parametrize("width", [800, 1400])
+def test_names_never_break_mid_word_and_the_list_fits_or_says_it_scrolls(tmp_path, width):
+    """At 800 and 1,400 px: stage, run, model, task and status names wrap only after a separator
+    ("tritonforge_|released", never "coldst|art" or "def|ault"); at 1,400 px every column is in view,
+    at 800 px those that are not are a sideways scroll away and a line above the list says so. A
+    screenshot of the page at the width is taken and compared with the window it shows."""
+    results = tmp_path / "results"
+    rows = [turn(stage, f"kb-main-L2-{i}", 0, t, run=run, iteration=29, model=model, status=status, reward=0.123,
+                 speedup_eager=1.234)
+            for i in range(40) for t in (1, 2)
+            for stage, run, model, status in (("coldstart", "default", "teacher", "compilation_error"),
+                                              ("rl_val", "tritonforge_released", "drkernel-14b-rl@16x8", "mismatch"))]
+    write_table(rows, results / "trajectories" / "part-0.parquet", "trajectories")
+    build_db(results, results / "kpipe.duckdb")
+    out = tmp_path / "viewer"
+    build_viewer(results / "kpipe.duckdb", out)
+    probe = out / "probe.html"
+    probe.write_text((out / "index.html").read_text().replace(
+        "</body>", WRAP_PROBE.replace("COLUMNS", json.dumps(NAME_COLUMNS))))
+    browser = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--no-first-run", "--hide-scrollbars",
+               f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={width},900"]
+    dom = subprocess.run([*browser, "--dump-dom", probe.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    layout = json.loads(html.unescape(re.search(r'data-layout="([^"]*)"', dom).group(1)))
+    assert layout["midWord"] == [], layout["midWord"][:5]
+    if width >= 1400:
+        assert layout["lastColumnRight"] <= layout["listRight"] and not layout["hintShown"], layout
+    else:
+        assert layout["lastColumnRight"] <= layout["listRight"] or (layout["scrolls"] and layout["hintShown"]), layout
+    screenshot = tmp_path / f"viewer-{width}.png"
+    subprocess.run([*browser, f"--screenshot={screenshot}", (out / "index.html").as_uri()], capture_output=True,
+                   timeout=120)
+    assert png_size(screenshot) == (width, 900)

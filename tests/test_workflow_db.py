@@ -165,10 +165,12 @@ def test_results_copied_into_a_fresh_clone_rerun_only_the_database_and_its_reade
 
 
 def test_an_edited_script_reruns_its_rule(tree):
-    """Each rule's `code` param hashes its script too (the profile's triggers leave Snakemake's
-    mtime-based `code` trigger off)."""
+    """Each rule's `code` param hashes its script too, by syntax tree (the profile's triggers leave
+    Snakemake's mtime-based `code` trigger off): a comment reruns nothing, a statement reruns it."""
     script = tree / "workflow" / "scripts" / "export_evals.py"
     script.write_text(script.read_text() + "\n# edited\n")
+    assert "Nothing to be done" in ok(snakemake(tree, "-n"))
+    script.write_text(script.read_text() + "EDITED = True\n")
     output = ok(snakemake(tree, "-n"))
     assert "rule export_evals:" in output and "Params have changed" in output
 

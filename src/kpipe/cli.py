@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "plan": "kpipe.report.cost_cli:plan",
     "launch": "kpipe.infra.launch:launch",
     "view": "kpipe.report.viewer:view_command",
+    "outdated": "kpipe.infra.outdated:outdated_command",
 }
 
 

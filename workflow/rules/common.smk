@@ -1,14 +1,15 @@
 # What every stage shares: the config (loaded, validated), the roots of the paths, code versions,
 # GPU resources and the run's services. Each stage's own paths and input functions are in
 # rules/inputs.smk, its rules in rules/<stage>.smk; the Python they call is kpipe's.
-import hashlib
 import sys
 from pathlib import Path
 
 from kpipe.infra.config import ConfigError, deep_merge, load_schema, parse_nested_strings, validate_config
 from kpipe.infra.gpu import visible_gpus
-from kpipe.infra.provenance import code_version
-from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, resource_total, runs_here,
+from kpipe.infra.provenance import code_version, job_code_version
+from kpipe.infra.run_lock import clear_stale_lock
+from kpipe.infra.snakemake_adapter import (command_line_config, default_resource_total, is_main_process,
+                                           label_interrupted_jobs, resource_total, runs_here,
                                            until_stops_after_chained_rules)
 from kpipe.workflow.services import RunServices, ServiceError, check_devices
 
@@ -29,20 +30,21 @@ except ConfigError as error:
 RESULTS = "results"
 LOGS = "logs"
 RUN = config["run"]
-
-
+if is_main_process(workflow):
+    clear_stale_lock()  # a killed run's lock: the same command runs again (kpipe.infra.run_lock)
 
 # `--until rl_iter` runs every iteration (Snakemake would stop after the first: kpipe/infra/snakemake_adapter.py)
 until_stops_after_chained_rules()
+label_interrupted_jobs()  # a job rerun after an interruption is not "Forced execution" (snakemake_adapter)
 
 
 def job_code(script, *parts):
-    """A rule's `code` param: the hash of the kpipe `parts` it runs (kpipe.infra.provenance.code_version)
-    and of its script, workflow/scripts/<script>.py. A changed one reruns the rule's jobs. The profiles
+    """A rule's `code` param: the hash of the kpipe `parts` it runs and of its script,
+    workflow/scripts/<script>.py, by syntax tree (comments and docstrings do not count;
+    kpipe.infra.provenance.job_code_version). A changed one reruns the rule's jobs. The profiles
     leave Snakemake's own `code` trigger off: for a script it compares the file's modification time,
     so a fresh clone (every file new) reran every job of a copied results/ tree."""
-    script_digest = hashlib.sha256((Path(workflow.basedir) / "scripts" / f"{script}.py").read_bytes()).hexdigest()
-    return f"{code_version(*parts)}-{script_digest[:12]}"
+    return job_code_version(Path(workflow.basedir) / "scripts" / f"{script}.py", *parts)
 
 
 # The offline teacher's answers are a function of its code and the bank: a job's cached answers (its

@@ -6,7 +6,8 @@ copied tree needs a rebuild, which Snakemake does (the rule's `results` param is
 absolute path); `connect` refuses a database built for another folder instead of reading that
 folder's files. The Snakemake rule names exactly the files of the current DAG, so a file left on
 disk by other settings is never read. A table with no files becomes an empty typed table, so
-queries and joins still bind. Every column of every table and view carries its meaning as a
+queries and joins still bind. `evals` holds only the KernelGym results that the current
+trajectories reference; the whole result cache, results of replaced runs too, is `gym_cache`. Every column of every table and view carries its meaning as a
 DuckDB comment: the tables' from ``kpipe.data.schemas``, the views' from views.sql, or, for a
 column a view passes through unchanged under its name, the one meaning that name has in the tables.
 
@@ -40,6 +41,17 @@ DB_NAME = "kpipe.duckdb"
 LAST_GOOD_NAME = "kpipe.last-good.duckdb"
 BUILD_TABLE = "build_info"
 DEFAULT_VIEWS_SQL = REPO_ROOT / "workflow" / "sql" / "views.sql"
+# The file format the database is written in: DuckDB 2 writes a storage version that DuckDB 1.x
+# clients (the CLI of `pip install duckdb-cli`, older Python packages, DBeaver's driver) refuse;
+# this one every DuckDB from 1.0 reads (tests/test_db.py opens it with the newest 1.x CLI)
+STORAGE_VERSION = "v1.0.0"
+# A table whose Parquet files are a cache, kept whole across reruns (KernelGym's results: an
+# unchanged candidate is not evaluated again), is read under the cache's name; the table's own name
+# is a view of the rows the current results reference (a result of a replaced run is only in the cache).
+CACHE_VIEWS = {"evals": "gym_cache"}
+
+
+REGENERATE = "delete it and run the same snakemake command again: the rule that writes it regenerates it"
 
 
 class DatabaseError(RuntimeError):
@@ -60,9 +72,9 @@ def check_files(files: Mapping[str, Sequence[Path]]) -> None:
             try:
                 check_schema(pq.read_schema(path), table, str(path))
             except SchemaError as error:
-                raise DatabaseError(str(error)) from None
+                raise DatabaseError(f"{error}; {REGENERATE}") from None
             except (OSError, pa.ArrowException) as error:
-                raise DatabaseError(f"{path}: not a readable Parquet file of table {table} ({error})") from None
+                raise DatabaseError(f"{path}: not a readable Parquet file of table {table} ({error}); {REGENERATE}") from None
 
 
 def _sql_string(text: str) -> str:
@@ -85,17 +97,21 @@ def build_db(results: Path, db_path: Path, views_sql: Path = DEFAULT_VIEWS_SQL,
     tmp = db_path.with_name(db_path.name + ".tmp")
     tmp.unlink(missing_ok=True)
     try:
-        with duckdb.connect(str(tmp)) as con:
+        with duckdb.connect(str(tmp), config={"storage_compatibility_version": STORAGE_VERSION}) as con:
             for table, paths in by_table.items():
+                relation = CACHE_VIEWS.get(table, table)
                 if paths:
                     names = ", ".join(_sql_string(str(path.resolve())) for path in paths)
-                    con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet([{names}], "
+                    con.execute(f"CREATE VIEW {relation} AS SELECT * FROM read_parquet([{names}], "
                                 "union_by_name = true, hive_partitioning = false)")
                 else:
                     empty = schema_of(table).empty_table()  # noqa: F841 (read by DuckDB's replacement scan)
-                    con.execute(f"CREATE TABLE {table} AS SELECT * FROM empty")
-                for column, text in column_descriptions(table).items():
-                    con.execute(f"COMMENT ON COLUMN {table}.{column} IS {_sql_string(text)}")
+                    con.execute(f"CREATE TABLE {relation} AS SELECT * FROM empty")
+                _comment_columns(con, relation, column_descriptions(table))
+            for table, cache in CACHE_VIEWS.items():
+                con.execute(f"CREATE VIEW {table} AS SELECT * FROM {cache} WHERE key IN "
+                            "(SELECT eval_key FROM trajectories WHERE eval_key IS NOT NULL)")
+                _comment_columns(con, table, column_descriptions(table))
             con.execute(f"CREATE TABLE {BUILD_TABLE} AS SELECT {_sql_string(str(db_path.parent.resolve()))} AS results")
             con.execute(f"COMMENT ON COLUMN {BUILD_TABLE}.results IS 'absolute path of the results folder whose "
                         "Parquet files the views read (a moved tree needs a rebuild)'")
@@ -108,6 +124,11 @@ def build_db(results: Path, db_path: Path, views_sql: Path = DEFAULT_VIEWS_SQL,
     counts = {table: len(paths) for table, paths in by_table.items()}
     log.info("built %s: Parquet files per table %s", db_path, counts)
     return counts
+
+
+def _comment_columns(con: duckdb.DuckDBPyConnection, relation: str, descriptions: Mapping[str, str]) -> None:
+    for column, text in descriptions.items():
+        con.execute(f"COMMENT ON COLUMN {relation}.{column} IS {_sql_string(text)}")
 
 
 def uncommented_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
@@ -183,7 +204,9 @@ def format_table(result: pa.Table, fmt: str) -> str:
         return json.dumps(json.loads(frame.to_json(orient="records")), indent=2)
     from tabulate import tabulate
 
-    return tabulate(frame, headers="keys", tablefmt="github", showindex=False, floatfmt=".4g")
+    # from Arrow's rows, not pandas': a SQL NULL prints as NULL, not as pandas' nan
+    rows = [list(row.values()) for row in result.to_pylist()]
+    return tabulate(rows, headers=result.column_names, tablefmt="github", floatfmt=".4g", missingval="NULL")
 
 
 @click.command("query")
@@ -197,8 +220,8 @@ def query_command(sql: str | None, sql_file: str | None, results: str | None, db
                   rebuild: bool) -> None:
     """Run SQL read-only against the kpipe DuckDB database.
 
-    Tables: tasks, queries, evals, trajectories, train_metrics, plus the views of
-    workflow/sql/views.sql. Example: kpipe query "select level, count(*) from tasks group by level"
+    Tables: tasks, queries, evals (the KernelGym results of the current trajectories), trajectories,
+    train_metrics, gym_cache (KernelGym's whole result cache), plus the views of workflow/sql/views.sql. Example: kpipe query "select level, count(*) from tasks group by level"
     """
     if (sql is None) == (sql_file is None):
         raise click.UsageError("give the SQL either as an argument or with --file")

@@ -56,7 +56,26 @@ def describe(error: jsonschema.ValidationError) -> str:
         return f"config error: {key}: unknown key (allowed here: {', '.join(allowed)})"
     if error.validator in RANGE_VALIDATORS:
         return f"config error: {_key_path(error)}: out of range: {error.message}"
+    if error.validator == "type" and _number_yaml_read_as_text(error.instance):
+        return (f"config error: {_key_path(error)}: {error.message}: YAML reads a number with an exponent "
+                f"but no dot as text; write {_with_dot(error.instance)}")
     return f"config error: {_key_path(error)}: {error.message}"
+
+
+def _number_yaml_read_as_text(value: Any) -> bool:
+    """'1e-12': a number to Python and YAML 1.2, a string to YAML 1.1 (PyYAML, Snakemake)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return "e" in value.lower() and "." not in value
+
+
+def _with_dot(text: str) -> str:
+    mantissa, _, exponent = text.lower().partition("e")
+    return f"{mantissa}.0e{exponent}"
 
 
 # libyaml's safe loader where PyYAML was built with it: the schema is read by every Snakemake

@@ -3,6 +3,7 @@ stage that resumes reuses partial work only when everything that work depends on
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -25,12 +26,49 @@ KEY_LIBRARIES = ("torch", "transformers", "triton", "accelerate", "vllm", "kpipe
 EDGE_BYTES = 1 << 20  # a weight file is identified by its size and its first and last MiB
 
 
+def _canonical(node: Any) -> str:
+    """A syntax tree as text: node types and field values, no positions; a field that is None or
+    empty is left out, so the text is the same on every Python that parses the code alike (3.12
+    added empty `type_params`, 3.13's `ast.dump` omits empty fields)."""
+    if isinstance(node, ast.AST):
+        fields = ((name, getattr(node, name, None)) for name in node._fields)
+        return f"{type(node).__name__}({','.join(f'{name}={_canonical(value)}' for name, value in fields if value not in (None, []))})"
+    if isinstance(node, list):
+        return f"[{','.join(_canonical(item) for item in node)}]"
+    return repr(node)
+
+
+def _without_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def source_digest(path: Path) -> str:
+    """Hash of what a file can do: for Python, its syntax tree without docstrings (comments,
+    docstrings and formatting change nothing a run computes); for any other file, its bytes. A
+    Python file that does not parse counts by its bytes (its job then fails with the real error)."""
+    data = path.read_bytes()
+    if path.suffix == ".py":
+        try:
+            data = _canonical(_without_docstrings(ast.parse(data, filename=str(path)))).encode()
+        except (SyntaxError, ValueError):
+            pass
+    return hashlib.sha256(data).hexdigest()
+
+
 @cache
 def code_version(*parts: str) -> str:
-    """Hash of the kpipe sources named by `parts` (subpackages or modules, e.g. "data", "data/db.py").
+    """Hash of the kpipe sources named by `parts` (subpackages or modules, e.g. "data", "data/db.py"),
+    each by `source_digest`.
 
     Snakemake records it as a rule param, so editing `kpipe/gym` reruns the stages that
-    evaluate kernels but not ingest. Package data (vendored problem sets, the bank) counts.
+    evaluate kernels but not ingest, and editing a comment or docstring reruns nothing. Package
+    data (vendored problem sets, the bank) counts.
     """
     digest = hashlib.sha256()
     for part in sorted(set(parts)):
@@ -40,8 +78,14 @@ def code_version(*parts: str) -> str:
         files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
         for path in files:
             digest.update(str(path.relative_to(PACKAGE_ROOT)).encode())
-            digest.update(path.read_bytes())
+            digest.update(source_digest(path).encode())
     return digest.hexdigest()[:12]
+
+
+def job_code_version(script: Path, *parts: str) -> str:
+    """A rule's `code` param: `code_version` of the kpipe `parts` its job runs and the digest of its
+    script (workflow/scripts/<rule>.py)."""
+    return f"{code_version(*parts)}-{source_digest(script)[:12]}"
 
 
 def library_versions() -> dict[str, str]:

@@ -14,9 +14,14 @@ and the next major version, untested; `make test` tests the newest version the f
   counted as an until job, iteration 1 waits for ever and Snakemake stops with "BUG: Out of jobs
   ready to be started" after iteration 0. A target rule cannot replace it: `--until RULE` is the
   user's command (README, Reruns), for any rule.
-- `command_line_config`, `runs_here`, `resource_total` and `default_resource_total` read and set
-  `Workflow` attributes that Snakemake does not document (`config_settings`, `resource_settings`,
-  `remote_exec`, `global_resources`, `register_resource`).
+- `label_interrupted_jobs` wraps `DAG.check_incomplete`, `DAG.update_needrun`, `Reason.__str__` and
+  `Reason.get_names`. Upstream behaviour: with `--rerun-incomplete` (both profiles) Snakemake adds the
+  incomplete outputs to `DAG.forcefiles`, so a job rerun after an interruption is labelled "Forced
+  execution", as if the user had forced it; Snakemake's own "Incomplete output files" wording is
+  never reached.
+- `command_line_config`, `runs_here`, `is_main_process`, `resource_total` and `default_resource_total`
+  read and set `Workflow` attributes that Snakemake does not document (`config_settings`,
+  `resource_settings`, `remote_exec`, `is_main_process`, `global_resources`, `register_resource`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 # [floor, first untested): 9.16 lacks what `resource_total` reads (global resources held as plain ints)
 TESTED_SNAKEMAKE = ("9.17", "10")
 _PATCHED = "_kpipe_until_frontier"
+_INTERRUPTED = "_kpipe_interrupted_outputs"  # DAG attribute: the outputs rerun-incomplete forced
 
 
 def until_stops_after_chained_rules() -> None:
@@ -44,6 +50,49 @@ def until_stops_after_chained_rules() -> None:
     DAG.in_until = frontier_only
 
 
+def label_interrupted_jobs() -> None:
+    """A job rerun because an interrupted run left its outputs incomplete says "Incomplete output
+    files: ..." (Snakemake's words) in `snakemake -n` and the run's log, not "Forced execution";
+    a rule the user forced (--forcerun) keeps "Forced execution". Idempotent."""
+    from snakemake.dag import DAG
+    from snakemake.jobs import Reason
+
+    if getattr(DAG.check_incomplete, _PATCHED, False):
+        return
+    check_incomplete, update_needrun = DAG.check_incomplete, DAG.update_needrun
+    reason_text, reason_names = Reason.__str__, Reason.get_names
+
+    async def remembering(dag: Any) -> None:
+        forced_before = set(dag.forcefiles)
+        await check_incomplete(dag)
+        setattr(dag, _INTERRUPTED, set(dag.forcefiles) - forced_before)
+
+    async def labelling(dag: Any, *args: Any, **kwargs: Any) -> None:
+        await update_needrun(dag, *args, **kwargs)
+        interrupted = getattr(dag, _INTERRUPTED, set())
+        for job in dag.needrun_jobs() if interrupted else ():
+            reason = dag.reason(job)
+            files = interrupted.intersection(job.output)
+            if reason.forced and files and job.rule not in dag.forcerules:
+                reason._incomplete_output = files
+
+    def unforced(method: Any) -> Any:
+        def call(reason: Any) -> Any:
+            if not (reason.forced and reason._incomplete_output):
+                return method(reason)
+            reason.forced = False
+            try:
+                return list(method(reason)) if method is reason_names else method(reason)
+            finally:
+                reason.forced = True
+        return call
+
+    for function in (remembering, labelling):
+        setattr(function, _PATCHED, True)
+    DAG.check_incomplete, DAG.update_needrun = remembering, labelling
+    Reason.__str__, Reason.get_names = unforced(reason_text), unforced(reason_names)
+
+
 def command_line_config(workflow: Any) -> dict[str, Any]:
     """The `--config KEY=VALUE` pairs as given, before Snakemake merged them into `config`
     (nested values arrive there as strings, which the Snakefile parses)."""
@@ -56,6 +105,12 @@ def runs_here(workflow: Any) -> bool:
     (`nodes`), which a local run turns into --cores; a job run by a remote executor (exec mode
     `remote`) parses the Snakefile too, on its own node."""
     return workflow.resource_settings.nodes is None and not workflow.remote_exec
+
+
+def is_main_process(workflow: Any) -> bool:
+    """The Snakemake process that plans and locks the run, not a job's own Snakemake (a cluster
+    job or a group's subprocess parses the Snakefile too, and takes no lock)."""
+    return bool(workflow.is_main_process)
 
 
 def resource_total(workflow: Any, name: str) -> int | None:

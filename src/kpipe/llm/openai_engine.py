@@ -21,8 +21,11 @@ from tqdm.auto import tqdm
 from kpipe.llm.types import FINISH_ERROR, ChatRequest, Completion, ResultCallback, Usage
 
 log = logging.getLogger(__name__)
-# httpx logs every request at INFO: thousands of lines per distillation shard in the job log
-logging.getLogger("httpx").setLevel(logging.WARNING)
+# the OpenAI client's transport logs every request at INFO: thousands of lines per distillation shard
+# in the job log, between its progress bars (httpx; httpx2 from openai 3)
+HTTP_LOGGERS = ("httpx", "httpx2")
+for _name in HTTP_LOGGERS:
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 RETRYABLE = (openai.RateLimitError, openai.InternalServerError, openai.APITimeoutError, openai.APIConnectionError)
 NO_KEY = "EMPTY"  # local servers accept any key; the client refuses an empty one

@@ -424,11 +424,15 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     return SFTResult(model_dir, n_steps, resumed_from, report, last_loss)
 
 
-def publish(source: Path, target: Path) -> None:
+def publish(source: Path, target: Path, *, move: bool = False) -> None:
     """Copy a finished result of the run directory to a pipeline output. Snakemake deletes the
-    outputs of a killed job, so what a rerun resumes from must live in the run directory."""
+    outputs of a killed job, so what a rerun resumes from must live in the run directory. `move`:
+    what no rerun reads (the finished model) is moved, so the run directory keeps no full copy."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    if source.is_dir():
+    if move:
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.move(source, target)
+    elif source.is_dir():
         shutil.copytree(source, target, dirs_exist_ok=True)
     else:
         shutil.copy(source, target)
@@ -450,7 +454,7 @@ def sft_job(*, trajectories: Sequence[str], work_dir: str, settings: Mapping[str
     result = train_sft(cfg, load_trajectory_rows([Path(path) for path in trajectories]), work, metrics)
     if not PartialState().is_main_process:
         return
-    publish(result.model_dir, Path(model_out))
+    publish(result.model_dir, Path(model_out), move=True)
     publish(work / "sft_summary.json", Path(summary_out))
     publish(metrics, Path(metrics_out))
     log.info("SFT %s: %d steps (resumed from %s), final loss %.4f, %s", cfg.run, result.steps, result.resumed_from,

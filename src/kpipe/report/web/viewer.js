@@ -108,18 +108,47 @@ function renderList() {
   for (const e of shown.slice(listPage * ROWS_PER_PAGE, (listPage + 1) * ROWS_PER_PAGE)) {
     const row = document.createElement("tr");
     if (e.id === selected) row.className = "selected";
-    for (const value of [e.stage, e.run, e.iteration, e.model, e.task, e.sample, e.turns, e.status,
-                         e.best_speedup, e.hacked_turns, e.reward_change, e.reward]) {
-      const cell = document.createElement("td");
-      cell.textContent = fmt(value);
-      row.appendChild(cell);
-    }
+    for (const name of [e.stage, e.run]) row.appendChild(nameCell(name));
+    row.appendChild(numberCell(e.iteration));
+    for (const name of [e.model, e.task]) row.appendChild(nameCell(name));
+    for (const value of [e.sample, e.turns]) row.appendChild(numberCell(value));
+    row.appendChild(nameCell(e.status));
+    for (const value of [e.best_speedup, e.hacked_turns, e.reward_change, e.reward]) row.appendChild(numberCell(value));
     row.addEventListener("click", () => openTrajectory(e.id));
     body.appendChild(row);
   }
   document.getElementById("shown").textContent = shown.length + " of " + INDEX.length + " trajectories";
   document.getElementById("page").textContent = "page " + (listPage + 1) + " / " + pages;
+  showScrollHint();
 }
+
+// A name (stage, run, model, task, status) may wrap only after a separator: "tritonforge_|released",
+// never "coldst|art"
+const NAME_PARTS = /(?<=[_\-@\/.=])/;
+
+function nameCell(value) {
+  const cell = document.createElement("td");
+  String(fmt(value)).split(NAME_PARTS).forEach((part, index) => {
+    if (index > 0) cell.appendChild(document.createElement("wbr"));
+    cell.appendChild(document.createTextNode(part));
+  });
+  return cell;
+}
+
+function numberCell(value) {
+  const cell = document.createElement("td");
+  cell.className = "number";
+  cell.textContent = fmt(value);
+  return cell;
+}
+
+// a list wider than its box says so above it: its right-hand columns are a sideways scroll away
+function showScrollHint() {
+  const box = document.getElementById("list");
+  document.getElementById("list-hint").hidden = box.scrollWidth <= box.clientWidth;
+}
+
+window.addEventListener("resize", showScrollHint);
 
 function openTrajectory(id) {
   const entry = INDEX[id];
