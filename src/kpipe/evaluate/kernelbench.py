@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
-from kpipe.agent.history import FullHistory, HistoryPolicy
+from kpipe.agent.history import FullHistory, HistoryPolicy, make_policy
 from kpipe.agent.loop import AgentTask, Sampling, run_episodes
 from kpipe.data.io import read_table, write_table
 from kpipe.infra.jobs import forkable
@@ -270,6 +270,13 @@ def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settin
     return rows
 
 
+def inference_history(entry: Mapping[str, Any]) -> HistoryPolicy:
+    """The history a model infers with across evaluation turns (its entry's `history`, default full):
+    Kevin-32B replaces earlier turns' reasoning by their summaries, and with 16K-token turns in a
+    32K context its 8 turns only fit that way."""
+    return make_policy(entry.get("history", "full"))
+
+
 @forkable
 def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
              entry: Mapping[str, Any], settings: Mapping[str, Any], *, level: int, shard: int = 0,
@@ -279,7 +286,7 @@ def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_p
     check_model(entry)
     tasks = eval_tasks(tasks_path, level, shard, num_shards, settings.get("max_tasks"))
     return run_model_shard(tasks, entry, settings, out_path, cache_path, model_label=entry["name"], stage=STAGE,
-                           policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run, gym=gym,
+                           policy=inference_history(entry), n_turns=int(settings.get("turns", 3)), run=run, gym=gym,
                            checkpoint=checkpoint, progress=progress, iteration=checkpoint_iteration(checkpoint))
 
 
@@ -380,7 +387,7 @@ def budget_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache
     rows: list[dict[str, Any]] = []
     with opened_model(entry, settings, cache_path, gym, checkpoint, progress) as (engine, evaluator):
         for trajectories, turns in budget_splits(int(settings["kernels"]), settings["turns"]):
-            split = run_episodes(tasks, engine, evaluator, FullHistory(), n_samples=trajectories, max_turns=turns,
+            split = run_episodes(tasks, engine, evaluator, inference_history(entry), n_samples=trajectories, max_turns=turns,
                                  sampling=sampling_of(settings, entry), run=run, stage=BUDGET_STAGE,
                                  iteration=checkpoint_iteration(checkpoint),
                                  seed=int(settings.get("seed", 0)),
