@@ -55,7 +55,7 @@ MODEL_KINDS = ("hf", "vllm", "openai", "offline_teacher", "pipeline")
 API_KINDS = ("openai", "offline_teacher")  # answers cost money or time: cache them
 CHECKPOINT_KINDS = ("hf", "vllm", "pipeline")  # a local checkpoint: may be served with `serve: vllm`
 SERVERS = ("vllm",)
-NOT_ENGINE_KEYS = ("name", "kind", "source", "rl_run", "engine", "serve", "vllm_server", "sampling")  # the entry's, not the engine's
+NOT_ENGINE_KEYS = ("name", "kind", "source", "rl_run", "engine", "serve", "vllm_server", "sampling", "history")  # the entry's, not the engine's
 SERVER_SET_CLIENT_KEYS = {"model", "base_url", "api_key_env", "progress"}  # set by the job for a served model
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # Paper §6.1: 8 samples, 3 turns, 8,192 generated tokens per turn, 32,768 in all.
