@@ -42,7 +42,8 @@ def test_flag_marks_exact_and_near_duplicates_and_spares_the_unrelated(tasks, cu
     assert rows[0]["similarity"] == 1.0 and rows[1]["similarity"] >= 0.8
     assert rows[2]["similarity"] < 0.3
     assert counts == {"mode": "flag", "threshold": 0.8, "total": 3, "training_duplicates": 0,
-                      "exact_duplicates": 1, "near_duplicates": 1, "kept": 3}
+                      "exact_duplicates": 1, "near_duplicates": 1, "kept": 3,
+                      "lost_by_source": {"cudallm": {"repeated": 0, "exact": 1, "near": 1}}}
 
 
 def test_drop_removes_the_contaminated(tasks, cudallm):
@@ -151,3 +152,27 @@ def test_build_queries_rejects_repeated_source_names(tasks):
     twice = {"name": "a", "kind": "kernelbench", "levels": [1], "ids": {"level_1": [1]}}
     with pytest.raises(SourceError, match="more than once"):
         build_queries({"sources": [twice, twice]}, tasks)
+
+
+def test_a_query_in_two_sources_keeps_every_stage_it_belongs_to(tasks, tmp_path):
+    """The SFT file comes first: its copy is kept, and RL's copy's stage travels with it (issue 64)."""
+    from kpipe.data.sources import training_queries
+    from kpipe.data.io import write_table
+
+    shared = problem(1, 23)  # not an evaluation task
+    only_rl = problem(1, 36)
+    def row(kind: str, source_id: str, reference: str, stages: list[str]) -> dict:
+        return {**query_row(kind, source_id, reference, 1, None), "stages": stages}
+
+    sft = to_table([row("cudallm_sft", "s0", shared, ["distill"])], "queries")
+    rl = to_table([row("cudallm", "r0", shared, ["rl"]), row("cudallm", "r1", only_rl, ["rl"])], "queries")
+    table, counts = decontaminate(pa.concat_tables([sft, rl]), tasks)
+    assert table.num_rows == 2 and counts["training_duplicates"] == 1
+    assert dict(zip(table["query_id"].to_pylist(), table["stages"].to_pylist())) == {
+        "cudallm_sft-s0": ["distill", "rl"], "cudallm-r1": ["rl"]}
+    assert counts["lost_by_source"] == {"cudallm_sft": {"repeated": 0, "exact": 0, "near": 0},
+                                        "cudallm": {"repeated": 1, "exact": 0, "near": 0}}
+    path = tmp_path / "queries.parquet"
+    write_table(table, path, "queries")
+    assert [q["query_id"] for q in training_queries(path, "rl")] == ["cudallm-r1", "cudallm_sft-s0"]
+    assert [q["query_id"] for q in training_queries(path, "distill")] == ["cudallm_sft-s0"]

@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 from tqdm import tqdm
 
 from kpipe.data.kernelbench import VERSIONS, load_problems
+from kpipe.data.sources import STAGES
 
 MODES = ("drop", "flag")
 SHINGLE_SIZE = 5
@@ -155,17 +155,18 @@ def decontaminate(
 ) -> tuple[pa.Table, dict[str, Any]]:
     """Mark every query against the evaluation `tasks`; drop or keep-flagged the contaminated ones.
 
-    Queries repeating an earlier query's normalised source are dropped in both modes (they
-    would weight one problem twice in training). Returns the table and the counts for the log:
-    ``total, training_duplicates, exact_duplicates, near_duplicates, kept``.
+    Queries repeating an earlier query's normalised source are merged into it in both modes (they
+    would weight one problem twice in training), the copy kept carrying every copy's stages
+    (`merge_repeated_references`). Returns the table and the counts for the log:
+    ``total, training_duplicates, exact_duplicates, near_duplicates, kept`` and ``lost_by_source``.
     """
     if mode not in MODES:
         raise ValueError(f"decontamination mode {mode!r}: choose one of {', '.join(MODES)}")
     if not 0 < threshold <= 1:
         raise ValueError(f"decontamination threshold {threshold}: must be in (0, 1]")
     total = queries.num_rows
-    first_of_hash = pc.equal(pc.index_in(queries["reference_hash"], queries["reference_hash"]), pa.array(range(total)))
-    queries = queries.filter(first_of_hash) if total else queries
+    sources_before = queries["source"].to_pylist()
+    queries = merge_repeated_references(queries)
 
     task_ids = tasks["task_id"].to_pylist()
     task_of_hash = dict(zip(tasks["reference_hash"].to_pylist(), task_ids))
@@ -199,6 +200,7 @@ def decontaminate(
             pa.array(similarity if len(task_ids) else [None] * queries.num_rows, pa.float64()),
         )
     )
+    lost = losses_by_source(sources_before, queries["source"].to_pylist(), exact, near)
     if mode == "drop":
         queries = queries.filter(pa.array(~contaminated))
     counts = {
@@ -209,5 +211,44 @@ def decontaminate(
         "exact_duplicates": int(exact.sum()),
         "near_duplicates": int(near.sum()),
         "kept": queries.num_rows,
+        "lost_by_source": lost,
     }
     return queries, counts
+
+
+def merge_repeated_references(queries: pa.Table) -> pa.Table:
+    """One row per normalised reference: the first copy, carrying the stages of every copy.
+
+    A reference found in two sources (the SFT file and the RL file of cudaLLM share some) is one
+    problem, trained on once per stage; keeping only the first copy's stages silently took every such
+    query out of RL, whose file comes second.
+    """
+    if not queries.num_rows:
+        return queries
+    hashes = queries["reference_hash"].to_pylist()
+    stages = queries["stages"].to_pylist()
+    first_row: dict[str, int] = {}
+    merged: dict[str, set[str]] = {}
+    for row, (digest, row_stages) in enumerate(zip(hashes, stages)):
+        first_row.setdefault(digest, row)
+        merged.setdefault(digest, set()).update(row_stages or STAGES)
+    keep = sorted(first_row.values())
+    table = queries.take(pa.array(keep))
+    column = table.schema.get_field_index("stages")
+    kept_stages = [[stage for stage in STAGES if stage in merged[hashes[row]]] for row in keep]
+    return table.set_column(column, table.schema.field(column), pa.array(kept_stages, table.schema.field(column).type))
+
+
+def losses_by_source(sources_before: list[str], sources_kept: list[str], exact: np.ndarray,
+                     near: np.ndarray) -> dict[str, dict[str, int]]:
+    """How many queries each source lost, and why: a repeat of an earlier query's reference
+    (``repeated``, its stages merged into the copy kept), or contamination (``exact``, ``near``)."""
+    lost: dict[str, dict[str, int]] = {}
+    for source in dict.fromkeys(sources_before):
+        repeated = sources_before.count(source) - sources_kept.count(source)
+        lost[source] = {
+            "repeated": repeated,
+            "exact": int(sum(e for e, s in zip(exact, sources_kept) if s == source)),
+            "near": int(sum(n for n, s in zip(near, sources_kept) if s == source)),
+        }
+    return lost

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
-from kpipe.agent.history import FullHistory, HistoryPolicy
+from kpipe.agent.history import FullHistory, HistoryPolicy, make_policy
 from kpipe.agent.loop import AgentTask, Sampling, run_episodes
 from kpipe.data.io import read_table, write_table
 from kpipe.llm.types import Engine
@@ -54,7 +54,7 @@ MODEL_KINDS = ("hf", "vllm", "openai", "offline_teacher", "pipeline")
 API_KINDS = ("openai", "offline_teacher")  # answers cost money or time: cache them
 CHECKPOINT_KINDS = ("hf", "vllm", "pipeline")  # a local checkpoint: may be served with `serve: vllm`
 SERVERS = ("vllm",)
-NOT_ENGINE_KEYS = ("name", "kind", "source", "rl_run", "engine", "serve", "vllm_server", "sampling")  # the entry's, not the engine's
+NOT_ENGINE_KEYS = ("name", "kind", "source", "rl_run", "engine", "serve", "vllm_server", "sampling", "history")  # the entry's, not the engine's
 SERVER_SET_CLIENT_KEYS = {"model", "base_url", "api_key_env", "progress"}  # set by the job for a served model
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 # Paper §6.1: 8 samples, 3 turns, 8,192 generated tokens per turn, 32,768 in all.
@@ -269,6 +269,13 @@ def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settin
     return rows
 
 
+def inference_history(entry: Mapping[str, Any]) -> HistoryPolicy:
+    """The history a model infers with across evaluation turns (its entry's `history`, default full):
+    Kevin-32B replaces earlier turns' reasoning by their summaries, and with 16K-token turns in a
+    32K context its 8 turns only fit that way."""
+    return make_policy(entry.get("history", "full"))
+
+
 def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_path: str | os.PathLike,
              entry: Mapping[str, Any], settings: Mapping[str, Any], *, level: int, shard: int = 0,
              num_shards: int = 1, run: str = "default", gym: Mapping[str, Any] | None = None,
@@ -277,7 +284,7 @@ def eval_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_p
     check_model(entry)
     tasks = eval_tasks(tasks_path, level, shard, num_shards, settings.get("max_tasks"))
     return run_model_shard(tasks, entry, settings, out_path, cache_path, model_label=entry["name"], stage=STAGE,
-                           policy=FullHistory(), n_turns=int(settings.get("turns", 3)), run=run, gym=gym,
+                           policy=inference_history(entry), n_turns=int(settings.get("turns", 3)), run=run, gym=gym,
                            checkpoint=checkpoint, progress=progress, iteration=checkpoint_iteration(checkpoint))
 
 
@@ -377,7 +384,7 @@ def budget_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache
     rows: list[dict[str, Any]] = []
     with opened_model(entry, settings, cache_path, gym, checkpoint, progress) as (engine, evaluator):
         for trajectories, turns in budget_splits(int(settings["kernels"]), settings["turns"]):
-            split = run_episodes(tasks, engine, evaluator, FullHistory(), n_samples=trajectories, max_turns=turns,
+            split = run_episodes(tasks, engine, evaluator, inference_history(entry), n_samples=trajectories, max_turns=turns,
                                  sampling=sampling_of(settings, entry), run=run, stage=BUDGET_STAGE,
                                  iteration=checkpoint_iteration(checkpoint),
                                  seed=int(settings.get("seed", 0)),

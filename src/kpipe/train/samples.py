@@ -1,12 +1,13 @@
 """SFT samples from `trajectories` rows: chat-templated token ids with assistant-only labels.
 
 A trajectory row holds one turn: ``prompt_messages`` (the exact context the model saw) and
-its ``response``. Two ways to cut samples, because the paper and its released code differ:
+its ``response``. Two ways to cut samples:
 
-- ``unit="turn"`` (paper: "each turn becomes a training sample"): one sample per row, the
-  context plus that turn's response, loss on that response only.
-- ``unit="trajectory"`` (released code, verl multi-turn SFT): one sample per trajectory, its
-  last turn's context plus response, loss on every assistant message in it.
+- ``unit="trajectory"`` (the paper's "8K 5-turn trajectories" and the released code, verl multi-turn
+  SFT): one sample per trajectory, its last turn's context plus response, loss on every assistant
+  message in it.
+- ``unit="turn"``: one sample per row, the context plus that turn's response, loss on that response
+  only (as RL trains its turns; the offline default, whose tiny model learns faster from it).
 
 Labels are found on the rendered text, not by rendering prefixes: templates such as Qwen3's
 render an assistant turn differently once a later user turn follows it, so prefix renders are

@@ -123,12 +123,14 @@ class SFTConfig:
 
 
 PRESETS: dict[str, SFTConfig] = {
-    # Paper §6.1: Qwen3-8B-Base, lr 1e-6, batch 256, 4 epochs, 8K five-turn trajectories.
+    # Paper §6.1: Qwen3-8B-Base, lr 1e-6, batch 256, 4 epochs, "8K 5-turn trajectories": a sample is a
+    # whole trajectory, loss on its assistant turns (the released code trains so too; the RL sentence
+    # "each turn becomes a training sample" is about RL, not SFT).
     # Not stated there, taken from verl's SFT trainer defaults (the authors' stack): AdamW betas
     # (0.9, 0.95), weight decay 0.01, 10% warm-up, cosine to 0, grad clip 1.0. Max length: the
     # paper's 32,768-token context.
     "paper": SFTConfig(base_model="Qwen/Qwen3-8B-Base", lr=1e-6, batch_size=256, epochs=4, max_length=32768,
-                       unit="turn", notes="Dr. Kernel paper §6.1"),
+                       unit="trajectory", notes="Dr. Kernel paper §6.1"),
     # Released code (hkust-nlp/KernelGYM recipe on verl): lr 2e-5, batch 64, 4 epochs, max length
     # 18,432, loss on every assistant turn of the whole conversation.
     "code": SFTConfig(base_model="Qwen/Qwen3-8B-Base", lr=2e-5, batch_size=64, epochs=4, max_length=18432,
