@@ -51,8 +51,8 @@ def _pin(tensor: torch.Tensor, owner: object) -> None:
     if int(error) != 0:
         raise RuntimeError(f"cudaHostRegister of {tensor.numel() * tensor.element_size() / 2**30:.1f} GiB failed "
                            f"({error}): not enough lockable host memory")
-    weakref.finalize(owner, cudart.cudaHostUnregister, tensor.data_ptr())
-    weakref.finalize(owner, lambda kept: None, tensor)  # keep the memory alive until it is unregistered
+    # the finalizer holds the tensor: its memory stays allocated until it is unregistered
+    weakref.finalize(owner, lambda pinned: cudart.cudaHostUnregister(pinned.data_ptr()), tensor)
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
