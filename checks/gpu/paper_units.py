@@ -375,10 +375,11 @@ def optimizer_numerics(report: Report, args: argparse.Namespace) -> None:
 
 def save_architecture(out: Path, tiny: bool) -> Path:
     """Config and byte tokenizer only: vLLM's `load_format="dummy"` makes random weights of the shapes."""
-    from kpipe.train.tiny_model import build_byte_tokenizer, tiny_config
+    from kpipe.train.tiny_model import byte_tokenizer_for, tiny_config
 
-    tokenizer = build_byte_tokenizer()
-    config = tiny_config("nano" if tiny else "qwen3-8b", len(tokenizer), tokenizer.eos_token_id,
+    size = "nano" if tiny else "qwen3-8b"
+    tokenizer = byte_tokenizer_for(size)  # 151,936 ids that all decode at 8B
+    config = tiny_config(size, len(tokenizer), tokenizer.eos_token_id,
                          tokenizer.pad_token_id)
     config.torch_dtype = "bfloat16"
     config.save_pretrained(out)
