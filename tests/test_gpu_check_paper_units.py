@@ -13,13 +13,6 @@ from checks.gpu import paper_units
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_memory_plan_keeps_fp32_weights_on_an_h200_and_bf16_ones_on_an_h100():
-    params = 8.19e9  # 8 bytes a parameter: 61 GiB of fp32 weights and gradients, plus 40 GiB of activations
-    assert paper_units.memory_plan(params, 139 * 2**30) == "fp32"
-    assert paper_units.memory_plan(params, 78 * 2**30) == "bf16"
-    assert paper_units.memory_plan(params, params * 8 + paper_units.ACTIVATION_RESERVE_BYTES) == "fp32"
-
-
 def test_training_flops_count_weights_and_causal_attention():
     # 6 N t + 6 L d t^2: N 100, t 10, L 2, d 4 -> 6,000 + 4,800
     assert paper_units.training_flops(100, 2, 4, 10) == 10_800

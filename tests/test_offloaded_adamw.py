@@ -82,3 +82,16 @@ def test_bad_arguments_are_refused():
         OffloadedAdamW(tiny_model().parameters(), lr=-1.0)
     with pytest.raises(ValueError, match="no parameter"):
         OffloadedAdamW([torch.nn.Parameter(torch.ones(2), requires_grad=False)])
+
+
+def test_the_memory_plan_is_the_first_that_fits_beside_the_activations():
+    from kpipe.train.offloaded_adamw import ACTIVATION_RESERVE_BYTES, MEMORY_PLANS, choose_memory_plan
+
+    params, gib = 8.19e9, 2**30  # 16 bytes a parameter: 122 GiB; 8: 61 GiB; 4: 30.5 GiB, each + 40 GiB
+    assert choose_memory_plan(params, 1, 139 * gib).name == "fp32"  # one H200
+    assert choose_memory_plan(params, 1, 79 * gib).name == "bf16"  # one H100
+    assert choose_memory_plan(params, 8, 79 * gib).name == "gpu"  # FSDP2 over 8 H100s: 15 GiB a GPU
+    assert choose_memory_plan(params, 1, params * 8 + ACTIVATION_RESERVE_BYTES).name == "fp32"  # the edge fits
+    assert choose_memory_plan(params, 1, float("inf"), MEMORY_PLANS[1:]).name == "fp32"  # offloaded plans only
+    with pytest.raises(ValueError, match="do not fit 1 GPU"):
+        choose_memory_plan(params, 1, 40 * gib)

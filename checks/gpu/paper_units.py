@@ -19,7 +19,7 @@ measured):
 2. ``trainer``: the 8B on one GPU, all 36 layers with the real 151,936-row embedding and head: full
    activation checkpointing, bf16 autocast, log-probs and entropy through the head in chunks
    (``kpipe.train.chunked_logprobs``), OffloadedAdamW with the memory plan the free GPU memory allows
-   (``memory_plan``: fp32 weights and gradients on an H200, bf16 ones with the fp32 master on the host on
+   (``kpipe.train.offloaded_adamw.choose_memory_plan``: fp32 weights and gradients on an H200, bf16 ones with the fp32 master on the host on
    an H100). 5 steps of a 32,768-token micro-batch, then 5 of 8,192: peak GPU and host memory, tokens/s,
    MFU with causal attention counted (over 989 TFLOP/s bf16 dense), the optimizer step's seconds and copy
    GB/s.
@@ -149,18 +149,6 @@ def training_flops(matmul_params: float, layers: int, attention_width: int, toke
     return 6.0 * matmul_params * tokens + 6.0 * layers * attention_width * tokens * tokens
 
 
-# bytes a parameter that each memory plan keeps on the GPU (weights and gradients) and in host memory
-PLAN_BYTES = {"fp32": {"gpu": 8, "host": 8}, "bf16": {"gpu": 4, "host": 12}}
-ACTIVATION_RESERVE_BYTES = 40 * 2**30  # 36 fp32 checkpoints at 32K (18 GiB), one layer's recompute, the head's chunks
-
-
-def memory_plan(params: float, free_gpu_bytes: float) -> str:
-    """fp32 weights and gradients on the GPU (the paper's fp32 master, 8 bytes a parameter) where they fit
-    beside the activations of a 32K micro-batch: one H200. Else bf16 weights and gradients (4 bytes) with
-    the fp32 master in host memory beside the moments: one H100 (80 GB)."""
-    return "fp32" if params * PLAN_BYTES["fp32"]["gpu"] + ACTIVATION_RESERVE_BYTES <= free_gpu_bytes else "bf16"
-
-
 def host_peak_gib() -> float:
     """This process's peak resident host memory (the page-locked optimizer state included)."""
     import resource
@@ -227,7 +215,7 @@ def trainer(report: Report, args: argparse.Namespace) -> None:
     seconds and copy GB/s."""
     import torch
 
-    from kpipe.train.offloaded_adamw import OffloadedAdamW
+    from kpipe.train.offloaded_adamw import MEMORY_PLANS, OffloadedAdamW, choose_memory_plan
 
     config = architecture(args.tiny)
     lengths = [64, 32] if args.tiny else [int(n) for n in args.trainer_lengths.split(",")]
@@ -236,13 +224,13 @@ def trainer(report: Report, args: argparse.Namespace) -> None:
     embedding = config.vocab_size * config.hidden_size
     params = parameter_count(config)
     free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else float("inf")
-    plan = memory_plan(params, free)
+    plan = choose_memory_plan(params, 1, free, MEMORY_PLANS[1:])  # the 8B's 16 bytes a parameter fit no one GPU
     attention_width = config.num_attention_heads * config.head_dim
     report.line(f"All {config.num_hidden_layers} layers, {params / 1e9:.2f} B parameters ({config.vocab_size:,}-row "
-                f"untied embedding and head), random weights. Memory plan `{plan}` (free GPU memory "
-                f"{free / 2**30:.0f} GiB): {PLAN_BYTES[plan]['gpu']} bytes a parameter of weights and gradients "
-                f"on the GPU, {PLAN_BYTES[plan]['host']} in page-locked host memory (AdamW's moments"
-                f"{' and the fp32 master' if plan == 'bf16' else ''}, kpipe.train.offloaded_adamw). Full "
+                f"untied embedding and head), random weights. Memory plan `{plan.name}` (free GPU memory "
+                f"{free / 2**30:.0f} GiB; kpipe.train.offloaded_adamw.choose_memory_plan): "
+                f"{plan.gpu_bytes_per_param} bytes a parameter of weights and gradients on the GPU, "
+                f"{plan.host_bytes_per_param} in page-locked host memory ({plan.optimizer}). Full "
                 f"activation checkpointing, bf16 autocast, log-probs and entropy in chunks of "
                 f"{args.chunk_tokens} tokens (kpipe.train.chunked_logprobs). MFU = tokens/s x (6 N + 6 L d t) / "
                 f"989 TFLOP/s with N the matmul parameters (the embedding is a lookup), d = {attention_width}.")
@@ -251,12 +239,12 @@ def trainer(report: Report, args: argparse.Namespace) -> None:
     def build() -> dict[str, Any]:
         reset_peak()
         started = time.perf_counter()
-        held["model"] = build_model(config, torch.float32 if plan == "fp32" else torch.bfloat16)
+        held["model"] = build_model(config, torch.float32 if plan.name == "fp32" else torch.bfloat16)
         built = time.perf_counter()
         held["optimizer"] = OffloadedAdamW(held["model"].parameters(), lr=1e-6, weight_decay=0.01,
-                                           master_on_host=plan == "bf16")
+                                           master_on_host=plan.name == "bf16")
         synchronize()
-        return {"plan": plan, "parameters": params, "model_build_s": built - started,
+        return {"plan": plan.name, "parameters": params, "model_build_s": built - started,
                 "optimizer_build_s": time.perf_counter() - built,
                 "host_state_pinned": held["optimizer"].host_state.is_pinned(), "host_state_gib":
                 held["optimizer"].host_state.numel() * 4 / 2**30, "gpu_peak_gib": peak_gib(),

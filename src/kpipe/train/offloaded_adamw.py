@@ -198,3 +198,36 @@ class OffloadedAdamW(torch.optim.Optimizer):
             return [param for bucket in self.buckets for param in bucket.params]
         return [view for bucket in self.buckets
                 for view in self._views(self.host_state[2:, bucket.start:bucket.end], bucket)[0]]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the trainer keeps its 16 bytes a parameter of weights, gradients and AdamW state."""
+
+    name: str
+    gpu_bytes_per_param: int  # weights and gradients (and moments, "gpu") on the GPUs, before sharding
+    host_bytes_per_param: int  # page-locked host memory: the moments (and the fp32 master, "bf16")
+    optimizer: str  # what steps it
+
+
+MEMORY_PLANS = (
+    MemoryPlan("gpu", 16, 0, "torch.optim.AdamW"),  # fp32 weights, gradients and moments on the GPUs
+    MemoryPlan("fp32", 8, 8, "OffloadedAdamW"),  # fp32 weights and gradients on the GPUs, moments on the host
+    MemoryPlan("bf16", 4, 12, "OffloadedAdamW(master_on_host=True)"),  # bf16 on the GPUs, master and moments host
+)
+# the activations of a 32K micro-batch of the 8B with full checkpointing beside the weights: 36 fp32 layer
+# inputs (18 GiB), one layer's recomputation, the LM head's chunks (docs/gpu-results/paper_units.md)
+ACTIVATION_RESERVE_BYTES = 40 * 2**30
+
+
+def choose_memory_plan(params: float, gpus: int, gpu_memory_bytes: float, plans: Iterable[MemoryPlan] = MEMORY_PLANS,
+                       activation_reserve_bytes: float = ACTIVATION_RESERVE_BYTES) -> MemoryPlan:
+    """The first plan (fewest bytes moved to the host) whose share of a GPU fits beside the activations."""
+    plans = list(plans)
+    for plan in plans:
+        if params * plan.gpu_bytes_per_param / gpus + activation_reserve_bytes <= gpu_memory_bytes:
+            return plan
+    raise ValueError(f"{params / 1e9:.1f} B parameters do not fit {gpus} GPU(s) of {gpu_memory_bytes / 2**30:.0f} GiB "
+                     f"under any memory plan ({', '.join(plan.name for plan in plans)}): "
+                     f"{plans[-1].gpu_bytes_per_param} bytes a parameter and "
+                     f"{activation_reserve_bytes / 2**30:.0f} GiB of activations at least")
