@@ -207,13 +207,14 @@ class MemoryPlan:
     name: str
     gpu_bytes_per_param: int  # weights and gradients (and moments, "gpu") on the GPUs, before sharding
     host_bytes_per_param: int  # page-locked host memory: the moments (and the fp32 master, "bf16")
+    resident_bytes_per_param: int  # left on the GPUs while a colocated engine decodes (gradients freed)
     optimizer: str  # what steps it
 
 
 MEMORY_PLANS = (
-    MemoryPlan("gpu", 16, 0, "torch.optim.AdamW"),  # fp32 weights, gradients and moments on the GPUs
-    MemoryPlan("fp32", 8, 8, "OffloadedAdamW"),  # fp32 weights and gradients on the GPUs, moments on the host
-    MemoryPlan("bf16", 4, 12, "OffloadedAdamW(master_on_host=True)"),  # bf16 on the GPUs, master and moments host
+    MemoryPlan("gpu", 16, 0, 12, "torch.optim.AdamW"),  # fp32 weights, gradients and moments on the GPUs
+    MemoryPlan("fp32", 8, 8, 4, "OffloadedAdamW"),  # fp32 weights and gradients on the GPUs, moments on the host
+    MemoryPlan("bf16", 4, 12, 2, "OffloadedAdamW(master_on_host=True)"),  # bf16 on the GPUs, master + moments host
 )
 # the activations of a 32K micro-batch of the 8B with full checkpointing beside the weights: 36 fp32 layer
 # inputs (18 GiB), one layer's recomputation, the LM head's chunks (docs/gpu-results/paper_units.md)
