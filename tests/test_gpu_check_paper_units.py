@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from checks.gpu import paper_units
 
 ROOT = Path(__file__).resolve().parents[1]
