@@ -97,3 +97,23 @@ def test_the_memory_plan_is_the_first_that_fits_beside_the_activations():
     assert choose_memory_plan(params, 1, float("inf"), MEMORY_PLANS[1:]).name == "fp32"  # offloaded plans only
     with pytest.raises(ValueError, match="do not fit 1 GPU"):
         choose_memory_plan(params, 1, 40 * gib)
+
+
+def test_under_fsdp2_each_process_steps_its_own_shards(tmp_path):
+    """fully_shard on a one-process CPU mesh: the parameters and gradients are DTensors; the offloaded state is
+    their local shards', and three steps equal AdamW's on an unsharded copy."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        reference, sharded = tiny_model(), tiny_model()
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        assert all(hasattr(param, "to_local") for param in sharded.parameters())
+        train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.01))
+        train(sharded, OffloadedAdamW(sharded.parameters(), lr=1e-3, weight_decay=0.01, bucket_numel=700))
+        for got, expected in zip(sharded.parameters(), reference.parameters()):
+            torch.testing.assert_close(got.full_tensor(), expected, rtol=1e-6, atol=1e-9)
+    finally:
+        dist.destroy_process_group()

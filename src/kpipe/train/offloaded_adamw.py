@@ -41,6 +41,11 @@ class _Bucket:
     steps: int = 0
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of an FSDP2 (DTensor) parameter or gradient; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def _pin(tensor: torch.Tensor, owner: object) -> None:
     """Page-lock a host tensor in place (cudaHostRegister), unregistered when `owner` is collected.
 
@@ -58,7 +63,8 @@ def _pin(tensor: torch.Tensor, owner: object) -> None:
 class OffloadedAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (decoupled weight decay, no amsgrad) with its state in host memory.
 
-    The parameters stay where they are (the GPU); their gradients must be there too. Every parameter that
+    The parameters stay where they are (the GPU); their gradients must be there too. Under FSDP2 each process
+    keeps and steps the state of its own shards (the DTensors' local tensors). Every parameter that
     requires a gradient is updated at each step: a bucket whose parameters have no gradient at all is
     skipped, one where only some have is refused (its moments are stepped together)."""
 
@@ -84,7 +90,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         self.host_state = torch.zeros(3 if master_on_host else 2, total, dtype=torch.float32)
         if master_on_host:
             for bucket in self.buckets:
-                torch.cat([param.detach().reshape(-1).float().cpu() for param in bucket.params],
+                torch.cat([_local(param).detach().reshape(-1).float().cpu() for param in bucket.params],
                           out=self.host_state[2, bucket.start:bucket.end])
         self.streamed = self.device.type == "cuda"
         if self.streamed:
@@ -102,11 +108,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
             current: list[torch.Tensor] = []
             size = 0
             for param in (p for p in group["params"] if p.requires_grad):
-                if current and size + param.numel() > bucket_numel:
+                numel = _local(param).numel()
+                if current and size + numel > bucket_numel:
                     buckets.append(_Bucket(current, start, start + size, group))
                     start, current, size = start + size, [], 0
                 current.append(param)
-                size += param.numel()
+                size += numel
             if current:
                 buckets.append(_Bucket(current, start, start + size, group))
                 start += size
@@ -117,7 +124,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         views: list[list[torch.Tensor]] = []
         for row in rows:
             offset, per_param = 0, []
-            for param in bucket.params:
+            for param in map(_local, bucket.params):
                 per_param.append(row[offset:offset + param.numel()].view(param.shape))
                 offset += param.numel()
             views.append(per_param)
@@ -136,7 +143,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slot_free: list[Any] = [None, None]
         moved = 0
         for index, bucket in enumerate(self.buckets):
-            grads = [param.grad for param in bucket.params]
+            grads = [None if param.grad is None else _local(param.grad) for param in bucket.params]
             if all(grad is None for grad in grads):
                 continue
             if any(grad is None for grad in grads):
@@ -158,10 +165,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 targets = views[2]
                 grads = [grad.float() for grad in grads]
             else:
-                targets = bucket.params
+                targets = [_local(param) for param in bucket.params]
             self._adamw(targets, grads, exp_avgs, exp_avg_sqs, bucket.steps, bucket.group)
             if self.master_on_host:
-                torch._foreach_copy_(bucket.params, targets)
+                torch._foreach_copy_([_local(param) for param in bucket.params], targets)
             with self._stream(self._copy_out if self.streamed else None):
                 if self.streamed:
                     self._copy_out.wait_stream(compute)
