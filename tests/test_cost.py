@@ -1,5 +1,6 @@
-"""The cost model of `kpipe plan --cost` (issue 54): each formula against a hand computation, a whole plan of a
-small config computed by hand, the units file's sources, and the command's report for the paper's runs."""
+"""The cost model of `kpipe plan --cost` (issues 54 and 63): each formula against a hand computation, a whole plan
+of a small config computed by hand, the units file's sources, the machine check, and the command's report for the
+paper's runs."""
 
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from kpipe.report import cost
-from kpipe.report.cost import Figure, Units
+from kpipe.report.cost import Architecture, Figure, Units
 from kpipe.report.cost_cli import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,18 +18,50 @@ def test_prefill_is_compute_bound():
     assert cost.prefill_tokens_per_s(989e12, 0.5, 8e9) == pytest.approx(989e12 * 0.5 / 16e9)  # 30,906 tokens/s
 
 
-def test_decode_is_bandwidth_bound():
-    # 4.8 TB/s over 16 GB of bf16 weights: 300 steps/s, x 64 sequences x 0.25
-    assert cost.decode_tokens_per_s(4.8e12, 8e9, 2, 64, 0.25) == pytest.approx(4800)
+def test_training_flops_count_the_weights_and_causal_attention():
+    # 3 passes x (2 x 100 + 2 x 2 layers x width 4 x 10 tokens) = 3 x (200 + 160): 6P + 6 L d S
+    assert cost.flops_per_token(100, 2, 4, 10) == 1080
+    assert cost.flops_per_token(100, 2, 4, 10, passes=1) == 360  # a forward only (the old policy's log-probs)
+    # the 8B at 32K: attention adds 6 x 36 x 4096 x 32768 = 29 GFLOP to 6P = 49 GFLOP, 59 % more (issue 63)
+    assert cost.flops_per_token(8.19e9, 36, 4096, 32768) / (6 * 8.19e9) == pytest.approx(1.59, abs=0.005)
+    assert cost.training_gpu_seconds(1e6, 6e9, 1e15, 0.5) == pytest.approx(12)
+
+
+def test_the_kv_cache_of_a_token_and_what_the_engine_holds():
+    assert cost.kv_bytes_per_token(36, 1024) == 147_456  # Qwen3-8B: 2 x 36 layers x 8 heads x 128 x 2 bytes
+    # half of 100 GB, less 10 GB of weights and 20 GB the trainer keeps, at 2,000 bytes a token
+    assert cost.kv_capacity_tokens(100e9, 0.5, 10e9, 20e9, 2000) == pytest.approx(1e7)
+    assert cost.kv_capacity_tokens(10e9, 0.5, 10e9, 0, 2000) == 0  # nothing left: no cache, never negative
+
+
+def test_a_decoded_token_attends_to_the_history_of_its_turn():
+    # turns start at 1,000, 1,000 + 4,096 + 600 and 1,000 + 2 x 4,696 tokens; + half an answer (2,048) each
+    assert cost.mean_decode_context(3, 4096, 1000, 600) == pytest.approx((3048 + 7744 + 12440) / 3)
+
+
+def test_the_decode_batch_is_capped_by_sequences_the_engine_and_the_kv_cache():
+    assert cost.decode_batch(32, 256, 1e6, 10_000) == 32  # the sequences there are
+    assert cost.decode_batch(300, 256, 1e6, 10_000) == 100  # the cache holds 100 of 10K tokens
+    assert cost.decode_batch(300, 64, 1e7, 10_000) == 64  # the engine's limit
+    assert cost.decode_batch(0.5, 64, 1e3, 10_000) == 1  # at least one
+
+
+def test_a_decode_step_reads_the_weights_and_the_kv_cache_unless_compute_takes_longer():
+    # (16 GB + 10 sequences x 1,000 tokens x 100 KB) / (4 TB/s x 0.5) = 8.5 ms; compute 10 x 16 GFLOP / 5e14
+    assert cost.decode_step_seconds(10, 1000, 16e9, 1e5, 4e12, 0.5, 8e9, 1e15, 0.5) == pytest.approx(8.5e-3)
+    # 1,000 sequences, no context: 16 TFLOP at 5e14 FLOP/s (32 ms) is longer than 8 ms of weight reads
+    assert cost.decode_step_seconds(1000, 0, 16e9, 1e5, 4e12, 0.5, 8e9, 1e15, 0.5) == pytest.approx(0.032)
+    assert cost.decode_tokens_per_s(10, 8.5e-3) == pytest.approx(1176.47, abs=0.01)
+
+
+def test_no_step_ends_before_its_longest_answer():
+    # 2 turns of 100 tokens at 1 us a token of context: turn 1 at 1,000 + 50, turn 2 at 1,000 + 150 + 50
+    assert cost.longest_answer_floor_seconds(2, 100, 1000, 50, lambda context: context * 1e-6) == pytest.approx(
+        100 * 1050e-6 + 100 * 1200e-6)
 
 
 def test_rollout_adds_prefill_and_decode_time():
     assert cost.rollout_gpu_seconds(1000, 4800, 500, 480) == pytest.approx(2 + 10)
-
-
-def test_training_is_six_flops_per_parameter_and_token():
-    assert cost.training_gpu_seconds(1e6, 1e9, 1e15, 0.5) == pytest.approx(12)
-    assert cost.training_gpu_seconds(1e6, 1e9, 1e15, 0.5, flops_per_param=8) == pytest.approx(16)
 
 
 def test_kernelgym_seconds_from_its_rate():
@@ -37,6 +70,18 @@ def test_kernelgym_seconds_from_its_rate():
 
 def test_weight_sync_moves_the_bf16_weights():
     assert cost.weight_sync_seconds(8e9, 2, 20e9) == pytest.approx(0.8)
+
+
+def test_the_offloaded_optimizer_streams_its_host_state_in_and_out():
+    assert cost.optimizer_step_seconds(8e9, 1, 8, 40e9) == pytest.approx(3.2)  # 2 x 64 GB at 40 GB/s
+    assert cost.optimizer_step_seconds(8e9, 2, 8, 40e9) == pytest.approx(1.6)  # each GPU its shard
+    assert cost.optimizer_step_seconds(8e9, 1, 0, 40e9) == 0  # nothing on the host
+
+
+def test_host_memory_and_disk_a_run_needs():
+    assert cost.host_memory_needed(8e9, 12, 24e9) == pytest.approx(120e9)
+    # 3 checkpoints of 4 bytes and 2 optimizer states of 12 bytes a parameter, and 40 GB beside them
+    assert cost.disk_needed(8e9, 3, 4, 2, 12, 40e9) == pytest.approx(328e9)
 
 
 def test_job_wall_spreads_work_after_start_up():
@@ -53,12 +98,18 @@ def figure(name: str, value: float) -> Figure:
 
 ROUND_UNITS = Units(
     figures={name: figure(name, value) for name, value in {
-        "training_mfu": 0.5, "prefill_mfu": 0.5, "decode_concurrency": 10, "decode_batch_efficiency": 0.5,
-        "decode_tokens_per_s_0_6b": 1000, "kernelgym_evaluations_per_min_per_gpu": 30,
+        "training_mfu": 0.5, "prefill_mfu": 0.5, "decode_bandwidth_efficiency": 0.5, "decode_max_sequences": 10,
+        "vllm_gpu_memory_fraction": 0.5, "decode_tokens_per_s_0_6b": 1000, "kernelgym_evaluations_per_min_per_gpu": 30,
         "weight_sync_bytes_per_s": 1e9, "bytes_per_parameter": 2, "vllm_startup_s": 100, "trainer_startup_s": 50,
-        "prompt_tokens": 1000, "feedback_tokens": 500, "response_fill": 0.5, "sft_batch_size": 10}.items()},
-    gpu_kinds={"h200": {"peak_bf16_flops": figure("peak", 1e15), "hbm_bytes_per_s": figure("hbm", 4e12)}},
+        "prompt_tokens": 1000, "feedback_tokens": 500, "response_fill": 0.5, "sft_batch_size": 10,
+        "host_copy_bytes_per_s": 1e9, "sleep_wake_s": 5, "host_memory_overhead_bytes": 0,
+        "checkpoint_bytes_per_parameter": 4, "optimizer_state_bytes_per_parameter": 12,
+        "disk_overhead_bytes": 0}.items()},
+    gpu_kinds={"h200": {"peak_bf16_flops": figure("peak", 1e15), "hbm_bytes_per_s": figure("hbm", 4e12),
+                        "memory_bytes": figure("memory", 100e9), "host_memory_bytes_per_gpu": figure("host", 1e12),
+                        "disk_bytes_per_gpu": figure("disk", 1e13)}},
     models={"m": figure("m", 1e9)},
+    architectures={"m": Architecture(layers=10, attention_width=100, kv_width=50)},  # 2,000 bytes of KV a token
 )
 
 
@@ -79,30 +130,57 @@ def small_config(rl_async: str = "off") -> dict:
     }
 
 
+# the small RL step by hand: 2 x 2 trajectories of 2 turns on 2 GPUs, memory plan "gpu" (16 GB over 2 GPUs and 40 GiB
+# of activations fit 100 GB): KV of 2,000 bytes a token, mean context (1,250 + 2,250) / 2 = 1,750, batch 2 a replica;
+# a step reads 2 GB + 2 x 1,750 x 2,000 B at 2 TB/s: 1.0035 ms, 1,993.02 tokens/s; prefill 250,000 tokens/s
+ROLLOUT = 4 * 1500 / 250_000 + 4 * 1000 / (2 / 1.0035e-3)
+FLOOR = 1000 * (2e9 + 1500 * 2000) / 2e12 + 1000 * (2e9 + 3000 * 2000) / 2e12  # turns at contexts 1,500 and 3,000
+TRAIN = 4 * 2500 * 4 * (2e9 + 2 * 10 * 100 * 2500) / 5e14  # 4 passes: the old log-probs, forward and backward
+STEP = max(ROLLOUT / 2, FLOOR) + 8 * 2 / 2 + TRAIN / 2 + 0 + 2 + 5  # + KernelGym 16 GPU-s + optimizer + push + sleep/wake
+
+
 def test_a_small_plan_by_hand():
-    """prefill 250,000 tokens/s (1e15 x 0.5 / 2e9), decode 10,000 (4e12 / 2e9 x 10 x 0.5), 2 GPUs."""
     stages = {stage.name: stage for stage in cost.plan_cost(small_config(), ROUND_UNITS, 2, "h200").stages}
     # distill: 10 queries x 2 samples x 3 turns = 60 evaluations at 30/min
     assert stages["distill"].gpu_seconds == pytest.approx(120) and stages["distill"].wall_s == pytest.approx(60)
-    # sft: 20 samples of 1000 + 2 x 500 prefill + 3 x 1000 decode = 5000 tokens, 6 x 1e9 FLOPs each at 5e14 FLOP/s
-    assert stages["sft"].gpu_seconds == pytest.approx(1.2) and stages["sft"].wall_s == pytest.approx(0.6 + 50)
-    # rl step: 4 trajectories; rollout 4 x 1500 / 250,000 + 4 x 1000 / 10,000 = 0.424 s; KernelGym 8 evaluations
-    # = 16 s; update 4 x 2500 tokens x 8 x 1e9 / 5e14 = 0.16 s; push 2e9 B / 1e9 B/s = 2 s; start-up 150 s
-    step_wall = (0.424 + 16) / 2 + 0.16 / 2 + 2
-    assert stages["rl"].wall_s == pytest.approx(2 * (3 * step_wall + 150))
-    assert stages["rl"].gpu_seconds == pytest.approx(6 * (0.424 + 16 + 0.16 + 2 * 2) + 2 * 150 * 2)
-    # eval: the pipeline model only, 2 level-1 tasks x 1 sample x 1 turn: 2 x 1000 / 250,000 + 2 x 500 / 10,000
-    # + 2 evaluations (4 s)
-    assert stages["eval"].gpu_seconds == pytest.approx(0.108 + 4)
-    assert stages["eval"].wall_s == pytest.approx((0.108 + 4) / 2 + 100)
+    # sft: 20 samples of 1,000 + 2 x 500 prefill + 3 x 1,000 decode = 5,000 tokens, 3 x (2e9 + 2 x 10 x 100 x 5,000)
+    # FLOPs each at 5e14 FLOP/s; the optimizer steps on the GPUs
+    assert stages["sft"].gpu_seconds == pytest.approx(1.206) and stages["sft"].wall_s == pytest.approx(0.603 + 50)
+    assert STEP == pytest.approx(2.0045 + 8 + 0.0802 + 7)
+    assert stages["rl"].wall_s == pytest.approx(2 * (3 * STEP + 150))
+    assert stages["rl"].gpu_seconds == pytest.approx(2 * (3 * STEP + 150) * 2)  # both GPUs held throughout
+    # eval: the pipeline model only, 2 level-1 tasks x 1 sample x 1 turn, batch 1 at context 1,250 (1.00125 ms a
+    # token): rollout 2 x 1,000 / 250,000 + 2 x 500 x 1.00125e-3 s; floor 1,000 tokens at context 1,500; 2 evaluations
+    rollout = 0.008 + 1.00125
+    assert stages["eval"].gpu_seconds == pytest.approx(rollout + 4)
+    assert stages["eval"].wall_s == pytest.approx(max(rollout / 2, 1.0015) + 4 / 2 + 100)
     assert "not costed (API or served checkpoints): api" in stages["eval"].note
     assert set(stages) == {"distill", "sft", "rl", "eval"}
 
 
-def test_asynchronous_evaluation_overlaps_rollouts():
-    """rl.async eval: the step waits for the longer of rollouts (0.424 s) and KernelGym (16 s), not their sum."""
-    rl = next(s for s in cost.plan_cost(small_config("eval"), ROUND_UNITS, 2, "h200").stages if s.name == "rl")
-    assert rl.wall_s == pytest.approx(2 * (3 * (16 / 2 + 0.16 / 2 + 2) + 150))
+def test_kernelgym_on_gpus_of_its_own_overlaps_rollouts_under_async_eval():
+    """rl.async eval with 1 of 3 GPUs judging: the step waits for the longer of rollouts (the 2-s floor) and
+    KernelGym (16 GPU-s on its one GPU), not their sum; on the jobs' GPUs it is serialised, async or not."""
+    shared = next(s for s in cost.plan_cost(small_config("eval"), ROUND_UNITS, 2, "h200").stages if s.name == "rl")
+    assert shared.wall_s == pytest.approx(2 * (3 * STEP + 150))
+    own = next(s for s in cost.plan_cost(small_config("eval"), ROUND_UNITS, 3, "h200", gym_gpus=1).stages
+               if s.name == "rl")
+    own_step = max(max(ROLLOUT / 2, FLOOR), 16 / 1) + TRAIN / 2 + 2 + 5
+    assert own.wall_s == pytest.approx(2 * (3 * own_step + 150))
+    with pytest.raises(ValueError, match="--gym-gpus must leave a GPU"):
+        cost.plan_cost(small_config(), ROUND_UNITS, 1, "h200", gym_gpus=1)
+
+
+def test_the_trainer_offloads_its_optimizer_where_the_gpu_is_too_small():
+    """On one GPU of 55 GB the 'gpu' plan (16 GB + 40 GiB) does not fit, 'fp32' (8 GB + 40 GiB) does: every step
+    streams 8 GB of moments in and out at 1 GB/s (16 s), and the trainer's 4 GB of fp32 weights shrink the cache."""
+    small = Units(ROUND_UNITS.figures, {"h200": {**ROUND_UNITS.gpu_kinds["h200"], "memory_bytes": figure("m", 55e9)}},
+                  ROUND_UNITS.models, ROUND_UNITS.architectures)
+    config = small_config()
+    config["rl"]["gpus"] = 1
+    rl = next(s for s in cost.plan_cost(config, small, 1, "h200").stages if s.name == "rl")
+    assert "memory plan fp32" in rl.note and "optimizer 16.0 s" in rl.note
+    assert "KV cache 10750K tokens" in rl.note  # (55 GB x 0.5 - 2 GB - 4 GB) / 2,000 bytes
 
 
 def test_a_job_asking_more_gpus_than_the_machine_has_is_planned_on_all_and_said():
@@ -141,9 +219,11 @@ def run_plan(*args: str) -> str:
 
 @pytest.mark.parametrize("gpus, kind", [("8", "h100"), ("4", "H200")])
 def test_the_paper_run_on_either_machine(gpus, kind):
-    output = run_plan("--configfile", str(ROOT / "config" / "paper.yaml"), "--gpus", gpus, "--gpu-kind", kind)
+    output = run_plan("--configfile", str(ROOT / "config" / "paper.yaml"), "--gpus", gpus, "--gpu-kind", kind,
+                      "--disk-gib", "4000")
     first = output.splitlines()[0]
-    assert first.startswith("ESTIMATED, NOT MEASURED: ") and "training_mfu" in first
+    assert first.startswith("ESTIMATED, NOT MEASURED: ") and "prefill_mfu" in first
+    assert "training_mfu" not in first and "host_copy_bytes_per_s" not in first  # measured, in paper_units.md
     assert "kernelgym_evaluations_per_min_per_gpu" not in first  # measured, in gym_scaling.md
     assert f"{gpus} x {kind.upper()}" in output
     for stage in ("distill", "sft", "rl", "rl_validate", "eval", "stts"):
@@ -156,9 +236,11 @@ def test_the_paper_run_on_either_machine(gpus, kind):
 
 def test_the_14b_and_the_smoke_overlays():
     paper = str(ROOT / "config" / "paper.yaml")
-    b14 = run_plan("--configfile", paper, str(ROOT / "config" / "paper_14b.yaml"), "--gpus", "8", "--gpu-kind", "h100")
+    b14 = run_plan("--configfile", paper, str(ROOT / "config" / "paper_14b.yaml"), "--gpus", "8", "--gpu-kind", "h100",
+                   "--disk-gib", "5000")
     assert "Qwen/Qwen3-14B-Base = 1.48e+10 parameters" in b14 and "1 run(s) x 300 steps" in b14
-    smoke = run_plan("--configfile", paper, str(ROOT / "config" / "paper_smoke.yaml"), "--gpus", "4", "--gpu-kind", "h200")
+    smoke = run_plan("--configfile", paper, str(ROOT / "config" / "paper_smoke.yaml"), "--gpus", "4", "--gpu-kind", "h200",
+                     "--disk-gib", "400")
     assert "1 run(s) x 2 steps of 16 trajectories x 3 turns" in smoke
 
 
@@ -176,14 +258,14 @@ def write_benchmark(logs: Path, name: str, seconds: float) -> None:
 
 
 def test_a_finished_run_is_compared_stage_by_stage(tmp_path):
-    """The small plan's sft job is 50.6 s and its RL run 2 x (3 x 10.292 + 150) = 361.752 s (by hand above)."""
+    """The small plan's sft job is 50.6 s and its RL run 2 x (3 x 17.085 + 150) = 402.5 s (by hand above)."""
     plan_ = cost.plan_cost(small_config(), ROUND_UNITS, 2, "h200")
     write_benchmark(tmp_path, "benchmarks/sft-small.tsv", 50.6)
     write_benchmark(tmp_path, "benchmarks/rl-a-iter0.tsv", 100.0)
     write_benchmark(tmp_path, "benchmarks/rl-a-iter1.tsv", 100.0)
     rows = {line.split()[0]: line.split() for line in cost.format_comparison(plan_, tmp_path).splitlines()[1:]}
     assert rows["sft"] == ["sft", "51", "51", "1.00", "yes"]
-    assert rows["rl"] == ["rl", "362", "200", "1.81", "NO"]
+    assert rows["rl"] == ["rl", "403", "200", "2.01", "NO"]
     (tmp_path / "benchmarks/rl-a-iter1.tsv").unlink()
     with pytest.raises(ValueError, match="no benchmark .*rl-a-iter1.tsv"):
         cost.format_comparison(plan_, tmp_path)
@@ -193,7 +275,7 @@ def test_measured_without_the_runs_benchmarks_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(plan, [
         "--cost", "--base", str(ROOT / "config" / "config.yaml"), "--units", str(ROOT / "config" / "cost_units.yaml"),
         "--configfile", str(ROOT / "config" / "paper.yaml"), str(ROOT / "config" / "paper_smoke.yaml"),
-        "--gpus", "4", "--gpu-kind", "h200", "--measured", str(tmp_path)])
+        "--gpus", "4", "--gpu-kind", "h200", "--disk-gib", "400", "--measured", str(tmp_path)])
     assert result.exit_code != 0 and "no benchmark" in result.output and "sft-paper-smoke.tsv" in result.output
 
 
@@ -203,3 +285,23 @@ def test_a_real_size_local_preset_is_priced_as_the_model_whose_shapes_it_copies(
     assert policy_architecture({"policy": {"base_model": "tiny", "tiny": {"size": "qwen3-8b"}}}) == "Qwen/Qwen3-8B-Base"
     assert policy_architecture({"policy": {"base_model": "tiny", "tiny": {"size": "nano"}}}) == "tiny:nano"
     assert policy_architecture({"policy": {"base_model": "Qwen/Qwen3-14B-Base"}}) == "Qwen/Qwen3-14B-Base"
+
+
+def test_the_paper_on_one_gpu_offloads_its_optimizer_and_names_what_the_machine_must_hold():
+    paper = str(ROOT / "config" / "paper.yaml")
+    h200 = run_plan("--configfile", paper, "--gpus", "1", "--gpu-kind", "h200", "--disk-gib", "4000")
+    assert "memory plan fp32" in h200 and "83 of 128 GiB host memory" in h200  # 8 bytes a parameter + 24 GB
+    h100 = run_plan("--configfile", paper, "--gpus", "1", "--gpu-kind", "h100", "--disk-gib", "4000")
+    assert "memory plan bf16" in h100 and "114 of 128 GiB host memory" in h100  # the fp32 master on the host too
+
+
+@pytest.mark.parametrize("extra, short", [
+    ((), "2,081 GiB of disk (has 64"),  # 61 fp32 checkpoints of 32.8 GB on the lent machine's 64 GiB
+    (("--disk-gib", "4000", "--host-memory-gib", "100"), "114 GiB of host memory (has 100"),
+])
+def test_a_one_gpu_plan_that_does_not_fit_the_host_is_refused_in_one_line(extra, short):
+    result = CliRunner().invoke(plan, [
+        "--cost", "--base", str(ROOT / "config" / "config.yaml"), "--units", str(ROOT / "config" / "cost_units.yaml"),
+        "--configfile", str(ROOT / "config" / "paper.yaml"), "--gpus", "1", "--gpu-kind", "h100", *extra])
+    assert result.exit_code != 0 and "the run does not fit 1 x H100" in result.output and short in result.output
+    assert len(result.output.strip().splitlines()) == 1

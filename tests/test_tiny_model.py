@@ -107,3 +107,32 @@ def test_bpe_of_the_policy_corpus_makes_prompts_and_kernels_short():
     kernel = list_solutions("legit")[0].source
     assert len(tokenizer(prompt).input_ids) < 600 < len(prompt) // 4  # byte tokens: ~3,300
     assert tokenizer.decode(tokenizer(kernel).input_ids) == kernel
+
+
+def test_the_8b_smoke_tokenizer_decodes_every_id_of_the_real_151936_rows():
+    """config/paper_smoke.yaml's 8B keeps Qwen's 151,936-row embedding and head; its byte tokenizer is padded to
+    that many ids with filler tokens, so every id a random-weight policy samples decodes (issue 63)."""
+    from kpipe.train.tiny_model import byte_tokenizer_for
+
+    tokenizer = byte_tokenizer_for("qwen3-8b")
+    assert len(tokenizer) == 151936
+    assert tiny_config("qwen3-8b", len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id).vocab_size == len(tokenizer)
+    texts = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
+    assert all(texts)  # every id decodes to something (a lone byte of a multi-byte character to U+FFFD)
+    assert not any("\ufffd" in text for text in texts[256:])  # the specials and fillers are whole text
+    assert len(set(texts[259:])) == len(texts) - 259  # distinct fillers
+    byte = build_byte_tokenizer()
+    text = "def kernel(x):\n    return x * 2  # é ✓"
+    assert tokenizer.encode(text) == byte.encode(text) and tokenizer.decode(tokenizer.encode(text)) == text
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (byte.eos_token_id, byte.pad_token_id) == (258, 256)
+    assert len(byte_tokenizer_for("nano")) == 259  # scaled-down presets keep one row per token
+
+
+def test_the_padded_tokenizer_survives_save_and_load(tmp_path):
+    from transformers import AutoTokenizer
+
+    build_byte_tokenizer(300).save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(loaded) == 300 and loaded.decode([299]) == build_byte_tokenizer(300).decode([299])
+    with pytest.raises(ValueError, match="below the byte tokenizer"):
+        build_byte_tokenizer(100)

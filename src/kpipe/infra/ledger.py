@@ -165,8 +165,9 @@ def index(lines: list[dict[str, Any]], results: Path = RESULTS) -> str:
 
 
 def performance(lines: list[dict[str, Any]]) -> str:
-    """docs/performance.md: the latest measured figures of each check on each device."""
-    rows = [f"| {line['check']} | {line['device']} | {line['date'][:10]} | {line['commit']} | "
+    """docs/performance.md: the latest measured figures of each check on each device. A guide names no
+    commit (the index beside the reports, docs/gpu-results/README.md, and the ledger say which ran)."""
+    rows = [f"| {line['check']} | {line['device']} | {line['date'][:10]} | "
             f"{figures_text(line['figures'])} |" for line in latest(lines, "check", "device")]
     return "\n".join([
         GENERATED, "# Measured performance", "",
@@ -175,7 +176,8 @@ def performance(lines: list[dict[str, Any]]) -> str:
         "reports and how to run them: [docs/gpu-results](gpu-results/README.md)). `2xCPU` is two idle CPU cores,",
         "`2xCPU-slow` two cores of a slower, loaded host of that kind; `1of2xH200` one GPU of a 2x H200 host.",
         "Seconds are wall seconds; `per_min` is evaluations per minute; `ok` whether every part of the check held.",
-        "", "| check | device | date | commit | figures |", "|---|---|---|---|---|", *rows]) + "\n"
+        "The code each figure was measured at is in the index and the ledger.",
+        "", "| check | device | date | figures |", "|---|---|---|---|", *rows]) + "\n"
 
 
 def write_docs(results: Path = RESULTS, performance_path: Path = PERFORMANCE) -> None:

@@ -5,6 +5,7 @@ function per formula so each can be checked by hand; docs/cost.md explains the m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,21 @@ class Figure:
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """The shapes beyond the parameter count that attention FLOPs and the KV cache depend on."""
+
+    layers: int
+    attention_width: int  # query heads x head dim
+    kv_width: int  # key-value heads x head dim
+
+
+@dataclass(frozen=True)
 class Units:
     figures: dict[str, Figure]
     gpu_kinds: dict[str, dict[str, Figure]]
     models: dict[str, Figure]
+    # shapes of models that are no preset of kpipe.train.tiny_model (the tests' round numbers)
+    architectures: dict[str, Architecture] = field(default_factory=dict)
 
     def __getitem__(self, name: str) -> float:
         return self.figures[name].value
@@ -66,15 +78,73 @@ def load_units(path: str | Path) -> Units:
 
 # --- the formulas ---------------------------------------------------------------------------------------
 
+def architecture_of(model: str, units: Units) -> Architecture:
+    """A hub model's shapes: the kpipe.train.tiny_model preset that copies it (one source of truth)."""
+    from kpipe.train.tiny_model import PRESET_HUB_MODELS, SIZE_PRESETS
+
+    if model in units.architectures:
+        return units.architectures[model]
+    preset = next((SIZE_PRESETS[size] for size, hub in PRESET_HUB_MODELS.items() if hub == model), None)
+    if preset is None:
+        raise ValueError(f"no architecture for {model!r}: add its preset to kpipe.train.tiny_model (PRESET_HUB_MODELS)")
+    return Architecture(preset["num_hidden_layers"], preset["num_attention_heads"] * preset["head_dim"],
+                        preset["num_key_value_heads"] * preset["head_dim"])
+
+
+def flops_per_token(params: float, layers: int, attention_width: int, sequence_tokens: float,
+                    passes: int = 3) -> float:
+    """FLOPs a token of a causal sequence: 2 per parameter plus attention, 2 L d S (QK^T and AV are 4 d a
+    query-key pair, the mask halves the S keys), a pass; a forward is 1 pass, forward + backward 3."""
+    return passes * (FLOPS_PER_PARAM_FORWARD * params + 2.0 * layers * attention_width * sequence_tokens)
+
+
 def prefill_tokens_per_s(peak_flops: float, mfu: float, params: float) -> float:
     """Prefill is compute-bound: 2 FLOPs per parameter and token at a fraction of the peak."""
     return peak_flops * mfu / (FLOPS_PER_PARAM_FORWARD * params)
 
 
-def decode_tokens_per_s(hbm_bytes_per_s: float, params: float, bytes_per_param: float, concurrency: float,
-                        batch_efficiency: float) -> float:
-    """Decode is bandwidth-bound: each step reads every weight once and yields one token per sequence."""
-    return hbm_bytes_per_s / (params * bytes_per_param) * concurrency * batch_efficiency
+def kv_bytes_per_token(layers: int, kv_width: int, bytes_per_value: float = 2) -> float:
+    """The KV cache of one token: a key and a value of kv_width per layer (bf16)."""
+    return 2 * layers * kv_width * bytes_per_value
+
+
+def kv_capacity_tokens(gpu_memory_bytes: float, engine_memory_fraction: float, engine_weight_bytes: float,
+                       trainer_resident_bytes: float, kv_bytes: float) -> float:
+    """Tokens the engine's KV cache holds: its share of the GPU, less its weights and what the colocated
+    trainer keeps on the GPU while it sleeps."""
+    return max(0.0, gpu_memory_bytes * engine_memory_fraction - engine_weight_bytes - trainer_resident_bytes) / kv_bytes
+
+
+def mean_decode_context(turns: int, answer_tokens: float, prompt_tokens: float, feedback_tokens: float) -> float:
+    """The mean context a decoded token attends to over a trajectory's turns: turn t starts after the prompt
+    and t-1 answers and feedbacks, and its answer attends to half of itself on average."""
+    return sum(prompt_tokens + t * (answer_tokens + feedback_tokens) + answer_tokens / 2 for t in range(turns)) / turns
+
+
+def decode_batch(sequences: float, max_sequences: float, kv_capacity: float, context: float) -> float:
+    """Sequences decoding at once: those there are, up to the engine's limit and what the KV cache holds."""
+    return max(1.0, min(sequences, max_sequences, math.floor(kv_capacity / context)))
+
+
+def decode_step_seconds(batch: float, context: float, weight_bytes: float, kv_bytes: float, hbm_bytes_per_s: float,
+                        bandwidth_efficiency: float, params: float, peak_flops: float, mfu: float) -> float:
+    """One decode step: every weight and every sequence's KV cache read once at a fraction of the bandwidth,
+    unless the batch's 2 FLOPs per parameter and token take longer."""
+    read = (weight_bytes + batch * context * kv_bytes) / (hbm_bytes_per_s * bandwidth_efficiency)
+    compute = batch * FLOPS_PER_PARAM_FORWARD * params / (peak_flops * mfu)
+    return max(read, compute)
+
+
+def decode_tokens_per_s(batch: float, step_seconds: float) -> float:
+    return batch / step_seconds
+
+
+def longest_answer_floor_seconds(turns: int, max_tokens: int, prompt_tokens: float, feedback_tokens: float,
+                                 step_seconds_at: Callable[[float], float]) -> float:
+    """No step ends before its longest trajectory: every turn's answer fills max_tokens, decoded one token a
+    step at low batch (`step_seconds_at(context)` of a batch of one)."""
+    return sum(max_tokens * step_seconds_at(prompt_tokens + t * (max_tokens + feedback_tokens) + max_tokens / 2)
+               for t in range(turns))
 
 
 def rollout_gpu_seconds(prefill_tokens: float, decode_tokens: float, prefill_rate: float, decode_rate: float) -> float:
@@ -82,9 +152,8 @@ def rollout_gpu_seconds(prefill_tokens: float, decode_tokens: float, prefill_rat
     return prefill_tokens / prefill_rate + decode_tokens / decode_rate
 
 
-def training_gpu_seconds(tokens: float, params: float, peak_flops: float, mfu: float,
-                         flops_per_param: float = FLOPS_PER_PARAM_TRAINED) -> float:
-    return tokens * flops_per_param * params / (peak_flops * mfu)
+def training_gpu_seconds(tokens: float, flops_a_token: float, peak_flops: float, mfu: float) -> float:
+    return tokens * flops_a_token / (peak_flops * mfu)
 
 
 def kernelgym_gpu_seconds(evaluations: float, evaluations_per_min_per_gpu: float) -> float:
@@ -94,6 +163,25 @@ def kernelgym_gpu_seconds(evaluations: float, evaluations_per_min_per_gpu: float
 def weight_sync_seconds(params: float, bytes_per_param: float, bytes_per_s: float) -> float:
     """One push of the trainer's weights into its colocated vLLM engine."""
     return params * bytes_per_param / bytes_per_s
+
+
+def optimizer_step_seconds(params: float, gpus: int, host_bytes_per_param: float, copy_bytes_per_s: float) -> float:
+    """An offloaded AdamW step: each GPU streams its shard's host state in and out over its own link (a
+    plan with nothing on the host steps on the GPU in a negligible time)."""
+    return 2 * params * host_bytes_per_param / gpus / copy_bytes_per_s
+
+
+def host_memory_needed(params: float, host_bytes_per_param: float, overhead_bytes: float) -> float:
+    """The host memory a training job needs: the offloaded optimizer state and the processes beside it."""
+    return params * host_bytes_per_param + overhead_bytes
+
+
+def disk_needed(params: float, checkpoints: int, checkpoint_bytes_per_param: float, optimizer_states: int,
+                state_bytes_per_param: float, overhead_bytes: float) -> float:
+    """The disk a run fills at its end: every model checkpoint it keeps, the optimizer states it holds at once
+    (the last one and the one being written), and the environment (wheels, compile caches, data)."""
+    return (params * (checkpoints * checkpoint_bytes_per_param + optimizer_states * state_bytes_per_param)
+            + overhead_bytes)
 
 
 def job_wall_seconds(gpu_seconds: float, gpus: int, startup_s: float) -> float:
@@ -168,38 +256,81 @@ def policy_architecture(config: dict[str, Any]) -> str:
     return policy["base_model"]
 
 
-def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> CostPlan:
-    """GPU-hours and wall time of each stage of a validated, merged config on `gpus` GPUs of `kind`."""
+def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gpus: int = 0,
+              host_memory_bytes: float | None = None, disk_bytes: float | None = None) -> CostPlan:
+    """GPU-hours and wall time of each stage of a validated, merged config on `gpus` GPUs of `kind`, `gym_gpus`
+    of them judging kernels only (0: KernelGym shares the jobs' GPUs). Refuses a machine whose host memory or
+    disk (default: the kind's figures per GPU) the run does not fit."""
+    from kpipe.train.offloaded_adamw import choose_memory_plan
+
     if kind not in units.gpu_kinds:
         raise ValueError(f"unknown GPU kind {kind!r} (known: {', '.join(sorted(units.gpu_kinds))})")
     if gpus < 1:
         raise ValueError("--gpus must be at least 1")
+    if not 0 <= gym_gpus < gpus:
+        raise ValueError(f"--gym-gpus must leave a GPU to train and decode on: {gym_gpus} of {gpus}")
     base_model = policy_architecture(config)
     if base_model not in units.models:
         raise ValueError(f"no parameter count for policy.base_model {base_model!r} in the units file's models")
     params = units.models[base_model].value
-    peak = units.gpu_kinds[kind]["peak_bf16_flops"].value
-    bandwidth = units.gpu_kinds[kind]["hbm_bytes_per_s"].value
+    shapes = architecture_of(base_model, units)
+    gpu = units.gpu_kinds[kind]
+    peak, bandwidth, gpu_memory = (gpu[name].value for name in ("peak_bf16_flops", "hbm_bytes_per_s", "memory_bytes"))
+    weight_bytes = params * units["bytes_per_parameter"]
+    kv_bytes = kv_bytes_per_token(shapes.layers, shapes.kv_width, units["bytes_per_parameter"])
     prefill_rate = prefill_tokens_per_s(peak, units["prefill_mfu"], params)
-    decode_rate = decode_tokens_per_s(bandwidth, params, units["bytes_per_parameter"], units["decode_concurrency"],
-                                      units["decode_batch_efficiency"])
     gym_rate = units["kernelgym_evaluations_per_min_per_gpu"]
+    compute_gpus = gpus - gym_gpus  # the GPUs that train and decode
+    gym_where = f"on {gym_gpus} GPU(s) of its own" if gym_gpus else "on the jobs' GPUs, serialised with decoding"
     notes: list[str] = []
 
     def job_gpus(name: str, wanted: int) -> int:
-        if wanted > gpus:
-            notes.append(f"{name}: {wanted} GPUs asked, {gpus} available: planned on {gpus} (lower {name}.gpus)")
-        return min(wanted, gpus)
+        if wanted > compute_gpus:
+            notes.append(f"{name}: {wanted} GPUs asked, {compute_gpus} available: planned on {compute_gpus} "
+                         f"(lower {name}.gpus)")
+        return min(wanted, compute_gpus)
 
     def trajectory(turns: int, max_tokens: int) -> tuple[float, float, float]:
         return trajectory_tokens(turns, max_tokens, units["response_fill"], units["prompt_tokens"],
                                  units["feedback_tokens"])
 
-    def generation(n_trajectories: float, turns: int, max_tokens: int) -> tuple[float, float]:
-        """(rollout GPU-seconds, KernelGym GPU-seconds) of n trajectories, one evaluation a turn."""
+    def step_seconds(batch: float, context: float) -> float:
+        return decode_step_seconds(batch, context, weight_bytes, kv_bytes, bandwidth,
+                                   units["decode_bandwidth_efficiency"], params, peak, units["prefill_mfu"])
+
+    def trainer_flops(sequence: float, passes: int) -> float:
+        return flops_per_token(params, shapes.layers, shapes.attention_width, sequence, passes)
+
+    @dataclass
+    class Generation:
+        rollout: float  # engine GPU-seconds
+        gym: float  # KernelGym GPU-seconds
+        floor: float  # the longest trajectory's decoding, seconds
+        batch: float
+        kv_capacity: float
+        decode_rate: float
+
+        def wall(self, replicas: int, overlapped: bool) -> float:
+            """Rollouts no faster than their longest answer; KernelGym beside them on GPUs of its own (under
+            rl.async eval), else after them: judged on the GPU that decodes, its timings would drift."""
+            rollout_wall = max(self.rollout / replicas, self.floor)
+            gym_wall = self.gym / (gym_gpus or replicas)
+            return max(rollout_wall, gym_wall) if overlapped and gym_gpus else rollout_wall + gym_wall
+
+    def generation(n_trajectories: float, turns: int, max_tokens: int, replicas: int,
+                   trainer_resident_bytes: float = 0.0) -> Generation:
+        """n trajectories on `replicas` one-GPU engines beside a colocated trainer's resident bytes a GPU."""
         prefill, decode, _ = trajectory(turns, max_tokens)
-        rollout = rollout_gpu_seconds(n_trajectories * prefill, n_trajectories * decode, prefill_rate, decode_rate)
-        return rollout, kernelgym_gpu_seconds(n_trajectories * turns, gym_rate)
+        context = mean_decode_context(turns, max_tokens * units["response_fill"], units["prompt_tokens"],
+                                      units["feedback_tokens"])
+        capacity = kv_capacity_tokens(gpu_memory, units["vllm_gpu_memory_fraction"], weight_bytes,
+                                      trainer_resident_bytes, kv_bytes)
+        batch = decode_batch(n_trajectories / replicas, units["decode_max_sequences"], capacity, context)
+        rate = decode_tokens_per_s(batch, step_seconds(batch, context))
+        floor = longest_answer_floor_seconds(turns, max_tokens, units["prompt_tokens"], units["feedback_tokens"],
+                                             lambda at: step_seconds(1, at))
+        return Generation(rollout_gpu_seconds(n_trajectories * prefill, n_trajectories * decode, prefill_rate, rate),
+                          kernelgym_gpu_seconds(n_trajectories * turns, gym_rate), floor, batch, capacity, rate)
 
     stages: list[Stage] = []
 
@@ -216,41 +347,53 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> Cos
     sft = config["sft"]
     _, _, sft_sequence = trajectory(distill["turns"], distill["sampling"]["max_tokens"])
     sft_samples = distill_trajectories * sft["epochs"]
+    sft_batch = sft.get("batch_size", units["sft_batch_size"])
     if sft.get("max_steps"):
-        sft_samples = min(sft_samples, sft["max_steps"] * sft.get("batch_size", units["sft_batch_size"]))
-    sft_gpu = training_gpu_seconds(sft_samples * sft_sequence, params, peak, units["training_mfu"])
+        sft_samples = min(sft_samples, sft["max_steps"] * sft_batch)
     sft_gpus = job_gpus("sft", sft["gpus"])
+    sft_memory = choose_memory_plan(params, sft_gpus, gpu_memory)
+    sft_optimizer = math.ceil(sft_samples / sft_batch) * optimizer_step_seconds(
+        params, sft_gpus, sft_memory.host_bytes_per_param, units["host_copy_bytes_per_s"])
+    sft_gpu = (training_gpu_seconds(sft_samples * sft_sequence, trainer_flops(sft_sequence, 3), peak,
+                                    units["training_mfu"]) + sft_optimizer * sft_gpus)
     sft_wall = job_wall_seconds(sft_gpu, sft_gpus, units["trainer_startup_s"])
     stages.append(Stage("sft", sft_gpu, sft_wall, True,
-                        f"{sft_samples:.0f} samples of {sft_sequence:.0f} tokens on {sft_gpus} GPUs",
+                        f"{sft_samples:.0f} samples of {sft_sequence:.0f} tokens on {sft_gpus} GPUs, memory plan "
+                        f"{sft_memory.name} ({sft_optimizer:.0f} s of optimizer steps)",
                         [f"benchmarks/sft-{config['run']}.tsv"], sft_wall))
 
     rl = config["rl"]
     run_names = [*([config["run"]] if rl.get("base_run", True) else []), *(rl.get("runs") or {})]
     runs = len(run_names)
     rl_gpus = job_gpus("rl", rl["gpus"])
+    rl_memory = choose_memory_plan(params, rl_gpus, gpu_memory)
     step_trajectories = rl["prompts_per_step"] * rl["rollouts_per_prompt"]
-    rollout, gym = generation(step_trajectories, rl["max_turns"], rl["max_tokens"])
+    rl_generation = generation(step_trajectories, rl["max_turns"], rl["max_tokens"], rl_gpus,
+                               params * rl_memory.resident_bytes_per_param / rl_gpus)
     _, _, rl_sequence = trajectory(rl["max_turns"], rl["max_tokens"])
     # the update recomputes the old policy's log-probs (one forward) before its forward and backward
-    train = training_gpu_seconds(step_trajectories * rl_sequence, params, peak, units["training_mfu"],
-                                 FLOPS_PER_PARAM_TRAINED + FLOPS_PER_PARAM_FORWARD)
+    train = training_gpu_seconds(step_trajectories * rl_sequence, trainer_flops(rl_sequence, 4), peak,
+                                 units["training_mfu"])
+    optimizer = rl.get("mini_batches", 1) * rl.get("ppo_epochs", 1) * optimizer_step_seconds(
+        params, rl_gpus, rl_memory.host_bytes_per_param, units["host_copy_bytes_per_s"])
     sync = weight_sync_seconds(params, units["bytes_per_parameter"], units["weight_sync_bytes_per_s"])
-    # rl.async eval judges answers while the engine decodes others: the step waits for the longer of the two
     overlapped = rl.get("async", "off") == "eval"
-    generate_wall = max(rollout, gym) / rl_gpus if overlapped else (rollout + gym) / rl_gpus
-    step_wall = generate_wall + train / rl_gpus + sync
+    step_wall = (rl_generation.wall(rl_gpus, overlapped) + train / rl_gpus + optimizer + sync
+                 + units["sleep_wake_s"])
     iteration_startup = units["trainer_startup_s"] + units["vllm_startup_s"]
     iteration_wall = rl["steps_per_iteration"] * step_wall + iteration_startup
     steps = rl["iterations"] * rl["steps_per_iteration"]
-    rl_gpu_per_run = (steps * (rollout + gym + train + sync * rl_gpus)
-                      + rl["iterations"] * iteration_startup * rl_gpus)
-    parallel_runs = max(1, gpus // rl_gpus)
+    parallel_runs = max(1, compute_gpus // rl_gpus)
     rl_wall = math.ceil(runs / parallel_runs) * rl["iterations"] * iteration_wall
-    stages.append(Stage("rl", runs * rl_gpu_per_run, rl_wall, True,
+    # the run's GPUs are held for the whole iteration; GPUs of KernelGym's own count what it judges
+    rl_gpu = runs * rl["iterations"] * iteration_wall * rl_gpus + (runs * steps * rl_generation.gym if gym_gpus else 0)
+    stages.append(Stage("rl", rl_gpu, rl_wall, True,
                         f"{runs} run(s) x {steps} steps of {step_trajectories} trajectories x {rl['max_turns']} "
-                        f"turns on {rl_gpus} GPUs ({step_wall:.0f} s a step, async {rl.get('async', 'off')}), "
-                        f"weights pushed every step ({sync:.1f} s)",
+                        f"turns on {rl_gpus} GPUs ({step_wall:.0f} s a step, async {rl.get('async', 'off')}, "
+                        f"KernelGym {gym_where}), memory plan {rl_memory.name}: decode batch "
+                        f"{rl_generation.batch:.0f} ({rl_generation.decode_rate:.0f} tokens/s a GPU, KV cache "
+                        f"{rl_generation.kv_capacity / 1e3:.0f}K tokens), longest answer {rl_generation.floor:.0f} s, "
+                        f"optimizer {optimizer:.1f} s, push {sync:.1f} s, sleep/wake {units['sleep_wake_s']:.0f} s",
                         [f"benchmarks/rl-{run}-iter{k}.tsv" for run in run_names for k in range(rl["iterations"])],
                         runs * rl["iterations"] * iteration_wall))
 
@@ -260,16 +403,16 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> Cos
                                 if k % validation["every"] == validation["every"] - 1 or k == rl["iterations"] - 1]
         validated = len(validated_iterations)
         val_trajectories = _tasks(config, [validation["level"]], validation["max_tasks"]) * validation["samples"]
-        val_rollout, val_gym = generation(val_trajectories, validation["turns"], validation["sampling"]["max_tokens"])
+        val = generation(val_trajectories, validation["turns"], validation["sampling"]["max_tokens"], rl_gpus)
         validations = runs * validated
-        val_gpu = validations * (val_rollout + val_gym)
-        val_last = job_wall_seconds(val_rollout + val_gym, rl_gpus, units["vllm_startup_s"])
-        spare = gpus - min(runs, parallel_runs) * rl_gpus
+        val_gpu = validations * (val.rollout + val.gym)
+        val_last = val.wall(rl_gpus, overlapped) + units["vllm_startup_s"]
+        spare = compute_gpus - min(runs, parallel_runs) * rl_gpus
         if spare >= 1:  # GPUs the RL iterations leave free validate the finished iterations meanwhile
             val_wall = val_last + max(0.0, val_gpu / spare - rl_wall)
             overlap = f"on the {spare} GPU(s) the iterations leave free, the last after it"
         else:  # every GPU is training: each validation waits for one
-            val_wall = val_gpu / gpus + validations * units["vllm_startup_s"]
+            val_wall = validations * val_last * rl_gpus / compute_gpus
             overlap = "between iterations, on every GPU"
         stages.append(Stage("rl_validate", val_gpu, val_wall, True,
                             f"{validations} validations of {val_trajectories} trajectories x "
@@ -288,12 +431,13 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> Cos
         turns = section["max_turns"] if stage_name == "stts" else section["turns"]
         strategies = len(section.get("strategies", [None]))
         trajectories = _tasks(config, section.get("levels"), section["max_tasks"]) * section["samples"] * strategies
-        stage_rollout, stage_gym = generation(trajectories * len(costed), turns, section["sampling"]["max_tokens"])
-        stage_gpu = stage_rollout + stage_gym
+        stage_generation = generation(trajectories * len(costed), turns, section["sampling"]["max_tokens"],
+                                      compute_gpus)
+        stage_gpu = stage_generation.rollout + stage_generation.gym
         note = f"{len(costed)} pipeline model(s) x {trajectories} trajectories x {turns} turns"
         if skipped:
             note += f"; not costed (API or served checkpoints): {', '.join(skipped)}"
-        stages.append(Stage(stage_name, stage_gpu, job_wall_seconds(stage_gpu, gpus, units["vllm_startup_s"]),
+        stages.append(Stage(stage_name, stage_gpu, stage_generation.wall(compute_gpus, True) + units["vllm_startup_s"],
                             True, note))
     # eval and stts run side by side after checkpoint selection: the longer of the two is on the critical path
     eval_stage, stts_stage = (next((s for s in stages if s.name == name), None) for name in ("eval", "stts"))
@@ -304,18 +448,42 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str) -> Cos
             longest = eval_stage if eval_stage.critical else stts_stage
             longest.wall_s = max(longest.wall_s, (eval_stage.gpu_seconds + stts_stage.gpu_seconds) / gpus)
 
-    used = {"training_mfu", "prefill_mfu", "decode_concurrency", "decode_batch_efficiency",
-            "decode_tokens_per_s_0_6b", "kernelgym_evaluations_per_min_per_gpu", "weight_sync_bytes_per_s",
-            "bytes_per_parameter", "vllm_startup_s", "trainer_startup_s", "prompt_tokens", "feedback_tokens",
-            "response_fill", "sft_batch_size"}
-    assumptions = [*units.gpu_kinds[kind].values(), units.models[base_model],
-                   *(units.figures[name] for name in sorted(used))]
+    # the machine: host memory for the offloaded optimizer state, disk for what the run keeps
+    host_have = host_memory_bytes if host_memory_bytes is not None else gpu["host_memory_bytes_per_gpu"].value * gpus
+    disk_have = disk_bytes if disk_bytes is not None else gpu["disk_bytes_per_gpu"].value * gpus
+    host_bytes_per_param = max(sft_memory.host_bytes_per_param, rl_memory.host_bytes_per_param)
+    host_need = host_memory_needed(params, host_bytes_per_param, units["host_memory_overhead_bytes"])
+    checkpoints = 1 + runs * rl["iterations"]  # the SFT model and every RL iteration's (best_val picks one later)
+    states = runs * rl["iterations"] if rl.get("keep_optimizer_states") else 2 * min(runs, parallel_runs)
+    disk_need = disk_needed(params, checkpoints, units["checkpoint_bytes_per_parameter"], states,
+                            units["optimizer_state_bytes_per_parameter"], units["disk_overhead_bytes"])
+    if host_need > host_have or disk_need > disk_have:
+        raise ValueError(
+            f"the run does not fit {gpus} x {kind.upper()}: it needs {host_need / 2**30:,.0f} GiB of host memory "
+            f"(has {host_have / 2**30:,.0f}; {host_bytes_per_param} bytes a parameter offloaded) and "
+            f"{disk_need / 2**30:,.0f} GiB of disk (has {disk_have / 2**30:,.0f}; {checkpoints} checkpoints, "
+            f"{states} optimizer states): pass --host-memory-gib/--disk-gib for a larger machine")
+    notes.append(f"machine: {host_need / 2**30:,.0f} of {host_have / 2**30:,.0f} GiB host memory (memory plans: sft "
+                 f"{sft_memory.name}, rl {rl_memory.name}), {disk_need / 2**30:,.0f} of {disk_have / 2**30:,.0f} GiB "
+                 f"disk ({checkpoints} checkpoints, {states} optimizer states)")
+
+    used = {"training_mfu", "prefill_mfu", "decode_bandwidth_efficiency", "decode_max_sequences",
+            "vllm_gpu_memory_fraction", "decode_tokens_per_s_0_6b", "kernelgym_evaluations_per_min_per_gpu",
+            "weight_sync_bytes_per_s", "bytes_per_parameter", "vllm_startup_s", "trainer_startup_s",
+            "prompt_tokens", "feedback_tokens", "response_fill", "sft_batch_size", "host_copy_bytes_per_s",
+            "sleep_wake_s", "host_memory_overhead_bytes", "checkpoint_bytes_per_parameter",
+            "optimizer_state_bytes_per_parameter", "disk_overhead_bytes"}
+    assumptions = [*gpu.values(), units.models[base_model], *(units.figures[name] for name in sorted(used))]
     scaled = units["decode_tokens_per_s_0_6b"] * 0.596e9 / params
-    notes.append(f"decode: {decode_rate:.0f} tokens/s per GPU estimated (bandwidth bound); the 0.6B measurement "
+    notes.append(f"decode: {rl_generation.decode_rate:.0f} tokens/s per GPU at RL's batch of "
+                 f"{rl_generation.batch:.0f} and {kv_bytes / 1024:.0f} KiB of KV a token; "
+                 f"{1 / step_seconds(1, units['prompt_tokens']):.0f} tokens/s at batch 1; the 0.6B measurement "
                  f"scaled by parameters gives {scaled:.0f} (cross-check, not used)")
     notes.append(f"prefill: {prefill_rate:.0f} tokens/s per GPU estimated (compute bound)")
-    notes.append("not modelled: CPU stages (ingest, tables), the teacher's API time, KV-cache reads at long "
-                 "contexts beyond decode_batch_efficiency, checkpoint writes")
+    notes.append(f"training: {trainer_flops(rl_sequence, 3) / 1e9:.0f} GFLOP a token at RL's {rl_sequence:.0f}-token "
+                 f"trajectories, {6 * params / 1e9:.0f} of them 6P (attention {trainer_flops(rl_sequence, 3) / (6 * params) - 1:.0%} more)")
+    notes.append("not modelled: CPU stages (ingest, tables), the teacher's API time, checkpoint writes, "
+                 "preemption when the KV cache overflows")
     return CostPlan(gpus, kind, stages, assumptions, notes)
 
 

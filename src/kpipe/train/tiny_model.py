@@ -12,6 +12,7 @@ slowly and generates slowly).
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import tempfile
@@ -71,9 +72,36 @@ def bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def build_byte_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer (id = byte value, no merges) with ChatML special tokens and template."""
+def filler_tokens(count: int) -> list[str]:
+    """`count` distinct strings of 2 and then 3 printable ASCII characters ('!'..'~', each its own byte
+    symbol in GPT-2's map): valid UTF-8 when decoded, and never produced by encoding (no merges)."""
+    printable = [chr(code) for code in range(ord("!"), ord("~") + 1)]
+    fillers: list[str] = []
+    for length in (2, 3):
+        for combination in itertools.product(printable, repeat=length):
+            if len(fillers) == count:
+                return fillers
+            fillers.append("".join(combination))
+    if len(fillers) < count:
+        raise ValueError(f"{count} filler tokens asked; at most {len(fillers)} can be made")
+    return fillers
+
+
+def build_byte_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (id = byte value, no merges) with ChatML special tokens and template.
+
+    With `vocab_size` (a real-size preset's 151,936 rows, config/paper_smoke.yaml's 8B) the ids after the
+    specials up to `vocab_size` are filler tokens that decode to short ASCII strings: every id a
+    random-weight policy can sample decodes, while encoding stays one token a byte and the embedding and
+    head keep their real size, a real part of the cost. (Restricting sampling to the 259 byte ids instead
+    would change the engine's sampling path and leave HF's generation unrestricted.)"""
     vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    base = len(vocab) + len(SPECIAL_TOKENS)
+    if vocab_size is not None:
+        if vocab_size < base:
+            raise ValueError(f"vocab_size {vocab_size} is below the byte tokenizer's {base} tokens")
+        vocab |= {token: len(vocab) + index for index, token in enumerate(SPECIAL_TOKENS)}  # ids 256-258
+        vocab |= {token: base + index for index, token in enumerate(filler_tokens(vocab_size - base))}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
@@ -81,6 +109,14 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=ENDOFTEXT)
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
+
+
+def byte_tokenizer_for(size: str) -> PreTrainedTokenizerFast:
+    """The byte tokenizer of a size preset: a real-size preset's (fixed vocab_size) padded to its rows
+    with decodable filler tokens, so that every id its model can sample decodes."""
+    if size not in SIZE_PRESETS:
+        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZE_PRESETS)}")
+    return build_byte_tokenizer(SIZE_PRESETS[size].get("vocab_size"))
 
 
 def build_bpe_tokenizer(corpus: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
@@ -153,7 +189,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny",
     leaves a half-saved model that a later stage would load.
     """
     out_dir = Path(out_dir)
-    tokenizer = build_byte_tokenizer() if corpus is None else build_bpe_tokenizer(corpus, vocab_size)
+    tokenizer = byte_tokenizer_for(size) if corpus is None else build_bpe_tokenizer(corpus, vocab_size)
     config = tiny_config(size, len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id,
                          exact_vocab=corpus is not None)
     with torch.random.fork_rng(devices=[]):

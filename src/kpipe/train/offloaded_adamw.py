@@ -1,0 +1,241 @@
+"""AdamW whose moments live in host memory, for full-parameter training of the 8B on one GPU (issue 63).
+
+fp32 weights, gradients and AdamW's two moments are 16 bytes a parameter: 122 GiB at 8B, more than an
+H100 holds and most of an H200. This optimizer keeps the moments (8 bytes a parameter) in pinned host
+memory and streams them through the GPU in buckets: while the GPU updates one bucket, the next is copied
+in and the previous one copied out, on two copy streams (host-to-device and device-to-host run at once
+over PCIe). The update itself is AdamW's arithmetic on the GPU, op for op what ``torch.optim.AdamW``'s
+foreach path does, so the two agree to rounding.
+
+``master_on_host`` also moves the fp32 master weights to the host (12 bytes a parameter there): the
+model's own parameters can then be bf16 (an H100's plan: bf16 weights and gradients on the GPU, 4 bytes
+a parameter), and after each update the master is cast into them.
+
+Why the update runs on the GPU and not the CPU: a CPU AdamW step over 8.2e9 parameters reads and writes
+~130 GB of host memory on 16 cores (tens of seconds), while the GPU's part is milliseconds and the copies
+move 2 x 65 GB over a link that carries both directions at once (docs/gpu-results/paper_units.md measures it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+DEFAULT_BUCKET_NUMEL = 1 << 26  # 64 M parameters: 256 MB a state a bucket; two staging slots on the GPU
+
+
+@dataclass
+class _Bucket:
+    """Parameters updated together, and their columns [start, end) of the host state."""
+
+    params: list[torch.Tensor]
+    start: int
+    end: int
+    group: dict[str, Any]
+    steps: int = 0
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of an FSDP2 (DTensor) parameter or gradient; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _pin(tensor: torch.Tensor, owner: object) -> None:
+    """Page-lock a host tensor in place (cudaHostRegister), unregistered when `owner` is collected.
+
+    Not ``pin_memory()``: PyTorch's pinned allocator rounds every block up to a power of two, 34 GB for a
+    state of 32.8 GB; registering the exact allocation costs nothing extra."""
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    if int(error) != 0:
+        raise RuntimeError(f"cudaHostRegister of {tensor.numel() * tensor.element_size() / 2**30:.1f} GiB failed "
+                           f"({error}): not enough lockable host memory")
+    # the finalizer holds the tensor: its memory stays allocated until it is unregistered
+    weakref.finalize(owner, lambda pinned: cudart.cudaHostUnregister(pinned.data_ptr()), tensor)
+
+
+class OffloadedAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` (decoupled weight decay, no amsgrad) with its state in host memory.
+
+    The parameters stay where they are (the GPU); their gradients must be there too. Under FSDP2 each process
+    keeps and steps the state of its own shards (the DTensors' local tensors). Every parameter that
+    requires a gradient is updated at each step: a bucket whose parameters have no gradient at all is
+    skipped, one where only some have is refused (its moments are stepped together)."""
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 master_on_host: bool = False, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"invalid AdamW hyper-parameters: lr {lr}, betas {betas}, eps {eps}, "
+                             f"weight_decay {weight_decay}")
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be at least 1, not {bucket_numel}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        trained = [param for group in self.param_groups for param in group["params"] if param.requires_grad]
+        if not trained:
+            raise ValueError("OffloadedAdamW got no parameter that requires a gradient")
+        self.device = trained[0].device
+        if any(param.device != self.device for param in trained):
+            raise ValueError("OffloadedAdamW's parameters must all be on one device")
+        self.master_on_host = master_on_host
+        self.buckets = self._make_buckets(bucket_numel)
+        total = self.buckets[-1].end
+        # rows: exp_avg, exp_avg_sq[, fp32 master]; one allocation, page-locked once where there is a GPU
+        self.host_state = torch.zeros(3 if master_on_host else 2, total, dtype=torch.float32)
+        if master_on_host:
+            for bucket in self.buckets:
+                torch.cat([_local(param).detach().reshape(-1).float().cpu() for param in bucket.params],
+                          out=self.host_state[2, bucket.start:bucket.end])
+        self.streamed = self.device.type == "cuda"
+        if self.streamed:
+            _pin(self.host_state, self)
+            self._copy_in, self._copy_out = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+        widest = max(bucket.end - bucket.start for bucket in self.buckets)
+        self._slots = [torch.empty(self.host_state.shape[0], widest, dtype=torch.float32, device=self.device)
+                       for _ in range(2)]
+        self.last_step_bytes = 0  # host<->device bytes the last step copied (both directions)
+
+    def _make_buckets(self, bucket_numel: int) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        start = 0
+        for group in self.param_groups:
+            current: list[torch.Tensor] = []
+            size = 0
+            for param in (p for p in group["params"] if p.requires_grad):
+                numel = _local(param).numel()
+                if current and size + numel > bucket_numel:
+                    buckets.append(_Bucket(current, start, start + size, group))
+                    start, current, size = start + size, [], 0
+                current.append(param)
+                size += numel
+            if current:
+                buckets.append(_Bucket(current, start, start + size, group))
+                start += size
+        return buckets
+
+    def _views(self, rows: torch.Tensor, bucket: _Bucket) -> list[list[torch.Tensor]]:
+        """Each state row of a staged bucket cut into tensors shaped like its parameters."""
+        views: list[list[torch.Tensor]] = []
+        for row in rows:
+            offset, per_param = 0, []
+            for param in map(_local, bucket.params):
+                per_param.append(row[offset:offset + param.numel()].view(param.shape))
+                offset += param.numel()
+            views.append(per_param)
+        return views
+
+    def _stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream) if self.streamed else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        compute = torch.cuda.current_stream(self.device) if self.streamed else None
+        slot_free: list[Any] = [None, None]
+        moved = 0
+        for index, bucket in enumerate(self.buckets):
+            grads = [None if param.grad is None else _local(param.grad) for param in bucket.params]
+            if all(grad is None for grad in grads):
+                continue
+            if any(grad is None for grad in grads):
+                raise ValueError("OffloadedAdamW: some parameters of a bucket have no gradient; it updates "
+                                 "every parameter that requires one at each step")
+            bucket.steps += 1
+            width = bucket.end - bucket.start
+            staged = self._slots[index % 2][:, :width]
+            with self._stream(self._copy_in if self.streamed else None):
+                if slot_free[index % 2] is not None:
+                    self._copy_in.wait_event(slot_free[index % 2])
+                for row, host_row in zip(staged, self.host_state):
+                    row.copy_(host_row[bucket.start:bucket.end], non_blocking=True)
+            if self.streamed:
+                compute.wait_stream(self._copy_in)
+            views = self._views(staged, bucket)
+            exp_avgs, exp_avg_sqs = views[0], views[1]
+            if self.master_on_host:
+                targets = views[2]
+                grads = [grad.float() for grad in grads]
+            else:
+                targets = [_local(param) for param in bucket.params]
+            self._adamw(targets, grads, exp_avgs, exp_avg_sqs, bucket.steps, bucket.group)
+            if self.master_on_host:
+                torch._foreach_copy_([_local(param) for param in bucket.params], targets)
+            with self._stream(self._copy_out if self.streamed else None):
+                if self.streamed:
+                    self._copy_out.wait_stream(compute)
+                for row, host_row in zip(staged, self.host_state):
+                    host_row[bucket.start:bucket.end].copy_(row, non_blocking=True)
+                if self.streamed:
+                    slot_free[index % 2] = self._copy_out.record_event()
+            moved += 2 * staged.numel() * staged.element_size()
+        if self.streamed:
+            self._copy_out.synchronize()  # the host state is whole before anyone reads it or steps again
+        self.last_step_bytes = moved
+        return loss
+
+    @staticmethod
+    def _adamw(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+               exp_avg_sqs: list[torch.Tensor], step: int, group: dict[str, Any]) -> None:
+        """AdamW's update, in the order of ``torch.optim.AdamW``'s own implementation."""
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        step_size = lr / (1 - beta1 ** step)
+        denominators = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** step))
+        torch._foreach_add_(denominators, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denominators, -step_size)
+
+    def master_weights(self) -> list[torch.Tensor]:
+        """The fp32 weights AdamW updates, in parameter order: the host master's views with
+        `master_on_host`, else the parameters themselves."""
+        if not self.master_on_host:
+            return [param for bucket in self.buckets for param in bucket.params]
+        return [view for bucket in self.buckets
+                for view in self._views(self.host_state[2:, bucket.start:bucket.end], bucket)[0]]
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the trainer keeps its 16 bytes a parameter of weights, gradients and AdamW state."""
+
+    name: str
+    gpu_bytes_per_param: int  # weights and gradients (and moments, "gpu") on the GPUs, before sharding
+    host_bytes_per_param: int  # page-locked host memory: the moments (and the fp32 master, "bf16")
+    resident_bytes_per_param: int  # left on the GPUs while a colocated engine decodes (gradients freed)
+    optimizer: str  # what steps it
+
+
+MEMORY_PLANS = (
+    MemoryPlan("gpu", 16, 0, 12, "torch.optim.AdamW"),  # fp32 weights, gradients and moments on the GPUs
+    MemoryPlan("fp32", 8, 8, 4, "OffloadedAdamW"),  # fp32 weights and gradients on the GPUs, moments on the host
+    MemoryPlan("bf16", 4, 12, 2, "OffloadedAdamW(master_on_host=True)"),  # bf16 on the GPUs, master + moments host
+)
+# the activations of a 32K micro-batch of the 8B with full checkpointing beside the weights: 36 fp32 layer
+# inputs (18 GiB), one layer's recomputation, the LM head's chunks (docs/gpu-results/paper_units.md)
+ACTIVATION_RESERVE_BYTES = 40 * 2**30
+
+
+def choose_memory_plan(params: float, gpus: int, gpu_memory_bytes: float, plans: Iterable[MemoryPlan] = MEMORY_PLANS,
+                       activation_reserve_bytes: float = ACTIVATION_RESERVE_BYTES) -> MemoryPlan:
+    """The first plan (fewest bytes moved to the host) whose share of a GPU fits beside the activations."""
+    plans = list(plans)
+    for plan in plans:
+        if params * plan.gpu_bytes_per_param / gpus + activation_reserve_bytes <= gpu_memory_bytes:
+            return plan
+    raise ValueError(f"{params / 1e9:.1f} B parameters do not fit {gpus} GPU(s) of {gpu_memory_bytes / 2**30:.0f} GiB "
+                     f"under any memory plan ({', '.join(plan.name for plan in plans)}): "
+                     f"{plans[-1].gpu_bytes_per_param} bytes a parameter and "
+                     f"{activation_reserve_bytes / 2**30:.0f} GiB of activations at least")
