@@ -29,8 +29,8 @@ from kpipe.gym.result import STATUSES, EvalResult
 def test_every_candidate_has_limits_by_default_and_bad_values_are_refused() -> None:
     protocol = Protocol()
     assert PROTOCOL_VERSION == "kgym-13"
-    assert protocol.limits() == Limits(memory_mb=16384, file_size_mb=1024, tasks=1024)
-    assert Protocol(memory_limit_mb=None, file_size_limit_mb=None, task_limit=None).limits().any() is False
+    assert protocol.limits() == Limits(memory_mb=16384, file_size_mb=1024, tasks=1024, disk_mb=4096)
+    assert Protocol(memory_limit_mb=None, file_size_limit_mb=None, task_limit=None, disk_limit_mb=None).limits().any() is False
     for name, bad in (("memory_limit_mb", 255), ("file_size_limit_mb", 0), ("task_limit", 15), ("task_limit", 64.0),
                       ("memory_limit_mb", True)):
         with pytest.raises(ValueError, match=name):
@@ -39,7 +39,8 @@ def test_every_candidate_has_limits_by_default_and_bad_values_are_refused() -> N
 
 
 def test_a_protocol_written_before_kgym_12_loads_without_limits() -> None:
-    written = {k: v for k, v in Protocol().to_dict().items() if k not in ("memory_limit_mb", "file_size_limit_mb", "task_limit")}
+    written = {k: v for k, v in Protocol().to_dict().items()
+               if k not in ("memory_limit_mb", "file_size_limit_mb", "task_limit", "disk_limit_mb")}
     earlier = Protocol.from_dict({**written, "version": "kgym-11"})
     assert earlier.limits() == Limits(None, None, None)
     assert Protocol.from_dict({**written, "version": "kgym-11", "memory_limit_mb": 6000}).memory_limit_mb == 6000

@@ -1,0 +1,106 @@
+"""Issue 62's robustness rows, each attack run for real through ``kpipe gym eval`` (a fresh interpreter
+per child) and ``kpipe gym eval-batch`` (children forked from the pool worker's zygote, the honest
+kernel after every attack), and each failing when its defence is removed:
+
+- row 6: a candidate's whole environment block (``/proc/self/environ``) holds only the allowlist;
+- rows 9/10: 3,000 nested directories in scratch are removed without crashing the judge, and a
+  4 GB allocation in scratch is judged ``resource_limit`` (the judge's disk quota);
+- rows 12/14: a native thread renamed to look like the runtime's is still the candidate's, and
+  every ``hacked`` verdict names its reason;
+- row 14: a socket bound under ``/tmp`` after the candidate started is out of its reach.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from gym_attack_runs import DEVICE, LEGIT, evaluate_each_then_honest, evaluate_fresh, reasons_of
+
+from kpipe.gym.environment import CACHE_VARIABLES, inherited_by_children
+
+PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
+            "device": DEVICE, "memory_limit_mb": 2048 if DEVICE == "cpu" else 8192, "file_size_limit_mb": 64, "task_limit": 128,
+            "disk_limit_mb": 256}
+
+# what a launcher's environment may hold that no candidate may read: credentials under names the
+# secret filter does not flag, and the run's own settings
+PLANTED = {"DATABASE_URL": "postgres://kpipe:hunter2-db-pass@db.internal/prod", "ERROR_TRACKER_DSN": "https://0123abcd9@errors.example/42",
+           "CHAT_WEBHOOK": "https://hooks.example/T000/B000/xyzzy-webhook", "KPIPE_RUN_MARKER": "kpipe-run-marker-93f1",
+           "MY_SERVICE_API_KEY": "sk-test-credential-0042"}
+# names the judge sets in a child itself (kpipe.gym.environment.child_environment)
+SET_BY_THE_JUDGE = {*CACHE_VARIABLES, "PYTHONDONTWRITEBYTECODE", "TRITON_INTERPRET"}
+
+READS_ITS_ENVIRONMENT_BLOCK = LEGIT + '''
+block = open("/proc/self/environ", "rb").read().split(b"\\0")
+raise RuntimeError("BLOCK-NAMES[" + ",".join(sorted(entry.split(b"=")[0].decode() for entry in block if entry)) + "] "
+                   + "BLOCK[" + b";".join(block).decode(errors="replace") + "]")
+'''
+
+
+def assert_block_holds_only_the_allowlist(result: dict[str, object]) -> None:
+    text = json.dumps(result, default=str)
+    found = re.search(r"BLOCK-NAMES\[([^\]]*)\]", text)
+    assert found is not None, f"the candidate did not report its block: {text[:2000]}"
+    names = set(found.group(1).split(",")) - {""}
+    outside = {name for name in names if not inherited_by_children(name) and name not in SET_BY_THE_JUDGE}
+    assert not outside, f"names beyond the allowlist in the candidate's environment block: {sorted(outside)}"
+    for name, value in PLANTED.items():
+        assert name not in text and value not in text, f"{name} reached the candidate"
+
+
+def test_the_environment_block_holds_only_the_allowlist_through_kpipe_gym_eval(tmp_path: Path) -> None:
+    assert_block_holds_only_the_allowlist(evaluate_fresh(tmp_path, READS_ITS_ENVIRONMENT_BLOCK, PROTOCOL, env=PLANTED))
+
+
+def test_the_environment_block_holds_only_the_allowlist_through_the_pool(tmp_path: Path) -> None:
+    rows = evaluate_each_then_honest(tmp_path, {"reads_its_environment_block": READS_ITS_ENVIRONMENT_BLOCK}, PROTOCOL, env=PLANTED)
+    attacked, honest = rows["reads_its_environment_block"]
+    assert_block_holds_only_the_allowlist(attacked)
+    assert honest["status"] == "pass", f"{honest['status']} {honest['diagnostic']}"
+
+
+DISK_ATTACKS = {  # the honest kernel, with the attack at its import
+    "nests_3000_directories": LEGIT + '''
+import os
+
+fd = os.open(".", os.O_RDONLY)
+for _ in range(3000):
+    os.mkdir("d", dir_fd=fd)
+    inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = inner
+os.close(fd)
+''',
+    "reserves_4_gb_of_disk": LEGIT + '''
+import ctypes, os
+
+with open("reserved.bin", "wb") as handle:
+    try:
+        os.posix_fallocate(handle.fileno(), 0, 4 << 30)  # past the file size cap: refused (EFBIG)
+    except OSError:
+        pass
+    # FALLOC_FL_KEEP_SIZE: the blocks are reserved, the file stays 0 bytes long, no size limit applies
+    ctypes.CDLL(None, use_errno=True).fallocate(handle.fileno(), 1, ctypes.c_long(0), ctypes.c_long(4 << 30))
+''',
+}
+DISK_VERDICTS = {"nests_3000_directories": "disk: its scratch directory nests directories more than 128 deep",
+                 "reserves_4_gb_of_disk": "past the disk quota of 256 MiB"}
+
+
+def assert_disk_verdict(name: str, result: dict[str, object]) -> None:
+    assert result["status"] == "resource_limit" and DISK_VERDICTS[name] in str(result["diagnostic"]), \
+        f"{name}: {json.dumps(result, default=str)[:2000]}"
+
+
+def test_disk_attacks_are_judged_and_the_judge_survives_through_kpipe_gym_eval(tmp_path: Path) -> None:
+    for name, source in DISK_ATTACKS.items():
+        (tmp_path / name).mkdir()
+        assert_disk_verdict(name, evaluate_fresh(tmp_path / name, source, PROTOCOL))
+
+
+def test_disk_attacks_are_judged_through_the_pool_and_each_next_honest_kernel_passes(tmp_path: Path) -> None:
+    for name, (attacked, honest) in evaluate_each_then_honest(tmp_path, DISK_ATTACKS, PROTOCOL).items():
+        assert_disk_verdict(name, attacked)
+        assert honest["status"] == "pass", f"the honest kernel after {name}: {honest['status']} {honest['diagnostic']}"
