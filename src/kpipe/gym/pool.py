@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from kpipe.gym.feedback import failure_feedback
 from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import EvalResult, reference_error
@@ -421,6 +422,6 @@ def lost_result(job: Job, protocol: Protocol, device_kind: str) -> EvalResult:
     diagnostic = f"the evaluation worker was lost {len(job.losses)} times on this candidate: " + " | ".join(map(last_line, job.losses))
     return EvalResult(
         key=job.key, reference_hash=source_hash(job.reference), candidate_hash=source_hash(job.candidate),
-        status="crashed", diagnostic=diagnostic[:3000], feedback=f"Status: crashed\n{diagnostic[:1000]}",
+        status="crashed", diagnostic=diagnostic[:3000], feedback=failure_feedback("crashed", diagnostic),
         device=device_kind, protocol_version=protocol.version, protocol=protocol.to_json(),
     )
