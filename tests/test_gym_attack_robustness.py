@@ -134,3 +134,24 @@ def test_a_thread_renamed_like_cudas_is_seen_through_the_pool(tmp_path: Path) ->
     attacked, honest = evaluate_each_then_honest(tmp_path, {"renames": RENAMES_A_THREAD_LIKE_CUDAS}, PROTOCOL)["renames"]
     assert_the_renamed_thread_is_seen(attacked)
     assert honest["status"] == "pass", f"{honest['status']} {honest['diagnostic']}"
+
+
+def test_a_failed_reference_never_takes_the_batch_with_it(tmp_path: Path) -> None:
+    """Issue 62, row 11: eval-batch exited 2 with no output when one row's reference failed, and the
+    honest rows of the batch were lost. Every row is answered; the failed one says why."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gym_attack_runs import RELU_REFERENCE, kpipe_gym
+
+    broken = RELU_REFERENCE.replace("def forward(self, x", "def forward(self, x, missing", 1)
+    assert broken != RELU_REFERENCE
+    pq.write_table(pa.table({"reference_src": [RELU_REFERENCE, broken, RELU_REFERENCE],
+                             "candidate_src": [LEGIT, LEGIT, LEGIT + "\n# the same kernel again\n"]}), tmp_path / "candidates.parquet")
+    (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
+    run = kpipe_gym("eval-batch", "--input", str(tmp_path / "candidates.parquet"), "--output", str(tmp_path / "evals.parquet"),
+                    "--protocol", str(tmp_path / "protocol.json"), "--workers", "1", "--cache", str(tmp_path / "cache.sqlite"), "--quiet")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "evals.parquet").to_pylist()
+    assert [row["status"] for row in rows] == ["pass", "reference_error", "pass"], [row["diagnostic"][:300] for row in rows]
+    assert "the reference program failed" in rows[1]["diagnostic"] and rows[1]["feedback"].startswith("Status: reference_error")

@@ -78,7 +78,7 @@ REFERENCE_MAX_AGE_S = 1800.0
 # (parent and children), memory. Instrumentation for benchmarks; children never see it
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
 # the statuses a child may report for itself: failures only; any other is the candidate's forgery
-CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error", "resource_limit"}
+CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error", "resource_limit", "reference_error"}
 # what a tampered (well-formed pickle, wrong structure) result file raises while judged
 MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
 # reference runs by key: (when it ran, its payload, its result file's bytes), least recently used first

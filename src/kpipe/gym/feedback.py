@@ -31,6 +31,7 @@ STATUS_LINES = {
     "misaligned_address": "CUDA misaligned address",
     "illegal_instruction": "CUDA illegal instruction",
     "device_assert": "CUDA device-side assert",
+    "reference_error": "the reference program failed: no verdict on your kernel",
 }
 
 
