@@ -461,8 +461,10 @@ class Watchdog(threading.Thread):
 
     def run(self) -> None:
         disk_due = time.monotonic()
-        while not self._stop_event.wait(WATCH_INTERVAL_S):
-            if self.memory_mb is not None or self.tasks is not None:
+        tree = self.memory_mb is not None or self.tasks is not None
+        # with only the disk to watch (a cgroup bounds the rest), the judge wakes only for its walks
+        while not self._stop_event.wait(WATCH_INTERVAL_S if tree else DISK_WATCH_INTERVAL_S):
+            if tree:
                 tasks, memory = tree_usage(self.root, self.tasks)
                 self.peak_tasks, self.peak_memory = max(self.peak_tasks, tasks), max(self.peak_memory, memory)
                 if self.tasks is not None and tasks > self.tasks:
