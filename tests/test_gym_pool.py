@@ -305,3 +305,18 @@ def test_a_reference_out_of_memory_is_retried_alone_and_every_row_is_answered(tm
         results = pool.evaluate_many(jobs)
     assert [status(result) for result in results] == ["pass", "pass", REFERENCE_ERROR, "pass"], [getattr(r, "diagnostic", r) for r in results]
     assert (tmp_path / "ran-out-once").exists()
+
+
+def test_only_what_ran_out_of_memory_beside_others_is_retried_alone() -> None:
+    pool = GymPool.__new__(GymPool)
+    first, second, alone = WorkerState(slot=0, gpu="0"), WorkerState(slot=1, gpu="0"), WorkerState(slot=2, gpu="1")
+    pool.states = [first, second, alone]
+    job = queued("A")[0]
+    out_of_memory = "the reference program failed (torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)"
+    assert pool._ran_out_beside_others(job, first, REFERENCE_ERROR, out_of_memory)
+    assert pool._ran_out_beside_others(job, first, "ok", {"status": "oom"})  # a candidate that ran out
+    assert not pool._ran_out_beside_others(job, first, REFERENCE_ERROR, "the reference program failed (NameError: x)")
+    assert not pool._ran_out_beside_others(job, first, "ok", {"status": "mismatch"})
+    assert not pool._ran_out_beside_others(job, alone, REFERENCE_ERROR, out_of_memory)  # nobody beside it on GPU 1
+    job.alone = True
+    assert not pool._ran_out_beside_others(job, first, REFERENCE_ERROR, out_of_memory)  # it ran alone: its answer

@@ -20,10 +20,10 @@ process that forks has touched CUDA or started a thread pool:
 A worker that dies (or a judge that raises) is replaced and its job re-queued once; a second
 loss is answered with a ``crashed`` result that says why. Nothing is silently lost.
 
-GPU memory is scheduled too: a reference that runs out of memory beside the other evaluations of
-its GPU (on an 80 GB H100 at KernelBench's main sizes, one worker's reference did while another
-held 42.6 GiB, and the whole batch was lost) is retried once alone there, the GPU's other workers
-taking no job until it is done (``JobQueue``); only a second failure is its answer.
+GPU memory is scheduled too: a reference or a candidate that runs out of memory beside the other
+evaluations of its GPU (on an 80 GB H100 at KernelBench's main sizes, one worker's reference did
+while another held 42.6 GiB, and the whole batch was lost) is retried once alone there, the GPU's
+other workers taking no job until it is done (``JobQueue``); only the second answer counts.
 
 The pool answers as soon as its first worker is ready; the others join as they come up, so a
 caller waits for one interpreter's start-up, not for the slowest of them.
@@ -297,7 +297,7 @@ class GymPool:
             job.attempts += 1
             kind, payload = handle.evaluate(job, self._reply_timeout())
             self._queue.done(state)
-            if kind == REFERENCE_ERROR and not job.alone and is_out_of_memory(str(payload)):
+            if self._ran_out_beside_others(job, state, kind, payload):
                 self._retry_alone(job, state)
                 continue
             if kind in ("lost", "worker_error"):
@@ -329,6 +329,12 @@ class GymPool:
         state.restarts += 1
         state.references.clear()  # the new judge has run none
         return handle
+
+    def _ran_out_beside_others(self, job: Job, state: WorkerState, kind: str, payload: Any) -> bool:
+        """Whether the job's reference, or its candidate, ran out of memory on a GPU that other
+        workers share, and has not yet run there alone."""
+        out = (kind == REFERENCE_ERROR and is_out_of_memory(str(payload))) or (kind == "ok" and payload.get("status") == "oom")
+        return out and not job.alone and any(other is not state and other.gpu == state.gpu for other in self.states)
 
     def _retry_alone(self, job: Job, state: WorkerState) -> None:
         """Queue again a job whose reference ran out of memory, to run alone on this GPU."""
