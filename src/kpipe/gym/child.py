@@ -27,8 +27,8 @@ import gc
 import importlib.util
 import json
 import math
-import re
 import os
+import re
 import resource
 import site
 import statistics
