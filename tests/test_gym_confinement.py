@@ -393,3 +393,53 @@ def test_the_bound_pathname_unix_sockets_are_read_from_the_kernels_table(tmp_pat
                      "0000000000000000: 00000003 00000000 00000000 0001 03 1006\n")
     assert bound_unix_sockets(str(table)) == ["/run/docker.sock", "/tmp/a dir/with space.sock"]
     assert bound_unix_sockets(str(tmp_path / "absent")) == []
+
+
+LATE_SOCKET_CANDIDATE = """
+import os, socket, sys
+from pathlib import Path
+from kpipe.gym.sandbox import Sandbox, enter_sandbox, sandbox_for
+
+scratch, environment, target = sys.argv[1:4]
+planned = sandbox_for(Path(scratch), dict(os.environ))
+enter_sandbox(Sandbox(planned.scratch, (*planned.read, environment), planned.devices))
+print("confined", flush=True)
+sys.stdin.readline()  # the socket is bound now
+try:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.connect(target)
+    print("reached", flush=True)
+except OSError as exc:
+    print(f"refused ({exc.strerror})", flush=True)
+print("environment:", ",".join(sorted(os.listdir(environment))), flush=True)
+"""
+
+
+def test_a_socket_bound_under_tmp_after_the_candidate_started_is_out_of_reach_when_its_environment_is_there() -> None:
+    """Issue 62, row 14: the sandbox reads an environment under /tmp (an interpreter, a checkout), which
+    left /tmp uncovered; a socket bound there after the candidate's start was reachable."""
+    root = Path(tempfile.mkdtemp(prefix="kpipe-late-socket-", dir="/tmp"))
+    try:
+        environment, scratch = root / "environment", root / "scratch"
+        environment.mkdir()
+        (environment / "marker.txt").write_text("the environment's")
+        scratch.mkdir()
+        target = root / "late.sock"
+        candidate = subprocess.Popen([sys.executable, "-c", LATE_SOCKET_CANDIDATE, str(scratch), str(environment), str(target)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert candidate.stdout is not None and candidate.stdin is not None
+            assert candidate.stdout.readline().strip() == "confined", candidate.stderr.read() if candidate.stderr else ""
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
+                server.bind(str(target))
+                server.listen()
+                candidate.stdin.write("go\n")
+                candidate.stdin.flush()
+                verdict, listing = candidate.stdout.readline().strip(), candidate.stdout.readline().strip()
+        finally:
+            candidate.kill()
+            candidate.wait()
+        assert verdict.startswith("refused"), verdict
+        assert listing == "environment: marker.txt", listing  # what the sandbox reads there is still there
+    finally:
+        shutil.rmtree(root)

@@ -130,6 +130,13 @@ def test_static_screen_rejects_without_running(candidate, reason):
     assert result.status == "hacked" and result.hacked and not result.correct
     assert any(r.startswith(reason) for r in result.hack_reasons), result.hack_reasons
     assert result.candidate_ms is None and result.wall_s < 5
+    assert_names_its_reason(result)
+
+
+def assert_names_its_reason(result) -> None:
+    """A hacked verdict says why in its diagnostic and its feedback (issue 62, row 12: one came with an empty diagnostic)."""
+    assert result.diagnostic.startswith("rejected by the hacking check: " + result.hack_reasons[0][:40]), result.diagnostic
+    assert "Hacking check failed: " + result.hack_reasons[0][:40] in result.feedback, result.feedback
 
 
 @pytest.mark.parametrize(
@@ -154,6 +161,8 @@ def test_runtime_hacking_checks(candidate, status, reason):
     assert not result.correct
     if reason:
         assert any(r.startswith(reason) for r in result.hack_reasons), result.hack_reasons
+    if status == "hacked":
+        assert_names_its_reason(result)
 
 
 def test_a_forged_result_file_is_not_believed():

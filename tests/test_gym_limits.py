@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,8 @@ from kpipe.gym.result import STATUSES, EvalResult
 def test_every_candidate_has_limits_by_default_and_bad_values_are_refused() -> None:
     protocol = Protocol()
     assert PROTOCOL_VERSION == "kgym-13"
-    assert protocol.limits() == Limits(memory_mb=16384, file_size_mb=1024, tasks=1024)
-    assert Protocol(memory_limit_mb=None, file_size_limit_mb=None, task_limit=None).limits().any() is False
+    assert protocol.limits() == Limits(memory_mb=16384, file_size_mb=1024, tasks=1024, disk_mb=4096)
+    assert Protocol(memory_limit_mb=None, file_size_limit_mb=None, task_limit=None, disk_limit_mb=None).limits().any() is False
     for name, bad in (("memory_limit_mb", 255), ("file_size_limit_mb", 0), ("task_limit", 15), ("task_limit", 64.0),
                       ("memory_limit_mb", True)):
         with pytest.raises(ValueError, match=name):
@@ -39,7 +40,8 @@ def test_every_candidate_has_limits_by_default_and_bad_values_are_refused() -> N
 
 
 def test_a_protocol_written_before_kgym_12_loads_without_limits() -> None:
-    written = {k: v for k, v in Protocol().to_dict().items() if k not in ("memory_limit_mb", "file_size_limit_mb", "task_limit")}
+    written = {k: v for k, v in Protocol().to_dict().items()
+               if k not in ("memory_limit_mb", "file_size_limit_mb", "task_limit", "disk_limit_mb")}
     earlier = Protocol.from_dict({**written, "version": "kgym-11"})
     assert earlier.limits() == Limits(None, None, None)
     assert Protocol.from_dict({**written, "version": "kgym-11", "memory_limit_mb": 6000}).memory_limit_mb == 6000
@@ -196,7 +198,7 @@ def test_tree_usage_counts_threads_and_resident_memory_of_descendants() -> None:
 
 
 def test_a_thread_started_by_the_low_level_api_is_counted_from_the_kernels_list() -> None:
-    before = os_threads()
+    before, python_before = os_threads(), set(sys._current_frames())
     name = Path("/proc/self/comm").read_text().strip()
     release = threading.Lock()
     release.acquire()
@@ -205,10 +207,64 @@ def test_a_thread_started_by_the_low_level_api_is_counted_from_the_kernels_list(
     python_thread.start()  # seen by threading's own record (and its hook in the child), not counted twice
     try:
         deadline = time.monotonic() + 10
-        while not (found := side_os_threads(before, {name})) and time.monotonic() < deadline:
+        while not (found := side_os_threads(before, {name}, False, python_before)) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(found) == 1 and found[0].startswith("native thread ") and found[0].endswith(f"({name})")
-        assert side_os_threads(before, {"another-name"}) == []  # the runtime's helpers name themselves
+        assert side_os_threads(before, {"another-name"}, False, python_before) == []  # the runtime's helpers name themselves
     finally:
         release.release()
         python_thread.join()
+
+
+def start_named_thread(name: str, runs_python: bool) -> Callable[[], None]:
+    """A low-level thread named `name`, waiting blocked in C with no Python frame (as a native
+    thread would) or in a loop of Python; returns what releases it."""
+    before = set(os_threads())
+    if runs_python:
+        release = threading.Event()
+
+        def body() -> None:
+            while not release.is_set():
+                time.sleep(0.005)
+
+        _thread.start_new_thread(body, ())
+        stop = release.set
+    else:
+        lock = threading.Lock()
+        lock.acquire()
+        _thread.start_new_thread(lock.acquire, ())  # no Python frame while it waits
+        stop = lock.release
+    deadline = time.monotonic() + 10
+    while not (new := set(os_threads()) - before) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    Path(f"/proc/self/task/{new.pop()}/comm").write_text(name)  # a thread's name is the process's to set
+    return stop
+
+
+@pytest.mark.parametrize("name, cuda, seen", [("cuda-EvtHandlr", False, True), ("cuda00001400006", False, True),
+                                              ("cuda-EvtHandlr", True, True), ("llvm-worker-3", True, False)])
+def test_a_thread_renamed_to_pass_for_cudas_is_still_seen(name: str, cuda: bool, seen: bool) -> None:
+    """On a CPU no thread is CUDA's; on a GPU the driver's event handler, one a process, was running
+    before the candidate (the snapshot holds it here as it does after ``prime_lazy_state``)."""
+    before, python_before = os_threads(), set(sys._current_frames())
+    before_with_cuda = {**before, -1: "cuda-EvtHandlr"} if cuda else before
+    release = start_named_thread(name, runs_python=False)
+    try:
+        found = side_os_threads(before_with_cuda, {"an-inherited-name"}, cuda, python_before)
+        assert bool(found) is seen, found
+        if seen:
+            assert found[0].endswith(f"({name}, named like a CUDA driver thread)")
+    finally:
+        release()
+
+
+def test_a_renamed_thread_running_python_is_seen_whatever_its_name() -> None:
+    before, python_before = os_threads(), set(sys._current_frames())
+    release = start_named_thread("llvm-worker-0", runs_python=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not (found := side_os_threads(before, {"an-inherited-name"}, True, python_before)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(found) == 1 and found[0].startswith("python thread "), found
+    finally:
+        release()

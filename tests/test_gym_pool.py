@@ -258,3 +258,65 @@ def test_without_reuse_the_queue_is_first_in_first_out() -> None:
     jobs.stop(1)
     assert jobs.get(worker, [worker]).reference == "C"  # jobs queued before the stop are served
     assert jobs.get(worker, [worker]) is None
+
+
+def test_a_job_to_run_alone_waits_for_its_gpu_to_be_free_and_holds_the_others_off() -> None:
+    """Issue 62, row 11: a reference that ran out of GPU memory beside other evaluations is retried
+    alone on its GPU; the GPU's other workers take nothing while it waits or runs, other GPUs go on."""
+    jobs = JobQueue(affinity=False)
+    first, second, elsewhere = (WorkerState(slot=0, gpu="0", alive=True), WorkerState(slot=1, gpu="0", alive=True),
+                                WorkerState(slot=2, gpu="1", alive=True))
+    workers = [first, second, elsewhere]
+    for job in queued("A", "B", "C", "D"):
+        jobs.put(job)
+    assert jobs.get(first, workers).job_id == 0 and jobs.get(second, workers).job_id == 1
+    retried = jobs.get(first, workers)  # ... it ran out of memory: queued again to run alone on GPU 0
+    jobs.done(first)
+    retried.alone, retried.alone_on = True, "0"
+    jobs.put(retried)
+    assert jobs._takeable(first, workers) == []  # the second worker is still busy on GPU 0
+    assert jobs.get(elsewhere, workers).job_id == 3  # another GPU is not held off
+    jobs.done(second)
+    assert jobs._takeable(second, workers) == [0]  # GPU 0 is free: only the job to run alone
+    assert jobs.get(second, workers) is retried and second.busy_alone
+    assert jobs._takeable(first, workers) == []  # held off while it runs
+    jobs.done(second)
+    jobs.stop(3)
+    assert [jobs.get(worker, workers) for worker in workers] == [None, None, None]
+
+
+# a reference that runs out of memory the first time it runs (while the other evaluations of its batch
+# run beside it), then passes: the injected fault of a GPU whose memory another worker held
+RUNS_OUT_OF_MEMORY_ONCE = '''
+try:
+    open({marker!r}, "x").close()
+except OSError:
+    pass  # it ran before (or this is the candidate's process, which loads the reference too, out of the marker's reach)
+else:
+    raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (injected by the test)")
+'''
+
+
+def test_a_reference_out_of_memory_is_retried_alone_and_every_row_is_answered(tmp_path: Path) -> None:
+    injected = RUNS_OUT_OF_MEMORY_ONCE.format(marker=str(tmp_path / "ran-out-once")) + REFERENCE
+    broken = REFERENCE.replace("def forward(self, x", "def forward(self, x, missing", 1)
+    jobs = [(REFERENCE, variant(LEGIT, "beside")), (injected, LEGIT), (broken, LEGIT), (REFERENCE, variant(LEGIT, "after"))]
+    with GymPool(PROTOCOL, workers=2, progress=False, reuse_reference=False) as pool:
+        results = pool.evaluate_many(jobs)
+    assert [status(result) for result in results] == ["pass", "pass", REFERENCE_ERROR, "pass"], [getattr(r, "diagnostic", r) for r in results]
+    assert (tmp_path / "ran-out-once").exists()
+
+
+def test_only_what_ran_out_of_memory_beside_others_is_retried_alone() -> None:
+    pool = GymPool.__new__(GymPool)
+    first, second, alone = WorkerState(slot=0, gpu="0"), WorkerState(slot=1, gpu="0"), WorkerState(slot=2, gpu="1")
+    pool.states = [first, second, alone]
+    job = queued("A")[0]
+    out_of_memory = "the reference program failed (torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB)"
+    assert pool._ran_out_beside_others(job, first, REFERENCE_ERROR, out_of_memory)
+    assert pool._ran_out_beside_others(job, first, "ok", {"status": "oom"})  # a candidate that ran out
+    assert not pool._ran_out_beside_others(job, first, REFERENCE_ERROR, "the reference program failed (NameError: x)")
+    assert not pool._ran_out_beside_others(job, first, "ok", {"status": "mismatch"})
+    assert not pool._ran_out_beside_others(job, alone, REFERENCE_ERROR, out_of_memory)  # nobody beside it on GPU 1
+    job.alone = True
+    assert not pool._ran_out_beside_others(job, first, REFERENCE_ERROR, out_of_memory)  # it ran alone: its answer

@@ -355,8 +355,8 @@ import os, sys, time
 
 class HoldDynamo:
     def find_spec(self, name, path=None, target=None):
-        hold = os.environ.get("KPIPE_TEST_HOLD")
-        if name == "torch._dynamo" and hold:
+        hold = {hold!r}  # in the source: the zygote's environment holds only its children's allowlist
+        if name == "torch._dynamo":
             open(hold + ".held", "w").close()
             while not os.path.exists(hold + ".go"):
                 time.sleep(0.01)
@@ -376,12 +376,11 @@ def test_a_childs_exit_is_reported_while_the_zygote_still_preloads(tmp_path: Pat
 
     hooks = tmp_path / "hooks"
     hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(HOLD_DYNAMO)
     hold = tmp_path / "hold"
+    (hooks / "sitecustomize.py").write_text(HOLD_DYNAMO.replace("{hold!r}", repr(str(hold))))
     held, go = Path(f"{hold}.held"), Path(f"{hold}.go")
     path = os.pathsep.join(p for p in (str(hooks), os.environ.get("PYTHONPATH", "")) if p)
-    zygote = Zygote({**os.environ, "TRITON_INTERPRET": "0", "TMPDIR": str(tmp_path), "PYTHONPATH": path,
-                     "KPIPE_TEST_HOLD": str(hold)})
+    zygote = Zygote({**os.environ, "TRITON_INTERPRET": "0", "TMPDIR": str(tmp_path), "PYTHONPATH": path})
     try:
         zygote.wait_ready()
         first, _ = fork_probe(zygote, tmp_path, "first", exit_after=held)  # exits once the preload is held

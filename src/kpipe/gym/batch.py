@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 from kpipe.data.io import write_table
 from kpipe.gym.cache import ResultCache
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import EvalResult
+from kpipe.gym.result import EvalResult, reference_error_result
 
-ON_REFERENCE_ERROR = ("fail", "skip")
+ON_REFERENCE_ERROR = ("row", "fail", "skip")
 
 
 class BatchInputError(ValueError):
@@ -45,7 +45,7 @@ class BatchSummary:
         text = (f"{self.rows} rows, {self.unique} unique: {self.cached} from the cache, "
                 f"{self.evaluated} evaluated; {self.written} rows written")
         if self.reference_errors:
-            text += f"; {len(self.reference_errors)} rows skipped (reference failed)"
+            text += f"; {len(self.reference_errors)} rows whose reference failed"
         return text
 
 
@@ -98,14 +98,16 @@ def eval_batch(
     workers: int | None = None,
     per_gpu: int | None = None,
     reuse_reference: bool = False,
-    on_reference_error: str = "fail",
+    on_reference_error: str = "row",
     progress: bool = True,
 ) -> BatchSummary:
     """Evaluate every input row (through the cache) and write the ``evals`` rows to `output`.
 
-    A reference that fails to run is bad input, not a bad candidate: with ``fail`` the
-    command raises after every other job finished (and was cached), naming the rows; with
-    ``skip`` those rows are left out of the output.
+    A reference that fails to run (after the pool retried it alone where it ran out of GPU
+    memory) is bad input, not a bad candidate: with ``row`` (the default) its rows are written
+    with the status ``reference_error`` and the reason, every other row as usual, so that one
+    failed row never takes the batch with it; with ``fail`` the command raises after every other
+    job finished (and was cached), naming the rows; with ``skip`` those rows are left out.
     """
     from kpipe.gym.result import eval_key
     from kpipe.gym.pool import GymPool
@@ -126,7 +128,13 @@ def eval_batch(
             for i, result in zip(missing, pool.evaluate_many([jobs[i] for i in missing])):
                 results[i] = result
     bad_rows = [i for i, result in enumerate(results) if not isinstance(result, EvalResult)]
-    if bad_rows and on_reference_error == "fail":
+    if on_reference_error == "row":
+        from kpipe.data.source_text import source_hash
+
+        for i in bad_rows:
+            results[i] = reference_error_result(keys[i], source_hash(jobs[i][0]), source_hash(jobs[i][1]),
+                                                 str(results[i].get("diagnostic", "")))
+    elif bad_rows and on_reference_error == "fail":
         reason = results[bad_rows[0]].get("diagnostic", "")
         raise BatchInputError(f"the reference failed in row(s) {bad_rows[:10]} (first: {reason[:300]})")
     rows = [result.to_row() for result in results if isinstance(result, EvalResult)]

@@ -28,6 +28,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import resource
 import site
 import statistics
@@ -208,10 +209,17 @@ def prime_lazy_state(device: str, profile: bool) -> None:
 
     with poisoned_memory():
         torch.empty(1, device=device)
-    # torch's OpenMP pool starts at the first parallel host op (a candidate's forward may be one):
-    # started here, its threads are not taken for the candidate's (side_os_threads)
-    torch.ones(1 << 18).add_(1)
+    # torch's OpenMP pool starts at the first parallel host op (a candidate's forward may be one), as
+    # many threads as that op has chunks of 32768 elements: started here at full width, its threads are
+    # not taken for the candidate's (side_os_threads)
+    torch.ones(1 << 15, 2 * torch.get_num_threads()).add_(1)
     torch.ones(256, 256) @ torch.ones(256, 256)
+    # numpy's OpenBLAS pool (the Triton interpreter's tl.dot is a numpy matmul) does not survive the
+    # zygote's fork and restarts at the first matmul large enough to split: the bank's honest L2_76
+    # was judged hacked for that thread (issue 62, row 12)
+    import numpy
+
+    numpy.ones((256, 256), dtype=numpy.float32) @ numpy.ones((256, 256), dtype=numpy.float32)
     if device == "cuda":
         torch.cuda.init()
         event = torch.cuda.Event(enable_timing=True)
@@ -257,15 +265,38 @@ def os_threads() -> dict[int, str]:
     return threads
 
 
-def side_os_threads(before: dict[int, str], inherited_names: set[str]) -> list[str]:
-    """Threads alive now that were not before the candidate's import and carry a name a thread
-    inherits from the one that started it (`inherited_names`: the main thread's, before and now).
-    The runtime's own late helpers name themselves (the CUDA driver's ``cuda-EvtHandlr``, LLVM's
-    ``llvm-worker-N``); torch's OpenMP pool, which does not, is started before the snapshot
-    (``prime_lazy_state``)."""
+# the CUDA driver's threads (its event handler, one a process, and its callback threads)
+CUDA_THREAD_RE = re.compile(r"cuda-EvtHandlr|cuda\d+")
+ONE_A_PROCESS = frozenset({"cuda-EvtHandlr"})
+
+
+def side_os_threads(before: dict[int, str], inherited_names: set[str], cuda: bool, python_before: set[int]) -> list[str]:
+    """Threads alive now that were not before the candidate's import (`before`, `python_before`:
+    the threads and the interpreter's thread states then) and that the runtime did not start:
+
+    - a thread with a name it inherits from the one that started it (`inherited_names`: the main
+      thread's, before and now): the runtime's own late helpers name themselves (the CUDA driver's
+      ``cuda-EvtHandlr``, LLVM's ``llvm-worker-N``), and the pools that do not (torch's OpenMP,
+      numpy's OpenBLAS) are started before the snapshot (``prime_lazy_state``);
+    - a thread named like one of CUDA's where there is no CUDA, or like one a process has once
+      (``ONE_A_PROCESS``) that was already running: a name is the thread's to set, so one named
+      to pass for the runtime's is told apart by what the runtime does;
+    - a thread running Python code (a thread state of the interpreter's) that ``threading`` does
+      not list: no runtime thread runs Python, whatever the thread calls itself.
+    The ``threading`` threads are the caller's to report."""
     python_threads = {thread.native_id for thread in threading.enumerate()}
-    return [f"native thread {tid} ({name})" for tid, name in sorted(os_threads().items())
-            if tid not in before and tid not in python_threads and name in inherited_names]
+    names_before = set(before.values())
+    side = []
+    for tid, name in sorted(os_threads().items()):
+        if tid in before or tid in python_threads:
+            continue
+        if name in inherited_names:
+            side.append(f"native thread {tid} ({name})")
+        elif CUDA_THREAD_RE.fullmatch(name) and (not cuda or (name in ONE_A_PROCESS and name in names_before)):
+            side.append(f"native thread {tid} ({name}, named like a CUDA driver thread)")
+    listed = {thread.ident for thread in threading.enumerate()}
+    side += [f"python thread {ident}" for ident in sorted(set(sys._current_frames()) - python_before - listed)]
+    return side
 
 
 # ----------------------------------------------------------------------------- roles
@@ -400,7 +431,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
     threading.Thread.start = start_and_record  # type: ignore[method-assign]
     threads_before = set(threading.enumerate())
-    os_threads_before = os_threads()
+    os_threads_before, python_states_before = os_threads(), set(sys._current_frames())
     main_thread_name = Path("/proc/self/comm").read_text().strip()
     reference = load_module(job["reference_src"], "kpipe_reference", workdir)
     # taken before candidate code runs (it could rebind the module's names)
@@ -456,7 +487,8 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             "patched": patched_names(watched),
             "hooks_intact": instrument.installed_intact() and threading.Thread.start is start_and_record,
             "threads": sorted(set(started_threads) | {t.name for t in set(threading.enumerate()) - threads_before})
-            + side_os_threads(os_threads_before, {main_thread_name, Path("/proc/self/comm").read_text().strip()}),
+            + side_os_threads(os_threads_before, {main_thread_name, Path("/proc/self/comm").read_text().strip()}, device == "cuda",
+                              python_states_before),
         }
 
     if job.get("gate_path"):

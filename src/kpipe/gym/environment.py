@@ -83,6 +83,14 @@ def child_environment(device: str, parent: Mapping[str, str], caches: Mapping[st
     return env
 
 
+def fork_server_environment(worker: Mapping[str, str]) -> dict[str, str]:
+    """The environment a worker's fork server (``kpipe.gym.zygote``) is started with: only what its
+    children may inherit. A forked child's ``/proc/self/environ`` is the block its zygote was
+    started with (clearing ``os.environ`` does not change it), so whatever else the worker holds
+    (a database URL, a webhook, the run's ``KPIPE_*`` names) must never be in that block."""
+    return {k: v for k, v in worker.items() if inherited_by_children(k)}
+
+
 def worker_environment(parent: Mapping[str, str], gpu: str | None, cpu_threads: int | None) -> dict[str, str]:
     """A pool worker's environment: secrets scrubbed (the worker and its zygote never hold
     them), pinned to its GPU, and CUDA availability checked through NVML so nothing

@@ -23,7 +23,7 @@ import torch
 from kpipe.data.source_text import source_hash
 from kpipe.gym.compare import Comparison, Tolerance, compare_norms, compare_outputs
 from kpipe.gym.faults import classify_exit
-from kpipe.gym.feedback import build_feedback, clip
+from kpipe.gym.feedback import build_feedback, hacked_diagnostic, clip
 from kpipe.gym.child import CHALLENGE_MAX_CALLS, CHALLENGE_MIN_CALLS, rechecked
 from kpipe.gym.isolate import Challenge, ChildRun, Launcher, fresh_interpreter, run_isolated
 from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
@@ -78,7 +78,7 @@ REFERENCE_MAX_AGE_S = 1800.0
 # (parent and children), memory. Instrumentation for benchmarks; children never see it
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
 # the statuses a child may report for itself: failures only; any other is the candidate's forgery
-CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error", "resource_limit"}
+CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error", "resource_limit", "reference_error"}
 # what a tampered (well-formed pickle, wrong structure) result file raises while judged
 MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
 # reference runs by key: (when it ran, its payload, its result file's bytes), least recently used first
@@ -648,6 +648,8 @@ def evaluate(
     candidate_done: float | None = None
 
     def finish(status: str, profile: dict[str, Any] | None = None, **fields: Any) -> EvalResult:
+        if status == "hacked":  # every hacked verdict names its reason in its diagnostic (and so in its feedback)
+            fields["diagnostic"] = hacked_diagnostic(fields.get("hack_reasons", []), fields.get("diagnostic", ""))
         result = EvalResult(status=status, **base, **fields)
         result.correct = status == "pass"
         result.hacked = status == "hacked"

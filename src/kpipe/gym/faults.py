@@ -65,6 +65,11 @@ def classify_exception(exc: BaseException) -> tuple[str, str]:
     return "runtime_error", summary
 
 
+def is_out_of_memory(text: str) -> bool:
+    """Whether an error's text says a device or the host ran out of memory."""
+    return any(marker in text.lower() for marker in OOM_MARKERS)
+
+
 def classify_exit(returncode: int) -> tuple[str, str]:
     """(status, summary) of a child that exited without writing a result."""
     if returncode < 0:

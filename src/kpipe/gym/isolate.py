@@ -14,7 +14,6 @@ import gc
 import io
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from kpipe.gym.lease import ChildPauser, TimingLease
 from kpipe.gym.limits import ChildLimits, Limits, cgroup_support
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.sandbox import require_confinement, sandbox_for
+from kpipe.gym.scratch_tree import remove_tree, walk
 from kpipe.infra.process import kill_group, tied_to_this_process
 
 HEAD_BYTES = 2048
@@ -163,19 +163,10 @@ class ScratchDir:
             os.close(fd)
 
     def file_of_size(self, size: int, max_entries: int = 10000) -> str | None:
-        """The name (relative to the directory) of a regular file at least `size` bytes large, if
-        the first `max_entries` entries hold one: a walk that follows no link."""
-        seen = 0
-        for top, _, files, top_fd in os.fwalk(".", dir_fd=self.fd, follow_symlinks=False):
-            for name in files:
-                seen += 1
-                with contextlib.suppress(OSError):
-                    info = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
-                    if stat.S_ISREG(info.st_mode) and info.st_size >= size:
-                        return os.path.normpath(os.path.join(top, name))
-                if seen >= max_entries:
-                    return None
-        return None
+        """The path (relative to the directory) of a regular file at least `size` bytes large, if
+        the first `max_entries` entries hold one (``kpipe.gym.scratch_tree.walk``: iterative, no link followed)."""
+        return next((entry.path for entry in walk(self.fd, max_entries)
+                     if stat.S_ISREG(entry.info.st_mode) and entry.info.st_size >= size), None)
 
     def write_new(self, name: str, data: bytes) -> None:
         """Create `name` holding `data`, all at once (a child polling for it never sees it empty:
@@ -431,8 +422,8 @@ class Scratch:
     limits: ChildLimits | None = None
 
     def remove(self) -> None:
-        """Remove the directory and the child's cgroups."""
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Remove the directory (however deep the candidate nested it) and the child's cgroups."""
+        remove_tree(self.path)
         if self.limits is not None:
             self.limits.remove()
 
@@ -450,7 +441,7 @@ def make_scratch(role: str, device: str, limits: Limits | None = None) -> Scratc
         if not trusted:
             scratch.confinement = candidate_confinement(scratch.path, scratch.env)
             if limits is not None and limits.any():
-                scratch.limits = ChildLimits(limits, cgroup_support())
+                scratch.limits = ChildLimits(limits, cgroup_support(), scratch.path)
                 scratch.confinement.update(scratch.limits.job_keys())
         return scratch
     except BaseException:

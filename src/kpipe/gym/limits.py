@@ -4,6 +4,13 @@ whatever it starts. The judge decides which limit was hit from what the candidat
 
 How each is enforced, and why:
 
+- **disk**: the judge's quota on what the candidate's scratch directory holds (allocated blocks, each
+  entry at least a block; ``kpipe.gym.scratch_tree.disk_usage``), checked by its watchdog every
+  ``DISK_WATCH_INTERVAL_S`` (the tree is killed past it) and once more after the child has exited, so
+  nothing it left counts less: ``RLIMIT_FSIZE`` bounds one file's size, not how many files there are,
+  nor blocks ``fallocate`` reserves without growing a file (``FALLOC_FL_KEEP_SIZE``). A soft bound
+  while it runs (a fast writer overshoots by what it writes in one interval), exact at the end; the
+  scratch is removed after either (``kpipe.gym.scratch_tree.remove_tree``), however deep it nests.
 - **file size**: ``RLIMIT_FSIZE``, set in the child (``apply_rlimits``); a write past it kills the
   writer with SIGXFSZ (the judge sees the exit signal) or, where the candidate ignores that signal,
   fails with EFBIG and leaves a file at the cap in its scratch (the judge looks: ``ChildLimits.hit``).
@@ -39,6 +46,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kpipe.gym.scratch_tree import MAX_WALK_DEPTH, ENTRY_BYTES, disk_usage
+
 # set to 1 to enforce memory and tasks by the watchdog even where a cgroup could be made
 NO_CGROUP_VARIABLE = "KPIPE_GYM_NO_CGROUP"
 # a cgroup v2 directory delegated to KernelGym (memory and pids in its cgroup.subtree_control, writable by the
@@ -46,6 +55,7 @@ NO_CGROUP_VARIABLE = "KPIPE_GYM_NO_CGROUP"
 # in it (cgroup v2 has no internal processes), so only an administrator can make one for it
 DELEGATED_CGROUP_VARIABLE = "KPIPE_GYM_CGROUP"
 WATCH_INTERVAL_S = 0.05
+DISK_WATCH_INTERVAL_S = 0.5  # a walk of the scratch directory: an honest one holds tens of entries
 MiB = 1 << 20
 CGROUP_REMOVE_WAIT_S = 2.0
 _names = itertools.count()
@@ -54,14 +64,15 @@ _names = itertools.count()
 @dataclass(frozen=True)
 class Limits:
     """A candidate's caps (``kpipe.gym.protocol.Protocol``'s ``memory_limit_mb``,
-    ``file_size_limit_mb``, ``task_limit``); None: unlimited."""
+    ``file_size_limit_mb``, ``task_limit``, ``disk_limit_mb``); None: unlimited."""
 
     memory_mb: int | None
     file_size_mb: int | None
     tasks: int | None
+    disk_mb: int | None = None
 
     def any(self) -> bool:
-        return any(value is not None for value in (self.memory_mb, self.file_size_mb, self.tasks))
+        return any(value is not None for value in (self.memory_mb, self.file_size_mb, self.tasks, self.disk_mb))
 
 
 def apply_rlimits(limits: dict[str, Any] | None) -> None:
@@ -230,12 +241,17 @@ class ChildLimits:
     written in), or its watchdog where there are none; ``hit`` says afterwards which limit the child
     ran into, from the kernel's counters, its exit signal, its scratch and the watchdog's own record."""
 
-    def __init__(self, limits: Limits, support: CgroupSupport | None) -> None:
+    def __init__(self, limits: Limits, support: CgroupSupport | None, scratch: Path | None = None) -> None:
         self.limits = limits
         self.cgroups: dict[str, str] = {}  # controller -> the child's cgroup directory
         self.version = support.version if support is not None else 0
         self.watchdog: Watchdog | None = None
+        # the child's scratch directory, opened before any candidate code runs: the disk quota's
+        # walks start from this descriptor, never from a path the candidate could replace
+        self.disk: DiskQuota | None = None
         try:
+            if scratch is not None and limits.disk_mb is not None:
+                self.disk = DiskQuota(os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC), limits.disk_mb)
             if support is not None:
                 self._make(support)
         except BaseException:
@@ -281,8 +297,8 @@ class ChildLimits:
         """Start the watchdog on the process tree of `pid` for the caps no cgroup enforces."""
         memory = self.limits.memory_mb if "memory" not in self.cgroups else None
         tasks = self.limits.tasks if "pids" not in self.cgroups else None
-        if (memory is not None or tasks is not None) and self.watchdog is None:
-            self.watchdog = Watchdog(pid, memory, tasks, kill)
+        if (memory is not None or tasks is not None or self.disk is not None) and self.watchdog is None:
+            self.watchdog = Watchdog(pid, memory, tasks, kill, self.disk)
             self.watchdog.start()
 
     def stop(self) -> None:
@@ -324,6 +340,8 @@ class ChildLimits:
                            f"(a fork refused, {self.enforced_by('pids')})")
         if self.watchdog is not None and self.watchdog.record:
             reasons.append(self.watchdog.record)
+        elif self.disk is not None and (past := self.disk.exceeded()):  # what the child left, walked once it is gone
+            reasons.append(past)
         if self.limits.file_size_mb is not None:
             cap = self.limits.file_size_mb * MiB
             at_cap = oversized_file(cap)
@@ -335,6 +353,8 @@ class ChildLimits:
     def remove(self) -> None:
         """Stop the watchdog and remove the cgroups, once whatever is left in them is killed."""
         self.stop()
+        if self.disk is not None:
+            self.disk.close()
         for directory in sorted(set(self.cgroups.values())):
             remove_cgroup(directory, self.version)
         self.cgroups.clear()
@@ -402,26 +422,60 @@ def tree_usage(root: int, stop_after: int | None = None) -> tuple[int, int]:
     return tasks, memory
 
 
-class Watchdog(threading.Thread):
-    """The judge's bound on a child's tree where no cgroup is: past a cap it kills the tree and
-    records why (``record``), which the child's process cannot reach."""
+class DiskQuota:
+    """The disk quota of one candidate's scratch directory (open as `scratch_fd`, which this owns)."""
 
-    def __init__(self, root: int, memory_mb: int | None, tasks: int | None, kill: Callable[[], None]) -> None:
+    def __init__(self, scratch_fd: int, quota_mb: int) -> None:
+        self.scratch_fd, self.quota_mb = scratch_fd, quota_mb
+
+    def exceeded(self) -> str:
+        """Why the scratch directory is past the quota now ("" when it is not): more bytes or
+        entries than it allows, or directories nested past what the judge walks."""
+        quota = self.quota_mb * MiB
+        usage = disk_usage(self.scratch_fd, max_entries=quota // ENTRY_BYTES + 1)
+        if usage.bytes > quota:
+            return (f"disk: its scratch directory held {usage.bytes // MiB} MiB in {usage.entries} entries, past the disk "
+                    f"quota of {self.quota_mb} MiB")
+        if usage.too_deep:
+            return f"disk: its scratch directory nests directories more than {MAX_WALK_DEPTH} deep"
+        return ""
+
+    def close(self) -> None:
+        if self.scratch_fd >= 0:
+            os.close(self.scratch_fd)
+            self.scratch_fd = -1
+
+
+class Watchdog(threading.Thread):
+    """The judge's bound on a child's tree where no cgroup is, and on its scratch directory's disk
+    usage (`disk`): past a cap it kills the tree and records why (``record``), which the child's
+    process cannot reach."""
+
+    def __init__(self, root: int, memory_mb: int | None, tasks: int | None, kill: Callable[[], None],
+                 disk: DiskQuota | None = None) -> None:
         super().__init__(daemon=True, name=f"kgym-limits-{root}")
-        self.root, self.memory_mb, self.tasks, self.kill = root, memory_mb, tasks, kill
+        self.root, self.memory_mb, self.tasks, self.kill, self.disk = root, memory_mb, tasks, kill, disk
         self.record = ""
         self.peak_tasks, self.peak_memory = 0, 0
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        while not self._stop_event.wait(WATCH_INTERVAL_S):
-            tasks, memory = tree_usage(self.root, self.tasks)
-            self.peak_tasks, self.peak_memory = max(self.peak_tasks, tasks), max(self.peak_memory, memory)
-            if self.tasks is not None and tasks > self.tasks:
-                self.record = f"processes: it ran more than {self.tasks} processes and threads (killed by the judge's watchdog)"
-            elif self.memory_mb is not None and memory > self.memory_mb * MiB:
-                self.record = (f"memory: its processes passed the host memory cap of {self.memory_mb} MiB "
-                               f"({memory // MiB} MiB resident; killed by the judge's watchdog)")
+        disk_due = time.monotonic()
+        tree = self.memory_mb is not None or self.tasks is not None
+        # with only the disk to watch (a cgroup bounds the rest), the judge wakes only for its walks
+        while not self._stop_event.wait(WATCH_INTERVAL_S if tree else DISK_WATCH_INTERVAL_S):
+            if tree:
+                tasks, memory = tree_usage(self.root, self.tasks)
+                self.peak_tasks, self.peak_memory = max(self.peak_tasks, tasks), max(self.peak_memory, memory)
+                if self.tasks is not None and tasks > self.tasks:
+                    self.record = f"processes: it ran more than {self.tasks} processes and threads (killed by the judge's watchdog)"
+                elif self.memory_mb is not None and memory > self.memory_mb * MiB:
+                    self.record = (f"memory: its processes passed the host memory cap of {self.memory_mb} MiB "
+                                   f"({memory // MiB} MiB resident; killed by the judge's watchdog)")
+            if not self.record and self.disk is not None and time.monotonic() >= disk_due:
+                disk_due = time.monotonic() + DISK_WATCH_INTERVAL_S
+                if past := self.disk.exceeded():
+                    self.record = f"{past} (killed by the judge's watchdog)"
             if self.record:
                 self.kill()
                 return

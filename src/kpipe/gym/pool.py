@@ -20,6 +20,11 @@ process that forks has touched CUDA or started a thread pool:
 A worker that dies (or a judge that raises) is replaced and its job re-queued once; a second
 loss is answered with a ``crashed`` result that says why. Nothing is silently lost.
 
+GPU memory is scheduled too: a reference or a candidate that runs out of memory beside the other
+evaluations of its GPU (on an 80 GB H100 at KernelBench's main sizes, one worker's reference did
+while another held 42.6 GiB, and the whole batch was lost) is retried once alone there, the GPU's
+other workers taking no job until it is done (``JobQueue``); only the second answer counts.
+
 The pool answers as soon as its first worker is ready; the others join as they come up, so a
 caller waits for one interpreter's start-up, not for the slowest of them.
 """
@@ -37,9 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from kpipe.gym.feedback import failure_feedback
 from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import EvalResult, reference_error
+from kpipe.gym.faults import is_out_of_memory
+from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
 from kpipe.gym.worker import Job, WorkerHandle
 
 if TYPE_CHECKING:
@@ -76,6 +83,7 @@ class WorkerState:
     device_kind: str = ""
     busy_with: str | None = None  # key of the job being evaluated
     busy_reference: str | None = None  # its reference source
+    busy_alone: bool = False  # the job runs alone on its GPU (a reference that ran out of memory)
     references: set[str] = field(default_factory=set)  # references its judge has run and reuses
     done: int = 0
     restarts: int = 0
@@ -288,7 +296,10 @@ class GymPool:
                     continue
             job.attempts += 1
             kind, payload = handle.evaluate(job, self._reply_timeout())
-            state.busy_with = state.busy_reference = None
+            self._queue.done(state)
+            if self._ran_out_beside_others(job, state, kind, payload):
+                self._retry_alone(job, state)
+                continue
             if kind in ("lost", "worker_error"):
                 if kind == "lost":  # replace it now, so /workers never shows a dead one idle
                     state.alive = False
@@ -318,6 +329,18 @@ class GymPool:
         state.restarts += 1
         state.references.clear()  # the new judge has run none
         return handle
+
+    def _ran_out_beside_others(self, job: Job, state: WorkerState, kind: str, payload: Any) -> bool:
+        """Whether the job's reference, or its candidate, ran out of memory on a GPU that other
+        workers share, and has not yet run there alone."""
+        out = (kind == REFERENCE_ERROR and is_out_of_memory(str(payload))) or (kind == "ok" and payload.get("status") == "oom")
+        return out and not job.alone and any(other is not state and other.gpu == state.gpu for other in self.states)
+
+    def _retry_alone(self, job: Job, state: WorkerState) -> None:
+        """Queue again a job whose reference ran out of memory, to run alone on this GPU."""
+        job.attempts -= 1  # not a loss of the worker
+        job.alone, job.alone_on = True, state.gpu
+        self._queue.put(job)
 
     def _lose(self, job: Job, state: WorkerState, why: str) -> None:
         """Re-queue a job whose worker was lost once; the second loss is its result."""
@@ -355,7 +378,7 @@ class JobQueue:
     def put(self, job: Job) -> None:
         with self._changed:
             self._jobs.append(job)
-            self._changed.notify()
+            self._changed.notify_all()  # which worker may take it depends on what each GPU runs
 
     def promote(self, key: str, priority: int) -> None:
         """Raise the queued job of `key` (if any) to `priority`: an identical job asked for again
@@ -373,19 +396,39 @@ class JobQueue:
 
     def get(self, state: WorkerState, states: Sequence[WorkerState]) -> Job | None:
         """The next job for the worker of `state` (``states``: every worker, this one included),
-        marked busy on it; None when the pool stops."""
+        marked busy on it; None when the pool stops. A job to run alone on a GPU (``Job.alone_on``)
+        waits until no other worker there is busy, and while it waits or runs they take nothing."""
         with self._changed:
-            self._changed.wait_for(lambda: self._jobs or self._stops)
+            self._changed.wait_for(lambda: (self._stops and not self._jobs) or self._takeable(state, states))
             if not self._jobs:
                 self._stops -= 1
                 return None
             job = self._jobs.pop(self._pick(state, states))
-            state.busy_with, state.busy_reference = job.key, job.reference
+            state.busy_with, state.busy_reference, state.busy_alone = job.key, job.reference, job.alone
             return job
 
+    def done(self, state: WorkerState) -> None:
+        """The worker of `state` finished its job: a job waiting to run alone may go now."""
+        with self._changed:
+            state.busy_with = state.busy_reference = None
+            state.busy_alone = False
+            self._changed.notify_all()
+
+    def _takeable(self, state: WorkerState, states: Sequence[WorkerState]) -> list[int]:
+        """The indices of the queued jobs the worker of `state` may take now."""
+        others = [other for other in states if other is not state and other.gpu == state.gpu]
+        if any(other.busy_alone for other in others):
+            return []  # a job runs alone on this GPU
+        serving = {other.gpu for other in states if other.alive}
+        alone_here = [i for i, job in enumerate(self._jobs) if job.alone and (job.alone_on == state.gpu or job.alone_on not in serving)]
+        if alone_here:  # held off until it has run: taken once no other worker here is busy
+            return alone_here if not any(other.busy_with is not None for other in others) else []
+        return [i for i, job in enumerate(self._jobs) if not job.alone or job.alone_on not in serving]
+
     def _pick(self, state: WorkerState, states: Sequence[WorkerState]) -> int:
-        top = max(job.priority for job in self._jobs)
-        eligible = [i for i, job in enumerate(self._jobs) if job.priority == top]
+        takeable = self._takeable(state, states)
+        top = max(self._jobs[i].priority for i in takeable)
+        eligible = [i for i in takeable if self._jobs[i].priority == top]
         if not self.affinity:
             return eligible[0]
         for i in eligible:
@@ -421,6 +464,6 @@ def lost_result(job: Job, protocol: Protocol, device_kind: str) -> EvalResult:
     diagnostic = f"the evaluation worker was lost {len(job.losses)} times on this candidate: " + " | ".join(map(last_line, job.losses))
     return EvalResult(
         key=job.key, reference_hash=source_hash(job.reference), candidate_hash=source_hash(job.candidate),
-        status="crashed", diagnostic=diagnostic[:3000], feedback=f"Status: crashed\n{diagnostic[:1000]}",
+        status="crashed", diagnostic=diagnostic[:3000], feedback=failure_feedback("crashed", diagnostic),
         device=device_kind, protocol_version=protocol.version, protocol=protocol.to_json(),
     )

@@ -101,9 +101,12 @@ EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "afte
 # no limits but the address space (memory_limit_mb, unset by default) up to kgym-11
 for _earlier in EARLIER_DEFAULTS.values():
     _earlier.update(memory_limit_mb=None, file_size_limit_mb=None, task_limit=None)
+# no disk quota before it (issue 62; it comes with kgym-14, "kgym-13" joins here then): none meant
+for _version in (*EARLIER_DEFAULTS, "kgym-12"):
+    EARLIER_DEFAULTS.setdefault(_version, {})["disk_limit_mb"] = None
 DEVICES = ("auto", "cuda", "cpu")
 # the least value of each limit (kpipe.gym.limits): below them an honest child cannot start
-LIMIT_MINIMUMS = {"memory_limit_mb": 256, "file_size_limit_mb": 1, "task_limit": 16}
+LIMIT_MINIMUMS = {"memory_limit_mb": 256, "file_size_limit_mb": 1, "task_limit": 16, "disk_limit_mb": 16}
 
 # Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
 # others only inform (they are listed in the result and the feedback).
@@ -171,6 +174,9 @@ class Protocol:
     memory_limit_mb: int | None = 16384
     file_size_limit_mb: int | None = 1024
     task_limit: int | None = 1024
+    # what a candidate's scratch directory may hold on disk, MiB (the judge's quota: allocated blocks,
+    # every entry at least 4 KiB; kpipe.gym.limits): its compile caches and what it writes
+    disk_limit_mb: int | None = 4096
     seed: int = 42
     l2_flush_mb: int = 256
     timing_start: str = "behind_flush"  # TIMING_STARTS
@@ -222,7 +228,7 @@ class Protocol:
 
     def limits(self) -> Limits:
         """A candidate's caps (kpipe.gym.limits)."""
-        return Limits(self.memory_limit_mb, self.file_size_limit_mb, self.task_limit)
+        return Limits(self.memory_limit_mb, self.file_size_limit_mb, self.task_limit, self.disk_limit_mb)
 
     @property
     def wants_eager(self) -> bool:

@@ -32,9 +32,13 @@ STATUSES = (
     "misaligned_address",
     "illegal_instruction",
     "device_assert",
+    # the judge's alone: the reference failed (after a retry alone on its GPU where it ran out of
+    # memory), so the candidate has no verdict; a row of eval-batch's output (kpipe.gym.batch)
+    "reference_error",
 )
 GPU_FAULTS = ("illegal_memory_access", "misaligned_address", "illegal_instruction", "device_assert")
-# Not a candidate status: the *reference* failed, so there is no EvalResult to give.
+# the *reference* failed: the agent's evaluators and the service answer a mapping with it
+# (``reference_error``), eval-batch a row (``reference_error_result``)
 REFERENCE_ERROR = "reference_error"
 
 
@@ -42,6 +46,13 @@ def reference_error(message: str) -> dict[str, Any]:
     """What every evaluator (local, pool, service client) returns for a broken reference."""
     feedback = f"Status: {REFERENCE_ERROR}\nThe reference program failed: {message[:500]}"
     return {"status": REFERENCE_ERROR, "correct": False, "hacked": False, "feedback": feedback, "diagnostic": message}
+
+
+def reference_error_result(key: str, reference_hash: str, candidate_hash: str, message: str) -> EvalResult:
+    """A row for a candidate whose reference failed: no verdict on it, and the reason."""
+    mapping = reference_error(message)
+    return EvalResult(key=key, reference_hash=reference_hash, candidate_hash=candidate_hash, status=REFERENCE_ERROR,
+                      diagnostic=mapping["diagnostic"][:3000], feedback=mapping["feedback"])
 
 
 @dataclass

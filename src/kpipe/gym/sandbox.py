@@ -16,9 +16,10 @@ an ancestor's ``/proc/<pid>/environ``, so the operating system confines it
   abstract UNIX socket, which lives in a network namespace) and **IPC namespace**;
 - **mount namespace**: neither namespace nor Landlock governs ``connect()`` to a socket file, so
   an empty tmpfs covers the directories that hold pathname Unix sockets (``SOCKET_DIRS``), the
-  scratch directory bind-mounted back, and every other pathname socket bound on the host when
-  the candidate starts (``/proc/net/unix``: a socket in a checkout, a Docker socket under
-  ``/var/lib``) is covered by ``/dev/null``;
+  scratch directory and whatever else the sandbox reads there (an interpreter under ``/tmp``)
+  bind-mounted back, and every other pathname socket bound on the host when the candidate starts
+  (``/proc/net/unix``: a socket in a checkout, a Docker socket under ``/var/lib``) is covered by
+  ``/dev/null``;
 - **Landlock** (the kernel's unprivileged access-control LSM, ABI >= 1): reads and execution
   only under the interpreter, its site-packages, the system's libraries and toolchains and the
   GPU's device nodes; writes only inside the evaluation's scratch directory. From ABI 4 it
@@ -288,26 +289,44 @@ def mount_own_proc() -> None:
 
 def hide_socket_dirs(sandbox: Sandbox) -> None:
     """Cover each of SOCKET_DIRS with an empty tmpfs, so no pathname socket of the run or the
-    host under it can be named from the sandbox; the scratch directory, when under one, is
-    bind-mounted back at its own path. A directory holding anything else the sandbox reads (a
-    driver under /run/opengl-driver) stays as it is."""
-    scratch = os.path.realpath(sandbox.scratch)
-    kept = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # reachable after its parent is covered
-    try:
-        for directory in SOCKET_DIRS:
-            if os.path.islink(directory) or not os.path.isdir(directory):
-                continue  # /var/run is a link to /run: covered there
-            inside = f"{directory}/"
-            if any(os.path.realpath(p).startswith(inside) for p in (*sandbox.read, *sandbox.devices)):
-                continue
+    host under it can be named from the sandbox, whenever it is bound; what the sandbox reaches
+    under one (its scratch directory, and the interpreter, a checkout or a driver the sandbox reads
+    when they live there: ``kept_under``) is bind-mounted back at its own path. Before, a directory
+    holding anything the sandbox reads stayed uncovered, and a socket bound there after the
+    candidate started (``hide_unix_sockets`` covers those bound before) was reachable from it
+    when the environment lived under ``/tmp`` (issue 62, row 14)."""
+    reached = [os.path.realpath(p) for p in (sandbox.scratch, *sandbox.read, *sandbox.devices)]
+    for directory in SOCKET_DIRS:
+        if os.path.islink(directory) or not os.path.isdir(directory) or directory in reached:
+            continue  # /var/run is a link to /run: covered there; a directory read whole stays
+        kept = kept_under(directory, reached)
+        # reachable after their parent is covered
+        handles = {path: os.open(path, os.O_PATH | os.O_CLOEXEC) for path in kept}
+        try:
             check(_libc.mount(b"tmpfs", directory.encode(), b"tmpfs", ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC),
                               b"mode=0755,size=64k"), f"covering {directory}")
-            if scratch.startswith(inside):
-                os.makedirs(scratch)
-                check(_libc.mount(f"/proc/self/fd/{kept}".encode(), scratch.encode(), None, ctypes.c_ulong(MS_BIND | MS_REC), None),
-                      f"bind-mounting the scratch directory {scratch}")
-    finally:
-        os.close(kept)
+            for path, handle in handles.items():
+                if os.path.isdir(f"/proc/self/fd/{handle}"):
+                    os.makedirs(path, exist_ok=True)
+                else:  # a file (a device node, a library): its mount point is an empty file
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_CLOEXEC, 0o644))
+                check(_libc.mount(f"/proc/self/fd/{handle}".encode(), os.fsencode(path), None, ctypes.c_ulong(MS_BIND | MS_REC), None),
+                      f"bind-mounting {path} back")
+        finally:
+            for handle in handles.values():
+                os.close(handle)
+
+
+def kept_under(directory: str, reached: list[str]) -> list[str]:
+    """The paths of `reached` under `directory` that exist, none inside another (a bind mount of the
+    outer one brings the inner one back with it), shortest first."""
+    inside = f"{directory}/"
+    kept: list[str] = []
+    for path in sorted({p for p in reached if p.startswith(inside) and os.path.exists(p)}, key=len):
+        if not any(path == outer or path.startswith(f"{outer}/") for outer in kept):
+            kept.append(path)
+    return kept
 
 
 def bound_unix_sockets(table: str = "/proc/net/unix") -> list[str]:

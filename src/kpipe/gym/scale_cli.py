@@ -69,7 +69,7 @@ def open_cache(path: Path | None) -> Any:
 @click.option("--input", "input_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Candidates Parquet: reference_src + candidate_src, or task_id + code.")
 @click.option("--output", "output_path", required=True, type=click.Path(dir_okay=False, path_type=Path), help="evals-table Parquet, one row per input row.")
 @click.option("--references", "references_path", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="tasks/queries Parquet resolving task_id (with task_id + code input).")
-@click.option("--on-reference-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True, help="A reference that fails to run: fail the command (after the rest is cached), or leave its rows out.")
+@click.option("--on-reference-error", type=click.Choice(["row", "fail", "skip"]), default="row", show_default=True, help="A reference that fails to run: a row with the status reference_error and the reason, fail the command (after the rest is cached), or leave its rows out.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @pool_options
 @protocol_options

@@ -43,6 +43,10 @@ class Job:
     priority: int = 0  # the queue serves the highest first (kpipe.gym.pool.JobQueue)
     attempts: int = 0
     losses: list[str] = field(default_factory=list)
+    # set when its reference ran out of memory beside other evaluations: the GPU (slot's `gpu`) it
+    # is retried on alone, the other workers there held off (kpipe.gym.pool.JobQueue)
+    alone_on: str | None = None
+    alone: bool = False
 
 
 def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: bool) -> None:

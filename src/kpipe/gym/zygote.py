@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
+from kpipe.gym.environment import fork_server_environment
 from kpipe.gym.lease import ChildPauser, TimingLease
 from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, exit_without_teardown, kill_children, kill_group, prctl
 
@@ -463,7 +464,7 @@ class Zygote:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kpipe.gym.zygote", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
-            env=env,
+            env=fork_server_environment(env),  # its block is every forked child's /proc/self/environ
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a candidate killing "its" process group cannot reach us
         )

@@ -70,7 +70,16 @@ def code_fingerprint(src: str) -> str:
     return hashlib.sha256(normalise_source(src).encode()).hexdigest()[:16]
 
 
-FEEDBACK_STATUS_RE = re.compile(r"Status: (\w+)")
+# the judge's status: the first line of KernelGym's feedback that starts with it (the judge writes it
+# before anything else, and quotes every line of the candidate's own text behind a prefix,
+# kpipe.gym.feedback), never a "Status:" the candidate's output forged further on
+FEEDBACK_STATUS_RE = re.compile(r"^Status: (\w+)", re.MULTILINE)
+
+
+def feedback_status(feedback: str) -> list[str]:
+    """The judge's status of a feedback turn, as a list (empty when there is none)."""
+    found = FEEDBACK_STATUS_RE.search(feedback)
+    return [found.group(1)] if found else []
 
 
 def content_rng(request: ChatRequest) -> random.Random:
@@ -80,7 +89,7 @@ def content_rng(request: ChatRequest) -> random.Random:
     same answers."""
     first_user = next((i for i, m in enumerate(request.messages) if m["role"] == "user"), -1)
     seen = [
-        m if m["role"] != "user" or i == first_user else {"role": "user", "statuses": FEEDBACK_STATUS_RE.findall(m["content"])}
+        m if m["role"] != "user" or i == first_user else {"role": "user", "statuses": feedback_status(m["content"])}
         for i, m in enumerate(request.messages)
     ]
     payload = json.dumps({"messages": seen, "seed": request.seed}, sort_keys=True)
