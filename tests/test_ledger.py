@@ -65,8 +65,9 @@ def test_the_latest_line_per_check_and_device_is_what_the_pages_show() -> None:
     assert [line["commit"] for line in ledger.latest(lines, "check")] == ["new"]
     assert [line["commit"] for line in ledger.latest(lines, "check", "device")] == ["new", "old"]
     page = ledger.performance(lines)
-    assert "| a | 2xH200 | 2026-11-28 | new | x 2.346 |" in page and "| a | H200 | 2026-11-27 | old | x 1 |" in page
-    assert "older" not in page
+    assert "| a | 2xH200 | 2026-11-28 | x 2.346 |" in page and "| a | H200 | 2026-11-27 | x 1 |" in page
+    assert "ok yes" not in page  # the older line of that check and device
+    assert not any(line["commit"] in page for line in lines)  # a guide names no commit
     assert ledger.figures_text({"ok": False, "n": 3}) == "ok no, n 3"
 
 
