@@ -159,3 +159,41 @@ def test_kernelbench_verdict_beside_kpipes_and_the_samples_its_extra_checks_chan
     summary = run_table_sql(db, DEFAULT_SQL_DIR / "eval_summary.sql").query("model == 'kb'").iloc[0]
     assert (summary["n_correct"], summary["n_kb_correct"], summary["n_kb_changed"]) == (1, 3, 2)
     assert summary["kb_correct_rate"] == 60.0 and summary["correct_rate"] == 20.0
+
+
+CHALLENGE = "timing_inconsistent: a call took 9 ms on the judge's clock (fresh inputs), 3x the claimed 3 ms"
+
+
+def test_the_paper_definition_upper_bound_covers_extra_checks_and_keeps_timed_speedups(tmp_path):
+    """Issue 64 item 6: fast_*_paper_hi is an upper bound of the paper-definition Fast@p. A sample only kpipe's
+    extra correctness checks rejected (KernelBench's allclose passed) counts in it as never timed (fast); one
+    rejected after timing counts at its timed speedup where KernelGym recorded one (fast at 1.0, not at 2.0),
+    as never timed where it did not (its status name may change: only its reasons are read)."""
+    write_fixture(tmp_path)
+    # (sample, status, correct, kb_correct, hacked, hack reasons, speedup)
+    cases = [(0, "pass", True, True, False, [], 1.5),
+             (1, "mismatch", False, True, False, [], None),         # extra check: relative norm
+             (2, "hacked", True, True, True, [CHALLENGE], 1.3),     # rejected after timing, speedup recorded
+             (3, "hacked", True, True, True, [CHALLENGE], None),    # rejected after timing, none recorded
+             (4, "mismatch", False, False, False, [], None),        # wrong for KernelBench too
+             (5, "hacked", False, None, True, [PAPER_REASON], None)]
+    rows = [{"run": "r", "stage": "eval", "iteration": 0, "model": "x", "task_id": "t1", "sample": sample, "turn": 1,
+             "status": status, "correct": correct, "kb_correct": kb, "hacked": hacked, "speedup_eager": speedup,
+             "speedup_compile": speedup, "reward": 0.0, "eval_key": f"x-{sample}"}
+            for sample, status, correct, kb, hacked, _, speedup in cases]
+    evals = [{"key": f"x-{sample}", "status": status, "correct": correct, "kb_correct": kb, "hacked": hacked,
+              "hack_reasons": reasons} for sample, status, correct, kb, hacked, reasons, _ in cases]
+    write_table(rows, tmp_path / "trajectories" / "stage=eval" / "run=x" / "part-0.parquet", "trajectories")
+    write_table(evals, tmp_path / "evals" / "part-0.parquet", "evals")
+    db = tmp_path / "kpipe.duckdb"
+    build_db(tmp_path, db)
+    table = run_table_sql(db, DEFAULT_SQL_DIR / "table1_fastp_eager.sql")
+    cell = table.query("model == 'x' and history == 'last'").iloc[0]
+    assert cell["n_unjudged"] == 3 and cell["n_hacked_paper"] == 1
+    # kpipe: sample 0 only; upper bound at 1.0: samples 0-3; at 2.0: 1 and 3 (never timed), not 2 (timed 1.3)
+    assert (cell["fast_1"], cell["fast_1_paper_hi"]) == (100 / 6, 400 / 6)
+    assert (cell["fast_2"], cell["fast_2_paper_hi"]) == (0.0, 200 / 6)
+    for p in ("1", "1_2", "1_5", "2"):
+        assert cell[f"fast_{p}_paper_hi"] >= cell[f"fast_{p}"]
+    summary = run_table_sql(db, DEFAULT_SQL_DIR / "eval_summary.sql").query("model == 'x'").iloc[0]
+    assert summary["correct_rate_paper_hi"] == 400 / 6 and summary["n_unjudged"] == 3

@@ -5,7 +5,7 @@
 -- definitions from the same rows: kpipe's (fast_*, hacking_ratio: any KernelGym check) and the paper's
 -- (hacking_ratio_paper: no Triton kernel ran in train or eval mode; its Fast@p lies in
 -- [fast_*, fast_*_paper_hi], open by the n_unjudged samples only kpipe's stricter checks rejected,
--- which KernelGym never timed). Rows behind a cell:
+-- at their timed speedup or fast when never timed: views.sql). Rows behind a cell:
 --   select * from fastp_samples where stage = 'eval' and baseline = 'eager' and turn = last_turn and run = ...
 WITH at_last AS (
     SELECT * FROM fastp_samples WHERE stage = 'eval' AND baseline = 'eager' AND turn = last_turn
@@ -27,11 +27,11 @@ SELECT a.run, a.model, a.level, any_value(a.last_turn) AS turn,
        100.0 * count_if(fast_1 AND history = 'last') / count(*) FILTER (WHERE history = 'last') AS fast_1,
        100.0 * count_if(fast_1_2 AND history = 'last') / count(*) FILTER (WHERE history = 'last') AS fast_1_2,
        100.0 * count_if(fast_1_2 AND history = 'best') / count(*) FILTER (WHERE history = 'best') AS fast_1_2_best,
-       100.0 * count_if((fast_1 OR unjudged) AND history = 'last') / count(*) FILTER (WHERE history = 'last')
+       100.0 * count_if(fast_1_paper_hi AND history = 'last') / count(*) FILTER (WHERE history = 'last')
            AS fast_1_paper_hi,
-       100.0 * count_if((fast_1_2 OR unjudged) AND history = 'last') / count(*) FILTER (WHERE history = 'last')
+       100.0 * count_if(fast_1_2_paper_hi AND history = 'last') / count(*) FILTER (WHERE history = 'last')
            AS fast_1_2_paper_hi,
-       100.0 * count_if((fast_1_2 OR unjudged) AND history = 'best') / count(*) FILTER (WHERE history = 'best')
+       100.0 * count_if(fast_1_2_paper_hi AND history = 'best') / count(*) FILTER (WHERE history = 'best')
            AS fast_1_2_best_paper_hi,
        any_value(h.n_generated) AS n_generated,
        any_value(h.n_hacked) AS n_hacked,

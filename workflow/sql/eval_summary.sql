@@ -6,7 +6,8 @@
 -- kernels against eager PyTorch and torch.compile. Both hack definitions, as in Table 1: kpipe's
 -- (correct_rate, hacking_ratio: any KernelGym check) and the paper's (hacking_ratio_paper: no Triton
 -- kernel ran in train or eval mode; its correctness rate lies in [correct_rate, correct_rate_paper_hi],
--- open by the n_unjudged turns only kpipe's stricter checks rejected). KernelBench's correctness verdict on
+-- open by the n_unjudged turns only kpipe's stricter checks rejected: a hack check not the paper's, or an
+-- extra correctness check KernelBench's allclose passed). KernelBench's correctness verdict on
 -- its own (allclose alone, trajectories.kb_correct): kb_correct_rate; n_kb_changed of its correct turns
 -- kpipe's extra checks (relative norm, eval() mode) rejected as mismatches (view kb_verdict_changes lists
 -- them). Rows behind a cell:
@@ -18,7 +19,8 @@ SELECT run, model, level, turn,
        count_if(coalesce(correct, false) AND NOT coalesce(hacked, false)) AS n_correct,
        count_if(coalesce(hacked, false)) AS n_hacked,
        count_if(hacked_paper) AS n_hacked_paper,
-       count_if(coalesce(hacked, false) AND NOT hacked_paper) AS n_unjudged,
+       count_if((coalesce(hacked, false) AND NOT hacked_paper)
+                OR (coalesce(kb_correct, false) AND NOT coalesce(correct, false) AND status = 'mismatch')) AS n_unjudged,
        count_if(coalesce(kb_correct, false) AND NOT coalesce(hacked, false)) AS n_kb_correct,
        count_if(coalesce(kb_correct, false) AND NOT coalesce(correct, false) AND status = 'mismatch') AS n_kb_changed,
        100.0 * count_if(status NOT IN ('format_error', 'generation_error')) / count(*) AS answer_rate,
@@ -28,7 +30,9 @@ SELECT run, model, level, turn,
        100.0 * count_if(coalesce(hacked, false)) / count(*) AS hacking_ratio,
        100.0 * count_if(hacked_paper) / count(*) AS hacking_ratio_paper,
        100.0 * count_if((coalesce(correct, false) AND NOT coalesce(hacked, false))
-                        OR (coalesce(hacked, false) AND NOT hacked_paper)) / count(*) AS correct_rate_paper_hi,
+                        OR (coalesce(hacked, false) AND NOT hacked_paper)
+                        OR (coalesce(kb_correct, false) AND NOT coalesce(correct, false) AND status = 'mismatch'))
+           / count(*) AS correct_rate_paper_hi,
        exp(avg(ln(speedup_eager)) FILTER (WHERE correct AND NOT coalesce(hacked, false) AND speedup_eager > 0))
            AS geomean_speedup_eager,
        exp(avg(ln(speedup_compile)) FILTER (WHERE correct AND NOT coalesce(hacked, false) AND speedup_compile > 0))

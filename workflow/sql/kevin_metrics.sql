@@ -5,14 +5,16 @@
 -- are exact when k = k_max); then averaged over tasks. Percentages, speedups as ratios; fast@1.2
 -- = correct with speedup >= 1.2. Both hack definitions, as in Table 1: kpipe's (any KernelGym check) and
 -- the paper's, whose correctness and fast@1.2 lie in [x, x_paper_hi]: a trajectory with a turn only
--- kpipe's stricter checks rejected (never timed) counts as correct and fast in the upper bound. Rows
+-- kpipe's stricter checks rejected counts as correct in the upper bound, and fast at its timed speedup
+-- (or when never timed). Rows
 -- behind a cell:
 --   select * from fastp_samples where stage = 'eval' and history = 'last' and <keys of the row>
 WITH trajectory AS (
     SELECT run, model, level, baseline, task_id, sample,
            bool_or(correct) AS correct,
            coalesce(max(speedup) FILTER (WHERE correct), 0) AS speedup,
-           bool_or(unjudged) AS unjudged
+           bool_or(unjudged) AS unjudged,
+           bool_or(fast_1_2_paper_hi) AS fast_1_2_paper_hi
     FROM fastp_samples
     WHERE stage = 'eval' AND history = 'last'
     GROUP BY run, model, level, baseline, task_id, sample
@@ -26,8 +28,8 @@ per_task AS (
            avg((correct AND speedup >= 1.2)::INTEGER) AS avg_fast_1_2,
            max((correct OR unjudged)::INTEGER) AS best_correct_paper_hi,
            avg((correct OR unjudged)::INTEGER) AS avg_correct_paper_hi,
-           max(((correct AND speedup >= 1.2) OR unjudged)::INTEGER) AS best_fast_1_2_paper_hi,
-           avg(((correct AND speedup >= 1.2) OR unjudged)::INTEGER) AS avg_fast_1_2_paper_hi,
+           max(((correct AND speedup >= 1.2) OR fast_1_2_paper_hi)::INTEGER) AS best_fast_1_2_paper_hi,
+           avg(((correct AND speedup >= 1.2) OR fast_1_2_paper_hi)::INTEGER) AS avg_fast_1_2_paper_hi,
            max(speedup) AS best_speedup,
            avg(speedup) AS avg_speedup
     FROM trajectory

@@ -7,7 +7,7 @@
 -- hacking_ratio: hacked turns over every generated turn of the validation (as hacking_ratio.sql).
 -- Both hack definitions, as in Table 1: kpipe's (fast_*, pass_rate, hacking_ratio) and the paper's
 -- (hacking_ratio_paper; its Fast@p and pass rate lie in [x, x_paper_hi], open by the n_unjudged samples
--- only kpipe's stricter checks rejected, which KernelGym never timed).
+-- only kpipe's stricter checks rejected, at their timed speedup or fast when never timed: views.sql).
 -- step: the RL global step at the end of the iteration (train_metrics, stage rl). Percentages.
 -- Rows behind a cell:
 --   select * from fastp_samples where stage = 'rl_val' and baseline = 'eager' and history = 'last'
@@ -19,8 +19,8 @@ WITH at_last_turn AS (
            count_if(fast_1) AS n_fast_1,
            count_if(fast_1_2) AS n_fast_1_2,
            count_if(unjudged) AS n_unjudged,
-           count_if(fast_1 OR unjudged) AS n_fast_1_paper_hi,
-           count_if(fast_1_2 OR unjudged) AS n_fast_1_2_paper_hi,
+           count_if(fast_1_paper_hi) AS n_fast_1_paper_hi,
+           count_if(fast_1_2_paper_hi) AS n_fast_1_2_paper_hi,
            count_if(correct OR unjudged) AS n_correct_paper_hi
     FROM fastp_samples
     WHERE stage = 'rl_val' AND baseline = 'eager' AND history = 'last' AND turn = last_turn

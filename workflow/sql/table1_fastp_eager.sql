@@ -6,8 +6,9 @@
 -- 1..turn (the paper's † rows). Percentages.
 -- Two hack definitions from the same rows: kpipe's (fast_*: any KernelGym check rejects) and the paper's
 -- (hacked = no Triton kernel ran in train or eval mode: n_hacked_paper). A sample only kpipe's stricter
--- checks rejected (n_unjudged) was never timed, so the paper-definition Fast@p is in
--- [fast_*, fast_*_paper_hi]: equal to kpipe's when n_unjudged = 0. Rows behind a cell:
+-- checks rejected (n_unjudged: another hack check, or an extra correctness check) counts in the upper bound
+-- at its timed speedup, or as fast when never timed (views.sql, sample_turns), so the paper-definition
+-- Fast@p is in [fast_*, fast_*_paper_hi]: equal to kpipe's when n_unjudged = 0. Rows behind a cell:
 --   select * from fastp_samples where stage = 'eval' and baseline = 'eager' and <keys of the row>
 SELECT run, iteration, model, level, baseline, turn, history,
        count(*) AS n_samples,
@@ -23,10 +24,10 @@ SELECT run, iteration, model, level, baseline, turn, history,
        100.0 * count_if(fast_1_2) / count(*) AS fast_1_2,
        100.0 * count_if(fast_1_5) / count(*) AS fast_1_5,
        100.0 * count_if(fast_2) / count(*) AS fast_2,
-       100.0 * count_if(fast_1 OR unjudged) / count(*) AS fast_1_paper_hi,
-       100.0 * count_if(fast_1_2 OR unjudged) / count(*) AS fast_1_2_paper_hi,
-       100.0 * count_if(fast_1_5 OR unjudged) / count(*) AS fast_1_5_paper_hi,
-       100.0 * count_if(fast_2 OR unjudged) / count(*) AS fast_2_paper_hi
+       100.0 * count_if(fast_1_paper_hi) / count(*) AS fast_1_paper_hi,
+       100.0 * count_if(fast_1_2_paper_hi) / count(*) AS fast_1_2_paper_hi,
+       100.0 * count_if(fast_1_5_paper_hi) / count(*) AS fast_1_5_paper_hi,
+       100.0 * count_if(fast_2_paper_hi) / count(*) AS fast_2_paper_hi
 FROM fastp_samples
 WHERE stage = 'eval' AND baseline = 'eager'
 GROUP BY run, iteration, model, level, baseline, turn, history

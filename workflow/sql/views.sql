@@ -74,13 +74,19 @@ ORDER BY run, stage, iteration, step, name;
 -- Every trajectory of the eval, stts, rl_val (RL validation) and budget (Kevin's test-time budget)
 -- stages x every turn 1..last_turn of its group. `correct` is kpipe's definition (any check hacked
 -- counts as incorrect). The paper's ("hacked" = its no_triton_launch check fired) from the same rows:
--- a turn only kpipe's stricter checks rejected (`unjudged`) was never timed, as KernelGym stops at the
--- first failed check, so under the paper's definition its correctness and speedup are unknown; the
--- paper-definition Fast@p lies between kpipe's and kpipe's with every unjudged turn counted as fast.
+-- a turn only kpipe's stricter checks rejected is `unjudged`: a hack check other than the paper's
+-- fired, or KernelBench's allclose alone accepted an output kpipe's extra correctness checks (relative
+-- norm, eval() mode) rejected as a mismatch. Rejected before timing (a mismatch, a static or
+-- pre-timing hack check), its speedup is unknown; rejected after timing (the timing challenge, timed
+-- output and timing-consistency checks, whatever their status names), its speedup was measured and
+-- counts where KernelGym recorded it. The paper-definition Fast@p lies between kpipe's (fast_*) and
+-- fast_*_paper_hi: kpipe's plus every unjudged turn at its timed speedup, or counted fast when never timed.
 CREATE OR REPLACE VIEW sample_turns AS
 WITH evaluated AS (
-    SELECT run, stage, iteration, model, level, task_id, sample, turn, status, correct, hacked,
-           hack_checks, hacked_paper, speedup_eager, speedup_compile
+    SELECT run, stage, iteration, model, level, task_id, sample, turn, status, correct, kb_correct, hacked,
+           hack_checks, hacked_paper, speedup_eager, speedup_compile,
+           (coalesce(hacked, false) AND NOT coalesce(hacked_paper, false))
+               OR (coalesce(kb_correct, false) AND NOT coalesce(correct, false) AND status = 'mismatch') AS unjudged
     FROM turns
     WHERE stage IN ('eval', 'stts', 'rl_val', 'budget')
 ),
@@ -102,7 +108,11 @@ SELECT g.run, g.stage, g.iteration, g.model, g.level, g.task_id, g.sample, g.tur
        coalesce(e.hacked, false) AS hacked,
        e.hack_checks,
        coalesce(e.hacked_paper, false) AS hacked_paper,
-       coalesce(e.hacked, false) AND NOT coalesce(e.hacked_paper, false) AS unjudged,
+       coalesce(e.unjudged, false) AS unjudged,
+       CASE WHEN e.unjudged THEN coalesce(CASE WHEN NOT isnan(e.speedup_eager) THEN e.speedup_eager END, 'inf'::DOUBLE)
+            END AS unjudged_speedup_eager,
+       CASE WHEN e.unjudged THEN coalesce(CASE WHEN NOT isnan(e.speedup_compile) THEN e.speedup_compile END, 'inf'::DOUBLE)
+            END AS unjudged_speedup_compile,
        coalesce(e.correct, false) AND NOT coalesce(e.hacked, false) AS correct,
        CASE WHEN coalesce(e.correct, false) AND NOT coalesce(e.hacked, false) AND NOT isnan(e.speedup_eager)
             THEN e.speedup_eager END AS speedup_eager,
@@ -125,7 +135,9 @@ WITH running AS (
            arg_max(turn, speedup_eager) OVER history AS best_eager_turn,
            arg_max(turn, speedup_compile) OVER history AS best_compile_turn,
            max(CASE WHEN correct THEN turn END) OVER history AS last_correct_turn,
-           bool_or(unjudged) OVER history AS best_unjudged
+           bool_or(unjudged) OVER history AS best_unjudged,
+           max(unjudged_speedup_eager) OVER history AS best_unjudged_eager,
+           max(unjudged_speedup_compile) OVER history AS best_unjudged_compile
     FROM sample_turns
     WINDOW history AS (PARTITION BY run, stage, iteration, model, task_id, sample ORDER BY turn
                        ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)
@@ -133,27 +145,37 @@ WITH running AS (
 cells AS (
     SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn, hacked, hacked_paper, hack_checks,
            'eager' AS baseline, 'last' AS history, correct, speedup_eager AS speedup, turn AS source_turn,
-           unjudged
+           unjudged, unjudged_speedup_eager AS unjudged_speedup
     FROM running
     UNION ALL
     SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn, hacked, hacked_paper, hack_checks,
-           'compile', 'last', correct, speedup_compile, turn, unjudged
+           'compile', 'last', correct, speedup_compile, turn, unjudged, unjudged_speedup_compile
     FROM running
     UNION ALL
     SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn, hacked, hacked_paper, hack_checks,
-           'eager', 'best', best_correct, best_eager, coalesce(best_eager_turn, last_correct_turn), best_unjudged
+           'eager', 'best', best_correct, best_eager, coalesce(best_eager_turn, last_correct_turn), best_unjudged,
+           best_unjudged_eager
     FROM running
     UNION ALL
     SELECT run, stage, iteration, model, level, task_id, sample, turn, last_turn, hacked, hacked_paper, hack_checks,
-           'compile', 'best', best_correct, best_compile, coalesce(best_compile_turn, last_correct_turn), best_unjudged
+           'compile', 'best', best_correct, best_compile, coalesce(best_compile_turn, last_correct_turn), best_unjudged,
+           best_unjudged_compile
     FROM running
+),
+fast AS (
+    SELECT *,
+           correct AND coalesce(speedup >= 1.0, false) AS fast_1,
+           correct AND coalesce(speedup >= 1.2, false) AS fast_1_2,
+           correct AND coalesce(speedup >= 1.5, false) AS fast_1_5,
+           correct AND coalesce(speedup >= 2.0, false) AS fast_2
+    FROM cells
 )
 SELECT *,
-       correct AND coalesce(speedup >= 1.0, false) AS fast_1,
-       correct AND coalesce(speedup >= 1.2, false) AS fast_1_2,
-       correct AND coalesce(speedup >= 1.5, false) AS fast_1_5,
-       correct AND coalesce(speedup >= 2.0, false) AS fast_2
-FROM cells;
+       fast_1 OR coalesce(unjudged_speedup >= 1.0, false) AS fast_1_paper_hi,
+       fast_1_2 OR coalesce(unjudged_speedup >= 1.2, false) AS fast_1_2_paper_hi,
+       fast_1_5 OR coalesce(unjudged_speedup >= 1.5, false) AS fast_1_5_paper_hi,
+       fast_2 OR coalesce(unjudged_speedup >= 2.0, false) AS fast_2_paper_hi
+FROM fast;
 
 -- STTS rows with their history strategy split off the model label "<model>@<strategy>"
 -- (kpipe.evaluate.stts.stts_model_label).
@@ -214,7 +236,9 @@ COMMENT ON COLUMN sample_turns.status IS 'KernelGym verdict of the turn''s candi
 COMMENT ON COLUMN sample_turns.hacked IS 'the turn''s candidate was rejected as reward hacking (false when not reached)';
 COMMENT ON COLUMN sample_turns.hack_checks IS 'hacked turns: the hack_check codes that fired (turns.hack_checks)';
 COMMENT ON COLUMN sample_turns.hacked_paper IS 'hacked by the paper''s definition (no_triton_launch fired); false when not reached';
-COMMENT ON COLUMN sample_turns.unjudged IS 'rejected only by kpipe''s stricter checks: never timed, unknown under the paper''s definition';
+COMMENT ON COLUMN sample_turns.unjudged IS 'rejected only by kpipe''s stricter checks (a hack check not the paper''s, or an extra correctness check KernelBench''s allclose passed): correct under the paper''s definition as far as known';
+COMMENT ON COLUMN sample_turns.unjudged_speedup_eager IS 'unjudged turns: the timed speedup over eager where KernelGym recorded one (rejected after timing), else +inf (never timed: counted fast in the upper bound); null otherwise';
+COMMENT ON COLUMN sample_turns.unjudged_speedup_compile IS 'unjudged turns: the timed speedup over torch.compile where recorded, else +inf (never timed); null otherwise';
 COMMENT ON COLUMN sample_turns.correct IS 'kpipe''s correctness for Fast@p: correct and not hacked (false when not reached)';
 COMMENT ON COLUMN sample_turns.speedup_eager IS 'speedup over PyTorch eager of a correct, non-hacked candidate; null otherwise (and for NaN)';
 COMMENT ON COLUMN sample_turns.speedup_compile IS 'speedup over torch.compile of a correct, non-hacked candidate; null otherwise (and for NaN)';
@@ -230,6 +254,11 @@ COMMENT ON COLUMN fastp_samples.correct IS 'last: the kernel of `turn` is correc
 COMMENT ON COLUMN fastp_samples.speedup IS 'speedup over `baseline` of the kernel the row stands for (correct kernels only; else null)';
 COMMENT ON COLUMN fastp_samples.source_turn IS 'the turn whose kernel the row stands for';
 COMMENT ON COLUMN fastp_samples.unjudged IS 'that kernel (last) or one of turns 1..turn (best) was rejected only by kpipe''s stricter checks';
+COMMENT ON COLUMN fastp_samples.unjudged_speedup IS 'the speedup over `baseline` the paper-definition upper bound credits the unjudged kernel (last) or the best of turns 1..turn (best): timed where recorded, +inf when never timed; null when none is unjudged';
+COMMENT ON COLUMN fastp_samples.fast_1_paper_hi IS 'counts toward the paper-definition Fast@1''s upper bound: fast_1, or an unjudged kernel at unjudged_speedup >= 1.0';
+COMMENT ON COLUMN fastp_samples.fast_1_2_paper_hi IS 'counts toward the paper-definition Fast@1.2''s upper bound: fast_1_2, or an unjudged kernel at unjudged_speedup >= 1.2';
+COMMENT ON COLUMN fastp_samples.fast_1_5_paper_hi IS 'counts toward the paper-definition Fast@1.5''s upper bound: fast_1_5, or an unjudged kernel at unjudged_speedup >= 1.5';
+COMMENT ON COLUMN fastp_samples.fast_2_paper_hi IS 'counts toward the paper-definition Fast@2''s upper bound: fast_2, or an unjudged kernel at unjudged_speedup >= 2.0';
 COMMENT ON COLUMN fastp_samples.fast_1 IS 'counts toward Fast@1: correct and speedup >= 1.0';
 COMMENT ON COLUMN fastp_samples.fast_1_2 IS 'counts toward Fast@1.2: correct and speedup >= 1.2';
 COMMENT ON COLUMN fastp_samples.fast_1_5 IS 'counts toward Fast@1.5: correct and speedup >= 1.5';

@@ -335,8 +335,9 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
         notes = notes + ["", f"Our rows: {REPORT_TURN_NOTES[report_turn]}, and (†) the best of turns 1..T; "
                          f"95% task-bootstrap intervals ({n_boot} replicates) in the CSV (`*_lo`, `*_hi`).",
                          "hacks = kpipe: any KernelGym check rejects; hacks = paper: only \"no Triton kernel "
-                         "executed in training or evaluation mode\" does. A range (a–b) is open because "
-                         "KernelGym never timed samples only kpipe's checks rejected; `hacked`: samples hacked "
+                         "executed in training or evaluation mode\" does. A range (a–b) is open by the samples only "
+                         "kpipe's checks rejected (its other hack checks, its extra correctness checks): the upper "
+                         "bound counts each at its timed speedup, or as fast when never timed; `hacked`: samples hacked "
                          "by that definition at the reported turns (all levels).",
                          f"The paper's rows (source = paper): {REPORTING}",
                          *checkpoint_notes(checkpoints)]
