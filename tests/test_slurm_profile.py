@@ -144,7 +144,7 @@ def test_the_14b_run_and_the_kevin_preset_are_planned(workdir: Path, profile: li
     plan = planned_resources(result.stdout)
     paper_14b = yaml.safe_load((ROOT / "config" / "paper_14b.yaml").read_text())
     assert len(plan["rl_iter"]) == paper_14b["rl"]["iterations"]  # only the full recipe: base_run false
-    assert "results/models/rl-drkernel/iter=59" in result.stdout and "rl-paper-14b" not in result.stdout
+    assert "results/models/rl-paper-14b/drkernel/iter=59" in result.stdout and "rl-paper/" not in result.stdout
     assert "results/models/sft-paper-14b" in result.stdout
     if profile:  # the 14B's GPUs: 8 per SFT / RL job, tensor parallel 2 for its evaluations
         assert {job["gpu"] for job in plan["rl_iter"] + plan["sft"]} == {8}

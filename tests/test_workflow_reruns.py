@@ -29,7 +29,7 @@ SMALL = {
     "eval": {"samples": 1, "turns": 1},
 }
 SFT_MODEL = "results/models/sft-default"
-RL_MODEL = "results/models/rl-default/iter=0"
+RL_MODEL = "results/models/rl-default/default/iter=0"
 RL_SCRATCH = "results/work/rl-default/iter=0/scratch"
 TEACHER_EVAL = "results/trajectories/stage=eval/run=default/model=teacher/level=1/part-0.parquet"
 WAIT_S = 600.0  # a bound on waiting for a file, so a broken run fails instead of hanging

@@ -525,7 +525,7 @@ if threads:
     torch.set_num_threads(threads)
 from kpipe.llm.hf_engine import HFEngine
 from kpipe.llm.types import ChatRequest
-rows = pq.read_table("results/trajectories/stage=rl/run=default/iter=4/part-0.parquet").to_pylist()
+rows = pq.read_table("results/trajectories/stage=rl/rl-default/run=default/iter=4/part-0.parquet").to_pylist()
 prompts = {row["task_id"]: row["prompt_messages"] for row in rows}
 engine = HFEngine.from_pretrained(model, device=device, batch_size=64)
 requests = [ChatRequest(messages=messages, max_tokens=256, seed=seed)

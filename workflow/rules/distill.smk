@@ -17,10 +17,10 @@ if DISTILL["teacher"] == "released":
         output:
             f"{COLDSTART_DIR}/part-0.parquet",
         params:
-            run=RUN,
+            run=COLDSTART,
             code=job_code("coldstart_released", "agent", "llm/extract.py"),
         log:
-            f"{LOGS}/coldstart_released.log",
+            f"{LOGS}/coldstart_released/{COLDSTART}.log",
         conda:
             "../envs/kpipe.yaml"
         script:
@@ -31,15 +31,15 @@ else:
     rule distill:
         """kpipe.agent.distill.distill_job: one query shard distilled into cold-start trajectories."""
         input:
-            queries=f"{RESULTS}/queries/queries.parquet",
+            queries=QUERIES,
         output:
             f"{COLDSTART_DIR}/part-{{shard}}.parquet",
         params:
             distill=DISTILL,
             gym=CRITICAL_GYM,
             num_shards=DISTILL["shards"],
-            run=RUN,
-            cache=lambda wildcards: answers_cache(f"{RESULTS}/cache/distill/run={RUN}/shard-{wildcards.shard}.jsonl",
+            run=COLDSTART,
+            cache=lambda wildcards: answers_cache(f"{RESULTS}/cache/distill/teacher={TEACHER}/shard-{wildcards.shard}.jsonl",
                                                   DISTILL["teacher"] == "offline"),
             code=job_code("distill", "agent", "llm", "gym", "data/schemas.py"),
         wildcard_constraints:
@@ -50,9 +50,9 @@ else:
             gpu_slots=evaluating_job_slots(),
             gpu=whole_gpus(evaluating_job_slots()),
         log:
-            f"{LOGS}/distill/run={RUN}/shard-{{shard}}.log",
+            f"{LOGS}/distill/{COLDSTART}/shard-{{shard}}.log",
         benchmark:
-            f"{LOGS}/distill/run={RUN}/shard-{{shard}}.benchmark.tsv"
+            f"{LOGS}/distill/{COLDSTART}/shard-{{shard}}.benchmark.tsv"
         conda:
             "../envs/kpipe.yaml"
         script:

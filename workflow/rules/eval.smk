@@ -10,7 +10,7 @@
 rule eval:
     """kpipe.evaluate.kernelbench.eval_job: one KernelBench shard of one model and level."""
     input:
-        tasks=f"{RESULTS}/tasks/tasks.parquet",
+        tasks=TASKS,
         checkpoint=lambda wildcards: pipeline_checkpoint(wildcards.model),
     output:
         f"{EVAL_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",
@@ -53,10 +53,10 @@ rule eval:
 rule select_checkpoint:
     """kpipe.evaluate.kernelbench.selection_job: the RL checkpoint best_val evaluates, by its validation."""
     input:
-        lambda wildcards: expand(f"{RESULTS}/trajectories/stage=rl_val/run={wildcards.run}/iter={{iter}}/part-0.parquet",
+        lambda wildcards: expand(f"{RESULTS}/trajectories/stage=rl_val/{RL_ROOT}/run={wildcards.run}/iter={{iter}}/part-0.parquet",
                                  iter=RL_VALIDATED_ITERATIONS),
     output:
-        f"{RESULTS}/models/rl-{{run}}/selected.json",
+        f"{RESULTS}/models/{RL_ROOT}/{{run}}/selected.json",
     params:
         checkpoints=lambda wildcards: {iteration: rl_model_dir(wildcards.run, iteration)
                                        for iteration in RL_VALIDATED_ITERATIONS},
@@ -65,7 +65,7 @@ rule select_checkpoint:
     wildcard_constraints:
         run="[A-Za-z0-9_.-]+",
     log:
-        f"{LOGS}/select_checkpoint/{{run}}.log",
+        f"{LOGS}/select_checkpoint/{RL_ROOT}/{{run}}.log",
     conda:
         "../envs/kpipe.yaml"
     script:
@@ -79,7 +79,7 @@ rule select_checkpoint:
 rule eval_budget:
     """kpipe.evaluate.kernelbench.budget_job: Kevin's budget splits of one model, level and shard."""
     input:
-        tasks=f"{RESULTS}/tasks/tasks.parquet",
+        tasks=TASKS,
         checkpoint=lambda wildcards: pipeline_checkpoint(wildcards.model),
     output:
         f"{BUDGET_DIR}/model={{model}}/level={{level}}/part-{{shard}}.parquet",

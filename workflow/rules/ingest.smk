@@ -5,13 +5,13 @@
 rule ingest_tasks:
     """kpipe.data.ingest.ingest_tasks_job: the evaluation tasks from the vendored KernelBench sets."""
     output:
-        f"{RESULTS}/tasks/tasks.parquet",
+        TASKS,
     params:
         kernelbench=config["kernelbench"],
         code=job_code("ingest_tasks", "data"),
     priority: CRITICAL_PATH
     log:
-        f"{LOGS}/ingest_tasks.log",
+        f"{LOGS}/ingest_tasks-{TASKS_KEY}.log",
     conda:
         "../envs/kpipe.yaml"
     script:
@@ -21,13 +21,13 @@ rule ingest_tasks:
 rule ingest_queries:
     """kpipe.data.ingest.ingest_queries_job: one training-query source in the queries schema."""
     output:
-        f"{RESULTS}/queries_raw/source={{source}}/part-0.parquet",
+        f"{QUERIES_RAW}/source={{source}}/part-0.parquet",
     params:
         source=lambda wildcards: query_sources()[wildcards.source],
         code=job_code("ingest_queries", "data"),
     priority: CRITICAL_PATH
     log:
-        f"{LOGS}/ingest_queries/{{source}}.log",
+        f"{LOGS}/ingest_queries/{QUERIES_KEY}/{{source}}.log",
     wildcard_constraints:
         source="[A-Za-z0-9_-]+",
     conda:
@@ -39,17 +39,17 @@ rule ingest_queries:
 rule decontaminate:
     """kpipe.data.ingest.decontaminate_job: queries that (nearly) repeat a task dropped or flagged."""
     input:
-        tasks=f"{RESULTS}/tasks/tasks.parquet",
-        queries=expand(f"{RESULTS}/queries_raw/source={{source}}/part-0.parquet", source=query_sources()),
+        tasks=TASKS,
+        queries=expand(f"{QUERIES_RAW}/source={{source}}/part-0.parquet", source=query_sources()),
     output:
-        queries=f"{RESULTS}/queries/queries.parquet",
-        counts=f"{RESULTS}/reports/decontamination.json",
+        queries=QUERIES,
+        counts=f"{RESULTS}/reports/decontamination-{QUERIES_KEY}.json",
     params:
         decontamination=config["queries"]["decontamination"],
         code=job_code("decontaminate", "data"),
     priority: CRITICAL_PATH
     log:
-        f"{LOGS}/decontaminate.log",
+        f"{LOGS}/decontaminate-{QUERIES_KEY}.log",
     conda:
         "../envs/kpipe.yaml"
     script:

@@ -1,6 +1,8 @@
 # Each stage's paths and input functions (what its rules in rules/<stage>.smk read), in the order of
 # the stages; functions only, no rules (Snakemake's lint wants the two apart). Included after
 # rules/common.smk (the config, resources and services) and before the rule modules.
+import hashlib
+import json
 import os
 
 from kpipe.evaluate.kernelbench import budget_splits, model_gpus, models_by_name, validated_iterations
@@ -8,13 +10,30 @@ from kpipe.report.figures import FIGURE_NAMES
 from kpipe.report.tables import table_sql_files
 
 
-# Ingest and distillation (rules/ingest.smk, rules/distill.smk)
+def settings_key(*sections):
+    """A short digest of config sections: the name of outputs shared by every config whose sections agree."""
+    return hashlib.sha256(json.dumps(sections, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+# Ingest and distillation (rules/ingest.smk, rules/distill.smk). Shared where the paper shares them, keyed by
+# what makes them differ (never by the config's `run`): the tasks by the `kernelbench` section, the queries by
+# it and the `queries` section, the cold start by those and what distils it (`distill`, the gym's verdicts), so
+# config/paper.yaml and config/paper_14b.yaml read one cold start and config/kevin.yaml's split has its own.
+TASKS_KEY = settings_key(config["kernelbench"])
+TASKS = f"{RESULTS}/tasks/kernelbench={TASKS_KEY}/tasks.parquet"
+QUERIES_KEY = settings_key(config["kernelbench"], config["queries"])
+QUERIES = f"{RESULTS}/queries/queries={QUERIES_KEY}/queries.parquet"
+QUERIES_RAW = f"{RESULTS}/queries_raw/queries={QUERIES_KEY}"
 DISTILL = config["distill"]
 if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(DISTILL["released_path"]).exists()):
     # checked here: an earlier run's cold-start file would otherwise satisfy the rule and hide it
     sys.exit(f"config error: distill.released_path: {DISTILL['released_path']!r} does not exist "
              "(distill.teacher: released reads it)")
-COLDSTART_DIR = f"{RESULTS}/trajectories/stage=coldstart/run={RUN}/iter=0"
+# the cold start's name: its `run` column, its folder; the teacher's answer cache is keyed by the teacher (its
+# answers by request hash: the query and the turn's prompt), shared by every cold start that teacher distils
+COLDSTART = f"coldstart-{settings_key(config['kernelbench'], config['queries'], DISTILL, GYM)}"
+COLDSTART_DIR = f"{RESULTS}/trajectories/stage=coldstart/run={COLDSTART}/iter=0"
+TEACHER = (DISTILL.get("engine") or {}).get("model") or DISTILL["teacher"]
 
 
 def query_sources():
@@ -59,12 +78,16 @@ def rl_settings(run):
     return {**base, **RL_RUNS[run]}
 
 
+# RL runs are the config's: `rl-<config run>/<RL run>` (paper.yaml's and paper_14b.yaml's `drkernel` are two runs)
+RL_ROOT = f"rl-{RUN}"
+
+
 def rl_model_dir(run, iteration):
-    return f"{RESULTS}/models/rl-{run}/iter={iteration}"
+    return f"{RESULTS}/models/{RL_ROOT}/{run}/iter={iteration}"
 
 
 def rl_state_dir(run, iteration):
-    return f"{RESULTS}/work/rl-{run}/iter={iteration}/state"
+    return f"{RESULTS}/work/{RL_ROOT}/{run}/iter={iteration}/state"
 
 
 def rl_init_model(wildcards):
@@ -79,7 +102,7 @@ def rl_final_model(run=RUN):
 
 def rl_parts(kind):
     """Every RL iteration's `trajectories` or `train_metrics` file, over all runs."""
-    return expand(f"{RESULTS}/{kind}/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
+    return expand(f"{RESULTS}/{kind}/stage=rl/{RL_ROOT}/run={{run}}/iter={{iter}}/part-0.parquet",
                   run=list(RL_RUNS), iter=range(RL_ITERATIONS))
 
 
@@ -93,7 +116,7 @@ if RL_VALIDATED_ITERATIONS and RL_VALIDATION["level"] not in config["kernelbench
 
 def rl_validation_parts():
     """Every validation file: each run x validated iteration (none when rl.validation.every is 0)."""
-    return expand(f"{RESULTS}/trajectories/stage=rl_val/run={{run}}/iter={{iter}}/part-0.parquet",
+    return expand(f"{RESULTS}/trajectories/stage=rl_val/{RL_ROOT}/run={{run}}/iter={{iter}}/part-0.parquet",
                   run=list(RL_RUNS), iter=RL_VALIDATED_ITERATIONS)
 
 
@@ -155,7 +178,7 @@ def rl_selection(run):
     if not RL_VALIDATED_ITERATIONS:
         raise ValueError("config error: eval.checkpoint / stts.checkpoint: best_val needs RL validation "
                          "(rl.validation.every > 0)")
-    return f"{RESULTS}/models/rl-{run}/selected.json"
+    return f"{RESULTS}/models/{RL_ROOT}/{run}/selected.json"
 
 
 def checkpoint_selections():
@@ -260,8 +283,8 @@ def table_files():
     """Every Parquet file the database views read, per table: the outputs of all stages. The views
     read exactly these (never other files on disk, e.g. left by other settings)."""
     return {
-        "tasks": [f"{RESULTS}/tasks/tasks.parquet"],
-        "queries": [f"{RESULTS}/queries/queries.parquet"],
+        "tasks": [TASKS],
+        "queries": [QUERIES],
         "train_metrics": [f"{RESULTS}/train_metrics/stage=sft/run={RUN}/part-0.parquet", *rl_parts("train_metrics")],
         "trajectories": trajectory_parts(),
         "evals": [EVALS_EXPORT],

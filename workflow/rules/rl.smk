@@ -20,20 +20,20 @@ RL_SLOTS = gpu_slots(RL["gpus"], SHARED_GYM and TINY_POLICY and RL["gpus"] == 1)
 rule rl_iter:
     """kpipe.train.rl.rl_job: one RL iteration (kpipe.train.rl.run_iteration), in one process per GPU."""
     input:
-        queries=f"{RESULTS}/queries/queries.parquet",
+        queries=QUERIES,
         model=rl_init_model,
         reference=f"{RESULTS}/models/sft-{RUN}",  # the KL term's reference policy (rl.kl_coef > 0)
     output:
-        model=directory(f"{RESULTS}/models/rl-{{run}}/iter={{iter}}"),
-        trajectories=f"{RESULTS}/trajectories/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
-        metrics=f"{RESULTS}/train_metrics/stage=rl/run={{run}}/iter={{iter}}/part-0.parquet",
+        model=directory(f"{RESULTS}/models/{RL_ROOT}/{{run}}/iter={{iter}}"),
+        trajectories=f"{RESULTS}/trajectories/stage=rl/{RL_ROOT}/run={{run}}/iter={{iter}}/part-0.parquet",
+        metrics=f"{RESULTS}/train_metrics/stage=rl/{RL_ROOT}/run={{run}}/iter={{iter}}/part-0.parquet",
     params:
         settings=lambda wildcards: json.dumps(rl_settings(wildcards.run), sort_keys=True),
         gym=json.dumps(CRITICAL_GYM, sort_keys=True),
         init_state=lambda wildcards: (rl_state_dir(wildcards.run, int(wildcards.iter) - 1)
                                       if int(wildcards.iter) else ""),
         state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),
-        scratch=lambda wildcards: f"{RESULTS}/work/rl-{wildcards.run}/iter={wildcards.iter}/scratch",
+        scratch=lambda wildcards: f"{RESULTS}/work/{RL_ROOT}/{wildcards.run}/iter={wildcards.iter}/scratch",
         drop_init_state=not RL["keep_optimizer_states"],
         code=job_code("rl_iter", *RL_CODE),
     priority: CRITICAL_PATH
@@ -44,9 +44,9 @@ rule rl_iter:
         run="[A-Za-z0-9_.-]+",
         iter="[0-9]+",
     benchmark:
-        f"{LOGS}/benchmarks/rl-{{run}}-iter{{iter}}.tsv"
+        f"{LOGS}/benchmarks/{RL_ROOT}/{{run}}-iter{{iter}}.tsv"
     log:
-        f"{LOGS}/rl/{{run}}/iter={{iter}}.log",
+        f"{LOGS}/{RL_ROOT}/{{run}}/iter={{iter}}.log",
     conda:
         "../envs/kpipe.yaml"
     script:
@@ -62,17 +62,17 @@ rule rl_iter:
 rule rl_validate:
     """kpipe.evaluate.kernelbench.validation_job: an RL iteration's checkpoint on the validation tasks."""
     input:
-        tasks=f"{RESULTS}/tasks/tasks.parquet",
+        tasks=TASKS,
         model=lambda wildcards: rl_model_dir(wildcards.run, wildcards.iter),
     output:
-        f"{RESULTS}/trajectories/stage=rl_val/run={{run}}/iter={{iter}}/part-0.parquet",
+        f"{RESULTS}/trajectories/stage=rl_val/{RL_ROOT}/run={{run}}/iter={{iter}}/part-0.parquet",
     params:
         settings=job_settings(RL_VALIDATION, drop=("every",)),
         rl=lambda wildcards: rl_settings(wildcards.run),
         gym=GYM,
         run=lambda wildcards: wildcards.run,
         iteration=lambda wildcards: int(wildcards.iter),
-        cache=lambda wildcards: f"{RESULTS}/cache/rl_val/run={wildcards.run}/iter={wildcards.iter}.jsonl",
+        cache=lambda wildcards: f"{RESULTS}/cache/rl_val/{RL_ROOT}/{wildcards.run}/iter={wildcards.iter}.jsonl",
         code=job_code("rl_validate", "evaluate/kernelbench.py", "agent", "llm", "gym"),
     resources:
         gpu_slots=evaluating_job_slots(TINY_POLICY),
@@ -81,9 +81,9 @@ rule rl_validate:
         run="[A-Za-z0-9_.-]+",
         iter="[0-9]+",
     benchmark:
-        f"{LOGS}/benchmarks/rl_val-{{run}}-iter{{iter}}.tsv"
+        f"{LOGS}/benchmarks/rl_val-{RUN}/{{run}}-iter{{iter}}.tsv"
     log:
-        f"{LOGS}/rl_val/{{run}}/iter={{iter}}.log",
+        f"{LOGS}/rl_val-{RUN}/{{run}}/iter={{iter}}.log",
     conda:
         "../envs/kpipe.yaml"
     script:

@@ -9,7 +9,7 @@
 rule stts:
     """kpipe.evaluate.stts.stts_job: one STTS shard of one model, history strategy and level."""
     input:
-        tasks=f"{RESULTS}/tasks/tasks.parquet",
+        tasks=TASKS,
         checkpoint=lambda wildcards: pipeline_checkpoint(wildcards.model, STTS),
     output:
         f"{STTS_DIR}/model={{model}}/strategy={{strategy}}/level={{level}}/part-{{shard}}.parquet",

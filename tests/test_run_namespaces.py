@@ -1,0 +1,63 @@
+"""Issue 64 items 2 and 3: config/paper.yaml, config/paper_14b.yaml and config/kevin.yaml plan into one results/
+without writing each other's outputs. Planned with `snakemake -n` (a real run of all three is GPU-sized): the
+outputs of every training and evaluating rule are disjoint across the three; the 14B's cold start is the 8B's
+(one distillation, the same files read by both SFT jobs); Kevin's tasks and queries are its own."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+CONFIGS = {
+    "paper": ["config/paper.yaml"],
+    "paper_14b": ["config/paper.yaml", "config/paper_14b.yaml"],
+    "kevin": ["config/paper.yaml", "config/ablations/kevin.yaml", "config/kevin.yaml"],
+}
+PER_RUN_RULES = ("sft", "rl_iter", "rl_validate", "select_checkpoint", "eval", "eval_budget", "stts")
+
+
+def planned(workdir: Path, configfiles: list[str]) -> dict[str, dict[str, set[str]]]:
+    """rule -> {"input": paths, "output": paths} of `snakemake -n` with `configfiles`."""
+    result = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--configfile", *configfiles], cwd=workdir,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan: dict[str, dict[str, set[str]]] = defaultdict(lambda: {"input": set(), "output": set()})
+    rule = None
+    for line in result.stdout.splitlines():
+        if match := re.match(r"^(?:local)?rule (\w+):", line):
+            rule = match.group(1)
+        elif rule and (match := re.match(r"^\s+(input|output): (.*)$", line)):
+            plan[rule][match.group(1)].update(path.strip() for path in match.group(2).split(","))
+    return plan
+
+
+@pytest.fixture(scope="module")
+def plans(workflow_copy: Path) -> dict[str, dict[str, dict[str, set[str]]]]:
+    return {name: planned(workflow_copy, files) for name, files in CONFIGS.items()}
+
+
+def test_training_and_evaluation_outputs_are_disjoint_across_configs(plans):
+    names = list(plans)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            for rule in PER_RUN_RULES:
+                shared = plans[first][rule]["output"] & plans[second][rule]["output"]
+                assert not shared, f"{first} and {second} both write {sorted(shared)[:3]} ({rule})"
+
+
+def test_the_14b_reads_the_8b_cold_start_and_distils_nothing_new(plans):
+    paper, paper_14b = plans["paper"], plans["paper_14b"]
+    assert paper["distill"]["output"] and paper_14b["distill"]["output"] == paper["distill"]["output"]
+    coldstart = {path for path in paper_14b["sft"]["input"] if "stage=coldstart" in path}
+    assert coldstart == paper["distill"]["output"]
+    assert paper_14b["sft"]["output"] != paper["sft"]["output"]
+
+
+def test_kevin_s_split_has_its_own_tasks_and_queries(plans):
+    for rule in ("ingest_tasks", "decontaminate", "distill"):
+        assert plans["kevin"][rule]["output"].isdisjoint(plans["paper"][rule]["output"]), rule
