@@ -16,8 +16,9 @@ from conftest import REPOSITORY
 from kpipe.data.io import read_table
 from kpipe.infra import run_lock
 
-TARGET = "results/queries/queries.parquet"  # ingest_tasks, ingest_queries, then decontaminate
-OUTPUTS = {"results/tasks/tasks.parquet": "tasks", "results/queries/queries.parquet": "queries"}
+TARGET = "decontaminate"  # ingest_tasks, ingest_queries, then decontaminate
+# the outputs, in folders named by digests of their config sections (rules/inputs.smk)
+OUTPUTS = {"results/tasks/*/tasks.parquet": "tasks", "results/queries/*/queries.parquet": "queries"}
 WAIT_S = 300.0
 
 
@@ -121,7 +122,13 @@ def copy_of_workflow(path: Path) -> Path:
 
 
 def outputs(workdir: Path) -> dict[str, list[dict]]:
-    return {name: read_table(workdir / name, table).to_pylist() for name, table in OUTPUTS.items()}
+    return {pattern: read_table(only(workdir, pattern), table).to_pylist() for pattern, table in OUTPUTS.items()}
+
+
+def only(workdir: Path, pattern: str) -> Path:
+    """The one file of `workdir` that `pattern` matches."""
+    (path,) = workdir.glob(pattern)
+    return path
 
 
 @pytest.mark.slow
@@ -132,12 +139,12 @@ def test_sigkill_mid_run_then_the_same_command_completes_as_an_uninterrupted_run
     process = subprocess.Popen(snakemake_command(), cwd=killed, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                start_new_session=True)
     deadline = time.monotonic() + WAIT_S
-    while not ((killed / "results/tasks/tasks.parquet").exists() and run_lock.lock_files(killed)):
+    while not (list(killed.glob("results/tasks/*/tasks.parquet")) and run_lock.lock_files(killed)):
         assert process.poll() is None and time.monotonic() < deadline, "the run ended before its first job's output"
         time.sleep(0.005)
     os.killpg(process.pid, signal.SIGKILL)
     process.wait()
-    assert run_lock.lock_files(killed) and not (killed / TARGET).exists()
+    assert run_lock.lock_files(killed) and not list(killed.glob("results/queries/*/queries.parquet"))
 
     rerun = subprocess.run(snakemake_command(), cwd=killed, capture_output=True, text=True)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]

@@ -60,8 +60,8 @@ def edited_config(workdir):
 
 
 def test_default_pipeline_leaves_tables_and_database(workdir):
-    for table in ["tasks/tasks.parquet", "queries/queries.parquet", "kpipe.duckdb"]:
-        assert (workdir / "results" / table).exists(), table
+    for table in ["tasks/*/tasks.parquet", "queries/*/queries.parquet", "kpipe.duckdb"]:
+        assert len(list((workdir / "results").glob(table))) == 1, table
     query = subprocess.run(
         [sys.executable, "-m", "kpipe.cli", "query", "--db", str(workdir / "results" / "kpipe.duckdb"), "--format", "json",
          "select level, count(*) as n from tasks group by level order by level"],
