@@ -146,7 +146,7 @@ def test_default_dag_validates_every_other_iteration_and_the_last(workdir, defau
     result = default_plan
     assert job_counts(result)["rl_validate"] == 3  # rl.iterations 5, every 2: 1, 3 and the last
     for iteration in (1, 3, 4):
-        assert f"results/trajectories/stage=rl_val/run=default/iter={iteration}/part-0.parquet" in result.stdout
+        assert f"results/trajectories/stage=rl_val/rl-default/run=default/iter={iteration}/part-0.parquet" in result.stdout
     assert job_counts(with_overlay(workdir, "rl: {validation: {every: 1}}"))["rl_validate"] == 5
     assert job_counts(with_overlay(workdir, "rl: {validation: {every: 5}}"))["rl_validate"] == 1  # the last
     assert "rl_validate" not in job_counts(with_overlay(workdir, "rl: {validation: {every: 0}}"))
