@@ -25,14 +25,20 @@ def digest(rows: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def only(results: Path, pattern: str) -> Path:
+    """The one file of `results` that `pattern` matches (tasks and queries lie in folders named by digests)."""
+    (path,) = results.glob(pattern)
+    return path
+
+
 def deterministic_tables(results: Path) -> dict[str, Any]:
     """The clock-free part of a default run's `results/`: row digests of tasks and queries, SFT's curve."""
     from kpipe.data.io import read_table
 
     sft = read_table(results / "train_metrics" / "stage=sft" / "run=default" / "part-0.parquet", "train_metrics")
     return {
-        "tasks": digest(read_table(results / "tasks" / "tasks.parquet", "tasks").to_pylist()),
-        "queries": digest(read_table(results / "queries" / "queries.parquet", "queries").to_pylist()),
+        "tasks": digest(read_table(only(results, "tasks/*/tasks.parquet"), "tasks").to_pylist()),
+        "queries": digest(read_table(only(results, "queries/*/queries.parquet"), "queries").to_pylist()),
         "sft": sorted([row["step"], row["name"], row["value"]] for row in sft.to_pylist() if row["name"] in SFT_METRICS),
     }
 

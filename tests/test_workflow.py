@@ -60,10 +60,10 @@ def edited_config(workdir):
 
 
 def test_default_pipeline_leaves_tables_and_database(workdir):
-    for table in ["tasks/*/tasks.parquet", "queries/*/queries.parquet", "kpipe.duckdb"]:
+    for table in ["tasks/*/tasks.parquet", "queries/*/queries.parquet", "runs/default+default/kpipe.duckdb"]:
         assert len(list((workdir / "results").glob(table))) == 1, table
     query = subprocess.run(
-        [sys.executable, "-m", "kpipe.cli", "query", "--db", str(workdir / "results" / "kpipe.duckdb"), "--format", "json",
+        [sys.executable, "-m", "kpipe.cli", "query", "--db", str(workdir / "results" / "runs" / "default+default" / "kpipe.duckdb"), "--format", "json",
          "select level, count(*) as n from tasks group by level order by level"],
         capture_output=True, text=True, cwd="/",
     )
@@ -150,14 +150,14 @@ def test_stts_window_reruns_only_windowed_stts_and_readers(workdir, edited_confi
 
 def test_the_default_run_learns(workdir):
     """The RL iterations of the default run raise the rollouts' mean reward (README, "What the default run shows")."""
-    with open(workdir / "results" / "tables" / "rl_reward.csv") as handle:
+    with open(workdir / "results" / "runs" / "default+default" / "tables" / "rl_reward.csv") as handle:
         rows = sorted((int(r["iteration"]), float(r["mean_reward"])) for r in csv.DictReader(handle) if r["run"] == "default")
     assert [iteration for iteration, _ in rows] == list(range(5))
     assert rows[-1][1] >= rows[0][1] + 0.2, rows
 
 
 def test_every_stage_wrote_its_table(workdir):
-    db = str(workdir / "results" / "kpipe.duckdb")
+    db = str(workdir / "results" / "runs" / "default+default" / "kpipe.duckdb")
     query = subprocess.run(
         [sys.executable, "-m", "kpipe.cli", "query", "--db", db, "--format", "json",
          "select stage, count(*) as n from trajectories group by stage order by stage"],
@@ -166,24 +166,24 @@ def test_every_stage_wrote_its_table(workdir):
     assert {row["stage"] for row in json.loads(query.stdout)} == {"budget", "coldstart", "eval", "rl", "rl_val", "stts"}
     for name in ["table1_fastp_eager", "table2_fastp_compile", "hacking_ratio", "stts_curves", "rl_validation",
                  "kevin_budget"]:
-        assert "| default " in (workdir / "results" / "tables" / f"{name}.md").read_text()  # rows of this run
-    table1 = (workdir / "results" / "tables" / "table1_fastp_eager.md").read_text()
+        assert "| default " in (workdir / "results" / "runs" / "default+default" / "tables" / f"{name}.md").read_text()  # rows of this run
+    table1 = (workdir / "results" / "runs" / "default+default" / "tables" / "table1_fastp_eager.md").read_text()
     hacks = {line.split("|")[7].strip() for line in table1.splitlines() if line.startswith("| kpipe ")}
     assert hacks == {"kpipe", "paper"}  # both hack definitions, from the same rows (issue 30)
-    with open(workdir / "results" / "tables" / "hacking_ratio.csv") as handle:
+    with open(workdir / "results" / "runs" / "default+default" / "tables" / "hacking_ratio.csv") as handle:
         assert {"hacking_ratio", "hacking_ratio_paper", "checks"} <= set(next(csv.DictReader(handle)))
-    with open(workdir / "results" / "tables" / "kevin_budget.csv") as handle:
+    with open(workdir / "results" / "runs" / "default+default" / "tables" / "kevin_budget.csv") as handle:
         budget = [row for row in csv.DictReader(handle) if row["source"] == "kpipe" and row["full_budget"] == "True"]
     assert sorted((row["trajectories"], row["turns"]) for row in budget) == [("2", "4"), ("4", "2"), ("8", "1")]
     for name in ["fig6_stts", "fig_kevin_budget"]:
-        assert (workdir / "results" / "figures" / f"{name}.png").stat().st_size > 0
+        assert (workdir / "results" / "runs" / "default+default" / "figures" / f"{name}.png").stat().st_size > 0
 
 
 def test_trajectories_join_their_evaluations(workdir):
     """The stages' evaluations live in the result cache; export_evals makes it the `evals` table
     that trajectories.eval_key joins (one row per key)."""
     query = subprocess.run(
-        [sys.executable, "-m", "kpipe.cli", "query", "--db", str(workdir / "results" / "kpipe.duckdb"), "--format", "json",
+        [sys.executable, "-m", "kpipe.cli", "query", "--db", str(workdir / "results" / "runs" / "default+default" / "kpipe.duckdb"), "--format", "json",
          "select count(*) as evals, count(distinct key) as keys, "
          "(select count(*) from trajectories t join evals e on t.eval_key = e.key) as joined from evals"],
         capture_output=True, text=True,

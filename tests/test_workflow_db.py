@@ -17,7 +17,8 @@ from kpipe.data.schemas import TABLES
 
 pytestmark = pytest.mark.slow
 
-DB = "results/kpipe.duckdb"
+REPORT = "results/runs/default+default"  # the default config's database, tables, figures (rules/inputs.smk)
+DB = f"{REPORT}/kpipe.duckdb"
 STTS_PART = "results/trajectories/stage=stts/run=default/model=tiny-rl/strategy=top_w/level=2/part-0.parquet"
 
 
@@ -45,7 +46,7 @@ def stand_in_outputs(workdir: Path) -> None:
         if not path.startswith("results/") or path == DB:
             continue
         target = workdir / path
-        table = Path(path).parts[1]
+        table = next((part for part in Path(path).parts[1:] if part in TABLES), None)
         if target.suffix == "":
             target.mkdir(parents=True, exist_ok=True)
         elif target.suffix == ".parquet" and table in TABLES:
@@ -111,10 +112,10 @@ def test_a_failed_build_is_never_forgotten_and_the_last_good_database_stays_besi
     damaged.write_bytes(damaged.read_bytes()[:40])  # truncated
     result = snakemake(tree, DB)
     assert result.returncode != 0
-    log = (tree / "logs" / "build_db.log").read_text()
+    log = (tree / "logs" / "runs" / "default+default" / "build_db.log").read_text()
     assert STTS_PART in log and "not a readable Parquet file" in log
     assert not (tree / DB).exists()
-    tasks = query(tree / "results" / "kpipe.last-good.duckdb", "select count(*) as n from tasks")
+    tasks = query(tree / REPORT / "kpipe.last-good.duckdb", "select count(*) as n from tasks")
     assert tasks.returncode == 0, tasks.stderr
     assert json.loads(tasks.stdout) == [{"n": 0}]
     missing = query(tree / DB, "select 1")
@@ -138,13 +139,13 @@ def test_a_moved_tree_rebuilds_only_the_database_and_its_readers(tree, tmp_path)
     planned = planned_counts(ok(snakemake(moved, "-n")))
     assert set(planned) == {"build_db", "tables", "figures", "viewer", "all"}, planned
     stale = query(moved / DB, "select 1")
-    assert stale.returncode != 0 and f"was built for {tree / 'results'}; rebuild it here" in stale.stderr
+    assert stale.returncode != 0 and f"was built for {tree / REPORT}; rebuild it here" in stale.stderr
     ok(snakemake(moved, DB))
     result = subprocess.run([sys.executable, "-m", "kpipe.cli", "query", "--format", "json",
                              "select count(*) as n from trajectories"], capture_output=True, text=True, cwd=moved)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == [{"n": 0}]
-    elsewhere = subprocess.run([sys.executable, "-m", "kpipe.cli", "query", "--results", str(moved / "results"),
+    elsewhere = subprocess.run([sys.executable, "-m", "kpipe.cli", "query", "--results", str(moved / REPORT),
                                 "select 1"], capture_output=True, text=True, cwd="/")
     assert elsewhere.returncode == 0, elsewhere.stderr
 

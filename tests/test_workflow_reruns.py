@@ -131,10 +131,10 @@ def test_ctrl_c_during_rl_iter_then_the_same_command_resumes_it(workdir):
     log = (workdir / "logs" / "rl" / "default" / "iter=0.log").read_text()
     resumed = re.search(r"resuming RL iteration 0 of default at step (\d+)", log)
     assert resumed and int(resumed.group(1)) >= 1, log[-3000:]
-    rows = read_table(workdir / "results" / "trajectories" / "stage=rl" / "run=default" / "iter=0" / "part-0.parquet",
+    rows = read_table(workdir / "results" / "trajectories" / "stage=rl" / "rl-default" / "run=default" / "iter=0" / "part-0.parquet",
                       "trajectories")
     assert rows.num_rows == 3 * 1 * 2  # steps x prompts x rollouts, one turn each
-    metrics = read_table(workdir / "results" / "train_metrics" / "stage=rl" / "run=default" / "iter=0" / "part-0.parquet",
+    metrics = read_table(workdir / "results" / "train_metrics" / "stage=rl" / "rl-default" / "run=default" / "iter=0" / "part-0.parquet",
                          "train_metrics").to_pydict()
     assert sorted(step for step, name in zip(metrics["step"], metrics["name"]) if name == "reward_mean") == [1, 2, 3]
     assert not (workdir / RL_SCRATCH).exists()

@@ -13,7 +13,7 @@ rule export_evals:
         cache=config["gym"]["cache"],
         code=job_code("export_evals", "gym/cache.py", "gym/result.py", "data/io.py", "data/schemas.py"),
     log:
-        f"{LOGS}/export_evals.log",
+        f"{REPORT_LOGS}/export_evals.log",
     conda:
         "../envs/kpipe.yaml"
     script:
@@ -29,14 +29,14 @@ rule build_db:
         # a plain output: Snakemake deletes it before the job, so after a failed build there is no
         # database and the next run builds again (never "Nothing to be done" over an old one); each good
         # build is also copied to kpipe.last-good.duckdb beside it (kpipe.data.db.build_db)
-        f"{RESULTS}/kpipe.duckdb",
+        f"{REPORT_DIR}/kpipe.duckdb",
     params:
         # the views name their files by absolute path (any DuckDB client opens the database from any
         # directory): a moved or copied results tree rebuilds it, and what reads it
         results=os.path.abspath(RESULTS),
         code=job_code("build_db", "data/db.py", "data/schemas.py", "data/io.py"),
     log:
-        f"{LOGS}/build_db.log",
+        f"{REPORT_LOGS}/build_db.log",
     conda:
         "../envs/kpipe.yaml"
     script:

@@ -229,6 +229,14 @@ def stts_parts():
                   shard=range(STTS["shards"]))
 
 
+# The database, tables, figures and viewer of this config (rules/db.smk, tables.smk, viewer.smk): a folder of
+# its own per config run and set of RL runs (an ablation overlay adds RL runs), so configs sharing one results/
+# never rebuild each other's report; every row's `run` column says which run it comes from
+REPORT_NAME = "+".join([RUN, *sorted(RL_RUNS)])
+REPORT_DIR = f"{RESULTS}/runs/{REPORT_NAME}"
+REPORT_LOGS = f"{LOGS}/runs/{REPORT_NAME}"
+
+
 # Tables and figures (rules/tables.smk)
 # relative to the working directory, as every other path of the DAG: a moved tree reruns nothing
 SQL_DIR = Path(os.path.relpath(Path(workflow.current_basedir).parent / "sql"))
@@ -249,21 +257,21 @@ def own_models():
 def report_tables():
     outputs = []
     for name in TABLE_NAMES:
-        outputs.append(report(f"{RESULTS}/tables/{name}.md", caption=f"../report/{name}.rst", category="Tables",
+        outputs.append(report(f"{REPORT_DIR}/tables/{name}.md", caption=f"../report/{name}.rst", category="Tables",
                               labels={"table": name, "format": "markdown"}))
-        outputs.append(report(f"{RESULTS}/tables/{name}.csv", caption=f"../report/{name}.rst", category="Tables",
+        outputs.append(report(f"{REPORT_DIR}/tables/{name}.csv", caption=f"../report/{name}.rst", category="Tables",
                               labels={"table": name, "format": "csv"}))
     return outputs
 
 
 def table_targets():
     """The default targets of this module: every table and figure."""
-    return ([f"{RESULTS}/tables/{name}.{ext}" for name in TABLE_NAMES for ext in ("md", "csv")]
-            + [f"{RESULTS}/figures/{name}.png" for name in FIGURE_NAMES])
+    return ([f"{REPORT_DIR}/tables/{name}.{ext}" for name in TABLE_NAMES for ext in ("md", "csv")]
+            + [f"{REPORT_DIR}/figures/{name}.png" for name in FIGURE_NAMES])
 
 
 # The `evals` table of the DAG: the KernelGym result cache (gym.cache) written out by rules/db.smk
-EVALS_EXPORT = f"{RESULTS}/evals/gym_cache.parquet"
+EVALS_EXPORT = f"{REPORT_DIR}/evals/gym_cache.parquet"
 
 
 def trajectory_parts():
@@ -295,5 +303,5 @@ def final_targets():
     """The default targets: the database (every stage feeds it), the tables, the figures and the
     trajectory viewer (rules/viewer.smk), and every file the database reads: Snakemake reruns a
     deleted intermediate file (e.g. an interrupted job's output) only when a target asks for it."""
-    return [f"{RESULTS}/kpipe.duckdb", *table_targets(), f"{RESULTS}/viewer",
+    return [f"{REPORT_DIR}/kpipe.duckdb", *table_targets(), f"{REPORT_DIR}/viewer",
             *(path for paths in table_files().values() for path in paths)]

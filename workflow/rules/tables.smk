@@ -6,7 +6,7 @@
 rule tables:
     """kpipe.report.tables.build_tables: every workflow/sql/<name>.sql as Markdown and CSV."""
     input:
-        db=f"{RESULTS}/kpipe.duckdb",
+        db=f"{REPORT_DIR}/kpipe.duckdb",
         sql=[sql_file(name) for name in TABLE_NAMES],
         views=sql_file("views"),
         checkpoints=checkpoint_selections(),  # which RL checkpoint a best_val model is: quoted in the notes
@@ -19,7 +19,7 @@ rule tables:
         sql_dir=lambda wildcards, input: str(Path(input.sql[0]).parent),
         code=job_code("tables", "report/tables.py", "report/paper_numbers.py", "data/metrics.py"),
     log:
-        f"{LOGS}/tables.log",
+        f"{REPORT_LOGS}/tables.log",
     conda:
         "../envs/kpipe.yaml"
     script:
@@ -29,19 +29,19 @@ rule tables:
 rule figures:
     """kpipe.report.figures.build_figures: the paper's figures as PNG."""
     input:
-        db=f"{RESULTS}/kpipe.duckdb",
+        db=f"{REPORT_DIR}/kpipe.duckdb",
         sql=[sql_file(name)
              for name in ("training_curves", "stts_curves", "hacking_ratio", "rl_validation", "kevin_budget",
                           "rl_reward")],
     output:
-        *[report(f"{RESULTS}/figures/{name}.png", caption=f"../report/{name}.rst", category="Figures",
+        *[report(f"{REPORT_DIR}/figures/{name}.png", caption=f"../report/{name}.rst", category="Figures",
                  labels={"figure": name}) for name in FIGURE_NAMES],
     params:
         n_boot=config["tables"]["n_boot"],
         sql_dir=lambda wildcards, input: str(Path(input.sql[0]).parent),
         code=job_code("figures", "report/figures.py", "report/tables.py", "data/metrics.py"),
     log:
-        f"{LOGS}/figures.log",
+        f"{REPORT_LOGS}/figures.log",
     conda:
         "../envs/kpipe.yaml"
     script:

@@ -6,15 +6,15 @@
 rule viewer:
     """kpipe.report.viewer.build_viewer: the static trajectory viewer."""
     input:
-        db=f"{RESULTS}/kpipe.duckdb",
+        db=f"{REPORT_DIR}/kpipe.duckdb",
     output:
-        report(directory(f"{RESULTS}/viewer"), htmlindex="index.html", caption="../report/viewer.rst",
+        report(directory(f"{REPORT_DIR}/viewer"), htmlindex="index.html", caption="../report/viewer.rst",
                category="Trajectories", labels={"page": "trajectory viewer"}),
     params:
         code=job_code("viewer", "report/viewer.py", "report/web"),
     threads: 4  # processes rendering the data files (Snakemake lowers it to --cores)
     log:
-        f"{LOGS}/viewer.log",
+        f"{REPORT_LOGS}/viewer.log",
     conda:
         "../envs/kpipe.yaml"
     script:

@@ -170,12 +170,22 @@ def connect(db_path: Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+# where the workflow writes each config's database: results/runs/<config run>+<RL runs>/ (workflow/rules/inputs.smk)
+RUNS_DIR = Path("results") / "runs"
+
+
 def default_db(results: str | None = None) -> Path:
-    """--results DIR, else $KPIPE_DB, else ./results of the current directory: the run in hand,
-    not the checkout kpipe was installed from."""
+    """--results DIR, else $KPIPE_DB, else the one run's database under ./results/runs of the current
+    directory (the run in hand, not the checkout kpipe was installed from); with several, the caller names one."""
     if results:
         return Path(results) / DB_NAME
-    return Path(os.environ.get("KPIPE_DB") or Path("results") / DB_NAME)
+    if os.environ.get("KPIPE_DB"):
+        return Path(os.environ["KPIPE_DB"])
+    found = sorted(RUNS_DIR.glob(f"*/{DB_NAME}"))
+    if len(found) > 1:
+        raise click.ClickException("databases of several runs: name one with --db or --results "
+                                   f"({', '.join(str(path.parent) for path in found)})")
+    return found[0] if found else Path("results") / DB_NAME
 
 
 def locate_db(explicit: str | None, results: str | None = None) -> Path:
@@ -212,8 +222,9 @@ def format_table(result: pa.Table, fmt: str) -> str:
 @click.command("query")
 @click.argument("sql", required=False)
 @click.option("--file", "sql_file", type=click.Path(exists=True, dir_okay=False), help="read the SQL from a file")
-@click.option("--results", type=click.Path(file_okay=False), help="the results folder whose kpipe.duckdb to query")
-@click.option("--db", help="database path (default: $KPIPE_DB, else results/kpipe.duckdb of the current directory)")
+@click.option("--results", type=click.Path(file_okay=False),
+              help="the folder whose kpipe.duckdb to query (a run's: results/runs/<config run>+<RL runs>)")
+@click.option("--db", help="database path (default: $KPIPE_DB, else the one run's under results/runs of the current directory)")
 @click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table", show_default=True)
 @click.option("--rebuild", is_flag=True, help="rebuild the views over every Parquet file beside the database first")
 def query_command(sql: str | None, sql_file: str | None, results: str | None, db: str | None, fmt: str,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from kpipe.data.db import locate_db
 from kpipe.report.tables import DEFAULT_SQL_DIR, REPORT_TURNS, build_tables
 
 @click.group()
@@ -16,22 +17,22 @@ def tables() -> None:
 
 
 @tables.command("build")
-@click.option("--db", "db_path", default="results/kpipe.duckdb", show_default=True,
-              type=click.Path(dir_okay=False))
-@click.option("--out", "out_dir", default="results/tables", show_default=True,
-              type=click.Path(file_okay=False))
+@click.option("--db", "db_path", type=click.Path(dir_okay=False),
+              help="database path (default: $KPIPE_DB, else the one run's under results/runs)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="default: tables/ beside the database")
 @click.option("--sql-dir", default=str(DEFAULT_SQL_DIR), show_default=True, type=click.Path(file_okay=False))
 @click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates per Fast@p cell (0: none).")
 @click.option("--report-turn", type=click.Choice(REPORT_TURNS), default="paper", show_default=True,
               help="Turn of the Fast@p rows: paper (own models last, baselines best), last or best.")
 @click.option("--own-model", "own_models", multiple=True,
               help="A model of this pipeline (reported at its last turn under --report-turn paper); repeatable.")
-def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int, report_turn: str,
+def build_command(db_path: str | None, out_dir: str | None, sql_dir: str, n_boot: int, report_turn: str,
                   own_models: tuple[str, ...]) -> None:
-    """Write results/tables/<name>.md and .csv for every workflow/sql/<name>.sql."""
+    """Write tables/<name>.md and .csv beside the database for every workflow/sql/<name>.sql."""
+    db = locate_db(db_path)
     try:
-        written = build_tables(Path(db_path), Path(out_dir), Path(sql_dir), n_boot, report_turn=report_turn,
-                               own_models=own_models)
+        written = build_tables(db, Path(out_dir) if out_dir else db.parent / "tables", Path(sql_dir), n_boot,
+                               report_turn=report_turn, own_models=own_models)
     except (FileNotFoundError, RuntimeError) as error:
         raise click.ClickException(str(error)) from None
     for name, path in written.items():
@@ -39,14 +40,14 @@ def build_command(db_path: str, out_dir: str, sql_dir: str, n_boot: int, report_
 
 
 @tables.command("figures")
-@click.option("--db", "db_path", default="results/kpipe.duckdb", show_default=True,
-              type=click.Path(dir_okay=False))
-@click.option("--out", "out_dir", default="results/figures", show_default=True,
-              type=click.Path(file_okay=False))
+@click.option("--db", "db_path", type=click.Path(dir_okay=False),
+              help="database path (default: $KPIPE_DB, else the one run's under results/runs)")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="default: figures/ beside the database")
 @click.option("--n-boot", default=1000, show_default=True, help="Bootstrap replicates of the shaded intervals (0: none).")
-def figures_command(db_path: str, out_dir: str, n_boot: int) -> None:
-    """Write the paper's figures (4-8, RL validation, Kevin's budget) as PNG."""
+def figures_command(db_path: str | None, out_dir: str | None, n_boot: int) -> None:
+    """Write the paper's figures (4-8, RL validation, Kevin's budget) as PNG beside the database."""
     from kpipe.report.figures import build_figures  # matplotlib: only when asked for
 
-    for name, path in build_figures(Path(db_path), Path(out_dir), n_boot=n_boot).items():
+    db = locate_db(db_path)
+    for name, path in build_figures(db, Path(out_dir) if out_dir else db.parent / "figures", n_boot=n_boot).items():
         click.echo(f"{name}: {path}")

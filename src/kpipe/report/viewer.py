@@ -399,8 +399,9 @@ def build_viewer(db_path: Path, out_dir: Path, per_file: int = TRAJECTORIES_PER_
 
 @click.command("view")
 @click.option("--results", type=click.Path(file_okay=False),
-              help="the results folder to read (kpipe.duckdb) and write (viewer/); default: ./results")
-@click.option("--db", "db_path", help="database path (default: $KPIPE_DB, else the results folder's kpipe.duckdb)")
+              help="the folder to read (kpipe.duckdb) and write (viewer/): a run's, results/runs/<config run>+<RL runs>; "
+                   "default: the one run's under ./results/runs")
+@click.option("--db", "db_path", help="database path (default: $KPIPE_DB, else the folder's kpipe.duckdb)")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="folder to write (index.html and data/); default: viewer/ beside the database")
 @click.option("--workers", default=min(8, os.cpu_count() or 1), show_default=True,
