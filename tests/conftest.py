@@ -19,6 +19,7 @@ LONGEST_MODULES = (
     "test_workflow.py",
     "test_workflow_gym_service.py",
     "test_workflow_reruns.py",
+    "test_run_namespaces.py",
     "test_compare_clean_runs.py",
     "test_workflow_db.py",
     "test_rl_learning.py",

@@ -6,12 +6,14 @@ outputs of every training and evaluating rule are disjoint across the three; the
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from conftest import REPOSITORY
 
 CONFIGS = {
     "paper": ["config/paper.yaml"],
@@ -75,3 +77,30 @@ def test_an_ablation_overlay_trains_only_its_own_runs_beside_the_base_config_s(p
     assert base["rl_iter"]["output"] < ablation["rl_iter"]["output"]  # drkernel's iterations: the same files
     assert base["sft"]["output"] == ablation["sft"]["output"]
     assert any("/grpo/" in path for path in ablation["rl_iter"]["output"] - base["rl_iter"]["output"])
+
+
+@pytest.mark.slow
+def test_two_configs_run_into_one_results_share_the_cold_start_and_leave_each_other_done(tmp_path):
+    """A real tiny pair (the default run, then a second config run `other` with its own tiny policy) up to SFT:
+    the second distils nothing (the cold start is the first's) and trains its own SFT model; afterwards each
+    config's plan says "Nothing to be done"."""
+    for folder in ("workflow", "config"):
+        shutil.copytree(REPOSITORY / folder, tmp_path / folder)
+    (tmp_path / "config" / "other.yaml").write_text("run: other\npolicy:\n  tiny:\n    seed: 1\n")
+    default, other = ["sft"], ["sft", "--configfile", "config/config.yaml", "config/other.yaml"]
+
+    def snakemake(*args: str) -> str:
+        result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        return result.stdout + result.stderr
+
+    snakemake(*default)
+    coldstart = sorted(tmp_path.glob("results/trajectories/stage=coldstart/*/iter=0/part-*.parquet"))
+    before = {path: path.stat().st_mtime_ns for path in coldstart}
+    second = snakemake(*other)
+    assert "rule distill:" not in second and "rule sft:" in second
+    assert {path: path.stat().st_mtime_ns for path in coldstart} == before
+    assert (tmp_path / "results/models/sft-default").is_dir() and (tmp_path / "results/models/sft-other").is_dir()
+    for args in (default, other):
+        assert "Nothing to be done" in snakemake("-n", *args)
