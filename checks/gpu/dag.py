@@ -56,6 +56,7 @@ from checks.gpu.harness import CheckFailed, Report, Section
 ROOT = Path(__file__).resolve().parents[2]
 TITLE = "The default DAG under Snakemake on GPUs"
 RESULTS = ROOT / "results"
+REPORT = RESULTS / "runs" / "default+default"  # the default config's database, tables, figures, viewer
 # What a change of stts.window may rerun: the STTS jobs and everything that reads their files.
 GPU_CONFIG = "config/gpu.yaml"
 RUN_NAME = "default"  # config/config.yaml's run
@@ -224,12 +225,12 @@ def overlapping_timed_regions(spans_by_device: dict[str, list[tuple[float, float
 def query(sql: str) -> list[tuple[Any, ...]]:
     from kpipe.data.db import connect
 
-    with connect(RESULTS / "kpipe.duckdb") as db:
+    with connect(REPORT / "kpipe.duckdb") as db:
         return db.execute(sql).fetchall()
 
 
 def read_table(name: str) -> list[dict[str, str]]:
-    path = RESULTS / "tables" / f"{name}.csv"
+    path = REPORT / "tables" / f"{name}.csv"
     if not path.exists():
         raise CheckFailed(f"{path.relative_to(ROOT)} was not written")
     with path.open() as handle:
@@ -237,10 +238,10 @@ def read_table(name: str) -> list[dict[str, str]]:
 
 
 def table_markdown(name: str, limit: int = 40) -> list[str]:
-    path = RESULTS / "tables" / f"{name}.md"
+    path = REPORT / "tables" / f"{name}.md"
     lines = ([line for line in path.read_text().splitlines() if line.startswith("|")] if path.exists()
              else [f"({name}.md not written)"])
-    return ["", f"`results/tables/{name}.md`:", "", *lines[:limit]]
+    return ["", f"`results/runs/default+default/tables/{name}.md`:", "", *lines[:limit]]
 
 
 def snakemake_argv(options: argparse.Namespace, *overlays: str, dry_run: bool = False) -> list[str]:
@@ -421,9 +422,9 @@ def check_outputs(report: Report, options: argparse.Namespace) -> None:
     from kpipe.report.tables import table_sql_files
 
     tables = [path.stem for path in table_sql_files(ROOT / "workflow" / "sql")]
-    missing = [f"tables/{name}.md" for name in tables if not (RESULTS / "tables" / f"{name}.md").exists()]
-    missing += [f"figures/{name}.png" for name in FIGURE_NAMES if not (RESULTS / "figures" / f"{name}.png").exists()]
-    missing += [] if any((RESULTS / "viewer").glob("*.html")) else ["viewer/*.html"]
+    missing = [f"tables/{name}.md" for name in tables if not (REPORT / "tables" / f"{name}.md").exists()]
+    missing += [f"figures/{name}.png" for name in FIGURE_NAMES if not (REPORT / "figures" / f"{name}.png").exists()]
+    missing += [] if any((REPORT / "viewer").glob("*.html")) else ["viewer/*.html"]
     report.line("", f"- {len(tables)} tables, {len(FIGURE_NAMES)} figures, viewer: "
                 + ("all written" if not missing else "missing " + ", ".join(missing)))
     report.expect(not missing, "not written: " + ", ".join(missing))
@@ -465,7 +466,7 @@ def check_outputs(report: Report, options: argparse.Namespace) -> None:
 
 def rerun(report: Report, options: argparse.Namespace) -> None:
     """After one config change, only the jobs that depend on it run."""
-    if not (RESULTS / "kpipe.duckdb").exists():
+    if not (REPORT / "kpipe.duckdb").exists():
         raise CheckFailed("no finished run to change")
     import yaml
 
@@ -504,7 +505,7 @@ def startup(report: Report, options: argparse.Namespace) -> None:
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
         report.row(name, f"{time.monotonic() - started:.1f}", f"`python -c \"{code}\"`", ok=done.returncode == 0)
-    model = RESULTS / "models" / "rl-default" / "iter=4"
+    model = RESULTS / "models" / "rl-default" / "default" / "iter=4"
     if not model.exists():
         raise CheckFailed(f"{model.relative_to(ROOT)} missing: the run did not finish")
     for device, threads in (("cuda", 0), ("cpu", 4), ("cpu", 16)):

@@ -193,7 +193,7 @@ def locate_db(explicit: str | None, results: str | None = None) -> Path:
     path = Path(explicit) if explicit else default_db(results)
     if not path.exists():
         last_good = path.with_name(LAST_GOOD_NAME)
-        hint = (f"; the last build failed? (logs/build_db.log) the last good database is {last_good} (--db)"
+        hint = (f"; the last build failed? (logs/runs/<run>/build_db.log) the last good database is {last_good} (--db)"
                 if last_good.exists() else "")
         raise click.ClickException(f"no database at {path}: run the pipeline (or `kpipe query --rebuild`) first{hint}")
     return path

@@ -296,7 +296,7 @@ def markdown(name: str, notes: list[str], body: str, paper: pd.DataFrame | None)
     title, _, lead = first.partition(": ")  # "Table 1 (paper §6.2): what it shows..." -> title, lead
     rest = [lead, *rest] if lead else rest
     parts = [f"# {title}", "", *[f"> {line}" if line else ">" for line in rest], "",
-             f"Source: `workflow/sql/{name}.sql` over `results/kpipe.duckdb`; every key and count is in "
+             f"Source: `workflow/sql/{name}.sql` over the run's `kpipe.duckdb` (beside `tables/`); every key and count is in "
              f"`{name}.csv`.", "", body]
     if paper is not None and not paper.empty:
         parts += ["", "Reference rows from the paper (source = paper):", "", markdown_frame(paper)]
