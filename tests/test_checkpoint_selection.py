@@ -80,13 +80,13 @@ def test_best_val_makes_the_evaluations_wait_for_the_runs_validation(workflow_co
     jobs = best.stdout.split("\n\n")
     select = [job for job in jobs if "rule select_checkpoint:" in job]
     assert len(select) == 1
-    assert set(re.findall(r"stage=rl_val/run=default/iter=(\d+)", select[0])) == {"1", "3", "4"}
-    selection = "results/models/rl-default/selected.json"
+    assert set(re.findall(r"stage=rl_val/rl-default/run=default/iter=(\d+)", select[0])) == {"1", "3", "4"}
+    selection = "results/models/rl-default/default/selected.json"
     for rule in ("eval", "stts", "tables"):
         readers = [job for job in jobs if f"rule {rule}:" in job and selection in job]
         assert readers, rule
     rl_eval = [job for job in jobs if "rule eval:" in job and "model=tiny-rl" in job]
-    assert rl_eval and all(selection in job and "rl-default/iter=4" not in job for job in rl_eval)
+    assert rl_eval and all(selection in job and "rl-default/default/iter=4" not in job for job in rl_eval)
     (workflow_copy / "config" / "no_val.yaml").write_text("eval: {checkpoint: best_val}\nrl: {validation: {every: 0}}\n")
     refused = planned(workflow_copy, "--configfile", "config/config.yaml", "config/no_val.yaml")
     assert refused.returncode != 0 and "best_val needs RL validation" in refused.stdout + refused.stderr
