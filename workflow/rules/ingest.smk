@@ -21,15 +21,16 @@ rule ingest_tasks:
 rule ingest_queries:
     """kpipe.data.ingest.ingest_queries_job: one training-query source in the queries schema."""
     output:
-        f"{QUERIES_RAW}/source={{source}}/part-0.parquet",
+        f"{RESULTS}/queries_raw/source={{source}}/key={{key}}/part-0.parquet",
     params:
         source=lambda wildcards: query_sources()[wildcards.source],
         code=job_code("ingest_queries", "data"),
     priority: CRITICAL_PATH
     log:
-        f"{LOGS}/ingest_queries/{QUERIES_KEY}/{{source}}.log",
+        f"{LOGS}/ingest_queries/{{source}}-{{key}}.log",
     wildcard_constraints:
         source="[A-Za-z0-9_-]+",
+        key="[0-9a-f]+",
     conda:
         "../envs/kpipe.yaml"
     script:
@@ -40,7 +41,7 @@ rule decontaminate:
     """kpipe.data.ingest.decontaminate_job: queries that (nearly) repeat a task dropped or flagged."""
     input:
         tasks=TASKS,
-        queries=expand(f"{QUERIES_RAW}/source={{source}}/part-0.parquet", source=query_sources()),
+        queries=raw_query_parts(),
     output:
         queries=QUERIES,
         counts=f"{RESULTS}/reports/decontamination-{QUERIES_KEY}.json",

@@ -23,7 +23,6 @@ TASKS_KEY = settings_key(config["kernelbench"])
 TASKS = f"{RESULTS}/tasks/kernelbench={TASKS_KEY}/tasks.parquet"
 QUERIES_KEY = settings_key(config["kernelbench"], config["queries"])
 QUERIES = f"{RESULTS}/queries/queries={QUERIES_KEY}/queries.parquet"
-QUERIES_RAW = f"{RESULTS}/queries_raw/queries={QUERIES_KEY}"
 DISTILL = config["distill"]
 if DISTILL["teacher"] == "released" and not (DISTILL["released_path"] and Path(DISTILL["released_path"]).exists()):
     # checked here: an earlier run's cold-start file would otherwise satisfy the rule and hide it
@@ -38,6 +37,12 @@ TEACHER = (DISTILL.get("engine") or {}).get("model") or DISTILL["teacher"]
 
 def query_sources():
     return {source["name"]: source for source in config["queries"]["sources"]}
+
+
+def raw_query_parts():
+    """Each source's ingested queries, keyed by its own entry (a decontamination setting re-ingests nothing)."""
+    return [f"{RESULTS}/queries_raw/source={name}/key={settings_key(source)}/part-0.parquet"
+            for name, source in query_sources().items()]
 
 
 def coldstart_parts():
