@@ -143,7 +143,7 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
             phases[f"candidate: {name.split(' trial')[0]}"].append(phase_s)
     # every pass's evaluations (the per-task figures pool them)
     tasks = [{"task": pairs[i % len(pairs)]["task"], "pass": i // len(jobs) + 1, "status": r.status, "candidate_ms": r.candidate_ms,
-              "speedup": r.speedup_eager, "eager_ms": r.eager_ms, "gpu_drift": r.gpu_drift,
+              "speedup": r.speedup_eager, "eager_ms": r.eager_ms,
               "recheck_host_to_event": recheck_ratio.get(r.candidate_hash), "why": "; ".join(r.hack_reasons) or r.diagnostic[:300]}
              for i, r in enumerate(results + later_results)]
     return {"gpus": gpus, "per_gpu": per_gpu, "cpu_threads": cpu_threads, "evaluations": len(results), "reuse_reference": reuse_reference,
