@@ -609,15 +609,15 @@ def ask_windows(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Ca
         seconds.append(answered - revealed)
         spans.append([revealed_unix, revealed_unix + seconds[-1]])
         last = index + 1 == len(windows.seeds)
-        if last:
+        answered_bytes = sum(map(len, answers)) + scratch.size(WINDOW_ANSWER_FILE.format(round=index))
+        stop = not last and windows.enough is not None and windows.enough(index + 1, answered_bytes)
+        if last or stop:
             timing_done()
         data = read_exchange_file(scratch, WINDOW_ANSWER_FILE.format(round=index), max_bytes)
         if data is None:
             return None, None, spans
         answers.append(data)
-        if not last and windows.enough is not None and windows.enough(len(answers), sum(map(len, answers))):
-            timing_done()
-            # after the read: the child may not rewrite an answer the judge has not kept
+        if stop:  # after the read: the child may not rewrite an answer the judge has not kept
             scratch.write_new(WINDOW_FILE.format(round=index + 1), json.dumps({"stop": True}).encode())
             break
     return answers, seconds, spans

@@ -59,8 +59,9 @@ class Protocol:
     and the KernelGym brief (100 timed calls)."""
 
     correct_trials: int = 5
-    # calls of each timing window at most (the reference's child picks fewer where fewer make about
-    # 100 ms on a GPU, kpipe.gym.child.window_calls), and untimed calls before the first window
+    # on the CPU, the calls of each timing window at most (on a GPU a window takes as many as make
+    # about 100 ms of the reference's time, up to 1024: kpipe.gym.child.window_calls), and untimed
+    # calls before the first window
     perf_trials: int = 100
     warmup: int = 10
     # ... and on a GPU at least this long: clocks drop while a candidate child waits for the
