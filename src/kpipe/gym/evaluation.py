@@ -397,6 +397,7 @@ def evaluate(
     }
 
     trace: dict[str, Any] = {"started_unix": time.time(), "reference": None, "candidate": None}
+    seeds: list[int] = []  # this candidate's windows' secret seeds
     candidate_done: float | None = None
 
     def finish(status: str, profile: dict[str, Any] | None = None, **fields: Any) -> EvalResult:
@@ -408,6 +409,9 @@ def evaluate(
             trace["verdict_s"] = time.monotonic() - candidate_done
         result.feedback = build_feedback(result, profile, protocol.feedback_max_chars)
         result.redact()
+        for seed in seeds:  # spent, never used again; kept out of what a model reads all the same
+            result.diagnostic, result.feedback = (text.replace(str(seed), "<seed>") for text in (result.diagnostic, result.feedback))
+            result.hack_reasons = [reason.replace(str(seed), "<seed>") for reason in result.hack_reasons]
         if os.environ.get(TRACE_VARIABLE):
             write_trace({"key": result.key, "candidate_hash": result.candidate_hash, "status": status,
                          "wall_s": result.wall_s, "judge_pid": os.getpid(), "judge_rss_mb": host_rss_mb(), **trace})
@@ -432,6 +436,7 @@ def evaluate(
                 triton_version=reference["triton_version"])
     # the judge's own clock: the reference's windows handed to this candidate, then the candidate's
     spans = [list(window["span"]) for window in reference["windows"]]
+    seeds.extend(int(window["seed"]) for window in reference["windows"])
 
     verdict: dict[str, Any] = {}
 

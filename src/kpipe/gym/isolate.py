@@ -217,9 +217,9 @@ def decode_payload(data: bytes) -> dict[str, Any]:
     try:
         payload = decode(data)
     except MalformedFile as exc:
-        return {"status": "runtime_error", "malformed": True, "error": f"malformed result file: {exc}"}
+        return {"status": "runtime_error", "malformed": True, "error": str(exc)}
     if not isinstance(payload, dict):
-        return {"status": "runtime_error", "malformed": True, "error": "malformed result file: it holds no record"}
+        return {"status": "runtime_error", "malformed": True, "error": "it holds no record"}
     return payload
 
 
