@@ -221,7 +221,7 @@ class ModelNew(nn.Module):
         return torch_behind_a_kernel(x)
 '''
     leaked = evaluate(SLEEPY_REFERENCE, leaker, protocol, reuse_reference=True)
-    (seed_hex,) = re.findall(r"leaked ([0-9a-f]+)", leaked.diagnostic)
+    (seed_hex,) = set(re.findall(r"leaked ([0-9a-f]+)", leaked.diagnostic))
     assert leaked.status == "runtime_error" and str(int(seed_hex, 16)) not in leaked.feedback + leaked.diagnostic
     replay = KERNEL + f'''
 LEAKED = {{{int(seed_hex, 16)}}}
