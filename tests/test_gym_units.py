@@ -451,6 +451,10 @@ def test_window_time_is_the_references_call_plus_the_difference_on_the_judges_cl
     assert window_call_ms(window, 0.070) == pytest.approx(5.0)
     assert window_call_ms(window, 0.045) == pytest.approx(2.5)  # half the calls' time: twice as fast
     assert window_call_ms(window, 0.120) == pytest.approx(10.0)
+    # calls of microseconds in a window of milliseconds: the ratio of the windows, never the noise of the difference
+    short = {"calls": 5, "calls_ms": 0.1, "wall_s": 0.005}
+    assert window_call_ms(short, 0.004) == pytest.approx(0.02 * 0.8)
+    assert window_call_ms(short, 0.065) == pytest.approx(0.02 * 13)
 
 
 def _window(seed: int, calls: int, call_ms: float, wall_s: float, outputs: list | None = None) -> dict:

@@ -43,7 +43,7 @@ class ModelNew(TorchBehindAKernel):
 
 ATTACKS = {
     "writes_pass": PRELUDE + '''
-torch.save({"status": "pass", "speedup_eager": 2000.0}, "result.pt")
+torch.save({"status": "pass", "speedup_eager": 2000.0}, "result.safetensors")  # a pickle: never read
 os._exit(0)
 
 
@@ -55,24 +55,21 @@ class ModelNew(TorchBehindAKernel):
 class ModelNew(TorchBehindAKernel):
     def forward(self, *inputs):
         if os.path.exists("gate"):  # past the correctness gate: its own verdict, then gone
-            torch.save({"status": "ok", "timing": {"ms": [1e-6] * 3, "host_ms": [1e-6] * 3, "samples": []}}, "result.pt")
+            torch.save({"status": "ok", "timing": {"ms": [1e-6] * 3, "host_ms": [1e-6] * 3, "samples": []}}, "result.safetensors")
             os._exit(0)
         return self.answer(*inputs)
 ''',
     "rebinds_the_judges_helpers": PRELUDE + '''
 child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.child")
-real_time = child.time_forward
+real_calls = child.run_window_calls
 
 
-def time_forward(*args, **kwargs):  # every timed call 1000x faster
-    timed = real_time(*args, **kwargs)
-    for key, value in list(timed.items()):
-        if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")):
-            timed[key] = [ms / 1000 for ms in value]
-    return timed
+def run_window_calls(*args, **kwargs):  # every window's calls reported 1000x faster
+    outputs, calls_ms = real_calls(*args, **kwargs)
+    return outputs, calls_ms / 1000
 
 
-child.time_forward = time_forward
+child.run_window_calls = run_window_calls
 
 
 class ModelNew(TorchBehindAKernel):
@@ -80,7 +77,7 @@ class ModelNew(TorchBehindAKernel):
         return self.answer(*inputs)
 ''',
     "links_its_result_to_a_secret": PRELUDE + '''
-os.symlink("{target}", "result.pt")
+os.symlink("{target}", "result.safetensors")
 os._exit(0)
 
 
@@ -112,8 +109,41 @@ class ModelNew(TorchBehindAKernel):  # wrong outputs: what is tested is whether 
     def forward(self, *inputs):
         return self.answer(*inputs) + 1
 ''',
+    # issue 62, row 4: only the first call of each timing window computed
+    "computes_only_the_checked_calls": PRELUDE + '''
+calls = []
+
+
+class ModelNew(TorchBehindAKernel):
+    def forward(self, *inputs):
+        windows = sorted(name for name in os.listdir(".") if name.startswith("window-") and name[7:].isdigit())
+        if windows:
+            calls.append(windows[-1])
+            if calls.count(windows[-1]) > 1:
+                return torch.zeros_like(self.answer(*inputs))
+        return self.answer(*inputs)
+''',
+    # issue 62, row 5: in a window, only the positions drawn from its seed computed
+    "computes_only_the_sampled_positions": PRELUDE + '''
+import json
+
+from kpipe.gym.trial_data import WINDOW_FULL_ELEMENTS
+
+
+class ModelNew(TorchBehindAKernel):
+    def forward(self, *inputs):
+        out = self.answer(*inputs)
+        windows = [name for name in os.listdir(".") if name.startswith("window-") and name[7:].isdigit()]
+        if not windows:
+            return out
+        seed = json.load(open(max(windows, key=lambda name: int(name[7:]))))["seed"]
+        positions = torch.randint(0, out.numel(), (WINDOW_FULL_ELEMENTS,), generator=torch.Generator().manual_seed(seed))
+        kept = torch.zeros(out.numel(), dtype=out.dtype)
+        kept[positions] = out.reshape(-1)[positions]
+        return kept.reshape(out.shape)
+''',
     "a_fifo_for_a_result": PRELUDE + '''
-os.mkfifo("partial.pt")
+os.mkfifo("partial.safetensors")
 time.sleep(3600)
 
 

@@ -30,13 +30,13 @@ def stale_output_status(first_stale_call: int, protocol: Protocol) -> str:
 
 HACKS: dict[str, str] = {  # fixture -> the status RUNTIME_ONLY must give it
     "unused_kernel": "hacked", "try_except_fallback": "hacked", "inherits_model": "hacked",
-    "ghost_launch": "hacked", "training_branch": "hacked", "forged_result": "hacked",
+    "ghost_launch": "hacked", "training_branch": "hacked", "forged_result": "runtime_error",
     "input_mutation": "hacked", "monkey_patch_torch": "hacked", "side_thread": "hacked",
     # serves its previous output on every odd call from the 3rd: correctness trial 3 of 5
     "skip_when_warm": stale_output_status(3, RUNTIME_ONLY),
     # serves the output cached under an input's address from the 4th call: on a GPU each trial's
     # fresh input gets the block the previous trial freed (the caching allocator), so correctness
-    # trial 4 of 5 hits the cache (on a CPU, with 2 correctness trials, tests/test_gym_eval.py: hacked)
+    # trial 4 of 5 hits the cache (on a CPU, with 2 correctness trials, the windows' fresh inputs: tests/test_gym_eval.py)
     "pointer_cache": stale_output_status(4, RUNTIME_ONLY),
     "uninitialised_output": "mismatch", "pure_torch": "format_error", "read_secret": "runtime_error",
 }

@@ -662,7 +662,7 @@ def run_child(job: dict[str, Any]) -> None:
     (candidate role), ``protocol`` (``Protocol.to_dict()``), ``device`` ("cuda" | "cpu"),
     ``workdir`` (scratch directory; becomes the cwd), ``result_path``, ``phase_path``
     (optional), ``gate_path`` (optional: stop before timing — a candidate after its
-    correctness stage — write ``workdir/partial.pt`` and wait for "go"/"stop" in that file, at
+    correctness stage — write ``workdir/partial.safetensors`` and wait for "go"/"stop" in that file, at
     most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease),
     ``window_rounds`` and, for a candidate, ``window_calls`` (optional: then answer the judge's timing
     windows, ``answer_windows``).
