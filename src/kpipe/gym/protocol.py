@@ -14,8 +14,8 @@ from typing import Any
 from kpipe.gym.limits import Limits
 from kpipe.gym.screen import FINDING_CODES
 
-# Bump when the meaning of a result changes (a new check, a different statistic). The history of
-# kgym-2 to kgym-13 is docs/kernelgym.md's "Protocol versions".
+# Bump when the meaning of a result changes (a new check, a different statistic); CHANGELOG.md holds
+# the history of kgym-2 to kgym-13.
 # kgym-14: the verdict and the reward come only from what the judge observes itself. A speedup is
 # a ratio of times on the judge's clock: timing windows of back-to-back calls on fresh inputs drawn
 # from a secret seed that serves one candidate once, the candidate's window against the reference's
