@@ -485,15 +485,28 @@ def run_window_calls(forward: Callable[..., Any], input_sets: list[list[Any]], c
     """One window's calls, back to back as a GPU queue takes them: each behind the L2 flush, the host
     waiting for the GPU once before the first and once after the last, then one copy to the host per
     output position (``kpipe.gym.trial_data.WindowOutputs``, whose positions and sketch signs come
-    from `seed`). Returns each call's output digests and the host milliseconds from the first call
-    to the GPU's end of the last (read from the reference's child only)."""
+    from `seed`). Returns each call's output digests and the calls' own milliseconds, summed: on a
+    GPU from an event queued behind the flush to one right after the call (KernelBench's region), on
+    the CPU the host clock around the call. Read from the reference's child only: the judge's clock
+    covers the whole window, whose other work (the flush, gathering the outputs, the sketch) both
+    children do alike and which cancels (kpipe.gym.evaluation.window_call_ms)."""
     gathered: list[WindowOutputs] = []
+    events: list[tuple[Any, Any]] = []
+    calls_ms = 0.0
     clocks.sync()
-    started = clocks.perf_counter()
     with torch.no_grad():
         for call, inputs in enumerate(input_sets):
             flush_l2(l2)
-            outputs = flatten_output(forward(*inputs))
+            if clocks.cuda:
+                start, end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
+                clocks.record(start)
+                outputs = flatten_output(forward(*inputs))
+                clocks.record(end)
+                events.append((start, end))
+            else:
+                started = clocks.perf_counter()
+                outputs = flatten_output(forward(*inputs))
+                calls_ms += (clocks.perf_counter() - started) * 1e3
             if call == 0:
                 gathered = [WindowOutputs(output, len(input_sets), seed, tolerance) for output in outputs]
             if len(outputs) != len(gathered):
@@ -502,7 +515,7 @@ def run_window_calls(forward: Callable[..., Any], input_sets: list[list[Any]], c
                 position.put(call, output)
             del outputs
     clocks.sync()
-    calls_ms = (clocks.perf_counter() - started) * 1e3
+    calls_ms += sum(float(clocks.elapsed_time(start, end)) for start, end in events)
     columns = [position.digests() for position in gathered]
     return [[column[call] for column in columns] for call in range(len(input_sets))], calls_ms
 

@@ -45,12 +45,13 @@ WINDOWS_PER_CANDIDATE = 2
 # call, kpipe.gym.trial_data.WindowOutputs) hold at most this many bytes
 STOCK_MAX_WINDOWS = 32
 STOCK_MAX_BYTES = 256 << 20
-# a window whose fixed cost is more than this share of the reference's (its calls too short for the
-# judge's clock: a CPU host's reference of microseconds, whose candidate runs in the interpreter) is
-# read as a whole (``window_call_ms``): the fixed cost then stays in both times, a speedup is pulled
-# toward 1 and never rises above the ratio of the two windows, where subtracting it left the noise of
-# milliseconds over calls of microseconds
-WINDOW_FIXED_SHARE_MAX = 0.5
+# a window whose reference calls took less than this on its own clock (too short for the judge's: a
+# CPU host's reference of microseconds, whose candidate runs in the interpreter and caps the calls)
+# is read as a whole (``window_call_ms``): its fixed cost then stays in both times, a speedup is
+# pulled toward 1 and never rises above the ratio of the two windows, where subtracting the fixed
+# cost left a busy host's milliseconds of noise over calls of microseconds. A GPU's windows take
+# about 100 ms of calls (kpipe.gym.child.WINDOW_TARGET_MS)
+WINDOW_MIN_CALLS_MS = 5.0
 # the judge reads a speedup only up to this: a candidate's window shorter than the reference's fixed
 # cost (its inputs' draw, the answer's file) left no time for its calls, and the ratio means nothing
 MAX_SPEEDUP = 1000.0
@@ -308,10 +309,10 @@ def window_call_ms(window: dict[str, Any], candidate_s: float) -> float:
     in the window of the same seed (its calls on its own clock, in its trusted process) plus the
     difference between the two windows on the judge's clock, over the calls. Both draw the same
     inputs and write outputs of the same shapes, so everything but the calls cancels. Where the
-    reference's window was mostly fixed cost (``WINDOW_FIXED_SHARE_MAX``), the reference's mean call
-    scaled by the ratio of the two windows instead."""
+    reference's calls were too short for the judge's clock (``WINDOW_MIN_CALLS_MS``), the reference's
+    mean call scaled by the ratio of the two windows instead."""
     calls, calls_ms, wall_ms = int(window["calls"]), float(window["calls_ms"]), float(window["wall_s"]) * 1e3
-    if wall_ms - calls_ms > WINDOW_FIXED_SHARE_MAX * wall_ms:
+    if calls_ms < WINDOW_MIN_CALLS_MS:
         return calls_ms / calls * candidate_s * 1e3 / wall_ms
     return (calls_ms + candidate_s * 1e3 - wall_ms) / calls
 
