@@ -10,8 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -386,14 +384,14 @@ def test_window_calls_take_about_the_target_within_the_protocol_and_the_input_ca
     inputs = [torch.zeros(256)]
     protocol = Protocol(perf_trials=5000)
     timed_at(child.WINDOW_TARGET_MS["cpu"] / 5)
-    assert child.window_calls(None, inputs, None, "cpu", Clocks("cpu"), None, protocol) == 5
+    assert child.window_calls(None, inputs, "cpu", Clocks("cpu"), None, protocol) == 5
     timed_at(0.001)
-    assert child.window_calls(None, inputs, None, "cpu", Clocks("cpu"), None, protocol) == child.WINDOW_MAX_CALLS
-    assert child.window_calls(None, inputs, None, "cpu", Clocks("cpu"), None, Protocol(perf_trials=7)) == 7  # the interpreter's cap
+    assert child.window_calls(None, inputs, "cpu", Clocks("cpu"), None, protocol) == child.WINDOW_MAX_CALLS
+    assert child.window_calls(None, inputs, "cpu", Clocks("cpu"), None, Protocol(perf_trials=7)) == 7  # the interpreter's cap
     huge = [torch.empty(0).new_empty((child.WINDOW_MAX_INPUT_BYTES // 4 // 10,))]  # 10 calls' inputs fill the cap
-    assert child.window_calls(None, huge, None, "cpu", Clocks("cpu"), None, protocol) == 10
+    assert child.window_calls(None, huge, "cpu", Clocks("cpu"), None, protocol) == 10
     timed_at(1e6)
-    assert child.window_calls(None, inputs, None, "cpu", Clocks("cpu"), None, protocol) == child.WINDOW_MIN_CALLS
+    assert child.window_calls(None, inputs, "cpu", Clocks("cpu"), None, protocol) == child.WINDOW_MIN_CALLS
 
 
 def test_window_outputs_gather_each_calls_own_values_whole_or_at_secret_positions_with_a_sketch():

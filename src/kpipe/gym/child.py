@@ -65,10 +65,6 @@ WINDOW_TARGET_MS = {"cuda": 100.0, "cpu": 20.0}
 WINDOW_MIN_CALLS = 2
 WINDOW_MAX_CALLS = 1024
 WINDOW_MAX_INPUT_BYTES = 1 << 30
-# input sets kept on the device for the compiled baseline's build and the profile
-TIMING_SETS = 2
-
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -272,7 +268,6 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     init_inputs = module.get_init_inputs()
     result: dict[str, Any] = {"outputs": [], "mutates_inputs": False}
     keep = functools.partial(digest, max_elements=protocol.compare_max_elements, seed=protocol.seed)
-    input_sets = []
     phase("build reference")
     builds = Builds(module.Model, init_inputs, protocol.seed, device)
     model = builds.model
@@ -280,8 +275,8 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         phase(f"reference correctness trial {trial}")
         inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, trial), device)
         before = fingerprint(inputs)
-        if trial < TIMING_SETS:
-            input_sets.append(clone_inputs(inputs))
+        if trial == 0:  # for eval mode, the ghost replay, the compiled baseline's build, the profile, the window's count
+            first_inputs = clone_inputs(inputs)
         with torch.no_grad():
             result["outputs"].append(keep(flatten_output(model(*inputs))))
         result["mutates_inputs"] |= fingerprint(inputs) != before
@@ -289,12 +284,12 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     phase("reference eval mode")
     eval_model = builds.fresh().eval()
     with torch.no_grad():
-        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(first_inputs))))
     del eval_model, builds
     if device == "cuda":
         phase("build Triton's runtime helpers")
         build_triton_runtime()
-    compiled = compiled_reference(model, input_sets[0], result, phase) if protocol.wants_compile else None
+    compiled = compiled_reference(model, first_inputs, result, phase) if protocol.wants_compile else None
     if job.get("gate_path"):  # the judge answers once this child holds its device's timing lease
         phase("reference waiting at the gate")
         write_result(str(workdir / PARTIAL_FILE), {})
@@ -302,7 +297,7 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             raise RuntimeError("the judge stopped the reference at the gate")
     if job.get("window_rounds"):
         l2 = l2_flush_buffer(protocol, device)
-        calls = window_calls(model, input_sets[0], module.get_inputs, device, clocks, l2, protocol)
+        calls = window_calls(model, first_inputs, device, clocks, l2, protocol)
         tolerance = (protocol.atol, protocol.rtol)
         result["compile_windows_ms"] = answer_windows(job, workdir, model, module.get_inputs, protocol, clocks, l2, phase, calls,
                                                       tolerance, compiled=compiled)
@@ -372,14 +367,13 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     model = builds.model
 
     keep = functools.partial(digest, max_elements=protocol.compare_max_elements, seed=protocol.seed)
-    input_sets = []
     train_launches: list[str] = []
     for trial in range(protocol.correct_trials):
         phase(f"candidate correctness trial {trial}")
         inputs = make_inputs(get_inputs, trial_seed(protocol.seed, trial), device)
         before = fingerprint(inputs)
-        if trial < TIMING_SETS:
-            input_sets.append(clone_inputs(inputs))
+        if trial == 0:  # for eval mode, the ghost replay, the compiled baseline's build, the profile, the window's count
+            first_inputs = clone_inputs(inputs)
         with poisoned_memory(), instrument.recording() as log, torch.no_grad():
             outputs = flatten_output(model(*inputs))
         clocks.sync()
@@ -393,7 +387,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     phase("candidate eval mode")
     eval_model = builds.fresh().eval()
     with poisoned_memory(), instrument.recording() as log, torch.no_grad():
-        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(first_inputs))))
     result["launches"]["eval"] = list(log.names)
     del eval_model
 
@@ -401,7 +395,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         phase("candidate ghost replay")
         ghost_model = builds.fresh()
         with poisoned_memory(), instrument.suppressed(), torch.no_grad():
-            result["ghost_outputs"] = keep(flatten_output(ghost_model(*clone_inputs(input_sets[0]))))
+            result["ghost_outputs"] = keep(flatten_output(ghost_model(*clone_inputs(first_inputs))))
         del ghost_model
     del builds
 
@@ -423,7 +417,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
 
     if protocol.profile:
         phase("candidate profiling")
-        inputs = clone_inputs(input_sets[0])
+        inputs = clone_inputs(first_inputs)
 
         def forward() -> Any:
             with torch.no_grad():
@@ -463,8 +457,8 @@ def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
     return wait_for_judge(path, timeout_s, parent) or "stop"
 
 
-def window_calls(forward: Callable[..., Any], inputs: list[Any], get_inputs: Callable[[], Any], device: str, clocks: Clocks,
-                 l2: torch.Tensor | None, protocol: Protocol) -> int:
+def window_calls(forward: Callable[..., Any], inputs: list[Any], device: str, clocks: Clocks, l2: torch.Tensor | None,
+                 protocol: Protocol) -> int:
     """The calls of every timing window, chosen by the reference child from a few warm calls of its
     own, back to back: about ``WINDOW_TARGET_MS`` of its time, within the bounds, with no more than
     ``WINDOW_MAX_INPUT_BYTES`` of input sets on the device. On the CPU also at most the protocol's

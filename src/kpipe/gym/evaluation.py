@@ -33,7 +33,6 @@ from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, 
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import STATUSES, EvalResult, eval_key
 from kpipe.gym.screen import screen
-from kpipe.gym.trial_data import WINDOW_FULL_ELEMENTS, tensor_bytes
 
 DIAGNOSTIC_MAX_CHARS = 3000
 # timing windows each candidate is judged on, each with a secret seed of its own; the least time
@@ -112,14 +111,8 @@ class ReferenceFailure(RuntimeError):
     """The reference program itself failed: bad usage, not a bad candidate."""
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def speedup(reference_ms: float | None, candidate_ms: float | None) -> float | None:
-    """speedup = median(reference) / median(candidate)."""
+    """speedup = reference time / candidate time (None without both)."""
     if reference_ms is None or candidate_ms is None or candidate_ms <= 0:
         return None
     return reference_ms / candidate_ms
