@@ -97,11 +97,6 @@ def tensor_bytes(values: Any) -> int:
     return 0
 
 
-def digest_bytes(digests: list[dict[str, Any]]) -> int:
-    """The bytes one call's `digest` holds: its full outputs, or a huge output's sample."""
-    return tensor_bytes([d.get("full", d.get("sample")) for d in digests])
-
-
 # a timing window's outputs (``WindowOutputs``): up to this many elements travel whole; a larger output
 # travels as this many positions drawn from the window's secret seed, and its sketch (``sketch``)
 WINDOW_FULL_ELEMENTS = 1 << 12
