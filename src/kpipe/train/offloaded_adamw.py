@@ -37,7 +37,7 @@ class _Bucket:
     params: list[torch.Tensor]
     start: int
     end: int
-    group: dict[str, Any]
+    group_index: int  # of `param_groups`, looked up at each step: a scheduler or a loaded state replaces values
     steps: int = 0
 
 
@@ -104,18 +104,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _make_buckets(self, bucket_numel: int) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         start = 0
-        for group in self.param_groups:
+        for group_index, group in enumerate(self.param_groups):
             current: list[torch.Tensor] = []
             size = 0
             for param in (p for p in group["params"] if p.requires_grad):
                 numel = _local(param).numel()
                 if current and size + numel > bucket_numel:
-                    buckets.append(_Bucket(current, start, start + size, group))
+                    buckets.append(_Bucket(current, start, start + size, group_index))
                     start, current, size = start + size, [], 0
                 current.append(param)
                 size += numel
             if current:
-                buckets.append(_Bucket(current, start, start + size, group))
+                buckets.append(_Bucket(current, start, start + size, group_index))
                 start += size
         return buckets
 
@@ -166,7 +166,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 grads = [grad.float() for grad in grads]
             else:
                 targets = [_local(param) for param in bucket.params]
-            self._adamw(targets, grads, exp_avgs, exp_avg_sqs, bucket.steps, bucket.group)
+            self._adamw(targets, grads, exp_avgs, exp_avg_sqs, bucket.steps, self.param_groups[bucket.group_index])
             if self.master_on_host:
                 torch._foreach_copy_([_local(param) for param in bucket.params], targets)
             with self._stream(self._copy_out if self.streamed else None):
@@ -197,6 +197,38 @@ class OffloadedAdamW(torch.optim.Optimizer):
         torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** step))
         torch._foreach_add_(denominators, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denominators, -step_size)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The hyper-parameters (torch's `param_groups`), the host state (moments, and the fp32 master with
+        `master_on_host`; the tensor itself, not a copy: 8 or 12 bytes a parameter) and each bucket's step
+        count. This process's shards only under FSDP2: one state a process."""
+        return {"param_groups": super().state_dict()["param_groups"], "host_state": self.host_state,
+                "bucket_layout": [(bucket.start, bucket.end) for bucket in self.buckets],
+                "bucket_steps": [bucket.steps for bucket in self.buckets], "master_on_host": self.master_on_host}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore what `state_dict` saved, into the page-locked host state (a memory-mapped load's pages
+        are copied once); with `master_on_host` the parameters become the restored master's cast."""
+        if "host_state" not in state_dict:
+            raise ValueError("OffloadedAdamW.load_state_dict: not an OffloadedAdamW state (no host_state); "
+                             "a torch.optim.AdamW state cannot be loaded into it")
+        layout = [tuple(span) for span in state_dict["bucket_layout"]]
+        if state_dict["master_on_host"] != self.master_on_host or layout != [(b.start, b.end) for b in self.buckets] \
+                or tuple(state_dict["host_state"].shape) != tuple(self.host_state.shape):
+            raise ValueError(f"OffloadedAdamW.load_state_dict: the state was saved for another layout (master on host "
+                             f"{state_dict['master_on_host']}, host state {tuple(state_dict['host_state'].shape)}), "
+                             f"not this optimizer's (master on host {self.master_on_host}, host state "
+                             f"{tuple(self.host_state.shape)}, the same buckets)")
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self.host_state.copy_(state_dict["host_state"])
+        for bucket, steps in zip(self.buckets, state_dict["bucket_steps"], strict=True):
+            bucket.steps = int(steps)
+        if self.master_on_host:
+            with torch.no_grad():
+                for bucket in self.buckets:
+                    masters = self._views(self.host_state[2:, bucket.start:bucket.end], bucket)[0]
+                    for param, master in zip(bucket.params, masters, strict=True):
+                        _local(param).copy_(master)
 
     def master_weights(self) -> list[torch.Tensor]:
         """The fp32 weights AdamW updates, in parameter order: the host master's views with
