@@ -29,6 +29,14 @@ PLANS = {plan.name: plan for plan in MEMORY_PLANS}
 PLAN_OF_SETTING = {"off": "gpu", "fp32": "fp32", "bf16": "bf16"}
 
 
+def read_offload_setting(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (a config section) with ``optimizer_offload: false`` read as ``"off"``: YAML reads a bare
+    ``off`` as false."""
+    if values.get("optimizer_offload") is False:
+        return {**values, "optimizer_offload": "off"}
+    return values
+
+
 def parameter_count(model_dir: str | Path) -> int:
     """Parameters of the causal LM at `model_dir` (a tied embedding counted once), from its config on the
     meta device: nothing allocated, so the plan can pick the dtype the weights are loaded in."""
@@ -49,16 +57,23 @@ def trainer_gpu_bytes(vllm_share: float = 0.0) -> float | None:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * (1.0 - vllm_share)
 
 
+def candidate_plans(setting: str) -> tuple[MemoryPlan, ...]:
+    """The plans `setting` (one of OPTIMIZER_OFFLOADS) allows: all of them for ``auto``, else the one it names
+    (``kpipe plan --cost`` also chooses among these, and refuses a named plan that does not fit)."""
+    if setting not in OPTIMIZER_OFFLOADS:
+        raise ValueError(f"optimizer_offload must be one of {OPTIMIZER_OFFLOADS}, not {setting!r}")
+    return tuple(MEMORY_PLANS) if setting == "auto" else (PLANS[PLAN_OF_SETTING[setting]],)
+
+
 def resolve_memory_plan(setting: str, model_dir: str | Path, processes: int, gpu_bytes: float | None) -> MemoryPlan:
     """The plan `setting` (one of OPTIMIZER_OFFLOADS) names; ``auto`` chooses for the model at `model_dir`
     sharded over `processes` GPUs of `gpu_bytes` each (None: no GPU, plan ``gpu``: AdamW beside the CPU model)."""
-    if setting not in OPTIMIZER_OFFLOADS:
-        raise ValueError(f"optimizer_offload must be one of {OPTIMIZER_OFFLOADS}, not {setting!r}")
-    if setting != "auto":
-        return PLANS[PLAN_OF_SETTING[setting]]
+    plans = candidate_plans(setting)
+    if len(plans) == 1:
+        return plans[0]
     if gpu_bytes is None:
         return PLANS["gpu"]
-    return choose_memory_plan(parameter_count(model_dir), processes, gpu_bytes)
+    return choose_memory_plan(parameter_count(model_dir), processes, gpu_bytes, plans)
 
 
 def weights_dtype(plan: MemoryPlan) -> torch.dtype:

@@ -34,7 +34,7 @@ from kpipe.train.algos import (
     ZERO_VARIANCE_MIN_STD,
 )
 from kpipe.train.batching import PRECISIONS, accepted_types
-from kpipe.train.optimizer_plan import OPTIMIZER_OFFLOADS
+from kpipe.train.optimizer_plan import OPTIMIZER_OFFLOADS, read_offload_setting
 
 if TYPE_CHECKING:
     from kpipe.agent.loop import AgentTask
@@ -185,9 +185,10 @@ class RLConfig:
         """A config from `values` (the `rl:` config section) with an optional named ablation on top.
 
         The ablation comes from the argument or an ``ablation`` key in `values`; unknown keys are an error.
-        The config's ``async`` is the field `async_mode` (YAML reads an unquoted ``off`` as false).
+        The config's ``async`` is the field `async_mode` (YAML reads an unquoted ``off`` as false, also
+        ``optimizer_offload``'s).
         """
-        values = dict(values)
+        values = read_offload_setting(dict(values))
         if "async" in values:
             mode = values.pop("async")
             values["async_mode"] = "off" if mode is False else mode

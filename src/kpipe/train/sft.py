@@ -53,6 +53,7 @@ from kpipe.train.metrics_log import MetricsLog
 from kpipe.train.optimizer_plan import (
     OPTIMIZER_OFFLOADS,
     prepare_model_and_optimizer,
+    read_offload_setting,
     resolve_memory_plan,
     trainer_gpu_bytes,
     weights_dtype,
@@ -131,7 +132,7 @@ class SFTConfig:
 
         The preset comes from the `preset` argument or a ``preset`` key in `values` (as in config YAML).
         """
-        values = dict(values)
+        values = read_offload_setting(dict(values))  # a bare YAML `off` is false
         preset = values.pop("preset", None) or preset
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"SFTConfig: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
