@@ -13,8 +13,14 @@ import torch
 from kpipe.agent.loop import AgentTask
 from kpipe.train import rl, rl_batch, rl_update
 from kpipe.train.checkpoint import load_training_state, save_training_state
-from kpipe.train.offloaded_adamw import OffloadedAdamW
-from kpipe.train.optimizer_plan import PLANS, prepare_model_and_optimizer, resolve_memory_plan
+from kpipe.train.offloaded_adamw import (
+    ACTIVATION_RESERVE_BYTES,
+    PLANS,
+    OffloadedAdamW,
+    parameter_count,
+    prepare_model_and_optimizer,
+    resolve_memory_plan,
+)
 from kpipe.train.rl_config import IterationSettings, RLConfig
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -106,9 +112,6 @@ def test_a_head_whose_logits_are_not_a_plain_matmul_is_refused(nano_model):
 
 
 def test_the_memory_plan_is_the_setting_or_what_fits(nano_model):
-    from kpipe.train.offloaded_adamw import ACTIVATION_RESERVE_BYTES
-    from kpipe.train.optimizer_plan import parameter_count
-
     assert [resolve_memory_plan(s, nano_model, 1, None).name for s in ("off", "fp32", "bf16")] == ["gpu", "fp32", "bf16"]
     assert resolve_memory_plan("auto", nano_model, 1, None).name == "gpu"  # no GPU: nothing to offload to
     params = parameter_count(nano_model)
