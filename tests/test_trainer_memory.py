@@ -184,3 +184,15 @@ def test_rl_with_the_offloaded_optimizer_trains_as_adamw_across_iterations(nano_
     assert any(not torch.equal(adamw[name], initial[name].float()) for name in adamw)  # the policy moved
     for name in adamw:
         assert torch.allclose(offloaded[name], adamw[name], rtol=1e-6, atol=1e-9), name
+
+
+def test_the_bf16_plan_trains_bf16_weights_and_carries_the_fp32_master_in_the_state(nano_model, tmp_path):
+    weights = two_iterations(nano_model, tmp_path, "bf16")
+    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}
+    state = torch.load(tmp_path / "iter=1" / "state" / "offloaded_adamw-0.pt", weights_only=True)
+    assert state["master_on_host"] and state["host_state"].shape[0] == 3  # moments and the fp32 master
+    assert state["bucket_steps"] == [2] * len(state["bucket_steps"])  # one step an iteration, carried over
+    masters = state["host_state"][2]
+    exported = torch.cat([weights[name].flatten() for name in sorted(weights)]).float()
+    assert masters.dtype == torch.float32 and masters.numel() == exported.numel()
+    assert not torch.equal(masters, masters.bfloat16().float())  # bits below bf16's resolution: a real fp32 master

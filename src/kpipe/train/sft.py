@@ -339,7 +339,10 @@ def train_step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, sam
         # Gradients are all-reduced only on the last micro-batch of the step.
         sync = contextlib.nullcontext() if k == n_micro - 1 else accelerator.no_sync(model)
         with sync:
-            loss = micro_batch_loss(model, batch, global_label_tokens, world, chunk_tokens) * weight
+            # autocast here too: the chunked path calls the decoder itself, not the prepared model's forward,
+            # which is where accelerate puts its autocast (nested for the logits path: no change)
+            with accelerator.autocast():
+                loss = micro_batch_loss(model, batch, global_label_tokens, world, chunk_tokens) * weight
             accelerator.backward(loss)
         loss_sum += loss.detach() / world
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
