@@ -12,11 +12,16 @@ d lp[target] / dz = onehot(target) - p, and dH / dz = -p (lp + H).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CHUNK_TOKENS = 2048  # 2,048 x 151,936 fp32 logits are 1.2 GiB a temporary
+# config attributes of HF models whose logits are not hidden @ head.weight.T: the chunked path refuses them
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def _statistics_dtype(matmul_dtype: torch.dtype) -> torch.dtype:
@@ -48,6 +53,7 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
                 token_logprobs[start:end], entropies[start:end], _, _ = _chunk_statistics(
                     hidden[start:end].to(matmul_dtype), cast_weight, targets[start:end], temperature)
         ctx.save_for_backward(hidden, weight, targets, entropies)
+        ctx.set_materialize_grads(False)  # an output the loss does not use (the entropy) costs no backward work
         ctx.chunk_tokens, ctx.temperature, ctx.matmul_dtype = chunk_tokens, temperature, matmul_dtype
         return token_logprobs, entropies
 
@@ -104,3 +110,51 @@ def token_logprobs_and_entropy(hidden: torch.Tensor, lm_head_weight: torch.Tenso
         hidden.reshape(-1, hidden.shape[-1]), lm_head_weight, targets.reshape(-1).long(), chunk_tokens,
         temperature, matmul_dtype or hidden.dtype)
     return flat_logprobs.view(targets.shape), flat_entropies.view(targets.shape)
+
+
+def lm_head_weight(model: Any) -> torch.Tensor:
+    """The LM head's weight of a Hugging Face causal LM (the input embedding's, when tied: one parameter,
+    which then gets both gradients). Refuses a head whose logits are not ``hidden @ weight.T``: a bias,
+    or logits scaled or soft-capped by the config (`LOGIT_TRANSFORMS`)."""
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"{type(model).__name__} has no LM head (get_output_embeddings) to compute log-probs in chunks")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}'s LM head has a bias: chunked log-probs compute hidden @ weight.T only")
+    transforms = [name for name in LOGIT_TRANSFORMS if getattr(model.config, name, None) not in (None, 1, 1.0)]
+    if transforms:
+        raise ValueError(f"{type(model).__name__} transforms its logits ({', '.join(transforms)}): "
+                         "chunked log-probs compute hidden @ weight.T only")
+    return head.weight
+
+
+def head_is_sharded(model: Any) -> bool:
+    """Whether the LM head's weight is an FSDP2 shard (a DTensor): outside the root unit's forward it is
+    not the whole matrix, so the chunked path cannot use it."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(lm_head_weight(model), DTensor)
+
+
+def effective_chunk_tokens(model: Any, chunk_tokens: int) -> int:
+    """`chunk_tokens`, or 0 (the model's own logits) where the LM head's weight is an FSDP2 shard: the
+    chunked path reads the head's weight outside the model's forward, where FSDP2 has not gathered it."""
+    if chunk_tokens and head_is_sharded(model):
+        log.warning("logprob_chunk_tokens %d: the LM head is FSDP2-sharded, so log-probs use the model's own "
+                    "logits (kpipe.train.chunked_logprobs.effective_chunk_tokens)", chunk_tokens)
+        return 0
+    return chunk_tokens
+
+
+def model_token_logprobs_and_entropy(model: Any, inputs: dict[str, torch.Tensor], positions: torch.Tensor | slice,
+                                     targets: torch.Tensor, chunk_tokens: int,
+                                     temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs_and_entropy` of an HF causal LM: the decoder's final hidden states (`inputs` as the
+    model takes them) at sequence `positions`, each predicting `targets` ([batch, len(positions)]), through
+    the LM head in chunks. The matmuls run in the autocast dtype when autocast is on (bf16 over fp32
+    master weights), else in the hidden states' dtype."""
+    weight = lm_head_weight(model)
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state[:, positions]
+    device_type = hidden.device.type
+    matmul_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    return token_logprobs_and_entropy(hidden, weight, targets, chunk_tokens, temperature, matmul_dtype)

@@ -14,6 +14,9 @@ a parameter), and after each update the master is cast into them.
 Why the update runs on the GPU and not the CPU: a CPU AdamW step over 8.2e9 parameters reads and writes
 ~130 GB of host memory on 16 cores (tens of seconds), while the GPU's part is milliseconds and the copies
 move 2 x 65 GB over a link that carries both directions at once (docs/gpu-results/paper_units.md measures it).
+
+The memory plans (`MEMORY_PLANS`, `choose_memory_plan`) say where a trainer keeps its 16 bytes a parameter;
+the module's last section reads RL's and SFT's `optimizer_offload` setting into one and builds its optimizer.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +41,7 @@ class _Bucket:
     params: list[torch.Tensor]
     start: int
     end: int
-    group: dict[str, Any]
+    group_index: int  # of `param_groups`, looked up at each step: a scheduler or a loaded state replaces values
     steps: int = 0
 
 
@@ -104,18 +108,18 @@ class OffloadedAdamW(torch.optim.Optimizer):
     def _make_buckets(self, bucket_numel: int) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         start = 0
-        for group in self.param_groups:
+        for group_index, group in enumerate(self.param_groups):
             current: list[torch.Tensor] = []
             size = 0
             for param in (p for p in group["params"] if p.requires_grad):
                 numel = _local(param).numel()
                 if current and size + numel > bucket_numel:
-                    buckets.append(_Bucket(current, start, start + size, group))
+                    buckets.append(_Bucket(current, start, start + size, group_index))
                     start, current, size = start + size, [], 0
                 current.append(param)
                 size += numel
             if current:
-                buckets.append(_Bucket(current, start, start + size, group))
+                buckets.append(_Bucket(current, start, start + size, group_index))
                 start += size
         return buckets
 
@@ -166,7 +170,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 grads = [grad.float() for grad in grads]
             else:
                 targets = [_local(param) for param in bucket.params]
-            self._adamw(targets, grads, exp_avgs, exp_avg_sqs, bucket.steps, bucket.group)
+            self._adamw(targets, grads, exp_avgs, exp_avg_sqs, bucket.steps, self.param_groups[bucket.group_index])
             if self.master_on_host:
                 torch._foreach_copy_([_local(param) for param in bucket.params], targets)
             with self._stream(self._copy_out if self.streamed else None):
@@ -197,6 +201,38 @@ class OffloadedAdamW(torch.optim.Optimizer):
         torch._foreach_div_(denominators, math.sqrt(1 - beta2 ** step))
         torch._foreach_add_(denominators, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denominators, -step_size)
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The hyper-parameters (torch's `param_groups`), the host state (moments, and the fp32 master with
+        `master_on_host`; the tensor itself, not a copy: 8 or 12 bytes a parameter) and each bucket's step
+        count. This process's shards only under FSDP2: one state a process."""
+        return {"param_groups": super().state_dict()["param_groups"], "host_state": self.host_state,
+                "bucket_layout": [(bucket.start, bucket.end) for bucket in self.buckets],
+                "bucket_steps": [bucket.steps for bucket in self.buckets], "master_on_host": self.master_on_host}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore what `state_dict` saved, into the page-locked host state (a memory-mapped load's pages
+        are copied once); with `master_on_host` the parameters become the restored master's cast."""
+        if "host_state" not in state_dict:
+            raise ValueError("OffloadedAdamW.load_state_dict: not an OffloadedAdamW state (no host_state); "
+                             "a torch.optim.AdamW state cannot be loaded into it")
+        layout = [tuple(span) for span in state_dict["bucket_layout"]]
+        if state_dict["master_on_host"] != self.master_on_host or layout != [(b.start, b.end) for b in self.buckets] \
+                or tuple(state_dict["host_state"].shape) != tuple(self.host_state.shape):
+            raise ValueError(f"OffloadedAdamW.load_state_dict: the state was saved for another layout (master on host "
+                             f"{state_dict['master_on_host']}, host state {tuple(state_dict['host_state'].shape)}), "
+                             f"not this optimizer's (master on host {self.master_on_host}, host state "
+                             f"{tuple(self.host_state.shape)}, the same buckets)")
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self.host_state.copy_(state_dict["host_state"])
+        for bucket, steps in zip(self.buckets, state_dict["bucket_steps"], strict=True):
+            bucket.steps = int(steps)
+        if self.master_on_host:
+            with torch.no_grad():
+                for bucket in self.buckets:
+                    masters = self._views(self.host_state[2:, bucket.start:bucket.end], bucket)[0]
+                    for param, master in zip(bucket.params, masters, strict=True):
+                        _local(param).copy_(master)
 
     def master_weights(self) -> list[torch.Tensor]:
         """The fp32 weights AdamW updates, in parameter order: the host master's views with
@@ -239,3 +275,106 @@ def choose_memory_plan(params: float, gpus: int, gpu_memory_bytes: float, plans:
                      f"under any memory plan ({', '.join(plan.name for plan in plans)}): "
                      f"{plans[-1].gpu_bytes_per_param} bytes a parameter and "
                      f"{activation_reserve_bytes / 2**30:.0f} GiB of activations at least")
+
+
+# ---------------------------------------------------------------- the trainer's setting: `optimizer_offload`
+# Where the trainer keeps its weights, gradients and AdamW state: the `optimizer_offload` setting of RL and
+# SFT (issue 63), read into one of `MEMORY_PLANS`.
+#
+# - ``off``: fp32 weights, gradients and ``torch.optim.AdamW``'s moments on the GPU (the default; what every
+#   run did before the 8B: 16 bytes a parameter);
+# - ``fp32``: fp32 weights and gradients on the GPU, the moments in page-locked host memory (``OffloadedAdamW``);
+# - ``bf16``: the model loaded in bf16 (weights and gradients), the fp32 master and the moments on the host
+#   (``OffloadedAdamW(master_on_host=True)``);
+# - ``auto``: the first of those that fits beside the activations (``choose_memory_plan``) in the trainer's
+#   share of a GPU (`trainer_gpu_bytes`); ``off`` without a GPU.
+#
+# The offloaded optimizers are built after ``accelerator.prepare(model)`` (they stream to the parameters'
+# device, and FSDP2 replaces the parameters) and are not handed to accelerate: their state is saved beside
+# accelerate's (`kpipe.train.checkpoint.save_training_state`).
+
+OPTIMIZER_OFFLOADS = ("off", "auto", "fp32", "bf16")
+PLANS = {plan.name: plan for plan in MEMORY_PLANS}
+PLAN_OF_SETTING = {"off": "gpu", "fp32": "fp32", "bf16": "bf16"}
+
+
+def read_offload_setting(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (a config section) with ``optimizer_offload: false`` read as ``"off"``: YAML reads a bare
+    ``off`` as false."""
+    if values.get("optimizer_offload") is False:
+        return {**values, "optimizer_offload": "off"}
+    return values
+
+
+def parameter_count(model_dir: str | Path) -> int:
+    """Parameters of the causal LM at `model_dir` (a tied embedding counted once), from its config on the
+    meta device: nothing allocated, so the plan can pick the dtype the weights are loaded in."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(param.numel() for param in model.parameters())
+
+
+def trainer_gpu_bytes(vllm_share: float = 0.0) -> float | None:
+    """GPU memory the trainer may plan with: the whole of one GPU (total, not free: the same card gives
+    the same plan, so a saved state always fits the next attempt's optimizer), less a colocated vLLM
+    engine's `gpu_memory_utilization` share, which it holds for the whole job. None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory * (1.0 - vllm_share)
+
+
+def candidate_plans(setting: str) -> tuple[MemoryPlan, ...]:
+    """The plans `setting` (one of OPTIMIZER_OFFLOADS) allows: all of them for ``auto``, else the one it names
+    (``kpipe plan --cost`` also chooses among these, and refuses a named plan that does not fit)."""
+    if setting not in OPTIMIZER_OFFLOADS:
+        raise ValueError(f"optimizer_offload must be one of {OPTIMIZER_OFFLOADS}, not {setting!r}")
+    return tuple(MEMORY_PLANS) if setting == "auto" else (PLANS[PLAN_OF_SETTING[setting]],)
+
+
+def resolve_memory_plan(setting: str, model_dir: str | Path, processes: int, gpu_bytes: float | None) -> MemoryPlan:
+    """The plan `setting` (one of OPTIMIZER_OFFLOADS) names; ``auto`` chooses for the model at `model_dir`
+    sharded over `processes` GPUs of `gpu_bytes` each (None: no GPU, plan ``gpu``: AdamW beside the CPU model)."""
+    plans = candidate_plans(setting)
+    if len(plans) == 1:
+        return plans[0]
+    if gpu_bytes is None:
+        return PLANS["gpu"]
+    return choose_memory_plan(parameter_count(model_dir), processes, gpu_bytes, plans)
+
+
+def weights_dtype(plan: MemoryPlan) -> torch.dtype:
+    """The dtype the model's own parameters are loaded in: bf16 when the fp32 master lives on the host."""
+    return torch.bfloat16 if plan.name == "bf16" else torch.float32
+
+
+def is_offloaded(optimizer: Any) -> bool:
+    """Whether `optimizer` keeps its state outside accelerate's checkpoint (an OffloadedAdamW)."""
+    return isinstance(optimizer, OffloadedAdamW)
+
+
+def build_optimizer(plan: MemoryPlan, params: Iterable[torch.Tensor], lr: float, betas: tuple[float, float],
+                    weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW for `plan`: torch's (fused on GPU) for ``gpu``; OffloadedAdamW otherwise, built on parameters
+    already on their device (after ``accelerator.prepare(model)``)."""
+    if plan.name == "gpu":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
+                                 fused=torch.cuda.is_available())
+    return OffloadedAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay,
+                          master_on_host=plan.name == "bf16")
+
+
+def prepare_model_and_optimizer(accelerator: Any, model: Any, plan: MemoryPlan, lr: float,
+                                betas: tuple[float, float], weight_decay: float) -> tuple[Any, Any]:
+    """The prepared model and its optimizer. AdamW goes through ``prepare`` with the model (FSDP2 rebuilds
+    the parameters and the optimizer must hold the new ones); an OffloadedAdamW is built on the prepared
+    model's parameters and stays outside accelerate (no fp16 loss scaling: bf16 or fp32 only)."""
+    if plan.name == "gpu":
+        return accelerator.prepare(model, build_optimizer(plan, model.parameters(), lr, betas, weight_decay))
+    if accelerator.mixed_precision == "fp16":
+        raise ValueError(f"optimizer_offload {plan.name!r} does not support fp16 mixed precision (no loss scaler "
+                         "steps an OffloadedAdamW): use bf16")
+    model = accelerator.prepare(model)
+    return model, build_optimizer(plan, model.parameters(), lr, betas, weight_decay)
