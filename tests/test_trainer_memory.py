@@ -13,7 +13,7 @@ import torch
 from kpipe.agent.loop import AgentTask
 from kpipe.train import rl, rl_batch, rl_update
 from kpipe.train.checkpoint import load_training_state, save_training_state
-from kpipe.train.offloaded_adamw import (
+from kpipe.train.trainer_memory import (
     ACTIVATION_RESERVE_BYTES,
     PLANS,
     OffloadedAdamW,

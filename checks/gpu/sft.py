@@ -141,7 +141,7 @@ def throughput(report: Report, args: argparse.Namespace) -> None:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from kpipe.train.offloaded_adamw import PLANS, build_optimizer
+    from kpipe.train.trainer_memory import PLANS, build_optimizer
     from kpipe.train.sft import SFTConfig, compile_blocks
     from kpipe.train.tiny_model import build_byte_tokenizer, tiny_config
 

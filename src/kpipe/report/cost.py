@@ -261,7 +261,7 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     """GPU-hours and wall time of each stage of a validated, merged config on `gpus` GPUs of `kind`, `gym_gpus`
     of them judging kernels only (0: KernelGym shares the jobs' GPUs). Refuses a machine whose host memory or
     disk (default: the kind's figures per GPU) the run does not fit."""
-    from kpipe.train.offloaded_adamw import candidate_plans, choose_memory_plan, read_offload_setting
+    from kpipe.train.trainer_memory import candidate_plans, choose_memory_plan, read_offload_setting
 
     if kind not in units.gpu_kinds:
         raise ValueError(f"unknown GPU kind {kind!r} (known: {', '.join(sorted(units.gpu_kinds))})")

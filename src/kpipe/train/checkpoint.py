@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kpipe.infra.provenance import key_changes
-from kpipe.train.offloaded_adamw import is_offloaded
+from kpipe.train.trainer_memory import is_offloaded
 
 STEP_PREFIX = "step-"
 TRAINER_STATE = "trainer_state.json"
@@ -77,7 +77,7 @@ def offloaded_state_file(state_dir: str | Path, process_index: int) -> Path:
 
 def save_training_state(accelerator: Any, optimizer: Any, state_dir: str | Path) -> None:
     """``accelerator.save_state`` (every process calls it), and an OffloadedAdamW's state, which accelerate
-    does not hold (kpipe.train.offloaded_adamw), one file a process."""
+    does not hold (kpipe.train.trainer_memory), one file a process."""
     accelerator.save_state(str(state_dir))
     if is_offloaded(optimizer):
         torch.save(optimizer.state_dict(), offloaded_state_file(state_dir, accelerator.process_index))

@@ -85,7 +85,7 @@ from kpipe.train.checkpoint import (
     save_training_state,
 )
 from kpipe.train.metrics_log import MetricsLog
-from kpipe.train.offloaded_adamw import prepare_model_and_optimizer, resolve_memory_plan, trainer_gpu_bytes, weights_dtype
+from kpipe.train.trainer_memory import prepare_model_and_optimizer, resolve_memory_plan, trainer_gpu_bytes, weights_dtype
 from kpipe.train.rl_batch import (
     StepBatch,
     advantages,

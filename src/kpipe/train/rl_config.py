@@ -34,7 +34,7 @@ from kpipe.train.algos import (
     ZERO_VARIANCE_MIN_STD,
 )
 from kpipe.train.batching import PRECISIONS, accepted_types
-from kpipe.train.offloaded_adamw import OPTIMIZER_OFFLOADS, read_offload_setting
+from kpipe.train.trainer_memory import OPTIMIZER_OFFLOADS, read_offload_setting
 
 if TYPE_CHECKING:
     from kpipe.agent.loop import AgentTask
@@ -130,7 +130,7 @@ class RLConfig:
     # --- the 8B on one GPU (issue 63, docs/training.md): log-probs and entropy through the LM head in chunks of
     # this many tokens, no [tokens, vocab] logits (0: the model's own logits; FSDP2 always uses those)
     logprob_chunk_tokens: int = 0
-    optimizer_offload: str = "off"  # where AdamW's state lives: off | auto | fp32 | bf16 (kpipe.train.offloaded_adamw)
+    optimizer_offload: str = "off"  # where AdamW's state lives: off | auto | fp32 | bf16 (kpipe.train.trainer_memory)
     seed: int = 0
 
     def __post_init__(self) -> None:

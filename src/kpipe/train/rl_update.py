@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from kpipe.train import algos
 from kpipe.train.batching import max_over_processes, plan_micro_batches
-from kpipe.train.chunked_logprobs import effective_chunk_tokens, model_token_logprobs_and_entropy
+from kpipe.train.trainer_memory import effective_chunk_tokens, model_token_logprobs_and_entropy
 from kpipe.train.rl_batch import StepBatch, TokenSample, TrainItem, response_mask, right_aligned
 from kpipe.train.rl_config import RLConfig
 
@@ -50,7 +50,7 @@ def response_log_probs(model: Any, samples: Sequence[TokenSample], pad_id: int, 
 
     `chunk_tokens` 0: the model's own logits of the last R+1 positions only (vocabularies are big);
     N: the decoder's hidden states through the LM head in chunks of N tokens
-    (`kpipe.train.chunked_logprobs`: no [tokens, vocab] tensor, the entropy comes free). Under FSDP2 the
+    (`kpipe.train.trainer_memory`: no [tokens, vocab] tensor, the entropy comes free). Under FSDP2 the
     model's own logits always (`effective_chunk_tokens`)."""
     width = max(len(s.response_ids) for s in samples)
     batch = {k: v.to(device) for k, v in left_padded(samples, pad_id).items()}

@@ -48,9 +48,9 @@ from kpipe.train.batching import (
     resolve_precision,
     steps_per_epoch,
 )
-from kpipe.train.chunked_logprobs import effective_chunk_tokens, model_token_logprobs_and_entropy
+from kpipe.train.trainer_memory import effective_chunk_tokens, model_token_logprobs_and_entropy
 from kpipe.train.metrics_log import MetricsLog
-from kpipe.train.offloaded_adamw import (
+from kpipe.train.trainer_memory import (
     OPTIMIZER_OFFLOADS,
     prepare_model_and_optimizer,
     read_offload_setting,
@@ -95,7 +95,7 @@ class SFTConfig:
     chat_template: str | None = None  # "chatml": impose ChatML on a base tokenizer that has no template
     # the 8B on one GPU (issue 63, docs/training.md): the loss's log-probs through the LM head in chunks of this many
     # tokens, no [tokens, vocab] logits (0: the model's own logits; FSDP2 always uses those); where AdamW's
-    # state lives: off | auto | fp32 | bf16 (kpipe.train.offloaded_adamw)
+    # state lives: off | auto | fp32 | bf16 (kpipe.train.trainer_memory)
     logprob_chunk_tokens: int = 0
     optimizer_offload: str = "off"
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
@@ -293,7 +293,7 @@ def micro_batch_loss(model: Any, batch: dict[str, torch.Tensor], global_label_to
     positions need none.
 
     `chunk_tokens` N: the same loss from the decoder's hidden states through the LM head in chunks of N
-    tokens (`kpipe.train.chunked_logprobs`), no [tokens, vocab] logits.
+    tokens (`kpipe.train.trainer_memory`), no [tokens, vocab] logits.
 
     Multiplied by `world` because DDP/FSDP average gradients over processes.
     """

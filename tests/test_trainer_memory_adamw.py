@@ -1,11 +1,11 @@
-"""kpipe.train.offloaded_adamw: AdamW with its state in host memory equals torch.optim.AdamW on a tiny model
+"""kpipe.train.trainer_memory: AdamW with its state in host memory equals torch.optim.AdamW on a tiny model
 (issue 63: <= 1e-6 relative after 3 steps, >= 99 % of parameters moved at lr 1e-6), in buckets of any size."""
 
 
 import pytest
 import torch
 
-from kpipe.train.offloaded_adamw import OffloadedAdamW
+from kpipe.train.trainer_memory import OffloadedAdamW
 
 
 def tiny_model(dtype=torch.float32):
@@ -87,7 +87,7 @@ def test_bad_arguments_are_refused():
 
 
 def test_the_memory_plan_is_the_first_that_fits_beside_the_activations():
-    from kpipe.train.offloaded_adamw import ACTIVATION_RESERVE_BYTES, MEMORY_PLANS, choose_memory_plan
+    from kpipe.train.trainer_memory import ACTIVATION_RESERVE_BYTES, MEMORY_PLANS, choose_memory_plan
 
     params, gib = 8.19e9, 2**30  # 16 bytes a parameter: 122 GiB; 8: 61 GiB; 4: 30.5 GiB, each + 40 GiB
     assert choose_memory_plan(params, 1, 139 * gib).name == "fp32"  # one H200
