@@ -163,8 +163,8 @@ FROM fastp_samples
 WHERE stage = 'stts';
 
 -- Where a group's numbers come from, for the figures' titles. timing_kind: the clock of its timed
--- turns, read from the feedback they showed (kpipe.gym.feedback.runtime_lines: "Runtime [GPU, on the judge's
--- clock]" or "Runtime [CPU (Triton interpreter; ...)]"); null when no turn was timed. engine: the
+-- turns, read from the feedback they showed (kpipe.gym.feedback.runtime_lines: "Runtime [GPU, on the
+-- judge clock]" or "Runtime [CPU (Triton interpreter; ...)]"); null when no turn was timed. engine: the
 -- rollout engine of RL rollouts (their model label is "<run>/rl-iter<k>/<engine>"), else null.
 CREATE OR REPLACE VIEW provenance AS
 SELECT run, stage, iteration, model,
