@@ -22,22 +22,10 @@ from kpipe.train.trainer_memory import (
     resolve_memory_plan,
 )
 from kpipe.train.rl_config import IterationSettings, RLConfig
+from test_rl import RELU  # the one ReLU reference of the RL tests
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
-RELU = '''import torch
-import torch.nn as nn
-
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.relu(x)
-
-def get_inputs():
-    return [torch.rand(4, 4)]
-
-def get_init_inputs():
-    return []
-'''
 
 
 @pytest.fixture(scope="module")
