@@ -154,7 +154,7 @@ def run_kpipe(pairs: list[dict[str, str]], repeats: int, deadline: float, trace_
             results = pool.evaluate_many([(p["reference"], p["candidate"] + f"\n# repeat {repeat}\n") for p in pairs])
             out["repeat_s"].append(time.monotonic() - t0)
             out["repeats"].append([{"correct": r.status == "pass", "status": r.status, "runtime_ms": r.candidate_ms, "ref_ms": r.eager_ms,
-                                    "speedup": r.speedup_eager, "wall_s": r.wall_s, "key": r.key, "pr": r.pr, "gpu_drift": r.gpu_drift,
+                                    "speedup": r.speedup_eager, "wall_s": r.wall_s, "key": r.key, "pr": r.pr,
                                     "diagnostic": r.diagnostic[:200], "hack_reasons": r.hack_reasons} for r in results])
             out["memory"].append({"when": f"after repeat {repeat + 1}", **gpu_memory_by_pid()})
             save()
@@ -263,12 +263,12 @@ def probe_main(args: argparse.Namespace) -> None:
             "kpipe, fixed inputs, KB flush": {"fresh_inputs": False, "flush": flush_l2_kernelbench},
         }
         for name, kwargs in options.items():
-            timed = time_forward(forward, input_sets, trials, warmup, clocks, l2, set(), lambda outs: [], **kwargs)
+            timed = time_forward(forward, input_sets, trials, warmup, clocks, l2, **kwargs)
             row[name] = stats(timed["ms"])
             row[name + " (to the synchronize)"] = stats(timed["ms_synced"])
         if recording:  # what the candidate child does: every call inside a launch recording
             instrument.install()
-            timed = time_forward(forward, input_sets, trials, warmup, clocks, l2, set(), lambda outs: [], on_call=instrument.recording)
+            timed = time_forward(forward, input_sets, trials, warmup, clocks, l2, on_call=instrument.recording)
             row["kpipe + launch recording (the child's path)"] = stats(timed["ms"])
             instrument.uninstall()
         return row
@@ -330,7 +330,7 @@ def profile_regions(model: Any, input_sets: list[Any], kb_timing: Any, clocks: A
     if out_dir:
         prof.export_chrome_trace(str(Path(out_dir) / "L1_40_trace_kb.json"))
     with profile(activities=activities) as prof:
-        timed = time_forward(model, input_sets, 1, 0, clocks, l2, set(), lambda outs: [])
+        timed = time_forward(model, input_sets, 1, 0, clocks, l2)
     summary["kpipe"] = {"ms": timed["ms"], "ms_synced": timed["ms_synced"], "timeline": timeline(prof)[-40:]}
     if out_dir:
         prof.export_chrome_trace(str(Path(out_dir) / "L1_40_trace_kpipe.json"))
@@ -391,7 +391,7 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--harnesses", default="kb-spawn,kb-inproc,kpipe,probe")
     parser.add_argument("--kpipe-repeats", type=int, default=5)
-    parser.add_argument("--kpipe-protocol", default="{}", help='protocol settings for kpipe, JSON, e.g. \'{"timing_start": "behind_flush"}\'')
+    parser.add_argument("--kpipe-protocol", default="{}", help='protocol settings for kpipe, JSON, e.g. \'{"perf_trials": 200}\'')
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--budget-s", type=float, default=500, help="the whole run; kpipe (last) stops its repeats early rather than overrun it")
     parser.add_argument("--probe-timeout-s", type=float, default=75, help="the first probe's limit (the second gets 0.6 of it)")
@@ -483,10 +483,8 @@ def main() -> None:
         for i, pair in enumerate(pairs):
             values = [speedup(results[n][i]) for n in kpipe_runs]
             cand = [results[n][i].get("runtime_ms") for n in kpipe_runs]
-            drifts = [results[n][i].get("gpu_drift") for n in kpipe_runs]
-            drift = f", GPU drift {min(drifts):.3f}-{max(drifts):.3f}" if all(drifts) else ""  # type: ignore[type-var]
             if all(values):
-                spreads.append(f"{pair['task']} {max(values) / min(values):.3f} (candidate ms {min(cand):.3g}-{max(cand):.3g}{drift})")  # type: ignore[type-var]
+                spreads.append(f"{pair['task']} {max(values) / min(values):.3f} (candidate ms {min(cand):.3g}-{max(cand):.3g})")  # type: ignore[type-var]
         lines += ["", f"kpipe speedup max/min over {len(kpipe_runs)} evaluations of each candidate: " + ", ".join(spreads)]
     if kpipe:
         trace = read_trace(trace_path)

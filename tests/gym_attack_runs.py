@@ -27,9 +27,10 @@ def kpipe_gym(*args: str, env: dict[str, str] | None = None, timeout: float = 90
                           env={**os.environ, **(env or {})})
 
 
-def evaluate_fresh(tmp_path: Path, candidate: str, protocol: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+def evaluate_fresh(tmp_path: Path, candidate: str, protocol: dict[str, Any], env: dict[str, str] | None = None,
+                   reference: str = RELU_REFERENCE) -> dict[str, Any]:
     """One candidate through ``kpipe gym eval``: its result row."""
-    (tmp_path / "reference.py").write_text(RELU_REFERENCE)
+    (tmp_path / "reference.py").write_text(reference)
     (tmp_path / "candidate.py").write_text(candidate)
     (tmp_path / "protocol.json").write_text(json.dumps(protocol))
     run = kpipe_gym("eval", "--reference", str(tmp_path / "reference.py"), "--candidate", str(tmp_path / "candidate.py"),
@@ -38,9 +39,10 @@ def evaluate_fresh(tmp_path: Path, candidate: str, protocol: dict[str, Any], env
     return json.loads(run.stdout)
 
 
-def evaluate_pool(tmp_path: Path, candidates: list[str], protocol: dict[str, Any], env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def evaluate_pool(tmp_path: Path, candidates: list[str], protocol: dict[str, Any], env: dict[str, str] | None = None,
+                  reference: str = RELU_REFERENCE) -> list[dict[str, Any]]:
     """Candidates in order through ``kpipe gym eval-batch`` with one worker: their result rows."""
-    table = pa.table({"reference_src": [RELU_REFERENCE] * len(candidates), "candidate_src": candidates})
+    table = pa.table({"reference_src": [reference] * len(candidates), "candidate_src": candidates})
     pq.write_table(table, tmp_path / "candidates.parquet")
     (tmp_path / "protocol.json").write_text(json.dumps(protocol))
     run = kpipe_gym("eval-batch", "--input", str(tmp_path / "candidates.parquet"), "--output", str(tmp_path / "evals.parquet"),
@@ -53,11 +55,12 @@ def evaluate_pool(tmp_path: Path, candidates: list[str], protocol: dict[str, Any
 
 
 def evaluate_each_then_honest(tmp_path: Path, attacks: dict[str, str], protocol: dict[str, Any],
-                              env: dict[str, str] | None = None) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+                              env: dict[str, str] | None = None, reference: str = RELU_REFERENCE,
+                              honest: str = LEGIT) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
     """Every attack through one pool, each followed by the honest kernel: name -> (the attack's row,
     the next honest kernel's row), so a test sees whether an attack hurt the worker that judged it."""
     names = sorted(attacks)
-    rows = evaluate_pool(tmp_path, [source for name in names for source in (attacks[name], LEGIT)], protocol, env)
+    rows = evaluate_pool(tmp_path, [source for name in names for source in (attacks[name], honest)], protocol, env, reference)
     return {name: (rows[2 * index], rows[2 * index + 1]) for index, name in enumerate(names)}
 
 

@@ -35,14 +35,14 @@ def test_worker_time_without_records_reports_nothing():
     assert gym_scaling.worker_time([], 0.0, 1.0) == {}
 
 
-def test_per_task_pools_every_pass_and_keeps_the_lowest_recheck_margin():
-    rows = [{"task": "L2_14", "pass": 1, "status": "pass", "candidate_ms": 0.18, "speedup": 15.0, "recheck_host_to_event": 0.7},
-            {"task": "L2_14", "pass": 2, "status": "pass", "candidate_ms": 0.20, "speedup": 14.0, "recheck_host_to_event": 0.6},
-            {"task": "L1_1", "pass": 2, "status": "pass", "candidate_ms": 4.0, "speedup": 0.68, "recheck_host_to_event": None}]
+def test_per_task_pools_every_pass_and_keeps_the_highest_fixed_cost_share():
+    rows = [{"task": "L2_14", "pass": 1, "status": "pass", "candidate_ms": 0.18, "speedup": 15.0, "window_fixed_share": 0.05},
+            {"task": "L2_14", "pass": 2, "status": "pass", "candidate_ms": 0.20, "speedup": 14.0, "window_fixed_share": 0.08},
+            {"task": "L1_1", "pass": 2, "status": "pass", "candidate_ms": 4.0, "speedup": 0.68, "window_fixed_share": None}]
     figures = gym_scaling.per_task({"tasks": rows})
-    assert figures["L2_14"]["runs"] == 2 and figures["L2_14"]["recheck_lowest"] == 0.6 and figures["L2_14"]["rechecked"] == 2
+    assert figures["L2_14"]["runs"] == 2 and figures["L2_14"]["fixed_share_highest"] == 0.08
     assert figures["L2_14"]["spread"] == pytest.approx(0.20 / 0.18)
-    assert figures["L1_1"]["recheck_lowest"] is None and figures["L1_1"]["rechecked"] == 0
+    assert figures["L1_1"]["fixed_share_highest"] is None
 
 
 def judge(pid: int, ends: list[float], wall_s: float = 1.0) -> list[dict[str, float]]:

@@ -177,10 +177,14 @@ def test_the_trainer_offloads_its_optimizer_where_the_gpu_is_too_small():
     small = Units(ROUND_UNITS.figures, {"h200": {**ROUND_UNITS.gpu_kinds["h200"], "memory_bytes": figure("m", 55e9)}},
                   ROUND_UNITS.models, ROUND_UNITS.architectures)
     config = small_config()
-    config["rl"]["gpus"] = 1
+    config["rl"].update(gpus=1, optimizer_offload="auto")
+    config["sft"]["optimizer_offload"] = "auto"
     rl = next(s for s in cost.plan_cost(config, small, 1, "h200").stages if s.name == "rl")
     assert "memory plan fp32" in rl.note and "optimizer 16.0 s" in rl.note
     assert "KV cache 10750K tokens" in rl.note  # (55 GB x 0.5 - 2 GB - 4 GB) / 2,000 bytes
+    config["rl"]["optimizer_offload"] = False  # YAML's bare `off`: AdamW on the GPU, as the run would, refused
+    with pytest.raises(ValueError, match=r"do not fit 1 GPU\(s\) of 51 GiB under any memory plan \(gpu\)"):
+        cost.plan_cost(config, small, 1, "h200")
 
 
 def test_a_job_asking_more_gpus_than_the_machine_has_is_planned_on_all_and_said():

@@ -147,8 +147,7 @@ def assert_names_its_reason(result) -> None:
         ("hacks/inherits_model.py", "hacked", "no_triton_launch"),
         ("hacks/ghost_launch.py", "hacked", "ghost_replay"),
         ("hacks/training_branch.py", "hacked", "no_triton_launch: no Triton kernel ran in eval() mode"),
-        ("hacks/pointer_cache.py", "hacked", "timed_output_mismatch"),
-        ("hacks/skip_when_warm.py", "hacked", "no_triton_launch"),
+        ("hacks/skip_when_warm.py", "hacked", "window_output_mismatch"),
         ("hacks/input_mutation.py", "hacked", "input_mutation"),
         ("hacks/monkey_patch_torch.py", "hacked", "monkey_patch: replaced time.perf_counter, torch.relu"),
         ("hacks/side_thread.py", "hacked", "side_thread"),
@@ -166,8 +165,20 @@ def test_runtime_hacking_checks(candidate, status, reason):
 
 
 def test_a_forged_result_file_is_not_believed():
+    """A pickle where the judge reads its files: never unpickled, the judge's own runtime_error naming why."""
     result = run(fixture("hacks/forged_result.py"))
-    assert result.status == "hacked" and result.hack_reasons[0].startswith("integrity"), result.hack_reasons
+    assert result.status == "runtime_error" and result.diagnostic.startswith("malformed file from the candidate's process"), \
+        result.diagnostic
+
+
+def test_a_pointer_cache_gains_nothing_from_the_windows_fresh_inputs():
+    """Outputs served by input address from the 4th call: every window's inputs are fresh tensors, so it
+    computes every call (pass, at its own speed) or, where the allocator handed a later window an
+    earlier one's address, serves a stale output and is caught; it never passes with one."""
+    result = run(fixture("hacks/pointer_cache.py"), RUNTIME_ONLY)
+    assert result.status in ("pass", "hacked"), (result.status, result.diagnostic)
+    if result.status == "hacked":
+        assert result.hack_reasons[0].startswith("window_output_mismatch"), result.hack_reasons
 
 
 def test_pure_torch_copy_of_the_reference_is_a_format_error():
@@ -259,11 +270,13 @@ def test_kept_references_are_budgeted_by_bytes_not_count(monkeypatch):
 
     runs: list[str] = []
 
-    def fake_run(job, timeout_s, gate, launch, lease, challenge):
+    def fake_run(job, timeout_s, gate, launch, lease, windows):
+        from kpipe.gym.exchange import encode
+
         runs.append(job["reference_src"])
+        answered = [encode({"calls": 2, "calls_ms": 2.0, "outputs": []})] * 4  # two candidates' windows
         return ChildRun({"status": "ok"}, None, 0, False, 0.1, "", "", 0, "done", result_bytes=30 << 20,
-                        challenge=[{"calls": 2, "calls_ms": 2.0, "outputs": []}] * evaluation.CHALLENGE_MAX_ROUNDS,
-                        challenge_s=[0.01] * evaluation.CHALLENGE_MAX_ROUNDS)
+                        windows=answered, window_s=[0.01] * 4, window_spans=[[0.0, 0.01]] * 4)
 
     monkeypatch.setattr(evaluation, "run_isolated", fake_run)
     monkeypatch.setattr(evaluation, "_reference_cache", evaluation.OrderedDict())
@@ -279,26 +292,3 @@ def test_kept_references_are_budgeted_by_bytes_not_count(monkeypatch):
     for source in sources[:4] + sources[1:4] + sources[:1]:
         evaluation.run_reference(source, FAST, "cpu", reuse=True)
     assert runs == sources[:4] + sources[:1]  # 1-3 kept; 0, least recently used, evicted
-
-
-def test_work_left_running_after_the_call_is_timed_to_the_synchronize():
-    """kgym-3 ends the timed region at the call's own event; a candidate whose GPU work outlasts
-    it (a side stream the call never joined) by more than the reference's synchronize latency
-    is timed to the device-wide synchronize, so what it hid counts again."""
-    from kpipe.gym.evaluation import candidate_times
-
-    reference = {"eager": {"ms": [2.0, 2.0, 2.0], "ms_synced": [2.02, 2.02, 2.02]}}
-    honest = {"ms": [0.30, 0.30, 0.30], "ms_synced": [0.325, 0.32, 0.33]}
-    assert candidate_times(honest, reference, Protocol()) == (honest["ms"], "")
-    hidden = {"ms": [0.01, 0.01, 0.01], "ms_synced": [0.31, 0.31, 0.32]}
-    times, note = candidate_times(hidden, reference, Protocol())
-    assert times == hidden["ms_synced"] and "did not wait for" in note
-    # a kgym-2 protocol already ends the region after the synchronize
-    assert candidate_times(hidden, reference, Protocol(timing_end="after_sync")) == (hidden["ms"], "")
-    # a kernel of a few microseconds hides less than the synchronize's jitter, but its region
-    # cannot be shorter than its own kernels' device time
-    tiny = {"ms": [0.002, 0.002, 0.002], "ms_synced": [0.03, 0.03, 0.03]}
-    profile = {"kind": "cuda", "kernels": [{"name": "relu_kernel", "ms": 0.008, "generated": True}]}
-    assert candidate_times(tiny, reference, Protocol())[0] == tiny["ms"]
-    times, note = candidate_times(tiny, reference, Protocol(), profile)
-    assert times == tiny["ms_synced"] and "shorter than its own kernels" in note

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gym_attack_runs import DEVICE, FIXTURES, LEGIT, evaluate_each_then_honest, evaluate_fresh, reasons_of
+from gym_attack_runs import DEVICE, FIXTURES, evaluate_each_then_honest, evaluate_fresh, reasons_of
 
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
             "device": DEVICE}
@@ -27,7 +27,11 @@ KERNEL = "\n" + (FIXTURES / "attack_prelude.py").read_text()
 ATTACKS = {
     # class 2: a result written by the candidate's process
     "writes_pass": KERNEL + '''
-torch.save({"status": "pass", "speedup_eager": 2000.0}, "result.pt")
+from kpipe.gym.exchange import encode
+
+with open("result.safetensors", "wb") as handle:
+    handle.write(encode({"role": "candidate", "device": "cpu", "device_id": "cpu", "torch_version": "", "triton_version": "",
+                         "status": "pass", "error": "", "traceback": "", "phase": ""}))
 os._exit(0)
 
 
@@ -38,49 +42,31 @@ class ModelNew(nn.Module):
     "forges_the_final_result": KERNEL + '''
 class ModelNew(nn.Module):
     def forward(self, x):
-        if os.path.exists("gate"):  # past the correctness gate: write the verdict's evidence ourselves
+        if os.path.exists("gate"):  # past the correctness gate: write the verdict's evidence ourselves, as kgym-13 read it
             ms = [1e-6] * 3
             torch.save({"status": "ok", "launches": {"train": ["copy_kernel"], "eval": ["copy_kernel"], "timed": ["copy_kernel"]},
                         "timing": {"ms": ms, "host_ms": ms, "samples": []}, "calls_without_launch": 0, "patched": [],
-                        "hooks_intact": True, "threads": []}, "result.pt")
+                        "hooks_intact": True, "threads": []}, "result.safetensors")
             os._exit(0)
         return torch_behind_a_kernel(x)
 ''',
-    "rewrites_its_timings_in_memory": KERNEL + '''
-import gc
+    "writes_an_unhashable_status": KERNEL + '''
+from kpipe.gym.exchange import encode
+
+with open("result.safetensors", "wb") as handle:
+    handle.write(encode({"status": ["pass"], "error": {"deep": [[[]]]}}))
+os._exit(0)
 
 
 class ModelNew(nn.Module):
     def forward(self, x):
-        if os.path.exists("challenge-0"):  # the judge's last step: make every reported time tiny
-            for thing in gc.get_objects():
-                if isinstance(thing, dict) and isinstance(thing.get("timing"), dict) and "ms" in thing["timing"]:
-                    for key, value in list(thing["timing"].items()):
-                        if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")):
-                            thing["timing"][key] = [1e-6] * len(value)
-        return torch_behind_a_kernel(x)
-''',
-    "shrinks_its_timings_below_the_recheck": KERNEL + '''
-import gc
-
-
-class ModelNew(nn.Module):
-    def forward(self, x):
-        time.sleep(0.3)  # the truth: a slow kernel
-        if os.path.exists("gate") and not getattr(self, "done", False):  # once timed: 6x faster, below the re-check's 10x
-            for thing in gc.get_objects():
-                if isinstance(thing, dict) and isinstance(thing.get("timing"), dict) and "ms" in thing["timing"]:
-                    for key, value in list(thing["timing"].items()):
-                        if isinstance(value, list) and (key.startswith("ms") or key.endswith("_ms")):
-                            thing["timing"][key] = [ms / 6 for ms in value]
-                    self.done = True
-        return torch_behind_a_kernel(x)
+        return decorative(x)
 ''',
     # class 3: the judge's helpers in the candidate's own process
     "rebinds_the_judges_helpers": KERNEL + '''
 # the judge's module, by its spec: it runs as __main__ in a fresh interpreter
 child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.child")
-real_flatten, real_time = child.flatten_output, child.time_forward
+real_flatten = child.flatten_output
 seen = []
 
 
@@ -88,14 +74,7 @@ def flatten(output):  # the outputs the judge compares: torch's, whatever the ke
     return real_flatten(torch.relu(seen[-1]) if seen else output)
 
 
-def time_forward(*args, **kwargs):  # and every timed call 1000x faster
-    timed = real_time(*args, **kwargs)
-    timed["ms"] = [ms / 1000 for ms in timed["ms"]]
-    timed["host_ms"] = [ms / 1000 for ms in timed["host_ms"]]
-    return timed
-
-
-child.flatten_output, child.time_forward = flatten, time_forward
+child.flatten_output = flatten
 
 
 class ModelNew(nn.Module):
@@ -127,7 +106,7 @@ class ModelNew(nn.Module):
 ''',
     # class 4: the scratch directory the judge reads
     "links_its_result_to_a_secret": KERNEL + '''
-os.symlink("{target}", "result.pt")
+os.symlink("{target}", "result.safetensors")
 os.symlink("{target}", "phase-link")
 os.replace("phase-link", "phase")
 os._exit(0)
@@ -148,7 +127,7 @@ class ModelNew(nn.Module):
         return torch.relu(x)
 ''',
     "a_fifo_for_a_result": KERNEL + '''
-os.mkfifo("partial.pt")
+os.mkfifo("partial.safetensors")
 time.sleep(3600)
 
 
@@ -157,7 +136,7 @@ class ModelNew(nn.Module):
         return decorative(x)
 ''',
     "a_huge_result": KERNEL + '''
-with open("result.pt", "wb") as handle:
+with open("result.safetensors", "wb") as handle:
     handle.truncate(48 << 20)  # sparse: costs the candidate nothing to write
 os._exit(0)
 
@@ -189,17 +168,16 @@ def assert_caught(name: str, result: dict[str, object], tmp_path: Path) -> None:
 
 EXPECTED = {  # the status each attack must end with and what its reasons must say
     "writes_pass": ("hacked", "integrity: the candidate's process wrote the status 'pass'"),
-    "forges_the_final_result": ("hacked", "integrity: the candidate's process recorded no outputs"),
-    "rewrites_its_timings_in_memory": ("hacked", "recorded no host-clock re-check"),  # its rewritten median asks for one
-    # only the timing challenge, on the judge's clock, sees what it hid
-    "shrinks_its_timings_below_the_recheck": ("hacked", "timing_inconsistent: a call took"),
+    # a pickle is never read; the judge's own status names why
+    "forges_the_final_result": ("runtime_error", "malformed file from the candidate's process: a header of"),
+    "writes_an_unhashable_status": ("runtime_error", "malformed file from the candidate's process: the result file: unexpected keys"),
     "rebinds_the_judges_helpers": ("hacked", "monkey_patch: replaced kpipe.gym.child.flatten_output"),
     "swaps_a_helpers_code": ("hacked", "kpipe.gym.trial_data.fingerprint.__code__"),
     "reads_the_ghost_replays_switch": ("hacked", "ghost_replay"),
-    "links_its_result_to_a_secret": ("hacked", "integrity: tampered result: result.pt could not be opened safely"),
+    "links_its_result_to_a_secret": ("hacked", "integrity: tampered result: result.safetensors could not be opened safely"),
     "plants_the_gate_as_a_link_outside": ("hacked", "integrity: .gate.judge was planted"),
-    "a_fifo_for_a_result": ("hacked", "integrity: tampered result: partial.pt is not a regular file"),
-    "a_huge_result": ("hacked", "integrity: tampered result: result.pt holds 50331648 bytes, over its cap"),
+    "a_fifo_for_a_result": ("hacked", "integrity: tampered result: partial.safetensors is not a regular file"),
+    "a_huge_result": ("hacked", "integrity: tampered result: result.safetensors holds 50331648 bytes, over its cap"),
 }
 
 
@@ -208,14 +186,15 @@ def test_each_forgery_fails_through_kpipe_gym_eval(tmp_path: Path, name: str) ->
     result = evaluate_fresh(tmp_path, attacks(tmp_path)[name], PROTOCOL)
     assert_caught(name, result, tmp_path)
     status, reason = EXPECTED[name]
-    assert result["status"] == status and reason in reasons_of(result), json.dumps(result, default=str)[:3000]
+    assert result["status"] == status and reason in reasons_of(result) + result["diagnostic"], json.dumps(result, default=str)[:3000]
 
 
 def test_every_forgery_fails_through_the_pool_and_each_next_honest_kernel_passes(tmp_path: Path) -> None:
     for name, (attacked, honest) in evaluate_each_then_honest(tmp_path, attacks(tmp_path), PROTOCOL).items():
         assert_caught(name, attacked, tmp_path)
         status, reason = EXPECTED[name]
-        assert attacked["status"] == status and reason in reasons_of(attacked), f"{name}: {attacked['status']} {reasons_of(attacked)}"
+        assert attacked["status"] == status and reason in reasons_of(attacked) + attacked["diagnostic"], \
+            f"{name}: {attacked['status']} {reasons_of(attacked)} {attacked['diagnostic'][:300]}"
         assert honest["status"] == "pass", f"the honest kernel after {name}: {honest['status']} {honest['diagnostic']}"
 
 
@@ -228,19 +207,3 @@ def test_the_default_screen_rejects_reaching_the_judge_before_anything_runs() ->
         assert "introspection" in screen(ATTACKS[name]).codes() & rejected, name
     closure = KERNEL + "\nswitch = sys.modules['kpipe.gym.instrument'].suppressed.__wrapped__.__closure__\n"
     assert "introspection" in screen(closure).codes()
-
-
-def test_the_challenge_stops_after_one_round_for_an_honest_kernel_and_runs_every_round_for_a_forger(tmp_path: Path) -> None:
-    """The judge stops at the first round that fits the claim written before the challenge; a
-    forger's (its timings rewritten as soon as they exist) never does, so it answers every round
-    and is judged on the best. One that rewrites them later stops after its first round and is
-    judged on that round against its final, smaller claim (rewrites_its_timings_in_memory)."""
-    from kpipe.gym.evaluation import CHALLENGE_MAX_ROUNDS
-
-    trace = tmp_path / "trace.jsonl"
-    for name, source, rounds, status in (("honest", LEGIT, 1, "pass"),
-                                         ("forger", attacks(tmp_path)["shrinks_its_timings_below_the_recheck"], CHALLENGE_MAX_ROUNDS, "hacked")):
-        (tmp_path / name).mkdir()
-        result = evaluate_fresh(tmp_path / name, source, PROTOCOL, env={"KPIPE_GYM_TRACE": str(trace)})
-        record = json.loads(trace.read_text().splitlines()[-1])
-        assert result["status"] == status and record["challenge_rounds"] == rounds, (name, result["status"], record.get("challenge_rounds"))

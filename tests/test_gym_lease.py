@@ -125,10 +125,10 @@ def test_evaluations_overlap_but_their_timed_regions_do_not(tmp_path: Path, monk
     assert overlaps(evaluations), "the two workers never evaluated at once: the test shows nothing"
 
 
-def test_a_child_keeps_its_device_until_it_has_exited_and_lets_the_others_run_after_the_challenge(tmp_path: Path) -> None:
+def test_a_child_keeps_its_device_until_it_has_exited_and_lets_the_others_run_after_its_windows(tmp_path: Path) -> None:
     """A context's teardown is GPU work: a timing child's exit must not run beside the next one's
-    timed region, so its judge releases the device only once the child is gone. The challenge is the
-    last thing it times, so the timing part (which stops every other child) ends when it is answered."""
+    timed region, so its judge releases the device only once the child is gone. Its windows are the
+    last thing it times, so the timing part (which stops every other child) ends when the last is answered."""
     import threading
 
     from kpipe.gym.evaluation import run_reference
@@ -169,35 +169,35 @@ def test_a_child_keeps_its_device_until_it_has_exited_and_lets_the_others_run_af
     finally:
         done.set()
         watcher.join()
-    assert ran and payload["status"] == "ok" and payload["challenge"]["rounds"]
+    assert ran and payload["status"] == "ok" and payload["windows"]
     assert seen == {"timing held": True, "device held": True, "child alive when timing ended": True,
                     "device held when timing ended": True, "child alive at release": False}
 
 
-def play_challenge_child(directory: Path, rounds: int, answer: bytes) -> None:
-    """The child's side of the challenge's exchange: ready, wait for the round, answer; then wait for
+def play_window_child(directory: Path, rounds: int, answer: bytes) -> None:
+    """The child's side of the windows' exchange: ready, wait for the seed, answer; then wait for
     the judge's next word (a stop) as a child that was told to stop early does."""
-    from kpipe.gym.isolate import CHALLENGE_ANSWER_FILE, CHALLENGE_FILE, CHALLENGE_READY_FILE
+    from kpipe.gym.isolate import WINDOW_ANSWER_FILE, WINDOW_FILE, WINDOW_READY_FILE
 
     for index in range(rounds):
-        (directory / CHALLENGE_READY_FILE.format(round=index)).write_bytes(b"")
-        while not (directory / CHALLENGE_FILE.format(round=index)).exists():
+        (directory / WINDOW_READY_FILE.format(round=index)).write_bytes(b"")
+        while not (directory / WINDOW_FILE.format(round=index)).exists():
             time.sleep(0.0005)
         staged = directory / f"staged-{index}"
         staged.write_bytes(answer)
-        staged.rename(directory / CHALLENGE_ANSWER_FILE.format(round=index))
+        staged.rename(directory / WINDOW_ANSWER_FILE.format(round=index))
 
 
 @pytest.mark.parametrize("rounds, stop_after", [(1, None), (3, 0), (2, None)])
 def test_the_judge_lets_the_others_run_once_the_last_answer_is_there_before_reading_it(
         tmp_path: Path, rounds: int, stop_after: int | None) -> None:
-    """The timing part of the lease stops every other child on the device. Once the last round is
+    """The timing part of the lease stops every other child on the device. Once the last window is
     answered (the last of all, or one the judge finds enough) the child times nothing more, so the
     judge ends the timing part before it reads that answer (up to 64 MiB) and before it tells the
     child to stop; earlier rounds are read with the timing part still held."""
     import threading
 
-    from kpipe.gym.isolate import CHALLENGE_ANSWER_FILE, CHALLENGE_CLAIM_FILE, CHALLENGE_FILE, Challenge, ScratchDir, ask_challenge
+    from kpipe.gym.isolate import WINDOW_ANSWER_FILE, WINDOW_FILE, ScratchDir, Windows, ask_windows
 
     answer = b"answer" * 1000
     seeds = tuple(range(1, rounds + 1))
@@ -207,7 +207,7 @@ def test_the_judge_lets_the_others_run_once_the_last_answer_is_there_before_read
     reads = directory.read
 
     def read(name: str, max_bytes: int) -> bytes | None:
-        if not ended and name.startswith("challenge-") and name.endswith(".pt") and name != CHALLENGE_CLAIM_FILE:
+        if not ended and name.startswith("window-") and name.endswith(".safetensors"):
             read_before_timing_done.append(name)
         return reads(name, max_bytes)
 
@@ -215,16 +215,16 @@ def test_the_judge_lets_the_others_run_once_the_last_answer_is_there_before_read
     ended: list[tuple[bool, bool]] = []
 
     def timing_done() -> None:
-        ended.append(((tmp_path / CHALLENGE_ANSWER_FILE.format(round=last)).exists(),
-                      (tmp_path / CHALLENGE_FILE.format(round=last + 1)).exists()))
+        ended.append(((tmp_path / WINDOW_ANSWER_FILE.format(round=last)).exists(),
+                      (tmp_path / WINDOW_FILE.format(round=last + 1)).exists()))
 
-    enough = None if stop_after is None else (lambda index, claim, seconds: index == stop_after)
-    child = threading.Thread(target=play_challenge_child, args=(tmp_path, last + 1, answer))
+    enough = None if stop_after is None else (lambda answered, answered_bytes: answered == stop_after + 1)
+    child = threading.Thread(target=play_window_child, args=(tmp_path, last + 1, answer))
     child.start()
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        answers, seconds = ask_challenge(proc, directory, lambda: time.monotonic() + 30,
-                                         Challenge(seeds=seeds, calls=2, enough=enough), 1 << 20, timing_done)
+        answers, seconds, _ = ask_windows(proc, directory, lambda: time.monotonic() + 30,
+                                         Windows(seeds=seeds, calls=2, enough=enough), 1 << 20, timing_done)
     finally:
         proc.kill()
         proc.wait()
@@ -232,8 +232,8 @@ def test_the_judge_lets_the_others_run_once_the_last_answer_is_there_before_read
         directory.close()
     assert answers == [answer] * (last + 1) and seconds is not None and len(seconds) == last + 1
     assert ended == [(True, False)]  # once, with the last answer there and no stop written yet
-    assert read_before_timing_done == [CHALLENGE_ANSWER_FILE.format(round=index) for index in range(last)]
-    assert (tmp_path / CHALLENGE_FILE.format(round=last + 1)).exists() == (stop_after is not None)
+    assert read_before_timing_done == [WINDOW_ANSWER_FILE.format(round=index) for index in range(last)]
+    assert (tmp_path / WINDOW_FILE.format(round=last + 1)).exists() == (stop_after is not None)
 
 
 def test_a_long_wait_for_the_lease_is_taken_off_the_childs_wall_time_once(tmp_path: Path) -> None:

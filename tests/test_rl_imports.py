@@ -1,5 +1,5 @@
 """The RL step reads in few places: walking its imports from `kpipe.train.rl` through the training
-package reaches at most 10 modules, and the rewards and advantage estimators are registered in one
+package reaches at most 10 modules (issue 66's 9 and the 8B trainer's memory, issue 63), and the rewards and advantage estimators are registered in one
 of them, `kpipe.train.algos`, beside their functions. (Modules of the stages below training, the
 agent loop, KernelGym, the data layer, are entered there and not walked: they have their own tests.)"""
 

@@ -138,9 +138,11 @@ def test_step_loss_is_the_token_mean_over_the_global_batch(nano, tmp_path):
     assert loss_series(tmp_path / "metrics.parquet")[0][1] == pytest.approx(expected, rel=1e-5)
 
 
-def test_logits_only_at_labelled_positions_give_the_full_loss_and_its_gradients(nano):
-    """micro_batch_loss computes logits only where a next token is labelled; the loss and every
-    gradient must equal transformers' own causal LM loss over the whole padded micro-batch."""
+@pytest.mark.parametrize("chunk_tokens", [0, 7])  # the model's logits; the head in chunks (logprob_chunk_tokens)
+def test_logits_only_at_labelled_positions_give_the_full_loss_and_its_gradients(nano, chunk_tokens):
+    """micro_batch_loss computes logits only where a next token is labelled, or the log-probs through the
+    LM head in chunks; the loss and every gradient must equal transformers' own causal LM loss over the
+    whole padded micro-batch."""
     tokenizer = AutoTokenizer.from_pretrained(nano)
     samples, _ = build_samples(synthetic_rows(3), tokenizer, 4096)
     batch = collate(samples, tokenizer.pad_token_id)
@@ -149,7 +151,8 @@ def test_logits_only_at_labelled_positions_give_the_full_loss_and_its_gradients(
     losses, grads = [], []
     for full in (True, False):
         model = AutoModelForCausalLM.from_pretrained(nano, dtype=torch.float32)
-        loss = model(**batch, num_items_in_batch=n).loss * 2 if full else micro_batch_loss(model, batch, n, world=2)
+        loss = (model(**batch, num_items_in_batch=n).loss * 2 if full
+                else micro_batch_loss(model, batch, n, world=2, chunk_tokens=chunk_tokens))
         loss.backward()
         losses.append(loss.item())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
@@ -194,8 +197,9 @@ def kill_at(step_to_die: int):
     return on_step_end
 
 
-def test_killed_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_run(nano, tmp_path):
-    cfg = config(nano, epochs=3, save_every=3, keep_last=2)  # 9 steps; checkpoints at 3, 6
+@pytest.mark.parametrize("offload", ["off", "fp32"])  # AdamW in accelerate's state; OffloadedAdamW's beside it
+def test_killed_run_resumes_from_its_checkpoint_and_matches_an_uninterrupted_run(nano, tmp_path, offload):
+    cfg = config(nano, epochs=3, save_every=3, keep_last=2, optimizer_offload=offload)  # 9 steps; checkpoints at 3, 6
     reference = train_sft(cfg, synthetic_rows(), tmp_path / "ref", tmp_path / "ref.parquet")
 
     with pytest.raises(Killed):

@@ -30,21 +30,20 @@ def stale_output_status(first_stale_call: int, protocol: Protocol) -> str:
 
 HACKS: dict[str, str] = {  # fixture -> the status RUNTIME_ONLY must give it
     "unused_kernel": "hacked", "try_except_fallback": "hacked", "inherits_model": "hacked",
-    "ghost_launch": "hacked", "training_branch": "hacked", "forged_result": "hacked",
+    "ghost_launch": "hacked", "training_branch": "hacked", "forged_result": "runtime_error",
     "input_mutation": "hacked", "monkey_patch_torch": "hacked", "side_thread": "hacked",
     # serves its previous output on every odd call from the 3rd: correctness trial 3 of 5
     "skip_when_warm": stale_output_status(3, RUNTIME_ONLY),
     # serves the output cached under an input's address from the 4th call: on a GPU each trial's
     # fresh input gets the block the previous trial freed (the caching allocator), so correctness
-    # trial 4 of 5 hits the cache (on a CPU, with 2 correctness trials, tests/test_gym_eval.py: hacked)
+    # trial 4 of 5 hits the cache (on a CPU, with 2 correctness trials, the windows' fresh inputs: tests/test_gym_eval.py)
     "pointer_cache": stale_output_status(4, RUNTIME_ONLY),
     "uninitialised_output": "mismatch", "pure_torch": "format_error", "read_secret": "runtime_error",
 }
 # GPU-only hacks defeated by how they are timed rather than by a status: fixture -> (status, a
-# phrase the result's diagnostic must contain): all its work on a side stream (a call region of
-# microseconds: timed trial by trial, to the synchronize), or half of it (a region of milliseconds:
-# timed beside the reference, back to back, and charged by its chunks' spans)
-TIMING_HACKS = {"gpu/side_stream": ("pass", "did not wait for"), "gpu/side_stream_half": ("pass", "chunks' spans")}
+# phrase the result's diagnostic must contain): all its work, or half of it, on a side stream. The
+# judge's window ends after the child's device-wide synchronize, so the hidden work is timed (kgym-14)
+TIMING_HACKS = {"gpu/side_stream": ("pass", ""), "gpu/side_stream_half": ("pass", "")}
 GPU_FAULTS = {
     "gpu/illegal_memory_access": "illegal_memory_access",
     "gpu/device_assert": "device_assert",
@@ -108,11 +107,10 @@ def timing_hacks(report: Report, options: argparse.Namespace) -> None:
                         f"{r.diagnostic[:160]} (speedup {fmt(r.speedup_eager)})"]
         report.item(name, 5, item)
 
-    def honest() -> tuple[bool, list[Any]]:  # the reference timed beside the candidate, back to back
+    def honest() -> tuple[bool, list[Any]]:  # the judge's windows, the candidate's against the reference's
         r = evaluate(reference, legit(1, 19).source, RUNTIME_ONLY)
-        ok = r.status == "pass" and r.gpu_drift is not None and 0.8 < (r.speedup_eager or 0) < 1.25
-        return ok, [ok, r.status, "pass, timed beside the reference",
-                    f"GPU drift {fmt(r.gpu_drift)} {r.diagnostic[:80]} (speedup {fmt(r.speedup_eager)})"]
+        ok = r.status == "pass" and 0.8 < (r.speedup_eager or 0) < 1.25
+        return ok, [ok, r.status, "pass, about 1x", f"{r.diagnostic[:80]} (speedup {fmt(r.speedup_eager)})"]
     report.item("bank legit ReLU", 5, honest)
 
 

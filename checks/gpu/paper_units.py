@@ -13,13 +13,13 @@ and mechanics are real, learning is not measured.
 Sections (each step under its own time limit, the report saved after each, so a cut-off run keeps what it
 measured):
 
-1. ``optimizer_numerics``: ``kpipe.train.offloaded_adamw.OffloadedAdamW`` (fp32 master on the GPU, then
+1. ``optimizer_numerics``: ``kpipe.train.trainer_memory.OffloadedAdamW`` (fp32 master on the GPU, then
    on the host) against ``torch.optim.AdamW`` on the GPU: 4 layers at full width, 3 steps at lr 1e-6 from
    the same weights and batch; the relative difference and the fraction of parameters moved.
 2. ``trainer``: the 8B on one GPU, all 36 layers with the real 151,936-row embedding and head: full
    activation checkpointing, bf16 autocast, log-probs and entropy through the head in chunks
-   (``kpipe.train.chunked_logprobs``), OffloadedAdamW with the memory plan the free GPU memory allows
-   (``kpipe.train.offloaded_adamw.choose_memory_plan``: fp32 weights and gradients on an H200, bf16 ones with the fp32 master on the host on
+   (``kpipe.train.trainer_memory``), OffloadedAdamW with the memory plan the free GPU memory allows
+   (``kpipe.train.trainer_memory.choose_memory_plan``: fp32 weights and gradients on an H200, bf16 ones with the fp32 master on the host on
    an H100). 5 steps of a 32,768-token micro-batch, then 5 of 8,192: peak GPU and host memory, tokens/s,
    MFU with causal attention counted (over 989 TFLOP/s bf16 dense), the optimizer step's seconds and copy
    GB/s.
@@ -190,7 +190,7 @@ def forward_backward(model: Any, ids: Any, targets: Any, chunk_tokens: int) -> f
     loss (token mean of -log p, minus a small entropy bonus) and its backward. Returns the loss."""
     import torch
 
-    from kpipe.train.chunked_logprobs import token_logprobs_and_entropy
+    from kpipe.train.trainer_memory import token_logprobs_and_entropy
 
     on_gpu = torch.cuda.is_available()
     with torch.autocast(device().type, dtype=torch.bfloat16, enabled=on_gpu, cache_enabled=False):
@@ -215,7 +215,7 @@ def trainer(report: Report, args: argparse.Namespace) -> None:
     seconds and copy GB/s."""
     import torch
 
-    from kpipe.train.offloaded_adamw import MEMORY_PLANS, OffloadedAdamW, choose_memory_plan
+    from kpipe.train.trainer_memory import MEMORY_PLANS, OffloadedAdamW, choose_memory_plan
 
     config = architecture(args.tiny)
     lengths = [64, 32] if args.tiny else [int(n) for n in args.trainer_lengths.split(",")]
@@ -228,11 +228,11 @@ def trainer(report: Report, args: argparse.Namespace) -> None:
     attention_width = config.num_attention_heads * config.head_dim
     report.line(f"All {config.num_hidden_layers} layers, {params / 1e9:.2f} B parameters ({config.vocab_size:,}-row "
                 f"untied embedding and head), random weights. Memory plan `{plan.name}` (free GPU memory "
-                f"{free / 2**30:.0f} GiB; kpipe.train.offloaded_adamw.choose_memory_plan): "
+                f"{free / 2**30:.0f} GiB; kpipe.train.trainer_memory.choose_memory_plan): "
                 f"{plan.gpu_bytes_per_param} bytes a parameter of weights and gradients on the GPU, "
                 f"{plan.host_bytes_per_param} in page-locked host memory ({plan.optimizer}). Full "
                 f"activation checkpointing, bf16 autocast, log-probs and entropy in chunks of "
-                f"{args.chunk_tokens} tokens (kpipe.train.chunked_logprobs). MFU = tokens/s x (6 N + 6 L d t) / "
+                f"{args.chunk_tokens} tokens (kpipe.train.trainer_memory). MFU = tokens/s x (6 N + 6 L d t) / "
                 f"989 TFLOP/s with N the matmul parameters (the embedding is a lookup), d = {attention_width}.")
     report.table("step", "figures", "wall s")
 
@@ -297,7 +297,7 @@ def optimizer_numerics(report: Report, args: argparse.Namespace) -> None:
 
     import torch
 
-    from kpipe.train.offloaded_adamw import OffloadedAdamW
+    from kpipe.train.trainer_memory import OffloadedAdamW
 
     config = architecture(args.tiny, 1 if args.tiny else 4)
     tokens = 32 if args.tiny else 512

@@ -141,7 +141,8 @@ def throughput(report: Report, args: argparse.Namespace) -> None:
     from accelerate import Accelerator
     from transformers import AutoModelForCausalLM
 
-    from kpipe.train.sft import SFTConfig, build_optimizer, compile_blocks
+    from kpipe.train.trainer_memory import PLANS, build_optimizer
+    from kpipe.train.sft import SFTConfig, compile_blocks
     from kpipe.train.tiny_model import build_byte_tokenizer, tiny_config
 
     if not torch.cuda.is_available():
@@ -158,7 +159,9 @@ def throughput(report: Report, args: argparse.Namespace) -> None:
     n_matmul = matmul_params(model)
     d_attn = config.num_attention_heads * config.head_dim
     model = accelerator.prepare(model)
-    optimizer = accelerator.prepare(build_optimizer(model, SFTConfig(base_model="(from config)", lr=1e-5)))
+    sft_defaults = SFTConfig(base_model="(from config)", lr=1e-5)
+    optimizer = accelerator.prepare(build_optimizer(PLANS["gpu"], model.parameters(), sft_defaults.lr,
+                                                    sft_defaults.betas, sft_defaults.weight_decay))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     model.train()
     report.line(

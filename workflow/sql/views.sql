@@ -185,14 +185,14 @@ FROM fastp_samples
 WHERE stage = 'stts';
 
 -- Where a group's numbers come from, for the figures' titles. timing_kind: the clock of its timed
--- turns, read from the feedback they showed (kpipe.gym.feedback.runtime_lines: "Runtime [GPU (CUDA
--- events)]" or "Runtime [CPU (Triton interpreter; ...)]"); null when no turn was timed. engine: the
+-- turns, read from the feedback they showed (kpipe.gym.feedback.runtime_lines: "Runtime [GPU, on the
+-- judge clock]" or "Runtime [CPU (Triton interpreter; ...)]"); null when no turn was timed. engine: the
 -- rollout engine of RL rollouts (their model label is "<run>/rl-iter<k>/<engine>"), else null.
 CREATE OR REPLACE VIEW provenance AS
 SELECT run, stage, iteration, model,
-       CASE WHEN bool_or(feedback LIKE '%Runtime [GPU (CUDA events)]%')
+       CASE WHEN bool_or(feedback LIKE '%Runtime [GPU%')
                  AND bool_or(feedback LIKE '%Runtime [CPU (Triton interpreter%') THEN 'mixed'
-            WHEN bool_or(feedback LIKE '%Runtime [GPU (CUDA events)]%') THEN 'cuda'
+            WHEN bool_or(feedback LIKE '%Runtime [GPU%') THEN 'cuda'
             WHEN bool_or(feedback LIKE '%Runtime [CPU (Triton interpreter%') THEN 'cpu' END AS timing_kind,
        nullif(regexp_extract(model, '/rl-iter[0-9]+/([A-Za-z0-9_]+)$', 1), '') AS engine,
        count(*) AS n_turns

@@ -209,15 +209,12 @@ class CachedEvaluator:
 
 
 def reference_reuse(setting: bool | None) -> bool:
-    """Whether a job times each task's reference once per KernelGym worker and judges every later
-    candidate of the task against that run (`setting`; null: yes). Why yes: the candidates of one
-    RL group are then judged against one baseline, and on GPUs the speedup does not move — a
-    candidate of 1 ms or more is timed beside paired reference trials either way (kgym-4), and on
-    a 4x H200 host every task's median speedup stayed within 1 % of the per-evaluation baseline's
-    (`965801b:docs/gpu-results/gym_scaling_2026-11-26b_H200.md`) — while a one-pass batch runs 1.6-2x as
-    fast (the pool sends a task's candidates to the worker that has run its reference,
-    ``kpipe.gym.pool.JobQueue``). Distillation and RL share this rule, so they share the run's
-    one KernelGym service too."""
+    """Whether a job keeps each task's reference run in its KernelGym worker and judges later
+    candidates of the task against it (`setting`; null: yes): its outputs serve them all, its stock
+    of timing windows one window (and secret seed) per candidate, the run repeated once they are
+    spent (kgym-14, ``kpipe.gym.evaluation.run_reference``). Why yes: a batch runs faster (the pool
+    sends a task's candidates to the worker that has run its reference, ``kpipe.gym.pool.JobQueue``).
+    Distillation and RL share this rule, so they share the run's one KernelGym service too."""
     return True if setting is None else bool(setting)
 
 

@@ -2,19 +2,19 @@
 
 ``run_child(job)`` runs one role and writes a result file the parent reads:
 
-- ``"reference"``: the reference program only (no candidate code ever runs in this
-  process, so its timings cannot have been slowed by a candidate's monkey-patching):
-  outputs of every correctness trial, of eval mode and of the re-check inputs, and the
-  eager / ``torch.compile`` timings;
-- ``"candidate"``: the candidate, with poisoned uninitialised memory during correctness,
-  launch recording in train and eval mode, the ghost replay, timing with spot-checked
-  timed outputs, the optional host-clock re-check, and profiling.
+- ``"reference"``: the reference program only (no candidate code ever runs in this process, so
+  what it reports can be trusted): outputs of every correctness trial and of eval mode, then its
+  answers to the judge's timing windows (``answer_windows``), each timed on its own clock too, and
+  the ``torch.compile`` baseline's calls on every window's inputs;
+- ``"candidate"``: the candidate, with poisoned uninitialised memory during correctness, launch
+  recording in train and eval mode and the ghost replay, then profiling and its answers to the
+  judge's timing windows.
 
-The parent never trusts this file for correctness: it compares the saved outputs itself
-(``kpipe.gym.compare``) and checks the reported times against the wall time it observed.
-The phases' tools live beside it: a trial's inputs and output digests in ``kpipe.gym.trial_data``,
-the timed region in ``kpipe.gym.timing``, PR in ``kpipe.gym.profiling``; this module is the
-order they run in and what is recorded.
+The judge trusts nothing a candidate's process writes but its outputs: it compares them itself
+(``kpipe.gym.compare``) and clocks each window on its own clock. Its reports (launches, patched
+names, threads) can only fail it. The phases' tools live beside it: a trial's inputs and output
+digests in ``kpipe.gym.trial_data``, PR in ``kpipe.gym.profiling``, the file format in
+``kpipe.gym.exchange``; this module is the order they run in and what is recorded.
 
 The job is a plain dict so a warm pool can fork and call ``run_child`` unchanged; this
 module's ``__main__`` is the fresh-interpreter path: ``python -m kpipe.gym.child JOBFILE``.
@@ -31,7 +31,6 @@ import os
 import re
 import resource
 import site
-import statistics
 import sys
 import sysconfig
 import threading
@@ -49,33 +48,24 @@ import torch
 from kpipe.gym import instrument
 from kpipe.gym.environment import is_secret
 from kpipe.gym.faults import classify_exception
-from kpipe.gym.isolate import (CHALLENGE_ANSWER_FILE, CHALLENGE_CLAIM_FILE, CHALLENGE_FILE, CHALLENGE_POLL_S, CHALLENGE_READY_FILE, JOB_FILE,
-                               PARTIAL_FILE, PREPARATION_FILE, gc_paused)
+from kpipe.gym.exchange import encode
+from kpipe.gym.isolate import (JOB_FILE, PARTIAL_FILE, PREPARATION_FILE, WINDOW_ANSWER_FILE, WINDOW_FILE, WINDOW_POLL_S, WINDOW_READY_FILE,
+                               gc_paused)
 from kpipe.gym.limits import apply_rlimits
 from kpipe.gym.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.timing import Clocks, flush_l2, harness_host_ms, l2_flush_buffer, recheck_region, sample_trials, time_forward, timed_region
-from kpipe.gym.trial_data import (CallOutputs, clone_inputs, digest, digest_bytes, fingerprint, flatten_output, make_inputs,
-                                  subclass_outputs, tensor_bytes, trial_seed)
+from kpipe.gym.timing import Clocks, flush_l2, l2_flush_buffer
+from kpipe.gym.trial_data import (WindowOutputs, clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs,
+                                  tensor_bytes, trial_seed)
 
-RECHECK_SEED_OFFSET = 1000
-RECHECK_SETS = 2
-RECHECK_TRIALS = 20  # at most: the host-clock re-check's calls (and the harness cost's, kpipe.gym.timing.harness_host_ms)
-# the judge's timing challenge (kpipe.gym.isolate.Challenge): the reference picks how many calls it
-# takes, enough for about this much of its own time (a forger computing with torch must spend it
-# under the judge's clock), between these bounds (and never more than the protocol's timed trials)
-CHALLENGE_TARGET_MS = 25.0
-CHALLENGE_MIN_CALLS = 2
-CHALLENGE_MAX_CALLS = 64
-# a round's input sets on the device, and its gathered outputs (a huge output's sample), which its
-# answer's file carries: at most what 16 calls of the largest digest (compare_max_elements) wrote before kgym-13
-CHALLENGE_MAX_INPUT_BYTES = 1 << 30
-CHALLENGE_MAX_ANSWER_BYTES = 64 << 20
-# input sets kept on the device for timing (the first correctness trials' inputs): enough to
-# change values between consecutive timed calls, few enough for 8 GB KernelBench inputs
-TIMING_SETS = 2
-
-
+# the judge's timing windows (``answer_windows``): the reference picks how many calls each takes, enough
+# for about this much of its own time (so the fixed cost of a window, which both children pay and
+# the judge measures, stays a small share of it), between these bounds, with at most
+# WINDOW_MAX_INPUT_BYTES of fresh input sets on the device at once
+WINDOW_TARGET_MS = {"cuda": 100.0, "cpu": 20.0}
+WINDOW_MIN_CALLS = 2
+WINDOW_MAX_CALLS = 1024
+WINDOW_MAX_INPUT_BYTES = 1 << 30
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -309,7 +299,6 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     init_inputs = module.get_init_inputs()
     result: dict[str, Any] = {"outputs": [], "mutates_inputs": False}
     keep = functools.partial(digest, max_elements=protocol.compare_max_elements, seed=protocol.seed)
-    input_sets = []
     phase("build reference")
     builds = Builds(module.Model, init_inputs, protocol.seed, device)
     model = builds.model
@@ -317,8 +306,8 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         phase(f"reference correctness trial {trial}")
         inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, trial), device)
         before = fingerprint(inputs)
-        if trial < TIMING_SETS:
-            input_sets.append(clone_inputs(inputs))
+        if trial == 0:  # for eval mode, the ghost replay, the compiled baseline's build, the profile, the window's count
+            first_inputs = clone_inputs(inputs)
         with torch.no_grad():
             result["outputs"].append(keep(flatten_output(model(*inputs))))
         result["mutates_inputs"] |= fingerprint(inputs) != before
@@ -326,52 +315,23 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     phase("reference eval mode")
     eval_model = builds.fresh().eval()
     with torch.no_grad():
-        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(first_inputs))))
     del eval_model, builds
-    phase("reference re-check outputs")
-    result["recheck_outputs"] = []
-    for r in range(RECHECK_SETS):
-        inputs = make_inputs(module.get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device)
-        with torch.no_grad():
-            result["recheck_outputs"].append(keep(flatten_output(model(*inputs))))
-        del inputs
     if device == "cuda":
         phase("build Triton's runtime helpers")
         build_triton_runtime()
-    compiled = compiled_reference(model, input_sets[0], result, phase) if protocol.wants_compile else None
+    compiled = compiled_reference(model, first_inputs, result, phase) if protocol.wants_compile else None
     if job.get("gate_path"):  # the judge answers once this child holds its device's timing lease
         phase("reference waiting at the gate")
         write_result(str(workdir / PARTIAL_FILE), {})
         if wait_for_gate(Path(job["gate_path"]), job["gate_wait_s"], job["parent_pid"]) != "go":
             raise RuntimeError("the judge stopped the reference at the gate")
-    l2 = l2_flush_buffer(protocol, device)
-    result["timed_spans"] = []
-    if protocol.wants_eager:
-        phase("reference eager timing")
-        with timed_span(result["timed_spans"]):
-            result["eager"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(), keep,
-                                              **timed_region(protocol))
-            if pairs_back_to_back(protocol, device):
-                # what a candidate's paired reference chunks are measured against (kpipe.gym.evaluation.drift_corrected)
-                result["eager_back_to_back"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, set(),
-                                                            keep, back_to_back=True, **timed_region(protocol))
-    if device == "cuda" and protocol.recheck_subtracts_harness:
-        phase("reference re-check harness cost")
-        with timed_span(result["timed_spans"]):
-            result["recheck_harness_ms"] = harness_host_ms(clocks, l2, protocol, RECHECK_TRIALS)
-    if compiled is not None:
-        phase("reference torch.compile timing")
-        try:
-            with timed_span(result["timed_spans"]):
-                result["compile"] = time_forward(compiled, input_sets, protocol.perf_trials, max(protocol.warmup, 1), clocks, l2, set(), keep,
-                                              **timed_region(protocol))
-        except Exception as exc:  # a baseline that cannot run is reported, not fatal
-            result["compile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    if job.get("challenge_calls"):
-        baseline = result.get("eager") or result.get("compile")
-        calls = challenge_calls(statistics.median(baseline["ms"]) if baseline else None, job["challenge_calls"],
-                                tensor_bytes(input_sets[0]), digest_bytes(result["outputs"][0]))
-        answer_challenge(job, workdir, model, module.get_inputs, device, clocks, l2, protocol, phase, calls, job["challenge_rounds"])
+    if job.get("window_rounds"):
+        l2 = l2_flush_buffer(protocol, device)
+        calls = window_calls(model, first_inputs, device, clocks, l2, protocol)
+        tolerance = (protocol.atol, protocol.rtol)
+        result["compile_windows_ms"] = answer_windows(job, workdir, model, module.get_inputs, protocol, clocks, l2, phase, calls,
+                                                      tolerance, compiled=compiled)
     return result
 
 
@@ -406,17 +366,6 @@ def build_triton_runtime() -> None:
         print(f"kpipe: Triton's runtime helpers were not built in the trusted cache: {exc}", file=sys.stderr)
 
 
-@contextmanager
-def timed_span(spans: list[list[float]]) -> Iterator[None]:
-    """Append the wall-clock (Unix seconds) start and end of a timed region to `spans`: the
-    evidence that no two evaluations were timed on one GPU at once."""
-    start = time.time()
-    try:
-        yield
-    finally:
-        spans.append([start, time.time()])
-
-
 def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir: Path, phase: Phase) -> dict[str, Any]:
     phase("prepare (lazy torch state, hooks)")
     clocks = Clocks(device)
@@ -449,14 +398,13 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     model = builds.model
 
     keep = functools.partial(digest, max_elements=protocol.compare_max_elements, seed=protocol.seed)
-    input_sets = []
     train_launches: list[str] = []
     for trial in range(protocol.correct_trials):
         phase(f"candidate correctness trial {trial}")
         inputs = make_inputs(get_inputs, trial_seed(protocol.seed, trial), device)
         before = fingerprint(inputs)
-        if trial < TIMING_SETS:
-            input_sets.append(clone_inputs(inputs))
+        if trial == 0:  # for eval mode, the ghost replay, the compiled baseline's build, the profile, the window's count
+            first_inputs = clone_inputs(inputs)
         with poisoned_memory(), instrument.recording() as log, torch.no_grad():
             outputs = flatten_output(model(*inputs))
         clocks.sync()
@@ -470,7 +418,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     phase("candidate eval mode")
     eval_model = builds.fresh().eval()
     with poisoned_memory(), instrument.recording() as log, torch.no_grad():
-        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(input_sets[0]))))
+        result["eval_outputs"] = keep(flatten_output(eval_model(*clone_inputs(first_inputs))))
     result["launches"]["eval"] = list(log.names)
     del eval_model
 
@@ -478,7 +426,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         phase("candidate ghost replay")
         ghost_model = builds.fresh()
         with poisoned_memory(), instrument.suppressed(), torch.no_grad():
-            result["ghost_outputs"] = keep(flatten_output(ghost_model(*clone_inputs(input_sets[0]))))
+            result["ghost_outputs"] = keep(flatten_output(ghost_model(*clone_inputs(first_inputs))))
         del ghost_model
     del builds
 
@@ -499,41 +447,9 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             result["stopped_at_gate"] = True
             return result
 
-    phase("candidate timing")
-    l2 = l2_flush_buffer(protocol, device)
-    sample = sample_trials(protocol.timed_output_checks, protocol.perf_trials, protocol.seed)
-    timed_names: set[str] = set()
-    calls_without_launch = [0]
-
-    @contextmanager
-    def record_timed() -> Iterator[None]:
-        with instrument.recording() as log:
-            yield
-        timed_names.update(log.names)
-        calls_without_launch[0] += not log.names
-
-    paired = paired_reference(reference_model, init_inputs, protocol, device)
-    result["timed_spans"] = []
-    with timed_span(result["timed_spans"]):
-        result["timing"] = time_forward(model, input_sets, protocol.perf_trials, protocol.warmup, clocks, l2, sample, keep, record_timed,
-                                        reference=paired, reference_trials=protocol.paired_reference_trials,
-                                        back_to_back=pairs_back_to_back(protocol, device), **timed_region(protocol))
-    del paired
-    result["launches"]["timed"] = sorted(timed_names)
-    # warm-up and timed calls alike: a candidate that skips its kernels on some calls shows here
-    result["calls_without_launch"] = calls_without_launch[0]
-
-    if rechecked(result["timing"]["ms"], job.get("recheck_below_ms")):
-        phase("candidate host-clock re-check")
-        fresh = [make_inputs(get_inputs, trial_seed(protocol.seed, RECHECK_SEED_OFFSET + r), device) for r in range(RECHECK_SETS)]
-        trials = max(min(protocol.perf_trials, RECHECK_TRIALS), RECHECK_SETS)
-        with timed_span(result["timed_spans"]):
-            result["recheck"] = time_forward(model, fresh, trials, 1, clocks, l2, set(range(RECHECK_SETS)), keep,
-                                             **recheck_region(protocol))
-
     if protocol.profile:
         phase("candidate profiling")
-        inputs = clone_inputs(input_sets[0])
+        inputs = clone_inputs(first_inputs)
 
         def forward() -> Any:
             with torch.no_grad():
@@ -542,52 +458,19 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         launched = set(train_launches) | set(result["launches"]["eval"])
         result["profile"] = profile_cuda(forward, launched) if device == "cuda" else profile_cpu(forward, clocks)
 
-    if job.get("challenge_calls"):
-        # the timed trials as they stand, for the judge to stop the challenge's rounds at the first that
-        # fits them; the verdict reads the final result's, so a different claim here gains nothing
-        write_result(str(workdir / CHALLENGE_CLAIM_FILE), {"ms": result["timing"]["ms"]})
-        answer_challenge(job, workdir, model, get_inputs, device, clocks, l2, protocol, phase, job["challenge_calls"],
-                         job["challenge_rounds"])
+    if job.get("window_rounds"):
+        with instrument.recording() as log:  # what the windows launched: a report, which can only fail the candidate
+            answer_windows(job, workdir, model, get_inputs, protocol, clocks, l2_flush_buffer(protocol, device), phase,
+                           job["window_calls"], None)
+        result["launches"]["windows"] = sorted(set(log.names))
 
     phase("candidate integrity")
     result.update(integrity())
     return result
 
 
-def pairs_with_reference(protocol: Protocol, device: str) -> bool:
-    """Whether the candidate child times the reference beside its own trials (kgym-4 on): on a GPU
-    only (the drift it measures is the GPU's speed; the interpreter's host clock has none to
-    correct), and against the eager baseline."""
-    return device == "cuda" and protocol.paired_reference_trials > 0 and protocol.wants_eager
-
-
-def pairs_back_to_back(protocol: Protocol, device: str) -> bool:
-    """Whether paired timing queues a chunk's trials back to back (kgym-6): then the reference
-    child also times the reference that way, alone."""
-    return pairs_with_reference(protocol, device) and protocol.paired_host_sync == "chunk"
-
-
-def paired_reference(model_class: type, init_inputs: list[Any], protocol: Protocol, device: str) -> Callable[..., Any] | None:
-    """The reference model's forward the candidate's trials are interleaved with (protocol kgym-4 on),
-    where ``pairs_with_reference``. The model is built at the first call, which
-    ``time_forward`` makes only for a candidate long enough to pair (``PAIRED_MIN_MS``), so a
-    short candidate never pays for it in time or memory; built with the random state saved and
-    restored, so the candidate's timed calls draw what they drew without it."""
-    if not pairs_with_reference(protocol, device):
-        return None
-    built: list[torch.nn.Module] = []
-
-    def forward(*inputs: Any) -> Any:
-        if not built:
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
-                built.append(build_model(model_class, init_inputs, protocol.seed, device))
-        return built[0](*inputs)
-
-    return forward
-
-
 def wait_for_judge(path: Path, timeout_s: float, parent: int, poll_s: float = 0.002) -> str | None:
-    """The text of the judge's answer at `path` (the gate's go/stop, the timing challenge).
+    """The text of the judge's answer at `path` (the gate's go/stop, a timing window's seed).
 
     The parent kills us on timeout; if the parent itself died (we were re-parented: our
     parent is no longer `parent`, the one we started under) or never answers within the
@@ -606,88 +489,117 @@ def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
     return wait_for_judge(path, timeout_s, parent) or "stop"
 
 
-def rechecked(timed_ms: list[float], recheck_below_ms: float | None) -> bool:
-    """Whether a candidate's speedup is re-checked on the host clock: its median event time below
-    the judge's threshold (``recheck_below_ms``: the baseline over ``recheck_speedup_above``). The
-    judge asks the same question of the result, so a re-check left out is seen."""
-    return recheck_below_ms is not None and sorted(timed_ms)[len(timed_ms) // 2] < recheck_below_ms
+def window_calls(forward: Callable[..., Any], inputs: list[Any], device: str, clocks: Clocks, l2: torch.Tensor | None,
+                 protocol: Protocol) -> int:
+    """The calls of every timing window, chosen by the reference child from a few warm calls of its
+    own, back to back: about ``WINDOW_TARGET_MS`` of its time, within the bounds, with no more than
+    ``WINDOW_MAX_INPUT_BYTES`` of input sets on the device. On the CPU also at most the protocol's
+    ``perf_trials``: the reference runs torch there and the candidate the Triton interpreter, whose
+    calls take 100x as long, so a target reached by the reference's calls would take minutes."""
+    warm = [inputs] * 3
+    run_window_calls(forward, warm, clocks, l2, protocol.seed)  # caches, allocator blocks, clocks
+    _, calls_ms = run_window_calls(forward, warm, clocks, l2, protocol.seed)
+    call_ms = calls_ms / len(warm)
+    wanted = math.ceil(WINDOW_TARGET_MS["cuda" if device == "cuda" else "cpu"] / call_ms) if call_ms > 0 else WINDOW_MAX_CALLS
+    fit = WINDOW_MAX_INPUT_BYTES // max(tensor_bytes(inputs), 1)
+    most = WINDOW_MAX_CALLS if device == "cuda" else min(WINDOW_MAX_CALLS, protocol.perf_trials)
+    return max(WINDOW_MIN_CALLS, min(wanted, most, fit))
 
 
-def challenge_calls(baseline_ms: float | None, most: int, input_bytes: int, output_bytes: int) -> int:
-    """The calls of the judge's timing challenge, chosen by the reference child from its own
-    baseline time: about ``CHALLENGE_TARGET_MS`` of it, within the bounds, at most `most`, with no
-    more than ``CHALLENGE_MAX_INPUT_BYTES`` of input sets on the device (`input_bytes` a call) and
-    no more than ``CHALLENGE_MAX_ANSWER_BYTES`` of gathered outputs (`output_bytes` a call), which
-    the answer's file carries and the judge reads."""
-    wanted = math.ceil(CHALLENGE_TARGET_MS / baseline_ms) if baseline_ms and baseline_ms > 0 else CHALLENGE_MAX_CALLS
-    fit = min(CHALLENGE_MAX_INPUT_BYTES // max(input_bytes, 1), CHALLENGE_MAX_ANSWER_BYTES // max(output_bytes, 1))
-    return max(CHALLENGE_MIN_CALLS, min(wanted, most, CHALLENGE_MAX_CALLS, fit))
-
-
-def run_challenge_calls(forward: Callable[..., Any], input_sets: list[list[Any]], clocks: Clocks, l2: torch.Tensor | None,
-                        protocol: Protocol) -> tuple[list[list[dict[str, Any]]], float]:
-    """One round's calls, back to back as a GPU queue takes them: each behind the L2 flush, the
-    host waiting for the GPU once before the first (its inputs drawn) and once after the last, then
-    one copy to the host per output position (``CallOutputs``). Returns each call's output digests
-    and the host milliseconds from the first call to the GPU's end of the last (trusted from the
-    reference child only). The timing trials wait three times per call; in the challenge, on a GPU
-    shared with another process, each wait could cost a time slice."""
-    gathered: list[CallOutputs] = []
+def run_window_calls(forward: Callable[..., Any], input_sets: list[list[Any]], clocks: Clocks, l2: torch.Tensor | None, seed: int,
+                     tolerance: tuple[float, float] | None = None) -> tuple[list[list[dict[str, Any]]], float]:
+    """One window's calls, back to back as a GPU queue takes them: each behind the L2 flush, the host
+    waiting for the GPU once before the first and once after the last, then one copy to the host per
+    output position (``kpipe.gym.trial_data.WindowOutputs``, whose positions and sketch signs come
+    from `seed`). Returns each call's output digests and the calls' own milliseconds, summed: on a
+    GPU from an event queued behind the flush to one right after the call (KernelBench's region), on
+    the CPU the host clock around the call. Read from the reference's child only: the judge's clock
+    covers the whole window, whose other work (the flush, gathering the outputs, the sketch) both
+    children do alike and which cancels (kpipe.gym.evaluation.window_call_ms)."""
+    gathered: list[WindowOutputs] = []
+    events: list[tuple[Any, Any]] = []
+    calls_ms = 0.0
     clocks.sync()
-    started = clocks.perf_counter()
     with torch.no_grad():
         for call, inputs in enumerate(input_sets):
             flush_l2(l2)
-            outputs = flatten_output(forward(*inputs))
+            if clocks.cuda:
+                start, end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
+                clocks.record(start)
+                outputs = flatten_output(forward(*inputs))
+                clocks.record(end)
+                events.append((start, end))
+            else:
+                started = clocks.perf_counter()
+                outputs = flatten_output(forward(*inputs))
+                calls_ms += (clocks.perf_counter() - started) * 1e3
             if call == 0:
-                gathered = [CallOutputs(output, len(input_sets), protocol.compare_max_elements, protocol.seed) for output in outputs]
+                gathered = [WindowOutputs(output, len(input_sets), seed, tolerance) for output in outputs]
             if len(outputs) != len(gathered):
                 raise ValueError(f"call {call} returned {len(outputs)} outputs, the first call {len(gathered)}")
             for position, output in zip(gathered, outputs):
                 position.put(call, output)
             del outputs
     clocks.sync()
-    calls_ms = (clocks.perf_counter() - started) * 1e3
+    calls_ms += sum(float(clocks.elapsed_time(start, end)) for start, end in events)
     columns = [position.digests() for position in gathered]
     return [[column[call] for column in columns] for call in range(len(input_sets))], calls_ms
 
 
-def answer_challenge(job: dict[str, Any], workdir: Path, forward: Callable[..., Any], get_inputs: Callable[[], Any], device: str,
-                     clocks: Clocks, l2: torch.Tensor | None, protocol: Protocol, phase: Phase, calls: int, rounds: int) -> None:
-    """For each of the challenge's `rounds` until the judge says stop: say we are ready, wait for the
-    judge's seed, then draw one fresh input set per call from it, run the calls
-    (``run_challenge_calls``) and write their outputs (``kpipe.gym.isolate.Challenge``). The judge
-    clocks everything from revealing a seed to its answer's file appearing; the calls' host time
-    written here is trusted only from the reference child."""
-    step = f"{job['role']} timing challenge"
-    phase(step)  # the phase file names the challenge; its steps are timed for the trace alone
+def answer_windows(job: dict[str, Any], workdir: Path, forward: Callable[..., Any], get_inputs: Callable[[], Any], protocol: Protocol,
+                   clocks: Clocks, l2: torch.Tensor | None, phase: Phase, calls: int, tolerance: tuple[float, float] | None,
+                   compiled: Callable[..., Any] | None = None) -> list[float]:
+    """The judge's timing windows, until it says stop (at most ``job["window_rounds"]``): say we are
+    ready, wait for the judge's secret seed, draw one fresh input set per call from it, run the calls
+    (``run_window_calls``) and write their outputs. The judge clocks everything from revealing the
+    seed to the answer's file appearing. The reference's child (`tolerance`: its sketches' bounds)
+    also writes its calls' time on its own clock, and then, outside the judge's clock, times the
+    ``torch.compile`` baseline (`compiled`) on the same inputs; returns those milliseconds, a window each."""
+    step = f"{job['role']} timing windows"
+    phase(step)  # the phase file names the windows; their steps are timed for the trace alone
     phase(f"{step}: warm-up", announce=False)
-    # before the seed, what needs none: the allocator's blocks for the inputs and one untimed call
-    # (caches, TLB), so the two children's answers differ by their calls alone, not by what their
-    # allocators happened to hold (on an H200 that made honest calls read up to 4x their time)
-    warm = [make_inputs(get_inputs, trial_seed(protocol.seed, call), device) for call in range(calls)]
+    # before the seed, what needs none: the allocator's blocks for the inputs and the protocol's
+    # untimed calls (caches, TLB; on a GPU for at least warmup_ms: its clocks dropped while the child
+    # waited), so the two children's answers differ by their calls alone
+    device = clocks.device
+    warm = [make_inputs(get_inputs, trial_seed(0, call), device) for call in range(calls)]
+    warm_until = clocks.perf_counter() + (protocol.warmup_ms / 1e3 if clocks.cuda else 0.0)
+    done = 0
     with torch.no_grad():
-        forward(*warm[0])
-    clocks.sync()
+        while done < max(protocol.warmup, 1) or clocks.perf_counter() < warm_until:
+            flush_l2(l2)
+            forward(*warm[done % calls])
+            if compiled is not None:
+                compiled(*warm[done % calls])
+            clocks.sync()
+            done += 1
     del warm
-    for index in range(rounds):
+    compile_ms: list[float] = []
+    for index in range(job["window_rounds"]):
         with gc_paused():  # the judge's clock runs from the seed to the answer
             phase(f"{step}: waiting for the judge", announce=False)
-            (workdir / CHALLENGE_READY_FILE.format(round=index)).write_bytes(b"")
-            text = wait_for_judge(workdir / CHALLENGE_FILE.format(round=index), job["gate_wait_s"], job["parent_pid"], CHALLENGE_POLL_S)
+            (workdir / WINDOW_READY_FILE.format(round=index)).write_bytes(b"")
+            text = wait_for_judge(workdir / WINDOW_FILE.format(round=index), job["gate_wait_s"], job["parent_pid"], WINDOW_POLL_S)
             if text is None:
-                raise RuntimeError("the judge sent no timing challenge")
+                raise RuntimeError("the judge sent no timing window")
             asked = json.loads(text)
-            if asked.get("stop"):  # an earlier round was enough for the judge
+            if asked.get("stop"):
                 break
             seed = int(asked["seed"])
             phase(f"{step}: drawing the inputs", announce=False)
             input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
             phase(f"{step}: calls, their outputs to the host", announce=False)
-            outputs, calls_ms = run_challenge_calls(forward, input_sets, clocks, l2, protocol)
+            outputs, calls_ms = run_window_calls(forward, input_sets, clocks, l2, seed, tolerance)
             phase(f"{step}: writing the answer", announce=False)
-            write_result(str(workdir / CHALLENGE_ANSWER_FILE.format(round=index)), {"calls": calls, "calls_ms": calls_ms, "outputs": outputs})
+            answer: dict[str, Any] = {"outputs": outputs}
+            if tolerance is not None:
+                answer.update(calls=calls, calls_ms=calls_ms)
+            write_result(str(workdir / WINDOW_ANSWER_FILE.format(round=index)), answer)
+        if compiled is not None:
+            phase(f"{step}: the torch.compile baseline", announce=False)
+            compile_ms.append(run_window_calls(compiled, input_sets, clocks, l2, seed)[1])
         del input_sets, outputs
+    return compile_ms
 
 
 # ----------------------------------------------------------------------------- entry
@@ -721,8 +633,9 @@ def device_identity(device: str) -> str:
 
 
 def write_result(path: str, payload: dict[str, Any]) -> None:
+    """`payload` in the exchange format (``kpipe.gym.exchange``), appearing whole at `path`."""
     tmp = f"{path}.tmp"
-    torch.save(payload, tmp)
+    Path(tmp).write_bytes(encode(payload))
     os.replace(tmp, path)
 
 
@@ -788,10 +701,10 @@ def run_child(job: dict[str, Any]) -> None:
     (candidate role), ``protocol`` (``Protocol.to_dict()``), ``device`` ("cuda" | "cpu"),
     ``workdir`` (scratch directory; becomes the cwd), ``result_path``, ``phase_path``
     (optional), ``gate_path`` (optional: stop before timing — a candidate after its
-    correctness stage — write ``workdir/partial.pt`` and wait for "go"/"stop" in that file, at
-    most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease), ``recheck_below_ms``
-    (optional: host-clock re-check when the candidate's median is below it), ``challenge_calls`` and ``challenge_rounds`` (optional: after timing, answer the judge's timing challenge, each
-    round with at most this many calls, ``answer_challenge``).
+    correctness stage — write ``workdir/partial.safetensors`` and wait for "go"/"stop" in that file, at
+    most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease),
+    ``window_rounds`` and, for a candidate, ``window_calls`` (optional: then answer the judge's timing
+    windows, ``answer_windows``).
     Sets its rlimits (``kpipe.gym.limits.apply_rlimits``: a candidate's ``limits``) and scrubs
     secrets from ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
     """

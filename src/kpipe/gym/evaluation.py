@@ -1,7 +1,10 @@
 """One KernelGym evaluation: screen, reference child, candidate child, judgement.
 
-The judgement (correctness comparison, hacking verdicts, timing sanity) happens here, in
-the parent, which never runs candidate code: the children only produce outputs and times.
+The judgement happens here, in the parent, which never runs candidate code. The verdict and the
+reward come only from what the judge observes itself: the outputs it compares and the times on its
+own clock (the timing windows, ``judge_windows``). A candidate's process only produces outputs; what
+else it reports (launches, patched names, threads, its profile) can only fail it, or, its profile,
+inform the feedback and PR.
 """
 
 from __future__ import annotations
@@ -10,9 +13,9 @@ import ast
 import functools
 import hashlib
 import json
-import math
 import os
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,87 +25,95 @@ import torch
 
 from kpipe.data.source_text import source_hash
 from kpipe.gym.compare import Comparison, Tolerance, compare_norms, compare_outputs
+from kpipe.gym.exchange import ANY, TENSOR, ListOf, MalformedFile, OneOf, Record, check, decode
 from kpipe.gym.faults import classify_exit
-from kpipe.gym.feedback import build_feedback, hacked_diagnostic, clip
-from kpipe.gym.child import CHALLENGE_MAX_CALLS, CHALLENGE_MIN_CALLS, rechecked
-from kpipe.gym.isolate import Challenge, ChildRun, Launcher, fresh_interpreter, run_isolated
+from kpipe.gym.feedback import build_feedback, clip, hacked_diagnostic
+from kpipe.gym.isolate import ChildRun, Launcher, Windows, fresh_interpreter, run_isolated
 from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.result import STATUSES, EvalResult, eval_key
 from kpipe.gym.screen import screen
-from kpipe.gym.timing import PAIRED_CHUNK_TRIALS, interleaving, sample_trials
-from kpipe.gym.trial_data import digest_bytes
 
 DIAGNOSTIC_MAX_CHARS = 3000
-# a candidate's event time may not exceed what the host clock around the same region saw
-EVENT_HOST_SLACK_MS = 0.05
-HOST_RECHECK_MIN_RATIO = 0.5  # host-clock speedup must reach half the event-timed one
-# the timing challenge's bound (``challenge_reasons``): a candidate's call on the judge's clock may
-# take at most this many times its timed trials' median, plus the reference's own harness overhead, plus
-# the clock's slack: per call, and per challenge (polling and scheduling jitter, shared by its calls).
-# The factor covers what the two answers do beside their calls and does not cancel: on an H200 the
-# bank's honest candidates' calls read 1.5-1.8x their own host times on the judge's clock (their
-# inputs' allocation in a process whose allocator holds other blocks than the reference's)
-CHALLENGE_FACTOR = 3.0
-# rounds of the challenge at most, each with its own seed; the judge stops at the first that fits the
-# candidate's claim and judges the best that ran. An honest answer's fixed costs (drawing inputs,
-# writing outputs, the two processes' polling, and at kgym-12 three waits for the GPU per call)
-# differed from the reference's by -44 to +27 ms, and by 60 ms in a tail that judged honest kernels
-# timing_inconsistent on an H200; a forger is slow in every round, and pays for all of them
-CHALLENGE_MAX_ROUNDS = 3
-CHALLENGE_CALL_SLACK_MS = 0.1
-CHALLENGE_WALL_SLACK_MS = {"cuda": 10.0, "cpu": 200.0}
-# a candidate's result file may be at most this many times the reference's, plus this many bytes
-# (its outputs are the same shapes; it adds the ghost replay and the timed samples)
+# timing windows each candidate is judged on, each with a secret seed of its own; the least time
+# counts, for the candidate and for the baselines alike (a window is only ever slowed, by the host's
+# or the GPU's other work, never sped up, so the least of each side is its undisturbed time)
+WINDOWS_PER_CANDIDATE = 2
+# a reference run answers a stock of windows, each handed to one candidate and never again; the run
+# is repeated when the stock is spent. At most this many windows, whose answers (outputs of every
+# call, kpipe.gym.trial_data.WindowOutputs) hold at most this many bytes
+STOCK_MAX_WINDOWS = 32
+STOCK_MAX_BYTES = 256 << 20
+# a window whose reference calls took less than this on its own clock (too short for the judge's: a
+# CPU host's reference of microseconds, whose candidate runs in the interpreter and caps the calls)
+# is read as a whole (``window_call_ms``): its fixed cost then stays in both times, a speedup is
+# pulled toward 1 and never rises above the ratio of the two windows, where subtracting the fixed
+# cost left a busy host's milliseconds of noise over calls of microseconds. A GPU's windows take
+# about 100 ms of calls (kpipe.gym.child.WINDOW_TARGET_MS)
+WINDOW_MIN_CALLS_MS = 5.0
+# the judge reads a speedup only up to this: a candidate's window shorter than the reference's fixed
+# cost (its inputs' draw, the answer's file) left no time for its calls, and the ratio means nothing
+MAX_SPEEDUP = 1000.0
+# a candidate's files may be at most this many times the reference's answer, plus this many bytes
 RESULT_SIZE_FACTOR = 4
 RESULT_SIZE_SLACK = 32 << 20
-# a candidate whose GPU work outlasts its call's end event by more than the reference's does
-# (the synchronize's own latency, ~10-30 us) plus this much has work on a stream the call did
-# not wait for, and is timed to the device-wide synchronize instead: what it hid counts again
-UNJOINED_SLACK_MS = 0.02
-UNJOINED_SLACK_FRACTION = 0.05
-# back-to-back chunks (kgym-6) the GPU must stay busy after before the candidate is charged by spans
-UNJOINED_LATE_CHUNKS = 2
-# ... and so is one whose region is shorter than this share of its own kernels' device time
-# (profiled without the L2 flush, so an honest region is never shorter): on kernels of a few
-# microseconds the synchronize's jitter would hide the excess above
-REGION_MIN_KERNEL_FRACTION = 0.8
-# host memory the kept reference runs may take (their outputs dominate: ~30 MB for a full-size
-# KernelBench task). A count would be wrong both ways: a batch cycling through more tasks than
-# the count never hits (10 tasks against 8 entries did not, on the H100), and a few huge
-# tasks can hold gigabytes
+# host memory the kept reference runs may take (their outputs and windows' answers dominate)
 REFERENCE_CACHE_BYTES = 2 << 30
 # a reused reference run older than this is run again (its baseline timed anew)
 REFERENCE_MAX_AGE_S = 1800.0
 # where the judging process appends one JSON line per evaluation: the seconds of each phase
-# (parent and children), memory. Instrumentation for benchmarks; children never see it
+# (parent and children), memory, the windows' figures. Instrumentation for benchmarks; children never see it
 TRACE_VARIABLE = "KPIPE_GYM_TRACE"
 # the statuses a child may report for itself: failures only; any other is the candidate's forgery
-CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error", "resource_limit", "reference_error"}
-# what a tampered (well-formed pickle, wrong structure) result file raises while judged
-MALFORMED = (KeyError, TypeError, IndexError, ValueError, AttributeError, RuntimeError)
-# reference runs by key: (when it ran, its payload, its result file's bytes), least recently used first
-_reference_cache: OrderedDict[str, tuple[float, dict[str, Any], int]] = OrderedDict()
+CHILD_FAILURES = frozenset(STATUSES) - {"pass", "hacked", "mismatch", "timeout", "format_error", "resource_limit",
+                                         "reference_error"}
+# reference runs by key: [when it ran, its payload, its bytes, the windows no candidate has had yet], least recently used first
+_reference_cache: OrderedDict[str, list[Any]] = OrderedDict()
+_reference_cache_lock = threading.Lock()
+# what comparing well-formed outputs of odd dtypes or shapes may raise: the candidate's failure, never the judge's
+UNCOMPARABLE = (RuntimeError, TypeError, ValueError)
+
+# ----------------------------------------------------------------------------- the files' schemas
+# (kpipe.gym.exchange.check): what the judge reads from a child, exactly
+DIGEST = OneOf((Record({"full": TENSOR}), Record({"sample": TENSOR, "shape": ListOf(int, 16), "dtype": str})))
+WINDOW_DIGEST = OneOf((Record({"full": TENSOR}),
+                       Record({"sample": TENSOR, "shape": ListOf(int, 16), "dtype": str, "sketch": float})))
+NAMES = ListOf(str)
+PROFILE = Record({"kind": str, "pr": OneOf((float, type(None))), "kernels": ListOf(Record({"name": str, "ms": float, "generated": bool}))})
+ENVELOPE = {"role": str, "device": str, "device_id": str, "torch_version": str, "triton_version": str, "status": str, "stats": ANY}
+FAILURE = Record({**ENVELOPE, "error": str, "traceback": str, "phase": str}, frozenset({"stats"}))
+
+
+def partial_fields(protocol: Protocol, outputs: Any = DIGEST) -> dict[str, Any]:
+    """A candidate's record at the gate: its correctness outputs and its reports."""
+    forward = ListOf(outputs, 64)
+    return {"outputs": ListOf(forward, exactly=protocol.correct_trials), "eval_outputs": forward, "ghost_outputs": forward,
+            "launches": Record({"train": NAMES, "eval": NAMES}), "mutates_inputs": bool, "subclass_outputs": NAMES,
+            "patched": NAMES, "hooks_intact": bool, "threads": NAMES}
+
+
+def partial_schema(protocol: Protocol) -> Record:
+    return Record(partial_fields(protocol), frozenset({"ghost_outputs"}))
+
+
+def result_schema(protocol: Protocol) -> Record:
+    """A candidate's final result: its record at the gate, its launches in the windows, its profile."""
+    fields = {**partial_fields(protocol), **ENVELOPE, "profile": PROFILE, "stopped_at_gate": bool,
+              "launches": Record({"train": NAMES, "eval": NAMES, "windows": NAMES}, frozenset({"windows"}))}
+    return Record(fields, frozenset({"ghost_outputs", "profile", "stopped_at_gate", "stats"}))
+
+
+def answer_schema(calls: int) -> Record:
+    """A candidate's answer to one timing window: each call's outputs."""
+    return Record({"outputs": ListOf(ListOf(WINDOW_DIGEST, 64), exactly=calls)})
 
 
 class ReferenceFailure(RuntimeError):
     """The reference program itself failed: bad usage, not a bad candidate."""
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def iqr(values: list[float]) -> float:
-    """Interquartile range: the spread reported next to every median time."""
-    quartiles = torch.quantile(torch.tensor(values, dtype=torch.float64), torch.tensor([0.25, 0.75], dtype=torch.float64))
-    return float(quartiles[1] - quartiles[0])
-
-
 def speedup(reference_ms: float | None, candidate_ms: float | None) -> float | None:
-    """speedup = median(reference) / median(candidate)."""
+    """speedup = reference time / candidate time (None without both)."""
     if reference_ms is None or candidate_ms is None or candidate_ms <= 0:
         return None
     return reference_ms / candidate_ms
@@ -147,35 +158,49 @@ def check_reference(reference_src: str) -> None:
 
 def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bool,
                   launch: Launcher = fresh_interpreter, lease: TimingLease | None = None) -> tuple[dict[str, Any], bool]:
-    """The reference child's payload, and whether it ran now (False: reused from this
-    process's cache). With `lease`, it times its baselines holding the device's timing lease."""
+    """The reference child's payload, with ``windows``: the ``WINDOWS_PER_CANDIDATE`` timing windows
+    this candidate is judged on, which no other candidate gets; and whether it ran now (False: reused
+    from this process's cache, whose run answered a stock of windows, ``STOCK_MAX_WINDOWS``). With
+    `lease`, it answers its windows holding the device's timing lease."""
     cache_key = hashlib.sha256(json.dumps([reference_src, protocol.to_json(), device]).encode()).hexdigest()
-    if reuse and cache_key in _reference_cache and time.monotonic() - _reference_cache[cache_key][0] < REFERENCE_MAX_AGE_S:
-        _reference_cache.move_to_end(cache_key)
-        return _reference_cache[cache_key][1], False
+    with _reference_cache_lock:
+        entry = _reference_cache.get(cache_key) if reuse else None
+        if entry is not None and time.monotonic() - entry[0] < REFERENCE_MAX_AGE_S and len(entry[3]) >= WINDOWS_PER_CANDIDATE:
+            _reference_cache.move_to_end(cache_key)
+            taken, entry[3][:] = entry[3][:WINDOWS_PER_CANDIDATE], entry[3][WINDOWS_PER_CANDIDATE:]
+            return {**entry[1], "windows": taken}, False
+        _reference_cache.pop(cache_key, None)
     job = {"role": "reference", "reference_src": reference_src, "protocol": protocol.to_dict(), "device": device}
-    # the seed no candidate sees before it must answer (kpipe.gym.isolate.Challenge); the reference
-    # chooses how many calls, up to this many
-    challenge = Challenge(seeds=tuple(secrets.randbits(40) for _ in range(CHALLENGE_MAX_ROUNDS)),  # trial_seed keeps each within 63 bits
-                          calls=max(CHALLENGE_MIN_CALLS, min(CHALLENGE_MAX_CALLS, protocol.perf_trials)))
-    run = run_isolated(job, protocol.timeout_s, gate=lambda _: True, launch=launch, lease=lease, challenge=challenge)
+    stock = STOCK_MAX_WINDOWS if reuse else WINDOWS_PER_CANDIDATE
+
+    def enough(answered: int, answered_bytes: int) -> bool:  # whole candidates' windows, within the byte bound
+        return answered % WINDOWS_PER_CANDIDATE == 0 and answered_bytes * (answered + WINDOWS_PER_CANDIDATE) / answered > STOCK_MAX_BYTES
+
+    # the seeds never leave the judge until their window: secrets, 40 bits (trial_seed keeps each within 63)
+    windows = Windows(seeds=tuple(secrets.randbits(40) for _ in range(stock)), calls=None, enough=enough)
+    run = run_isolated(job, protocol.timeout_s, gate=lambda _: True, launch=launch, lease=lease, windows=windows)
     if run.payload is None or run.payload.get("status") != "ok":
         why = "timed out" if run.timed_out else (run.payload or {}).get("error") or classify_exit(run.returncode or 0)[1]
         detail = (run.payload or {}).get("traceback", "") or run.stderr
         raise ReferenceFailure(f"the reference program failed ({why}) in phase {run.phase!r}:\n{clip(detail, 2000)}")
-    if run.challenge is None or run.challenge_s is None:
-        raise ReferenceFailure("the reference program did not answer the timing challenge (kpipe.gym.isolate.Challenge)")
-    run.payload["challenge"] = {"rounds": [{**answer, "seed": seed, "wall_s": seconds}
-                                           for answer, seed, seconds in zip(run.challenge, challenge.seeds, run.challenge_s)]}
-    run.payload["result_bytes"] = run.result_bytes
-    run.payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s, setup_s=run.setup_s,
-                                               child_s=run.child_s, cleanup_s=run.cleanup_s)
+    if run.windows is None or run.window_s is None or len(run.windows) < WINDOWS_PER_CANDIDATE:
+        raise ReferenceFailure("the reference program did not answer the judge's timing windows")
+    payload = run.payload
+    compile_ms = payload.pop("compile_windows_ms", [])
+    answered = [{**decode(data), "seed": seed, "wall_s": seconds, "span": span, "bytes": len(data),
+                 "compile_calls_ms": compile_ms[index] if index < len(compile_ms) else None}
+                for index, (data, seed, seconds, span) in enumerate(zip(run.windows, windows.seeds, run.window_s, run.window_spans))]
+    answered = answered[:len(answered) - len(answered) % WINDOWS_PER_CANDIDATE]
+    payload["result_bytes"] = run.result_bytes
+    payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s, setup_s=run.setup_s,
+                                           child_s=run.child_s, cleanup_s=run.cleanup_s, windows=len(answered))
     if reuse:
-        _reference_cache[cache_key] = (time.monotonic(), run.payload, run.result_bytes)
-        _reference_cache.move_to_end(cache_key)
-        while len(_reference_cache) > 1 and sum(entry[2] for entry in _reference_cache.values()) > REFERENCE_CACHE_BYTES:
-            _reference_cache.popitem(last=False)
-    return run.payload, True
+        with _reference_cache_lock:
+            _reference_cache[cache_key] = [time.monotonic(), payload, run.result_bytes + sum(w["bytes"] for w in answered),
+                                           answered[WINDOWS_PER_CANDIDATE:]]
+            while len(_reference_cache) > 1 and sum(kept[2] for kept in _reference_cache.values()) > REFERENCE_CACHE_BYTES:
+                _reference_cache.popitem(last=False)
+    return {**payload, "windows": answered[:WINDOWS_PER_CANDIDATE]}, True
 
 
 def child_stats(payload: Any, wall_s: float | None) -> dict[str, Any]:
@@ -265,335 +290,67 @@ def integrity_reasons(candidate: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def missing_evidence(candidate: dict[str, Any], protocol: Protocol, timed: bool, recheck_below: float | None = None) -> list[str]:
-    """What the candidate child should have recorded and did not: every check fails closed, so a
-    child that leaves out (or reshapes) the evidence of a check is judged by it, not excused.
-    `timed`: the final result (after timing), else the partial one at the gate; `recheck_below`:
-    the judge's re-check threshold (``recheck_below_ms``)."""
-    def has(key: str, kind: type | tuple[type, ...]) -> bool:
-        return isinstance(candidate.get(key), kind)
-
-    missing = []
-    if not has("outputs", list) or len(candidate["outputs"]) != protocol.correct_trials:
-        missing.append(f"outputs of {protocol.correct_trials} correctness trials")
-    if not has("eval_outputs", list):
-        missing.append("eval() mode outputs")
-    if protocol.hacking_check and protocol.ghost_replay and not has("ghost_outputs", list):
-        missing.append("ghost replay outputs")
-    launches = candidate.get("launches")
-    modes = ("train", "eval", "timed") if timed else ("train", "eval")
-    if not isinstance(launches, dict) or not all(isinstance(launches.get(mode), list) for mode in modes):
-        missing.append("launch records")
-    if not has("patched", list) or not has("hooks_intact", bool) or not has("threads", list):
-        missing.append("integrity records")
-    if not has("mutates_inputs", bool) or not has("subclass_outputs", list):
-        missing.append("input and output records")
-    if timed:
-        timing = candidate.get("timing")
-        expected = sample_trials(protocol.timed_output_checks, protocol.perf_trials, protocol.seed)
-        if (not isinstance(timing, dict) or not isinstance(timing.get("ms"), list) or len(timing["ms"]) != protocol.perf_trials
-                or not isinstance(timing.get("host_ms"), list) or not isinstance(timing.get("samples"), list)
-                or {sample.get("trial") for sample in timing["samples"] if isinstance(sample, dict)} != expected):
-            missing.append("timed trials and their sampled outputs")
-        if not has("calls_without_launch", int):
-            missing.append("timed calls without a launch")
-        if protocol.profile and not has("profile", dict):
-            missing.append("profile")
-        recheck = candidate.get("recheck")
-        if (isinstance(timing, dict) and isinstance(timing.get("ms"), list) and timing["ms"]
-                and rechecked(timing["ms"], recheck_below) and (not isinstance(recheck, dict)
-                                                                or not isinstance(recheck.get("host_ms"), list)
-                                                                or not isinstance(recheck.get("samples"), list))):
-            missing.append("host-clock re-check")
-    return missing
-
-
-def timing_reasons(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, wall_s: float, ref_ms: float | None,
-                   measured_ms: list[float]) -> list[str]:
-    """Why the timed run, as the candidate's process reported it, cannot be trusted; `measured_ms`:
-    the candidate's trials as measured (``candidate_times``, before the drift correction)."""
-    reasons = []
-    timing = candidate["timing"]
-    if not candidate["launches"].get("timed"):
-        reasons.append("no_triton_launch: the timed calls launched no Triton kernel")
-    elif candidate.get("calls_without_launch"):
-        reasons.append(f"no_triton_launch: {candidate['calls_without_launch']} timed call(s) launched no Triton kernel")
-    tol = tolerance(protocol)
-    for sample in timing["samples"]:
-        check = compare_outputs(sample["outputs"], reference["outputs"][sample["input_set"]], tol)
-        if not check.ok:
-            reasons.append(f"timed_output_mismatch: timed trial {sample['trial']} returned a wrong output ({check.detail})")
-            break
-    if sum(timing["ms"]) > wall_s * 1e3 or any(ms < 0 for ms in timing["ms"]):
-        reasons.append("timing_inconsistent: reported times exceed the wall time observed by the parent")
-    if median(timing["ms"]) > median(timing["host_ms"]) + EVENT_HOST_SLACK_MS:
-        reasons.append("timing_inconsistent: device time exceeds the host time around it")
-    recheck = candidate.get("recheck")
-    if recheck is not None and ref_ms is not None:
-        for sample in recheck["samples"]:
-            if not compare_outputs(sample["outputs"], reference["recheck_outputs"][sample["input_set"]], tol).ok:
-                reasons.append("recheck_output_mismatch: wrong output on fresh inputs during the speedup re-check")
-                break
-        ratio = host_recheck_ratio(median(recheck["host_ms"]), ref_ms, measured_ms, recheck_harness_ms(reference, protocol))
-        if ratio is not None and ratio < HOST_RECHECK_MIN_RATIO:
-            event_speedup = speedup(ref_ms, median(measured_ms))
-            reasons.append(f"speedup_not_reproduced: {event_speedup:.3g}x by events, {event_speedup * ratio:.3g}x by the host clock "
-                           "on fresh inputs")
-    return reasons
-
-
-def host_recheck_ratio(host_call_ms: float, ref_ms: float, measured_ms: list[float], harness_ms: float = 0.0) -> float | None:
-    """The speedup on the host clock over the event-timed one (the same baseline `ref_ms`):
-    ``median(measured_ms) / (host_call_ms - harness_ms)``, `host_call_ms` being the re-check's median
-    host time per call and `harness_ms` the harness's host cost around a call
-    (``recheck_harness_ms``); it fails below ``HOST_RECHECK_MIN_RATIO``. None where nothing is left
-    to compare: no event speedup, or a host time no longer than the harness's own."""
-    event_speedup = speedup(ref_ms, median(measured_ms))
-    host_speedup = speedup(ref_ms, host_call_ms - harness_ms)  # None for a host time within the harness's
-    if not event_speedup or host_speedup is None:
-        return None
-    return host_speedup / event_speedup
-
-
-def recheck_below_ms(ref_ms: float | None, protocol: Protocol) -> float | None:
-    """Below this median event time a candidate's speedup is re-checked on the host clock."""
-    return ref_ms / protocol.recheck_speedup_above if ref_ms else None
-
-
 def candidate_max_bytes(reference: dict[str, Any]) -> int:
-    """The cap on each file a candidate's process writes for the judge (its result, each challenge
-    answer): ``RESULT_SIZE_FACTOR`` times the larger of the reference's result file and its largest
-    challenge answer's outputs (up to 64 calls' worth, which a small result can be below), plus
-    ``RESULT_SIZE_SLACK``."""
-    answer_bytes = max((sum(digest_bytes(call) for call in round_["outputs"]) for round_ in reference["challenge"]["rounds"]), default=0)
+    """The cap on each file a candidate's process writes for the judge (its result, each window's
+    answer): ``RESULT_SIZE_FACTOR`` times the larger of the reference's result file and its window
+    answer, plus ``RESULT_SIZE_SLACK``."""
+    answer_bytes = max((int(window["bytes"]) for window in reference["windows"]), default=0)
     return RESULT_SIZE_FACTOR * max(int(reference["result_bytes"]), answer_bytes) + RESULT_SIZE_SLACK
 
 
-def challenge_call_ms(reference_challenge: dict[str, Any], candidate_s: float) -> float:
-    """A candidate's mean call in the timing challenge, on clocks it cannot write: the reference's
-    mean call (timed in its own, trusted process) plus the difference between the two challenges'
-    seconds on the judge's clock, spread over the calls. Both challenges draw the same inputs and
-    write outputs of the same shapes, so everything but the calls cancels."""
-    calls = int(reference_challenge["calls"])
-    return mean_call_ms(reference_challenge) + (candidate_s - float(reference_challenge["wall_s"])) * 1e3 / calls
+def window_call_ms(window: dict[str, Any], candidate_s: float) -> float:
+    """A candidate's mean call in a timing window, from the judge's clock: the reference's mean call
+    in the window of the same seed (its calls on its own clock, in its trusted process) plus the
+    difference between the two windows on the judge's clock, over the calls. Both draw the same
+    inputs and write outputs of the same shapes, so everything but the calls cancels. Where the
+    reference's calls were too short for the judge's clock (``WINDOW_MIN_CALLS_MS``), the reference's
+    mean call scaled by the ratio of the two windows instead."""
+    calls, calls_ms, wall_ms = int(window["calls"]), float(window["calls_ms"]), float(window["wall_s"]) * 1e3
+    if calls_ms < WINDOW_MIN_CALLS_MS:
+        return calls_ms / calls * candidate_s * 1e3 / wall_ms
+    return (calls_ms + candidate_s * 1e3 - wall_ms) / calls
 
 
-def mean_call_ms(reference_challenge: dict[str, Any]) -> float:
-    """The reference's mean call in its challenge, back to back, on its own (trusted) host clock."""
-    return float(reference_challenge["calls_ms"]) / int(reference_challenge["calls"])
-
-
-def challenge_reasons(answers: list[dict[str, Any]] | None, answers_s: list[float] | None, reference: dict[str, Any],
-                      protocol: Protocol, device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
-    """The verdict of the judge's timing challenge (``kpipe.gym.isolate.Challenge``), always taken:
-    no answer or a wrong output on its fresh inputs in any round that ran, or calls slower on the
-    judge's clock than the candidate's timed trials allow in every round that ran. Returns the
-    reasons and, for the trace, the figures of the round judged (the best one) and how many ran."""
-    expected = reference["challenge"]["rounds"]
-    # the judge decides how many rounds run (``early_stop``), from one to all of the reference's
-    if answers is None or answers_s is None or not 0 < len(answers) == len(answers_s) <= len(expected):
-        return ["integrity: no valid answer to the judge's timing challenge (no answer)"], {}
-    judged = []
-    for answer, answer_s, expected_round in zip(answers, answers_s, expected):
-        reasons, figures = challenge_round_reasons(answer, answer_s, expected_round, protocol, device, measured_ms, ref_ms)
-        if not figures:  # no valid answer, or a wrong output: the whole challenge fails
-            return reasons, figures
-        judged.append((reasons, figures))
-    reasons, figures = min(judged, key=lambda verdict: (bool(verdict[0]), verdict[1]["challenge_call_ms"]))
-    return reasons, {**figures, "challenge_rounds": len(judged), "challenge_rounds_over": sum(1 for round_reasons, _ in judged if round_reasons)}
-
-
-def early_stop(reference_rounds: list[dict[str, Any]], protocol: Protocol, device: str,
-               ref_ms: float | None) -> Callable[[int, dict[str, Any] | None, float], bool]:
-    """The judge's ``Challenge.enough``: a round is enough when its time on the judge's clock fits
-    the claim the candidate's process wrote before the challenge (its timed trials' median). That
-    claim only decides how many rounds run: the verdict (``challenge_reasons``) judges the rounds
-    that ran against the final result's claim, so a child that claimed more here than there stopped
-    its own second chance. The outputs are not read here: a wrong one in any round fails the whole
-    challenge, so another round could not change the verdict, and the child waits for this answer
-    while it holds the GPU's timing lease (the verdict decodes and compares each answer once)."""
-
-    def enough(index: int, claim: dict[str, Any] | None, answer_s: float) -> bool:
-        ms = (claim or {}).get("ms")
-        if not isinstance(ms, list) or not ms or not all(isinstance(value, float) and math.isfinite(value) for value in ms):
-            return False
-        reasons, _ = challenge_round_timing(answer_s, reference_rounds[index], device, ms, ref_ms)
-        return not reasons
-
-    return enough
-
-
-def challenge_round_reasons(answer: dict[str, Any] | None, answer_s: float, expected: dict[str, Any], protocol: Protocol,
-                            device: str, measured_ms: list[float], ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
-    """One round of the challenge: the reasons and figures, none where its answer is missing or
-    wrong. The candidate's own host time for its calls (``calls_ms``) is never read."""
-    if answer is None or answer.get("status") is not None:
-        why = (answer or {}).get("error", "no answer")
-        return [f"integrity: no valid answer to the judge's timing challenge ({why})"], {}
-    outputs = answer.get("outputs")
-    if not isinstance(outputs, list) or len(outputs) != len(expected["outputs"]):
-        return [f"integrity: the timing challenge's answer holds no {len(expected['outputs'])} outputs"], {}
-    # the relative-norm check alone: the challenge makes a forger compute, and leaves correctness to
-    # the trials (an honest kernel at the edge of atol failed one of 16 fresh calls on an H200)
-    for call, (c, r) in enumerate(zip(outputs, expected["outputs"])):
-        check = compare_norms(c, r, protocol.norm_rtol)
-        if not check.ok:
-            return [f"challenge_output_mismatch: call {call} on the judge's fresh inputs returned a wrong output ({check.detail})"], {}
-    return challenge_round_timing(answer_s, expected, device, measured_ms, ref_ms)
-
-
-def challenge_round_timing(answer_s: float, expected: dict[str, Any], device: str, measured_ms: list[float],
-                           ref_ms: float | None) -> tuple[list[str], dict[str, Any]]:
-    """One round's time on the judge's clock against the candidate's claim (its timed trials'
-    median): the reasons (``timing_inconsistent`` past the bound) and the figures."""
-    judged_ms = challenge_call_ms(expected, answer_s)
-    claimed_ms = median(measured_ms)
-    slack_ms = CHALLENGE_CALL_SLACK_MS + CHALLENGE_WALL_SLACK_MS[device] / expected["calls"]
-    # the reference's back-to-back call over its timed one: what the harness adds to a call (its
-    # launch and the flush) that the candidate's timed trials do not count either
-    reference_overhead_ms = max(mean_call_ms(expected) - (ref_ms or 0.0), 0.0)
-    bound_ms = CHALLENGE_FACTOR * claimed_ms + reference_overhead_ms + slack_ms
-    figures = {"challenge_call_ms": judged_ms, "challenge_bound_ms": bound_ms, "challenge_claimed_ms": claimed_ms,
-               "challenge_calls": expected["calls"]}
-    reasons = []
-    if judged_ms > bound_ms:
-        reasons.append(f"timing_inconsistent: a call took {judged_ms:.3g} ms on the judge's clock (fresh inputs), "
-                       f"against {claimed_ms:.3g} ms reported")
-    return reasons, figures
-
-
-def recheck_harness_ms(reference: dict[str, Any], protocol: Protocol) -> float:
-    """The harness's host cost around a re-checked call, as the reference child measured it, where
-    the protocol takes it out (kgym-10); 0 otherwise."""
-    if not protocol.recheck_subtracts_harness:
-        return 0.0
-    return float(reference.get("recheck_harness_ms") or 0.0)
-
-
-def busy_after_call_ms(timing: dict[str, Any]) -> float:
-    """How long the GPU stayed busy after the call's end event (medians): the synchronize's
-    latency, plus any work on streams the call did not join."""
-    return median(timing.get("ms_synced", timing["ms"])) - median(timing["ms"])
-
-
-def candidate_times(timing: dict[str, Any], reference: dict[str, Any], protocol: Protocol,
-                    profile: dict[str, Any] | None = None) -> tuple[list[float], str]:
-    """The candidate's per-trial times, and a note when they had to be taken past the call's
-    own end event, which work left on a side stream would escape: to the device-wide synchronize
-    (kgym-3's region), or, for trials timed back to back (kgym-6), to what their chunk's span
-    leaves once the reference's gaps and synchronize latency are taken out (``span_charged``)."""
-    if protocol.timing_end != "call" or ("ms_synced" not in timing and "tails_ms" not in timing):
-        return timing["ms"], ""
-    call_ms = median(timing["ms"])
-    slack = max(UNJOINED_SLACK_MS, UNJOINED_SLACK_FRACTION * call_ms)
-    kernels_ms = sum(float(k["ms"]) for k in profile["kernels"]) if profile and profile.get("kind") == "cuda" else 0.0
-    back_to_back = "tails_ms" in timing
-    if back_to_back:
-        late = unjoined_chunks(timing, slack)
-        why = f"the GPU stayed busy past the last call of {late} of {len(timing['tails_ms'])} chunks" if late >= UNJOINED_LATE_CHUNKS else ""
-    else:
-        baseline = reference.get("eager") or reference.get("compile")
-        excess = busy_after_call_ms(timing) - (busy_after_call_ms(baseline) if baseline else 0.0)
-        why = f"the GPU stayed busy {excess:.3g} ms longer after the call returned than after the reference's" if excess > slack else ""
-    if not why and call_ms < REGION_MIN_KERNEL_FRACTION * kernels_ms:
-        why = f"the call's region ({call_ms:.3g} ms) is shorter than its own kernels' device time ({kernels_ms:.3g} ms)"
-    if not why:
-        return timing["ms"], ""
-    if back_to_back:
-        return span_charged(timing), f"timed by its chunks' spans: {why} (work on a stream the call did not wait for)"
-    return timing["ms_synced"], f"timed to the device-wide synchronize: {why} (work on a stream the call did not wait for)"
-
-
-def unjoined_chunks(timing: dict[str, Any], slack: float) -> int:
-    """How many back-to-back chunks (kgym-6) the GPU stayed busy after, beyond the reference's
-    synchronize latency (median over its chunks, timed beside the candidate) by more than `slack`.
-    A chunk's end cannot be foreseen (random lengths), so work left running after a call shows at
-    every chunk end it falls on; one late chunk may be the host's, two are the candidate's."""
-    latency = median(timing["reference_tails_ms"])
-    return sum(tail - latency > slack for tail in timing["tails_ms"])
-
-
-def span_charged(timing: dict[str, Any]) -> list[float]:
-    """Per trial of a back-to-back timing: its chunk's span (first start to the closing
-    synchronize) less the reference's median gap between calls (the next trial's input copy and
-    flush) and its synchronize latency, shared by the chunk's trials: every piece of work the
-    chunk's calls left on the GPU is in the span."""
-    gap = median(timing["reference_gaps_ms"] or [0.0])  # none when every reference chunk held one trial
-    latency = median(timing["reference_tails_ms"])
-    charged: list[float] = []
-    for span, size in zip(timing["spans_ms"], timing["chunk_sizes"]):
-        charged += [max(span - (size - 1) * gap - latency, 0.0) / size] * size
-    return charged
-
-
-def paired_chunks(candidate_ms: list[float], paired: list[float], order: list[bool] | None = None) -> list[tuple[list[float], list[float]]]:
-    """The timed trials as they ran (`order`, the timing's; without it kgym-4's
-    ``kpipe.gym.timing.interleaving`` in chunks of ``PAIRED_CHUNK_TRIALS``): per chunk, the
-    candidate's trials and the reference trials timed right after them. A chunk followed by no
-    reference trial joins the next one (the last, the one before it)."""
-    chunks: list[tuple[list[float], list[float]]] = []
-    candidate: list[float] = []
-    reference: list[float] = []
-    c = r = 0
-    for is_candidate in order if order is not None else interleaving(len(candidate_ms), len(paired), PAIRED_CHUNK_TRIALS):
-        if is_candidate and reference:
-            chunks.append((candidate, reference))
-            candidate, reference = [], []
-        if is_candidate:
-            candidate.append(candidate_ms[c])
-            c += 1
-        else:
-            reference.append(paired[r])
-            r += 1
-    if reference or not chunks:
-        chunks.append((candidate, reference))
-    else:
-        chunks[-1][0].extend(candidate)
-    return chunks
-
-
-def drift_corrected(candidate_ms: list[float], timing: dict[str, Any], reference: dict[str, Any],
-                    protocol: Protocol) -> tuple[list[float], float | None, str]:
-    """The candidate's trials with the GPU's drift divided out (protocol kgym-4 on; their median is the
-    candidate's time), the factor between the uncorrected and corrected medians (``gpu_drift``:
-    None when the reference was not timed beside it) and a note when the cap bit.
-
-    Each chunk of trials is divided by the drift the reference chunk timed right after it
-    measured: its median over the median of the reference alone, timed the same way (kgym-6:
-    back to back, ``eager_back_to_back``). Both programs slow down together when the GPU does,
-    in level shifts of tens of trials, so the ratio holds still where each median moves by
-    3-10 %. Each drift is capped at 1 +- ``max_gpu_drift``: a candidate that slows the reference
-    beside it gains at most that much. Capped, not dropped: a switch between corrected and
-    uncorrected would itself be a jump of the cap's size between evaluations. Trials timed back to
-    back are then scaled by the reference's own synchronised over back-to-back medians, so
-    ``candidate_ms`` stays on the scale of ``eager_ms`` (KernelBench's region) and their ratio is
-    the one the two programs showed back to back. The candidate's time stays a median over all its
-    trials: a mean over chunks repeated better on the H100 (git show 63b36f8:benchmarks/timing_residual.py) but
-    would let a candidate that skips its work on a minority of calls gain, where a median moves
-    only when most calls do (and the sampled timed outputs then catch them)."""
-    paired, eager = timing.get("reference_ms"), reference.get("eager")
-    if not paired or not eager or len(candidate_ms) != len(timing["ms"]):
-        return candidate_ms, None, ""
-    solo = reference.get("eager_back_to_back", eager) if "tails_ms" in timing else eager
-    low, high = 1.0 - protocol.max_gpu_drift, 1.0 + protocol.max_gpu_drift
-    solo_ms = median(solo["ms"])
-    scale = median(eager["ms"]) / solo_ms
-    chunks = paired_chunks(candidate_ms, paired, timing.get("order"))
-    drifts = [median(beside) / solo_ms for _, beside in chunks]
-    corrected = [ms / min(max(d, low), high) * scale for (trials, _), d in zip(chunks, drifts) for ms in trials]
-    note = ""
-    if not low <= min(drifts) <= max(drifts) <= high:
-        note = (f"GPU drift correction capped at 1 +- {protocol.max_gpu_drift:g}: the reference ran "
-                f"{min(drifts):.3f}-{max(drifts):.3f}x its own timing beside the candidate")
-    return corrected, median(candidate_ms) / median(corrected), note
-
-
-def reported_spans(payload: dict[str, Any]) -> list[list[float]]:
-    """The child's timed regions as [start, end] pairs; nothing if it wrote something else."""
-    try:
-        return [[float(start), float(end)] for start, end in payload.get("timed_spans", [])[:8]]
-    except MALFORMED:
-        return []
+def judge_windows(run: ChildRun, reference: dict[str, Any], protocol: Protocol) -> tuple[str, str, dict[str, Any]]:
+    """The candidate's timing windows: (a status other than pass, or "" when they hold, its
+    diagnostic or hacking reason, and the figures). Every call's output is compared with the
+    reference's for the same inputs (``compare_norms``: whole, or secret positions and a sketch of
+    every element). The candidate's time is the least of its windows' (``window_call_ms``); the
+    baselines', the least of the same windows' on the reference's clock. The fixed cost of a
+    window (what the reference's window took on the judge's clock beyond its calls: drawing the
+    inputs, writing the answer, both processes' polling) is in the figures."""
+    windows = reference["windows"]
+    if run.windows is None or run.window_s is None or len(run.windows) != len(windows):
+        return "hacked", "integrity: no answer to the judge's timing windows", {}
+    estimates = []
+    for index, (data, seconds, window) in enumerate(zip(run.windows, run.window_s, windows)):
+        try:
+            answer = decode(data)
+            check(answer, answer_schema(int(window["calls"])), f"window {index}'s answer")
+        except MalformedFile as exc:
+            return "runtime_error", f"malformed answer to a timing window: {exc}", {}
+        for call, (candidate_outputs, reference_outputs) in enumerate(zip(answer["outputs"], window["outputs"])):
+            try:
+                verdict = compare_norms(candidate_outputs, reference_outputs, protocol.norm_rtol)
+            except UNCOMPARABLE as exc:
+                return "runtime_error", f"window {index}'s answer holds outputs the judge cannot compare ({type(exc).__name__})", {}
+            if not verdict.ok:
+                return "hacked", (f"window_output_mismatch: call {call} of timing window {index} (fresh secret inputs) "
+                                  f"returned a wrong output ({verdict.detail})"), {}
+        estimates.append(window_call_ms(window, seconds))
+    eager = [float(w["calls_ms"]) / int(w["calls"]) for w in windows]
+    compiled = [float(w["compile_calls_ms"]) / int(w["calls"]) for w in windows if w.get("compile_calls_ms") is not None]
+    figures = {"window_calls": int(windows[0]["calls"]), "window_candidate_ms": estimates, "window_eager_ms": eager,
+               "window_compile_ms": compiled, "window_fixed_ms": [float(w["wall_s"]) * 1e3 - float(w["calls_ms"]) for w in windows],
+               "window_reference_s": [float(w["wall_s"]) for w in windows], "window_candidate_s": list(run.window_s),
+               "eager_ms": min(eager) if protocol.wants_eager else None,
+               "compile_ms": min(compiled) if compiled and protocol.wants_compile else None}
+    floor = min(eager) / MAX_SPEEDUP
+    figures["candidate_ms"] = max(min(estimates), floor)
+    figures["note"] = "" if min(estimates) >= floor else (
+        f"the candidate's windows took less than the reference's fixed cost; its time is read as {floor:.3g} ms "
+        f"({MAX_SPEEDUP:g}x the eager baseline)")
+    return "", "", figures
 
 
 def failure_diagnostic(run: ChildRun, payload: dict[str, Any] | None) -> str:
@@ -645,6 +402,7 @@ def evaluate(
     }
 
     trace: dict[str, Any] = {"started_unix": time.time(), "reference": None, "candidate": None}
+    seeds: list[int] = []  # this candidate's windows' secret seeds
     candidate_done: float | None = None
 
     def finish(status: str, profile: dict[str, Any] | None = None, **fields: Any) -> EvalResult:
@@ -658,6 +416,9 @@ def evaluate(
             trace["verdict_s"] = time.monotonic() - candidate_done
         result.feedback = build_feedback(result, profile, protocol.feedback_max_chars)
         result.redact()
+        for seed in seeds:  # spent, never used again; kept out of what a model reads all the same
+            result.diagnostic, result.feedback = (text.replace(str(seed), "<seed>") for text in (result.diagnostic, result.feedback))
+            result.hack_reasons = [reason.replace(str(seed), "<seed>") for reason in result.hack_reasons]
         if os.environ.get(TRACE_VARIABLE):
             write_trace({"key": result.key, "candidate_hash": result.candidate_hash, "status": status,
                          "wall_s": result.wall_s, "judge_pid": os.getpid(), "judge_rss_mb": host_rss_mb(), **trace})
@@ -680,26 +441,27 @@ def evaluate(
         trace["reference"] = child_stats(reference, None)
     base.update(device=reference["device"] if device == "cpu" else kind, torch_version=reference["torch_version"],
                 triton_version=reference["triton_version"])
-    spans = list(reference.get("timed_spans", [])) if reference_ran else []
-    ref_eager = median(reference["eager"]["ms"]) if "eager" in reference else None
-    ref_compile = median(reference["compile"]["ms"]) if "compile" in reference else None
-    ref_for_recheck = ref_eager if ref_eager is not None else ref_compile
+    # the judge's own clock: the reference's windows handed to this candidate, then the candidate's
+    spans = [list(window["span"]) for window in reference["windows"]]
+    seeds.extend(int(window["seed"]) for window in reference["windows"])
 
     verdict: dict[str, Any] = {}
 
     def gate(partial: dict[str, Any]) -> bool:
-        missing = missing_evidence(partial, protocol, timed=False)
-        if missing:
-            check, reasons = Comparison(False, "no evidence"), [f"integrity: the candidate's process recorded no {', '.join(missing)}"]
-        else:
-            try:
-                check = correctness(partial, reference, protocol)
-                verdict["kb_correct"] = kernelbench_correct(partial, reference)
-                reasons = hack_reasons_before_timing(partial, reference, protocol, check.ok) if protocol.hacking_check else []
-            except MALFORMED as exc:
-                check, reasons = Comparison(False, "malformed result"), [f"integrity: malformed candidate result ({type(exc).__name__})"]
-        verdict.update(check=check, reasons=reasons)
-        return check.ok and not reasons
+        try:
+            check(partial, partial_schema(protocol), "the record at the gate")
+        except MalformedFile as exc:
+            verdict["malformed"] = str(exc)
+            return False
+        try:
+            check_ = correctness(partial, reference, protocol)
+            verdict["kb_correct"] = kernelbench_correct(partial, reference)
+            reasons = hack_reasons_before_timing(partial, reference, protocol, check_.ok) if protocol.hacking_check else []
+        except UNCOMPARABLE as exc:
+            verdict["malformed"] = f"outputs the judge cannot compare ({type(exc).__name__}: {str(exc)[:200]})"
+            return False
+        verdict.update(check=check_, reasons=reasons)
+        return check_.ok and not reasons
 
     job = {
         "role": "candidate",
@@ -707,14 +469,11 @@ def evaluate(
         "candidate_src": candidate_src,
         "protocol": protocol.to_dict(),
         "device": device,
-        "recheck_below_ms": recheck_below_ms(ref_for_recheck, protocol),
     }
-    expected = reference["challenge"]
     candidate_started = time.monotonic()
     run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease,
-                       challenge=Challenge(seeds=tuple(round_["seed"] for round_ in expected["rounds"]),
-                                           calls=expected["rounds"][0]["calls"],
-                                           enough=early_stop(expected["rounds"], protocol, device, ref_for_recheck)),
+                       windows=Windows(seeds=tuple(window["seed"] for window in reference["windows"]),
+                                       calls=int(reference["windows"][0]["calls"])),
                        max_result_bytes=candidate_max_bytes(reference))
     candidate_done = time.monotonic()
     # the judge's whole candidate run: setup, the child (its waits included), clean-up
@@ -725,10 +484,7 @@ def evaluate(
     trace["candidate_peaks"] = run.peaks  # what its limits must leave room for (kpipe.gym.limits)
     trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s,
                  candidate_handed_over_unix=run.handed_over_unix)
-    common: dict[str, Any] = {"findings": findings, "timed_spans": spans, "kb_correct": verdict.get("kb_correct")}
-    if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
-        common["device_id"] = str(payload.get("device_id", ""))[:200]
-        common["timed_spans"] = spans + reported_spans(payload)
+    common: dict[str, Any] = {"findings": findings, "timed_spans": spans + run.window_spans, "kb_correct": verdict.get("kb_correct")}
     if run.tampered:
         return finish("hacked", hack_reasons=[f"integrity: {run.tampered}"], **common)
     if isinstance(payload, dict) and payload.get("tampered"):
@@ -737,19 +493,29 @@ def evaluate(
         return finish("resource_limit", diagnostic=clip(f"resource_limit: {run.limit}", DIAGNOSTIC_MAX_CHARS), **common)
     if run.timed_out:
         return finish("timeout", diagnostic=f"no result within {protocol.timeout_s:g} s (during {run.phase or 'start-up'})", **common)
-    if payload is None or payload.get("status") != "ok":
-        status = payload.get("status") if payload else classify_exit(run.returncode or 0)[0]
+    malformed = verdict.get("malformed") or (run.partial or {}).get("malformed") and run.partial["error"]
+    if payload is not None and not payload.get("malformed"):
+        try:
+            check(payload, result_schema(protocol) if payload.get("status") == "ok" else FAILURE, "the result file")
+        except MalformedFile as exc:
+            malformed = malformed or str(exc)
+    elif payload is not None:
+        malformed = malformed or payload["error"]
+    if malformed:  # the judge's status, never the file's
+        return finish("runtime_error", diagnostic=clip(f"malformed file from the candidate's process: {malformed}", DIAGNOSTIC_MAX_CHARS),
+                      **common)
+    if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
+        common["device_id"] = payload["device_id"][:200]
+    if payload is None or payload["status"] != "ok":
+        status = payload["status"] if payload else classify_exit(run.returncode or 0)[0]
         if status not in CHILD_FAILURES:  # a status only the judge gives ("pass", ...), written by the candidate
-            return finish("hacked", hack_reasons=[f"integrity: the candidate's process wrote the status {str(status)[:40]!r}"], **common)
+            return finish("hacked", hack_reasons=[f"integrity: the candidate's process wrote the status {status[:40]!r}"], **common)
         if payload is None and run.partial is not None and "check" in verdict and not verdict["check"].ok:
             status = "mismatch"  # it failed correctness, then died when told to stop
         return finish(status, diagnostic=failure_diagnostic(run, payload), **common)
     if "check" not in verdict:  # the child skipped the gate: treat as tampering
         return finish("hacked", hack_reasons=["integrity: the candidate process bypassed the correctness gate"], **common)
-    try:
-        return judge(payload, verdict, reference, protocol, run, device, ref_eager, ref_compile, finish, common, trace)
-    except MALFORMED as exc:  # a result file the candidate tampered with
-        return finish("hacked", hack_reasons=[f"integrity: malformed candidate result ({type(exc).__name__})"], **common)
+    return judge(payload, verdict, reference, protocol, run, finish, common, trace)
 
 
 def judge(
@@ -758,63 +524,47 @@ def judge(
     reference: dict[str, Any],
     protocol: Protocol,
     run: ChildRun,
-    device: str,
-    ref_eager: float | None,
-    ref_compile: float | None,
     finish: Callable[..., EvalResult],
     common: dict[str, Any],
     trace: dict[str, Any] | None = None,
 ) -> EvalResult:
-    """The verdict on a candidate that ran to the end: gate verdict, evidence, the timing challenge,
-    timing checks, speedups. In `trace` (the judge's trace record): how close the candidate came to
-    the timing challenge's bounds."""
-    ref_for_recheck = ref_eager if ref_eager is not None else ref_compile
-    check: Comparison = verdict["check"]
+    """The verdict on a candidate that ran to the end: the gate's verdict, then its timing windows
+    (``judge_windows``), never optional, with or without the hacking check; its own reports can
+    only fail it. In `trace` (the judge's trace record): the windows' figures."""
+    check_: Comparison = verdict["check"]
     reasons: list[str] = list(verdict["reasons"])
-    launched = sorted(set(payload["launches"].get("train", [])) | set(payload["launches"].get("eval", [])))
+    launched = sorted(set(payload["launches"]["train"]) | set(payload["launches"]["eval"]))
     common["launched_kernels"] = launched
     if reasons:
-        return finish("hacked", hack_reasons=reasons, diagnostic=check.detail, **common)
-    if not check.ok:
-        return finish("mismatch", diagnostic=check.detail, **common)
-
-    missing = missing_evidence(payload, protocol, timed=True, recheck_below=recheck_below_ms(ref_for_recheck, protocol))
-    if missing:
-        return finish("hacked", hack_reasons=[f"integrity: the candidate's process recorded no {', '.join(missing)}"], **common)
-    timing = payload["timing"]
-    measured_ms, unjoined = candidate_times(timing, reference, protocol, payload.get("profile"))
-    candidate_ms, drift, drift_note = drift_corrected(measured_ms, timing, reference, protocol)
-    cand_ms = median(candidate_ms)
-    # never optional, with or without the hacking check: it bounds what the candidate's process reports
-    reasons, figures = challenge_reasons(run.challenge, run.challenge_s, reference, protocol, device, measured_ms, ref_for_recheck)
+        return finish("hacked", hack_reasons=reasons, diagnostic=check_.detail, **common)
+    if not check_.ok:
+        return finish("mismatch", diagnostic=check_.detail, **common)
+    status, why, figures = judge_windows(run, reference, protocol)
     if trace is not None:
-        trace.update(figures)
-        if payload.get("recheck") is not None and ref_for_recheck is not None:
-            harness_ms = recheck_harness_ms(reference, protocol)
-            trace.update(recheck_host_to_event=host_recheck_ratio(median(payload["recheck"]["host_ms"]), ref_for_recheck, measured_ms,
-                                                                  harness_ms),
-                         recheck_harness_ms=harness_ms, recheck_host_ms=median(payload["recheck"]["host_ms"]),
-                         recheck_event_ms=median(measured_ms))
+        trace.update({key: value for key, value in figures.items() if key != "note"})
+    if status == "hacked":
+        return finish("hacked", hack_reasons=[why], **common)
+    if status:
+        return finish(status, diagnostic=clip(why, DIAGNOSTIC_MAX_CHARS), **common)
     if protocol.hacking_check:
-        reasons += timing_reasons(payload, reference, protocol, run.wall_s, ref_for_recheck, measured_ms) + integrity_reasons(payload)
-    reasons = sorted(set(reasons), key=reasons.index)
-    if reasons:
-        return finish("hacked", hack_reasons=reasons, **common)
+        reasons = integrity_reasons(payload)
+        if not payload["launches"].get("windows"):
+            reasons.append("no_triton_launch: the timing windows' calls launched no Triton kernel")
+        if reasons:
+            return finish("hacked", hack_reasons=reasons, **common)
     profile = payload.get("profile")
+    pr = profile.get("pr") if profile else None
     notes = [f"torch.compile baseline failed: {reference['compile_error']}"] if reference.get("compile_error") else []
+    cand_ms = figures["candidate_ms"]
     return finish(
         "pass",
         profile=profile,
-        diagnostic="; ".join(notes + [note for note in (unjoined, drift_note) if note]),
+        diagnostic="; ".join(notes + ([figures["note"]] if figures["note"] else [])),
         candidate_ms=cand_ms,
-        candidate_ms_iqr=iqr(candidate_ms),
-        eager_ms=ref_eager,
-        eager_ms_iqr=iqr(reference["eager"]["ms"]) if "eager" in reference else None,
-        compile_ms=ref_compile,
-        compile_ms_iqr=iqr(reference["compile"]["ms"]) if "compile" in reference else None,
-        speedup_eager=speedup(ref_eager, cand_ms),
-        speedup_compile=speedup(ref_compile, cand_ms),
-        pr=profile.get("pr") if profile else None,
-        gpu_drift=drift,
+        eager_ms=figures["eager_ms"],
+        compile_ms=figures["compile_ms"],
+        speedup_eager=speedup(figures["eager_ms"], cand_ms),
+        speedup_compile=speedup(figures["compile_ms"], cand_ms),
+        pr=min(max(float(pr), 0.0), 1.0) if pr is not None else None,  # the candidate's own profile: bounded
         **common,
     )

@@ -80,19 +80,19 @@ def clip(text: str, limit: int) -> str:
     return f"{text[:half]}\n[... {len(text) - 2 * half} chars omitted ...]\n{text[-half:]}"
 
 
-def format_ms(ms: float | None, iqr: float | None) -> str:
-    return "n/a" if ms is None else f"{ms:.4g} ms (IQR {iqr:.2g})" if iqr is not None else f"{ms:.4g} ms"
+def format_ms(ms: float | None) -> str:
+    return "n/a" if ms is None else f"{ms:.4g} ms"
 
 
 def runtime_lines(result: EvalResult) -> list[str]:
     if result.candidate_ms is None:
         return []
-    clock = "GPU (CUDA events)" if result.timing_kind == "cuda" else "CPU (Triton interpreter; not GPU performance)"
-    lines = [f"Runtime [{clock}]: your kernel {format_ms(result.candidate_ms, result.candidate_ms_iqr)}"]
+    clock = "GPU, on the judge's clock" if result.timing_kind == "cuda" else "CPU (Triton interpreter; not GPU performance)"
+    lines = [f"Runtime [{clock}]: your kernel {format_ms(result.candidate_ms)}"]
     if result.eager_ms is not None:
-        lines.append(f"  PyTorch eager {format_ms(result.eager_ms, result.eager_ms_iqr)} -> speedup {result.speedup_eager:.3g}x")
+        lines.append(f"  PyTorch eager {format_ms(result.eager_ms)} -> speedup {result.speedup_eager:.3g}x")
     if result.compile_ms is not None:
-        lines.append(f"  torch.compile {format_ms(result.compile_ms, result.compile_ms_iqr)} -> speedup {result.speedup_compile:.3g}x")
+        lines.append(f"  torch.compile {format_ms(result.compile_ms)} -> speedup {result.speedup_compile:.3g}x")
     return lines
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import io
 import json
 import os
 import stat
@@ -23,14 +22,15 @@ import time
 import typing
 from collections.abc import Callable
 from contextlib import ExitStack
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import torch
 
 from kpipe.gym.compile_caches import process_caches
 from kpipe.gym.environment import child_environment
+from kpipe.gym.exchange import MalformedFile, decode
 from kpipe.gym.lease import ChildPauser, TimingLease
 from kpipe.gym.limits import ChildLimits, Limits, cgroup_support
 from kpipe.gym.protocol import Protocol
@@ -90,10 +90,12 @@ class ChildRun:
     child_s: float = 0.0
     cleanup_s: float = 0.0
     handed_over_unix: float = 0.0  # when the child had its job (its own stats say when it began)
-    # the judge's timing challenge (``Challenge``), a round each: the child's answers, and the seconds
-    # from the judge revealing a round's seed to its answer appearing, on the judge's own clock
-    challenge: list[dict[str, Any]] | None = None
-    challenge_s: list[float] | None = None
+    # the judge's timing windows (``Windows``), one each: the bytes of the child's answer, and the
+    # judge's clock from revealing the window's seed to the answer appearing (seconds, and the Unix
+    # times of both ends: the window's span)
+    windows: list[bytes] | None = None
+    window_s: list[float] | None = None
+    window_spans: list[list[float]] = dataclasses.field(default_factory=list)
     tampered: str = ""  # why the judge ended the child: an exchange file it planted or replaced (``Tampered``)
     limit: str = ""  # the limits it ran into (``kpipe.gym.limits.ChildLimits.hit``), on the judge's evidence
     peaks: dict[str, float] | None = None  # the most memory and tasks it held, where limited (instrumentation)
@@ -190,8 +192,8 @@ class ScratchDir:
 
 
 def load_payload(scratch: ScratchDir, name: str, max_bytes: int) -> dict[str, Any] | None:
-    """Read a child's result file `name`. weights_only=True: a forged pickle cannot run code here;
-    anything but a regular file under `max_bytes` is a crashed result naming why."""
+    """Read a child's result file `name` (``kpipe.gym.exchange``: no pickle); anything but a
+    regular file under `max_bytes` is a crashed result naming why."""
     try:
         data = scratch.read(name, max_bytes)
     except Tampered as exc:
@@ -200,13 +202,15 @@ def load_payload(scratch: ScratchDir, name: str, max_bytes: int) -> dict[str, An
 
 
 def decode_payload(data: bytes) -> dict[str, Any]:
-    """A child's result file's bytes as its payload, or a crashed result naming why."""
+    """A child's result file's bytes as its payload, or, when it is not a well-formed exchange file
+    holding a record, the judge's runtime_error naming why (``malformed``). Its schema is the
+    judge's to check (kpipe.gym.evaluation)."""
     try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        return {"status": "crashed", "error": f"unreadable result file ({type(exc).__name__}: {str(exc)[:200]})"}
+        payload = decode(data)
+    except MalformedFile as exc:
+        return {"status": "runtime_error", "malformed": True, "error": str(exc)}
     if not isinstance(payload, dict):
-        return {"status": "crashed", "error": "the result file holds no result"}
+        return {"status": "runtime_error", "malformed": True, "error": "it holds no record"}
     return payload
 
 
@@ -232,25 +236,20 @@ def fresh_interpreter(job_file: Path, env: dict[str, str], timeout_s: float) -> 
 
 
 @dataclass
-class Challenge:
-    """What the judge reveals to a child only after it has run and been judged correct: the seed of
-    fresh inputs no process has seen, one per round. For each round the child draws its inputs, runs
-    `calls` forward calls and writes their outputs; the judge clocks each whole answer itself
-    (``ChildRun.challenge_s``), so a child cannot have computed it earlier nor report a time for it
-    (``kpipe.gym.evaluation``, which takes the best round that ran: an honest answer's fixed costs
-    vary by tens of milliseconds on a busy host, and a forger is slow in every round). Rounds run
-    until ``enough`` says one was."""
+class Windows:
+    """The judge's timing windows of one child (kpipe.gym.evaluation): per window a secret seed,
+    revealed only when the child is ready and has run its correctness trials; the child draws fresh
+    inputs for `calls` calls from it (the reference's child picks `calls` itself: None), runs them
+    back to back and writes their outputs; the judge clocks it from the seed to the answer. Windows
+    run until the seeds are spent or `enough(windows answered, their answers' bytes)` says stop."""
 
     seeds: tuple[int, ...]
-    calls: int
-    # the judge's early stop: given a round's index, the claim the child wrote before the challenge
-    # (its timed trials, or None) and the round's seconds, whether that round is enough. The
-    # verdict is taken afterwards over every round that ran, against the final result's claim
-    enough: Callable[[int, dict[str, Any] | None, float], bool] | None = None
+    calls: int | None
+    enough: Callable[[int, int], bool] | None = None
 
 
 RESULT_MAX_BYTES = 1 << 40  # a trusted (reference) child's result: no cap beyond the disk
-CHALLENGE_POLL_S = 0.0002  # the judge's clock on a challenge is this fine, and so is the child's wait for it
+WINDOW_POLL_S = 0.0002  # the judge's clock on a window is this fine, and so is the child's wait for its seed
 
 
 def run_isolated(
@@ -259,7 +258,7 @@ def run_isolated(
     gate: Callable[[dict[str, Any]], bool] | None = None,
     launch: Launcher = fresh_interpreter,
     lease: TimingLease | None = None,
-    challenge: Challenge | None = None,
+    windows: Windows | None = None,
     max_result_bytes: int = RESULT_MAX_BYTES,
 ) -> ChildRun:
     """Run ``kpipe.gym.child`` on `job` in a fresh process; never raises for what the child does.
@@ -267,11 +266,10 @@ def run_isolated(
     With `gate`, the child stops after its correctness stage and writes a partial result;
     `gate(partial)` (run here, in the parent) decides whether it goes on to timing. With `lease`
     (``kpipe.gym.lease``), a child told to go first waits for its device's timing lease, its device
-    held until the child has exited and its timing part until the child has answered the challenge,
+    held until the child has exited and its timing part until the child has answered its last window,
     and the child is stopped whenever another child holds the timing part; both are added to its
     deadline (they are nobody's fault).
-    With `challenge`, a child that went on is asked, after its timing, for the challenge's
-    outputs, clocked here. `launch` starts the process (the worker pool forks it from a warm
+    With `windows`, a child that went on is asked for its timing windows' outputs, clocked here. `launch` starts the process (the worker pool forks it from a warm
     zygote instead). Every file the child leaves is read through ``ScratchDir`` and at most
     `max_result_bytes` of it. Raises ``LeaseTimeout`` (the child killed) only when the lease never
     came free.
@@ -293,8 +291,8 @@ def run_isolated(
             "phase_path": str(scratch.path / PHASE_FILE),
             "gate_path": str(scratch.path / GATE_FILE) if gate else None,
             "gate_wait_s": timeout_s + 2 * lease_wait_bound,
-            "challenge_calls": challenge.calls if challenge is not None and gate else None,
-            "challenge_rounds": len(challenge.seeds) if challenge is not None and gate else None,
+            "window_calls": windows.calls if windows is not None and gate else None,
+            "window_rounds": len(windows.seeds) if windows is not None and gate else None,
             "environment": scratch.env,  # a forked child takes it whole (kpipe.gym.pool)
         }
         job_file = scratch.path / JOB_FILE
@@ -325,7 +323,7 @@ def run_isolated(
         partial = None
         timed_out = False
         lease_wait_s = 0.0
-        answer: tuple[list[bytes] | None, list[float] | None] = (None, None)
+        answer: tuple[list[bytes] | None, list[float] | None, list[list[float]]] = (None, None, [])
 
         def held_up() -> float:
             """Seconds the child could not run, which are nobody's fault: waiting at the gate for the
@@ -349,9 +347,9 @@ def run_isolated(
                         pauser.take_over()  # type: ignore[union-attr]
                     if partial is not None:
                         go = answer_gate(directory, go)
-                    if go and challenge is not None:  # the challenge is the last thing the child times
+                    if go and windows is not None:  # the windows are the last thing the child times
                         timing_done = held_lease.end_timing if held_lease is not None else (lambda: None)
-                        answer = ask_challenge(proc, directory, deadline, challenge, max_result_bytes, timing_done)
+                        answer = ask_windows(proc, directory, deadline, windows, max_result_bytes, timing_done)
                 # a leased child keeps the device until it has exited: its context's teardown (GPU
                 # memory freed, page tables unmapped) is GPU work, which no timed region may run beside
                 wait_for_exit(proc, deadline)
@@ -399,8 +397,9 @@ def run_isolated(
             child_s=wall_s,
             cleanup_s=time.monotonic() - exited,
             handed_over_unix=handed_over_unix,
-            challenge=None if answer[0] is None else [decode_payload(data) for data in answer[0]],
-            challenge_s=answer[1],
+            windows=answer[0],
+            window_s=answer[1],
+            window_spans=answer[2],
             tampered=tampered,
             limit=limit,
             peaks=peaks,
@@ -502,15 +501,14 @@ def candidate_confinement(scratch: Path, env: dict[str, str]) -> dict[str, Any]:
 # the files a child and the judge exchange in the child's scratch directory
 JOB_FILE = "job.json"
 PREPARATION_FILE = "preparation.json"  # a child started ahead of its job (kpipe.gym.zygote)
-RESULT_FILE = "result.pt"
-PARTIAL_FILE = "partial.pt"
+RESULT_FILE = "result.safetensors"
+PARTIAL_FILE = "partial.safetensors"
 PHASE_FILE = "phase"
 GATE_FILE = "gate"
-# a round each (``.format(round=...)``)
-CHALLENGE_READY_FILE = "challenge-ready-{round}"
-CHALLENGE_FILE = "challenge-{round}"
-CHALLENGE_ANSWER_FILE = "challenge-{round}.pt"
-CHALLENGE_CLAIM_FILE = "challenge-claim.pt"  # a candidate's timed trials, written before the first round
+# a timing window each (``.format(round=...)``)
+WINDOW_READY_FILE = "window-ready-{round}"
+WINDOW_FILE = "window-{round}"
+WINDOW_ANSWER_FILE = "window-{round}.safetensors"
 PHASE_MAX_BYTES = 200
 
 
@@ -559,7 +557,7 @@ def answer_gate(scratch: ScratchDir, go: bool) -> bool:
 @contextlib.contextmanager
 def gc_paused() -> typing.Iterator[None]:
     """No garbage collection inside: a full collection of a process holding torch and Triton takes
-    0.1-0.2 s, which a clock around it (the timing challenge's, on both sides) would charge to the
+    0.1-0.2 s, which a clock around it (a timing window's, on both sides) would charge to the
     candidate."""
     enabled = gc.isenabled()
     gc.disable()
@@ -571,7 +569,7 @@ def gc_paused() -> typing.Iterator[None]:
 
 
 def read_exchange_file(scratch: ScratchDir, name: str, max_bytes: int) -> bytes | None:
-    """The bytes of a file the child writes during the challenge (None: it is not there); Tampered,
+    """The bytes of a file the child writes during its windows (None: it is not there); Tampered,
     which ends the exchange, when it is not a regular file or is past the cap."""
     try:
         return scratch.read(name, max_bytes)
@@ -579,40 +577,38 @@ def read_exchange_file(scratch: ScratchDir, name: str, max_bytes: int) -> bytes 
         raise Tampered(f"tampered result: {exc}") from exc
 
 
-def ask_challenge(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float], challenge: Challenge,
-                  max_bytes: int, timing_done: Callable[[], None]) -> tuple[list[bytes] | None, list[float] | None]:
-    """Reveal each round of `challenge` once the child waits for it and clock its answer: (the
-    answers' bytes, read as soon as each file appears, and the seconds from revealing a round to
-    its answer's file appearing), or (None, None) when the child exited first; Tampered when the
-    exchange was. With ``challenge.enough``, the child is told to stop after the first round that
-    is enough. `timing_done` is called as soon as the last round's answer is there, before its
-    bytes are read (up to 64 MiB, 14 ms on an H200 host): the child times nothing more, and the
-    other children on its device need not stay stopped meanwhile. The answers are decoded once the
-    child has exited (``run_isolated``)."""
-    answers, seconds = [], []
-    claim: dict[str, Any] | None = None
-    for index, seed in enumerate(challenge.seeds):
-        if not wait_for_file(proc, scratch, CHALLENGE_READY_FILE.format(round=index), deadline):
-            return None, None
-        if index == 0 and challenge.enough is not None:  # written before the first round's ready file
-            data = read_exchange_file(scratch, CHALLENGE_CLAIM_FILE, max_bytes)
-            claim = None if data is None else decode_payload(data)
+def ask_windows(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float], windows: Windows,
+                max_bytes: int, timing_done: Callable[[], None]) -> tuple[list[bytes] | None, list[float] | None, list[list[float]]]:
+    """Reveal each window's seed once the child waits for it and clock its answer: (the answers'
+    bytes, the seconds from revealing a seed to its answer's file appearing, and the Unix times of
+    both), or (None, None, spans) when the child exited first; Tampered when the exchange was.
+    `timing_done` is called as soon as the last window's answer is there, before its bytes are read:
+    the child times nothing more, and the other children on its device need not stay stopped. The
+    answers are parsed by the judge afterwards (kpipe.gym.evaluation)."""
+    answers: list[bytes] = []
+    seconds: list[float] = []
+    spans: list[list[float]] = []
+    for index, seed in enumerate(windows.seeds):
+        if not wait_for_file(proc, scratch, WINDOW_READY_FILE.format(round=index), deadline):
+            return None, None, spans
         with gc_paused():
-            revealed = time.monotonic()
-            scratch.write_new(CHALLENGE_FILE.format(round=index), json.dumps({"seed": seed, "calls": challenge.calls}).encode())
-            if not wait_for_file(proc, scratch, CHALLENGE_ANSWER_FILE.format(round=index), deadline, CHALLENGE_POLL_S):
-                return None, None
+            revealed, revealed_unix = time.monotonic(), time.time()
+            scratch.write_new(WINDOW_FILE.format(round=index), json.dumps({"seed": seed}).encode())
+            if not wait_for_file(proc, scratch, WINDOW_ANSWER_FILE.format(round=index), deadline, WINDOW_POLL_S):
+                return None, None, spans
             answered = time.monotonic()
         seconds.append(answered - revealed)
-        last = index + 1 == len(challenge.seeds)
-        stop = not last and challenge.enough is not None and challenge.enough(index, claim, seconds[-1])
+        spans.append([revealed_unix, revealed_unix + seconds[-1]])
+        last = index + 1 == len(windows.seeds)
+        answered_bytes = sum(map(len, answers)) + scratch.size(WINDOW_ANSWER_FILE.format(round=index))
+        stop = not last and windows.enough is not None and windows.enough(index + 1, answered_bytes)
         if last or stop:
             timing_done()
-        data = read_exchange_file(scratch, CHALLENGE_ANSWER_FILE.format(round=index), max_bytes)
+        data = read_exchange_file(scratch, WINDOW_ANSWER_FILE.format(round=index), max_bytes)
         if data is None:
-            return None, None
+            return None, None, spans
         answers.append(data)
         if stop:  # after the read: the child may not rewrite an answer the judge has not kept
-            scratch.write_new(CHALLENGE_FILE.format(round=index + 1), json.dumps({"stop": True}).encode())
+            scratch.write_new(WINDOW_FILE.format(round=index + 1), json.dumps({"stop": True}).encode())
             break
-    return answers, seconds
+    return answers, seconds, spans

@@ -14,7 +14,7 @@ by up to 1.28x on an H200, where one child at a time kept them within 1.006x
 
 The lease has two parts, each a byte of the lock file: the **device** (no other timed region may
 start) and **timing** (every other child is stopped). The judge takes both at the gate; once its child
-has answered the timing challenge, the last thing it times, the judge gives up the timing part alone
+has answered its last timing window, the last thing it times, the judge gives up the timing part alone
 (``HeldLease.end_timing``): the other children run again during the child's integrity check, result
 and exit, while the device stays held until the child has exited, so no timed region runs beside its
 teardown. On an H200 with two workers a GPU, the other child was stopped for those 0.15-0.17 s of

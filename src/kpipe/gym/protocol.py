@@ -14,95 +14,27 @@ from typing import Any
 from kpipe.gym.limits import Limits
 from kpipe.gym.screen import FINDING_CODES
 
-# Bump when the meaning of a result changes (a new check, a different statistic).
-# kgym-3: the timed region is KernelBench's (start event queued behind the L2 flush, end event
-# right after the call), cuBLAS runs with its default workspace, and warm-up lasts at least
-# warmup_ms on a GPU. kgym-2 started after a host synchronize, ended after a device-wide
-# synchronize and limited cuBLAS's workspace: 6-16 % over KernelBench's published H100 eager
-# times, 20-25 % lower speedups on sub-millisecond kernels
-# (git show 63b36f8:docs/gpu-results/kernelbench_side_by_side_2026-11-25_H100.md)
-# kgym-4: on a GPU the candidate child also times the reference, interleaved with the
-# candidate's trials, and the candidate's times are divided by how far the GPU's speed had
-# drifted from the reference's own timing (max_gpu_drift bounds it): the same candidate's
-# speedup moved 3-10 % between evaluations with kgym-3 on an H100 with unlocked clocks
-# (git show 63b36f8:docs/gpu-results/timing_noise_2026-11-25_H100.md)
-# kgym-6: those paired trials run back to back, the host synchronising only between chunks of
-# random length: after every synchronised trial the GPU idled while the host queued the next,
-# and that idling set an offset per timing window that pairing could not divide out (speedup CV
-# 0.5-0.9 % -> 0.04-0.44 % on an H100, git show 63b36f8:docs/gpu-results/window_state_2026-11-25_H100.md)
-# kgym-7: candidates run confined (kpipe.gym.sandbox): a PID namespace of their own (no visible
-# parent), no network, files only in their scratch, whose home and TMPDIR they now are; and PR's
-# total (Eq. 7) counts memcpy and memset. No timing setting changed (confined and unconfined
-# throughput and statuses were the same on an H100); hostile candidates' statuses did.
-# kgym-8: several evaluations share a GPU, and only timed regions are exclusive: a child times
-# (the reference its baselines, a candidate after the gate) holding the device's timing lease
-# (kpipe.gym.lease), while other children start, compile and run correctness trials beside it.
-# The reference child now also stops at a gate before its timing.
-# kgym-9: the host-clock re-check of a speedup above recheck_speedup_above times each call after
-# a host synchronize (recheck_timing_start), so its host clock no longer covers the harness's own
-# input copy and L2 flush queued before the call: on a launch-bound kernel (0.18 ms, L2_14's legit
-# one) those made the host time about twice the event time, the check's bound, and an honest kernel
-# was judged hacked once in eight (`965801b:docs/gpu-results/gym_scaling_2026-11-27j_4xH200.md`).
-# kgym-10: the re-check takes the harness's own host cost out of the candidate's host time
-# (recheck_subtracts_harness): the events, the device-wide synchronize and the event wait around
-# each call, as the trusted reference child measures them around a call that does nothing, under the
-# timing lease (0.027-0.043 ms on H200s). It is charged to no kernel's speed, and it is the whole
-# margin of a kernel of a few tens of microseconds. Honest launch-bound bank kernels (L1_40 0.22 ms,
-# L2_14 0.19 ms) came as close as 0.57-0.60 of their event speedup to the bound of 0.5
-# (`965801b:docs/gpu-results/gym_scaling_2026-11-28_2xH200.md`), and one was judged hacked once in 480 (`965801b:docs/gpu-results/gym_scaling_2026-11-27m_4xH200.md`).
-# kgym-11: the candidate's process is untrusted, whatever it writes. After its timing the judge
-# reveals a timing challenge (kpipe.gym.isolate.Challenge): fresh inputs from a seed no candidate has
-# seen, whose calls the judge clocks itself against the reference's, never skipped, with or without
-# the hacking check (the host-clock re-check of fast candidates stays, its evidence required). Every check
-# fails closed when its evidence is missing; the judge reads the scratch directory without following
-# links, blocking or reading past a cap; a status only the judge gives is never taken from a child.
-# kgym-12: every candidate runs under limits (kpipe.gym.limits): host memory of its processes
-# (memory_limit_mb, now a cgroup's or the judge's watchdog's cap, no longer an address-space limit),
-# file size (file_size_limit_mb) and processes and threads (task_limit); one it hits is the judge's
-# status resource_limit, naming it. Native threads the candidate starts (the low-level thread API,
-# ctypes) are side threads too: counted from the OS's list of the process's threads.
-# The timing challenge runs two rounds, a seed each, and the better one is judged (an honest answer's
-# fixed costs once read 60 ms over the reference's on an H200).
-# kgym-13: the challenge's calls run back to back, the host waiting for the GPU before the first and
-# after the last and copying each output position once (kpipe.gym.child.run_challenge_calls), instead
-# of three waits and a copy per call, each a point where a GPU shared with another process may switch
-# away for a time slice; the reference's mean call is its back-to-back one; up to 64 calls (16 before)
-# within 1 GiB of inputs on the device and 64 MiB of outputs in the answer; the candidate's own host
-# times for them are no longer read. Up to three rounds, the judge stopping at the first that fits the
-# claim the candidate's process wrote just before them (kpipe.gym.evaluation.early_stop).
-PROTOCOL_VERSION = "kgym-13"
+# Bump when the meaning of a result changes (a new check, a different statistic); CHANGELOG.md holds
+# the history of kgym-2 to kgym-13.
+# kgym-14: the verdict and the reward come only from what the judge observes itself. A speedup is
+# a ratio of times on the judge's clock: timing windows of back-to-back calls on fresh inputs drawn
+# from a secret seed that serves one candidate once, the candidate's window against the reference's
+# of the same seed (kpipe.gym.evaluation.judge_windows); every call's output is checked (whole, or at
+# secret positions and by a sketch of every element); the child's own timings, drift pairing, span
+# charging, host re-check and claim are gone; children's files are safetensors and JSON read by a
+# strict schema (kpipe.gym.exchange), no pickle.
+PROTOCOL_VERSION = "kgym-14"
 
 BASELINES = ("eager", "compile", "both")
-# where a timed call's start event is recorded: queued behind the L2 flush (the call's launch
-# overhead hides behind the flush, as in KernelBench) or after a host synchronize (the GPU idle:
-# launch overhead inside the region)
-TIMING_STARTS = ("behind_flush", "after_sync")
-# where it ends: an event right after the call (then a device-wide synchronize, whose end the
-# parent uses instead when the candidate left work running that the call did not wait for) or
-# an event after the device-wide synchronize (its latency inside the region)
-TIMING_ENDS = ("call", "after_sync")
-# when the host synchronises during paired timing: after every trial (kgym-4), or only between
-# chunks, the trials of a chunk queued back to back (kgym-6; kpipe.gym.timing.time_back_to_back)
-PAIRED_HOST_SYNCS = ("trial", "chunk")
-# what fields added since mean in a protocol written by an earlier version
-EARLIER_DEFAULTS = {"kgym-2": {"timing_start": "after_sync", "timing_end": "after_sync", "cublas_workspace_config": ":4096:8",
-                               "warmup_ms": 0.0, "paired_reference_trials": 0, "paired_host_sync": "trial",
-                               "recheck_timing_start": "after_sync", "recheck_subtracts_harness": False},
-                    "kgym-3": {"paired_reference_trials": 0, "paired_host_sync": "trial", "recheck_timing_start": "behind_flush",
-                               "recheck_subtracts_harness": False},
-                    "kgym-4": {"paired_host_sync": "trial", "recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
-                    # briefly the chunk-mean statistic (commit 5fe75e2, withdrawn): synchronised per trial
-                    "kgym-5": {"paired_host_sync": "trial", "recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
-                    "kgym-6": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
-                    "kgym-7": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
-                    "kgym-8": {"recheck_timing_start": "behind_flush", "recheck_subtracts_harness": False},
-                    "kgym-9": {"recheck_subtracts_harness": False},
-                    "kgym-10": {}, "kgym-11": {}}
-# no limits but the address space (memory_limit_mb, unset by default) up to kgym-11
-for _earlier in EARLIER_DEFAULTS.values():
-    _earlier.update(memory_limit_mb=None, file_size_limit_mb=None, task_limit=None)
-# no disk quota before it (issue 62; it comes with kgym-14, "kgym-13" joins here then): none meant
-for _version in (*EARLIER_DEFAULTS, "kgym-12"):
+# the fields kgym-14 removed (the candidate's own timing), which a protocol of an earlier version may hold
+RETIRED_FIELDS = frozenset({"timing_start", "timing_end", "paired_reference_trials", "max_gpu_drift", "paired_host_sync",
+                            "recheck_speedup_above", "recheck_timing_start", "recheck_subtracts_harness", "timed_output_checks"})
+# what fields added since mean in a protocol written by an earlier version: no limits but the
+# address space (memory_limit_mb, unset by default) up to kgym-11
+EARLIER_DEFAULTS = {f"kgym-{n}": {"memory_limit_mb": None, "file_size_limit_mb": None, "task_limit": None} for n in range(2, 12)}
+EARLIER_DEFAULTS["kgym-2"].update(cublas_workspace_config=":4096:8", warmup_ms=0.0)
+# no disk quota before kgym-14 (issue 62): none meant
+for _version in (*EARLIER_DEFAULTS, "kgym-12", "kgym-13"):
     EARLIER_DEFAULTS.setdefault(_version, {})["disk_limit_mb"] = None
 DEVICES = ("auto", "cuda", "cpu")
 # the least value of each limit (kpipe.gym.limits): below them an honest child cannot start
@@ -127,9 +59,12 @@ DEFAULT_REJECT_FINDINGS = (
 @dataclass(frozen=True)
 class Protocol:
     """How one candidate is judged. Defaults follow the paper (K=5 correctness trials)
-    and the KernelGym brief (100 timed trials, 10x re-verification threshold)."""
+    and the KernelGym brief (100 timed calls)."""
 
     correct_trials: int = 5
+    # on the CPU, the calls of each timing window at most (on a GPU a window takes as many as make
+    # about 100 ms of the reference's time, up to 1024: kpipe.gym.child.window_calls), and untimed
+    # calls before the first window
     perf_trials: int = 100
     warmup: int = 10
     # ... and on a GPU at least this long: clocks drop while a candidate child waits for the
@@ -147,19 +82,9 @@ class Protocol:
     hacking_check: bool = True
     ghost_replay: bool = True
     profile: bool = True
-    recheck_speedup_above: float = 10.0
-    # where each re-check call's region starts (TIMING_STARTS): after a host synchronize, so the
-    # host clock around it holds the call and whatever it left running, not the harness's input
-    # copy and L2 flush queued before it (kgym-8 and earlier: behind the flush, as timing_start)
-    recheck_timing_start: str = "after_sync"
-    # ... and the harness's own host cost around each call (its events, the synchronize, the event
-    # wait), measured by the reference child around a call that does nothing, comes off the
-    # candidate's host time before it is compared (kgym-9 and earlier: kept in it)
-    recheck_subtracts_harness: bool = True
-    # timed outputs compared with the reference (spot check of the timed path)
-    timed_output_checks: int = 3
-    # outputs larger than this are compared on a sample of this many elements (head, tail
-    # and random positions): full copies of 8 GB KernelBench outputs cannot travel. 2^20
+    # a correctness trial's outputs larger than this are compared on a sample of this many elements
+    # (head, tail and random positions): full copies of 8 GB KernelBench outputs cannot travel
+    # (a timing window's are checked at secret positions and by a sketch, kpipe.gym.trial_data). 2^20
     # random positions miss a wrong region covering a fraction f of the output with
     # probability (1 - f)^(2^19) (f = 1e-5: 0.5%); larger samples cost seconds per
     # evaluation in copies, pickling and comparison (benchmarks/gym_pool.py)
@@ -179,21 +104,10 @@ class Protocol:
     disk_limit_mb: int | None = 4096
     seed: int = 42
     l2_flush_mb: int = 256
-    timing_start: str = "behind_flush"  # TIMING_STARTS
-    timing_end: str = "call"  # TIMING_ENDS
     # CUBLAS_WORKSPACE_CONFIG of the children ("": unset, cuBLAS's default workspace, as
     # KernelBench and its published timings run; ":4096:8" made cuBLAS GEMMs 3-11 % slower
     # on the H100); an inherited setting wins
     cublas_workspace_config: str = ""
-    # reference trials the candidate child times on a GPU between its own timed trials (0: none):
-    # each chunk's median over the reference child's is the GPU's drift since the baseline was
-    # timed, divided out of the candidate trials before it (needs the eager baseline)
-    paired_reference_trials: int = 50
-    # ... capped at this fraction either way (the result says when): what a candidate slowing the
-    # reference beside it could gain
-    max_gpu_drift: float = 0.08
-    # PAIRED_HOST_SYNCS
-    paired_host_sync: str = "chunk"
     version: str = field(default=PROTOCOL_VERSION)
 
     def __post_init__(self) -> None:
@@ -203,16 +117,6 @@ class Protocol:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.correct_trials < 1 or self.perf_trials < 1 or self.warmup < 0 or self.warmup_ms < 0:
             raise ValueError("correct_trials and perf_trials must be >= 1, warmup and warmup_ms >= 0")
-        if self.timing_start not in TIMING_STARTS:
-            raise ValueError(f"timing_start must be one of {TIMING_STARTS}, got {self.timing_start!r}")
-        if self.recheck_timing_start not in TIMING_STARTS:
-            raise ValueError(f"recheck_timing_start must be one of {TIMING_STARTS}, got {self.recheck_timing_start!r}")
-        if self.timing_end not in TIMING_ENDS:
-            raise ValueError(f"timing_end must be one of {TIMING_ENDS}, got {self.timing_end!r}")
-        if self.paired_host_sync not in PAIRED_HOST_SYNCS:
-            raise ValueError(f"paired_host_sync must be one of {PAIRED_HOST_SYNCS}, got {self.paired_host_sync!r}")
-        if self.paired_reference_trials < 0 or not 0 < self.max_gpu_drift < 1:
-            raise ValueError("paired_reference_trials must be >= 0 and max_gpu_drift in (0, 1)")
         for name, least in LIMIT_MINIMUMS.items():
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
@@ -250,6 +154,8 @@ class Protocol:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Protocol:
         known = {f.name for f in dataclasses.fields(cls)}
+        if data.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:  # an earlier version's record
+            data = {key: value for key, value in data.items() if key not in RETIRED_FIELDS}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown protocol key(s): {', '.join(unknown)}")

@@ -73,27 +73,18 @@ class EvalResult:
     diagnostic: str = ""
     feedback: str = ""
     candidate_ms: float | None = None
-    candidate_ms_iqr: float | None = None
     eager_ms: float | None = None
-    eager_ms_iqr: float | None = None
     compile_ms: float | None = None
-    compile_ms_iqr: float | None = None
     speedup_eager: float | None = None
     speedup_compile: float | None = None
-    # the GPU's drift divided out of candidate_ms (kgym-4 on, GPU): the candidate's median as measured
-    # over candidate_ms. Each chunk of trials was divided by median(the reference chunk timed after
-    # it) / median(the reference alone), capped at 1 +- max_gpu_drift (the diagnostic says when;
-    # kpipe.gym.evaluation.drift_corrected); under kgym-6 it also holds the back-to-back trials'
-    # scaling to eager_ms's synchronised region (the reference's own ratio, about 0.93-0.99)
-    gpu_drift: float | None = None
     pr: float | None = None
     launched_kernels: list[str] = field(default_factory=list)
     timing_kind: str = "cpu"
     device: str = ""
     # the GPU the candidate ran on, from inside its process (UUID and PCI address; "cpu")
     device_id: str = ""
-    # [start, end] Unix seconds of every timed region of this evaluation: the reference's
-    # (when it ran for it, not reused) and the candidate's; on one GPU they never overlap
+    # [start, end] Unix seconds of every timing window of this evaluation on the judge's clock: the
+    # reference's handed to this candidate and the candidate's; on one GPU they never overlap
     timed_spans: list[list[float]] = field(default_factory=list)
     torch_version: str = ""
     triton_version: str = ""

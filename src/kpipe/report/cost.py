@@ -261,7 +261,7 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     """GPU-hours and wall time of each stage of a validated, merged config on `gpus` GPUs of `kind`, `gym_gpus`
     of them judging kernels only (0: KernelGym shares the jobs' GPUs). Refuses a machine whose host memory or
     disk (default: the kind's figures per GPU) the run does not fit."""
-    from kpipe.train.offloaded_adamw import choose_memory_plan
+    from kpipe.train.trainer_memory import candidate_plans, choose_memory_plan, read_offload_setting
 
     if kind not in units.gpu_kinds:
         raise ValueError(f"unknown GPU kind {kind!r} (known: {', '.join(sorted(units.gpu_kinds))})")
@@ -351,7 +351,8 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     if sft.get("max_steps"):
         sft_samples = min(sft_samples, sft["max_steps"] * sft_batch)
     sft_gpus = job_gpus("sft", sft["gpus"])
-    sft_memory = choose_memory_plan(params, sft_gpus, gpu_memory)
+    sft_memory = choose_memory_plan(params, sft_gpus, gpu_memory, candidate_plans(
+        read_offload_setting(sft).get("optimizer_offload", "off")))
     sft_optimizer = math.ceil(sft_samples / sft_batch) * optimizer_step_seconds(
         params, sft_gpus, sft_memory.host_bytes_per_param, units["host_copy_bytes_per_s"])
     sft_gpu = (training_gpu_seconds(sft_samples * sft_sequence, trainer_flops(sft_sequence, 3), peak,
@@ -366,7 +367,8 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     run_names = [*([config["run"]] if rl.get("base_run", True) else []), *(rl.get("runs") or {})]
     runs = len(run_names)
     rl_gpus = job_gpus("rl", rl["gpus"])
-    rl_memory = choose_memory_plan(params, rl_gpus, gpu_memory)
+    rl_memory = choose_memory_plan(params, rl_gpus, gpu_memory, candidate_plans(
+        read_offload_setting(rl).get("optimizer_offload", "off")))
     step_trajectories = rl["prompts_per_step"] * rl["rollouts_per_prompt"]
     rl_generation = generation(step_trajectories, rl["max_turns"], rl["max_tokens"], rl_gpus,
                                params * rl_memory.resident_bytes_per_param / rl_gpus)

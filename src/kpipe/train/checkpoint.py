@@ -5,7 +5,8 @@ Layout of one checkpoint, ``<ckpt_root>/step-000120/``:
 - ``model/``  the model in Hugging Face format with its tokenizer (loadable by vLLM and
   ``AutoModelForCausalLM``, the thing later stages consume);
 - ``state/``  ``accelerator.save_state``: model, optimizer, scheduler, every process's RNG
-  (sharded under FSDP);
+  (sharded under FSDP); with an offloaded optimizer (``optimizer_offload``) its host state beside
+  them, one ``offloaded_adamw-<process>.pt`` a process (`save_training_state`);
 - ``trainer_state.json``  step and the run's restart key (``kpipe.infra.provenance.restart_key``:
   settings, data, code, weights, libraries), written last.
 
@@ -21,7 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kpipe.infra.provenance import key_changes
+from kpipe.train.trainer_memory import is_offloaded
 
 STEP_PREFIX = "step-"
 TRAINER_STATE = "trainer_state.json"
@@ -67,7 +71,35 @@ def latest_checkpoint(root: str | Path) -> Checkpoint | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def save_checkpoint(accelerator: Any, model: Any, tokenizer: Any, root: str | Path, step: int,
+def offloaded_state_file(state_dir: str | Path, process_index: int) -> Path:
+    return Path(state_dir) / f"offloaded_adamw-{process_index}.pt"
+
+
+def save_training_state(accelerator: Any, optimizer: Any, state_dir: str | Path) -> None:
+    """``accelerator.save_state`` (every process calls it), and an OffloadedAdamW's state, which accelerate
+    does not hold (kpipe.train.trainer_memory), one file a process."""
+    accelerator.save_state(str(state_dir))
+    if is_offloaded(optimizer):
+        torch.save(optimizer.state_dict(), offloaded_state_file(state_dir, accelerator.process_index))
+
+
+def load_training_state(accelerator: Any, optimizer: Any, state_dir: str | Path) -> None:
+    """Restore what `save_training_state` wrote into the same kind of optimizer; a state of the other
+    kind (another `optimizer_offload` plan) is refused by name. The offloaded state is memory-mapped and
+    copied once into the optimizer's page-locked memory: no second copy of it in host memory."""
+    state_dir = Path(state_dir)
+    offloaded_file = offloaded_state_file(state_dir, accelerator.process_index)
+    if is_offloaded(optimizer) != offloaded_file.exists():
+        saved = "an offloaded optimizer (OffloadedAdamW)" if offloaded_file.exists() else "torch.optim.AdamW"
+        wanted = "an offloaded optimizer" if is_offloaded(optimizer) else "torch.optim.AdamW"
+        raise ValueError(f"the training state in {state_dir} was written by {saved}, this run uses {wanted}: "
+                         "set optimizer_offload as the run that wrote it did (the plan it chose: off, fp32 or bf16)")
+    accelerator.load_state(str(state_dir))
+    if is_offloaded(optimizer):
+        optimizer.load_state_dict(torch.load(offloaded_file, map_location="cpu", mmap=True, weights_only=True))
+
+
+def save_checkpoint(accelerator: Any, model: Any, optimizer: Any, tokenizer: Any, root: str | Path, step: int,
                     key: dict[str, str], keep_last: int) -> Path:
     """Write a complete checkpoint for `step` (all processes call this), then prune to `keep_last`."""
     root = Path(root)
@@ -77,7 +109,7 @@ def save_checkpoint(accelerator: Any, model: Any, tokenizer: Any, root: str | Pa
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "state"))
+    save_training_state(accelerator, optimizer, tmp / "state")
     export_hf(accelerator, model, tokenizer, tmp / "model")
     accelerator.wait_for_everyone()  # every rank's RNG state is in tmp before rank 0 renames it
     if accelerator.is_main_process:

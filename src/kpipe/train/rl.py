@@ -77,8 +77,15 @@ from kpipe.infra.jobs import launched, since_job_started
 from kpipe.infra.provenance import RL_CODE, code_version, key_changes, library_versions, restart_key, weights_identity
 from kpipe.train import algos
 from kpipe.train.batching import max_over_processes, resolve_precision
-from kpipe.train.checkpoint import export_hf, latest_checkpoint, save_checkpoint
+from kpipe.train.checkpoint import (
+    export_hf,
+    latest_checkpoint,
+    load_training_state,
+    save_checkpoint,
+    save_training_state,
+)
 from kpipe.train.metrics_log import MetricsLog
+from kpipe.train.trainer_memory import prepare_model_and_optimizer, resolve_memory_plan, trainer_gpu_bytes, weights_dtype
 from kpipe.train.rl_batch import (
     StepBatch,
     advantages,
@@ -156,14 +163,15 @@ def check_processes(cfg: RLConfig, n_prompts: int, processes: int) -> None:
                          "make rl.prompts_per_step (and the number of training prompts) a multiple of rl.gpus")
 
 
-def load_policy(model_dir: Path, cfg: RLConfig) -> tuple[Any, Any]:
-    """The policy in fp32 (master weights; bf16 autocast on GPU) and its tokenizer."""
+def load_policy(model_dir: Path, cfg: RLConfig, dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """The policy in fp32 (master weights; bf16 autocast on GPU), or bf16 where the memory plan keeps the
+    fp32 master on the host, and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
@@ -211,10 +219,12 @@ def recompute_log_probs(batch: StepBatch, cfg: RLConfig, accelerator: Any, model
     model.eval()
     with accelerator.autocast():
         train_logp = policy_log_probs(model, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
-                                      accelerator.device, progress, partial(max_over_processes, accelerator))
+                                      accelerator.device, progress, partial(max_over_processes, accelerator),
+                                      cfg.logprob_chunk_tokens)
         # the reference is a whole copy in every process: no collective, so no shared pass count
         ref_logp = (policy_log_probs(reference, samples, cfg.temperature, cfg.micro_batch_tokens, pad_id,
-                                     accelerator.device) if reference is not None else [None] * len(samples))
+                                     accelerator.device, chunk_tokens=cfg.logprob_chunk_tokens)
+                    if reference is not None else [None] * len(samples))
     model.train()
     return train_logp, ref_logp
 
@@ -301,7 +311,11 @@ class IterationTrainer:
         with self.accelerator.main_process_first():  # rank 0 clears a stale scratch before the others look
             resumed = prepare_scratch(scratch, key)
         set_seed(cfg.seed + iteration)
-        model, self.tokenizer = load_policy(settings.init_model, cfg)
+        # the whole job's GPU share: a colocated vLLM engine keeps its part of the GPU throughout
+        vllm_share = cfg.vllm_gpu_memory_utilization if cfg.engine == "vllm" else 0.0
+        self.memory_plan = resolve_memory_plan(cfg.optimizer_offload, settings.init_model, processes,
+                                               trainer_gpu_bytes(vllm_share))
+        model, self.tokenizer = load_policy(settings.init_model, cfg, weights_dtype(self.memory_plan))
         # bf16 under bf16 autocast (what vLLM would sample from too): half the memory of an fp32 copy,
         # and no autocast cache of its casts held through the rollouts
         rollout_dtype = torch.bfloat16 if self.accelerator.mixed_precision == "bf16" else torch.float32
@@ -315,23 +329,22 @@ class IterationTrainer:
                 raise ValueError("rl.kl_coef > 0 needs a reference model (the run's SFT checkpoint)")
             self.reference = load_policy(settings.reference_model, cfg)[0].to(self.accelerator.device,
                                                                                dtype=rollout_dtype).eval()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                      fused=torch.cuda.is_available())
-        # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = prepare_model_and_optimizer(self.accelerator, model, self.memory_plan, cfg.lr,
+                                                                 cfg.betas, cfg.weight_decay)
         checkpoint = latest_checkpoint(scratch / "checkpoints")
         self.start_step = checkpoint.step if checkpoint is not None else 0
         if checkpoint is not None:
-            self.accelerator.load_state(str(checkpoint.state_dir))
+            load_training_state(self.accelerator, self.optimizer, checkpoint.state_dir)
         elif settings.init_state is not None:
-            self.accelerator.load_state(str(settings.init_state))
+            load_training_state(self.accelerator, self.optimizer, settings.init_state)
         self.metrics = MetricsLog(scratch / "metrics.parquet", run=run, stage=STAGE, iteration=iteration)
         self.metrics.resume(settings.global_step(self.start_step))
         if self.accelerator.is_main_process:
             # the job's start-up in two parts: this set-up (policy, optimizer, state), and all before it
-            log.info("RL %s iteration %d on %d process(es) (%s)%s, %.1f s of it loading the policy and its state",
-                     run, iteration, processes, self.accelerator.distributed_type, since_job_started(),
-                     time.perf_counter() - set_up)
+            log.info("RL %s iteration %d on %d process(es) (%s)%s, %.1f s of it loading the policy and its state; "
+                     "memory plan %s (%s)", run, iteration, processes, self.accelerator.distributed_type,
+                     since_job_started(), time.perf_counter() - set_up, self.memory_plan.name,
+                     self.memory_plan.optimizer)
             if resumed:
                 log.info("resuming RL iteration %d of %s at step %d (scratch %s)", iteration, run, self.start_step,
                          scratch)
@@ -442,8 +455,8 @@ class IterationTrainer:
         if step + 1 < self.cfg.steps_per_iteration:
             if accelerator.is_main_process:
                 self.metrics.flush()
-            save_checkpoint(accelerator, self.model, self.tokenizer, self.scratch / "checkpoints", step + 1,
-                            self.key, keep_last=1)
+            save_checkpoint(accelerator, self.model, self.optimizer, self.tokenizer, self.scratch / "checkpoints",
+                            step + 1, self.key, keep_last=1)
 
     def finish(self, resumed_steps: int) -> IterationResult:
         """Write the iteration's outputs (each atomically, the model and state via a rename; files by
@@ -451,7 +464,7 @@ class IterationTrainer:
         accelerator, model_out, state_out = self.accelerator, Path(self.settings.model_out), self.settings.state_out
         replace_dir(accelerator, model_out, lambda tmp: export_hf(accelerator, self.model, self.tokenizer, tmp))
         if state_out is not None:
-            replace_dir(accelerator, Path(state_out), lambda tmp: accelerator.save_state(str(tmp)))
+            replace_dir(accelerator, Path(state_out), lambda tmp: save_training_state(accelerator, self.optimizer, tmp))
         rows = []
         for step in range(self.cfg.steps_per_iteration):
             rows.extend(read_table(self.scratch / f"step-{step:04d}.parquet", "trajectories").to_pylist())

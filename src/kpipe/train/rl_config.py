@@ -34,6 +34,7 @@ from kpipe.train.algos import (
     ZERO_VARIANCE_MIN_STD,
 )
 from kpipe.train.batching import PRECISIONS, accepted_types
+from kpipe.train.trainer_memory import OPTIMIZER_OFFLOADS, read_offload_setting
 
 if TYPE_CHECKING:
     from kpipe.agent.loop import AgentTask
@@ -126,6 +127,10 @@ class RLConfig:
     micro_batch_tokens: int = 32768  # padded tokens per forward pass
     mixed_precision: str = "auto"
     gradient_checkpointing: bool = False
+    # --- the 8B on one GPU (issue 63, docs/training.md): log-probs and entropy through the LM head in chunks of
+    # this many tokens, no [tokens, vocab] logits (0: the model's own logits; FSDP2 always uses those)
+    logprob_chunk_tokens: int = 0
+    optimizer_offload: str = "off"  # where AdamW's state lives: off | auto | fp32 | bf16 (kpipe.train.trainer_memory)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -153,6 +158,8 @@ class RLConfig:
              "(padding repeats each item at most once)"),
             (self.loss_agg in AGG_MODES, f"loss_agg must be one of {AGG_MODES}"),
             (self.mixed_precision in PRECISIONS, f"mixed_precision must be one of {PRECISIONS}"),
+            (self.optimizer_offload in OPTIMIZER_OFFLOADS, f"optimizer_offload must be one of {OPTIMIZER_OFFLOADS}"),
+            (self.logprob_chunk_tokens >= 0, "logprob_chunk_tokens must be >= 0 (0: the model's own logits)"),
             (not (self.reward in ("kevin", "tritonforge") and self.use_pr),
              f"the {self.reward} reward has no PR term (use_pr)"),
             (0.0 <= self.gamma <= 1.0, "gamma must be in [0, 1]"),
@@ -178,9 +185,10 @@ class RLConfig:
         """A config from `values` (the `rl:` config section) with an optional named ablation on top.
 
         The ablation comes from the argument or an ``ablation`` key in `values`; unknown keys are an error.
-        The config's ``async`` is the field `async_mode` (YAML reads an unquoted ``off`` as false).
+        The config's ``async`` is the field `async_mode` (YAML reads an unquoted ``off`` as false, also
+        ``optimizer_offload``'s).
         """
-        values = dict(values)
+        values = read_offload_setting(dict(values))
         if "async" in values:
             mode = values.pop("async")
             values["async_mode"] = "off" if mode is False else mode

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from kpipe.train import algos
 from kpipe.train.batching import max_over_processes, plan_micro_batches
+from kpipe.train.trainer_memory import effective_chunk_tokens, model_token_logprobs_and_entropy
 from kpipe.train.rl_batch import StepBatch, TokenSample, TrainItem, response_mask, right_aligned
 from kpipe.train.rl_config import RLConfig
 
@@ -40,19 +41,30 @@ def left_padded(samples: Sequence[TokenSample], pad_id: int) -> dict[str, torch.
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
-def response_logits(model: Any, samples: Sequence[TokenSample], pad_id: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits predicting each response token ([batch, R, vocab], right-aligned, R = longest response)
-    and the response token ids; only the last R+1 positions' logits are computed (vocabularies are big)."""
+def response_log_probs(model: Any, samples: Sequence[TokenSample], pad_id: int, device: torch.device,
+                       temperature: float, chunk_tokens: int = 0,
+                       with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(token) of each response token under the sampling distribution softmax(logits / T), as the
+    rollout engine recorded it, and (`with_entropy`) the entropy of each token's distribution, without a
+    gradient: [batch, R] each, right-aligned, R the longest response.
+
+    `chunk_tokens` 0: the model's own logits of the last R+1 positions only (vocabularies are big);
+    N: the decoder's hidden states through the LM head in chunks of N tokens
+    (`kpipe.train.trainer_memory`: no [tokens, vocab] tensor, the entropy comes free). Under FSDP2 the
+    model's own logits always (`effective_chunk_tokens`)."""
     width = max(len(s.response_ids) for s in samples)
     batch = {k: v.to(device) for k, v in left_padded(samples, pad_id).items()}
-    output = model(**batch, logits_to_keep=width + 1, use_cache=False)
-    return output.logits[:, :-1, :], batch["input_ids"][:, -width:]
-
-
-def sequence_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log π(token) under the sampling distribution softmax(logits / T), as the rollout engine recorded it."""
-    return algos.log_probs_from_logits(logits.float() / temperature, tokens)
+    tokens = batch["input_ids"][:, -width:]
+    if chunk_tokens:
+        logp, entropy = model_token_logprobs_and_entropy(model, batch, slice(-(width + 1), -1), tokens, chunk_tokens,
+                                                         temperature)
+        return logp, entropy.detach() if with_entropy else None
+    logits = model(**batch, logits_to_keep=width + 1, use_cache=False).logits[:, :-1, :]
+    logp = algos.log_probs_from_logits(logits.float() / temperature, tokens)
+    if not with_entropy:
+        return logp, None
+    with torch.no_grad():
+        return logp, algos.entropy_from_logits(logits.detach().float() / temperature)
 
 
 def filler_sample(pad_id: int) -> TokenSample:
@@ -63,8 +75,9 @@ def filler_sample(pad_id: int) -> TokenSample:
 @torch.no_grad()
 def policy_log_probs(model: Any, samples: Sequence[TokenSample], temperature: float, token_budget: int,
                      pad_id: int, device: torch.device, progress: bool = False,
-                     pass_count: Callable[[int], int] | None = None) -> list[torch.Tensor]:
-    """π_train log-probs of every sample's response tokens (1-D CPU tensors), in micro-batches.
+                     pass_count: Callable[[int], int] | None = None, chunk_tokens: int = 0) -> list[torch.Tensor]:
+    """π_train log-probs of every sample's response tokens (1-D CPU tensors), in micro-batches
+    (`chunk_tokens`: as `response_log_probs`).
 
     `pass_count(n)` turns this process's n forward passes into the number to run: a sharded model
     needs every process to run as many as the busiest (`max_over_processes`); the extra passes
@@ -74,14 +87,14 @@ def policy_log_probs(model: Any, samples: Sequence[TokenSample], temperature: fl
     todo = [i for i, s in enumerate(samples) if s.response_ids]
     groups = plan_micro_batches([samples[i].length for i in todo], token_budget)
     passes = pass_count(len(groups)) if pass_count is not None else len(groups)
+    chunk_tokens = effective_chunk_tokens(model, chunk_tokens)
     for k in tqdm(range(passes), desc="π_train log-probs", disable=not progress, leave=False):
         if k >= len(groups):
-            response_logits(model, [filler_sample(pad_id)], pad_id, device)
+            response_log_probs(model, [filler_sample(pad_id)], pad_id, device, temperature, chunk_tokens)
             continue
         group = groups[k]
         batch = [samples[todo[g]] for g in group]
-        logits, tokens = response_logits(model, batch, pad_id, device)
-        logp = sequence_log_probs(logits, tokens, temperature).cpu()
+        logp = response_log_probs(model, batch, pad_id, device, temperature, chunk_tokens)[0].cpu()
         for g, sample, row_logp in zip(group, batch, logp, strict=True):
             out[todo[g]] = row_logp[logp.shape[1] - len(sample.response_ids):]
     return out
@@ -144,6 +157,7 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
     stats: dict[str, list[float]] = {}
     skipped = 0
     entropy = {"sum": 0.0, "tokens": 0.0}
+    chunk_tokens = effective_chunk_tokens(model, cfg.logprob_chunk_tokens)
     bar = tqdm(total=cfg.ppo_epochs * min(cfg.mini_batches, len(keys)), desc="update", unit="step",
                disable=not progress, leave=False)  # the job log's progress line during the update
     for epoch in range(cfg.ppo_epochs if keys else 0):
@@ -165,8 +179,8 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
                 sync = contextlib.nullcontext() if k == n_micro - 1 else accelerator.no_sync(model)
                 with sync:
                     with accelerator.autocast():
-                        logits, tokens = response_logits(model, samples, pad_id, device)
-                    logp = sequence_log_probs(logits, tokens, cfg.temperature)
+                        logp, token_entropy = response_log_probs(model, samples, pad_id, device, cfg.temperature,
+                                                                 chunk_tokens, with_entropy=epoch == 0 and real)
                     width = logp.shape[1]
                     mask = response_mask(lengths, width).to(device)
                     old = right_aligned([item.old_logp.tolist() for item in micro], width).to(device)
@@ -181,11 +195,9 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
                     accelerator.backward(loss * weight * world)
                 for name, value in {"loss": loss.item(), **loss_stats}.items():
                     step_totals[name] = step_totals.get(name, 0.0) + value * weight
-                if epoch == 0 and real:
-                    with torch.no_grad():
-                        token_entropy = algos.entropy_from_logits(logits.detach().float() / cfg.temperature)
-                        entropy["sum"] += float((token_entropy * mask).sum())
-                        entropy["tokens"] += float(mask.sum())
+                if token_entropy is not None:
+                    entropy["sum"] += float((token_entropy * mask).sum())
+                    entropy["tokens"] += float(mask.sum())
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
             if math.isfinite(float(grad_norm)):  # the global norm: every process decides alike
                 optimizer.step()

@@ -32,7 +32,13 @@ from tqdm import tqdm
 
 from kpipe.infra.jobs import launched, since_job_started
 from kpipe.infra.provenance import SFT_CODE, code_version, hub_weights_identity, library_versions, restart_key
-from kpipe.train.checkpoint import export_hf, latest_checkpoint, remove_checkpoints, save_checkpoint
+from kpipe.train.checkpoint import (
+    export_hf,
+    latest_checkpoint,
+    load_training_state,
+    remove_checkpoints,
+    save_checkpoint,
+)
 from kpipe.train.batching import (
     PRECISIONS,
     accepted_types,
@@ -42,7 +48,16 @@ from kpipe.train.batching import (
     resolve_precision,
     steps_per_epoch,
 )
+from kpipe.train.trainer_memory import effective_chunk_tokens, model_token_logprobs_and_entropy
 from kpipe.train.metrics_log import MetricsLog
+from kpipe.train.trainer_memory import (
+    OPTIMIZER_OFFLOADS,
+    prepare_model_and_optimizer,
+    read_offload_setting,
+    resolve_memory_plan,
+    trainer_gpu_bytes,
+    weights_dtype,
+)
 from kpipe.train.samples import IGNORE_INDEX, OUTCOME_FILTERS, OVERLONG, UNITS, Sample, SampleReport, build_samples
 
 log = logging.getLogger(__name__)
@@ -78,6 +93,11 @@ class SFTConfig:
     attn_implementation: str = "sdpa"
     compile: bool = False  # torch.compile the repeated decoder blocks (regional compilation)
     chat_template: str | None = None  # "chatml": impose ChatML on a base tokenizer that has no template
+    # the 8B on one GPU (issue 63, docs/training.md): the loss's log-probs through the LM head in chunks of this many
+    # tokens, no [tokens, vocab] logits (0: the model's own logits; FSDP2 always uses those); where AdamW's
+    # state lives: off | auto | fp32 | bf16 (kpipe.train.trainer_memory)
+    logprob_chunk_tokens: int = 0
+    optimizer_offload: str = "off"
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 2
     notes: str = field(default="", compare=False)
@@ -99,6 +119,8 @@ class SFTConfig:
             (self.epochs > 0 and self.lr > 0, "epochs and lr must be positive"),
             (0 <= self.warmup_ratio < 1 and 0 <= self.min_lr_ratio <= 1, "warmup_ratio in [0, 1), min_lr_ratio in [0, 1]"),
             (self.keep_last >= 1, "keep_last must be >= 1"),
+            (self.optimizer_offload in OPTIMIZER_OFFLOADS, f"optimizer_offload must be one of {OPTIMIZER_OFFLOADS}"),
+            (self.logprob_chunk_tokens >= 0, "logprob_chunk_tokens must be >= 0 (0: the model's own logits)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -110,7 +132,7 @@ class SFTConfig:
 
         The preset comes from the `preset` argument or a ``preset`` key in `values` (as in config YAML).
         """
-        values = dict(values)
+        values = read_offload_setting(dict(values))  # a bare YAML `off` is false
         preset = values.pop("preset", None) or preset
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"SFTConfig: unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
@@ -225,11 +247,12 @@ def load_tokenizer(cfg: SFTConfig) -> Any:
     return tokenizer
 
 
-def load_model(cfg: SFTConfig) -> Any:
-    """The base model in fp32 (master weights; autocast gives bf16 compute on GPU)."""
+def load_model(cfg: SFTConfig, dtype: torch.dtype = torch.float32) -> Any:
+    """The base model in fp32 (master weights; autocast gives bf16 compute on GPU), or bf16 where the
+    memory plan keeps the fp32 master on the host."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=dtype,
                                                  attn_implementation=cfg.attn_implementation)
     model.config.use_cache = False
     if cfg.gradient_checkpointing:
@@ -255,12 +278,6 @@ def compile_blocks(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: SFTConfig) -> torch.optim.Optimizer:
-    """AdamW over all parameters (as verl's SFT trainer), fused on GPU."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                             fused=torch.cuda.is_available())
-
-
 def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
     """The positions whose next token carries a label in some row of the micro-batch: the only
     positions whose logits the loss reads."""
@@ -268,27 +285,37 @@ def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
 
 
 def micro_batch_loss(model: Any, batch: dict[str, torch.Tensor], global_label_tokens: int,
-                     world: int) -> torch.Tensor:
+                     world: int, chunk_tokens: int = 0) -> torch.Tensor:
     """Sum of this micro-batch's token losses over the global batch's labelled tokens: the causal
     LM loss of transformers (next-token cross entropy in fp32, summed, over `global_label_tokens`),
     with logits computed only at ``labelled_positions`` (``logits_to_keep``). The vocabulary
     projection is most of a tiny model's work and much of a big model's memory, and a prompt's
     positions need none.
 
+    `chunk_tokens` N: the same loss from the decoder's hidden states through the LM head in chunks of N
+    tokens (`kpipe.train.trainer_memory`), no [tokens, vocab] logits.
+
     Multiplied by `world` because DDP/FSDP average gradients over processes.
     """
     labels = batch["labels"]
     positions = labelled_positions(labels)
     inputs = {name: tensor for name, tensor in batch.items() if name != "labels"}
-    logits = model(**inputs, logits_to_keep=positions, use_cache=False).logits
     targets = labels[:, positions + 1]
-    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
-                                             ignore_index=IGNORE_INDEX, reduction="sum")
+    if chunk_tokens:
+        labelled = targets != IGNORE_INDEX
+        logp, _ = model_token_logprobs_and_entropy(model, inputs, positions, torch.where(labelled, targets, 0),
+                                                   chunk_tokens)
+        loss = -(logp * labelled).sum()
+    else:
+        logits = model(**inputs, logits_to_keep=positions, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                 ignore_index=IGNORE_INDEX, reduction="sum")
     return loss / global_label_tokens * world
 
 
 def train_step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, samples: Sequence[Sample],
-               batch_ids: Sequence[int], micro_batch_tokens: int, grad_clip: float, pad_id: int) -> dict[str, float]:
+               batch_ids: Sequence[int], micro_batch_tokens: int, grad_clip: float, pad_id: int,
+               chunk_tokens: int = 0) -> dict[str, float]:
     """One optimizer step on the global batch `batch_ids`; returns its metrics.
 
     Every process plans the same global batch and takes its share. All processes must run the
@@ -303,6 +330,7 @@ def train_step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, sam
     plan = [[mine[j] for j in group] for group in plan_micro_batches([lengths[i] for i in mine], micro_batch_tokens)]
     n_micro = max_over_processes(accelerator, len(plan))
     filler = plan[-1] if plan else list(batch_ids[:1])
+    chunk_tokens = effective_chunk_tokens(model, chunk_tokens)
     loss_sum = torch.zeros((), device=accelerator.device)
     for k in range(n_micro):
         group, weight = (plan[k], 1.0) if k < len(plan) else (filler, 0.0)
@@ -311,7 +339,10 @@ def train_step(accelerator: Any, model: Any, optimizer: Any, scheduler: Any, sam
         # Gradients are all-reduced only on the last micro-batch of the step.
         sync = contextlib.nullcontext() if k == n_micro - 1 else accelerator.no_sync(model)
         with sync:
-            loss = micro_batch_loss(model, batch, global_label_tokens, world) * weight
+            # autocast here too: the chunked path calls the decoder itself, not the prepared model's forward,
+            # which is where accelerate puts its autocast (nested for the logits path: no change)
+            with accelerator.autocast():
+                loss = micro_batch_loss(model, batch, global_label_tokens, world, chunk_tokens) * weight
             accelerator.backward(loss)
         loss_sum += loss.detach() / world
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
@@ -362,10 +393,13 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
         log.info("SFT samples: %s%s", report.as_dict(), since_job_started())
 
     # --- model, optimizer, schedule
-    model = load_model(cfg)
+    plan = resolve_memory_plan(cfg.optimizer_offload, cfg.base_model, accelerator.num_processes, trainer_gpu_bytes())
+    model = load_model(cfg, weights_dtype(plan))
     key = sft_restart_key(cfg, samples)  # after the load: a hub model's weights are then in the local cache
-    # together: FSDP2 rebuilds the parameters, and the optimizer must hold the new ones
-    model, optimizer = accelerator.prepare(model, build_optimizer(model, cfg))
+    # AdamW as verl's SFT trainer, over all parameters, where the memory plan keeps it
+    model, optimizer = prepare_model_and_optimizer(accelerator, model, plan, cfg.lr, cfg.betas, cfg.weight_decay)
+    if accelerator.is_main_process:
+        log.info("SFT memory plan %s (%s)", plan.name, plan.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, n_steps, warmup, cfg.schedule, cfg.min_lr_ratio))
     accelerator.register_for_checkpointing(scheduler)
@@ -383,7 +417,7 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
             remove_checkpoints(ckpt_root)
         checkpoint = None
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint.state_dir))
+        load_training_state(accelerator, optimizer, checkpoint.state_dir)
         start_step = resumed_from = checkpoint.step
         log.info("resuming SFT at step %d of %d from %s (same restart key)", start_step, n_steps, checkpoint.path)
     elif not why:
@@ -398,7 +432,7 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     for step in range(start_step, n_steps):
         batch_ids = batch_indices(len(samples), cfg.batch_size, cfg.seed, step)
         values = train_step(accelerator, model, optimizer, scheduler, samples, batch_ids, cfg.micro_batch_tokens,
-                            cfg.grad_clip, tokenizer.pad_token_id)
+                            cfg.grad_clip, tokenizer.pad_token_id, cfg.logprob_chunk_tokens)
         values["epoch"] = (step + 1) / steps_per_epoch(len(samples), cfg.batch_size)
         metrics.log(step + 1, values)
         last_loss = values["loss"]
@@ -408,7 +442,7 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
             # Metrics first: a kill during the save leaves extra rows, which the resume drops.
             if accelerator.is_main_process:
                 metrics.flush()
-            save_checkpoint(accelerator, model, tokenizer, ckpt_root, step + 1, key, cfg.keep_last)
+            save_checkpoint(accelerator, model, optimizer, tokenizer, ckpt_root, step + 1, key, cfg.keep_last)
         if on_step_end is not None:
             on_step_end(step + 1, values)
     progress.close()

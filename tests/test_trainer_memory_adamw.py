@@ -1,11 +1,11 @@
-"""kpipe.train.offloaded_adamw: AdamW with its state in host memory equals torch.optim.AdamW on a tiny model
+"""kpipe.train.trainer_memory: AdamW with its state in host memory equals torch.optim.AdamW on a tiny model
 (issue 63: <= 1e-6 relative after 3 steps, >= 99 % of parameters moved at lr 1e-6), in buckets of any size."""
 
 
 import pytest
 import torch
 
-from kpipe.train.offloaded_adamw import OffloadedAdamW
+from kpipe.train.trainer_memory import OffloadedAdamW
 
 
 def tiny_model(dtype=torch.float32):
@@ -87,7 +87,7 @@ def test_bad_arguments_are_refused():
 
 
 def test_the_memory_plan_is_the_first_that_fits_beside_the_activations():
-    from kpipe.train.offloaded_adamw import ACTIVATION_RESERVE_BYTES, MEMORY_PLANS, choose_memory_plan
+    from kpipe.train.trainer_memory import ACTIVATION_RESERVE_BYTES, MEMORY_PLANS, choose_memory_plan
 
     params, gib = 8.19e9, 2**30  # 16 bytes a parameter: 122 GiB; 8: 61 GiB; 4: 30.5 GiB, each + 40 GiB
     assert choose_memory_plan(params, 1, 139 * gib).name == "fp32"  # one H200
@@ -117,3 +117,39 @@ def test_under_fsdp2_each_process_steps_its_own_shards(tmp_path):
             torch.testing.assert_close(got.full_tensor(), expected, rtol=1e-6, atol=1e-9)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("master_on_host", [False, True])
+def test_the_state_round_trips_through_a_file_and_training_goes_on_as_if_never_stopped(tmp_path, master_on_host):
+    """2 steps, state saved, a new model and optimizer load it (the weights too, as a checkpoint does), 2 more
+    steps at a new lr (a scheduler's change must reach every bucket after the load): equal to 4 steps straight."""
+    dtype = torch.bfloat16 if master_on_host else torch.float32
+    straight = tiny_model(dtype)
+    optimizer = OffloadedAdamW(straight.parameters(), lr=1e-3, weight_decay=0.01, bucket_numel=700,
+                               master_on_host=master_on_host)
+    train(straight, optimizer, steps=2)
+    torch.save(optimizer.state_dict(), tmp_path / "state.pt")
+    weights = {name: tensor.clone() for name, tensor in straight.state_dict().items()}
+    optimizer.param_groups[0]["lr"] = 3e-3
+    train(straight, optimizer, steps=2)
+
+    resumed = tiny_model(dtype)
+    resumed.load_state_dict(weights)
+    if master_on_host:  # the model's bf16 weights alone: only the saved master has the fp32 bits
+        with torch.no_grad():
+            for param in resumed.parameters():
+                param.add_(1.0)
+    optimizer = OffloadedAdamW(resumed.parameters(), lr=1e-3, weight_decay=0.01, bucket_numel=700,
+                               master_on_host=master_on_host)
+    optimizer.load_state_dict(torch.load(tmp_path / "state.pt", mmap=True, weights_only=True))
+    optimizer.param_groups[0]["lr"] = 3e-3
+    train(resumed, optimizer, steps=2)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), straight.parameters()))
+
+
+def test_a_state_of_another_layout_is_refused():
+    optimizer = OffloadedAdamW(tiny_model().parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="another layout"):
+        OffloadedAdamW(tiny_model().parameters(), lr=1e-3, master_on_host=True).load_state_dict(optimizer.state_dict())
+    with pytest.raises(ValueError, match="not an OffloadedAdamW state"):
+        optimizer.load_state_dict(torch.optim.AdamW(tiny_model().parameters()).state_dict())

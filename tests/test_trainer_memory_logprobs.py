@@ -1,10 +1,10 @@
-"""kpipe.train.chunked_logprobs: the chunked log-probs and entropy equal the full logits' ones, values and
+"""kpipe.train.trainer_memory: the chunked log-probs and entropy equal the full logits' ones, values and
 gradients, in float64 (issue 63), so the trainer can drop the tokens x vocab logits without changing a number."""
 
 import pytest
 import torch
 
-from kpipe.train.chunked_logprobs import token_logprobs_and_entropy
+from kpipe.train.trainer_memory import token_logprobs_and_entropy
 
 
 def full_logprobs_and_entropy(hidden, weight, targets, temperature=1.0):
