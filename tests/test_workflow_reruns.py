@@ -30,7 +30,7 @@ SMALL = {
 }
 SFT_MODEL = "results/models/sft-default"
 RL_MODEL = "results/models/rl-default/default/iter=0"
-RL_SCRATCH = "results/work/rl-default/iter=0/scratch"
+RL_SCRATCH = "results/work/rl-default/default/iter=0/scratch"
 TEACHER_EVAL = "results/trajectories/stage=eval/run=default/model=teacher/level=1/part-0.parquet"
 WAIT_S = 600.0  # a bound on waiting for a file, so a broken run fails instead of hanging
 
@@ -128,7 +128,7 @@ def test_ctrl_c_during_rl_iter_then_the_same_command_resumes_it(workdir):
 
     rerun = subprocess.run(command(RL_MODEL), cwd=workdir, capture_output=True, text=True)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
-    log = (workdir / "logs" / "rl" / "default" / "iter=0.log").read_text()
+    log = (workdir / "logs" / "rl-default" / "default" / "iter=0.log").read_text()
     resumed = re.search(r"resuming RL iteration 0 of default at step (\d+)", log)
     assert resumed and int(resumed.group(1)) >= 1, log[-3000:]
     rows = read_table(workdir / "results" / "trajectories" / "stage=rl" / "rl-default" / "run=default" / "iter=0" / "part-0.parquet",
