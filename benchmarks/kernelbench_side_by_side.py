@@ -381,6 +381,20 @@ def speedup(row: dict[str, Any]) -> float | None:
     return None
 
 
+def speedup_agreement(kb_rows: list[dict[str, Any]], kpipe_repeats: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per task, KernelBench's in-process speedup beside the median of kpipe's over its repeats, and
+    their gap in per cent of KernelBench's (issue 62's bar: within 5 %). Tasks either harness failed
+    are left out: there is no speedup to compare."""
+    agreement = []
+    for i, kb_row in enumerate(kb_rows):
+        kb, ours = speedup(kb_row), [speedup(rows[i]) for rows in kpipe_repeats if i < len(rows)]
+        ours = sorted(value for value in ours if value)
+        if kb and ours:
+            median = ours[len(ours) // 2] if len(ours) % 2 else (ours[len(ours) // 2 - 1] + ours[len(ours) // 2]) / 2
+            agreement.append({"task": kb_row.get("task", str(i)), "kb": kb, "kpipe": median, "gap_pct": 100 * (median / kb - 1)})
+    return agreement
+
+
 def fmt(value: float | None, spec: str = ".3g") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -486,6 +500,17 @@ def main() -> None:
             if all(values):
                 spreads.append(f"{pair['task']} {max(values) / min(values):.3f} (candidate ms {min(cand):.3g}-{max(cand):.3g})")  # type: ignore[type-var]
         lines += ["", f"kpipe speedup max/min over {len(kpipe_runs)} evaluations of each candidate: " + ", ".join(spreads)]
+    if "kb-inproc" in results and kpipe.get("repeats"):
+        kb_rows = [{**row, "task": pair["task"]} for pair, row in zip(pairs, results["kb-inproc"])]
+        agreement = speedup_agreement(kb_rows, kpipe["repeats"])
+        lines += ["", "## Speedup: KernelBench in-process vs kpipe (median over its repeats)", "",
+                  "| task | KernelBench | kpipe | gap % |", "|---|---|---|---|"]
+        lines += [f"| {a['task']} | {a['kb']:.3f} | {a['kpipe']:.3f} | {a['gap_pct']:+.1f} |" for a in agreement]
+        if agreement:
+            worst = max(abs(a["gap_pct"]) for a in agreement)
+            within = sum(abs(a["gap_pct"]) <= 5 for a in agreement)
+            lines += ["", f"{within} of {len(agreement)} tasks within 5 %; the largest gap {worst:.1f} %."]
+            rates |= {"speedup_gap_max_pct": round(worst, 1), "tasks_within_5pct": within, "tasks_compared": len(agreement)}
     if kpipe:
         trace = read_trace(trace_path)
         lines += ["", "## kpipe: seconds by phase per evaluation (candidate child phases; parent = total − ref − cand child)", ""]

@@ -27,3 +27,14 @@ def test_phases_are_grouped_and_outside_is_the_judges_child_seconds_minus_them()
 def test_without_the_judges_seconds_nothing_is_called_outside():
     assert "outside" not in side_by_side.grouped_phases({"phases": [["candidate timing", 0.6]]}, child_s=None)
     assert side_by_side.grouped_phases(None, child_s=1.0) == {}
+
+
+def test_agreement_compares_kernelbench_with_the_median_of_kpipes_repeats_and_skips_failures():
+    kb = [{"task": "a", "speedup": 2.0}, {"task": "b", "ref_ms": 1.0, "runtime_ms": 0.5}, {"task": "c"}]
+    repeats = [[{"speedup": 2.2}, {"speedup": 1.9}, {"speedup": 1.0}],
+               [{"speedup": 1.8}, {}, {"speedup": 1.0}],
+               [{"speedup": 2.1}, {"speedup": 2.1}, {}]]
+    rows = side_by_side.speedup_agreement(kb, repeats)
+    assert [row["task"] for row in rows] == ["a", "b"]  # c: KernelBench failed it
+    assert rows[0]["kpipe"] == pytest.approx(2.1) and rows[0]["gap_pct"] == pytest.approx(5.0)
+    assert rows[1]["kpipe"] == pytest.approx(2.0) and rows[1]["gap_pct"] == pytest.approx(0.0)  # median of 1.9 and 2.1
