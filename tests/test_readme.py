@@ -78,16 +78,11 @@ def test_the_dry_runs_shown_plan(workflow_copy: Path) -> None:
 
 
 DOCS = README.parent / "docs"
-# docs/kernelgym.md is being rewritten (issue 67, the KernelGym issue filed beside issue 66), which removes
-# its commit hashes; until that lands it is left out here. Drop this skip with that rewrite.
-AWAITING_REWRITE = {"kernelgym.md"}
 
 
 @pytest.mark.parametrize("path", sorted(path.name for path in DOCS.glob("*.md")))
 def test_no_guide_names_a_commit(path: str) -> None:
     """Run histories and the commits behind them live in git, CHANGELOG.md and docs/gpu-results/ledger."""
-    if path in AWAITING_REWRITE:
-        pytest.skip(f"docs/{path}: its rewrite (the KernelGym issue) removes its commit hashes")
     found = COMMIT.findall((DOCS / path).read_text())
     assert not found, f"docs/{path} names commits: {found[:10]}"
 

@@ -150,7 +150,7 @@ def test_stts_window_reruns_only_windowed_stts_and_readers(workdir, edited_confi
 
 
 def test_the_default_run_learns(workdir):
-    """The RL iterations of the default run raise the rollouts' mean reward (README, "What the default run shows")."""
+    """The RL iterations of the default run raise the rollouts' mean reward (docs/rl.md, "The default run learns")."""
     with open(workdir / "results" / "runs" / "default+default" / "tables" / "rl_reward.csv") as handle:
         rows = sorted((int(r["iteration"]), float(r["mean_reward"])) for r in csv.DictReader(handle) if r["run"] == "default")
     assert [iteration for iteration, _ in rows] == list(range(5))
