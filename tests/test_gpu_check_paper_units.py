@@ -103,3 +103,36 @@ def test_the_vllm_figures_are_the_cost_units():
                        "seconds_per_token_batch1": 0.007, "seconds_per_token_batch4": 0.008, "push_s": 1.5,
                        "weight_sync_bytes_per_s": 11e9, "sleep_wake_s": 4.0, "asleep_residue_gib": 2.5,
                        "push_mrs_kept_fraction": 0.875}
+
+
+def test_the_vllm_sections_run_end_to_end_on_a_stand_in_for_vllm(tmp_path):
+    """tests/fixtures/fake_vllm answers as vLLM's offline API does: the engine processes, the sleep and wake
+    order, the bucketed push and the figures run as they will on the device (the numbers mean nothing; the
+    stand-in's log-probs are not the model's, so MRS's agreement fails and the check exits 1)."""
+    import os
+
+    fake = ROOT / "tests" / "fixtures" / "fake_vllm"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "checks.gpu", "paper_units", "vllm_batch", "vllm_replay", "push_switch",
+                           "--tiny", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+    markdown = (tmp_path / "paper_units.md").read_text()
+    assert "ERROR" not in markdown and "not installed" not in markdown, (done.stdout + done.stderr)[-3000:]
+    sections = json.loads((tmp_path / "paper_units.json").read_text())["sections"]
+    batch = sections["vllm_batch"]["data"]
+    assert batch["standalone"]["multiprocessing"] and not batch["kpipe_engine"]["multiprocessing"]
+    assert (batch["standalone"]["compile_cache"], batch["kpipe_engine"]["compile_cache"]) == ("cold", "warm")
+    for engine in ("standalone", "kpipe_engine"):
+        assert batch[engine]["output_tokens"] == 8 * 16 and batch[engine]["kv_capacity_tokens"] == 1600
+    replay = sections["vllm_replay"]["data"]["replay"]
+    assert [turn["prompt_tokens"] for turn in replay["turns"]] == [32, 56, 80]  # the history kept
+    assert [low["batch"] for low in replay["low_batch"]] == [1, 4] and replay["prefill"]["prefill_tokens_per_s"] > 0
+    switch = sections["push_switch"]["data"]
+    assert {"engine_startup", "agreement_dummy_weights", "cycle_1", "cycle_2", "cycle_3", "agreement_3"} <= set(switch)
+    assert switch["engine_startup"]["trainer_weights"] == "fp32"
+    assert all(switch[f"cycle_{n}"]["push_s"] > 0 for n in (1, 2, 3))
+    failures = sections["push_switch"]["failures"]
+    assert done.returncode == 1 and failures and all("MRS keeps every sequence" in f for f in failures), failures
+    figures = paper_units.figures({"sections": sections})
+    assert {"vllm_startup_s", "kpipe_vs_standalone", "replay_tokens_per_s_turn3", "push_s", "sleep_wake_s",
+            "weight_sync_bytes_per_s", "push_mrs_kept_fraction"} <= set(figures)

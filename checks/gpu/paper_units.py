@@ -131,11 +131,21 @@ def step(report: Report, name: str, limit_s: int, measure: Callable[[], dict[str
         report.save()
         return None
     report.data[name] = figures
-    report.row(name, json.dumps(figures, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)),
-               f"{time.perf_counter() - started:.1f}")
+    report.row(name, json.dumps(rounded(figures), default=str), f"{time.perf_counter() - started:.1f}")
     report.save()
     print(f"[paper_units] {name}: {figures}", flush=True)
     return figures
+
+
+def rounded(value: Any) -> Any:
+    """Floats to 4 decimals, inside dicts and lists too: the report's rows (its JSON keeps them whole)."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rounded(item) for item in value]
+    return value
 
 
 def architecture(tiny: bool, layers: int | None = None) -> Any:
@@ -617,6 +627,9 @@ def vllm_replay(report: Report, args: argparse.Namespace) -> None:
         efficiency = turn["bandwidth_efficiency"]
         report.line(f"| {number} | {turn['prompt_tokens']:,} | {turn['cached_prompt_tokens_mean']:,.0f} | "
                     f"{turn['output_tokens_per_s']:,.0f} | {'-' if efficiency is None else f'{efficiency:.2f}'} |")
+    low = ", ".join(f"{item['seconds_per_token'] * 1e3:.1f} ms at batch {item['batch']}" for item in replay["low_batch"])
+    report.line("", f"{replay['batch']} sequences (KV cache {replay['kv_capacity_tokens']:,} tokens); prefill "
+                f"{replay['prefill']['prefill_tokens_per_s']:,.0f} tokens/s; a token at turn 3's context: {low}.")
 
 
 def push_switch(report: Report, args: argparse.Namespace) -> None:
@@ -695,7 +708,8 @@ def push_switch(report: Report, args: argparse.Namespace) -> None:
             train_logp.append(torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0].cpu())
             rollout_logp.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
         keep, log_w = mismatch_keep(train_logp, rollout_logp, cfg)
-        return {"sequences": len(outputs), "mrs_kept": int(keep.sum()), "log_w_abs_max": float(log_w.abs().max()),
+        return {"sequences": len(outputs), "mrs_kept": int(keep.sum()), "log_w_abs_mean": float(log_w.abs().mean()),
+                "log_w_abs_max": float(log_w.abs().max()),
                 "mrs_delta": cfg.mrs_delta, "mrs_token_veto": cfg.mrs_token_veto}
 
     def cycle() -> dict[str, Any]:
@@ -707,7 +721,7 @@ def push_switch(report: Report, args: argparse.Namespace) -> None:
         gc.collect()
         torch.cuda.empty_cache()
         residue = gpu_used_gib() - held["before_engine_gib"]
-        free = torch.cuda.mem_get_info()[0]
+        free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
         claim = torch.empty(int(free * 0.9), dtype=torch.uint8, device=device())  # the trainer's turn
         claimed = claim.numel() / 2**30
         del claim
