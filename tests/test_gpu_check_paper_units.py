@@ -136,3 +136,35 @@ def test_the_vllm_sections_run_end_to_end_on_a_stand_in_for_vllm(tmp_path):
     figures = paper_units.figures({"sections": sections})
     assert {"vllm_startup_s", "kpipe_vs_standalone", "replay_tokens_per_s_turn3", "push_s", "sleep_wake_s",
             "weight_sync_bytes_per_s", "push_mrs_kept_fraction"} <= set(figures)
+
+
+def test_an_engine_process_past_its_step_limit_goes_with_its_children(tmp_path, monkeypatch):
+    """The step's limit stops the engine's process and what it started (vLLM's engine core process)."""
+    import os
+    import time
+
+    from checks.gpu.harness import Report
+
+    script = tmp_path / "tree.py"
+    pids = tmp_path / "pids"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                      f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+                      "time.sleep(60)\n")
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(paper_units.subprocess, "Popen",
+                        lambda argv, **kwargs: real_popen([sys.executable, str(script)], **kwargs))
+    facts = dict.fromkeys(("commit", "date", "device", "driver", "torch", "cuda", "triton", "python"), "x")
+    report = Report("paper_units", "t", facts, out=tmp_path)
+    report.begin("vllm_batch")
+    assert paper_units.step(report, "engine", 3, lambda: paper_units.run_engine_child("batch", {}, False)) is None
+    parent, child = map(int, pids.read_text().split())
+    time.sleep(0.5)
+    for pid in (parent, child):
+        try:
+            os.kill(pid, 0)
+            alive = not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        except ProcessLookupError:
+            alive = False
+        assert not alive, pid
+    assert report.failures == ["vllm_batch: engine"]

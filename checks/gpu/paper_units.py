@@ -526,9 +526,10 @@ def bandwidth_efficiency(tokens_per_s: float, batch: int, context: float, config
 
 
 def run_engine_child(task: str, spec: dict[str, Any], multiprocessing: bool) -> dict[str, Any]:
-    """`task` of `CHILD_TASKS` in a new Python process (this module as ``__main__``), in a process group of its
-    own: stopped by the step's limit, the group goes whole (vLLM's multiprocess engine core with it).
-    `multiprocessing`: vLLM's default engine core in a process of its own, or kpipe's, in process."""
+    """`task` of `CHILD_TASKS` in a new Python process (this module as ``__main__``). Stopped by the step's
+    limit or a SIGTERM (``timeout`` around the call), it goes with its own children (vLLM's multiprocess engine
+    core): an engine left behind would hold the GPU. It stays in this process group, so a kill of the group
+    takes it too. `multiprocessing`: vLLM's default engine core in a process of its own, or kpipe's, in process."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
            "VLLM_CACHE_ROOT": vllm_cache_root()}
     with tempfile.TemporaryDirectory(prefix="kpipe-engine-child-") as scratch:
@@ -536,19 +537,34 @@ def run_engine_child(task: str, spec: dict[str, Any], multiprocessing: bool) -> 
         spec_path.write_text(json.dumps({**spec, "task": task, "result": str(result_path),
                                          "cold": not _started_engines}))
         _started_engines.append(task)
-        child = subprocess.Popen([sys.executable, "-m", "checks.gpu.paper_units", str(spec_path)], cwd=ROOT, env=env,
-                                 start_new_session=True)
+
+        def terminated(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, terminated)
+        child = subprocess.Popen([sys.executable, "-m", "checks.gpu.paper_units", str(spec_path)], cwd=ROOT, env=env)
         try:
             code = child.wait()
-        except BaseException:  # the step's limit (StepTimeout) or an interrupt: the engine goes with it
-            os.killpg(child.pid, signal.SIGKILL)
+        except BaseException:  # StepTimeout, SIGTERM, Ctrl-C
+            stop_process_tree(child.pid)
             child.wait()
             raise
-        with contextlib.suppress(ProcessLookupError):  # an engine core left behind would hold GPU memory
-            os.killpg(child.pid, signal.SIGKILL)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         if code != 0:
             raise RuntimeError(f"the {task} engine's process exited {code} (its log is above)")
         return json.loads(result_path.read_text())
+
+
+def stop_process_tree(pid: int) -> None:
+    """Kill the process `pid` started and every process under it, by id."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        for process in [*root.children(recursive=True), root]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
 
 
 def vllm_batch(report: Report, args: argparse.Namespace) -> None:
