@@ -638,7 +638,8 @@ def vllm_replay(report: Report, args: argparse.Namespace) -> None:
         turn["bandwidth_efficiency"] = bandwidth_efficiency(turn["output_tokens_per_s"], replay["batch"],
                                                             turn["mean_context"], config, replay["card"])
     report.save()
-    report.line("", "| turn | prompt tokens | cached prompt tokens | tokens/s | bandwidth efficiency |", "|---|---|---|---|---|")
+    report.line("", "| turn | prompt tokens | of them in the prefix cache | decode tokens/s | bandwidth efficiency |",
+                "|---|---|---|---|---|")
     for number, turn in enumerate(replay["turns"], 1):
         efficiency = turn["bandwidth_efficiency"]
         report.line(f"| {number} | {turn['prompt_tokens']:,} | {turn['cached_prompt_tokens_mean']:,.0f} | "
@@ -748,7 +749,8 @@ def push_switch(report: Report, args: argparse.Namespace) -> None:
         pushed_bytes = params * engine.llm.model_config.dtype.itemsize
         return {"sleep_s": sleep_s, "wake_weights_s": wake_weights_s, "push_s": push_s, "wake_kv_cache_s": wake_kv_s,
                 "sleep_wake_s": sleep_s + wake_weights_s + wake_kv_s, "push_gb_per_s": pushed_bytes / push_s / 1e9,
-                "asleep_residue_gib": residue, "claimed_gib": claimed, "card": card()}
+                "asleep_residue_gib": residue, "claimed_gib": claimed, "gpu_used_awake_gib": gpu_used_gib(),
+                "card": card()}
 
     limit = args.step_limit_s
     if step(report, "engine_startup", args.engine_limit_s, start) is None:
@@ -862,13 +864,17 @@ def child_replay(spec: dict[str, Any]) -> dict[str, Any]:
     prompts = [token_prompt(spec["contexts"][0][0], i) for i in range(batch)]
     result["turns"] = []
     for turn, (prompt_tokens, mean_context) in enumerate(spec["contexts"]):
+        # the turn's prompts first alone (one token each): what the prefix cache kept of the history, and the
+        # prefill out of the decoding's time
+        started = time.perf_counter()
+        cached = [o.num_cached_tokens or 0 for o in generate_tokens(engine, prompts, 1, seed=10 + turn)]
+        prefill_s = time.perf_counter() - started
         started = time.perf_counter()
         outputs = generate_tokens(engine, prompts, spec["answer_tokens"], seed=10 + turn)
         seconds = time.perf_counter() - started
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        cached = [o.num_cached_tokens or 0 for o in outputs]
         result["turns"].append({"prompt_tokens": prompt_tokens, "mean_context": mean_context, "output_tokens": tokens,
-                                "seconds": seconds, "output_tokens_per_s": tokens / seconds,
+                                "seconds": seconds, "output_tokens_per_s": tokens / seconds, "prefill_s": prefill_s,
                                 "cached_prompt_tokens_mean": sum(cached) / len(cached)})
         prompts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + extra for o, extra in zip(outputs, feedback)]
 
