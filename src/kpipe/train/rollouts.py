@@ -192,22 +192,32 @@ def push_weights_to_vllm(engine: Any, model: Any, bucket_bytes: int = PUSH_BUCKE
 
 
 def untimed(phase: str) -> contextlib.AbstractContextManager[None]:
+    """No timer: `feed_vllm` outside an RL step."""
     return contextlib.nullcontext()
+
+
+def wake_vllm(engine: Any, tag: str) -> None:
+    """Give a sleeping engine back one memory tag. It takes the memory from the driver (`create_and_map`,
+    vllm/device_allocator/cumem.py:283-307 in 0.26.0): blocks torch's allocator keeps cached (the trainer's
+    freed activations, the push's casts) are not free to it, so they go first."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.wake_up(tag)
 
 
 def feed_vllm(engine: Any, model: Any, timer: Callable[[str], contextlib.AbstractContextManager[None]] = untimed,
               bucket_bytes: int = PUSH_BUCKET_BYTES) -> None:
     """The trainer's weights into its colocated vLLM engine: a sleeping engine first takes back the memory of
-    its weights, then the push, then the memory of its KV cache (the order that never holds both the new
-    weights' casts and the KV cache beside the trainer). `timer` times the phases ``sleep_wake`` and ``push``."""
+    its weights, then the push, then the memory of its KV cache (the order that never holds the push's casts
+    and the KV cache at once beside the trainer). `timer` times the phases ``sleep_wake`` and ``push``."""
     if "weights" in engine.asleep:
         with timer("sleep_wake"):
-            engine.wake_up("weights")
+            wake_vllm(engine, "weights")
     with timer("push"):
         push_weights_to_vllm(engine, model, bucket_bytes)
     if "kv_cache" in engine.asleep:
         with timer("sleep_wake"):
-            engine.wake_up("kv_cache")
+            wake_vllm(engine, "kv_cache")
 
 
 def vllm_engine_args(cfg: RLConfig, processes: int) -> dict[str, Any]:
