@@ -678,8 +678,10 @@ def push_switch(report: Report, args: argparse.Namespace) -> None:
                    max_context_tokens=2048 if args.tiny else RLConfig().max_context_tokens)
     engine_args = {**vllm_engine_args(cfg, 1), "load_format": "dummy"}
     bucket_bytes = args.push_bucket_mib * 2**20
+    why = ("the paper's fp32 master" if dtype_name == "fp32" else
+           "fp32 does not fit beside the engine on this card: the bf16 memory plan, its fp32 master on the host")
     report.line(f"vLLM {version} on {card()}. The trainer's weights: {params / 1e9:.2f} B parameters in "
-                f"{dtype_name} on the GPU ({'the paper fp32 master' if dtype_name == 'fp32' else 'fp32 does not fit beside the engine on this card: the bf16 memory plan, fp32 master on the host'}). "
+                f"{dtype_name} on the GPU ({why}). "
                 f"kpipe's engine `VLLMEngine(..., {engine_args})`; pushes in buckets of {args.push_bucket_mib} MiB cast "
                 f"to bf16 on the GPU. Residue = GPU memory in use while asleep less that in use before the engine "
                 f"started (CUDA context, the trainer's weights), torch's cache emptied; claimed = what the trainer "

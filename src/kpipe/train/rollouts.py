@@ -1,9 +1,10 @@
 """The rollouts of an RL step (paper §4.3, §6.1): which prompts, where a step's rollouts come from
 (`RolloutSource`: saved, generated now, or generated ahead during the step before), the engine that
 generates them (HF `generate` on the policy or an in-process vLLM engine) and the weight push that
-feeds it the trainer's weights (in buckets; a sleeping engine woken around it: `feed_vllm`), the timing wrappers behind the step's time split, and the rollouts'
-reward metrics. The episodes themselves run in the one multi-turn loop, `kpipe.agent.run_episodes`;
-each turn's reward is `kpipe.train.algos.turn_reward` of KernelGym's result.
+feeds it the trainer's weights (in buckets; a sleeping engine woken around it: `feed_vllm`), the timing
+wrappers behind the step's time split, and the rollouts' reward metrics. The episodes themselves run in
+the one multi-turn loop, `kpipe.agent.run_episodes`; each turn's reward is `kpipe.train.algos.turn_reward`
+of KernelGym's result.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
             target_state[name].copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
-PUSH_BUCKET_BYTES = 512 * 2**20  # a push's bucket: verl's and SGLang's order of size (docs/rl.md, "The weight push")
+# a push's bucket: the 512 MB of the colocated SGLang push in issue 63's anchors (verl's default is 2,048 MB)
+PUSH_BUCKET_BYTES = 512 * 2**20
 
 
 def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -179,8 +181,9 @@ def push_weights_to_vllm(engine: Any, model: Any, bucket_bytes: int = PUSH_BUCKE
     built), so `collective_rpc` calls the function on the worker object directly and the tensors are
     handed over without serialisation; `load_weights` takes HF parameter names. One RPC a bucket, not a
     tensor: the 8B has 399 tensors, and per-tensor calls are what made pushes slow elsewhere (issue 63's
-    anchors). The prefix cache holds KV of the old weights, so it is reset (host-side bookkeeping only,
-    `vllm/v1/core/block_pool.py:761-790`: safe while the KV cache sleeps).
+    anchors). Beyond the engine's weights the push holds one bucket of casts (and under FSDP2 the tensor
+    being gathered). The prefix cache holds KV of the old weights, so it is reset (host-side bookkeeping
+    only, `vllm/v1/core/block_pool.py:761-790`: safe while the KV cache sleeps).
     """
     dtype = engine.llm.model_config.dtype  # LLM.model_config, vllm/entrypoints/llm.py:341
     buckets = 0
