@@ -32,7 +32,7 @@ import zipfile
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
-LLM_METHODS = ("chat", "collective_rpc", "reset_prefix_cache")
+LLM_METHODS = ("chat", "collective_rpc", "reset_prefix_cache", "sleep", "wake_up")
 MODEL_RUNNERS = ("vllm/v1/worker/gpu_model_runner.py", "vllm/v1/worker/gpu/model_runner.py")
 # where `make_arg_parser` and the frontend dataclasses live: moved out of entrypoints/openai after 0.26
 CLI_ARGS = ("vllm/entrypoints/common/cli_args.py", "vllm/entrypoints/openai/cli_args.py")

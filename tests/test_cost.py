@@ -54,6 +54,16 @@ def test_a_decode_step_reads_the_weights_and_the_kv_cache_unless_compute_takes_l
     assert cost.decode_tokens_per_s(10, 8.5e-3) == pytest.approx(1176.47, abs=0.01)
 
 
+def test_a_measured_decode_rate_gives_back_the_bandwidth_efficiency_of_its_step():
+    # the step above: 10 sequences in 8.5 ms are 1,176.47 tokens/s, read back at 0.5 of 4 TB/s
+    assert cost.implied_bandwidth_efficiency(10 / 8.5e-3, 10, 1000, 16e9, 1e5, 4e12) == pytest.approx(0.5)
+    # by hand: (16 GB + 64 x 4,000 x 147,456 B) / 4.8 TB/s = 11.2 ms of reads at full bandwidth; 2,000 tokens/s
+    # at batch 64 is a 32 ms step, so 0.35 of the bandwidth
+    reads = (16e9 + 64 * 4000 * 147_456) / 4.8e12
+    assert cost.implied_bandwidth_efficiency(2000, 64, 4000, 16e9, 147_456, 4.8e12) == pytest.approx(reads / 0.032)
+    assert reads / 0.032 == pytest.approx(0.35, abs=0.005)
+
+
 def test_no_step_ends_before_its_longest_answer():
     # 2 turns of 100 tokens at 1 us a token of context: turn 1 at 1,000 + 50, turn 2 at 1,000 + 150 + 50
     assert cost.longest_answer_floor_seconds(2, 100, 1000, 50, lambda context: context * 1e-6) == pytest.approx(

@@ -51,3 +51,120 @@ def test_the_check_runs_on_a_nano_model_on_the_cpu(tmp_path):
         assert figures["host_peak_gib"] > 0 and len(figures["losses"]) == 5
     assert set(paper_units.figures(report)) >= {"train_tokens_per_s_64", "train_mfu_32", "optimizer_step_s"}
     assert "vLLM is not installed here" in (tmp_path / "paper_units.md").read_text()
+
+
+def test_the_replay_keeps_the_history_and_its_batch_fits_the_kv_cache():
+    # 1,024 prompt tokens, 1,024-token answers, 512-token feedbacks: turn 2 starts after 2,560, turn 3 after 4,096
+    assert paper_units.replay_contexts(1024, 1024, 512, 3) == [(1024, 1536.0), (2560, 3072.0), (4096, 4608.0)]
+    assert paper_units.fitting_batch(128, 730_000, 5120) == 128  # an H200 at 0.9 holds them all
+    assert paper_units.fitting_batch(128, 370_000, 5120) == 72  # an H100's cache: fewer, none preempted
+    assert paper_units.fitting_batch(128, 1000, 5120) == 1
+
+
+def test_the_trainer_weights_beside_the_engine_are_fp32_where_they_fit():
+    h200, h100, params = 150.7e9, 85.5e9, 8.19e9
+    assert paper_units.trainer_weights_dtype(h200, 0.6, params) == "fp32"  # 33 + 90 + 6 GB of 151
+    assert paper_units.trainer_weights_dtype(h100, 0.6, params) == "bf16"  # 33 + 51 GB: the H100's plan
+    assert paper_units.gpu_kind("NVIDIA H200") == "h200" and paper_units.gpu_kind("NVIDIA H100 80GB HBM3") == "h100"
+    assert paper_units.gpu_kind("cpu") is None
+
+
+def test_chats_differ_and_have_the_asked_length():
+    chats = paper_units.batch_messages(3, 50, seed=0)
+    contents = [chat[0]["content"] for chat in chats]
+    assert len(set(contents)) == 3 and {len(c) for c in contents} == {50} and all(c.isascii() for c in contents)
+    assert paper_units.batch_messages(3, 50, seed=0) == chats  # both engines get the same batch
+
+
+def test_the_vllm_figures_are_the_cost_units():
+    sections = {
+        "vllm_batch": {"data": {
+            "standalone": {"compile_cache": "cold", "startup_s": 80.0, "output_tokens_per_s": 4000.0},
+            "kpipe_engine": {"compile_cache": "warm", "startup_s": 30.0, "output_tokens_per_s": 3600.0,
+                             "kv_capacity_tokens": 731_000},
+            "comparison": {"kpipe_vs_standalone": 0.9}}},
+        "vllm_replay": {"data": {"replay": {
+            "prefill": {"prefill_tokens_per_s": 25_000.0},
+            "turns": [{"output_tokens_per_s": 5000.0, "bandwidth_efficiency": 0.6},
+                      {"output_tokens_per_s": 4000.0, "bandwidth_efficiency": 0.7},
+                      {"output_tokens_per_s": 3000.0, "bandwidth_efficiency": None}],
+            "low_batch": [{"batch": 1, "seconds_per_token": 0.007}, {"batch": 4, "seconds_per_token": 0.008}]}}},
+        "push_switch": {"data": {
+            "cycle_1": {"push_s": 1.5, "push_gb_per_s": 11.0, "sleep_wake_s": 4.0, "asleep_residue_gib": 2.0},
+            "cycle_2": {"push_s": 1.2, "push_gb_per_s": 13.0, "sleep_wake_s": 3.0, "asleep_residue_gib": 2.5},
+            "agreement_dummy_weights": {"mrs_kept": 0, "sequences": 8},
+            "agreement_1": {"mrs_kept": 8, "sequences": 8}, "agreement_2": {"mrs_kept": 7, "sequences": 8}}},
+    }
+    figures = paper_units.figures({"sections": sections})
+    assert figures == {"vllm_startup_s": 80.0, "standalone_tokens_per_s": 4000.0, "kpipe_engine_tokens_per_s": 3600.0,
+                       "kpipe_vs_standalone": 0.9, "kv_capacity_tokens": 731_000.0, "prefill_tokens_per_s": 25_000.0,
+                       "replay_tokens_per_s_turn1": 5000.0, "replay_tokens_per_s_turn2": 4000.0,
+                       "replay_tokens_per_s_turn3": 3000.0, "decode_bandwidth_efficiency": 0.65,
+                       "seconds_per_token_batch1": 0.007, "seconds_per_token_batch4": 0.008, "push_s": 1.5,
+                       "weight_sync_bytes_per_s": 11e9, "sleep_wake_s": 4.0, "asleep_residue_gib": 2.5,
+                       "push_mrs_kept_fraction": 0.875}
+
+
+def test_the_vllm_sections_run_end_to_end_on_a_stand_in_for_vllm(tmp_path):
+    """tests/fixtures/fake_vllm answers as vLLM's offline API does: the engine processes, the sleep and wake
+    order, the bucketed push and the figures run as they will on the device (the numbers mean nothing; the
+    stand-in's log-probs are not the model's, so MRS's agreement fails and the check exits 1)."""
+    import os
+
+    fake = ROOT / "tests" / "fixtures" / "fake_vllm"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "checks.gpu", "paper_units", "vllm_batch", "vllm_replay", "push_switch",
+                           "--tiny", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env)
+    markdown = (tmp_path / "paper_units.md").read_text()
+    assert "ERROR" not in markdown and "not installed" not in markdown, (done.stdout + done.stderr)[-3000:]
+    sections = json.loads((tmp_path / "paper_units.json").read_text())["sections"]
+    batch = sections["vllm_batch"]["data"]
+    assert batch["standalone"]["multiprocessing"] and not batch["kpipe_engine"]["multiprocessing"]
+    assert (batch["standalone"]["compile_cache"], batch["kpipe_engine"]["compile_cache"]) == ("cold", "warm")
+    for engine in ("standalone", "kpipe_engine"):
+        assert batch[engine]["output_tokens"] == 8 * 16 and batch[engine]["kv_capacity_tokens"] == 1600
+    replay = sections["vllm_replay"]["data"]["replay"]
+    assert [turn["prompt_tokens"] for turn in replay["turns"]] == [32, 56, 80]  # the history kept
+    assert [low["batch"] for low in replay["low_batch"]] == [1, 4] and replay["prefill"]["prefill_tokens_per_s"] > 0
+    switch = sections["push_switch"]["data"]
+    assert {"engine_startup", "agreement_dummy_weights", "cycle_1", "cycle_2", "cycle_3", "agreement_3"} <= set(switch)
+    assert switch["engine_startup"]["trainer_weights"] == "fp32"
+    assert all(switch[f"cycle_{n}"]["push_s"] > 0 for n in (1, 2, 3))
+    failures = sections["push_switch"]["failures"]
+    assert done.returncode == 1 and failures and all("MRS keeps every sequence" in f for f in failures), failures
+    figures = paper_units.figures({"sections": sections})
+    assert {"vllm_startup_s", "kpipe_vs_standalone", "replay_tokens_per_s_turn3", "push_s", "sleep_wake_s",
+            "weight_sync_bytes_per_s", "push_mrs_kept_fraction"} <= set(figures)
+
+
+def test_an_engine_process_past_its_step_limit_goes_with_its_children(tmp_path, monkeypatch):
+    """The step's limit stops the engine's process and what it started (vLLM's engine core process)."""
+    import os
+    import time
+
+    from checks.gpu.harness import Report
+
+    script = tmp_path / "tree.py"
+    pids = tmp_path / "pids"
+    script.write_text("import os, subprocess, sys, time\n"
+                      "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                      f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+                      "time.sleep(60)\n")
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(paper_units.subprocess, "Popen",
+                        lambda argv, **kwargs: real_popen([sys.executable, str(script)], **kwargs))
+    facts = dict.fromkeys(("commit", "date", "device", "driver", "torch", "cuda", "triton", "python"), "x")
+    report = Report("paper_units", "t", facts, out=tmp_path)
+    report.begin("vllm_batch")
+    assert paper_units.step(report, "engine", 3, lambda: paper_units.run_engine_child("batch", {}, False)) is None
+    parent, child = map(int, pids.read_text().split())
+    time.sleep(0.5)
+    for pid in (parent, child):
+        try:
+            os.kill(pid, 0)
+            alive = not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        except ProcessLookupError:
+            alive = False
+        assert not alive, pid
+    assert report.failures == ["vllm_batch: engine"]

@@ -94,16 +94,23 @@ def test_child_entry_point_refuses_direct_use():
 
 class FakeLLM:
     built = 0
+    model_config = types.SimpleNamespace(dtype=torch.bfloat16)
 
     def __init__(self, **kwargs):
         FakeLLM.built += 1
-        self.kwargs, self.rpcs = kwargs, []
+        self.kwargs, self.rpcs, self.wakes = kwargs, [], []
 
     def collective_rpc(self, method, **kwargs):
         self.rpcs.append((method, kwargs))
 
     def reset_prefix_cache(self, **kwargs):
         pass
+
+    def sleep(self, level):
+        pass
+
+    def wake_up(self, tags):
+        self.wakes.append(tags)
 
 
 def test_make_engine_reuses_the_process_engine_and_pushes_the_new_policy(monkeypatch):
@@ -121,10 +128,17 @@ def test_make_engine_reuses_the_process_engine_and_pushes_the_new_policy(monkeyp
     second = rollouts.make_engine(cfg, torch.nn.Linear(2, 2), None, Path("/ckpt/iter0"), "rl-iter1",
                                      progress=False)
     assert second is first and FakeLLM.built == 1 and second.model == "rl-iter1"
-    assert len(first.llm.rpcs) == 2  # the new policy's two tensors pushed
+    [(_, pushed)] = first.llm.rpcs  # the new policy's two tensors, one bucket
+    assert [name for name, _ in pushed["args"][0]] == ["weight", "bias"]
     other = rollouts.make_engine(RLConfig(engine="vllm", vllm_gpu_memory_utilization=0.5), None, None,
                                     Path("/ckpt/x"), "other", progress=False)
     assert other is not first and FakeLLM.built == 2  # other arguments: another engine
+    asleep = rollouts.make_engine(RLConfig(engine="vllm", vllm_sleep=True), None, None, Path("/ckpt/s"), "s",
+                                  progress=False)
+    asleep.sleep()  # the previous iteration's last update: a later iteration wakes it around its push
+    assert rollouts.make_engine(RLConfig(engine="vllm", vllm_sleep=True), torch.nn.Linear(2, 2), None,
+                                Path("/ckpt/s1"), "s1", progress=False) is asleep
+    assert asleep.llm.wakes == [["weights"], ["kv_cache"]] and len(asleep.llm.rpcs) == 1 and not asleep.asleep
     fresh = types.ModuleType("vllm")
     fresh.LLM, fresh.SamplingParams = FakeLLM, dict
     monkeypatch.setitem(sys.modules, "vllm", fresh)

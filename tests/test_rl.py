@@ -479,6 +479,61 @@ def test_one_step_off_policy_rollouts_are_generated_during_the_update(nano_model
     assert 0.0 <= metrics[(2, "mrs_would_keep")] <= 1.0  # logged whether or not MRS filters
 
 
+def test_a_sleeping_vllm_engine_frees_the_update_and_wakes_around_the_next_push(nano_model, tmp_path, monkeypatch):
+    """rl.vllm_sleep (issue 63): the engine sleeps once a step's rollouts are done (the update gets its memory),
+    wakes for its weights before the next step's push and for its KV cache after it; push_s and sleep_wake_s
+    are the step's phases. kpipe's engine class with a recording LLM; HF generation decodes."""
+    import types
+
+    from kpipe.agent import loop
+    from kpipe.llm.extract import Extracted
+    from kpipe.llm.vllm_engine import VLLMEngine
+
+    events: list[str] = []
+
+    class RecordingLLM:
+        model_config = types.SimpleNamespace(dtype=torch.float32)
+
+        def collective_rpc(self, method, args=()):
+            events.append("push")
+
+        def reset_prefix_cache(self):
+            events.append("reset")
+
+        def sleep(self, level):
+            events.append(f"sleep {level}")
+
+        def wake_up(self, tags):
+            events.append(f"wake {tags[0]}")
+
+    def colocated(cfg, model, tokenizer, model_dir, name, progress, processes=1):
+        hf = rollouts.make_engine(dataclasses.replace(cfg, engine="hf"), model, tokenizer, model_dir, name, progress)
+        engine = VLLMEngine.__new__(VLLMEngine)
+        engine.llm, engine.asleep, engine.model = RecordingLLM(), set(), name
+
+        def generate(requests, on_result=None):
+            events.append("generate")
+            return hf.generate(requests, on_result)
+
+        engine.generate = generate
+        return engine
+
+    monkeypatch.setattr(rl, "make_engine", colocated)
+    monkeypatch.setattr(loop, "extract_code", lambda text: Extracted(text or None, "empty answer"))
+    cfg = RLConfig(engine="vllm", vllm_sleep=True, prompts_per_step=2, rollouts_per_prompt=2, max_turns=1,
+                   max_tokens=4, generation_batch_size=4, steps_per_iteration=2, lr=1e-3, mixed_precision="no")
+    rl.run_iteration(IterationSettings(cfg=cfg, tasks=(AgentTask("relu", RELU),), init_model=nano_model,
+                                       model_out=tmp_path / "model", trajectories=tmp_path / "traj.parquet",
+                                       metrics=tmp_path / "metrics.parquet", scratch=tmp_path / "scratch",
+                                       gym={"backend": "local"}, progress=False), evaluator=JudgeByText())
+    steps = [event for i, event in enumerate(events) if event != "generate" or events[i - 1:i] != ["generate"]]
+    assert steps == ["generate", "sleep 2", "wake weights", "push", "reset", "wake kv_cache", "generate", "sleep 2"]
+    metrics = read_table(tmp_path / "metrics.parquet", "train_metrics").to_pandas()
+    names = {step: set(metrics[metrics.step == step].name) for step in (1, 2)}
+    assert "sleep_wake_s" in names[1] and "push_s" not in names[1]  # the first step's engine loaded the model
+    assert {"sleep_wake_s", "push_s"} <= names[2]
+
+
 def test_scratch_of_another_restart_key_is_cleared_and_the_log_names_the_changed_part(tmp_path, caplog):
     scratch = tmp_path / "scratch"
     key = {"settings": "s", "code": "a", "libraries": "l"}

@@ -72,6 +72,8 @@ def test_every_vllm_serve_flag_we_pass_exists(api):
 class FakeLLM:
     """Stands in for `vllm.LLM`: records what kpipe passes and answers `chat` with vLLM's output shape."""
 
+    model_config = types.SimpleNamespace(dtype=torch.bfloat16)  # LLM.model_config: what push_weights_to_vllm casts to
+
     def __init__(self, **kwargs: Any) -> None:
         self.kwargs, self.calls, self.rpcs = kwargs, [], []
 
@@ -88,6 +90,12 @@ class FakeLLM:
 
     def reset_prefix_cache(self, **kwargs):
         self.calls.append(("reset_prefix_cache", 0, kwargs))
+
+    def sleep(self, **kwargs):
+        self.calls.append(("sleep", 0, kwargs))
+
+    def wake_up(self, **kwargs):
+        self.calls.append(("wake_up", 0, kwargs))
 
 
 @pytest.fixture
@@ -123,17 +131,17 @@ def test_rl_rollout_engine_arguments_and_outputs_exist(fake_vllm, api):
 def test_rl_weight_push_uses_existing_methods(fake_vllm, api):
     engine = rollouts.make_engine(RLConfig(engine="vllm"), None, None, Path("/ckpt/sft"), "rl", progress=False)
     model = torch.nn.Linear(2, 2)
-    rollouts.push_weights_to_vllm(engine, model)
-    assert [call[0] for call in engine.llm.calls] == ["collective_rpc", "collective_rpc", "reset_prefix_cache"]
+    assert rollouts.push_weights_to_vllm(engine, model) == 1  # both tensors in one bucket
+    assert [call[0] for call in engine.llm.calls] == ["collective_rpc", "reset_prefix_cache"]
     for method, _, call_kwargs in engine.llm.calls:
         assert set(call_kwargs) <= set(api["llm_methods"][method])
     # on the worker: model_runner.get_model().load_weights(weights=...), with HF parameter names
     loaded = {}
     bare = types.SimpleNamespace(load_weights=lambda weights: loaded.update(weights))
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: bare))
-    for function, kwargs in engine.llm.rpcs:  # one tensor per call
+    for function, kwargs in engine.llm.rpcs:  # one bucket per call
         function(worker, *kwargs["args"])
-    assert set(loaded) == {"weight", "bias"}
+    assert set(loaded) == {"weight", "bias"} and all(t.dtype == torch.bfloat16 for t in loaded.values())
     assert "get_model" in api["model_runner_methods"]  # both the V1 and the V2 GPU model runner
 
 
@@ -146,3 +154,22 @@ def test_rl_engines_of_several_processes_join_the_launcher(fake_vllm, api):
     assert "external_launcher" in api["executor_backends"]
     assert set(kwargs) <= set(api["llm_init_params"]) | set(api["engine_args_fields"])
     assert "distributed_executor_backend" not in rollouts.vllm_engine_args(RLConfig(engine="vllm"), 1)
+
+
+def test_the_sleeping_engine_uses_existing_arguments_and_methods(fake_vllm, api):
+    """rl.vllm_sleep: the engine is built with enable_sleep_mode, sleeps at level 2, wakes tag by tag with
+    the tags vLLM knows (0.26.0: vllm/entrypoints/llm.py:821-835), around a bucketed push."""
+    cfg = RLConfig(engine="vllm", vllm_sleep=True)
+    engine = rollouts.make_engine(cfg, None, None, Path("/ckpt/sft"), "rl", progress=False)
+    assert engine.llm.kwargs["enable_sleep_mode"] is True and "enable_sleep_mode" in api["engine_args_fields"]
+    assert "enable_sleep_mode" not in rollouts.vllm_engine_args(RLConfig(engine="vllm"), 1)
+    engine.sleep()
+    rollouts.feed_vllm(engine, torch.nn.Linear(2, 2))
+    assert [call[0] for call in engine.llm.calls] == ["sleep", "wake_up", "collective_rpc", "reset_prefix_cache",
+                                                      "wake_up"]
+    sleep, first_wake, last_wake = (engine.llm.calls[i][2] for i in (0, 1, 4))
+    assert sleep == {"level": 2} and first_wake == {"tags": ["weights"]} and last_wake == {"tags": ["kv_cache"]}
+    for method, positional, call_kwargs in engine.llm.calls:
+        assert positional + len(call_kwargs) <= len(api["llm_methods"][method])
+        assert set(call_kwargs) <= set(api["llm_methods"][method])
+    assert not engine.asleep

@@ -360,7 +360,8 @@ def out_dir(given: Path | None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m checks.gpu", description=__doc__,
+    # --help is added once the check's own options are (a first parse with it would print the help without them)
+    parser = argparse.ArgumentParser(prog="python -m checks.gpu", description=__doc__, add_help=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", nargs="*", metavar="CHECK [SECTION ...]", help="one check and some of its sections")
     parser.add_argument("--list", action="store_true", help="every check's sections and the suite's calls")
@@ -370,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="reports folder (default $OUT, else results/gpu-checks)")
     parser.add_argument("--budget-s", type=float, help="fail the sections and items not started within this many seconds")
     known, _ = parser.parse_known_args(argv)
+    parser.add_argument("-h", "--help", action="help", help="show this help message and exit")
     module = load(known.target[0]) if known.target and known.target[0] in CHECKS else None
     if module is not None and hasattr(module, "add_options"):
         module.add_options(parser.add_argument_group(f"{known.target[0]} options"))

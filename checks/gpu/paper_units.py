@@ -7,7 +7,8 @@ and mechanics are real, learning is not measured.
     export PYTHONPATH=$PWD/src:/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \\
         VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units optimizer_numerics trainer   # one call, ~8 min
-    KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units rollout                      # vLLM, ~6 min
+    KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units vllm_batch                   # one call, ~5 min
+    KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units vllm_replay push_switch      # one call, ~8 min
     python -m checks.gpu paper_units --tiny                         # the same code on a nano model (CPU test)
 
 Sections (each step under its own time limit, the report saved after each, so a cut-off run keeps what it
@@ -23,28 +24,47 @@ measured):
    an H100). 5 steps of a 32,768-token micro-batch, then 5 of 8,192: peak GPU and host memory, tokens/s,
    MFU with causal attention counted (over 989 TFLOP/s bf16 dense), the optimizer step's seconds and copy
    GB/s.
-3. ``rollout``: vLLM with ``load_format="dummy"`` (kpipe's engine arguments: processed log-probs,
-   max_model_len 32,768): start-up seconds; prefill tokens/s (a batch of prompts, one output token);
-   decode tokens/s (a batch of sequences decoding with ``ignore_eos``: the paper's 8,192 tokens a turn
-   cut to --decode-tokens to fit the call); then the weight push of a bf16 HF copy of the same
-   architecture through ``kpipe.train.rollouts.push_weights_to_vllm`` (seconds) and MRS's log-prob
-   agreement of the trainer's own samples after the push (``mismatch_keep`` at RLConfig's thresholds).
+3. ``vllm_batch``: vLLM with ``load_format="dummy"`` standalone (``vllm.LLM``, vLLM's defaults: its engine
+   core in a process of its own) against kpipe's engine (``VLLMEngine`` with RL's arguments: the core in
+   process, processed log-probs, a seed a request) on the same 256 chats of 1,024 prompt tokens, each
+   decoding --batch-output-tokens with ``ignore_eos`` at the same gpu_memory_utilization: output tokens/s,
+   their ratio (issue 63: within 15 %), the KV cache's capacity, each engine's start-up (the first from an
+   empty vLLM compile cache). The paper's 8,192 tokens a turn are cut to fit the call.
+4. ``vllm_replay``: kpipe's engine through 3 turns that keep the history (each prompt the previous prompt,
+   its answer and a feedback), at a batch the KV cache holds whole: tokens/s a turn, the prefix cache's
+   share of each prompt, the HBM-bandwidth efficiency each turn implies (the cost model's
+   ``decode_bandwidth_efficiency``), prefill tokens/s, and the seconds a token at batch 1 and 4.
+5. ``push_switch``: RL's colocated cycle with ``rl.vllm_sleep``, three times: sleep (level 2), the trainer
+   claims the freed memory, wake for the weights, the bucketed push of the trainer's own weights (fp32 on
+   the GPU where they fit beside the engine, else bf16), wake for the KV cache
+   (``kpipe.train.rollouts.feed_vllm``): seconds of each, the memory a sleeping engine leaves, and MRS's
+   agreement of the engine's log-probs with the trainer's after each push (``mismatch_keep`` at RLConfig's
+   thresholds; before the first push, on the dummy weights, for contrast).
+
+Every vLLM figure names its card; without vLLM (the CPU test) those sections say so and pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import functools
 import json
 import math
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from checks.gpu.harness import Report, Section
+from checks.gpu.harness import ROOT, Report, Section
+from kpipe.llm.vllm_engine import VLLMEngine  # light: vLLM itself is imported when an engine is built
 
 TITLE = "Unit costs of the paper's run at the 8B architecture: the one-GPU trainer, vLLM rollout, weight push"
 H100_H200_BF16_DENSE_FLOPS = 989e12  # the published dense bf16 peak of both (SXM): MFU's denominator
@@ -56,10 +76,28 @@ def add_options(parser: argparse._ArgumentGroup) -> None:
                         help="micro-batch tokens the trainer section times, in order (rl.micro_batch_tokens: 32,768)")
     parser.add_argument("--trainer-steps", type=int, default=5, help="steps a micro-batch length (the first warms up)")
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="tokens a chunk of the LM head's log-probs")
-    parser.add_argument("--prefill-len", type=int, default=8192, help="prompt tokens per sequence for prefill")
-    parser.add_argument("--batch", type=int, default=64, help="sequences per rollout batch")
-    parser.add_argument("--decode-tokens", type=int, default=1024, help="decoded tokens per sequence (paper: 8,192)")
     parser.add_argument("--step-limit-s", type=int, default=150, help="hard limit of each measured step")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                      help="vllm_batch's and vllm_replay's engines, each alone on the GPU (vLLM's default)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens of a first-turn prompt (issue 63: 1K)")
+    parser.add_argument("--batch", type=int, default=256, help="vllm_batch: sequences of the batch")
+    parser.add_argument("--batch-output-tokens", type=int, default=1024,
+                      help="vllm_batch: tokens each sequence decodes (the paper's 8,192 take ~6 min an engine)")
+    parser.add_argument("--standalone-in-process", dest="standalone_multiprocessing", action="store_false",
+                      help="vllm_batch: vLLM standalone with its engine core in process too (default: vLLM's default, "
+                           "a process of its own)")
+    parser.add_argument("--replay-batch", type=int, default=128, help="vllm_replay: sequences, fewer if the KV cache is short")
+    parser.add_argument("--replay-answer-tokens", type=int, default=1024, help="vllm_replay: tokens of each turn's answer")
+    parser.add_argument("--replay-feedback-tokens", type=int, default=512, help="vllm_replay: tokens of each feedback")
+    parser.add_argument("--prefill-tokens", type=int, default=2048, help="vllm_replay: prompt tokens a sequence for prefill")
+    parser.add_argument("--low-batch-tokens", type=int, default=256, help="vllm_replay: tokens decoded at batch 1 and 4")
+    parser.add_argument("--switch-gpu-memory-utilization", type=float, default=0.6,
+                      help="push_switch: the engine's share beside the trainer's weights")
+    parser.add_argument("--cycles", type=int, default=3, help="push_switch: sleep, wake, push cycles")
+    parser.add_argument("--push-bucket-mib", type=int, default=512, help="push_switch: bytes a bucket of the push")
+    parser.add_argument("--agreement-sequences", type=int, default=8, help="push_switch: sequences MRS compares")
+    parser.add_argument("--engine-limit-s", type=int, default=330,
+                      help="limit of each step that starts an engine (start-up included)")
 
 
 class StepTimeout(Exception):
@@ -93,11 +131,21 @@ def step(report: Report, name: str, limit_s: int, measure: Callable[[], dict[str
         report.save()
         return None
     report.data[name] = figures
-    report.row(name, json.dumps(figures, default=lambda v: round(v, 4) if isinstance(v, float) else str(v)),
-               f"{time.perf_counter() - started:.1f}")
+    report.row(name, json.dumps(rounded(figures), default=str), f"{time.perf_counter() - started:.1f}")
     report.save()
     print(f"[paper_units] {name}: {figures}", flush=True)
     return figures
+
+
+def rounded(value: Any) -> Any:
+    """Floats to 4 decimals, inside dicts and lists too: the report's rows (its JSON keeps them whole)."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rounded(item) for item in value]
+    return value
 
 
 def architecture(tiny: bool, layers: int | None = None) -> Any:
@@ -375,109 +423,498 @@ def save_architecture(out: Path, tiny: bool) -> Path:
     return out
 
 
-def rollout(report: Report, args: argparse.Namespace) -> None:
-    """vLLM (dummy weights) start-up, prefill and decode tokens/s; weight push seconds and MRS agreement."""
+# --------------------------------------------------------------------------- vLLM at the 8B's shapes
+# Each engine of `vllm_batch` and `vllm_replay` runs in a Python process of its own (`run_engine_child`): an
+# in-process engine gives its GPU memory back only when its process ends, and two engines at the same
+# gpu_memory_utilization cannot share one GPU. `push_switch` runs in this process: the push hands the trainer's
+# tensors to the engine in process, and vLLM's sleep allocator serves one engine a process
+# (vllm/v1/worker/gpu_worker.py:264-269 in 0.26.0).
+
+CHILD_SKIP = "vLLM is not installed here: section skipped (the device installs it, docs/vllm-on-the-device.md)."
+ASCII_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,;:()[]{}=+-*/"
+_started_engines: list[str] = []  # engines started by this check's processes: the first found vLLM's compile cache empty
+
+
+def vllm_version() -> str | None:
+    """vLLM's version, or None where it is not installed (the CPU test): the section then says so."""
     try:
         import vllm
     except ImportError:
-        report.line("vLLM is not installed here: section skipped (the device installs it, docs/vllm-on-the-device.md).")
-        return
+        return None
+    return str(vllm.__version__)
+
+
+def card() -> str:
+    """The GPU a figure comes from (every vLLM figure names it: reports of several calls are combined)."""
     import torch
 
-    from kpipe.train.rl_config import RLConfig
-    from kpipe.train.rollouts import push_weights_to_vllm, vllm_engine_args
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
-    cfg = RLConfig()
-    work = Path(tempfile.mkdtemp(prefix="kpipe-paper-units-"))
-    path = save_architecture(work / "qwen3-8b", args.tiny)
-    engine_args = {**vllm_engine_args(cfg, 1), "gpu_memory_utilization": 0.6, "load_format": "dummy",
-                   "max_model_len": 2048 if args.tiny else cfg.max_context_tokens}
-    report.line(f"vLLM {vllm.__version__}, `LLM({engine_args})`; {args.batch} sequences a batch, prefill "
-                f"{args.prefill_len} prompt tokens each, decode {args.decode_tokens} tokens each (the paper: up to "
-                f"8,192 a turn; cut to fit the call).")
+
+@functools.cache
+def model_dir(tiny: bool) -> tuple[Path, int]:
+    """The saved architecture (config and byte tokenizer, no weights: vLLM's `load_format="dummy"`) and the
+    tokens the chat template adds around one user message (a prompt of n tokens has n - that of content)."""
+    from transformers import AutoTokenizer
+
+    work = tempfile.mkdtemp(prefix="kpipe-paper-units-")
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    path = save_architecture(Path(work) / "qwen3-8b", tiny)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": ""}], tokenize=False, add_generation_prompt=True)
+    return path, len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@functools.cache
+def vllm_cache_root() -> str:
+    """An empty vLLM cache (its torch.compile artifacts) for this check and its children: the first engine's
+    start-up is a fresh machine's, as the compile caches of `checks.gpu.harness.cold_caches` are."""
+    path = tempfile.mkdtemp(prefix="cold-vllm-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def batch_messages(count: int, content_tokens: int, seed: int) -> list[list[dict[str, str]]]:
+    """`count` one-message chats of `content_tokens` byte tokens each (the byte tokenizer: a token a byte),
+    different from one another so that no prompt is served from another's prefix cache."""
+    import random
+
+    return [[{"role": "user", "content": "".join(random.Random(f"{seed}:{i}").choices(ASCII_LETTERS, k=content_tokens))}]
+            for i in range(count)]
+
+
+def replay_contexts(prompt: int, answer: int, feedback: int, turns: int) -> list[tuple[int, float]]:
+    """(prompt tokens, mean context while decoding) of each turn of a replay that keeps the history: turn t's
+    prompt is turn t-1's prompt, its answer and a feedback; every answer is `answer` tokens (ignore_eos)."""
+    prompts = [prompt + t * (answer + feedback) for t in range(turns)]
+    return [(p, p + answer / 2) for p in prompts]
+
+
+def fitting_batch(requested: int, kv_capacity_tokens: int, final_context: int) -> int:
+    """The largest batch up to `requested` whose sequences all fit the KV cache at their final context (none
+    preempted: a preempted sequence's recomputation would be timed as decoding)."""
+    return max(1, min(requested, kv_capacity_tokens // final_context))
+
+
+def trainer_weights_dtype(total_bytes: float, engine_fraction: float, params: float) -> str:
+    """The dtype of the trainer's own weights beside an awake engine: fp32 (the paper's master weights) when
+    they fit with the engine's share and 6 GiB of working memory, else bf16 (an H100's memory plan, the fp32
+    master on the host: kpipe.train.trainer_memory's ``bf16`` plan)."""
+    return "fp32" if params * 4 + engine_fraction * total_bytes + 6 * 2**30 <= total_bytes else "bf16"
+
+
+def gpu_kind(name: str) -> str | None:
+    """config/cost_units.yaml's GPU kind of a device name (``NVIDIA H200`` -> ``h200``), None if it has none."""
+    from kpipe.infra.ledger import device_label
+
+    kind = device_label(name, 1).lower()
+    return kind if kind in ("h100", "h200") else None
+
+
+def bandwidth_efficiency(tokens_per_s: float, batch: int, context: float, config: Any, name: str) -> float | None:
+    """The unit `decode_bandwidth_efficiency` a decode rate of the architecture `config` implies on the card
+    `name` (kpipe.report.cost), None on a card the units file does not know."""
+    from kpipe.report.cost import implied_bandwidth_efficiency, kv_bytes_per_token, load_units
+
+    kind = gpu_kind(name)
+    if kind is None:
+        return None
+    units = load_units(ROOT / "config" / "cost_units.yaml")
+    kv = kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads * config.head_dim)
+    return implied_bandwidth_efficiency(tokens_per_s, batch, context, parameter_count(config) * 2, kv,
+                                        units.gpu_kinds[kind]["hbm_bytes_per_s"].value)
+
+
+def run_engine_child(task: str, spec: dict[str, Any], multiprocessing: bool) -> dict[str, Any]:
+    """`task` of `CHILD_TASKS` in a new Python process (this module as ``__main__``). Stopped by the step's
+    limit or a SIGTERM (``timeout`` around the call), it goes with its own children (vLLM's multiprocess engine
+    core): an engine left behind would hold the GPU. It stays in this process group, so a kill of the group
+    takes it too. `multiprocessing`: vLLM's default engine core in a process of its own, or kpipe's, in process."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocessing else "0",
+           "VLLM_CACHE_ROOT": vllm_cache_root()}
+    with tempfile.TemporaryDirectory(prefix="kpipe-engine-child-") as scratch:
+        spec_path, result_path = Path(scratch) / "spec.json", Path(scratch) / "result.json"
+        spec_path.write_text(json.dumps({**spec, "task": task, "result": str(result_path),
+                                         "cold": not _started_engines}))
+        _started_engines.append(task)
+
+        def terminated(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)
+
+        previous = signal.signal(signal.SIGTERM, terminated)
+        child = subprocess.Popen([sys.executable, "-m", "checks.gpu.paper_units", str(spec_path)], cwd=ROOT, env=env)
+        try:
+            code = child.wait()
+        except BaseException:  # StepTimeout, SIGTERM, Ctrl-C
+            stop_process_tree(child.pid)
+            child.wait()
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if code != 0:
+            raise RuntimeError(f"the {task} engine's process exited {code} (its log is above)")
+        return json.loads(result_path.read_text())
+
+
+def stop_process_tree(pid: int) -> None:
+    """Kill the process `pid` started and every process under it, by id."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        for process in [*root.children(recursive=True), root]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+
+
+def vllm_batch(report: Report, args: argparse.Namespace) -> None:
+    """vLLM standalone (`vllm.LLM` as vLLM sets it up by default: its engine core in a process of its own) and
+    kpipe's engine (`VLLMEngine` with RL's arguments: engine core in process, processed log-probs, a seed a
+    request) on the same batch of chats at the same gpu_memory_utilization: output tokens/s, the ratio, the
+    KV cache's capacity and each engine's start-up."""
+    version = vllm_version()
+    if version is None:
+        report.line(CHILD_SKIP)
+        return
+    from kpipe.train.rl_config import RLConfig
+
+    path, template = model_dir(args.tiny)
+    prompt, batch, output = (32, 8, 16) if args.tiny else (args.prompt_tokens, args.batch, args.batch_output_tokens)
+    spec = {"model": str(path), "tiny": args.tiny, "utilization": args.gpu_memory_utilization,
+            "max_model_len": 2048 if args.tiny else RLConfig().max_context_tokens, "batch": batch,
+            "content_tokens": prompt - template, "output_tokens": output}
+    report.line(f"vLLM {version} on {card()}, dummy weights of the architecture, gpu_memory_utilization "
+                f"{args.gpu_memory_utilization}, max_model_len {spec['max_model_len']:,}: {batch} chats of {prompt:,} "
+                f"prompt tokens -> {output:,} tokens each (ignore_eos). The paper's turn is up to 8,192 tokens; at "
+                f"256 sequences that is 2.4M tokens of context, three times an H200's KV cache, and ~6 minutes an "
+                f"engine: cut to {output:,} so that both engines fit one call (--batch-output-tokens).")
+    report.table("step", "figures", "wall s")
+    standalone = step(report, "standalone", args.engine_limit_s,
+                      lambda: run_engine_child("batch", {**spec, "engine": "standalone"}, args.standalone_multiprocessing))
+    kpipe = step(report, "kpipe_engine", args.engine_limit_s,
+                 lambda: run_engine_child("batch", {**spec, "engine": "kpipe"}, False))
+    if standalone and kpipe:
+        ratio = kpipe["output_tokens_per_s"] / standalone["output_tokens_per_s"]
+        report.data["comparison"] = {"kpipe_vs_standalone": ratio, "card": card()}
+        report.line("", f"kpipe's engine at {ratio:.2f} x standalone's output tokens/s (issue 63: within 15 %).")
+        report.expect(ratio >= 0.85, "kpipe's engine within 15 % of vLLM standalone")
+
+
+def vllm_replay(report: Report, args: argparse.Namespace) -> None:
+    """kpipe's engine through 3 turns that keep the history (turn t's prompt = turn t-1's prompt, its answer and
+    a feedback): tokens/s a turn at a batch the KV cache holds whole, the prefix cache's share of each prompt,
+    the unit decode_bandwidth_efficiency each turn implies, prefill tokens/s, and the seconds a token at batch
+    1 and 4 (the longest answer's floor)."""
+    version = vllm_version()
+    if version is None:
+        report.line(CHILD_SKIP)
+        return
+    from kpipe.train.rl_config import RLConfig
+
+    path, _ = model_dir(args.tiny)
+    sizes = (32, 16, 8, 8, 4) if args.tiny else (args.prompt_tokens, args.replay_answer_tokens,
+                                                  args.replay_feedback_tokens, args.replay_batch, args.low_batch_tokens)
+    prompt, answer, feedback, batch, low_tokens = sizes
+    spec = {"model": str(path), "tiny": args.tiny, "utilization": args.gpu_memory_utilization,
+            "max_model_len": 2048 if args.tiny else RLConfig().max_context_tokens, "batch": batch,
+            "contexts": replay_contexts(prompt, answer, feedback, 3), "answer_tokens": answer,
+            "feedback_tokens": feedback, "low_batch_tokens": low_tokens,
+            "prefill_tokens": 64 if args.tiny else args.prefill_tokens}
+    report.line(f"vLLM {version} on {card()}, kpipe's engine (`VLLMEngine`, RL's arguments, a seed a request), "
+                f"dummy weights, gpu_memory_utilization {args.gpu_memory_utilization}. Prompts are token ids (the "
+                f"byte tokenizer would re-encode a sampled token as 2-3 bytes), so contexts are exact: {prompt:,} "
+                f"prompt tokens, {answer:,}-token answers (ignore_eos), {feedback}-token feedbacks; up to {batch} "
+                f"sequences, fewer if the KV cache cannot hold them all at turn 3. Efficiency: the fraction of "
+                f"the card's HBM bandwidth (config/cost_units.yaml) at which a step reads the bf16 weights and "
+                f"every sequence's KV cache (kpipe.report.cost.implied_bandwidth_efficiency).")
+    report.table("step", "figures", "wall s")
+    replay = step(report, "replay", args.engine_limit_s, lambda: run_engine_child("replay", spec, False))
+    if replay is None:
+        return
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    for turn in replay["turns"]:
+        turn["bandwidth_efficiency"] = bandwidth_efficiency(turn["output_tokens_per_s"], replay["batch"],
+                                                            turn["mean_context"], config, replay["card"])
+    report.save()
+    report.line("", "| turn | prompt tokens | of them in the prefix cache | decode tokens/s | bandwidth efficiency |",
+                "|---|---|---|---|---|")
+    for number, turn in enumerate(replay["turns"], 1):
+        efficiency = turn["bandwidth_efficiency"]
+        report.line(f"| {number} | {turn['prompt_tokens']:,} | {turn['cached_prompt_tokens_mean']:,.0f} | "
+                    f"{turn['output_tokens_per_s']:,.0f} | {'-' if efficiency is None else f'{efficiency:.2f}'} |")
+    low = ", ".join(f"{item['seconds_per_token'] * 1e3:.1f} ms at batch {item['batch']}" for item in replay["low_batch"])
+    report.line("", f"{replay['batch']} sequences (KV cache {replay['kv_capacity_tokens']:,} tokens); prefill "
+                f"{replay['prefill']['prefill_tokens_per_s']:,.0f} tokens/s; a token at turn 3's context: {low}.")
+
+
+def push_switch(report: Report, args: argparse.Namespace) -> None:
+    """The colocated cycle of RL with `rl.vllm_sleep`, three times: the engine sleeps (level 2), the trainer
+    claims the memory, the engine wakes for its weights, takes the bucketed push of the trainer's own weights
+    (fp32 where they fit beside the engine, else bf16) and wakes for its KV cache (kpipe.train.rollouts.feed_vllm);
+    then MRS's agreement of its log-probs with the trainer's on sampled sequences. Before the first push the
+    same agreement on the engine's dummy weights shows what a missed push looks like."""
+    version = vllm_version()
+    if version is None:
+        report.line(CHILD_SKIP)
+        return
+    import gc
+
+    import torch
+    from transformers import AutoConfig
+
+    from kpipe.train.rl_config import RLConfig
+    from kpipe.train.rollouts import feed_vllm, vllm_engine_args
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the push hands tensors to the engine in this process
+    os.environ["VLLM_CACHE_ROOT"] = vllm_cache_root()
+    path, _ = model_dir(args.tiny)
+    config = AutoConfig.from_pretrained(path)
+    params = parameter_count(config)
+    total = torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else float("inf")
+    dtype_name = trainer_weights_dtype(total, args.switch_gpu_memory_utilization, params)
+    cfg = RLConfig(engine="vllm", vllm_sleep=True, vllm_gpu_memory_utilization=args.switch_gpu_memory_utilization,
+                   max_context_tokens=2048 if args.tiny else RLConfig().max_context_tokens)
+    engine_args = {**vllm_engine_args(cfg, 1), "load_format": "dummy"}
+    bucket_bytes = args.push_bucket_mib * 2**20
+    why = ("the paper's fp32 master" if dtype_name == "fp32" else
+           "fp32 does not fit beside the engine on this card: the bf16 memory plan, its fp32 master on the host")
+    report.line(f"vLLM {version} on {card()}. The trainer's weights: {params / 1e9:.2f} B parameters in "
+                f"{dtype_name} on the GPU ({why}). "
+                f"kpipe's engine `VLLMEngine(..., {engine_args})`; pushes in buckets of {args.push_bucket_mib} MiB cast "
+                f"to bf16 on the GPU. Residue = GPU memory in use while asleep less that in use before the engine "
+                f"started (CUDA context, the trainer's weights), torch's cache emptied; claimed = what the trainer "
+                f"then allocated. MRS at RLConfig's thresholds on {args.agreement_sequences} sampled sequences.")
     report.table("step", "figures", "wall s")
     held: dict[str, Any] = {}
 
+    def synced(seconds: list[tuple[str, float]]) -> Callable[[str], contextlib.AbstractContextManager[None]]:
+        """A phase timer that waits for the GPU at the end of each phase (the push's copies are asynchronous)."""
+        @contextlib.contextmanager
+        def timer(phase: str) -> Iterator[None]:
+            started = time.perf_counter()
+            yield
+            synchronize()
+            seconds.append((phase, time.perf_counter() - started))
+        return timer
+
     def start() -> dict[str, Any]:
         reset_peak()
+        held["model"] = build_model(config, torch.float32 if dtype_name == "fp32" else torch.bfloat16).eval()
+        synchronize()
+        held["before_engine_gib"] = gpu_used_gib()
         started = time.perf_counter()
-        held["llm"] = vllm.LLM(model=str(path), seed=0, **engine_args)
-        return {"startup_s": time.perf_counter() - started}
+        held["engine"] = FixedLengthEngine(str(path), name="paper-units", seed=0, **engine_args)
+        _started_engines.append("push_switch")
+        return {"startup_s": time.perf_counter() - started, "trainer_weights": dtype_name,
+                "trainer_weights_gib": params * (4 if dtype_name == "fp32" else 2) / 2**30,
+                "kv_capacity_tokens": kv_capacity(held["engine"].llm), "gpu_used_gib": gpu_used_gib(),
+                "card": card()}
 
-    def generate(prompt_len: int, max_tokens: int) -> tuple[float, list[Any]]:
-        prompts = [{"prompt_token_ids": [(i * 7 + j) % 250 for j in range(prompt_len)]} for i in range(args.batch)]
-        params = vllm.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0, seed=0)
-        started = time.perf_counter()
-        outputs = held["llm"].generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - started, outputs
-
-    def prefill() -> dict[str, Any]:
-        generate(16, 1)  # warm-up
-        seconds, _ = generate(args.prefill_len, 1)
-        return {"prompt_tokens": args.batch * args.prefill_len, "seconds": seconds,
-                "prefill_tokens_per_s": args.batch * args.prefill_len / seconds}
-
-    def decode() -> dict[str, Any]:
-        seconds, outputs = generate(16, args.decode_tokens)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        held["samples"] = outputs[: min(8, len(outputs))]
-        return {"sequences": args.batch, "decoded_tokens": tokens, "seconds": seconds,
-                "decode_tokens_per_s": tokens / seconds, "gpu_used_gib": gpu_used_gib()}
-
-    def push() -> dict[str, Any]:
-        from transformers import AutoConfig, Qwen3ForCausalLM
-
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # made in bf16 directly: an fp32 8B would take 33 GB more
-        try:
-            with torch.device(device()):
-                model = Qwen3ForCausalLM(AutoConfig.from_pretrained(path)).eval()
-        finally:
-            torch.set_default_dtype(default_dtype)
-        held["model"] = model
-
-        class Engine:  # push_weights_to_vllm takes kpipe's engine, which holds `llm`
-            llm = held["llm"]
-
-        started = time.perf_counter()
-        push_weights_to_vllm(Engine(), model)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return {"push_s": time.perf_counter() - started, "parameters": model.num_parameters()}
-
-    def agreement() -> dict[str, Any]:
+    def agreement(seed: int) -> dict[str, Any]:
         from kpipe.train.rl_batch import mismatch_keep
 
-        model = held["model"]
-        _, outputs = generate(16, 256 if not args.tiny else 16)
-        outputs = outputs[:8]
+        engine, model = held["engine"], held["model"]
+        outputs = generate_tokens(engine, [token_prompt(16, i) for i in range(args.agreement_sequences)],
+                                  16 if args.tiny else 256, seed=seed)
         train_logp, rollout_logp = [], []
         for output in outputs:
-            prompt, response = list(output.prompt_token_ids), list(output.outputs[0].token_ids)
-            ids = torch.tensor([prompt + response], device=device())
-            with torch.no_grad():
+            prompt, sample = list(output.prompt_token_ids), output.outputs[0]
+            ids = torch.tensor([prompt + list(sample.token_ids)], device=device())
+            # RL's log-probs under bf16 autocast; no cache of the weights' casts (16 GB more beside the engine)
+            with torch.no_grad(), torch.autocast(device().type, dtype=torch.bfloat16, enabled=torch.cuda.is_available(),
+                                                 cache_enabled=False):
                 logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
             train_logp.append(torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt):, None])[:, 0].cpu())
-            rollout_logp.append([next(iter(d.values())).logprob for d in output.outputs[0].logprobs])
+            rollout_logp.append([step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
         keep, log_w = mismatch_keep(train_logp, rollout_logp, cfg)
-        return {"sequences": len(outputs), "mrs_kept": int(keep.sum()), "log_w_abs_max": float(log_w.abs().max()),
+        return {"sequences": len(outputs), "mrs_kept": int(keep.sum()), "log_w_abs_mean": float(log_w.abs().mean()),
+                "log_w_abs_max": float(log_w.abs().max()),
                 "mrs_delta": cfg.mrs_delta, "mrs_token_veto": cfg.mrs_token_veto}
 
+    def cycle() -> dict[str, Any]:
+        engine = held["engine"]
+        started = time.perf_counter()
+        engine.sleep()
+        synchronize()
+        sleep_s = time.perf_counter() - started
+        gc.collect()
+        torch.cuda.empty_cache()
+        residue = gpu_used_gib() - held["before_engine_gib"]
+        free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        claim = torch.empty(int(free * 0.9), dtype=torch.uint8, device=device())  # the trainer's turn
+        claimed = claim.numel() / 2**30
+        del claim
+        torch.cuda.empty_cache()
+        seconds: list[tuple[str, float]] = []
+        feed_vllm(engine, held["model"], synced(seconds), bucket_bytes)
+        (_, wake_weights_s), (_, push_s), (_, wake_kv_s) = seconds
+        pushed_bytes = params * engine.llm.model_config.dtype.itemsize
+        return {"sleep_s": sleep_s, "wake_weights_s": wake_weights_s, "push_s": push_s, "wake_kv_cache_s": wake_kv_s,
+                "sleep_wake_s": sleep_s + wake_weights_s + wake_kv_s, "push_gb_per_s": pushed_bytes / push_s / 1e9,
+                "asleep_residue_gib": residue, "claimed_gib": claimed, "gpu_used_awake_gib": gpu_used_gib(),
+                "card": card()}
+
     limit = args.step_limit_s
-    if step(report, "engine_startup", limit, start) is None:
+    if step(report, "engine_startup", args.engine_limit_s, start) is None:
         return
-    step(report, "prefill", limit, prefill)
-    step(report, "decode", limit, decode)
-    if step(report, "weight_push", limit, push) is not None:
-        step(report, "push_agreement", limit, agreement)
-    report.line("", f"Peak GPU memory of this process: {peak_gib():.1f} GiB (vLLM's KV cache is preallocated: "
-                f"gpu_memory_utilization {engine_args['gpu_memory_utilization']}).")
+    step(report, "agreement_dummy_weights", limit, lambda: agreement(0))
+    for number in range(1, args.cycles + 1):
+        figures = step(report, f"cycle_{number}", limit, cycle)
+        if figures is None:
+            break
+        report.expect(figures["push_s"] <= 2.0, f"cycle {number}: the push within 2 s")
+        report.expect(figures["sleep_wake_s"] <= 10.0, f"cycle {number}: sleep and wakes within 10 s")
+        report.expect(figures["asleep_residue_gib"] <= 3.0, f"cycle {number}: at most 3 GiB left while asleep")
+        agreed = step(report, f"agreement_{number}", limit, lambda: agreement(number))
+        if agreed:
+            report.expect(agreed["mrs_kept"] == agreed["sequences"], f"cycle {number}: MRS keeps every sequence")
+    held.clear()
+
+
+def kv_capacity(llm: Any) -> int:
+    """Tokens the engine's KV cache holds: its blocks x tokens a block, as vLLM 0.26.0 sets them after
+    profiling (in process: `vllm/v1/engine/core.py:309-312`; from the core's process: `vllm/v1/engine/
+    core_client.py:726-733`), the "GPU KV cache size: N tokens" of its log."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return int(cache.num_gpu_blocks * cache.block_size)
+
+
+def token_prompt(length: int, index: int) -> list[int]:
+    """A prompt of `length` byte-token ids (0-255: no special token), different for every `index`."""
+    import random
+
+    draw = random.Random(f"prompt:{index}")
+    return [draw.randrange(256) for _ in range(length)]
+
+
+def generate_tokens(engine: Any, prompts: list[list[int]], max_tokens: int, seed: int) -> list[Any]:
+    """`FixedLengthEngine`'s sampling (kpipe's: a seed a request, the sampled token's log-prob; every answer
+    `max_tokens` long) on token-id prompts."""
+    from kpipe.llm.types import ChatRequest
+
+    params = [engine.sampling_params(ChatRequest(messages=[], max_tokens=max_tokens, logprobs=True,
+                                                 seed=seed * 100_003 + index)) for index in range(len(prompts))]
+    return engine.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+
+
+def child_batch(spec: dict[str, Any]) -> dict[str, Any]:
+    """One engine of `vllm_batch`: start-up, a warm-up, then the timed batch of chats."""
+    import vllm
+
+    from kpipe.llm.types import ChatRequest
+    from kpipe.train.rl_config import RLConfig
+    from kpipe.train.rollouts import vllm_engine_args
+
+    common = {"gpu_memory_utilization": spec["utilization"], "max_model_len": spec["max_model_len"],
+              "load_format": "dummy"}
+    started = time.perf_counter()
+    if spec["engine"] == "standalone":
+        llm = vllm.LLM(model=spec["model"], seed=0, **common)
+        startup_s = time.perf_counter() - started
+
+        def chat(chats: list[Any], max_tokens: int) -> list[int]:
+            params = vllm.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True)
+            return [len(o.outputs[0].token_ids) for o in llm.chat(chats, params, use_tqdm=False)]
+    else:
+        engine = FixedLengthEngine(spec["model"], name="paper-units", seed=0,
+                                   **{**vllm_engine_args(RLConfig(engine="vllm"), 1), **common})
+        llm = engine.llm
+        startup_s = time.perf_counter() - started
+
+        def chat(chats: list[Any], max_tokens: int) -> list[int]:
+            requests = [ChatRequest(messages=c, max_tokens=max_tokens, seed=i, logprobs=True) for i, c in enumerate(chats)]
+            return [completion.completion_tokens for completion in engine.generate(requests)]
+
+    chat(batch_messages(8, 16, seed=1), 8)  # warm-up: the first requests' one-off costs
+    chats = batch_messages(spec["batch"], spec["content_tokens"], seed=0)
+    started = time.perf_counter()
+    tokens = chat(chats, spec["output_tokens"])
+    seconds = time.perf_counter() - started
+    capacity, final_context = kv_capacity(llm), spec["content_tokens"] + spec["output_tokens"]
+    return {"engine": spec["engine"], "multiprocessing": os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1",
+            "startup_s": startup_s, "compile_cache": "cold" if spec["cold"] else "warm", "kv_capacity_tokens": capacity,
+            # more context than the cache holds: vLLM preempts and recomputes some sequences (an H100 at 256 x 2K)
+            "kv_limited": spec["batch"] * final_context > capacity,
+            "max_num_seqs": llm.llm_engine.vllm_config.scheduler_config.max_num_seqs,
+            "sequences": len(tokens), "output_tokens": sum(tokens), "seconds": seconds,
+            "output_tokens_per_s": sum(tokens) / seconds, "gpu_used_gib": gpu_used_gib(), "card": card()}
+
+
+def child_replay(spec: dict[str, Any]) -> dict[str, Any]:
+    """`vllm_replay`'s engine: prefill, the 3 turns, then batch 1 and 4 at turn 3's context."""
+    from kpipe.train.rl_config import RLConfig
+    from kpipe.train.rollouts import vllm_engine_args
+
+    started = time.perf_counter()
+    engine = FixedLengthEngine(spec["model"], name="paper-units", seed=0,
+                               **{**vllm_engine_args(RLConfig(engine="vllm"), 1), "load_format": "dummy",
+                                  "gpu_memory_utilization": spec["utilization"], "max_model_len": spec["max_model_len"]})
+    result: dict[str, Any] = {"startup_s": time.perf_counter() - started, "kv_capacity_tokens": kv_capacity(engine.llm),
+                              "card": card()}
+    final_context = spec["contexts"][-1][0] + spec["answer_tokens"]
+    batch = result["batch"] = fitting_batch(spec["batch"], result["kv_capacity_tokens"], final_context)
+    generate_tokens(engine, [token_prompt(16, -1 - i) for i in range(8)], 8, seed=1)  # warm-up
+
+    prefill_prompts = [token_prompt(spec["prefill_tokens"], 10_000 + i) for i in range(batch)]
+    started = time.perf_counter()
+    generate_tokens(engine, prefill_prompts, 1, seed=2)
+    seconds = time.perf_counter() - started
+    result["prefill"] = {"prompt_tokens": batch * spec["prefill_tokens"], "seconds": seconds,
+                         "prefill_tokens_per_s": batch * spec["prefill_tokens"] / seconds}
+
+    feedback = [token_prompt(spec["feedback_tokens"], 20_000 + i) for i in range(batch)]
+    prompts = [token_prompt(spec["contexts"][0][0], i) for i in range(batch)]
+    result["turns"] = []
+    for turn, (prompt_tokens, mean_context) in enumerate(spec["contexts"]):
+        # the turn's prompts first alone (one token each): what the prefix cache kept of the history, and the
+        # prefill out of the decoding's time
+        started = time.perf_counter()
+        cached = [o.num_cached_tokens or 0 for o in generate_tokens(engine, prompts, 1, seed=10 + turn)]
+        prefill_s = time.perf_counter() - started
+        started = time.perf_counter()
+        outputs = generate_tokens(engine, prompts, spec["answer_tokens"], seed=10 + turn)
+        seconds = time.perf_counter() - started
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        result["turns"].append({"prompt_tokens": prompt_tokens, "mean_context": mean_context, "output_tokens": tokens,
+                                "seconds": seconds, "output_tokens_per_s": tokens / seconds, "prefill_s": prefill_s,
+                                "cached_prompt_tokens_mean": sum(cached) / len(cached)})
+        prompts = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + extra for o, extra in zip(outputs, feedback)]
+
+    low_context = spec["contexts"][-1][0]
+    result["low_batch"] = []
+    for size in (1, 4):
+        chosen = [token_prompt(low_context, 30_000 + 10 * size + i) for i in range(size)]
+        generate_tokens(engine, chosen, 1, seed=3)  # the prompts' prefill, into the prefix cache
+        started = time.perf_counter()
+        generate_tokens(engine, chosen, spec["low_batch_tokens"], seed=4)
+        seconds = time.perf_counter() - started
+        result["low_batch"].append({"batch": size, "context": low_context + spec["low_batch_tokens"] / 2,
+                                    "seconds_per_token": seconds / spec["low_batch_tokens"]})
+    return result
+
+
+class FixedLengthEngine(VLLMEngine):
+    """kpipe's engine whose requests ignore the EOS token: a dummy-weight model samples it at random, and a
+    throughput figure needs answers of known length. Nothing else differs from RL's engine."""
+
+    def sampling_params(self, request: Any) -> Any:
+        params = super().sampling_params(request)
+        params.ignore_eos = True  # read when the request is processed: vllm/sampling_params.py:635-658
+        return params
+
+
+CHILD_TASKS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"batch": child_batch, "replay": child_replay}
 
 
 def figures(report_json: dict[str, Any]) -> dict[str, Any]:
-    """The units `kpipe plan --cost` reads, for the ledger."""
-    trainer_data = report_json["sections"].get("trainer", {}).get("data", {})
-    rollout_data = report_json["sections"].get("rollout", {}).get("data", {})
+    """The units `kpipe plan --cost` reads (config/cost_units.yaml's names where one matches), for the ledger."""
+    sections = report_json["sections"]
+    trainer_data = sections.get("trainer", {}).get("data", {})
+    batch = sections.get("vllm_batch", {}).get("data", {})
+    replay = sections.get("vllm_replay", {}).get("data", {}).get("replay", {})
+    switch = sections.get("push_switch", {}).get("data", {})
     lengths = [figures for name, figures in trainer_data.items() if name.startswith("trainer_") and "tokens" in figures]
     picked: dict[str, Any] = {}
     for length in lengths:
@@ -486,13 +923,45 @@ def figures(report_json: dict[str, Any]) -> dict[str, Any]:
     longest = max(lengths, key=lambda figures: figures["tokens"], default={})
     picked |= {"optimizer_step_s": longest.get("optimizer_step_s"),
                "optimizer_copy_gb_per_s": longest.get("optimizer_copy_gb_per_s"),
-               "train_gpu_peak_gib": longest.get("gpu_peak_gib"), "train_host_peak_gib": longest.get("host_peak_gib"),
-               "vllm_startup_s": rollout_data.get("engine_startup", {}).get("startup_s"),
-               "prefill_tokens_per_s": rollout_data.get("prefill", {}).get("prefill_tokens_per_s"),
-               "decode_tokens_per_s": rollout_data.get("decode", {}).get("decode_tokens_per_s"),
-               "weight_push_s": rollout_data.get("weight_push", {}).get("push_s")}
+               "train_gpu_peak_gib": longest.get("gpu_peak_gib"), "train_host_peak_gib": longest.get("host_peak_gib")}
+    engines = [batch.get(name, {}) for name in ("standalone", "kpipe_engine")]
+    cold = next((engine for engine in engines if engine.get("compile_cache") == "cold"), {})
+    picked |= {"vllm_startup_s": cold.get("startup_s"),
+               "standalone_tokens_per_s": engines[0].get("output_tokens_per_s"),
+               "kpipe_engine_tokens_per_s": engines[1].get("output_tokens_per_s"),
+               "kpipe_vs_standalone": batch.get("comparison", {}).get("kpipe_vs_standalone"),
+               "kv_capacity_tokens": float(engines[1]["kv_capacity_tokens"]) if "kv_capacity_tokens" in engines[1] else None,
+               "prefill_tokens_per_s": replay.get("prefill", {}).get("prefill_tokens_per_s")}
+    turns = replay.get("turns", [])
+    for number, turn in enumerate(turns, 1):
+        picked[f"replay_tokens_per_s_turn{number}"] = turn["output_tokens_per_s"]
+    efficiencies = [turn["bandwidth_efficiency"] for turn in turns if turn.get("bandwidth_efficiency") is not None]
+    if efficiencies:
+        picked["decode_bandwidth_efficiency"] = sum(efficiencies) / len(efficiencies)
+    for low in replay.get("low_batch", []):
+        picked[f"seconds_per_token_batch{low['batch']}"] = low["seconds_per_token"]
+    cycles = [figures for name, figures in switch.items() if name.startswith("cycle_")]
+    if cycles:
+        picked |= {"push_s": max(c["push_s"] for c in cycles),
+                   "weight_sync_bytes_per_s": min(c["push_gb_per_s"] for c in cycles) * 1e9,
+                   "sleep_wake_s": max(c["sleep_wake_s"] for c in cycles),
+                   "asleep_residue_gib": max(c["asleep_residue_gib"] for c in cycles)}
+    agreements = [figures for name, figures in switch.items() if name.startswith("agreement_") and name[-1].isdigit()]
+    if agreements:
+        picked["push_mrs_kept_fraction"] = min(a["mrs_kept"] / a["sequences"] for a in agreements)
     return {key: round(value, 4) for key, value in picked.items() if isinstance(value, float) and math.isfinite(value)}
 
 
 SECTIONS = (Section("optimizer_numerics", 90, optimizer_numerics), Section("trainer", 420, trainer),
-            Section("rollout", 330, rollout))
+            Section("vllm_batch", 330, vllm_batch), Section("vllm_replay", 240, vllm_replay),
+            Section("push_switch", 240, push_switch))
+
+
+def engine_child(spec_path: Path) -> None:
+    """A child of `run_engine_child`: its task on the spec, the figures into the spec's result file."""
+    spec = json.loads(spec_path.read_text())
+    Path(spec["result"]).write_text(json.dumps(CHILD_TASKS[spec["task"]](spec)))
+
+
+if __name__ == "__main__":
+    engine_child(Path(sys.argv[1]))

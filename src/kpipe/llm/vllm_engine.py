@@ -9,6 +9,10 @@ one {token_id: Logprob} dict per generated token holding the sampled token (a li
 `FlatLogprobs`, which indexes and iterates the same way).
 Rollout log-probabilities for MRS should come from the sampling distribution: start the
 engine with `logprobs_mode="processed_logprobs"` (vLLM >= 0.10.2) so they include temperature.
+
+Sleep mode (RL's colocated engine, `rl.vllm_sleep`): built with `enable_sleep_mode=True`, the engine
+can give the trainer its GPU memory between generations (`sleep`) and take it back tag by tag
+(`wake_up`), as vLLM 0.26.0's `LLM.sleep`/`LLM.wake_up` do (`vllm/entrypoints/llm.py:796-835`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,20 @@ class VLLMEngine:
         self.seed = seed
         self.usage = Usage()
         self.llm = vllm.LLM(model=model_path, seed=seed, **llm_kwargs)
+        self.asleep: set[str] = set()  # the memory tags (weights, kv_cache) the engine has not taken back yet
+
+    def sleep(self) -> None:
+        """Level 2: the weights and the KV cache leave the GPU, nothing is copied to the host (vLLM 0.26.0,
+        `vllm/v1/worker/gpu_worker.py:192-225`). Right when the next use starts with a push of new weights
+        anyway. The scheduler pauses and the prefix cache is cleared (`vllm/v1/engine/core.py:860-896`)."""
+        self.llm.sleep(level=2)
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tag: str) -> None:
+        """Take back one memory tag: ``weights`` (allocated, not restored: a level-2 sleep discarded them) or
+        ``kv_cache``. Scheduling resumes only once both are back (`vllm/v1/engine/core.py:898-914`)."""
+        self.llm.wake_up(tags=[tag])
+        self.asleep.discard(tag)
 
     def sampling_params(self, request: ChatRequest) -> Any:
         return self._vllm.SamplingParams(

@@ -139,6 +139,14 @@ def decode_tokens_per_s(batch: float, step_seconds: float) -> float:
     return batch / step_seconds
 
 
+def implied_bandwidth_efficiency(tokens_per_s: float, batch: float, context: float, weight_bytes: float,
+                                 kv_bytes: float, hbm_bytes_per_s: float) -> float:
+    """`decode_step_seconds` read backwards: the fraction of the bandwidth at which a measured decode rate reads
+    every weight and every sequence's KV cache once a step (the unit decode_bandwidth_efficiency;
+    checks/gpu/paper_units.py's vllm_replay measures it)."""
+    return (weight_bytes + batch * context * kv_bytes) / hbm_bytes_per_s / (batch / tokens_per_s)
+
+
 def longest_answer_floor_seconds(turns: int, max_tokens: int, prompt_tokens: float, feedback_tokens: float,
                                  step_seconds_at: Callable[[float], float]) -> float:
     """No step ends before its longest trajectory: every turn's answer fills max_tokens, decoded one token a

@@ -20,7 +20,8 @@ whether (and by which filter) it was dropped; every step logs `train_metrics` ro
 
 In code, `IterationTrainer.step` says it in order: the rollout engine gets the policy's weights
 (`kpipe.train.rollouts`), `RolloutSource` hands the step's rollouts (saved, generated now, or generated
-ahead during the step before), they become one `StepBatch` (`kpipe.train.rl_batch`) and
+ahead during the step before), with `rl.vllm_sleep` the colocated vLLM engine sleeps until the next push
+(phases ``push`` and ``sleep_wake``), they become one `StepBatch` (`kpipe.train.rl_batch`) and
 `IterationTrainer.train` runs phases 2–5 on it, each phase adding its fields and running under its
 own timer (`<phase>_s` in the metrics); the update is `kpipe.train.rl_update.update_policy(batch, model,
 optimizer, ...)`; then the step's metrics and checkpoint. The math is `kpipe.train.algos`, the settings
@@ -103,8 +104,8 @@ from kpipe.train.rollouts import (
     TimedEngine,
     TimedEvaluator,
     copy_full_weights,
+    feed_vllm,
     make_engine,
-    push_weights_to_vllm,
     rollout_metrics,
     step_seed,
 )
@@ -311,8 +312,9 @@ class IterationTrainer:
         with self.accelerator.main_process_first():  # rank 0 clears a stale scratch before the others look
             resumed = prepare_scratch(scratch, key)
         set_seed(cfg.seed + iteration)
-        # the whole job's GPU share: a colocated vLLM engine keeps its part of the GPU throughout
-        vllm_share = cfg.vllm_gpu_memory_utilization if cfg.engine == "vllm" else 0.0
+        # the whole job's GPU share: a colocated vLLM engine keeps its part of the GPU throughout, unless it
+        # sleeps while the trainer trains (rl.vllm_sleep)
+        vllm_share = cfg.vllm_gpu_memory_utilization if cfg.engine == "vllm" and not cfg.vllm_sleep else 0.0
         self.memory_plan = resolve_memory_plan(cfg.optimizer_offload, settings.init_model, processes,
                                                trainer_gpu_bytes(vllm_share))
         model, self.tokenizer = load_policy(settings.init_model, cfg, weights_dtype(self.memory_plan))
@@ -367,16 +369,19 @@ class IterationTrainer:
         return [gpus[self.accelerator.local_process_index]]
 
     def step(self, step: int, evaluator: Evaluator) -> dict[str, float]:
-        """One step, in order: the rollout engine gets the policy's weights; this process's rollouts
-        (saved, or generated and judged now); the phases on their batch (`train`), with off_policy_1 the
-        next step's rollouts generated meanwhile; metrics over every process's rows; the step's rows
-        and a checkpoint in the scratch."""
-        self.sync_rollout_weights(step)
+        """One step, in order: the rollout engine gets the policy's weights (a sleeping vLLM engine wakes for
+        them); this process's rollouts (saved, or generated and judged now); with `vllm_sleep` the engine
+        sleeps; the phases on their batch (`train`), with off_policy_1 the next step's rollouts generated
+        meanwhile; metrics over every process's rows; the step's rows and a checkpoint in the scratch."""
         timed, timer = TimedEvaluator(evaluator), PhaseTimer()
         self.engine.seconds = 0.0
         started = time.perf_counter()
+        self.sync_rollout_weights(step, timer)
         with timer("rollout"):
             rows = self.rollouts.of_step(step, timed)
+        if self.cfg.engine == "vllm" and self.cfg.vllm_sleep:
+            with timer("sleep_wake"):  # the trainer's log-probs and update get the engine's GPU memory
+                self.raw_engine.sleep()
         self.seed_step_generators(step)
         with self.rollouts.ahead(step + 1, timed), timer("train"):
             batch = self.train(StepBatch.of_rows(rows, self.tokenizer), timer)
@@ -410,14 +415,16 @@ class IterationTrainer:
                                          self.shuffle_generator, self.progress)
         return batch
 
-    def sync_rollout_weights(self, step: int) -> None:
-        """Give the rollout engine the policy's current weights: the HF rollout copy every step, vLLM's
-        engine after the first (it loaded the iteration's initial model itself)."""
+    def sync_rollout_weights(self, step: int, timer: PhaseTimer) -> None:
+        """Give the rollout engine the policy's current weights (phase ``push``): the HF rollout copy every
+        step, vLLM's engine after the first (it loaded the iteration's initial model itself), woken for them
+        if it sleeps (phase ``sleep_wake``, `kpipe.train.rollouts.feed_vllm`)."""
         policy = self.accelerator.unwrap_model(self.model)
         if self.rollout_model is not None:
-            copy_full_weights(policy, self.rollout_model)
+            with timer("push"):
+                copy_full_weights(policy, self.rollout_model)
         if self.cfg.engine == "vllm" and step > 0:
-            push_weights_to_vllm(self.raw_engine, policy)
+            feed_vllm(self.raw_engine, policy, timer)
 
     def seed_step_generators(self, step: int) -> None:
         """Seed the step's two random streams from the run's seed and global step, so a resumed step
@@ -432,14 +439,16 @@ class IterationTrainer:
         """The step's rollout metrics and times. The times are this process's (the step ends in
         collectives, so step_s is everyone's); gen_s and eval_s count whatever generation and evaluation
         ran during the step, overlap_s what running them alongside each other and the update saved
-        against one after the other."""
+        against one after the other (the weight push and the engine's sleep and wakes, push_s and
+        sleep_wake_s, run alone)."""
         values = rollout_metrics(all_rows, self.cfg.max_turns)
         phases = timer.metrics()
+        alone = phases.get("push_s", 0.0) + phases.get("sleep_wake_s", 0.0)
         values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=phases.pop("rollout_s"),
                       train_s=phases["train_s"], step_s=step_s,
-                      overlap_s=self.engine.seconds + timed.seconds + phases.pop("train_s") - step_s,
+                      overlap_s=self.engine.seconds + timed.seconds + phases.pop("train_s") + alone - step_s,
                       policy_lag=float(self.rollouts.policy_lag(step)), lr=self.cfg.lr, rows=float(len(all_rows)))
-        values.update(phases)  # the train phases' own seconds
+        values.update(phases)  # the train phases' own seconds, push_s and sleep_wake_s
         return values
 
     def save_step(self, step: int, all_rows: list[dict[str, Any]], values: dict[str, float]) -> None:

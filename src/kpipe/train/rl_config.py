@@ -74,6 +74,9 @@ class RLConfig:
     engine: str = "hf"  # hf | vllm (rollouts); the trainer is always torch + transformers
     generation_batch_size: int = 16  # HF engine: sequences per generate() call
     vllm_gpu_memory_utilization: float = 0.35  # vLLM shares the GPU with the trainer
+    # issue 63: the colocated vLLM engine sleeps (level 2: weights and KV cache off the GPU) while the trainer
+    # trains, and wakes for the push; the trainer then plans its memory on the whole GPU. engine vllm only
+    vllm_sleep: bool = False
     # asynchronous inference (§6.1; config key `async`, a Python keyword): off | eval (turns are judged
     # while the engine decodes the others; same rows) | off_policy_1 (also the next step's rollouts are
     # generated during this step's update, by the policy before it: one step stale). Off by default:
@@ -149,6 +152,8 @@ class RLConfig:
             (self.history in HISTORIES, f"history must be one of {HISTORIES}"),
             (self.engine in ENGINES, f"engine must be one of {ENGINES}"),
             (self.async_mode in ASYNC_MODES, f"async must be one of {ASYNC_MODES}"),
+            (not (self.vllm_sleep and self.engine == "vllm" and self.async_mode == "off_policy_1"),
+             "vllm_sleep puts the engine to sleep during the update, when async off_policy_1 generates with it"),
             (self.buffer in BUFFERS, f"buffer must be one of {BUFFERS}"),
             (self.buffer == "none" or self.advantage not in ADVANTAGES or ADVANTAGES[self.advantage].prompt_turn_groups,
              "a buffer normalises (prompt, turn) groups: use it with "

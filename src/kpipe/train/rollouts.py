@@ -1,9 +1,10 @@
 """The rollouts of an RL step (paper §4.3, §6.1): which prompts, where a step's rollouts come from
 (`RolloutSource`: saved, generated now, or generated ahead during the step before), the engine that
 generates them (HF `generate` on the policy or an in-process vLLM engine) and the weight push that
-feeds it the trainer's weights, the timing wrappers behind the step's time split, and the rollouts'
-reward metrics. The episodes themselves run in the one multi-turn loop, `kpipe.agent.run_episodes`;
-each turn's reward is `kpipe.train.algos.turn_reward` of KernelGym's result.
+feeds it the trainer's weights (in buckets; a sleeping engine woken around it: `feed_vllm`), the timing
+wrappers behind the step's time split, and the rollouts' reward metrics. The episodes themselves run in
+the one multi-turn loop, `kpipe.agent.run_episodes`; each turn's reward is `kpipe.train.algos.turn_reward`
+of KernelGym's result.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -135,28 +136,91 @@ def copy_full_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
             target_state[name].copy_(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
+# a push's bucket: the 512 MB of the colocated SGLang push in issue 63's anchors (verl's default is 2,048 MB)
+PUSH_BUCKET_BYTES = 512 * 2**20
+
+
 def _load_weights_on_vllm_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
     # get_model(): the bare model under a CUDA-graph wrapper, in both the V1 and V2 model runners
     worker.model_runner.get_model().load_weights(weights=weights)
 
 
-def push_weights_to_vllm(engine: Any, model: Any) -> None:
-    """Copy the trainer's weights into an in-process vLLM engine (vLLM 0.26 and 0.33, V1 engine; read
-    in their source, not run: tests/test_vllm_api.py).
-
-    Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the
-    engine is built), so `collective_rpc` calls the function on the worker object directly and
-    the tensors are handed over without serialisation; `load_weights` takes HF parameter names.
-    One tensor at a time: an FSDP2-sharded one is all-gathered first (every process calls this,
-    each for its own engine), so the peak is one full tensor beyond the engine's weights. The
-    prefix cache holds KV of the old weights, so it is reset.
-    """
+def full_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's weights by HF name, whole: an FSDP2-sharded tensor is all-gathered as it comes (every
+    process must walk them all, in the same order)."""
     from torch.distributed.tensor import DTensor
 
     for name, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        engine.llm.collective_rpc(_load_weights_on_vllm_worker, args=([(name, full.detach())],))
+        yield name, (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+
+
+def weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                   budget_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive weights cast to `dtype` on their own device, grouped so that a bucket holds at most
+    `budget_bytes` of them; a tensor larger than the budget travels alone (the 8B's embedding and head,
+    1.2 GB each in bf16). The casts of one bucket at a time exist: its memory is the budget."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        nbytes = tensor.numel() * dtype.itemsize
+        if bucket and size + nbytes > budget_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor.to(dtype)))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def push_weights_to_vllm(engine: Any, model: Any, bucket_bytes: int = PUSH_BUCKET_BYTES) -> int:
+    """Copy the trainer's weights (fp32 or bf16, FSDP2-sharded or not) into an in-process vLLM engine, in
+    buckets cast to the engine's dtype; returns the buckets sent. vLLM 0.26 and 0.33, V1 engine; read in
+    their source, not run: tests/test_vllm_api.py.
+
+    Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the engine is
+    built), so `collective_rpc` calls the function on the worker object directly and the tensors are
+    handed over without serialisation; `load_weights` takes HF parameter names. One RPC a bucket, not a
+    tensor: the 8B has 399 tensors, and per-tensor calls are what made pushes slow elsewhere (issue 63's
+    anchors). Beyond the engine's weights the push holds one bucket of casts (and under FSDP2 the tensor
+    being gathered). The prefix cache holds KV of the old weights, so it is reset (host-side bookkeeping
+    only, `vllm/v1/core/block_pool.py:761-790`: safe while the KV cache sleeps).
+    """
+    dtype = engine.llm.model_config.dtype  # LLM.model_config, vllm/entrypoints/llm.py:341
+    buckets = 0
+    for bucket in weight_buckets(full_weights(model), dtype, bucket_bytes):
+        engine.llm.collective_rpc(_load_weights_on_vllm_worker, args=(bucket,))
+        buckets += 1
     engine.llm.reset_prefix_cache()
+    return buckets
+
+
+def untimed(phase: str) -> contextlib.AbstractContextManager[None]:
+    """No timer: `feed_vllm` outside an RL step."""
+    return contextlib.nullcontext()
+
+
+def wake_vllm(engine: Any, tag: str) -> None:
+    """Give a sleeping engine back one memory tag. It takes the memory from the driver (`create_and_map`,
+    vllm/device_allocator/cumem.py:283-307 in 0.26.0): blocks torch's allocator keeps cached (the trainer's
+    freed activations, the push's casts) are not free to it, so they go first."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.wake_up(tag)
+
+
+def feed_vllm(engine: Any, model: Any, timer: Callable[[str], contextlib.AbstractContextManager[None]] = untimed,
+              bucket_bytes: int = PUSH_BUCKET_BYTES) -> None:
+    """The trainer's weights into its colocated vLLM engine: a sleeping engine first takes back the memory of
+    its weights, then the push, then the memory of its KV cache (the order that never holds the push's casts
+    and the KV cache at once beside the trainer). `timer` times the phases ``sleep_wake`` and ``push``."""
+    if "weights" in engine.asleep:
+        with timer("sleep_wake"):
+            wake_vllm(engine, "weights")
+    with timer("push"):
+        push_weights_to_vllm(engine, model, bucket_bytes)
+    if "kv_cache" in engine.asleep:
+        with timer("sleep_wake"):
+            wake_vllm(engine, "kv_cache")
 
 
 def vllm_engine_args(cfg: RLConfig, processes: int) -> dict[str, Any]:
@@ -166,6 +230,8 @@ def vllm_engine_args(cfg: RLConfig, processes: int) -> dict[str, Any]:
     independent data-parallel engines, TRL's colocate mode and verl's layout of one engine per GPU."""
     args: dict[str, Any] = {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization,
                             "logprobs_mode": "processed_logprobs", "max_model_len": cfg.max_context_tokens}
+    if cfg.vllm_sleep:  # the CuMem allocator that lets it sleep (vllm/config/model.py:545-552)
+        args["enable_sleep_mode"] = True
     if processes > 1:
         args["distributed_executor_backend"] = "external_launcher"
     return args
@@ -191,7 +257,7 @@ def make_engine(cfg: RLConfig, model: Any, tokenizer: Any, model_dir: Path, name
         # not give an in-process engine's GPU memory back, so each would take another
         # `vllm_gpu_memory_utilization` of the GPU, and start-up again). Same tokenizer: one run.
         engine = live["engine"]
-        push_weights_to_vllm(engine, model)
+        feed_vllm(engine, model)
         engine.model = name
         return engine
     live.clear()
