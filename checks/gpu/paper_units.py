@@ -418,6 +418,7 @@ def save_architecture(out: Path, tiny: bool) -> Path:
     config = tiny_config(size, len(tokenizer), tokenizer.eos_token_id,
                          tokenizer.pad_token_id)
     config.torch_dtype = "bfloat16"
+    config.architectures = ["Qwen3ForCausalLM"]  # without it vLLM resolves the base model, a pooling one
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
