@@ -24,15 +24,15 @@ from typing import Any
 import torch
 
 from kpipe.data.source_text import source_hash
-from kpipe.gym.compare import Comparison, Tolerance, compare_norms, compare_outputs
+from kpipe.gym.judge.compare import Comparison, Tolerance, compare_norms, compare_outputs
 from kpipe.gym.exchange import ANY, TENSOR, ListOf, MalformedFile, OneOf, Record, check, decode
-from kpipe.gym.faults import classify_exit
-from kpipe.gym.feedback import build_feedback, clip, hacked_diagnostic
-from kpipe.gym.isolate import ChildRun, Launcher, Windows, fresh_interpreter, run_isolated
-from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
+from kpipe.gym.candidate.faults import classify_exit
+from kpipe.gym.judge.feedback import build_feedback, clip, hacked_diagnostic
+from kpipe.gym.confine.isolate import ChildRun, Launcher, Windows, fresh_interpreter, run_isolated
+from kpipe.gym.confine.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import STATUSES, EvalResult, eval_key
-from kpipe.gym.screen import screen
+from kpipe.gym.judge.result import STATUSES, EvalResult, eval_key
+from kpipe.gym.judge.screen import screen
 
 DIAGNOSTIC_MAX_CHARS = 3000
 # timing windows each candidate is judged on, each with a secret seed of its own; the least time
@@ -41,7 +41,7 @@ DIAGNOSTIC_MAX_CHARS = 3000
 WINDOWS_PER_CANDIDATE = 2
 # a reference run answers a stock of windows, each handed to one candidate and never again; the run
 # is repeated when the stock is spent. At most this many windows, whose answers (outputs of every
-# call, kpipe.gym.trial_data.WindowOutputs) hold at most this many bytes
+# call, kpipe.gym.candidate.trial_data.WindowOutputs) hold at most this many bytes
 STOCK_MAX_WINDOWS = 32
 STOCK_MAX_BYTES = 256 << 20
 # a window whose reference calls took less than this on its own clock (too short for the judge's: a
@@ -49,7 +49,7 @@ STOCK_MAX_BYTES = 256 << 20
 # is read as a whole (``window_call_ms``): its fixed cost then stays in both times, a speedup is
 # pulled toward 1 and never rises above the ratio of the two windows, where subtracting the fixed
 # cost left a busy host's milliseconds of noise over calls of microseconds. A GPU's windows take
-# about 100 ms of calls (kpipe.gym.child.WINDOW_TARGET_MS)
+# about 100 ms of calls (kpipe.gym.candidate.child.WINDOW_TARGET_MS)
 WINDOW_MIN_CALLS_MS = 5.0
 # the judge reads a speedup only up to this: a candidate's window shorter than the reference's fixed
 # cost (its inputs' draw, the answer's file) left no time for its calls, and the ratio means nothing
@@ -377,8 +377,8 @@ def evaluate(
     TypeError / ReferenceFailure for bad usage. `reuse_reference` reuses this process's
     cached reference run (outputs and baseline timings) for an identical reference and
     protocol: cheaper, but the baseline is then not timed close to the candidate. `launch`
-    starts each child process (kpipe.gym.pool forks them from a warm zygote). Each child times
-    holding `lease` (default: its device's, ``kpipe.gym.lease``), so no two timed regions on
+    starts each child process (kpipe.gym.serve.pool forks them from a warm zygote). Each child times
+    holding `lease` (default: its device's, ``kpipe.gym.confine.lease``), so no two timed regions on
     one device overlap, whoever evaluates there.
     """
     protocol = protocol or Protocol()
@@ -481,7 +481,7 @@ def evaluate(
     payload = run.payload
     trace["candidate"] = child_stats(payload, run.wall_s)
     trace["candidate_lease_wait_s"] = run.lease_wait_s
-    trace["candidate_peaks"] = run.peaks  # what its limits must leave room for (kpipe.gym.limits)
+    trace["candidate_peaks"] = run.peaks  # what its limits must leave room for (kpipe.gym.confine.limits)
     trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s,
                  candidate_handed_over_unix=run.handed_over_unix)
     common: dict[str, Any] = {"findings": findings, "timed_spans": spans + run.window_spans, "kb_correct": verdict.get("kb_correct")}
@@ -489,7 +489,7 @@ def evaluate(
         return finish("hacked", hack_reasons=[f"integrity: {run.tampered}"], **common)
     if isinstance(payload, dict) and payload.get("tampered"):
         return finish("hacked", hack_reasons=[f"integrity: {payload['error']}"], **common)
-    if run.limit:  # whatever the child then did or wrote (kpipe.gym.limits)
+    if run.limit:  # whatever the child then did or wrote (kpipe.gym.confine.limits)
         return finish("resource_limit", diagnostic=clip(f"resource_limit: {run.limit}", DIAGNOSTIC_MAX_CHARS), **common)
     if run.timed_out:
         return finish("timeout", diagnostic=f"no result within {protocol.timeout_s:g} s (during {run.phase or 'start-up'})", **common)
