@@ -60,6 +60,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import kpipe
 from kpipe.gym.confine.limits import join_cgroups
 from kpipe.infra.process import PR_SET_DUMPABLE, PR_SET_PDEATHSIG
 
@@ -139,7 +140,7 @@ def install_roots() -> list[str]:
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(os.path.realpath(sys.executable)), *sysconfig.get_paths().values(),
              *site.getsitepackages(), site.getusersitepackages(),
-             str(Path(__file__).resolve().parents[2])}
+             str(Path(kpipe.__file__).resolve().parents[1])}
     return sorted(p for p in paths if p)
 
 
