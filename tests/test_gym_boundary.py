@@ -8,7 +8,8 @@ ones too (a lazy import still runs in the process that calls the function), but 
 their module-level imports are walked as well (a function of theirs, such as ``kpipe.gym``'s lazy
 ``__getattr__`` for ``evaluate``, runs only when called). Confinement's modules may run in the
 candidate's process (the sandbox is entered there, the child sets its own limits), so they may be
-reached; they are held to the same rule.
+reached; they are held to the same rule. Below serving the layers go one way: confinement imports
+neither the judge nor serving, the judge no serving.
 """
 
 from __future__ import annotations
@@ -102,23 +103,33 @@ def reached(root: Path, starts: list[str]) -> dict[str, list[str]]:
     return chains
 
 
-def candidate_modules(root: Path) -> list[str]:
-    directory = root / Path(*CANDIDATE.split("."))
-    return sorted(CANDIDATE if p.name == "__init__.py" else f"{CANDIDATE}.{p.stem}" for p in directory.glob("*.py"))
+def package_modules(root: Path, package: str = CANDIDATE) -> list[str]:
+    directory = root / Path(*package.split("."))
+    return sorted(package if p.name == "__init__.py" else f"{package}.{p.stem}" for p in directory.glob("*.py"))
 
 
-def violations(root: Path) -> list[str]:
+def violations(root: Path, package: str = CANDIDATE, forbidden: tuple[str, ...] = FORBIDDEN) -> list[str]:
     found = []
-    for module, chain in reached(root, candidate_modules(root)).items():
-        if any(module == f or module.startswith(f + ".") for f in FORBIDDEN):
+    for module, chain in reached(root, package_modules(root, package)).items():
+        if any(module == f or module.startswith(f + ".") for f in forbidden):
             found.append(" -> ".join(chain))
     return sorted(found)
 
 
 def test_the_candidates_side_imports_nothing_of_the_judge_or_serving() -> None:
-    modules = candidate_modules(SRC)
+    modules = package_modules(SRC)
     assert f"{CANDIDATE}.child" in modules and f"{CANDIDATE}.instrument" in modules
     assert violations(SRC) == []
+
+
+@pytest.mark.parametrize("package, forbidden", [
+    ("kpipe.gym.confine", ("kpipe.gym.judge", "kpipe.gym.serve")),
+    ("kpipe.gym.judge", ("kpipe.gym.serve",)),
+])
+def test_the_layers_below_serving_import_no_layer_above(package: str, forbidden: tuple[str, ...]) -> None:
+    """Confinement starts the children and imports neither the judge nor serving; the judge
+    imports no serving (the pool calls ``evaluate``, never the reverse)."""
+    assert violations(SRC, package, forbidden) == []
 
 
 def test_the_walk_reaches_what_the_child_imports() -> None:
