@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark: what confining candidates (kpipe.gym.sandbox) costs KernelGym's throughput.
+"""Benchmark: what confining candidates (kpipe.gym.confine.sandbox) costs KernelGym's throughput.
 
     . scripts/device_env.sh && python benchmarks/confinement_cost.py [--rounds 2]
 
@@ -39,7 +39,7 @@ def one_pass(shrink: int, trials: int) -> dict[str, object]:
     from kernelbench_side_by_side import TASKS, bank_pairs
 
     from kpipe.gym import Protocol
-    from kpipe.gym.pool import GymPool
+    from kpipe.gym.serve.pool import GymPool
 
     pairs = bank_pairs(TASKS, shrink)
     protocol = Protocol(baseline="eager", correct_trials=5, perf_trials=trials, timeout_s=300)

@@ -2,7 +2,7 @@
 """Benchmark: what a CUDA process's start and exit cost, alone and with others at once.
 
 Every KernelGym child makes a CUDA context and tears it down when it exits, and the timing lease
-passes on only after that exit (``kpipe.gym.isolate``). This measures both ends on bare processes
+passes on only after that exit (``kpipe.gym.confine.isolate``). This measures both ends on bare processes
 (no sandbox, no KernelGym), so the gym's trace ("candidate: from its last phase to the exit seen")
 can be set against what the driver itself costs:
 

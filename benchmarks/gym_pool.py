@@ -11,7 +11,7 @@ is timed next to each candidate) and with the reference run reused per worker
 (``reuse_reference``: what an RL step with n rollouts per prompt amortises):
 
 - ``fresh``: ``kpipe.gym.evaluate`` with a new Python interpreter per child process;
-- ``pool``: ``kpipe.gym.pool.GymPool``: children forked from a warm zygote.
+- ``pool``: ``kpipe.gym.serve.pool.GymPool``: children forked from a warm zygote.
 
 Every candidate is evaluated ``--per-task`` times in a row (distinct rollouts of one prompt).
 
@@ -20,7 +20,7 @@ evaluation, and the median overhead beyond the work the protocol must do, where 
 the time the children spend inside ``run_child`` (measured in the pool's forked children: the
 fresh design runs the same code on the same inputs) and overhead = wall time - that work
 (interpreter start-up and imports, fork, IPC, loading and judging the children's results).
-The median time of each phase of the children (``kpipe.gym.child.Phase``) shows where the
+The median time of each phase of the children (``kpipe.gym.candidate.child.Phase``) shows where the
 work goes.
 
     PYTHONPATH=$PWD/src python benchmarks/gym_pool.py [--per-task 2] [--perf-trials 100]
@@ -76,7 +76,7 @@ def phase_group(name: str) -> str:
 def timed_run_child() -> None:
     """Patch the core's run_child and Phase (in the pool's zygote, so in every forked child)
     to record the child's own duration and the duration of each of its phases."""
-    import kpipe.gym.child as child
+    import kpipe.gym.candidate.child as child
 
     original_run, original_phase = child.run_child, child.Phase.__call__
     marks: list[tuple[str, float]] = []
@@ -119,7 +119,7 @@ def interpreter_start_s() -> float:
     times = []
     for _ in range(3):
         started = time.monotonic()
-        subprocess.run([sys.executable, "-c", "import torch, triton, kpipe.gym.child"], check=True)
+        subprocess.run([sys.executable, "-c", "import torch, triton, kpipe.gym.candidate.child"], check=True)
         times.append(time.monotonic() - started)
     return statistics.median(times)
 
@@ -131,8 +131,8 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="force the CPU interpreter (tiny sizes)")
     args = parser.parse_args()
 
-    from kpipe.gym import evaluation
-    from kpipe.gym.pool import GymPool
+    from kpipe.gym.judge import evaluation
+    from kpipe.gym.serve.pool import GymPool
 
     device = evaluation.resolve_device(Protocol())
     cpu = device == "cpu"
@@ -142,7 +142,7 @@ def main() -> None:
     kind = evaluation.device_kind(device)
     print(f"{len(jobs)} level-1 bank kernels on {kind}, {args.per_task} evaluation(s) of each per design", flush=True)
     start_up = interpreter_start_s()
-    print(f"fresh interpreter importing torch, triton, kpipe.gym.child: {start_up:.2f} s", flush=True)
+    print(f"fresh interpreter importing torch, triton, kpipe.gym.candidate.child: {start_up:.2f} s", flush=True)
 
     # the pool's children time run_child: a sitecustomize on PYTHONPATH patches it in the zygote
     hook_dir = WORK_ROOT / f"kgym-bench-{os.getpid()}"
@@ -210,7 +210,7 @@ def report(rows: dict[tuple[str, bool], dict[str, float]], phase_times: dict[boo
         f"{len(jobs)} level-1 bank kernels x {per_task} evaluations in a row, one worker, protocol: "
         f"{protocol.correct_trials} correctness trials, {protocol.perf_trials} timed trials, baseline eager, "
         f"outputs compared on up to {protocol.compare_max_elements} elements. Fresh interpreter start-up "
-        f"(import torch, triton, kpipe.gym.child): {start_up:.2f} s.",
+        f"(import torch, triton, kpipe.gym.candidate.child): {start_up:.2f} s.",
         "",
         "| design | reference | evaluations / min / GPU | median wall per evaluation (s) | median overhead beyond run_child (s) |",
         "|---|---|---|---|---|",

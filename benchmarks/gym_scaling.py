@@ -11,7 +11,7 @@ cycled to ``--evaluations`` distinct candidates (a comment makes each a new cach
 task's kernel is evaluated evaluations/10 times: the run-to-run spread), 5 correctness + 100 timed
 trials, eager baseline, references run per evaluation (``kpipe gym eval-batch``'s default), or with
 ``--reuse-reference`` once per worker that judges the task (``GymPool``'s default: the pool sends a
-task's candidates to the worker that has run its reference, ``kpipe.gym.pool.JobQueue``). Each
+task's candidates to the worker that has run its reference, ``kpipe.gym.serve.pool.JobQueue``). Each
 configuration runs in its own process with new empty compile caches (every run cold); ``1x1`` is
 the scheduling before kgym-8 (one evaluation at a time per GPU).
 
@@ -79,7 +79,7 @@ def one_run(evaluations: int, gpus: int, per_gpu: int, cpu_threads: int | None, 
     from kernelbench_side_by_side import bank_pairs
 
     from kpipe.gym import Protocol
-    from kpipe.gym.pool import GymPool
+    from kpipe.gym.serve.pool import GymPool
 
     pairs = bank_pairs(tasks, shrink)
     jobs = [(pairs[i % len(pairs)]["reference"], pairs[i % len(pairs)]["candidate"] + f"\n# candidate {i}\n") for i in range(evaluations)]

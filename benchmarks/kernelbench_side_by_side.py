@@ -135,7 +135,7 @@ def run_kpipe(pairs: list[dict[str, str]], repeats: int, deadline: float, trace_
     """One pool; every candidate `repeats` times (a repeat is the ten tasks in order), the
     references run once and reused. Stops before a repeat that would overrun `deadline`."""
     from kpipe.gym import Protocol
-    from kpipe.gym.pool import GymPool
+    from kpipe.gym.serve.pool import GymPool
 
     os.environ["KPIPE_GYM_TRACE"] = str(trace_path)  # the worker inherits it; children never see it
     protocol = Protocol(**{"baseline": "eager", "correct_trials": 5, "perf_trials": 100, "timeout_s": 300, **overrides})
@@ -231,10 +231,10 @@ def probe_main(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(kernelbench_package(args.anchors)))
     from kernelbench import timing as kb_timing
-    from kpipe.gym import instrument
-    from kpipe.gym.child import build_model, load_module
-    from kpipe.gym.timing import Clocks, flush_l2_kernelbench, l2_flush_buffer, time_forward
-    from kpipe.gym.trial_data import make_inputs, trial_seed
+    from kpipe.gym.candidate import instrument
+    from kpipe.gym.candidate.child import build_model, load_module
+    from kpipe.gym.candidate.timing import Clocks, flush_l2_kernelbench, l2_flush_buffer, time_forward
+    from kpipe.gym.candidate.trial_data import make_inputs, trial_seed
     from kpipe.gym.protocol import Protocol
 
     pairs = bank_pairs(args.tasks.split(","))
@@ -305,7 +305,7 @@ def profile_regions(model: Any, input_sets: list[Any], kb_timing: Any, clocks: A
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kpipe.gym.timing import time_forward
+    from kpipe.gym.candidate.timing import time_forward
 
     def timeline(prof: Any) -> list[str]:
         rows = []

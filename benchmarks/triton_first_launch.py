@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Benchmark: what a forked evaluation child pays at its first Triton kernel launch, with and
-without the zygote's ``LAUNCH_PRELOAD`` (``kpipe.gym.zygote``).
+without the zygote's ``LAUNCH_PRELOAD`` (``kpipe.gym.confine.zygote``).
 
 Each variant is a fresh process that prepares itself as the worker's zygote does (``PRELOAD``,
 optionally ``LAUNCH_PRELOAD``, ``warm_triton_compiler`` on a GPU), then forks a child that, after
-its device is set up (as ``kpipe.gym.child``'s "start" phase), compiles and launches two fresh
+its device is set up (as ``kpipe.gym.candidate.child``'s "start" phase), compiles and launches two fresh
 kernels into an empty cache. Printed per variant: the seconds of the first and of the second
 launch (their difference is what the first pays once: lazy imports, runtime helpers) and the
 modules the first launch imported. On a CPU, Triton runs through its interpreter. When $OUT is set,
@@ -61,7 +61,7 @@ def launch_fresh_kernel(index: int, device: str) -> float:
 def one_variant(launch_preload: bool) -> dict[str, object]:
     """This process as a zygote (with or without LAUNCH_PRELOAD), and one forked child's launches."""
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # as a pool worker's: is_available() leaves the driver alone
-    from kpipe.gym import zygote
+    from kpipe.gym.confine import zygote
 
     zygote.preload(launch_time=launch_preload)
     import torch

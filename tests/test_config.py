@@ -95,7 +95,7 @@ def test_every_protocol_field_can_be_set_in_the_config(schema):
 def test_reject_findings_are_the_screens_codes_in_the_schema_and_the_protocol(schema):
     """A misspelt code would reject nothing; the schema, the protocol and the screen agree on the list."""
     from kpipe.gym.protocol import Protocol
-    from kpipe.gym.screen import FINDING_CODES
+    from kpipe.gym.protocol import FINDING_CODES
 
     item = schema["properties"]["gym"]["properties"]["protocol"]["properties"]["reject_findings"]["items"]
     assert item["enum"] == list(FINDING_CODES)

@@ -15,12 +15,12 @@ import kpipe  # noqa: E402
 from kpipe.data.kernelbench import select_problems, shrink_sizes  # noqa: E402
 from kpipe.gym import Protocol  # noqa: E402
 from kpipe.gym.bank import solutions_for  # noqa: E402
-from kpipe.gym.cache import ResultCache  # noqa: E402
-from kpipe.gym.distributed import RayGym, default_actor_count, was_evaluated  # noqa: E402
-from kpipe.gym.pool import MAX_ATTEMPTS, lost_result  # noqa: E402
-from kpipe.gym.result import REFERENCE_ERROR  # noqa: E402
-from kpipe.gym.result import EvalResult  # noqa: E402
-from kpipe.gym.sandbox import OPT_OUT_VARIABLE  # noqa: E402
+from kpipe.gym.serve.cache import ResultCache  # noqa: E402
+from kpipe.gym.serve.distributed import RayGym, default_actor_count, was_evaluated  # noqa: E402
+from kpipe.gym.serve.pool import MAX_ATTEMPTS, lost_result  # noqa: E402
+from kpipe.gym.judge.result import REFERENCE_ERROR  # noqa: E402
+from kpipe.gym.judge.result import EvalResult  # noqa: E402
+from kpipe.gym.confine.sandbox import OPT_OUT_VARIABLE  # noqa: E402
 
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
 LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
@@ -112,14 +112,14 @@ def test_default_actor_count_is_one_per_gpu_or_per_two_cpus() -> None:
 def test_only_real_evaluations_are_cacheable() -> None:
     from concurrent.futures import Future
 
-    from kpipe.gym.worker import Job
+    from kpipe.gym.serve.worker import Job
 
     lost = lost_result(Job(1, REFERENCE, LEGIT, "k", Future(), losses=["gone"]), PROTOCOL, "cpu")
     assert not was_evaluated(lost) and not was_evaluated({"status": REFERENCE_ERROR})
 
 
 def test_results_match_the_core_and_come_back_in_order(gym: RayGym) -> None:
-    from kpipe.gym.evaluation import evaluate
+    from kpipe.gym.judge.evaluation import evaluate
 
     broken = "import triton\nclass ModelNew:\n    pass\n"
     jobs = [(REFERENCE, LEGIT), (REFERENCE, broken), ("class Model(:\n", LEGIT), (REFERENCE, variant(LEGIT, 1))]

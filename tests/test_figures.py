@@ -22,8 +22,8 @@ from kpipe.report.figures import (
     read_provenance,
     source_of,
 )
-from kpipe.gym.feedback import runtime_lines
-from kpipe.gym.result import EvalResult
+from kpipe.gym.judge.feedback import runtime_lines
+from kpipe.gym.judge.result import EvalResult
 
 NAMES = {"fig4_fast1_training", "fig5_fast12_entropy", "fig6_stts", "fig7_training_dynamics", "fig8_hacking_ratio",
          "fig_rl_validation", "fig_kevin_budget", "fig_rl_reward"}

@@ -30,7 +30,7 @@ from gym_attack_runs import DEVICE, LEGIT, evaluate_each_then_honest, evaluate_f
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
             "device": DEVICE}
 RUN_TOKEN = "run-token-that-no-candidate-may-read"
-# what a run's job holds (kpipe.gym.run_service, Slurm, Snakemake) and a candidate must not
+# what a run's job holds (kpipe.gym.serve.run_service, Slurm, Snakemake) and a candidate must not
 RUN_VARIABLES = {"KPIPE_GYM_RUN": "{run}", "KPIPE_GYM_TOKEN": RUN_TOKEN, "KPIPE_WARM_START": "kpipe-warm-start-test",
                  "KPIPE_WARM_START_TOKEN": RUN_TOKEN, "SLURM_JOB_ID": "4242", "SNAKEMAKE_PROFILE": "cluster",
                  "OPENAI_API_KEY": RUN_TOKEN}
@@ -144,7 +144,7 @@ def outside(tmp_path: Path) -> Iterator[Outside]:
     (run / "service-0.json").chmod(0o600)
     pathname = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     pathname.bind(str(tmp_path / "run.sock"))
-    # a socket outside the directories the sandbox covers with a tmpfs (kpipe.gym.sandbox.SOCKET_DIRS)
+    # a socket outside the directories the sandbox covers with a tmpfs (kpipe.gym.confine.sandbox.SOCKET_DIRS)
     home = Path(tempfile.mkdtemp(prefix=".kpipe-sock-", dir=Path.home()))
     elsewhere = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     elsewhere.bind(str(home / "run.sock"))

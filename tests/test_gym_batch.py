@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from kpipe.data.io import read_table
 from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym.bank import solutions_for
-from kpipe.gym.cache import ResultCache
-from kpipe.gym.scale_cli import eval_batch_command
+from kpipe.gym.serve.cache import ResultCache
+from kpipe.gym.serve.scale_cli import eval_batch_command
 
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
 LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
@@ -65,7 +65,7 @@ def test_killed_batch_resumes_with_only_the_missing_evaluations(tmp_path: Path) 
     pq.write_table(pa.table({"reference_src": [REFERENCE] * 8, "candidate_src": sources}), candidates)
     output = tmp_path / "evals.parquet"
     args = batch_args(tmp_path, candidates, output)
-    code = "import sys; from kpipe.gym.scale_cli import eval_batch_command; eval_batch_command(sys.argv[1:])"
+    code = "import sys; from kpipe.gym.serve.scale_cli import eval_batch_command; eval_batch_command(sys.argv[1:])"
     first = subprocess.Popen([sys.executable, "-c", code, *args], start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cache = ResultCache(tmp_path / "cache.sqlite")

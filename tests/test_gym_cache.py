@@ -7,8 +7,8 @@ import multiprocessing
 from pathlib import Path
 
 from kpipe.data.io import read_table
-from kpipe.gym.cache import ResultCache, export_evals
-from kpipe.gym.result import EvalResult
+from kpipe.gym.serve.cache import ResultCache, export_evals
+from kpipe.gym.judge.result import EvalResult
 
 
 def result(key: str, status: str = "pass") -> EvalResult:

@@ -32,9 +32,9 @@ import pytest
 
 import kpipe
 import torch
-from kpipe.gym.environment import redact_secrets
-from kpipe.gym.result import EvalResult
-from kpipe.gym.sandbox import OPT_OUT_VARIABLE, SandboxUnavailable, enter_sandbox, handled_access, sandbox_for
+from kpipe.gym.confine.environment import redact_secrets
+from kpipe.gym.judge.result import EvalResult
+from kpipe.gym.confine.sandbox import OPT_OUT_VARIABLE, SandboxUnavailable, enter_sandbox, handled_access, sandbox_for
 
 import gym_attack_runs
 from gym_attack_runs import DEVICE, LEGIT, RELU_REFERENCE
@@ -207,7 +207,7 @@ def evaluate_pool(tmp_path: Path, candidates: list[str]) -> list[dict[str, objec
 
 def evaluate_service(tmp_path: Path, candidate: str) -> dict[str, object]:
     """``kpipe gym serve`` (the HTTP service other RL frameworks use) and its client."""
-    from kpipe.gym.client import GymClient
+    from kpipe.gym.serve.client import GymClient
 
     (tmp_path / "protocol.json").write_text(json.dumps(PROTOCOL))
     with socket.socket() as probe:
@@ -371,7 +371,7 @@ def test_the_sandbox_grants_no_home_checkout_or_temporary_directory(tmp_path: Pa
 
 def test_opting_out_keeps_unconfined_results_apart_in_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     from kpipe.gym import Protocol
-    from kpipe.gym.result import eval_key
+    from kpipe.gym.judge.result import eval_key
 
     confined = eval_key("ref", "cand", Protocol(), "cpu")
     monkeypatch.setenv(OPT_OUT_VARIABLE, "1")
@@ -380,8 +380,8 @@ def test_opting_out_keeps_unconfined_results_apart_in_the_cache(monkeypatch: pyt
 
 def test_the_bound_pathname_unix_sockets_are_read_from_the_kernels_table(tmp_path: Path) -> None:
     """What the sandbox covers: absolute socket paths, each once; abstract (``@``) and unbound
-    sockets are left out (kpipe.gym.sandbox.bound_unix_sockets)."""
-    from kpipe.gym.sandbox import bound_unix_sockets
+    sockets are left out (kpipe.gym.confine.sandbox.bound_unix_sockets)."""
+    from kpipe.gym.confine.sandbox import bound_unix_sockets
 
     table = tmp_path / "unix"
     table.write_text("Num       RefCount Protocol Flags    Type St Inode Path\n"
@@ -398,7 +398,7 @@ def test_the_bound_pathname_unix_sockets_are_read_from_the_kernels_table(tmp_pat
 LATE_SOCKET_CANDIDATE = """
 import os, socket, sys
 from pathlib import Path
-from kpipe.gym.sandbox import Sandbox, enter_sandbox, sandbox_for
+from kpipe.gym.confine.sandbox import Sandbox, enter_sandbox, sandbox_for
 
 scratch, environment, target = sys.argv[1:4]
 planned = sandbox_for(Path(scratch), dict(os.environ))

@@ -22,11 +22,11 @@ import pytest
 from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
-from kpipe.gym.compile_caches import CompileCaches, foreign_entries, snapshot
-from kpipe.gym.environment import child_environment
-from kpipe.gym.evaluation import evaluate
-from kpipe.gym.pool import GymPool
-from kpipe.gym.sandbox import OPT_OUT_VARIABLE
+from kpipe.gym.confine.compile_caches import CompileCaches, foreign_entries, snapshot
+from kpipe.gym.confine.environment import child_environment
+from kpipe.gym.judge.evaluation import evaluate
+from kpipe.gym.serve.pool import GymPool
+from kpipe.gym.confine.sandbox import OPT_OUT_VARIABLE
 
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
 LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")

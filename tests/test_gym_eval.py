@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol, evaluate
-from kpipe.gym.zygote import Zygote, ZygoteLauncher
+from kpipe.gym.confine.zygote import Zygote, ZygoteLauncher
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 FAST = Protocol(correct_trials=2, perf_trials=2, warmup=0, baseline="eager", timeout_s=60, memory_limit_mb=6000)
@@ -265,8 +265,8 @@ def test_cli_eval_exits_zero_on_a_failing_kernel(tmp_path):
 def test_kept_references_are_budgeted_by_bytes_not_count(monkeypatch):
     """A batch cycling through more tasks than a fixed count of entries never reused one (10 tasks
     against 8 entries on the H100): the cache keeps references until their bytes exceed the budget."""
-    from kpipe.gym import evaluation
-    from kpipe.gym.isolate import ChildRun
+    from kpipe.gym.judge import evaluation
+    from kpipe.gym.confine.isolate import ChildRun
 
     runs: list[str] = []
 

@@ -65,7 +65,7 @@ class ModelNew(nn.Module):
     # class 3: the judge's helpers in the candidate's own process
     "rebinds_the_judges_helpers": KERNEL + '''
 # the judge's module, by its spec: it runs as __main__ in a fresh interpreter
-child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.child")
+child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.candidate.child")
 real_flatten = child.flatten_output
 seen = []
 
@@ -83,7 +83,7 @@ class ModelNew(nn.Module):
         return torch.zeros_like(decorative(x))
 ''',
     "swaps_a_helpers_code": KERNEL + '''
-data = sys.modules["kpipe.gym.trial_data"]
+data = sys.modules["kpipe.gym.candidate.trial_data"]
 data.fingerprint.__code__ = (lambda inputs: 0.0).__code__  # input mutation goes unseen
 
 
@@ -94,7 +94,7 @@ class ModelNew(nn.Module):
         return x
 ''',
     "reads_the_ghost_replays_switch": KERNEL + '''
-instrument = sys.modules["kpipe.gym.instrument"]
+instrument = sys.modules["kpipe.gym.candidate.instrument"]
 
 
 class ModelNew(nn.Module):
@@ -171,8 +171,8 @@ EXPECTED = {  # the status each attack must end with and what its reasons must s
     # a pickle is never read; the judge's own status names why
     "forges_the_final_result": ("runtime_error", "malformed file from the candidate's process: a header of"),
     "writes_an_unhashable_status": ("runtime_error", "malformed file from the candidate's process: the result file: unexpected keys"),
-    "rebinds_the_judges_helpers": ("hacked", "monkey_patch: replaced kpipe.gym.child.flatten_output"),
-    "swaps_a_helpers_code": ("hacked", "kpipe.gym.trial_data.fingerprint.__code__"),
+    "rebinds_the_judges_helpers": ("hacked", "monkey_patch: replaced kpipe.gym.candidate.child.flatten_output"),
+    "swaps_a_helpers_code": ("hacked", "kpipe.gym.candidate.trial_data.fingerprint.__code__"),
     "reads_the_ghost_replays_switch": ("hacked", "ghost_replay"),
     "links_its_result_to_a_secret": ("hacked", "integrity: tampered result: result.safetensors could not be opened safely"),
     "plants_the_gate_as_a_link_outside": ("hacked", "integrity: .gate.judge was planted"),
@@ -200,10 +200,10 @@ def test_every_forgery_fails_through_the_pool_and_each_next_honest_kernel_passes
 
 def test_the_default_screen_rejects_reaching_the_judge_before_anything_runs() -> None:
     from kpipe.gym.protocol import Protocol
-    from kpipe.gym.screen import screen
+    from kpipe.gym.judge.screen import screen
 
     rejected = set(Protocol().reject_findings)
     for name in ("rebinds_the_judges_helpers", "swaps_a_helpers_code", "reads_the_ghost_replays_switch"):
         assert "introspection" in screen(ATTACKS[name]).codes() & rejected, name
-    closure = KERNEL + "\nswitch = sys.modules['kpipe.gym.instrument'].suppressed.__wrapped__.__closure__\n"
+    closure = KERNEL + "\nswitch = sys.modules['kpipe.gym.candidate.instrument'].suppressed.__wrapped__.__closure__\n"
     assert "introspection" in screen(closure).codes()

@@ -24,7 +24,7 @@ from gym_attack_runs import DEVICE, FIXTURES, LEGIT, evaluate_each_then_honest, 
 PROTOCOL = {"correct_trials": 2, "perf_trials": 3, "warmup": 0, "baseline": "eager", "timeout_s": 120, "reject_findings": [],
             "device": DEVICE}
 # ReLU at 20 ms a call, on 64 x 128 = 8192 elements: more than a window sends whole, so its windows
-# are checked at secret positions and by a sketch of every element (kpipe.gym.trial_data.WindowOutputs)
+# are checked at secret positions and by a sketch of every element (kpipe.gym.candidate.trial_data.WindowOutputs)
 SLEEPY_REFERENCE = '''
 import time
 
@@ -87,7 +87,7 @@ class ModelNew(nn.Module):
     # process from the inputs it saw, with the reports of a clean run
     "forges_the_exchange_from_memory": KERNEL + '''
 # the judge's module, by its spec: it runs as __main__ in a fresh interpreter
-child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.child")
+child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.candidate.child")
 real_flatten = child.flatten_output
 reference = sys.modules["kpipe_reference"].Model()
 seen = []
@@ -141,7 +141,7 @@ class ModelNew(nn.Module):
 ''',
     # row 5: in a window, computes only the positions the judge samples (drawn from the seed it reads)
     "computes_only_the_sampled_positions": KERNEL + '''
-from kpipe.gym.trial_data import WINDOW_FULL_ELEMENTS
+from kpipe.gym.candidate.trial_data import WINDOW_FULL_ELEMENTS
 
 
 class ModelNew(nn.Module):
@@ -208,7 +208,7 @@ def test_a_leaked_seed_serves_no_later_candidate_of_a_reused_reference_run() -> 
     import re
 
     from kpipe.gym import Protocol, evaluate
-    from kpipe.gym.evaluation import _reference_cache
+    from kpipe.gym.judge.evaluation import _reference_cache
 
     protocol = Protocol.from_dict(PROTOCOL)
     _reference_cache.clear()

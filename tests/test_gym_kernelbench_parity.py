@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 
 from kpipe.gym import Protocol
-from kpipe.gym.child import Builds, build_model
-from kpipe.gym.evaluation import tolerance
+from kpipe.gym.candidate.child import Builds, build_model
+from kpipe.gym.judge.evaluation import tolerance
 
 # KernelBench at the vendored commit (anchors/kernelbench_harness/eval.py,
 # get_tolerance_for_precision, used by run_and_check_correctness) compares fp32 outputs with
@@ -32,7 +32,7 @@ def test_l2_14_verdict_differs_from_kernelbench_by_tolerance_only() -> None:
     deviation = (torch.rand(reference.shape, generator=generator, dtype=torch.float64) * 2 - 1) * 0.0092  # mean |.| 0.0046
     deviation[reference.abs().argmin()] = 0.02  # KernelBench's recorded maximum lands somewhere
     candidate = (reference + deviation).float()
-    from kpipe.gym.compare import Tolerance, compare_tensor
+    from kpipe.gym.judge.compare import Tolerance, compare_tensor
 
     assert Protocol().atol == Protocol().rtol == 1e-2
     ours = compare_tensor(candidate, reference.float(), tolerance(Protocol()))
@@ -88,7 +88,7 @@ def test_earlier_protocols_are_read_without_their_retired_timing_fields_and_key_
     """kgym-14 runs cuBLAS with its default workspace, as KernelBench does; a kgym-13 record holds the
     child's timing fields kgym-14 removed and still reads (they are dropped), a kgym-2 record keeps
     its workspace setting, and neither shares a cache key with the current protocol."""
-    from kpipe.gym.result import eval_key
+    from kpipe.gym.judge.result import eval_key
 
     default = Protocol(baseline="eager")
     assert default.cublas_workspace_config == ""

@@ -1,4 +1,4 @@
-"""The timing lease (kpipe.gym.lease): evaluations share a device, their timed regions never
+"""The timing lease (kpipe.gym.confine.lease): evaluations share a device, their timed regions never
 overlap — within a pool of several workers, and between processes that share the machine."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
-from kpipe.gym.lease import LEASE_DIR_VARIABLE, ChildPauser, LeaseTimeout, TimingLease, lease_key
-from kpipe.gym.pool import GymPool, default_slots
-from kpipe.gym.result import EvalResult
+from kpipe.gym.confine.lease import LEASE_DIR_VARIABLE, ChildPauser, LeaseTimeout, TimingLease, lease_key
+from kpipe.gym.serve.pool import GymPool, default_slots
+from kpipe.gym.judge.result import EvalResult
 
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
 LEGIT = next(s.source for s in solutions_for(1, 19) if s.variant == "legit")
@@ -131,9 +131,9 @@ def test_a_child_keeps_its_device_until_it_has_exited_and_lets_the_others_run_af
     last thing it times, so the timing part (which stops every other child) ends when the last is answered."""
     import threading
 
-    from kpipe.gym.evaluation import run_reference
-    from kpipe.gym.isolate import fresh_interpreter
-    from kpipe.gym.lease import DEVICE_BYTE
+    from kpipe.gym.judge.evaluation import run_reference
+    from kpipe.gym.confine.isolate import fresh_interpreter
+    from kpipe.gym.confine.lease import DEVICE_BYTE
 
     lease = TimingLease("dev", 60.0, tmp_path)
     pids: list[int] = []
@@ -177,7 +177,7 @@ def test_a_child_keeps_its_device_until_it_has_exited_and_lets_the_others_run_af
 def play_window_child(directory: Path, rounds: int, answer: bytes) -> None:
     """The child's side of the windows' exchange: ready, wait for the seed, answer; then wait for
     the judge's next word (a stop) as a child that was told to stop early does."""
-    from kpipe.gym.isolate import WINDOW_ANSWER_FILE, WINDOW_FILE, WINDOW_READY_FILE
+    from kpipe.gym.exchange import WINDOW_ANSWER_FILE, WINDOW_FILE, WINDOW_READY_FILE
 
     for index in range(rounds):
         (directory / WINDOW_READY_FILE.format(round=index)).write_bytes(b"")
@@ -197,7 +197,8 @@ def test_the_judge_lets_the_others_run_once_the_last_answer_is_there_before_read
     child to stop; earlier rounds are read with the timing part still held."""
     import threading
 
-    from kpipe.gym.isolate import WINDOW_ANSWER_FILE, WINDOW_FILE, ScratchDir, Windows, ask_windows
+    from kpipe.gym.confine.isolate import ScratchDir, Windows, ask_windows
+    from kpipe.gym.exchange import WINDOW_ANSWER_FILE, WINDOW_FILE
 
     answer = b"answer" * 1000
     seeds = tuple(range(1, rounds + 1))
@@ -240,7 +241,7 @@ def test_a_long_wait_for_the_lease_is_taken_off_the_childs_wall_time_once(tmp_pa
     """The child waits at its gate while another holds the lease, and its pauser stops it for the
     same seconds: counted twice, a long wait left a wall time shorter than the child's own timed
     trials, and honest kernels were judged timing_inconsistent on a busy GPU."""
-    from kpipe.gym.isolate import run_isolated
+    from kpipe.gym.confine.isolate import run_isolated
 
     held = multiprocessing.get_context("spawn").Event()
     other = multiprocessing.get_context("spawn").Process(target=hold_for, args=(str(tmp_path), 4.0, held))

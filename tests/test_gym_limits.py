@@ -1,4 +1,4 @@
-"""A candidate's limits (kpipe.gym.limits, issue 52 class 5): the protocol's settings, the judge's
+"""A candidate's limits (kpipe.gym.confine.limits, issue 52 class 5): the protocol's settings, the judge's
 reading of which limit a child hit, the watchdog, and the native-thread count. The attacks
 themselves run end to end in tests/test_gym_attack_limits.py."""
 
@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from kpipe.gym.child import side_os_threads, os_threads
-from kpipe.gym.evaluation import CHILD_FAILURES
-from kpipe.gym.feedback import STATUS_LINES
-from kpipe.gym.isolate import ScratchDir
-from kpipe.gym.limits import (MiB, CgroupSupport, ChildLimits, Limits, Watchdog, apply_rlimits, cgroup_directory,
+from kpipe.gym.candidate.child import side_os_threads, os_threads
+from kpipe.gym.judge.evaluation import CHILD_FAILURES
+from kpipe.gym.judge.feedback import STATUS_LINES
+from kpipe.gym.confine.isolate import ScratchDir
+from kpipe.gym.confine.limits import (MiB, CgroupSupport, ChildLimits, Limits, Watchdog, apply_rlimits, cgroup_directory,
                               detect_cgroups, remove_orphaned_cgroups, tree_usage)
 from kpipe.gym.protocol import PROTOCOL_VERSION, Protocol
-from kpipe.gym.result import STATUSES, EvalResult
+from kpipe.gym.judge.result import STATUSES, EvalResult
 
 
 def test_every_candidate_has_limits_by_default_and_bad_values_are_refused() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kpipe.gym import Protocol
-from kpipe.gym.pool import GymPool
+from kpipe.gym.serve.pool import GymPool
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 REFERENCE = (FIXTURES / "relu_reference.py").read_text()
@@ -39,7 +39,7 @@ def test_pool_host_memory_does_not_grow_over_many_evaluations() -> None:
     """The judging worker and its zygote hold what they held after a warm-up, however many
     evaluations follow (results, child outputs and reused references are not kept); memory is
     read between evaluations, when the zygote's only child is the next candidate's, started ahead
-    (kpipe.gym.zygote.ZygoteLauncher: its sandbox's waiter, init and candidate)."""
+    (kpipe.gym.confine.zygote.ZygoteLauncher: its sandbox's waiter, init and candidate)."""
     with GymPool(PROTOCOL, workers=1, reuse_reference=True, progress=False) as pool:
         worker = pool.workers()[0]["pid"]
 

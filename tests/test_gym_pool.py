@@ -12,12 +12,12 @@ import pytest
 from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
-from kpipe.gym.cache import ResultCache
-from kpipe.gym.pool import MAX_ATTEMPTS, MAX_CPU_THREADS, GymPool, JobQueue, WorkerState, default_cpu_threads, default_slots
-from kpipe.gym.result import REFERENCE_ERROR
-from kpipe.gym.result import EvalResult
-from kpipe.gym.sandbox import OPT_OUT_VARIABLE
-from kpipe.gym.worker import Job
+from kpipe.gym.serve.cache import ResultCache
+from kpipe.gym.serve.pool import MAX_ATTEMPTS, MAX_CPU_THREADS, GymPool, JobQueue, WorkerState, default_cpu_threads, default_slots
+from kpipe.gym.judge.result import REFERENCE_ERROR
+from kpipe.gym.judge.result import EvalResult
+from kpipe.gym.confine.sandbox import OPT_OUT_VARIABLE
+from kpipe.gym.serve.worker import Job
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gym"
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
@@ -99,7 +99,7 @@ def test_every_fault_gets_its_status_and_the_pool_survives(pool: GymPool) -> Non
 
 
 def test_forked_children_match_the_fresh_interpreter_path() -> None:
-    from kpipe.gym.evaluation import evaluate
+    from kpipe.gym.judge.evaluation import evaluate
 
     protocol = Protocol(**{**PROTOCOL.to_dict(), "timeout_s": 120})  # a fresh interpreter starts slowly
     jobs = [(REFERENCE, LEGIT), (REFERENCE, fault("os_exit"))]
@@ -215,7 +215,7 @@ def test_the_pools_own_work_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    probe = ("import sys; from kpipe.gym import Protocol; from kpipe.gym.pool import GymPool\n"
+    probe = ("import sys; from kpipe.gym import Protocol; from kpipe.gym.serve.pool import GymPool\n"
              "pool = GymPool.__new__(GymPool); pool.protocol, pool.device_kind = Protocol(), 'cpu'\n"
              "assert len(pool.key('ref', 'cand')) == 64 and pool._reply_timeout() > 0\n"
              "assert 'torch' not in sys.modules, 'torch imported'")

@@ -1,4 +1,4 @@
-"""kpipe.gym.run_service: which service record a job may use (the lifecycle runs in real Snakemake
+"""kpipe.gym.serve.run_service: which service record a job may use (the lifecycle runs in real Snakemake
 runs: tests/test_workflow_gym_service.py)."""
 
 import json
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from kpipe.gym import Protocol
-from kpipe.gym.run_service import WorkflowRun, serve_command, service_settings, why_unusable, workflow_run
+from kpipe.gym.serve.run_service import WorkflowRun, serve_command, service_settings, why_unusable, workflow_run
 from kpipe.infra.process import process_start
 
 SETTINGS = service_settings(Protocol.from_dict({"perf_trials": 5}), True, None, None, False)

@@ -1,5 +1,5 @@
 """A candidate's scratch directory as the judge walks, measures and removes it (issue 62, rows 9 and
-10; kpipe.gym.scratch_tree and the disk quota of kpipe.gym.limits). The attacks run end to end in
+10; kpipe.gym.confine.scratch_tree and the disk quota of kpipe.gym.confine.limits). The attacks run end to end in
 tests/test_gym_attack_robustness.py."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kpipe.gym.isolate import ScratchDir
-from kpipe.gym.limits import MiB, ChildLimits, DiskQuota, Limits, Watchdog
-from kpipe.gym.scratch_tree import ENTRY_BYTES, MAX_WALK_DEPTH, disk_usage, remove_tree, walk
+from kpipe.gym.confine.isolate import ScratchDir
+from kpipe.gym.confine.limits import MiB, ChildLimits, DiskQuota, Limits, Watchdog
+from kpipe.gym.confine.scratch_tree import ENTRY_BYTES, MAX_WALK_DEPTH, disk_usage, remove_tree, walk
 
 FALLOC_FL_KEEP_SIZE = 1
 

@@ -17,10 +17,10 @@ import uvicorn
 from kpipe.data.kernelbench import select_problems, shrink_sizes
 from kpipe.gym import Protocol
 from kpipe.gym.bank import solutions_for
-from kpipe.gym.client import GymClient, GymServiceError
-from kpipe.gym.result import eval_key
-from kpipe.gym.pool import GymPool
-from kpipe.gym.service import create_app, is_loopback
+from kpipe.gym.serve.client import GymClient, GymServiceError
+from kpipe.gym.judge.result import eval_key
+from kpipe.gym.serve.pool import GymPool
+from kpipe.gym.serve.service import create_app, is_loopback
 
 FAULTS = Path(__file__).parent / "fixtures" / "gym" / "faults"
 REFERENCE = shrink_sizes(select_problems("main", [1], {1: [19]})[0].code, 48)
@@ -101,7 +101,7 @@ def test_a_reference_that_fails_to_run_is_a_reference_error(client: GymClient) -
 
 def test_a_clients_priority_reaches_the_pools_queue() -> None:
     """GymClient(priority=...) sends it with every job, single or batched, and the service queues
-    them at it (the run's critical path goes first; kpipe.gym.pool.JobQueue)."""
+    them at it (the run's critical path goes first; kpipe.gym.serve.pool.JobQueue)."""
     from concurrent.futures import Future
 
     from fastapi.testclient import TestClient
@@ -174,7 +174,7 @@ def test_every_endpoint_refuses_and_logs_a_request_without_the_token(caplog: pyt
     requests = [("GET", "/v1/health", None), ("GET", "/v1/workers", None), ("GET", "/v1/batches/1", None),
                 ("GET", f"/v1/results/{'0' * 64}", None), ("POST", "/v1/batches", {"jobs": []}),
                 ("POST", "/v1/evaluate", {"reference_src": REFERENCE, "candidate_src": LEGIT})]
-    with TestClient(app) as http, caplog.at_level("WARNING", logger="kpipe.gym.service"):
+    with TestClient(app) as http, caplog.at_level("WARNING", logger="kpipe.gym.serve.service"):
         for method, path, body in requests:
             for headers, why in (({}, "no bearer token"), ({"Authorization": "Bearer guessed-token"}, "a wrong bearer token"),
                                  ({"Authorization": TOKEN}, "no bearer token")):

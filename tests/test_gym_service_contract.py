@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
 from kpipe.gym import Protocol
-from kpipe.gym.pool import GymPool
-from kpipe.gym.service import create_app
+from kpipe.gym.serve.pool import GymPool
+from kpipe.gym.serve.service import create_app
 
 PROTOCOL = Protocol(correct_trials=1, perf_trials=2, warmup=0, baseline="eager", device="cpu", timeout_s=20)
 

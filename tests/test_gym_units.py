@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from kpipe.data.schemas import EVALS
-from kpipe.gym.compare import Tolerance, compare_norms, compare_outputs, compare_tensor
-from kpipe.gym.faults import classify_exception, classify_exit
-from kpipe.gym.feedback import build_feedback
+from kpipe.gym.judge.compare import Tolerance, compare_norms, compare_outputs, compare_tensor
+from kpipe.gym.candidate.faults import classify_exception, classify_exit
+from kpipe.gym.judge.feedback import build_feedback
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import EvalResult
-from kpipe.gym.screen import screen
+from kpipe.gym.judge.result import EvalResult
+from kpipe.gym.judge.screen import screen
 
 TOL = Tolerance(atol=1e-2, rtol=1e-2, norm_rtol=0.05)
 
@@ -96,7 +96,7 @@ SCREEN_CASES = [
 
 
 def test_every_screen_finding_code_has_a_case():
-    from kpipe.gym.screen import FINDING_CODES
+    from kpipe.gym.protocol import FINDING_CODES
 
     assert {code for _, code in SCREEN_CASES} == set(FINDING_CODES)
 
@@ -218,7 +218,7 @@ def test_instrument_records_and_suppresses_interpreter_launches(interpreter):
     import triton
     import triton.language as tl
 
-    from kpipe.gym import instrument
+    from kpipe.gym.candidate import instrument
 
     @triton.jit
     def add_one(x_ptr, n, BLOCK: tl.constexpr):
@@ -250,8 +250,8 @@ def test_instrument_records_and_suppresses_interpreter_launches(interpreter):
 
 
 def test_huge_outputs_are_compared_on_a_sample_including_the_tail():
-    from kpipe.gym.trial_data import digest
-    from kpipe.gym.compare import compare_output
+    from kpipe.gym.candidate.trial_data import digest
+    from kpipe.gym.judge.compare import compare_output
 
     reference = torch.rand(1000, 100)
     wrong_tail = reference.clone()
@@ -266,7 +266,7 @@ def test_huge_outputs_are_compared_on_a_sample_including_the_tail():
 
 def test_gate_wait_stops_instead_of_waiting_forever(tmp_path):
     """A candidate whose parent never answers (e.g. the evaluator was killed) must not linger."""
-    from kpipe.gym.child import wait_for_gate
+    from kpipe.gym.candidate.child import wait_for_gate
 
     parent = os.getppid()
     assert wait_for_gate(tmp_path / "never-written", timeout_s=0.05, parent=parent) == "stop"
@@ -330,9 +330,9 @@ def test_the_torch_compile_baseline_is_compiled_before_the_gate_and_timed_on_eve
     lease, which stops every other child on that GPU: the compiled baseline's first call comes
     before the gate. After each window's answer (outside the judge's clock) it runs on the same
     inputs, on the same clock and region as the eager calls, a time per window."""
-    from kpipe.gym import child
+    from kpipe.gym.candidate import child
     from kpipe.gym.exchange import decode
-    from kpipe.gym.isolate import WINDOW_ANSWER_FILE, WINDOW_FILE, WINDOW_READY_FILE
+    from kpipe.gym.exchange import WINDOW_ANSWER_FILE, WINDOW_FILE, WINDOW_READY_FILE
 
     calls: list[str] = []  # the phase each call of the compiled baseline ran in
 
@@ -375,8 +375,8 @@ def test_the_torch_compile_baseline_is_compiled_before_the_gate_and_timed_on_eve
 
 
 def test_window_calls_take_about_the_target_within_the_protocol_and_the_input_cap(monkeypatch: pytest.MonkeyPatch):
-    from kpipe.gym import child
-    from kpipe.gym.timing import Clocks
+    from kpipe.gym.candidate import child
+    from kpipe.gym.candidate.timing import Clocks
 
     def timed_at(call_ms: float) -> None:
         monkeypatch.setattr(child, "run_window_calls", lambda forward, sets, *args, **kwargs: ([], call_ms * len(sets)))
@@ -395,7 +395,7 @@ def test_window_calls_take_about_the_target_within_the_protocol_and_the_input_ca
 
 
 def test_window_outputs_gather_each_calls_own_values_whole_or_at_secret_positions_with_a_sketch():
-    from kpipe.gym.trial_data import WINDOW_FULL_ELEMENTS, WindowOutputs
+    from kpipe.gym.candidate.trial_data import WINDOW_FULL_ELEMENTS, WindowOutputs
 
     reused = torch.zeros(3, 4)  # a kernel that hands back the same buffer every call
     small = WindowOutputs(reused, calls=3, seed=5)
@@ -421,7 +421,7 @@ def test_window_outputs_gather_each_calls_own_values_whole_or_at_secret_position
 def test_a_windows_check_covers_every_element_of_a_huge_output():
     """Positions a candidate can predict let it compute only those: the sketch (a nonlinear
     function of every element under secret signs) fails it, while an output within tolerance passes."""
-    from kpipe.gym.trial_data import WindowOutputs
+    from kpipe.gym.candidate.trial_data import WindowOutputs
 
     reference = torch.randn(256, 4096)
 
@@ -443,7 +443,7 @@ def test_a_windows_check_covers_every_element_of_a_huge_output():
 
 
 def test_window_time_is_the_references_call_plus_the_difference_on_the_judges_clock():
-    from kpipe.gym.evaluation import window_call_ms
+    from kpipe.gym.judge.evaluation import window_call_ms
 
     window = {"calls": 10, "calls_ms": 50.0, "wall_s": 0.070}  # 5 ms calls, 20 ms of fixed cost
     assert window_call_ms(window, 0.070) == pytest.approx(5.0)
@@ -471,7 +471,7 @@ def _answers(calls: int, values: list[float] | None = None) -> bytes:
 def test_the_judge_reads_speed_only_from_its_windows_takes_the_least_and_checks_every_call():
     from types import SimpleNamespace
 
-    from kpipe.gym.evaluation import judge_windows
+    from kpipe.gym.judge.evaluation import judge_windows
 
     protocol = Protocol(baseline="both")
     reference = {"windows": [_window(1, 4, 2.0, 0.010), _window(2, 4, 2.5, 0.012)]}
@@ -498,7 +498,7 @@ def test_a_reference_run_serves_each_window_to_one_candidate_and_runs_again_when
     candidate gets windows no other candidate got, and the run repeats once the stock is spent."""
     from types import SimpleNamespace
 
-    from kpipe.gym import evaluation
+    from kpipe.gym.judge import evaluation
     from kpipe.gym.exchange import encode
 
     runs: list[tuple[int, ...]] = []

@@ -1,4 +1,4 @@
-"""A candidate child started before its job (kpipe.gym.zygote.ZygoteLauncher): confined and
+"""A candidate child started before its job (kpipe.gym.confine.zygote.ZygoteLauncher): confined and
 initialised ahead, stopped like any child while another times, given only the job it was prepared
 for, and ended without a trace when it is not needed."""
 
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from kpipe.gym import Protocol
-from kpipe.gym.isolate import WaitingChild
-from kpipe.gym.lease import ChildPauser, TimingLease
-from kpipe.gym.zygote import Zygote, ZygoteLauncher
+from kpipe.gym.confine.isolate import WaitingChild
+from kpipe.gym.confine.lease import ChildPauser, TimingLease
+from kpipe.gym.confine.zygote import Zygote, ZygoteLauncher
 
 PROTOCOL = Protocol(correct_trials=1, perf_trials=2, warmup=1, baseline="eager", device="cpu", timeout_s=30, reject_findings=())
 
@@ -155,7 +155,7 @@ def test_a_child_whose_zygote_died_is_replaced_before_its_job_comes() -> None:
     with it, and the next call gets a live child from the worker's new zygote."""
     zygotes: list[Zygote] = []
 
-    def current() -> Zygote:  # as kpipe.gym.worker's current_zygote
+    def current() -> Zygote:  # as kpipe.gym.serve.worker's current_zygote
         if not zygotes or not zygotes[-1].alive():
             zygotes.append(Zygote(dict(os.environ)))
         return zygotes[-1]
@@ -177,7 +177,7 @@ def test_a_child_whose_zygote_died_is_replaced_before_its_job_comes() -> None:
 
 
 def test_a_failure_to_start_the_next_child_costs_the_current_one_nothing(zygote: Zygote, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kpipe.gym.zygote import ZygoteDied
+    from kpipe.gym.confine.zygote import ZygoteDied
 
     launcher = ZygoteLauncher(lambda: zygote, "cpu", PROTOCOL.to_dict())
     start = launcher._start_waiting
@@ -202,7 +202,7 @@ def test_a_failure_to_start_the_next_child_costs_the_current_one_nothing(zygote:
 def test_the_next_child_is_started_once_this_one_has_its_job(zygote: Zygote) -> None:
     """The next candidate's fork, scratch and context are made while this candidate runs, never
     between its evaluation's start and its hand-over (its critical path)."""
-    from kpipe.gym.evaluation import evaluate
+    from kpipe.gym.judge.evaluation import evaluate
 
     fixtures = Path(__file__).parent / "fixtures" / "gym"
     events: list[str] = []
@@ -251,7 +251,7 @@ def test_orphans_of_discarded_children_are_reaped_without_another_exit(zygote: Z
 def test_the_judges_trace_splits_its_evaluation(zygote: Zygote, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """KPIPE_GYM_TRACE (benchmarks/gym_scaling.py's phases): the screen, the reference, the
     candidate's whole run and the verdict after it are parts of the evaluation's wall time."""
-    from kpipe.gym.evaluation import evaluate
+    from kpipe.gym.judge.evaluation import evaluate
 
     monkeypatch.setenv("KPIPE_GYM_TRACE", str(tmp_path / "trace.jsonl"))
     fixtures = Path(__file__).parent / "fixtures" / "gym"
@@ -295,7 +295,7 @@ def fork_probe(zygote: Zygote, tmp_path: Path, name: str, exit_after: Path | Non
     """Fork a child of `zygote` whose reference writes to the returned report which of
     CANDIDATE_PRELOAD it was forked with (the zygote's deferred imports), then exits (with
     `exit_after`, once that file exists)."""
-    from kpipe.gym.zygote import CANDIDATE_PRELOAD
+    from kpipe.gym.confine.zygote import CANDIDATE_PRELOAD
 
     workdir = tmp_path / name
     workdir.mkdir()
@@ -325,7 +325,7 @@ def test_a_gpu_zygote_is_ready_before_the_candidates_preload_and_has_it_for_ever
     CANDIDATE_PRELOAD (torch._dynamo alone was 40 % of a zygote's start on an H200 host): a zygote
     whose children compile for a GPU says it is ready without it and imports it beside that first
     child; every later child (the first candidate's next) is forked with all of it."""
-    from kpipe.gym.zygote import CANDIDATE_PRELOAD
+    from kpipe.gym.confine.zygote import CANDIDATE_PRELOAD
 
     # as on a GPU (the compiler's warm-up runs on the host), its scratch in the test's directory
     zygote = Zygote({**os.environ, "TRITON_INTERPRET": "0", "TMPDIR": str(tmp_path)})
@@ -342,7 +342,7 @@ def test_a_gpu_zygote_is_ready_before_the_candidates_preload_and_has_it_for_ever
 
 def test_an_interpreter_zygote_preloads_everything_before_it_is_ready(zygote: Zygote, tmp_path: Path) -> None:
     """On a CPU the children are timed on the host's own clock: nothing of the zygote's runs beside them."""
-    from kpipe.gym.zygote import CANDIDATE_PRELOAD
+    from kpipe.gym.confine.zygote import CANDIDATE_PRELOAD
 
     assert "zygote: candidates' preload" in zygote.start_phases
     assert modules_of(fork_probe(zygote, tmp_path, "probe")) == list(CANDIDATE_PRELOAD)
@@ -372,7 +372,7 @@ def test_a_childs_exit_is_reported_while_the_zygote_still_preloads(tmp_path: Pat
     child that exits meanwhile is reported at once. Reported only after the preload, a worker's
     first child held its GPU's timing lease that long, and the other worker's child on the GPU
     stayed stopped. A later child still starts with all of the preload."""
-    from kpipe.gym.zygote import CANDIDATE_PRELOAD
+    from kpipe.gym.confine.zygote import CANDIDATE_PRELOAD
 
     hooks = tmp_path / "hooks"
     hooks.mkdir()
@@ -399,7 +399,7 @@ def test_the_deferred_preload_pauses_between_steps_completes_before_a_later_fork
     the zygote's loop (whose zygote then exits)."""
     import threading
 
-    from kpipe.gym.zygote import DeferredPreload
+    from kpipe.gym.confine.zygote import DeferredPreload
 
     ran: list[int] = []
     under_way, go_on = threading.Event(), threading.Event()

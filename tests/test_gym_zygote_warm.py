@@ -34,7 +34,7 @@ def test_warming_the_compiler_leaves_no_trace_and_no_cuda_state(tmp_path: Path) 
 
         import torch
 
-        from kpipe.gym.zygote import warm_triton_compiler
+        from kpipe.gym.confine.zygote import warm_triton_compiler
 
 
         def os_threads() -> int:
@@ -64,7 +64,7 @@ def test_the_compiler_it_warmed_compiles_for_the_gpu(tmp_path: Path) -> None:
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
 
-        from kpipe.gym.zygote import warm_triton_compiler
+        from kpipe.gym.confine.zygote import warm_triton_compiler
 
 
         @triton.jit

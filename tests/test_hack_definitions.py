@@ -10,7 +10,7 @@ from test_fastp_definition import write_fixture
 
 from kpipe.data.db import build_db, connect
 from kpipe.data.io import write_table
-from kpipe.gym.evaluation import hack_reasons_before_timing
+from kpipe.gym.judge.evaluation import hack_reasons_before_timing
 from kpipe.gym.protocol import Protocol
 from kpipe.report.tables import DEFAULT_SQL_DIR, best_turn, build_tables, run_table_sql, table_sql_files, turn_rule
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 from torch.autograd import DeviceType
 
-from kpipe.gym.profiling import cuda_time_per_name, profile_summary
+from kpipe.gym.candidate.profiling import cuda_time_per_name, profile_summary
 
 
 def event(name: str, us: float, device: DeviceType = DeviceType.CUDA) -> SimpleNamespace:

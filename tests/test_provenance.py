@@ -56,7 +56,8 @@ def test_cached_evaluations_of_another_judge_are_not_replayed(tmp_path, monkeypa
     """A change of KernelGym's code, torch or Triton changes the result cache's key and the replay
     cache's, so a rerun evaluates again instead of returning the old judge's verdicts."""
     from kpipe.agent import evaluator
-    from kpipe.gym import Protocol, result
+    from kpipe.gym import Protocol
+    from kpipe.gym.judge import result
 
     calls = []
 

@@ -97,7 +97,7 @@ def test_where_things_are_names_only_modules_and_files_that_exist() -> None:
     table = where_things_are()
     modules = set(re.findall(r"`(kpipe(?:\.\w+)+)`", table))
     paths = set(re.findall(r"`((?:workflow|src|config)/[^`]+)`", table))
-    assert {"kpipe.train.algos", "kpipe.train.rl", "kpipe.gym.evaluation", "kpipe.report.tables"} <= modules
+    assert {"kpipe.train.algos", "kpipe.train.rl", "kpipe.gym.judge.evaluation", "kpipe.report.tables"} <= modules
     source = README.parent / "src"
     for module in modules:
         base = source.joinpath(*module.split("."))

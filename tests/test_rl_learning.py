@@ -74,8 +74,8 @@ def sft_policy(root: Path, task: AgentTask) -> Path:
 
 
 def test_rl_iterations_raise_the_mean_reward(tmp_path):
-    from kpipe.gym.cache import ResultCache
-    from kpipe.gym.pool import GymPool
+    from kpipe.gym.serve.cache import ResultCache
+    from kpipe.gym.serve.pool import GymPool
 
     task = relu_task()
     model, state = sft_policy(tmp_path, task), None

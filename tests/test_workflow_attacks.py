@@ -1,7 +1,7 @@
 """Hostile candidates through the run's own KernelGym service during a real Snakemake run (issue 52):
 a model served over the OpenAI API (a local server in this test) answers the evaluation's prompts
 with attacks, one per sample, and an honest kernel; the `eval` job sends them to the run's service
-(``kpipe.gym.run_service``) as any evaluation of the pipeline does. None of the attacks may pass,
+(``kpipe.gym.serve.run_service``) as any evaluation of the pipeline does. None of the attacks may pass,
 leak or write outside its scratch; the honest kernel passes in the same job.
 
 The attacks are written for any KernelBench task: their outputs come from the reference model the
@@ -64,7 +64,7 @@ class ModelNew(TorchBehindAKernel):
         return self.answer(*inputs)
 ''',
     "rebinds_the_judges_helpers": PRELUDE + '''
-child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.child")
+child = next(m for m in list(sys.modules.values()) if getattr(getattr(m, "__spec__", None), "name", "") == "kpipe.gym.candidate.child")
 real_calls = child.run_window_calls
 
 
@@ -107,7 +107,7 @@ class ModelNew(TorchBehindAKernel):
     "computes_only_the_sampled_positions": PRELUDE + '''
 import json
 
-from kpipe.gym.trial_data import WINDOW_FULL_ELEMENTS
+from kpipe.gym.candidate.trial_data import WINDOW_FULL_ELEMENTS
 
 
 class ModelNew(TorchBehindAKernel):

@@ -1,4 +1,4 @@
-"""The run's KernelGym service (kpipe.gym.run_service) in real Snakemake runs of the default DAG's
+"""The run's KernelGym service (kpipe.gym.serve.run_service) in real Snakemake runs of the default DAG's
 smallest evaluating jobs: the teacher's evaluation of one task per level, one sample, one turn.
 
 Started once per run by the first job that evaluates, used by every evaluating job, stopped when
@@ -20,9 +20,9 @@ import pytest
 import yaml
 
 from kpipe.gym import Protocol
-from kpipe.gym.run_service import service_settings, settings_digest, write_record
+from kpipe.gym.serve.run_service import service_settings, settings_digest, write_record
 from kpipe.infra.process import process_start
-from kpipe.gym.sandbox import opted_out
+from kpipe.gym.confine.sandbox import opted_out
 
 pytestmark = pytest.mark.slow
 

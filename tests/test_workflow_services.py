@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kpipe.gym import run_service
+from kpipe.gym.serve import run_service
 from kpipe.infra.process import process_start
 from kpipe.workflow.services import RunServices, ServiceError, check_devices
 

@@ -76,12 +76,12 @@ LIMITS_HOARD = "\nhoard = [b'x' * (64 << 20) for _ in range(64)]\n"
 
 def limits(report: Report, options: argparse.Namespace) -> None:
     """Which mechanisms bound a candidate's memory and processes on this machine (a cgroup, or the judge's
-    watchdog: kpipe.gym.limits), and under each of them, on the GPU: CUDA and a real Triton kernel work
+    watchdog: kpipe.gym.confine.limits), and under each of them, on the GPU: CUDA and a real Triton kernel work
     (an honest candidate passes with the default limits) and the memory cap trips (``resource_limit``)."""
     import json
     import tempfile
 
-    from kpipe.gym.limits import detect_cgroups
+    from kpipe.gym.confine.limits import detect_cgroups
 
     support = detect_cgroups()
     report.line(f"cgroups here: {support or 'none can be made: the watchdog bounds memory and processes'}; "

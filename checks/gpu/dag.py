@@ -436,7 +436,7 @@ def check_outputs(report: Report, options: argparse.Namespace) -> None:
 
     # the offline teacher answers with the bank's legit and buggy variants, never a hack: a hacked
     # verdict on one of its kernels is the judge's error (the two-GPU run of 2026-11-26 judged its
-    # L1 kernels timing_inconsistent, kpipe.gym.isolate's held_up says why)
+    # L1 kernels timing_inconsistent, kpipe.gym.confine.isolate's held_up says why)
     hacked = query("select stage, model, count(*) from trajectories where model like '%teacher%' and status = 'hacked' group by all")
     report.line(f"- the offline teacher's kernels judged hacked: {hacked or 'none'}")
     report.expect(not hacked, f"the offline teacher's kernels were judged hacked: {hacked}")

@@ -6,7 +6,7 @@ bank's expected full-size status, so all paths agree per pair. Sections:
 - ``pool``: the pairs through ``kpipe gym eval-batch`` (the pool: what distillation, RL and evaluation
   use); with confinement on by default, this is also the confined bank check (issue 25);
 - ``service``: the same pairs through ``kpipe gym serve`` and the HTTP client;
-- ``ray``: the same pairs through the Ray backend (``kpipe.gym.distributed.RayGym``) on a local
+- ``ray``: the same pairs through the Ray backend (``kpipe.gym.serve.distributed.RayGym``) on a local
   Ray instance this check starts, one actor per visible GPU;
 - ``eval0``, ``eval1``, ``eval2``: a third of the pairs each (pairs K, K+3, ...) through the
   fresh-interpreter path of ``kpipe gym eval`` (``evaluate()`` in this process, the report saved after
@@ -162,7 +162,7 @@ def free_port() -> int:
 
 
 def run_service(pairs: list[dict[str, Any]], perf_trials: int, work: Path, report: Report) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from kpipe.gym.client import GymClient
+    from kpipe.gym.serve.client import GymClient
 
     port = free_port()
     started = time.monotonic()
@@ -199,7 +199,7 @@ def start_ray() -> tuple[Any, float]:
 
 
 def run_ray(pairs: list[dict[str, Any]], perf_trials: int, work: Path, report: Report) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from kpipe.gym.distributed import RayGym
+    from kpipe.gym.serve.distributed import RayGym
 
     ray, init_s = start_ray()
     try:
@@ -302,14 +302,14 @@ def placement_run(kind: str, devices: list[dict[str, str]], jobs: list[tuple[str
     (``python -m checks.gpu confinement``)."""
     from unittest import mock
 
-    from kpipe.gym.sandbox import OPT_OUT_VARIABLE
+    from kpipe.gym.confine.sandbox import OPT_OUT_VARIABLE
 
     with mock.patch.dict(os.environ, {OPT_OUT_VARIABLE: "1"}):  # the environment as it was, after
         return placement_pass(kind, devices, jobs, perf_trials)
 
 
 def placement_pass(kind: str, devices: list[dict[str, str]], jobs: list[tuple[str, str]], perf_trials: int) -> tuple[list[Any], list[dict[str, Any]], dict[str, set[int]], float]:
-    from kpipe.gym.pool import GymPool
+    from kpipe.gym.serve.pool import GymPool
 
     poller = GpuPoller()
     poller.start()
@@ -320,7 +320,7 @@ def placement_pass(kind: str, devices: list[dict[str, str]], jobs: list[tuple[st
             results = pool.evaluate_many(jobs)
             workers = [{"slot": w["slot"], "pid": w["pid"], "gpu": w["gpu"], "done": w["done"], "restarts": w["restarts"]} for w in pool.workers()]
     else:
-        from kpipe.gym.distributed import RayGym
+        from kpipe.gym.serve.distributed import RayGym
 
         ray, _ = start_ray()
         try:
@@ -425,7 +425,7 @@ def caches_check(perf_trials: int, work: Path, size_cap: int | None) -> tuple[li
     """Cold and warm cost of the cache layout (full protocol, torch.compile baseline, no reuse
     of the reference), and the planted-artifact attack against the compile baseline."""
     from kpipe.gym import Protocol
-    from kpipe.gym.pool import GymPool
+    from kpipe.gym.serve.pool import GymPool
 
     protocol = Protocol(baseline="both", correct_trials=5, perf_trials=perf_trials, timeout_s=300, reject_findings=())
     legit = {p["key"]: p for p in bank_pairs(size_cap) if p["key"].endswith("/legit")}

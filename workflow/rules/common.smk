@@ -116,7 +116,7 @@ CRITICAL_PATH = 10
 # the `gym` section as rules' params: `service` says where evaluations run, not what they give
 GYM = {key: value for key, value in config["gym"].items() if key != "service"}
 # ... and for that chain's jobs: their evaluations go first in the run's KernelGym service, whose
-# queue serves the highest priority waiting (kpipe.gym.pool.JobQueue)
+# queue serves the highest priority waiting (kpipe.gym.serve.pool.JobQueue)
 CRITICAL_GYM = {**GYM, "priority": CRITICAL_PATH}
 # a small local policy shares its GPU; the real-size presets (qwen3-*: config/paper_smoke.yaml) take GPUs whole
 TINY_POLICY = config["policy"]["base_model"] == "tiny" and not config["policy"]["tiny"]["size"].startswith("qwen3-")

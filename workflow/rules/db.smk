@@ -4,14 +4,14 @@
 
 
 rule export_evals:
-    """kpipe.gym.cache.export_evals: the KernelGym result cache (gym.cache) as the evals table."""
+    """kpipe.gym.serve.cache.export_evals: the KernelGym result cache (gym.cache) as the evals table."""
     input:
         trajectory_parts(),
     output:
         EVALS_EXPORT,
     params:
         cache=config["gym"]["cache"],
-        code=job_code("export_evals", "gym/cache.py", "gym/result.py", "data/io.py", "data/schemas.py"),
+        code=job_code("export_evals", "gym/serve/cache.py", "gym/judge/result.py", "data/io.py", "data/schemas.py"),
     log:
         f"{REPORT_LOGS}/export_evals.log",
     conda:

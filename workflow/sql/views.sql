@@ -2,7 +2,7 @@
 -- The base views (tasks, queries, evals, trajectories, train_metrics) are created over
 -- results/<table>/**/*.parquet by kpipe.data.db.build_db before this file runs.
 
--- Which KernelGym check a hack reason (evals.hack_reasons, kpipe.gym.evaluation) comes from. The
+-- Which KernelGym check a hack reason (evals.hack_reasons, kpipe.gym.judge.evaluation) comes from. The
 -- paper's one check is `no_triton_launch`: "no Triton kernel executed in training or evaluation mode"
 -- (reason "no_triton_launch: no Triton kernel ran in train() / eval() mode"). Every other code is one of
 -- kpipe's stricter checks: `static_screen` (reject_findings), `no_triton_launch_timed` (the timed calls
@@ -185,7 +185,7 @@ FROM fastp_samples
 WHERE stage = 'stts';
 
 -- Where a group's numbers come from, for the figures' titles. timing_kind: the clock of its timed
--- turns, read from the feedback they showed (kpipe.gym.feedback.runtime_lines: "Runtime [GPU, on the
+-- turns, read from the feedback they showed (kpipe.gym.judge.feedback.runtime_lines: "Runtime [GPU, on the
 -- judge clock]" or "Runtime [CPU (Triton interpreter; ...)]"); null when no turn was timed. engine: the
 -- rollout engine of RL rollouts (their model label is "<run>/rl-iter<k>/<engine>"), else null.
 CREATE OR REPLACE VIEW provenance AS

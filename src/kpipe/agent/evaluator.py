@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from kpipe.gym.result import reference_error
+from kpipe.gym.judge.result import reference_error
 from kpipe.infra.provenance import judge_version
 
 
@@ -212,8 +212,8 @@ def reference_reuse(setting: bool | None) -> bool:
     """Whether a job keeps each task's reference run in its KernelGym worker and judges later
     candidates of the task against it (`setting`; null: yes): its outputs serve them all, its stock
     of timing windows one window (and secret seed) per candidate, the run repeated once they are
-    spent (kgym-14, ``kpipe.gym.evaluation.run_reference``). Why yes: a batch runs faster (the pool
-    sends a task's candidates to the worker that has run its reference, ``kpipe.gym.pool.JobQueue``).
+    spent (kgym-14, ``kpipe.gym.judge.evaluation.run_reference``). Why yes: a batch runs faster (the pool
+    sends a task's candidates to the worker that has run its reference, ``kpipe.gym.serve.pool.JobQueue``).
     Distillation and RL share this rule, so they share the run's one KernelGym service too."""
     return True if setting is None else bool(setting)
 
@@ -225,7 +225,7 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
 
     backend: pool (default; warm workers, one per GPU or N interpreter workers on a CPU; in a
     job of a Snakemake run with `gym.service: auto`, the run's one service of these settings,
-    `kpipe.gym.run_service`, instead of a pool of the job's own),
+    `kpipe.gym.serve.run_service`, instead of a pool of the job's own),
     local (a fresh interpreter per evaluation; slow, no shared state), service (a running
     `kpipe gym serve` at `url`, token from $KPIPE_GYM_TOKEN), or ray (`RayGym`: `actors`
     Ray actors, one per GPU by default, on the cluster at `ray_address`, or on a local Ray
@@ -236,38 +236,38 @@ def open_evaluator(gym: Mapping[str, Any], *, reuse_reference: bool = False, pro
     process per GPU evaluates on its own); the other backends place work themselves.
     """
     from kpipe.gym import Protocol
-    from kpipe.gym.run_service import workflow_run
+    from kpipe.gym.serve.run_service import workflow_run
 
     protocol = Protocol.from_dict(dict(gym.get("protocol", {})))
     backend = gym.get("backend", "pool")
     if backend == "local":
         yield LocalEvaluator(protocol, progress=progress, reuse_reference=reuse_reference)
     elif backend == "service":
-        from kpipe.gym.client import GymClient
+        from kpipe.gym.serve.client import GymClient
 
         if not gym.get("url"):
             raise ValueError("gym.backend is 'service' but gym.url is not set")
         yield GymClient(gym["url"], priority=int(gym.get("priority", 0)))
     elif backend == "pool" and (run := workflow_run()) is not None:
-        from kpipe.gym.run_service import open_run_service, service_settings
-        from kpipe.gym.sandbox import opted_out
+        from kpipe.gym.serve.run_service import open_run_service, service_settings
+        from kpipe.gym.confine.sandbox import opted_out
 
         settings = service_settings(protocol, reuse_reference, gym.get("cache"), gym.get("workers"), opted_out(),
                                     gym.get("workers_per_gpu"))
         with open_run_service(run, settings, progress=progress, priority=int(gym.get("priority", 0))) as client:
             yield client
     elif backend in ("pool", "ray"):
-        from kpipe.gym.cache import ResultCache
+        from kpipe.gym.serve.cache import ResultCache
 
         cache = ResultCache(gym["cache"]) if gym.get("cache") else None
         if backend == "pool":
-            from kpipe.gym.pool import GymPool
+            from kpipe.gym.serve.pool import GymPool
 
             with GymPool(protocol, workers=gym.get("workers"), per_gpu=gym.get("workers_per_gpu"), cache=cache,
                          reuse_reference=reuse_reference, progress=progress, gpus=gpus) as pool:
                 yield pool
         else:
-            from kpipe.gym.distributed import RayGym
+            from kpipe.gym.serve.distributed import RayGym
 
             with RayGym(protocol, actors=gym.get("actors"), address=gym.get("ray_address"),
                         accelerator_type=gym.get("accelerator_type"), cache=cache, reuse_reference=reuse_reference,

@@ -10,13 +10,13 @@ from pathlib import Path
 import click
 
 from kpipe.gym.protocol import BASELINES, DEVICES, Protocol
-from kpipe.gym.sandbox import OPT_OUT_VARIABLE, SandboxUnavailable
-from kpipe.gym.scale_cli import eval_batch_command, serve_command, workers_command
+from kpipe.gym.confine.sandbox import OPT_OUT_VARIABLE, SandboxUnavailable
+from kpipe.gym.serve.scale_cli import eval_batch_command, serve_command, workers_command
 
 
 @click.group()
 @click.option("--unconfined", is_flag=True, envvar=OPT_OUT_VARIABLE,
-              help=f"Run candidates without the kernel's confinement (kpipe.gym.sandbox), where the machine cannot "
+              help=f"Run candidates without the kernel's confinement (kpipe.gym.confine.sandbox), where the machine cannot "
                    f"confine them. Candidates are hostile code: only for trusted programs. Same as {OPT_OUT_VARIABLE}=1.")
 def gym(unconfined: bool) -> None:
     """KernelGym: isolated, hack-resistant evaluation of Triton kernels."""
@@ -48,7 +48,7 @@ def eval_command(
     as_json: bool,
 ) -> None:
     """Evaluate one candidate against its reference and print the result."""
-    from kpipe.gym.evaluation import ReferenceFailure, evaluate
+    from kpipe.gym.judge.evaluation import ReferenceFailure, evaluate
 
     settings = json.loads(protocol_path.read_text()) if protocol_path else {}
     for name in ("baseline", "correct_trials", "perf_trials", "device", "timeout_s"):

@@ -7,12 +7,19 @@ a header cap, a depth and a node count while walking). Then every file is held t
 (``check``): the exact keys, types and counts the judge expects, so a judge that reads it afterwards
 never meets a value of the wrong kind. A file that fails either step is ``MalformedFile``: a
 candidate's failure, named in its diagnostic, never an exception that reaches the batch.
+
+The exchange's file names, the window poll and ``gc_paused`` are here too: the judge's side
+(``kpipe.gym.confine.isolate``) and the candidate's (``kpipe.gym.candidate.child``) both use them,
+and neither imports the other.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +30,34 @@ DOCUMENT_KEY = "document"
 MAX_DEPTH = 12  # the deepest document the judge's schemas describe is 6 levels
 MAX_NODES = 1 << 20
 MAX_HEADER_BYTES = 64 << 20  # safetensors' header: a JSON object naming each tensor, and the document
+
+# the files a child and the judge exchange in the child's scratch directory
+JOB_FILE = "job.json"
+PREPARATION_FILE = "preparation.json"  # a child started ahead of its job (kpipe.gym.confine.zygote)
+RESULT_FILE = "result.safetensors"
+PARTIAL_FILE = "partial.safetensors"
+PHASE_FILE = "phase"
+GATE_FILE = "gate"
+# a timing window each (``.format(round=...)``)
+WINDOW_READY_FILE = "window-ready-{round}"
+WINDOW_FILE = "window-{round}"
+WINDOW_ANSWER_FILE = "window-{round}.safetensors"
+PHASE_MAX_BYTES = 200
+WINDOW_POLL_S = 0.0002  # the judge's clock on a window is this fine, and so is the child's wait for its seed
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection inside: a full collection of a process holding torch and Triton takes
+    0.1-0.2 s, which a clock around it (a timing window's, on both sides) would charge to the
+    candidate."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class MalformedFile(ValueError):

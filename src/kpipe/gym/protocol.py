@@ -11,15 +11,14 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from kpipe.gym.limits import Limits
-from kpipe.gym.screen import FINDING_CODES
+from kpipe.gym.confine.limits import Limits
 
 # Bump when the meaning of a result changes (a new check, a different statistic); CHANGELOG.md holds
 # the history of kgym-2 to kgym-13.
 # kgym-14: the verdict and the reward come only from what the judge observes itself. A speedup is
 # a ratio of times on the judge's clock: timing windows of back-to-back calls on fresh inputs drawn
 # from a secret seed that serves one candidate once, the candidate's window against the reference's
-# of the same seed (kpipe.gym.evaluation.judge_windows); every call's output is checked (whole, or at
+# of the same seed (kpipe.gym.judge.evaluation.judge_windows); every call's output is checked (whole, or at
 # secret positions and by a sketch of every element); the child's own timings, drift pairing, span
 # charging, host re-check and claim are gone; children's files are safetensors and JSON read by a
 # strict schema (kpipe.gym.exchange), no pickle.
@@ -37,10 +36,29 @@ EARLIER_DEFAULTS["kgym-2"].update(cublas_workspace_config=":4096:8", warmup_ms=0
 for _version in (*EARLIER_DEFAULTS, "kgym-12", "kgym-13"):
     EARLIER_DEFAULTS.setdefault(_version, {})["disk_limit_mb"] = None
 DEVICES = ("auto", "cuda", "cpu")
-# the least value of each limit (kpipe.gym.limits): below them an honest child cannot start
+# the least value of each limit (kpipe.gym.confine.limits): below them an honest child cannot start
 LIMIT_MINIMUMS = {"memory_limit_mb": 256, "file_size_limit_mb": 1, "task_limit": 16, "disk_limit_mb": 16}
 
-# Static findings (kpipe.gym.screen) that reject a candidate as hacked by default; the
+# Every code the static screen (kpipe.gym.judge.screen) reports; the protocol's reject_findings must name only these (a
+# misspelt code would otherwise reject nothing, silently).
+FINDING_CODES = (
+    "try_except",  # a fallback path around the kernel
+    "inherits_model",  # ModelNew(Model): reference code reachable
+    "torch_op_in_forward",  # torch compute left in ModelNew.forward (informs; PR measures it)
+    "thread",
+    "cuda_stream",
+    "monkey_patch",  # assignment to attributes of torch / triton / time / builtins
+    "tensor_subclass",
+    "introspection",  # gc, inspect, sys._getframe: reaching the harness's objects
+    "file_io",
+    "network",
+    "subprocess",
+    "env_access",
+    "ctypes",
+    "process_exit",
+)
+
+# Static findings (kpipe.gym.judge.screen) that reject a candidate as hacked by default; the
 # others only inform (they are listed in the result and the feedback).
 DEFAULT_REJECT_FINDINGS = (
     "try_except",
@@ -63,7 +81,7 @@ class Protocol:
 
     correct_trials: int = 5
     # on the CPU, the calls of each timing window at most (on a GPU a window takes as many as make
-    # about 100 ms of the reference's time, up to 1024: kpipe.gym.child.window_calls), and untimed
+    # about 100 ms of the reference's time, up to 1024: kpipe.gym.candidate.child.window_calls), and untimed
     # calls before the first window
     perf_trials: int = 100
     warmup: int = 10
@@ -84,13 +102,13 @@ class Protocol:
     profile: bool = True
     # a correctness trial's outputs larger than this are compared on a sample of this many elements
     # (head, tail and random positions): full copies of 8 GB KernelBench outputs cannot travel
-    # (a timing window's are checked at secret positions and by a sketch, kpipe.gym.trial_data). 2^20
+    # (a timing window's are checked at secret positions and by a sketch, kpipe.gym.candidate.trial_data). 2^20
     # random positions miss a wrong region covering a fraction f of the output with
     # probability (1 - f)^(2^19) (f = 1e-5: 0.5%); larger samples cost seconds per
     # evaluation in copies, pickling and comparison (benchmarks/gym_pool.py)
     compare_max_elements: int = 1 << 20
     feedback_max_chars: int = 4000
-    # a candidate's limits (kpipe.gym.limits; None: unlimited): host memory of its processes, MiB (a
+    # a candidate's limits (kpipe.gym.confine.limits; None: unlimited): host memory of its processes, MiB (a
     # cgroup's memory.max where one can be made, else the judge's watchdog on their resident memory;
     # an honest candidate's child holds 0.4-3 GiB, a full-size KernelBench model on the CPU more), the
     # size of any file it writes, MiB (above the largest result file a child writes: the judge
@@ -100,7 +118,7 @@ class Protocol:
     file_size_limit_mb: int | None = 1024
     task_limit: int | None = 1024
     # what a candidate's scratch directory may hold on disk, MiB (the judge's quota: allocated blocks,
-    # every entry at least 4 KiB; kpipe.gym.limits): its compile caches and what it writes
+    # every entry at least 4 KiB; kpipe.gym.confine.limits): its compile caches and what it writes
     disk_limit_mb: int | None = 4096
     seed: int = 42
     l2_flush_mb: int = 256
@@ -131,7 +149,7 @@ class Protocol:
                              f"(the codes are {', '.join(FINDING_CODES)})")
 
     def limits(self) -> Limits:
-        """A candidate's caps (kpipe.gym.limits)."""
+        """A candidate's caps (kpipe.gym.confine.limits)."""
         return Limits(self.memory_limit_mb, self.file_size_limit_mb, self.task_limit, self.disk_limit_mb)
 
     @property

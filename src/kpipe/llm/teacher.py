@@ -72,7 +72,7 @@ def code_fingerprint(src: str) -> str:
 
 # the judge's status: the first line of KernelGym's feedback that starts with it (the judge writes it
 # before anything else, and quotes every line of the candidate's own text behind a prefix,
-# kpipe.gym.feedback), never a "Status:" the candidate's output forged further on
+# kpipe.gym.judge.feedback), never a "Status:" the candidate's output forged further on
 FEEDBACK_STATUS_RE = re.compile(r"^Status: (\w+)", re.MULTILINE)
 
 

@@ -57,7 +57,7 @@ TRAJECTORIES_PER_FILE = 50
 PROMPT_CLIP = 4000  # characters of a turn's last prompt message kept in the viewer
 TEXT_CLIP = 12000  # characters of a response or feedback kept in the viewer
 FETCH_ROWS = 2000
-HACK_LINE = "Hacking check failed: "  # kpipe.gym.feedback.build_feedback
+HACK_LINE = "Hacking check failed: "  # kpipe.gym.judge.feedback.build_feedback
 DIFF_CLASSES = {"+": "gi", "-": "gd", "@": "gu"}  # Pygments' Generic.Inserted, .Deleted, .Subheading
 
 # One row per turn, in trajectory order; prompts are summarised in SQL so that full

@@ -54,7 +54,7 @@ KEVIN_CORRECTNESS_WEIGHT = 0.3  # Kevin App. B.2
 RELEASED_CODE_WEIGHT = 0.5  # released code: every term of the reward weighted by 0.5
 TRITONFORGE_COMPILED_REWARD = 0.1  # TritonForge (papers/tritonforge.md, its kernel generator): compiles
 TRITONFORGE_CORRECT_REWARD = 0.3  # correct; + min(max(speedup - 1, 0), 2) when faster
-TORCH_OP_FINDING = "torch_op_in_forward:"  # kpipe.gym.screen's finding for torch compute left in forward
+TORCH_OP_FINDING = "torch_op_in_forward:"  # kpipe.gym.judge.screen's finding for torch compute left in forward
 # statuses of turns whose kernel never compiled: the request failed, no code / no Triton kernel, compiler error
 TRITONFORGE_NOT_COMPILED = ("generation_error", "format_error", "compilation_error", "reference_error")
 

@@ -1,7 +1,7 @@
 """The services of one workflow run, started and stopped in one place: the Snakefile's ``onstart``
 calls :func:`start`, ``onsuccess`` and ``onerror`` call :func:`stop`.
 
-Today that is the run's KernelGym service (:mod:`kpipe.gym.run_service`): one per run and machine,
+Today that is the run's KernelGym service (:mod:`kpipe.gym.serve.run_service`): one per run and machine,
 started by the first job that evaluates, found by the jobs (child processes of Snakemake) through
 the environment this module sets, stopped with the run (or by itself when Snakemake's process ends).
 A run whose jobs execute elsewhere (a cluster executor), or one with ``gym.service: off`` or the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kpipe.gym.run_service import announce, stop_services, withdraw
+from kpipe.gym.serve.run_service import announce, stop_services, withdraw
 
 
 class ServiceError(RuntimeError):

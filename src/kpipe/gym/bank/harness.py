@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kpipe.gym.zygote import LAUNCH_PRELOAD
+from kpipe.gym.confine.zygote import LAUNCH_PRELOAD
 
 TOLERANCE = 1e-2  # KernelBench's atol = rtol for fp32 problems
 

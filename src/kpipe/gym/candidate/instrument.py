@@ -57,7 +57,7 @@ def _launch_hooks() -> tuple[Callable[[Callable[..., Any]], Callable[..., Any]],
     """The launch wrapper and the ghost replay's switch, sharing one flag that lives only in their
     closure: no module attribute says when launches are suppressed, so a candidate cannot read
     it by name to behave differently during the ghost replay (reaching a closure needs the
-    introspection the static screen rejects; kpipe.gym.screen)."""
+    introspection the static screen rejects; kpipe.gym.judge.screen)."""
     suppress = [False]
 
     def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -72,7 +72,7 @@ def _launch_hooks() -> tuple[Callable[[Callable[..., Any]], Callable[..., Any]],
             try:
                 result = original(self, *args, grid=grid, warmup=warmup, **kwargs)
             except BaseException as exc:
-                exc.__kpipe_kernel__ = name  # type: ignore[attr-defined]  # kpipe.gym.faults reads it
+                exc.__kpipe_kernel__ = name  # type: ignore[attr-defined]  # kpipe.gym.candidate.faults reads it
                 raise
             finally:
                 spent = time.perf_counter() - start

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kpipe.gym.result import EvalResult
+from kpipe.gym.judge.result import EvalResult
 
 TOP_KERNELS = 6
 STATUS_LINES = {
@@ -131,6 +131,6 @@ def build_feedback(result: EvalResult, profile: dict[str, Any] | None, max_chars
 
 
 def failure_feedback(status: str, diagnostic: str) -> str:
-    """The feedback on a row the judge could not finish (``kpipe.gym.pool``): its status, and its
+    """The feedback on a row the judge could not finish (``kpipe.gym.serve.pool``): its status, and its
     diagnostic quoted."""
     return f"Status: {status} ({STATUS_LINES[status]})\n{CANDIDATE_TEXT_LABEL}\n{quoted(clip(diagnostic, 1000))}"

@@ -29,7 +29,7 @@ an ancestor's ``/proc/<pid>/environ``, so the operating system confines it
 
 Why these rather than bubblewrap or nsjail: the same kernel mechanisms, reached from Python
 through five syscalls, with no binary to install (bubblewrap is not on PyPI) and no exec in the
-warm-fork path, where a fork of the zygote must stay a fork (kpipe.gym.zygote). Why not a
+warm-fork path, where a fork of the zygote must stay a fork (kpipe.gym.confine.zygote). Why not a
 different uid: the interpreter of many installs lives under a 0700 home (``/root/.pyenv`` on our
 machines), which another uid cannot read; Landlock bounds the file system instead, whatever the
 uid owns. seccomp is not used: the namespaces and Landlock already deny what a syscall filter
@@ -39,7 +39,7 @@ Where the kernel lacks a mechanism, ``probe()`` says which, once, and KernelGym 
 unless the user opted out by name (``KPIPE_GYM_UNCONFINED=1``); it never runs unconfined silently.
 
 Only the standard library is imported here: the fresh-interpreter path confines itself in
-``python -m kpipe.gym.sandbox`` before torch starts its threads (a multi-threaded process
+``python -m kpipe.gym.confine.sandbox`` before torch starts its threads (a multi-threaded process
 cannot enter a user namespace), then execs the child.
 """
 
@@ -60,7 +60,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from kpipe.gym.limits import join_cgroups
+import kpipe
+from kpipe.gym.confine.limits import join_cgroups
 from kpipe.infra.process import PR_SET_DUMPABLE, PR_SET_PDEATHSIG
 
 OPT_OUT_VARIABLE = "KPIPE_GYM_UNCONFINED"
@@ -139,7 +140,7 @@ def install_roots() -> list[str]:
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
              os.path.dirname(os.path.realpath(sys.executable)), *sysconfig.get_paths().values(),
              *site.getsitepackages(), site.getusersitepackages(),
-             str(Path(__file__).resolve().parents[2])}
+             str(Path(kpipe.__file__).resolve().parents[1])}
     return sorted(p for p in paths if p)
 
 
@@ -173,7 +174,7 @@ def toolchain_dirs(environ: dict[str, str]) -> list[str]:
 
 def sandbox_for(scratch: Path, environ: dict[str, str]) -> Sandbox:
     """The sandbox of a candidate whose scratch directory is `scratch` and whose environment
-    (the child's, from kpipe.gym.environment) is `environ`."""
+    (the child's, from kpipe.gym.confine.environment) is `environ`."""
     read = {*SYSTEM_READ, *install_roots(), *mapped_library_dirs(), *toolchain_dirs(environ)}
     devices = {path for pattern in DEVICE_GLOBS for path in glob.glob(pattern)}
     return Sandbox(str(scratch), tuple(sorted(p for p in read if os.path.exists(p))), tuple(sorted(devices)))
@@ -460,14 +461,14 @@ def probe() -> str | None:
             canary = Path(root, "canary")
             canary.write_text("outside the sandbox")
             (Path(root) / "scratch").mkdir()
-            run = subprocess.run([sys.executable, "-m", "kpipe.gym.sandbox", "--probe", root], capture_output=True, text=True,
+            run = subprocess.run([sys.executable, "-m", "kpipe.gym.confine.sandbox", "--probe", root], capture_output=True, text=True,
                                  stdin=subprocess.DEVNULL, timeout=120)
         _probed = "" if run.returncode == 0 else (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
     return _probed or None
 
 
 def probe_main(root: str) -> None:
-    """The probe's sandboxed side (``python -m kpipe.gym.sandbox --probe ROOT``)."""
+    """The probe's sandboxed side (``python -m kpipe.gym.confine.sandbox --probe ROOT``)."""
     try:
         enter_sandbox(sandbox_for(Path(root, "scratch"), dict(os.environ)))
     except SandboxUnavailable as exc:
@@ -501,13 +502,13 @@ def require_confinement() -> bool:
 
 
 def main(argv: list[str]) -> None:
-    """``python -m kpipe.gym.sandbox JOBFILE``: confine this fresh interpreter as the job's
-    ``sandbox`` says (a job without one runs unconfined), then run ``kpipe.gym.child`` on it in
+    """``python -m kpipe.gym.confine.sandbox JOBFILE``: confine this fresh interpreter as the job's
+    ``sandbox`` says (a job without one runs unconfined), then run ``kpipe.gym.candidate.child`` on it in
     this process: torch is imported only inside."""
     if argv[0] == "--probe":
         probe_main(argv[1])
     job = json.loads(Path(argv[0]).read_text())
-    join_cgroups(job.get("limits"))  # a candidate's cgroups (kpipe.gym.limits): joined from outside the sandbox
+    join_cgroups(job.get("limits"))  # a candidate's cgroups (kpipe.gym.confine.limits): joined from outside the sandbox
     if "sandbox" in job:
         try:
             enter_sandbox(Sandbox.from_dict(job["sandbox"]))
@@ -517,7 +518,7 @@ def main(argv: list[str]) -> None:
     import runpy
 
     sys.argv = [sys.argv[0], argv[0]]
-    runpy.run_module("kpipe.gym.child", run_name="__main__", alter_sys=True)
+    runpy.run_module("kpipe.gym.candidate.child", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,14 @@
 """Running one child in isolation: a fresh interpreter in its own session and scratch
-directory, with the environment ``kpipe.gym.environment`` builds (secrets scrubbed, compile
-caches per ``kpipe.gym.compile_caches``, a candidate's home and temporary directory inside its
-scratch), a candidate confined by the kernel to that scratch (``kpipe.gym.sandbox``), a
+directory, with the environment ``kpipe.gym.confine.environment`` builds (secrets scrubbed, compile
+caches per ``kpipe.gym.confine.compile_caches``, a candidate's home and temporary directory inside its
+scratch), a candidate confined by the kernel to that scratch (``kpipe.gym.confine.sandbox``), a
 wall-clock timeout that kills its whole process group, bounded capture of stdout/stderr (kept
 for diagnostics, never parsed for results), and an optional gate between its correctness and
 timing stages, past which the child runs holding its device's timing lease
-(``kpipe.gym.lease``)."""
+(``kpipe.gym.confine.lease``)."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import stat
@@ -28,14 +26,15 @@ from pathlib import Path
 from typing import IO, Any
 
 
-from kpipe.gym.compile_caches import process_caches
-from kpipe.gym.environment import child_environment
-from kpipe.gym.exchange import MalformedFile, decode
-from kpipe.gym.lease import ChildPauser, TimingLease
-from kpipe.gym.limits import ChildLimits, Limits, cgroup_support
+from kpipe.gym.confine.compile_caches import process_caches
+from kpipe.gym.confine.environment import child_environment
+from kpipe.gym.exchange import (GATE_FILE, JOB_FILE, PARTIAL_FILE, PHASE_FILE, PHASE_MAX_BYTES, RESULT_FILE, WINDOW_ANSWER_FILE, WINDOW_FILE,
+                                WINDOW_POLL_S, WINDOW_READY_FILE, MalformedFile, decode, gc_paused)
+from kpipe.gym.confine.lease import ChildPauser, TimingLease
+from kpipe.gym.confine.limits import ChildLimits, Limits, cgroup_support
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.sandbox import require_confinement, sandbox_for
-from kpipe.gym.scratch_tree import remove_tree, walk
+from kpipe.gym.confine.sandbox import require_confinement, sandbox_for
+from kpipe.gym.confine.scratch_tree import remove_tree, walk
 from kpipe.infra.process import kill_group, tied_to_this_process
 
 HEAD_BYTES = 2048
@@ -97,7 +96,7 @@ class ChildRun:
     window_s: list[float] | None = None
     window_spans: list[list[float]] = dataclasses.field(default_factory=list)
     tampered: str = ""  # why the judge ended the child: an exchange file it planted or replaced (``Tampered``)
-    limit: str = ""  # the limits it ran into (``kpipe.gym.limits.ChildLimits.hit``), on the judge's evidence
+    limit: str = ""  # the limits it ran into (``kpipe.gym.confine.limits.ChildLimits.hit``), on the judge's evidence
     peaks: dict[str, float] | None = None  # the most memory and tasks it held, where limited (instrumentation)
 
 
@@ -166,7 +165,7 @@ class ScratchDir:
 
     def file_of_size(self, size: int, max_entries: int = 10000) -> str | None:
         """The path (relative to the directory) of a regular file at least `size` bytes large, if
-        the first `max_entries` entries hold one (``kpipe.gym.scratch_tree.walk``: iterative, no link followed)."""
+        the first `max_entries` entries hold one (``kpipe.gym.confine.scratch_tree.walk``: iterative, no link followed)."""
         return next((entry.path for entry in walk(self.fd, max_entries)
                      if stat.S_ISREG(entry.info.st_mode) and entry.info.st_size >= size), None)
 
@@ -204,7 +203,7 @@ def load_payload(scratch: ScratchDir, name: str, max_bytes: int) -> dict[str, An
 def decode_payload(data: bytes) -> dict[str, Any]:
     """A child's result file's bytes as its payload, or, when it is not a well-formed exchange file
     holding a record, the judge's runtime_error naming why (``malformed``). Its schema is the
-    judge's to check (kpipe.gym.evaluation)."""
+    judge's to check (kpipe.gym.judge.evaluation)."""
     try:
         payload = decode(data)
     except MalformedFile as exc:
@@ -215,7 +214,7 @@ def decode_payload(data: bytes) -> dict[str, Any]:
 
 
 Launcher = Callable[[Path, dict[str, str], float], tuple[Any, list[IO[bytes]]]]
-"""Starts ``kpipe.gym.child`` on a job file (args: job file, the child's complete environment,
+"""Starts ``kpipe.gym.candidate.child`` on a job file (args: job file, the child's complete environment,
 timeout) in its own process group; returns a Popen-like process (poll, wait, pid, args,
 returncode) and its stdout and stderr streams."""
 
@@ -224,7 +223,7 @@ def fresh_interpreter(job_file: Path, env: dict[str, str], timeout_s: float) -> 
     """A new Python interpreter per child: slow to start, shares nothing with anyone. It enters
     the job's sandbox (if any) before torch starts threads, then runs the child."""
     proc = subprocess.Popen(
-        tied_to_this_process([sys.executable, "-m", "kpipe.gym.sandbox", str(job_file)]),
+        tied_to_this_process([sys.executable, "-m", "kpipe.gym.confine.sandbox", str(job_file)]),
         cwd=job_file.parent,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -237,7 +236,7 @@ def fresh_interpreter(job_file: Path, env: dict[str, str], timeout_s: float) -> 
 
 @dataclass
 class Windows:
-    """The judge's timing windows of one child (kpipe.gym.evaluation): per window a secret seed,
+    """The judge's timing windows of one child (kpipe.gym.judge.evaluation): per window a secret seed,
     revealed only when the child is ready and has run its correctness trials; the child draws fresh
     inputs for `calls` calls from it (the reference's child picks `calls` itself: None), runs them
     back to back and writes their outputs; the judge clocks it from the seed to the answer. Windows
@@ -249,7 +248,6 @@ class Windows:
 
 
 RESULT_MAX_BYTES = 1 << 40  # a trusted (reference) child's result: no cap beyond the disk
-WINDOW_POLL_S = 0.0002  # the judge's clock on a window is this fine, and so is the child's wait for its seed
 
 
 def run_isolated(
@@ -261,11 +259,11 @@ def run_isolated(
     windows: Windows | None = None,
     max_result_bytes: int = RESULT_MAX_BYTES,
 ) -> ChildRun:
-    """Run ``kpipe.gym.child`` on `job` in a fresh process; never raises for what the child does.
+    """Run ``kpipe.gym.candidate.child`` on `job` in a fresh process; never raises for what the child does.
 
     With `gate`, the child stops after its correctness stage and writes a partial result;
     `gate(partial)` (run here, in the parent) decides whether it goes on to timing. With `lease`
-    (``kpipe.gym.lease``), a child told to go first waits for its device's timing lease, its device
+    (``kpipe.gym.confine.lease``), a child told to go first waits for its device's timing lease, its device
     held until the child has exited and its timing part until the child has answered its last window,
     and the child is stopped whenever another child holds the timing part; both are added to its
     deadline (they are nobody's fault).
@@ -293,7 +291,7 @@ def run_isolated(
             "gate_wait_s": timeout_s + 2 * lease_wait_bound,
             "window_calls": windows.calls if windows is not None and gate else None,
             "window_rounds": len(windows.seeds) if windows is not None and gate else None,
-            "environment": scratch.env,  # a forked child takes it whole (kpipe.gym.pool)
+            "environment": scratch.env,  # a forked child takes it whole (kpipe.gym.serve.pool)
         }
         job_file = scratch.path / JOB_FILE
         job_file.write_text(json.dumps(job))  # before any candidate code runs; the child removes it at once
@@ -428,9 +426,9 @@ class Scratch:
 
 
 def make_scratch(role: str, device: str, limits: Limits | None = None) -> Scratch:
-    """A new scratch directory and the environment of a child of `role` (``kpipe.gym.environment``
-    with the compile caches of ``kpipe.gym.compile_caches``); a candidate's is sandboxed to it and
-    held to `limits` (``kpipe.gym.limits``)."""
+    """A new scratch directory and the environment of a child of `role` (``kpipe.gym.confine.environment``
+    with the compile caches of ``kpipe.gym.confine.compile_caches``); a candidate's is sandboxed to it and
+    held to `limits` (``kpipe.gym.confine.limits``)."""
     scratch = Scratch(Path(tempfile.mkdtemp(prefix=f"kgym-{role}-")), {}, {})
     try:
         caches = process_caches()
@@ -450,7 +448,7 @@ def make_scratch(role: str, device: str, limits: Limits | None = None) -> Scratc
 
 @dataclass
 class WaitingChild:
-    """A candidate child started before its job (``kpipe.gym.zygote.ZygoteLauncher``): in its
+    """A candidate child started before its job (``kpipe.gym.confine.zygote.ZygoteLauncher``): in its
     scratch and sandbox, its device initialised, reading its job's path from a pipe. Its pauser
     runs from its start: it is stopped whenever another child times on its device."""
 
@@ -498,18 +496,6 @@ def candidate_confinement(scratch: Path, env: dict[str, str]) -> dict[str, Any]:
     return {"sandbox": sandbox_for(scratch, env).to_dict()}
 
 
-# the files a child and the judge exchange in the child's scratch directory
-JOB_FILE = "job.json"
-PREPARATION_FILE = "preparation.json"  # a child started ahead of its job (kpipe.gym.zygote)
-RESULT_FILE = "result.safetensors"
-PARTIAL_FILE = "partial.safetensors"
-PHASE_FILE = "phase"
-GATE_FILE = "gate"
-# a timing window each (``.format(round=...)``)
-WINDOW_READY_FILE = "window-ready-{round}"
-WINDOW_FILE = "window-{round}"
-WINDOW_ANSWER_FILE = "window-{round}.safetensors"
-PHASE_MAX_BYTES = 200
 
 
 def wait_at_gate(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Callable[[], float],
@@ -554,20 +540,6 @@ def answer_gate(scratch: ScratchDir, go: bool) -> bool:
     return go
 
 
-@contextlib.contextmanager
-def gc_paused() -> typing.Iterator[None]:
-    """No garbage collection inside: a full collection of a process holding torch and Triton takes
-    0.1-0.2 s, which a clock around it (a timing window's, on both sides) would charge to the
-    candidate."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def read_exchange_file(scratch: ScratchDir, name: str, max_bytes: int) -> bytes | None:
     """The bytes of a file the child writes during its windows (None: it is not there); Tampered,
     which ends the exchange, when it is not a regular file or is past the cap."""
@@ -584,7 +556,7 @@ def ask_windows(proc: subprocess.Popen[bytes], scratch: ScratchDir, deadline: Ca
     both), or (None, None, spans) when the child exited first; Tampered when the exchange was.
     `timing_done` is called as soon as the last window's answer is there, before its bytes are read:
     the child times nothing more, and the other children on its device need not stay stopped. The
-    answers are parsed by the judge afterwards (kpipe.gym.evaluation)."""
+    answers are parsed by the judge afterwards (kpipe.gym.judge.evaluation)."""
     answers: list[bytes] = []
     seconds: list[float] = []
     spans: list[list[float]] = []

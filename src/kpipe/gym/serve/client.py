@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
-from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
+from kpipe.gym.judge.result import REFERENCE_ERROR, EvalResult, reference_error
 
 RETRY_STATUSES = (429, 502, 503, 504)
 TOKEN_ENV = "KPIPE_GYM_TOKEN"

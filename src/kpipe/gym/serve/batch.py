@@ -21,9 +21,9 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from kpipe.data.io import write_table
-from kpipe.gym.cache import ResultCache
+from kpipe.gym.serve.cache import ResultCache
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import EvalResult, reference_error_result
+from kpipe.gym.judge.result import EvalResult, reference_error_result
 
 ON_REFERENCE_ERROR = ("row", "fail", "skip")
 
@@ -84,7 +84,7 @@ def load_jobs(candidates: Path, references: Path | None = None) -> list[tuple[st
 def cached_device_kind(protocol: Protocol) -> str:
     """The device kind evaluations would run on, found without starting workers (a rerun
     that is all cache hits then costs no worker start-up)."""
-    from kpipe.gym.evaluation import device_kind, resolve_device
+    from kpipe.gym.judge.evaluation import device_kind, resolve_device
 
     return device_kind(resolve_device(protocol))
 
@@ -109,8 +109,8 @@ def eval_batch(
     failed row never takes the batch with it; with ``fail`` the command raises after every other
     job finished (and was cached), naming the rows; with ``skip`` those rows are left out.
     """
-    from kpipe.gym.result import eval_key
-    from kpipe.gym.pool import GymPool
+    from kpipe.gym.judge.result import eval_key
+    from kpipe.gym.serve.pool import GymPool
 
     if on_reference_error not in ON_REFERENCE_ERROR:
         raise ValueError(f"on_reference_error must be one of {ON_REFERENCE_ERROR}")

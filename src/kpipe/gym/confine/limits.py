@@ -5,12 +5,12 @@ whatever it starts. The judge decides which limit was hit from what the candidat
 How each is enforced, and why:
 
 - **disk**: the judge's quota on what the candidate's scratch directory holds (allocated blocks, each
-  entry at least a block; ``kpipe.gym.scratch_tree.disk_usage``), checked by its watchdog every
+  entry at least a block; ``kpipe.gym.confine.scratch_tree.disk_usage``), checked by its watchdog every
   ``DISK_WATCH_INTERVAL_S`` (the tree is killed past it) and once more after the child has exited, so
   nothing it left counts less: ``RLIMIT_FSIZE`` bounds one file's size, not how many files there are,
   nor blocks ``fallocate`` reserves without growing a file (``FALLOC_FL_KEEP_SIZE``). A soft bound
   while it runs (a fast writer overshoots by what it writes in one interval), exact at the end; the
-  scratch is removed after either (``kpipe.gym.scratch_tree.remove_tree``), however deep it nests.
+  scratch is removed after either (``kpipe.gym.confine.scratch_tree.remove_tree``), however deep it nests.
 - **file size**: ``RLIMIT_FSIZE``, set in the child (``apply_rlimits``); a write past it kills the
   writer with SIGXFSZ (the judge sees the exit signal) or, where the candidate ignores that signal,
   fails with EFBIG and leaves a file at the cap in its scratch (the judge looks: ``ChildLimits.hit``).
@@ -29,7 +29,7 @@ How each is enforced, and why:
   maps the candidate to its caller's uid: root on our machines), so it bounded nothing there.
 
 Only the standard library is imported here: a forked or fresh child joins its cgroups before it
-enters its sandbox, before torch starts threads (``kpipe.gym.sandbox``).
+enters its sandbox, before torch starts threads (``kpipe.gym.confine.sandbox``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kpipe.gym.scratch_tree import MAX_WALK_DEPTH, ENTRY_BYTES, disk_usage
+from kpipe.gym.confine.scratch_tree import MAX_WALK_DEPTH, ENTRY_BYTES, disk_usage
 
 # set to 1 to enforce memory and tasks by the watchdog even where a cgroup could be made
 NO_CGROUP_VARIABLE = "KPIPE_GYM_NO_CGROUP"

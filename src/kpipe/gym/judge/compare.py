@@ -84,7 +84,7 @@ Output = torch.Tensor | dict[str, Any]
 
 def paired_tensors(candidate: Output, reference: Output) -> tuple[torch.Tensor, torch.Tensor, str] | Comparison:
     """The two tensors to compare from outputs as the children saved them
-    (``kpipe.gym.trial_data.digest``): the full tensors, or for huge outputs the same sampled
+    (``kpipe.gym.candidate.trial_data.digest``): the full tensors, or for huge outputs the same sampled
     positions of each (then a note for the detail); a Comparison where shape or dtype differ."""
     c = candidate if isinstance(candidate, dict) else {"full": candidate}
     r = reference if isinstance(reference, dict) else {"full": reference}
@@ -123,7 +123,7 @@ def compare_outputs(candidate: list[Output], reference: list[Output], tol: Toler
     return worst
 
 
-# a window's sketch (kpipe.gym.trial_data.sketch) may differ from the reference's by this many
+# a window's sketch (kpipe.gym.candidate.trial_data.sketch) may differ from the reference's by this many
 # standard deviations of the difference that outputs within the elementwise tolerance give (whose
 # errors do not know the secret signs): an honest output fails with probability below 1e-15
 SKETCH_DEVIATIONS = 8.0

@@ -11,13 +11,13 @@
   judge's timing windows.
 
 The judge trusts nothing a candidate's process writes but its outputs: it compares them itself
-(``kpipe.gym.compare``) and clocks each window on its own clock. Its reports (launches, patched
+(``kpipe.gym.judge.compare``) and clocks each window on its own clock. Its reports (launches, patched
 names, threads) can only fail it. The phases' tools live beside it: a trial's inputs and output
-digests in ``kpipe.gym.trial_data``, PR in ``kpipe.gym.profiling``, the file format in
+digests in ``kpipe.gym.candidate.trial_data``, PR in ``kpipe.gym.candidate.profiling``, the file format in
 ``kpipe.gym.exchange``; this module is the order they run in and what is recorded.
 
 The job is a plain dict so a warm pool can fork and call ``run_child`` unchanged; this
-module's ``__main__`` is the fresh-interpreter path: ``python -m kpipe.gym.child JOBFILE``.
+module's ``__main__`` is the fresh-interpreter path: ``python -m kpipe.gym.candidate.child JOBFILE``.
 """
 
 from __future__ import annotations
@@ -45,17 +45,16 @@ from typing import Any
 
 import torch
 
-from kpipe.gym import instrument
-from kpipe.gym.environment import is_secret
-from kpipe.gym.faults import classify_exception
-from kpipe.gym.exchange import encode
-from kpipe.gym.isolate import (JOB_FILE, PARTIAL_FILE, PREPARATION_FILE, WINDOW_ANSWER_FILE, WINDOW_FILE, WINDOW_POLL_S, WINDOW_READY_FILE,
-                               gc_paused)
-from kpipe.gym.limits import apply_rlimits
-from kpipe.gym.profiling import profile_cpu, profile_cuda
+from kpipe.gym.candidate import instrument
+from kpipe.gym.confine.environment import is_secret
+from kpipe.gym.candidate.faults import classify_exception
+from kpipe.gym.exchange import (JOB_FILE, PARTIAL_FILE, PREPARATION_FILE, WINDOW_ANSWER_FILE, WINDOW_FILE, WINDOW_POLL_S, WINDOW_READY_FILE,
+                                encode, gc_paused)
+from kpipe.gym.confine.limits import apply_rlimits
+from kpipe.gym.candidate.profiling import profile_cpu, profile_cuda
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.timing import Clocks, flush_l2, l2_flush_buffer
-from kpipe.gym.trial_data import (WindowOutputs, clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs,
+from kpipe.gym.candidate.timing import Clocks, flush_l2, l2_flush_buffer
+from kpipe.gym.candidate.trial_data import (WindowOutputs, clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs,
                                   tensor_bytes, trial_seed)
 
 # the judge's timing windows (``answer_windows``): the reference picks how many calls each takes, enough
@@ -168,7 +167,7 @@ def watched_objects() -> dict[str, Any]:
         spaces["torch.cuda"] = torch.cuda
         spaces["torch.cuda.Event"] = torch.cuda.Event
     for module in list(sys.modules.values()):
-        # by its spec: this module runs as __main__ in a fresh interpreter (python -m kpipe.gym.child)
+        # by its spec: this module runs as __main__ in a fresh interpreter (python -m kpipe.gym.candidate.child)
         name = getattr(getattr(module, "__spec__", None), "name", "") or ""
         if name.startswith("kpipe.") and isinstance(module, types.ModuleType):
             spaces[name] = module
@@ -355,7 +354,7 @@ def compiled_reference(model: torch.nn.Module, inputs: list[Any], result: dict[s
 
 def build_triton_runtime() -> None:
     """Build Triton's host-side helpers (``cuda_utils``: gcc, about a second) here, in the trusted
-    cache every candidate's private cache is seeded from (kpipe.gym.compile_caches); otherwise
+    cache every candidate's private cache is seeded from (kpipe.gym.confine.compile_caches); otherwise
     every candidate child builds them again. Before the gate: gcc runs while another child may be
     timed, never while this one holds the timing lease."""
     import triton
@@ -510,12 +509,12 @@ def run_window_calls(forward: Callable[..., Any], input_sets: list[list[Any]], c
                      tolerance: tuple[float, float] | None = None) -> tuple[list[list[dict[str, Any]]], float]:
     """One window's calls, back to back as a GPU queue takes them: each behind the L2 flush, the host
     waiting for the GPU once before the first and once after the last, then one copy to the host per
-    output position (``kpipe.gym.trial_data.WindowOutputs``, whose positions and sketch signs come
+    output position (``kpipe.gym.candidate.trial_data.WindowOutputs``, whose positions and sketch signs come
     from `seed`). Returns each call's output digests and the calls' own milliseconds, summed: on a
     GPU from an event queued behind the flush to one right after the call (KernelBench's region), on
     the CPU the host clock around the call. Read from the reference's child only: the judge's clock
     covers the whole window, whose other work (the flush, gathering the outputs, the sketch) both
-    children do alike and which cancels (kpipe.gym.evaluation.window_call_ms)."""
+    children do alike and which cancels (kpipe.gym.judge.evaluation.window_call_ms)."""
     gathered: list[WindowOutputs] = []
     events: list[tuple[Any, Any]] = []
     calls_ms = 0.0
@@ -665,7 +664,7 @@ def candidate_traceback(exc: BaseException) -> str:
 
 
 def settle_process(device: str, protocol: Protocol, limits: dict[str, Any] | None) -> None:
-    """What a child sets before anything runs: its limits (a candidate's job's, ``kpipe.gym.limits``;
+    """What a child sets before anything runs: its limits (a candidate's job's, ``kpipe.gym.confine.limits``;
     none but core dumps off for the reference's and a child still waiting for its job), no secrets in
     its environment, the interpreter on a CPU, cuBLAS's workspace setting (read when cuBLAS starts)."""
     apply_rlimits(limits)
@@ -681,7 +680,7 @@ def settle_process(device: str, protocol: Protocol, limits: dict[str, Any] | Non
 
 
 def prepare_device(device: str, protocol: dict[str, Any]) -> None:
-    """A child started before its job (``kpipe.gym.zygote.ZygoteLauncher``) pays here, while it
+    """A child started before its job (``kpipe.gym.confine.zygote.ZygoteLauncher``) pays here, while it
     waits, what every child's start costs: its CUDA context and torch's lazy state. ``run_child``
     then finds them made; nothing of a candidate has run yet. It also walks what the candidate's
     run snapshots (``watched_objects``), which copies the pages it touches, shared with the zygote
@@ -705,7 +704,7 @@ def run_child(job: dict[str, Any]) -> None:
     most ``gate_wait_s``: the judge answers "go" once it holds the device's timing lease),
     ``window_rounds`` and, for a candidate, ``window_calls`` (optional: then answer the judge's timing
     windows, ``answer_windows``).
-    Sets its rlimits (``kpipe.gym.limits.apply_rlimits``: a candidate's ``limits``) and scrubs
+    Sets its rlimits (``kpipe.gym.confine.limits.apply_rlimits``: a candidate's ``limits``) and scrubs
     secrets from ``os.environ`` itself, so a forked child of a warm pool is confined the same way.
     """
     # what is imported by now is never garbage: a collection that walked it (0.1-0.2 s with torch
@@ -742,7 +741,7 @@ def run_child(job: dict[str, Any]) -> None:
         payload["traceback"] = candidate_traceback(exc)
         payload["phase"] = Path(job["phase_path"]).read_text() if job.get("phase_path") else ""
     phase("write result", announce=payload["status"] == "ok")
-    try:  # instrumentation only (kpipe.gym.evaluation's trace): never part of a verdict
+    try:  # instrumentation only (kpipe.gym.judge.evaluation's trace): never part of a verdict
         payload["stats"] = {"phases": phase.durations(), "started_unix": started_unix,
                             "memory": memory_stats(device, device_used_at_start)}
     except BaseException as exc:  # noqa: BLE001 - a candidate that broke torch.cuda loses only its stats

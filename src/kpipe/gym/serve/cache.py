@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from kpipe.data.io import write_table
-from kpipe.gym.result import EvalResult
+from kpipe.gym.judge.result import EvalResult
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The pool starts it as a fresh interpreter with ``CUDA_VISIBLE_DEVICES`` pinned to its GPU (so
 a caller holding a CUDA context is harmless); it runs the core's ``evaluate()`` for each job it
 is sent, with every candidate and reference run in a child forked from its zygote
-(``kpipe.gym.zygote``) or, without fork, in a fresh interpreter. ``WorkerHandle`` is the pool's
+(``kpipe.gym.confine.zygote``) or, without fork, in a fresh interpreter. ``WorkerHandle`` is the pool's
 end of the connection.
 """
 
@@ -23,12 +23,12 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 
-from kpipe.gym.environment import worker_environment
+from kpipe.gym.confine.environment import worker_environment
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import REFERENCE_ERROR
-from kpipe.gym.sandbox import require_confinement
+from kpipe.gym.judge.result import REFERENCE_ERROR
+from kpipe.gym.confine.sandbox import require_confinement
 from kpipe.infra.process import PR_SET_DUMPABLE, exit_without_teardown, kill_group, prctl, process_age
-from kpipe.gym.zygote import Zygote, ZygoteLauncher
+from kpipe.gym.confine.zygote import Zygote, ZygoteLauncher
 
 WORKER_START_TIMEOUT_S = 300.0
 
@@ -40,11 +40,11 @@ class Job:
     candidate: str
     key: str
     future: Future[Any]
-    priority: int = 0  # the queue serves the highest first (kpipe.gym.pool.JobQueue)
+    priority: int = 0  # the queue serves the highest first (kpipe.gym.serve.pool.JobQueue)
     attempts: int = 0
     losses: list[str] = field(default_factory=list)
     # set when its reference ran out of memory beside other evaluations: the GPU (slot's `gpu`) it
-    # is retried on alone, the other workers there held off (kpipe.gym.pool.JobQueue)
+    # is retried on alone, the other workers there held off (kpipe.gym.serve.pool.JobQueue)
     alone_on: str | None = None
     alone: bool = False
 
@@ -60,8 +60,8 @@ def worker_main(conn_fd: int, protocol_json: str, reuse_reference: bool, fork: b
     zygote: Zygote | None = Zygote(dict(os.environ)) if fork else None
     marks.append(("interpreter, worker module, zygote launched", time.monotonic()))
     import triton  # noqa: F401 - every result names its version: imported here, while the zygote starts, not in the first evaluation
-    from kpipe.gym import evaluation
-    from kpipe.gym.isolate import fresh_interpreter
+    from kpipe.gym.judge import evaluation
+    from kpipe.gym.confine.isolate import fresh_interpreter
 
     marks.append(("judge's imports", time.monotonic()))
     gc.freeze()  # the imports are never garbage: no collection walks them while the judge clocks a child
@@ -120,7 +120,7 @@ class WorkerHandle:
     def __init__(self, gpu: str | None, protocol: Protocol, reuse_reference: bool, fork: bool, cpu_threads: int | None) -> None:
         started = time.monotonic()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        command = [sys.executable, "-m", "kpipe.gym.worker", str(theirs.fileno()), protocol.to_json(),
+        command = [sys.executable, "-m", "kpipe.gym.serve.worker", str(theirs.fileno()), protocol.to_json(),
                    "reuse" if reuse_reference else "fresh-reference", "fork" if fork else "spawn"]
         self.process = subprocess.Popen(
             command, pass_fds=(theirs.fileno(),), env=worker_environment(os.environ, gpu, cpu_threads),

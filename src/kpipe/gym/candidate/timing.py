@@ -1,4 +1,4 @@
-"""The clocks and the L2 flush a child's timing windows use (kpipe.gym.child.run_window_calls), and
+"""The clocks and the L2 flush a child's timing windows use (kpipe.gym.candidate.child.run_window_calls), and
 ``time_forward``, a per-call timing in KernelBench's style: the judge reads no child's timing since
 kgym-14, and the side-by-side benchmark compares it with KernelBench's harness
 (benchmarks/kernelbench_side_by_side.py)."""
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.trial_data import clone_inputs, copy_inputs
+from kpipe.gym.candidate.trial_data import clone_inputs, copy_inputs
 
 
 class Clocks:

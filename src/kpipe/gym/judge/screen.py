@@ -13,24 +13,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-# Every code the screen reports; the protocol's reject_findings must name only these (a
-# misspelt code would otherwise reject nothing, silently).
-FINDING_CODES = (
-    "try_except",  # a fallback path around the kernel
-    "inherits_model",  # ModelNew(Model): reference code reachable
-    "torch_op_in_forward",  # torch compute left in ModelNew.forward (informs; PR measures it)
-    "thread",
-    "cuda_stream",
-    "monkey_patch",  # assignment to attributes of torch / triton / time / builtins
-    "tensor_subclass",
-    "introspection",  # gc, inspect, sys._getframe: reaching the harness's objects
-    "file_io",
-    "network",
-    "subprocess",
-    "env_access",
-    "ctypes",
-    "process_exit",
-)
+from kpipe.gym.protocol import FINDING_CODES
 
 _MODULE_FINDINGS = {
     "threading": "thread",
@@ -124,7 +107,7 @@ def triton_kernels(tree: ast.Module) -> list[str]:
 
 def _finding(code: str, detail: str, node: ast.AST) -> str:
     if code not in FINDING_CODES:
-        raise ValueError(f"unregistered screen finding code {code!r}: add it to FINDING_CODES")
+        raise ValueError(f"unregistered screen finding code {code!r}: add it to kpipe.gym.protocol.FINDING_CODES")
     return f"{code}: {detail} (line {getattr(node, 'lineno', '?')})"
 
 

@@ -5,7 +5,7 @@ interpreter, on a pool worker, a Ray actor or behind the HTTP service) runs with
 launcher's environment holds of an allowlist (``CHILD_NAMES``, ``CHILD_PREFIXES``: the toolchain,
 the locale, CUDA's, torch's, Triton's and the thread pools' settings), minus anything that looks
 like a credential, plus its device settings and its compile-cache directories
-(``kpipe.gym.compile_caches``). An allowlist, not a denylist: a candidate is hostile code, and
+(``kpipe.gym.confine.compile_caches``). An allowlist, not a denylist: a candidate is hostile code, and
 whatever else a run sets (its services' addresses, a scheduler's job variables, tokens under new
 names) is none of its business.
 The launching process builds it (``child_environment``) and hands it over whole: a forked
@@ -25,7 +25,7 @@ CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON
 # settings that would let one evaluation load another's artifacts or a planted kernel
 DROPPED_VARIABLES = ("TRITON_KERNEL_OVERRIDE", "TRITON_KERNEL_DUMP", "TRITON_CACHE_MANAGER", "TRITON_REMOTE_CACHE_BACKEND",
                      "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "TORCHINDUCTOR_REMOTE_CACHE",
-                     # the judge's per-evaluation trace file (kpipe.gym.evaluation): no child may write to it
+                     # the judge's per-evaluation trace file (kpipe.gym.judge.evaluation): no child may write to it
                      "KPIPE_GYM_TRACE")
 
 
@@ -52,7 +52,7 @@ REDACT_MIN_CHARS = 8
 def redact_secrets(text: str, environ: Mapping[str, str] | None = None) -> str:
     """`text` with the value of every secret variable of `environ` (this process's by default)
     replaced by ``[redacted NAME]``: the second line of defence behind the sandbox
-    (kpipe.gym.sandbox), applied to every diagnostic and feedback before it is stored or sent."""
+    (kpipe.gym.confine.sandbox), applied to every diagnostic and feedback before it is stored or sent."""
     environ = os.environ if environ is None else environ
     secrets = sorted(((v, k) for k, v in environ.items() if is_secret(k) and len(v) >= REDACT_MIN_CHARS), key=lambda p: -len(p[0]))
     for value, name in secrets:
@@ -84,7 +84,7 @@ def child_environment(device: str, parent: Mapping[str, str], caches: Mapping[st
 
 
 def fork_server_environment(worker: Mapping[str, str]) -> dict[str, str]:
-    """The environment a worker's fork server (``kpipe.gym.zygote``) is started with: only what its
+    """The environment a worker's fork server (``kpipe.gym.confine.zygote``) is started with: only what its
     children may inherit. A forked child's ``/proc/self/environ`` is the block its zygote was
     started with (clearing ``os.environ`` does not change it), so whatever else the worker holds
     (a database URL, a webhook, the run's ``KPIPE_*`` names) must never be in that block."""

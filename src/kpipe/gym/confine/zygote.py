@@ -1,10 +1,10 @@
-"""The worker's fork server: one process that imports torch, triton and ``kpipe.gym.child``
+"""The worker's fork server: one process that imports torch, triton and ``kpipe.gym.candidate.child``
 once, warms Triton's compiler (``warm_triton_compiler``: host work only), never touches CUDA,
 and forks one child per reference/candidate run.
 
 A forked child starts in milliseconds instead of the seconds a fresh interpreter needs, and
 runs the core's ``run_child`` unchanged in its own session, so a timeout kills its whole
-process group exactly as on the fresh-interpreter path (``kpipe.gym.isolate``). The zygote is
+process group exactly as on the fresh-interpreter path (``kpipe.gym.confine.isolate``). The zygote is
 a subreaper: whatever a candidate leaves behind is reparented to it and killed.
 """
 
@@ -30,18 +30,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from kpipe.gym.environment import fork_server_environment
-from kpipe.gym.lease import ChildPauser, TimingLease
+from kpipe.gym.confine.environment import fork_server_environment
+from kpipe.gym.confine.lease import ChildPauser, TimingLease
 from kpipe.infra.process import PR_SET_DUMPABLE, become_subreaper, exit_without_teardown, kill_children, kill_group, prctl
 
-if TYPE_CHECKING:  # kpipe.gym.isolate imports torch, which the worker imports only after starting its zygote
-    from kpipe.gym.isolate import WaitingChild
+if TYPE_CHECKING:  # kpipe.gym.confine.isolate imports torch, which the worker imports only after starting its zygote
+    from kpipe.gym.confine.isolate import WaitingChild
 
 # what every child would otherwise import itself; none touches CUDA. PRELOAD before the zygote
 # says it is ready: what a reference child needs, and a worker's first child is its first
 # evaluation's reference run
-PRELOAD = ("torch", "triton", "triton.language", "kpipe.gym.child", "kpipe.gym.isolate")
-# what only candidate children need (kpipe.gym.child.prime_lazy_state imports it: about a second
+PRELOAD = ("torch", "triton", "triton.language", "kpipe.gym.candidate.child", "kpipe.gym.confine.isolate")
+# what only candidate children need (kpipe.gym.candidate.child.prime_lazy_state imports it: about a second
 # of a child's start; torch imports its profiler itself). A zygote whose children compile for a GPU
 # imports it after it is ready, beside its first child (``deferred_preload``): it was 40 % of a
 # zygote's imports, and those 7.7-8.4 s on a 4x H200 host were the pool's start
@@ -318,7 +318,7 @@ def warm_triton_compiler() -> bool:
     """Compile one small kernel for a GPU target, on the host only, so every forked child starts
     with Triton's compiler set up (backend modules, MLIR and LLVM initialisation, ptxas's version):
     a process's first compile took about a second where the next took 0.04 s, and every candidate
-    child compiles its kernels anew into its private cache (kpipe.gym.compile_caches). The
+    child compiles its kernels anew into its private cache (kpipe.gym.confine.compile_caches). The
     artifacts go to a throwaway directory no child reads. The driver is never called (the target
     is given), which the end of this function checks: a zygote that initialised the driver would
     fork children with a CUDA state they cannot use. Returns whether the kernel compiled."""
@@ -328,7 +328,7 @@ def warm_triton_compiler() -> bool:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kpipe.gym.compile_caches import cache_variables
+    from kpipe.gym.confine.compile_caches import cache_variables
 
     @triton.jit
     def add_one(x_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
@@ -377,13 +377,13 @@ def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: in
 
     With a third descriptor in `fds`, the child starts before its job: `job_path` is then a
     job's preparation (environment, sandbox, scratch, device and protocol), and once it is
-    confined with its device initialised (``kpipe.gym.child.prepare_device``) it waits for its
+    confined with its device initialised (``kpipe.gym.candidate.child.prepare_device``) it waits for its
     job's path on that pipe (end of file without one: it is not needed, and exits)."""
     code = 1
     try:
-        from kpipe.gym.child import run_child  # preloaded by the zygote
-        from kpipe.gym.limits import join_cgroups
-        from kpipe.gym.sandbox import Sandbox, enter_sandbox
+        from kpipe.gym.candidate.child import run_child  # preloaded by the zygote
+        from kpipe.gym.confine.limits import join_cgroups
+        from kpipe.gym.confine.sandbox import Sandbox, enter_sandbox
         from kpipe.infra.process import die_with_parent
 
         os.setsid()
@@ -399,13 +399,13 @@ def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: in
         for fd in (devnull, *fds[:2]):
             os.close(fd)
         job = json.loads(Path(job_path).read_text())
-        # built by the launching worker (kpipe.gym.environment.child_environment): taken whole,
+        # built by the launching worker (kpipe.gym.confine.environment.child_environment): taken whole,
         # never rebuilt here from an environment that is being replaced
         os.environ.clear()
         os.environ.update(job["environment"])
         tempfile.tempdir = None  # cached by the zygote's compiler warm-up; the child's TMPDIR is its own scratch
-        join_cgroups(job.get("limits"))  # a candidate's (kpipe.gym.limits), from outside its sandbox
-        if job.get("sandbox"):  # a candidate: confined before any of its code runs (kpipe.gym.isolate)
+        join_cgroups(job.get("limits"))  # a candidate's (kpipe.gym.confine.limits), from outside its sandbox
+        if job.get("sandbox"):  # a candidate: confined before any of its code runs (kpipe.gym.confine.isolate)
             enter_sandbox(Sandbox.from_dict(job["sandbox"]))
         else:
             prctl(PR_SET_DUMPABLE, 1)  # a reference child: as a fresh interpreter would be
@@ -431,7 +431,7 @@ def forked_child(job_path: str, fds: list[int], inherited: list[int], zygote: in
 def wait_for_job(preparation: dict[str, Any], go: int) -> dict[str, Any] | None:
     """Initialise the device for `preparation`, then read the job's path from `go`: the job,
     checked to be the one prepared for, or None at end of file."""
-    from kpipe.gym.child import prepare_device
+    from kpipe.gym.candidate.child import prepare_device
 
     prepare_device(preparation["device"], preparation["protocol"])
     path = b""
@@ -462,7 +462,7 @@ class Zygote:
     def __init__(self, env: dict[str, str]) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kpipe.gym.zygote", str(theirs.fileno())],
+            [sys.executable, "-m", "kpipe.gym.confine.zygote", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             env=fork_server_environment(env),  # its block is every forked child's /proc/self/environ
             stdin=subprocess.DEVNULL,
@@ -557,7 +557,7 @@ class Zygote:
 
 
 class ForkedProcess:
-    """The subset of ``subprocess.Popen`` that ``kpipe.gym.isolate`` uses, for a child of the
+    """The subset of ``subprocess.Popen`` that ``kpipe.gym.confine.isolate`` uses, for a child of the
     zygote (only the zygote can wait for it; it reports the exit status)."""
 
     def __init__(self, pid: int, zygote: Zygote) -> None:
@@ -580,7 +580,7 @@ class ForkedProcess:
 
 
 class ZygoteLauncher:
-    """A ``kpipe.gym.isolate.Launcher`` that forks each child from the worker's warm zygote
+    """A ``kpipe.gym.confine.isolate.Launcher`` that forks each child from the worker's warm zygote
     (torch and triton already imported, CUDA untouched) instead of starting an interpreter;
     the child takes its environment from the job file (``run_isolated`` writes it there).
 
@@ -637,7 +637,8 @@ class ZygoteLauncher:
                 self._next = self._start_waiting(lease)
 
     def _start_waiting(self, lease: TimingLease | None) -> WaitingChild:
-        from kpipe.gym.isolate import PREPARATION_FILE, WaitingChild, make_scratch
+        from kpipe.gym.confine.isolate import WaitingChild, make_scratch
+        from kpipe.gym.exchange import PREPARATION_FILE
         from kpipe.gym.protocol import Protocol
 
         scratch = make_scratch("candidate", self.device, Protocol.from_dict(self.protocol).limits())

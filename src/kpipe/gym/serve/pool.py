@@ -5,15 +5,15 @@ process that forks has touched CUDA or started a thread pool:
 
 - the **pool** (the caller: agent loop, batch CLI, HTTP service) queues jobs, answers
   duplicates from the result cache, and supervises one thread per worker;
-- ``per_gpu`` **workers** per GPU (default 2; ``kpipe.gym.worker``: ``CUDA_VISIBLE_DEVICES``
+- ``per_gpu`` **workers** per GPU (default 2; ``kpipe.gym.serve.worker``: ``CUDA_VISIBLE_DEVICES``
   pinned, a fresh interpreter, so a caller that holds a CUDA context is harmless) runs the core's
   ``evaluate()``: the judgement. Children on one GPU take turns to time under its timing lease
-  (``kpipe.gym.lease``), every other child there stopped meanwhile, so several workers per GPU
+  (``kpipe.gym.confine.lease``), every other child there stopped meanwhile, so several workers per GPU
   overlap only their untimed work;
-- the worker's **zygote** (``kpipe.gym.zygote``) imports torch, triton and ``kpipe.gym.child`` once, never computes,
+- the worker's **zygote** (``kpipe.gym.confine.zygote``) imports torch, triton and ``kpipe.gym.candidate.child`` once, never computes,
   and forks one child per reference/candidate run. The child calls the core's ``run_child``
   unchanged in its own session, so a timeout kills its whole process group, exactly as the
-  fresh-interpreter path (``kpipe.gym.isolate``) does — minus the seconds of start-up. The child
+  fresh-interpreter path (``kpipe.gym.confine.isolate``) does — minus the seconds of start-up. The child
   of a worker's next candidate is forked while the current one runs, and waits confined with its
   CUDA context made (``ZygoteLauncher``).
 
@@ -42,20 +42,20 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from kpipe.gym.feedback import failure_feedback
-from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS
+from kpipe.gym.judge.feedback import failure_feedback
+from kpipe.gym.confine.lease import LEASE_MAX_WAIT_TIMEOUTS
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.faults import is_out_of_memory
-from kpipe.gym.result import REFERENCE_ERROR, EvalResult, reference_error
-from kpipe.gym.worker import Job, WorkerHandle
+from kpipe.gym.candidate.faults import is_out_of_memory
+from kpipe.gym.judge.result import REFERENCE_ERROR, EvalResult, reference_error
+from kpipe.gym.serve.worker import Job, WorkerHandle
 
 if TYPE_CHECKING:
-    from kpipe.gym.cache import ResultCache
+    from kpipe.gym.serve.cache import ResultCache
 
 MAX_ATTEMPTS = 2  # a job whose worker died is re-queued once
 # evaluations in flight per GPU by default: their children's untimed work (start, compile,
 # correctness trials) overlaps, their timed regions take turns under the GPU's lease
-# (kpipe.gym.lease). On H200s, one pass of 80 evaluations with references reused: 28.7-34.9
+# (kpipe.gym.confine.lease). On H200s, one pass of 80 evaluations with references reused: 28.7-34.9
 # evaluations/min with two against 16.1-19.7 with one, every verdict the same, median speedups of
 # candidates of 1 ms or more within 1.2 % of one worker's and within 1.012x over 8 runs
 # (`965801b:docs/gpu-results/gym_scaling_2026-11-26b_H200.md`). A launch-bound candidate (0.15 ms, timed by
@@ -205,7 +205,7 @@ class GymPool:
     # ------------------------------------------------------------------ public API
 
     def key(self, reference: str, candidate: str) -> str:
-        from kpipe.gym.result import eval_key
+        from kpipe.gym.judge.result import eval_key
 
         return eval_key(reference, candidate, self.protocol, self.device_kind)
 

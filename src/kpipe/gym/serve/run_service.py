@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kpipe.gym.client import GymClient, GymServiceError
+from kpipe.gym.serve.client import GymClient, GymServiceError
 from kpipe.gym.protocol import Protocol
 from kpipe.infra.jobs import since_job_started
 from kpipe.infra.process import process_start

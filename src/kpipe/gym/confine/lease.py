@@ -1,10 +1,10 @@
 """The timing lease: while one evaluation child times on a device, no other child there runs.
 
-Several evaluations share a GPU (``kpipe.gym.pool`` runs several workers per GPU): their start-up,
+Several evaluations share a GPU (``kpipe.gym.serve.pool`` runs several workers per GPU): their start-up,
 imports, Triton compiles, input generation and correctness trials overlap one another. A timed
 region overlaps none of them: the judge (never the candidate) takes the device's lease for its
 child from the gate until the child has exited (its context's teardown is GPU work too;
-``kpipe.gym.isolate.run_isolated``),
+``kpipe.gym.confine.isolate.run_isolated``),
 and every other judge on the device stops its own child (SIGSTOP to its process group) while the
 lease's timing part (below) is held by someone else, and resumes it after (``ChildPauser``; the paused seconds are added
 to that child's deadline). Overlapping only the timed regions was measured and is not enough: the
@@ -50,7 +50,7 @@ LEASE_DIR_VARIABLE = "KPIPE_GYM_LEASE_DIR"
 DEFAULT_LEASE_DIR = "/tmp/kpipe-gym-timing-leases"
 # how long a judge waits for its device's timing lease, in child timeouts: every holder
 # releases it within one (its child's deadline), so this many children would have to be
-# queued ahead on one device (kpipe.gym.pool runs at most a few workers per GPU)
+# queued ahead on one device (kpipe.gym.serve.pool runs at most a few workers per GPU)
 LEASE_MAX_WAIT_TIMEOUTS = 8
 POLL_S = 0.001
 # after taking the lease, before the child may time: the other judges (polling every POLL_S)

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from kpipe.gym.pool import MAX_ATTEMPTS, GymPool, is_pass, lost_result
-from kpipe.gym.worker import Job
+from kpipe.gym.serve.pool import MAX_ATTEMPTS, GymPool, is_pass, lost_result
+from kpipe.gym.serve.worker import Job
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import EvalResult
+from kpipe.gym.judge.result import EvalResult
 
 if TYPE_CHECKING:
-    from kpipe.gym.cache import ResultCache
+    from kpipe.gym.serve.cache import ResultCache
 
 RAY_MISSING = "Ray is not installed: pip install 'kpipe[distributed]' (ray[default])"
 WAIT_POLL_S = 1.0  # how often the progress bar refreshes while every actor is busy
@@ -145,7 +145,7 @@ class RayGym:
         self._recovering: dict[int, float] = {}  # slot of a lost actor -> when to probe it
 
     def key(self, reference: str, candidate: str) -> str:
-        from kpipe.gym.result import eval_key
+        from kpipe.gym.judge.result import eval_key
 
         return eval_key(reference, candidate, self.protocol, self.device_kind)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from kpipe.gym import instrument
-from kpipe.gym.timing import Clocks
+from kpipe.gym.candidate import instrument
+from kpipe.gym.candidate.timing import Clocks
 
 
 def profile_cuda(forward: Callable[[], Any], launched: set[str], runs: int = 3) -> dict[str, Any]:

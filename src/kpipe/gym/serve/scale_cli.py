@@ -60,7 +60,7 @@ def pool_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def open_cache(path: Path | None) -> Any:
-    from kpipe.gym.cache import ResultCache, default_cache_path
+    from kpipe.gym.serve.cache import ResultCache, default_cache_path
 
     return ResultCache(path or default_cache_path())
 
@@ -76,7 +76,7 @@ def open_cache(path: Path | None) -> Any:
 @click.pass_context
 def eval_batch_command(ctx: click.Context, **_: Any) -> None:
     """Evaluate a Parquet of candidates into an evals table; a rerun evaluates only what is missing."""
-    from kpipe.gym.batch import BatchInputError, eval_batch
+    from kpipe.gym.serve.batch import BatchInputError, eval_batch
 
     protocol = protocol_from(ctx)
     p = ctx.params
@@ -99,7 +99,7 @@ def eval_batch_command(ctx: click.Context, **_: Any) -> None:
 @click.option("--record", "record_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Once serving, write the address, token, pid and settings here as JSON (mode 0600); removed at exit.")
 @click.option("--owner", type=click.IntRange(min=1), default=None,
-              help="Exit when this process ends (the snakemake run that owns the service: kpipe.gym.run_service).")
+              help="Exit when this process ends (the snakemake run that owns the service: kpipe.gym.serve.run_service).")
 @pool_options
 @protocol_options
 @click.pass_context
@@ -110,11 +110,11 @@ def serve_command(ctx: click.Context, **_: Any) -> None:
 
     import uvicorn
 
-    from kpipe.gym import run_service
-    from kpipe.gym.client import TOKEN_ENV
-    from kpipe.gym.pool import GymPool
-    from kpipe.gym.sandbox import opted_out
-    from kpipe.gym.service import create_app, is_loopback
+    from kpipe.gym.serve import run_service
+    from kpipe.gym.serve.client import TOKEN_ENV
+    from kpipe.gym.serve.pool import GymPool
+    from kpipe.gym.confine.sandbox import opted_out
+    from kpipe.gym.serve.service import create_app, is_loopback
 
     protocol = protocol_from(ctx)
     p = ctx.params
@@ -150,7 +150,7 @@ def serve_command(ctx: click.Context, **_: Any) -> None:
 
 def publish_when_serving(server: Any, path: Path, record: dict[str, Any]) -> None:
     """Write `record` once uvicorn accepts connections (what a waiting job reads as 'ready')."""
-    from kpipe.gym.run_service import write_record
+    from kpipe.gym.serve.run_service import write_record
 
     while not server.started:
         if server.should_exit:
@@ -165,13 +165,13 @@ def publish_when_serving(server: Any, path: Path, record: dict[str, Any]) -> Non
 def workers_command(url: str | None, workers: int | None) -> None:
     """Show evaluation workers (of a service, or the ones a local pool would start)."""
     if url:
-        from kpipe.gym.client import GymClient
+        from kpipe.gym.serve.client import GymClient
 
         with GymClient(url, progress=False) as client:
             for worker in client.workers():
                 click.echo(json.dumps(worker))
         return
-    from kpipe.gym.pool import default_slots
+    from kpipe.gym.serve.pool import default_slots
 
     for slot, gpu in enumerate(default_slots(workers)):
         target = f"GPU {gpu}" if gpu is not None else f"CPU interpreter ({os.cpu_count()} cores shared)"

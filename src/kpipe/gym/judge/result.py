@@ -8,9 +8,9 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kpipe.gym.environment import redact_secrets
+from kpipe.gym.confine.environment import redact_secrets
 from kpipe.infra.provenance import judge_version
-from kpipe.gym.sandbox import opted_out
+from kpipe.gym.confine.sandbox import opted_out
 
 if TYPE_CHECKING:
     from kpipe.gym.protocol import Protocol
@@ -25,7 +25,7 @@ STATUSES = (
     "timeout",
     "crashed",  # killed by a signal, or exited without a result (os._exit, sys.exit, killpg)
     "oom",  # host or device out of memory
-    "resource_limit",  # ran into one of its limits (kpipe.gym.limits), on the judge's evidence; the diagnostic names it
+    "resource_limit",  # ran into one of its limits (kpipe.gym.confine.limits), on the judge's evidence; the diagnostic names it
     "format_error",  # no ModelNew / no @triton.jit kernel / not a Python module
     "hacked",
     "illegal_memory_access",
@@ -33,7 +33,7 @@ STATUSES = (
     "illegal_instruction",
     "device_assert",
     # the judge's alone: the reference failed (after a retry alone on its GPU where it ran out of
-    # memory), so the candidate has no verdict; a row of eval-batch's output (kpipe.gym.batch)
+    # memory), so the candidate has no verdict; a row of eval-batch's output (kpipe.gym.serve.batch)
     "reference_error",
 )
 GPU_FAULTS = ("illegal_memory_access", "misaligned_address", "illegal_instruction", "device_assert")
@@ -99,7 +99,7 @@ class EvalResult:
 
     def redact(self) -> None:
         """Strip this process's secret values from the text a candidate could have filled
-        (kpipe.gym.environment.redact_secrets): every result is built or read through here."""
+        (kpipe.gym.confine.environment.redact_secrets): every result is built or read through here."""
         self.diagnostic = redact_secrets(self.diagnostic)
         self.feedback = redact_secrets(self.feedback)
         self.hack_reasons = [redact_secrets(reason) for reason in self.hack_reasons]

@@ -1,4 +1,6 @@
-"""One KernelGym evaluation: screen, reference child, candidate child, judgement.
+"""One KernelGym evaluation: ``evaluate`` is the protocol's steps in order (the static screen, the
+reference's child, the candidate's, what its process did, its correctness, its timing windows, its
+own reports, the pass), each a method of ``Evaluation``.
 
 The judgement happens here, in the parent, which never runs candidate code. The verdict and the
 reward come only from what the judge observes itself: the outputs it compares and the times on its
@@ -18,21 +20,20 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kpipe.data.source_text import source_hash
-from kpipe.gym.compare import Comparison, Tolerance, compare_norms, compare_outputs
+from kpipe.gym.judge.compare import Comparison, Tolerance, compare_norms, compare_outputs
 from kpipe.gym.exchange import ANY, TENSOR, ListOf, MalformedFile, OneOf, Record, check, decode
-from kpipe.gym.faults import classify_exit
-from kpipe.gym.feedback import build_feedback, clip, hacked_diagnostic
-from kpipe.gym.isolate import ChildRun, Launcher, Windows, fresh_interpreter, run_isolated
-from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
+from kpipe.gym.candidate.faults import classify_exit
+from kpipe.gym.judge.feedback import build_feedback, clip, hacked_diagnostic
+from kpipe.gym.confine.isolate import ChildRun, Launcher, Windows, fresh_interpreter, run_isolated
+from kpipe.gym.confine.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
 from kpipe.gym.protocol import Protocol
-from kpipe.gym.result import STATUSES, EvalResult, eval_key
-from kpipe.gym.screen import screen
+from kpipe.gym.judge.result import STATUSES, EvalResult, eval_key
+from kpipe.gym.judge.screen import screen
 
 DIAGNOSTIC_MAX_CHARS = 3000
 # timing windows each candidate is judged on, each with a secret seed of its own; the least time
@@ -41,7 +42,7 @@ DIAGNOSTIC_MAX_CHARS = 3000
 WINDOWS_PER_CANDIDATE = 2
 # a reference run answers a stock of windows, each handed to one candidate and never again; the run
 # is repeated when the stock is spent. At most this many windows, whose answers (outputs of every
-# call, kpipe.gym.trial_data.WindowOutputs) hold at most this many bytes
+# call, kpipe.gym.candidate.trial_data.WindowOutputs) hold at most this many bytes
 STOCK_MAX_WINDOWS = 32
 STOCK_MAX_BYTES = 256 << 20
 # a window whose reference calls took less than this on its own clock (too short for the judge's: a
@@ -49,7 +50,7 @@ STOCK_MAX_BYTES = 256 << 20
 # is read as a whole (``window_call_ms``): its fixed cost then stays in both times, a speedup is
 # pulled toward 1 and never rises above the ratio of the two windows, where subtracting the fixed
 # cost left a busy host's milliseconds of noise over calls of microseconds. A GPU's windows take
-# about 100 ms of calls (kpipe.gym.child.WINDOW_TARGET_MS)
+# about 100 ms of calls (kpipe.gym.candidate.child.WINDOW_TARGET_MS)
 WINDOW_MIN_CALLS_MS = 5.0
 # the judge reads a speedup only up to this: a candidate's window shorter than the reference's fixed
 # cost (its inputs' draw, the answer's file) left no time for its calls, and the ratio means nothing
@@ -371,200 +372,251 @@ def evaluate(
     launch: Launcher = fresh_interpreter,
     lease: TimingLease | None = None,
 ) -> EvalResult:
-    """Evaluate `candidate_src` (``ModelNew`` + Triton kernels) against `reference_src`.
+    """Evaluate `candidate_src` (``ModelNew`` + Triton kernels) against `reference_src`: the
+    protocol's steps, in order. The first step that decides the result ends the evaluation; every
+    result, whichever step gives it, gets its feedback from ``Evaluation.finish``.
 
     Never raises for a bad candidate (its failure is the result); raises ValueError /
     TypeError / ReferenceFailure for bad usage. `reuse_reference` reuses this process's
     cached reference run (outputs and baseline timings) for an identical reference and
     protocol: cheaper, but the baseline is then not timed close to the candidate. `launch`
-    starts each child process (kpipe.gym.pool forks them from a warm zygote). Each child times
-    holding `lease` (default: its device's, ``kpipe.gym.lease``), so no two timed regions on
+    starts each child process (kpipe.gym.serve.pool forks them from a warm zygote). Each child times
+    holding `lease` (default: its device's, ``kpipe.gym.confine.lease``), so no two timed regions on
     one device overlap, whoever evaluates there.
     """
-    protocol = protocol or Protocol()
-    check_reference(reference_src)
-    if not isinstance(candidate_src, str):
-        raise TypeError("candidate_src must be the program's source text")
-    started = time.monotonic()
-    device = resolve_device(protocol)
-    kind = device_kind(device)
-    lease = lease or device_lease(device, LEASE_MAX_WAIT_TIMEOUTS * protocol.timeout_s)
-    base = {
-        "key": eval_key(reference_src, candidate_src, protocol, kind),
-        "reference_hash": source_hash(reference_src),
-        "candidate_hash": source_hash(candidate_src),
-        "timing_kind": "cuda" if device == "cuda" else "cpu",
-        "device": kind,
-        "torch_version": str(torch.__version__),
-        "triton_version": __import__("triton").__version__,
-        "protocol_version": protocol.version,
-        "protocol": protocol.to_json(),
-    }
+    evaluation = Evaluation(reference_src, candidate_src, protocol or Protocol(), lease)  # bad usage raises here
+    if (result := evaluation.static_screen()) is not None:  # 1. format and policy findings, before anything runs
+        return result
+    reference = evaluation.reference_child(reuse_reference, launch)  # 2. the reference's outputs; its windows' fresh secret inputs
+    run = evaluation.candidate_child(reference, launch)  # 3. the candidate's outputs, checked at the gate; its windows, on the judge's clock
+    if (result := evaluation.process_failure(run)) is not None:  # 4. tampering, limits, timeout, malformed files, a crash
+        return result
+    if (result := evaluation.correctness_verdict(run)) is not None:  # 5. the gate's verdict: wrong outputs, hacking reasons
+        return result
+    if (result := evaluation.timing_windows(run, reference)) is not None:  # 6. every window call's output; the times
+        return result
+    if (result := evaluation.integrity(run)) is not None:  # 7. its own reports, which can only fail it
+        return result
+    return evaluation.passed(run, reference)  # 8. speedups from the judge's times, PR, feedback
 
-    trace: dict[str, Any] = {"started_unix": time.time(), "reference": None, "candidate": None}
-    seeds: list[int] = []  # this candidate's windows' secret seeds
-    candidate_done: float | None = None
 
-    def finish(status: str, profile: dict[str, Any] | None = None, **fields: Any) -> EvalResult:
+class Evaluation:
+    """One evaluation as the judge goes through the protocol's steps (``evaluate``): what it has
+    learnt so far, and ``finish``, which makes the result (and its feedback) of whichever step decides."""
+
+    def __init__(self, reference_src: str, candidate_src: str, protocol: Protocol, lease: TimingLease | None) -> None:
+        check_reference(reference_src)
+        if not isinstance(candidate_src, str):
+            raise TypeError("candidate_src must be the program's source text")
+        self.started = time.monotonic()
+        self.reference_src, self.candidate_src, self.protocol = reference_src, candidate_src, protocol
+        self.device = resolve_device(protocol)
+        self.kind = device_kind(self.device)
+        self.lease = lease or device_lease(self.device, LEASE_MAX_WAIT_TIMEOUTS * protocol.timeout_s)
+        self.base: dict[str, Any] = {
+            "key": eval_key(reference_src, candidate_src, protocol, self.kind),
+            "reference_hash": source_hash(reference_src),
+            "candidate_hash": source_hash(candidate_src),
+            "timing_kind": "cuda" if self.device == "cuda" else "cpu",
+            "device": self.kind,
+            "torch_version": str(torch.__version__),
+            "triton_version": __import__("triton").__version__,
+            "protocol_version": protocol.version,
+            "protocol": protocol.to_json(),
+        }
+        self.trace: dict[str, Any] = {"started_unix": time.time(), "reference": None, "candidate": None}
+        self.seeds: list[int] = []  # this candidate's windows' secret seeds
+        self.candidate_done: float | None = None
+        self.findings: list[str] = []
+        self.verdict: dict[str, Any] = {}  # the gate's: the correctness check, hacking reasons, or what was malformed
+        self.common: dict[str, Any] = {}  # the fields of every result once the candidate has run
+        self.figures: dict[str, Any] = {}  # the timing windows'
+
+    def finish(self, status: str, profile: dict[str, Any] | None = None, **fields: Any) -> EvalResult:
+        """The result, with its feedback; the secret seeds kept out of what a model reads."""
         if status == "hacked":  # every hacked verdict names its reason in its diagnostic (and so in its feedback)
             fields["diagnostic"] = hacked_diagnostic(fields.get("hack_reasons", []), fields.get("diagnostic", ""))
-        result = EvalResult(status=status, **base, **fields)
+        result = EvalResult(status=status, **self.base, **fields)
         result.correct = status == "pass"
         result.hacked = status == "hacked"
-        result.wall_s = time.monotonic() - started
-        if candidate_done is not None:  # the judge's work after the child: the verdict's checks
-            trace["verdict_s"] = time.monotonic() - candidate_done
-        result.feedback = build_feedback(result, profile, protocol.feedback_max_chars)
+        result.wall_s = time.monotonic() - self.started
+        if self.candidate_done is not None:  # the judge's work after the child: the verdict's checks
+            self.trace["verdict_s"] = time.monotonic() - self.candidate_done
+        result.feedback = build_feedback(result, profile, self.protocol.feedback_max_chars)
         result.redact()
-        for seed in seeds:  # spent, never used again; kept out of what a model reads all the same
+        for seed in self.seeds:  # spent, never used again; kept out of what a model reads all the same
             result.diagnostic, result.feedback = (text.replace(str(seed), "<seed>") for text in (result.diagnostic, result.feedback))
             result.hack_reasons = [reason.replace(str(seed), "<seed>") for reason in result.hack_reasons]
         if os.environ.get(TRACE_VARIABLE):
             write_trace({"key": result.key, "candidate_hash": result.candidate_hash, "status": status,
-                         "wall_s": result.wall_s, "judge_pid": os.getpid(), "judge_rss_mb": host_rss_mb(), **trace})
+                         "wall_s": result.wall_s, "judge_pid": os.getpid(), "judge_rss_mb": host_rss_mb(), **self.trace})
         return result
 
-    screened = screen(candidate_src)
-    trace["screen_s"] = time.monotonic() - started
-    findings = screened.findings
-    if screened.status is not None:
-        return finish(screened.status, diagnostic=screened.diagnostic, findings=findings)
-    rejected = [f for f in findings if f.split(":", 1)[0] in protocol.reject_findings]
-    if rejected and protocol.hacking_check:
-        return finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=findings)
+    def static_screen(self) -> EvalResult | None:
+        """Step 1 (``kpipe.gym.judge.screen``): a format verdict, or a finding the protocol rejects."""
+        screened = screen(self.candidate_src)
+        self.trace["screen_s"] = time.monotonic() - self.started
+        self.findings = screened.findings
+        if screened.status is not None:
+            return self.finish(screened.status, diagnostic=screened.diagnostic, findings=self.findings)
+        rejected = [f for f in self.findings if f.split(":", 1)[0] in self.protocol.reject_findings]
+        if rejected and self.protocol.hacking_check:
+            return self.finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=self.findings)
+        return None
 
-    reference_started = time.monotonic()
-    reference, reference_ran = run_reference(reference_src, protocol, device, reuse_reference, launch, lease)
-    trace["reference_s"] = time.monotonic() - reference_started
-    trace["reference_reused"] = not reference_ran
-    if reference_ran:
-        trace["reference"] = child_stats(reference, None)
-    base.update(device=reference["device"] if device == "cpu" else kind, torch_version=reference["torch_version"],
-                triton_version=reference["triton_version"])
-    # the judge's own clock: the reference's windows handed to this candidate, then the candidate's
-    spans = [list(window["span"]) for window in reference["windows"]]
-    seeds.extend(int(window["seed"]) for window in reference["windows"])
+    def reference_child(self, reuse: bool, launch: Launcher) -> dict[str, Any]:
+        """Step 2 (``run_reference``): the reference's outputs, and the timing windows handed to this
+        candidate alone, each drawing fresh inputs from a secret seed."""
+        reference_started = time.monotonic()
+        reference, reference_ran = run_reference(self.reference_src, self.protocol, self.device, reuse, launch, self.lease)
+        self.trace["reference_s"] = time.monotonic() - reference_started
+        self.trace["reference_reused"] = not reference_ran
+        if reference_ran:
+            self.trace["reference"] = child_stats(reference, None)
+        self.base.update(device=reference["device"] if self.device == "cpu" else self.kind, torch_version=reference["torch_version"],
+                         triton_version=reference["triton_version"])
+        self.seeds.extend(int(window["seed"]) for window in reference["windows"])
+        return reference
 
-    verdict: dict[str, Any] = {}
-
-    def gate(partial: dict[str, Any]) -> bool:
+    def gate(self, reference: dict[str, Any], partial: dict[str, Any]) -> bool:
+        """The candidate's record at the gate, before any timing: its schema, its correctness trials'
+        outputs against the reference's, and the hacking checks; "go" only if all hold."""
         try:
-            check(partial, partial_schema(protocol), "the record at the gate")
+            check(partial, partial_schema(self.protocol), "the record at the gate")
         except MalformedFile as exc:
-            verdict["malformed"] = str(exc)
+            self.verdict["malformed"] = str(exc)
             return False
         try:
-            check_ = correctness(partial, reference, protocol)
-            verdict["kb_correct"] = kernelbench_correct(partial, reference)
-            reasons = hack_reasons_before_timing(partial, reference, protocol, check_.ok) if protocol.hacking_check else []
+            check_ = correctness(partial, reference, self.protocol)
+            self.verdict["kb_correct"] = kernelbench_correct(partial, reference)
+            reasons = hack_reasons_before_timing(partial, reference, self.protocol, check_.ok) if self.protocol.hacking_check else []
         except UNCOMPARABLE as exc:
-            verdict["malformed"] = f"outputs the judge cannot compare ({type(exc).__name__}: {str(exc)[:200]})"
+            self.verdict["malformed"] = f"outputs the judge cannot compare ({type(exc).__name__}: {str(exc)[:200]})"
             return False
-        verdict.update(check=check_, reasons=reasons)
+        self.verdict.update(check=check_, reasons=reasons)
         return check_.ok and not reasons
 
-    job = {
-        "role": "candidate",
-        "reference_src": reference_src,
-        "candidate_src": candidate_src,
-        "protocol": protocol.to_dict(),
-        "device": device,
-    }
-    candidate_started = time.monotonic()
-    run = run_isolated(job, protocol.timeout_s, gate=gate, launch=launch, lease=lease,
-                       windows=Windows(seeds=tuple(window["seed"] for window in reference["windows"]),
-                                       calls=int(reference["windows"][0]["calls"])),
-                       max_result_bytes=candidate_max_bytes(reference))
-    candidate_done = time.monotonic()
-    # the judge's whole candidate run: setup, the child (its waits included), clean-up
-    trace["candidate_run_s"] = candidate_done - candidate_started
-    payload = run.payload
-    trace["candidate"] = child_stats(payload, run.wall_s)
-    trace["candidate_lease_wait_s"] = run.lease_wait_s
-    trace["candidate_peaks"] = run.peaks  # what its limits must leave room for (kpipe.gym.limits)
-    trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s,
-                 candidate_handed_over_unix=run.handed_over_unix)
-    common: dict[str, Any] = {"findings": findings, "timed_spans": spans + run.window_spans, "kb_correct": verdict.get("kb_correct")}
-    if run.tampered:
-        return finish("hacked", hack_reasons=[f"integrity: {run.tampered}"], **common)
-    if isinstance(payload, dict) and payload.get("tampered"):
-        return finish("hacked", hack_reasons=[f"integrity: {payload['error']}"], **common)
-    if run.limit:  # whatever the child then did or wrote (kpipe.gym.limits)
-        return finish("resource_limit", diagnostic=clip(f"resource_limit: {run.limit}", DIAGNOSTIC_MAX_CHARS), **common)
-    if run.timed_out:
-        return finish("timeout", diagnostic=f"no result within {protocol.timeout_s:g} s (during {run.phase or 'start-up'})", **common)
-    malformed = verdict.get("malformed") or (run.partial or {}).get("malformed") and run.partial["error"]
-    if payload is not None and not payload.get("malformed"):
-        try:
-            check(payload, result_schema(protocol) if payload.get("status") == "ok" else FAILURE, "the result file")
-        except MalformedFile as exc:
-            malformed = malformed or str(exc)
-    elif payload is not None:
-        malformed = malformed or payload["error"]
-    if malformed:  # the judge's status, never the file's
-        return finish("runtime_error", diagnostic=clip(f"malformed file from the candidate's process: {malformed}", DIAGNOSTIC_MAX_CHARS),
-                      **common)
-    if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
-        common["device_id"] = payload["device_id"][:200]
-    if payload is None or payload["status"] != "ok":
-        status = payload["status"] if payload else classify_exit(run.returncode or 0)[0]
-        if status not in CHILD_FAILURES:  # a status only the judge gives ("pass", ...), written by the candidate
-            return finish("hacked", hack_reasons=[f"integrity: the candidate's process wrote the status {status[:40]!r}"], **common)
-        if payload is None and run.partial is not None and "check" in verdict and not verdict["check"].ok:
-            status = "mismatch"  # it failed correctness, then died when told to stop
-        return finish(status, diagnostic=failure_diagnostic(run, payload), **common)
-    if "check" not in verdict:  # the child skipped the gate: treat as tampering
-        return finish("hacked", hack_reasons=["integrity: the candidate process bypassed the correctness gate"], **common)
-    return judge(payload, verdict, reference, protocol, run, finish, common, trace)
+    def candidate_child(self, reference: dict[str, Any], launch: Launcher) -> ChildRun:
+        """Step 3 (``kpipe.gym.confine.isolate.run_isolated``): the candidate's child, stopped at the
+        ``gate``; past it, the judge reveals each window's seed and clocks the answer."""
+        job = {
+            "role": "candidate",
+            "reference_src": self.reference_src,
+            "candidate_src": self.candidate_src,
+            "protocol": self.protocol.to_dict(),
+            "device": self.device,
+        }
+        candidate_started = time.monotonic()
+        run = run_isolated(job, self.protocol.timeout_s, gate=functools.partial(self.gate, reference), launch=launch, lease=self.lease,
+                           windows=Windows(seeds=tuple(window["seed"] for window in reference["windows"]),
+                                           calls=int(reference["windows"][0]["calls"])),
+                           max_result_bytes=candidate_max_bytes(reference))
+        self.candidate_done = time.monotonic()
+        trace = self.trace
+        # the judge's whole candidate run: setup, the child (its waits included), clean-up
+        trace["candidate_run_s"] = self.candidate_done - candidate_started
+        trace["candidate"] = child_stats(run.payload, run.wall_s)
+        trace["candidate_lease_wait_s"] = run.lease_wait_s
+        trace["candidate_peaks"] = run.peaks  # what its limits must leave room for (kpipe.gym.confine.limits)
+        trace.update(candidate_setup_s=run.setup_s, candidate_child_s=run.child_s, candidate_cleanup_s=run.cleanup_s,
+                     candidate_handed_over_unix=run.handed_over_unix)
+        # the judge's own clock: the reference's windows handed to this candidate, then the candidate's
+        spans = [list(window["span"]) for window in reference["windows"]]
+        self.common = {"findings": self.findings, "timed_spans": spans + run.window_spans, "kb_correct": self.verdict.get("kb_correct")}
+        return run
 
+    def process_failure(self, run: ChildRun) -> EvalResult | None:
+        """Step 4: what the candidate's process did wrong, whatever it wrote: tampering, a limit, the
+        timeout, a file the judge's schemas reject (the judge's status, never the file's), a failure
+        it reports or its exit shows, or the gate skipped."""
+        payload, verdict, common = run.payload, self.verdict, self.common
+        if run.tampered:
+            return self.finish("hacked", hack_reasons=[f"integrity: {run.tampered}"], **common)
+        if isinstance(payload, dict) and payload.get("tampered"):
+            return self.finish("hacked", hack_reasons=[f"integrity: {payload['error']}"], **common)
+        if run.limit:  # whatever the child then did or wrote (kpipe.gym.confine.limits)
+            return self.finish("resource_limit", diagnostic=clip(f"resource_limit: {run.limit}", DIAGNOSTIC_MAX_CHARS), **common)
+        if run.timed_out:
+            return self.finish("timeout", diagnostic=f"no result within {self.protocol.timeout_s:g} s (during {run.phase or 'start-up'})",
+                               **common)
+        malformed = verdict.get("malformed") or (run.partial or {}).get("malformed") and run.partial["error"]
+        if payload is not None and not payload.get("malformed"):
+            try:
+                check(payload, result_schema(self.protocol) if payload.get("status") == "ok" else FAILURE, "the result file")
+            except MalformedFile as exc:
+                malformed = malformed or str(exc)
+        elif payload is not None:
+            malformed = malformed or payload["error"]
+        if malformed:  # the judge's status, never the file's
+            return self.finish("runtime_error", diagnostic=clip(f"malformed file from the candidate's process: {malformed}",
+                                                                DIAGNOSTIC_MAX_CHARS), **common)
+        if isinstance(payload, dict):  # what the child saw; only a placement record, never a verdict
+            common["device_id"] = payload["device_id"][:200]
+        if payload is None or payload["status"] != "ok":
+            status = payload["status"] if payload else classify_exit(run.returncode or 0)[0]
+            if status not in CHILD_FAILURES:  # a status only the judge gives ("pass", ...), written by the candidate
+                return self.finish("hacked", hack_reasons=[f"integrity: the candidate's process wrote the status {status[:40]!r}"],
+                                   **common)
+            if payload is None and run.partial is not None and "check" in verdict and not verdict["check"].ok:
+                status = "mismatch"  # it failed correctness, then died when told to stop
+            return self.finish(status, diagnostic=failure_diagnostic(run, payload), **common)
+        if "check" not in verdict:  # the child skipped the gate: treat as tampering
+            return self.finish("hacked", hack_reasons=["integrity: the candidate process bypassed the correctness gate"], **common)
+        return None
 
-def judge(
-    payload: dict[str, Any],
-    verdict: dict[str, Any],
-    reference: dict[str, Any],
-    protocol: Protocol,
-    run: ChildRun,
-    finish: Callable[..., EvalResult],
-    common: dict[str, Any],
-    trace: dict[str, Any] | None = None,
-) -> EvalResult:
-    """The verdict on a candidate that ran to the end: the gate's verdict, then its timing windows
-    (``judge_windows``), never optional, with or without the hacking check; its own reports can
-    only fail it. In `trace` (the judge's trace record): the windows' figures."""
-    check_: Comparison = verdict["check"]
-    reasons: list[str] = list(verdict["reasons"])
-    launched = sorted(set(payload["launches"]["train"]) | set(payload["launches"]["eval"]))
-    common["launched_kernels"] = launched
-    if reasons:
-        return finish("hacked", hack_reasons=reasons, diagnostic=check_.detail, **common)
-    if not check_.ok:
-        return finish("mismatch", diagnostic=check_.detail, **common)
-    status, why, figures = judge_windows(run, reference, protocol)
-    if trace is not None:
-        trace.update({key: value for key, value in figures.items() if key != "note"})
-    if status == "hacked":
-        return finish("hacked", hack_reasons=[why], **common)
-    if status:
-        return finish(status, diagnostic=clip(why, DIAGNOSTIC_MAX_CHARS), **common)
-    if protocol.hacking_check:
-        reasons = integrity_reasons(payload)
-        if not payload["launches"].get("windows"):
+    def correctness_verdict(self, run: ChildRun) -> EvalResult | None:
+        """Step 5: the gate's verdict on a candidate that ran to the end: hacking reasons, then wrong
+        outputs. Its kernels' names go into every result from here on."""
+        check_: Comparison = self.verdict["check"]
+        reasons: list[str] = list(self.verdict["reasons"])
+        self.common["launched_kernels"] = sorted(set(run.payload["launches"]["train"]) | set(run.payload["launches"]["eval"]))
+        if reasons:
+            return self.finish("hacked", hack_reasons=reasons, diagnostic=check_.detail, **self.common)
+        if not check_.ok:
+            return self.finish("mismatch", diagnostic=check_.detail, **self.common)
+        return None
+
+    def timing_windows(self, run: ChildRun, reference: dict[str, Any]) -> EvalResult | None:
+        """Step 6 (``judge_windows``), never optional, with or without the hacking check: every call's
+        output in the candidate's windows against the reference's, and the times on the judge's clock
+        (kept for ``passed``; in the judge's trace record too)."""
+        status, why, self.figures = judge_windows(run, reference, self.protocol)
+        self.trace.update({key: value for key, value in self.figures.items() if key != "note"})
+        if status == "hacked":
+            return self.finish("hacked", hack_reasons=[why], **self.common)
+        if status:
+            return self.finish(status, diagnostic=clip(why, DIAGNOSTIC_MAX_CHARS), **self.common)
+        return None
+
+    def integrity(self, run: ChildRun) -> EvalResult | None:
+        """Step 7, with the hacking check: the candidate's own reports (patched names, hooks, threads,
+        launches in its windows), which can only fail it."""
+        if not self.protocol.hacking_check:
+            return None
+        reasons = integrity_reasons(run.payload)
+        if not run.payload["launches"].get("windows"):
             reasons.append("no_triton_launch: the timing windows' calls launched no Triton kernel")
         if reasons:
-            return finish("hacked", hack_reasons=reasons, **common)
-    profile = payload.get("profile")
-    pr = profile.get("pr") if profile else None
-    notes = [f"torch.compile baseline failed: {reference['compile_error']}"] if reference.get("compile_error") else []
-    cand_ms = figures["candidate_ms"]
-    return finish(
-        "pass",
-        profile=profile,
-        diagnostic="; ".join(notes + ([figures["note"]] if figures["note"] else [])),
-        candidate_ms=cand_ms,
-        eager_ms=figures["eager_ms"],
-        compile_ms=figures["compile_ms"],
-        speedup_eager=speedup(figures["eager_ms"], cand_ms),
-        speedup_compile=speedup(figures["compile_ms"], cand_ms),
-        pr=min(max(float(pr), 0.0), 1.0) if pr is not None else None,  # the candidate's own profile: bounded
-        **common,
-    )
+            return self.finish("hacked", hack_reasons=reasons, **self.common)
+        return None
+
+    def passed(self, run: ChildRun, reference: dict[str, Any]) -> EvalResult:
+        """Step 8: a pass, its speedups the ratios of the judge's times, its PR the candidate's own
+        profile (bounded; it informs the feedback and PR, never the verdict)."""
+        figures = self.figures
+        profile = run.payload.get("profile")
+        pr = profile.get("pr") if profile else None
+        notes = [f"torch.compile baseline failed: {reference['compile_error']}"] if reference.get("compile_error") else []
+        cand_ms = figures["candidate_ms"]
+        return self.finish(
+            "pass",
+            profile=profile,
+            diagnostic="; ".join(notes + ([figures["note"]] if figures["note"] else [])),
+            candidate_ms=cand_ms,
+            eager_ms=figures["eager_ms"],
+            compile_ms=figures["compile_ms"],
+            speedup_eager=speedup(figures["eager_ms"], cand_ms),
+            speedup_compile=speedup(figures["compile_ms"], cand_ms),
+            pr=min(max(float(pr), 0.0), 1.0) if pr is not None else None,  # the candidate's own profile: bounded
+            **self.common,
+        )

@@ -115,7 +115,7 @@ def sketch(flat: torch.Tensor, signs: torch.Tensor, atol: float = 0.0, rtol: flo
     """[S, V] (float32, on the output's device): S = sum_i s_i g(x_i), g(x) = x|x|, over every element
     of `flat`, s_i the secret `signs` repeated; V = sum_i ((2|x_i| + t_i) t_i)^2, t_i = atol + rtol |x_i|,
     the variance of S's difference for outputs within the elementwise tolerance of x (what the
-    reference reports: the judge's bound, kpipe.gym.compare.compare_sketch). g is not linear: a linear
+    reference reports: the judge's bound, kpipe.gym.judge.compare.compare_sketch). g is not linear: a linear
     sketch of a product can be had without the product (Freivalds). As rows of the pattern's length and
     a matrix-vector product: three passes over the output."""
     x = torch.nan_to_num(flat.float(), nan=0.0, posinf=3e38, neginf=-3e38)

@@ -6,7 +6,7 @@ was lost twice with 268 MiB left on disk. Every walk here is iterative, follows 
 (``O_NOFOLLOW``, ``lstat``) and holds at most ``MAX_WALK_DEPTH`` directory descriptors; removal
 holds two, whatever the depth, by hoisting each nested directory up to the top before emptying it.
 
-Only the standard library is imported here (``kpipe.gym.limits`` uses it).
+Only the standard library is imported here (``kpipe.gym.confine.limits`` uses it).
 """
 
 from __future__ import annotations

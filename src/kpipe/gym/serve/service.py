@@ -32,8 +32,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kpipe.gym.pool import GymPool
-from kpipe.gym.result import REFERENCE_ERROR, EvalResult
+from kpipe.gym.serve.pool import GymPool
+from kpipe.gym.judge.result import REFERENCE_ERROR, EvalResult
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Health(BaseModel):
     pending: int
     device_kind: str
     protocol: dict[str, Any]
-    reuse_reference: bool = Field(description="each worker runs a task's reference once (kpipe.gym.pool.GymPool)")
+    reuse_reference: bool = Field(description="each worker runs a task's reference once (kpipe.gym.serve.pool.GymPool)")
 
 
 class Worker(BaseModel):
@@ -204,7 +204,7 @@ def outcome_of(key: str, future: Future[Any]) -> Outcome:
 
 
 def check_reference_or_422(reference_src: str) -> None:
-    from kpipe.gym.evaluation import check_reference
+    from kpipe.gym.judge.evaluation import check_reference
 
     try:
         check_reference(reference_src)
@@ -215,7 +215,7 @@ def check_reference_or_422(reference_src: str) -> None:
 def bearer_guard(token: str | None) -> Any:
     """Refuse (401) a request without the service's token, and log it: a refused request on a
     run's service is someone other than the run's jobs knocking (a candidate has neither the
-    token nor a route to the service, kpipe.gym.environment and kpipe.gym.sandbox), worth a trace."""
+    token nor a route to the service, kpipe.gym.confine.environment and kpipe.gym.confine.sandbox), worth a trace."""
     def guard(request: Request) -> None:
         if token is None:
             return
