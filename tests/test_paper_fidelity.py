@@ -15,9 +15,10 @@ from kpipe.train.rl_config import ABLATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 # config file -> how the table names it (in backticks, in the value column)
-CONFIGS = {"config/paper.yaml": "paper.yaml", "config/paper_14b.yaml": "paper_14b.yaml",
-           "config/ablations/kevin.yaml": "ablations/kevin.yaml", "config/kevin.yaml": "kevin.yaml",
-           "config/ablations/tritonforge.yaml": "ablations/tritonforge.yaml"}
+# (every config that sets a paper's value: the paper's runs and every ablation overlay; config.yaml, paper_smoke.yaml
+# and gpu.yaml are tiny development and check overlays, and cost_units.yaml is no pipeline config)
+CONFIGS = {"config/paper.yaml": "paper.yaml", "config/paper_14b.yaml": "paper_14b.yaml", "config/kevin.yaml": "kevin.yaml",
+           **{f"config/ablations/{path.name}": f"ablations/{path.name}" for path in (ROOT / "config" / "ablations").glob("*.yaml")}}
 PRESET_ABLATIONS = ("kevin", "tritonforge", "tritonforge_released")  # their recipe values are the runs' keys
 VERDICTS = ("exact", "documented departure")
 

@@ -30,7 +30,7 @@ from kpipe.gym.faults import classify_exit
 from kpipe.gym.feedback import build_feedback, clip, hacked_diagnostic
 from kpipe.gym.isolate import ChildRun, Launcher, Windows, fresh_interpreter, run_isolated
 from kpipe.gym.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
-from kpipe.gym.protocol import Protocol
+from kpipe.gym.protocol import HACKING_CHECK_FINDINGS, Protocol
 from kpipe.gym.result import STATUSES, EvalResult, eval_key
 from kpipe.gym.screen import screen
 
@@ -264,11 +264,13 @@ def kernelbench_correct(candidate: dict[str, Any], reference: dict[str, Any]) ->
 
 
 def hack_reasons_before_timing(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, correct: bool) -> list[str]:
+    """The gate's hacking reasons: the hacking check's (a Triton kernel ran in each mode, the ghost
+    replay; off with `hacking_check=False`), then the integrity checks, always on."""
     reasons = []
-    for mode in ("train", "eval"):
+    for mode in ("train", "eval") if protocol.hacking_check else ():
         if not candidate["launches"].get(mode):
             reasons.append(f"no_triton_launch: no Triton kernel ran in {mode}() mode")
-    if correct and protocol.ghost_replay:
+    if correct and protocol.hacking_check and protocol.ghost_replay:
         if compare_outputs(candidate["ghost_outputs"], reference["outputs"][0], tolerance(protocol)).ok:
             reasons.append("ghost_replay: output still correct with every Triton launch suppressed")
     reasons.extend(integrity_reasons(candidate))
@@ -429,8 +431,9 @@ def evaluate(
     findings = screened.findings
     if screened.status is not None:
         return finish(screened.status, diagnostic=screened.diagnostic, findings=findings)
-    rejected = [f for f in findings if f.split(":", 1)[0] in protocol.reject_findings]
-    if rejected and protocol.hacking_check:
+    rejected = [f for f in findings if f.split(":", 1)[0] in protocol.reject_findings
+                and (protocol.hacking_check or f.split(":", 1)[0] not in HACKING_CHECK_FINDINGS)]
+    if rejected:
         return finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=findings)
 
     reference_started = time.monotonic()
@@ -456,7 +459,7 @@ def evaluate(
         try:
             check_ = correctness(partial, reference, protocol)
             verdict["kb_correct"] = kernelbench_correct(partial, reference)
-            reasons = hack_reasons_before_timing(partial, reference, protocol, check_.ok) if protocol.hacking_check else []
+            reasons = hack_reasons_before_timing(partial, reference, protocol, check_.ok)
         except UNCOMPARABLE as exc:
             verdict["malformed"] = f"outputs the judge cannot compare ({type(exc).__name__}: {str(exc)[:200]})"
             return False
@@ -546,12 +549,11 @@ def judge(
         return finish("hacked", hack_reasons=[why], **common)
     if status:
         return finish(status, diagnostic=clip(why, DIAGNOSTIC_MAX_CHARS), **common)
-    if protocol.hacking_check:
-        reasons = integrity_reasons(payload)
-        if not payload["launches"].get("windows"):
-            reasons.append("no_triton_launch: the timing windows' calls launched no Triton kernel")
-        if reasons:
-            return finish("hacked", hack_reasons=reasons, **common)
+    reasons = integrity_reasons(payload)
+    if protocol.hacking_check and not payload["launches"].get("windows"):
+        reasons.append("no_triton_launch: the timing windows' calls launched no Triton kernel")
+    if reasons:
+        return finish("hacked", hack_reasons=reasons, **common)
     profile = payload.get("profile")
     pr = profile.get("pr") if profile else None
     notes = [f"torch.compile baseline failed: {reference['compile_error']}"] if reference.get("compile_error") else []
