@@ -77,9 +77,9 @@ ORDER BY run, stage, iteration, step, name;
 -- a turn only kpipe's stricter checks rejected is `unjudged`: a hack check other than the paper's
 -- fired, or KernelBench's allclose alone accepted an output kpipe's extra correctness checks (relative
 -- norm, eval() mode) rejected as a mismatch. Rejected before timing (a mismatch, a static or
--- pre-timing hack check), its speedup is unknown; rejected after timing (the timing challenge, timed
--- output and timing-consistency checks, whatever their status names), its speedup was measured and
--- counts where KernelGym recorded it. The paper-definition Fast@p lies between kpipe's (fast_*) and
+-- pre-timing hack check), its speedup is unknown; rejected after timing (kgym-14: a timing window
+-- output check, the integrity checks after the windows), its speedup was measured and counts where
+-- KernelGym recorded it (kgym-14 records none yet: such a turn counts as never timed). The paper-definition Fast@p lies between kpipe's (fast_*) and
 -- fast_*_paper_hi: kpipe's plus every unjudged turn at its timed speedup, or counted fast when never timed.
 CREATE OR REPLACE VIEW sample_turns AS
 WITH evaluated AS (
