@@ -7,7 +7,7 @@
 -- (reason "no_triton_launch: no Triton kernel ran in train() / eval() mode"). Every other code is one of
 -- kpipe's stricter checks: `static_screen` (reject_findings), `no_triton_launch_timed` (the timed calls
 -- launched none), ghost_replay, monkey_patch, side_thread, tensor_subclass, input_mutation,
--- window_output_mismatch (kgym-14: a timing window's output), integrity; from results before kgym-14 also
+-- window_output_mismatch (kgym-14: the output of a timing window), integrity; from results before kgym-14 also
 -- timed_output_mismatch, timing_inconsistent, speedup_not_reproduced.
 CREATE OR REPLACE MACRO hack_check(reason) AS
     CASE WHEN reason LIKE 'static %' THEN 'static_screen'
