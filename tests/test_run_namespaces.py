@@ -106,8 +106,23 @@ queries:
 """
 
 
+SHARED_CACHES = ("cache", "gym")  # keyed by content (teacher and query; candidate and protocol): any run adds to them
+
+
 def files_of(results: Path) -> dict[Path, int]:
-    return {path: path.stat().st_mtime_ns for path in results.rglob("*") if path.is_file()}
+    """A run's outputs and their times (the shared caches apart: `appended_only`)."""
+    return {path: path.stat().st_mtime_ns for path in results.rglob("*")
+            if path.is_file() and path.relative_to(results).parts[0] not in SHARED_CACHES}
+
+
+def jsonl_caches(results: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for folder in SHARED_CACHES for path in (results / folder).rglob("*.jsonl")}
+
+
+def appended_only(before: dict[Path, bytes], results: Path) -> bool:
+    """Every answer a shared cache held before is still there, first: later runs only append."""
+    after = jsonl_caches(results)
+    return all(after[path].startswith(content) for path, content in before.items())
 
 
 @pytest.mark.slow
@@ -134,17 +149,19 @@ def test_three_configs_run_into_one_results_share_the_cold_start_and_leave_each_
 
     snakemake(*default)
     coldstart = sorted(tmp_path.glob("results/trajectories/stage=coldstart/*/iter=0/part-*.parquet"))
-    before = files_of(results)
+    before, cached = files_of(results), jsonl_caches(results)
     second = snakemake(*other)
     assert "rule distill:" not in second and "rule sft:" in second
     assert {path: files_of(results)[path] for path in before} == before  # the first run's files, untouched
+    assert appended_only(cached, results)
     assert set(coldstart) == set(tmp_path.glob("results/trajectories/stage=coldstart/*/iter=0/part-*.parquet"))
     assert (results / "models/sft-default").is_dir() and (results / "models/sft-other").is_dir()
 
-    before = files_of(results)
+    before, cached = files_of(results), jsonl_caches(results)
     third = snakemake(*split)
     assert all(f"rule {rule}:" in third for rule in ("ingest_tasks", "decontaminate", "distill", "sft"))
     assert {path: files_of(results).get(path) for path in before} == before  # neither earlier run's files
+    assert cached and appended_only(cached, results)
     assert (results / "models/sft-split").is_dir()
     for args in (default, other, split):
         assert "Nothing to be done" in snakemake("-n", *args)
