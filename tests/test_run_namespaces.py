@@ -109,10 +109,13 @@ queries:
 SHARED_CACHES = ("cache", "gym")  # keyed by content (teacher and query; candidate and protocol): any run adds to them
 
 
+SERVICE_STATE = ".gym"  # the KernelGym run service's log and protocol, one per protocol: whichever run starts it
+
+
 def files_of(results: Path) -> dict[Path, int]:
-    """A run's outputs and their times (the shared caches apart: `appended_only`)."""
+    """A run's outputs and their times (the shared caches apart: `appended_only`; the service's state apart)."""
     return {path: path.stat().st_mtime_ns for path in results.rglob("*")
-            if path.is_file() and path.relative_to(results).parts[0] not in SHARED_CACHES}
+            if path.is_file() and path.relative_to(results).parts[0] not in (*SHARED_CACHES, SERVICE_STATE)}
 
 
 def jsonl_caches(results: Path) -> dict[Path, bytes]:
