@@ -174,3 +174,44 @@ def test_cli_evaluates_a_local_checkpoint_and_runs_stts(tmp_path):
     assert result.exit_code == 0, result.output
     rows = read_table(tmp_path / "stts.parquet", "trajectories").to_pandas()
     assert sorted(rows["turn"]) == [1, 2, 3] and set(rows["model"]) == {"nano@best_window(w=2)"}
+
+
+class ProfiledEvaluator(SpeedEvaluator):
+    """As SpeedEvaluator, with a PR per speed: the faster kernel (1.5x) is the lazier one (PR 0)."""
+
+    PR = {1.5: 0.0, 1.2: 0.9}
+
+    def evaluate_many(self, jobs):
+        results = super().evaluate_many(jobs)
+        for result in results:
+            result["pr"] = self.PR.get(result["speedup_eager"])
+        return results
+
+
+def test_stts_ranks_turns_by_the_reward_with_its_pr_term(tmp_path, monkeypatch):
+    """Paper §6.3: "the top-w turns with the highest rewards"; DR. KERNEL's reward is Eq. 8, with C·PR. Turn 1
+    (1.5x, PR 0: Eq. 1 gives 2.5, Eq. 8 2.5) loses to turn 2 (1.2x, PR 0.9: Eq. 1 2.2, Eq. 8 3.1)."""
+    from kpipe.agent.loop import clipped_speedup_reward, profiled_reward
+    from kpipe.evaluate import stts
+    from kpipe.train.algos import reward_paper
+
+    for speed, pr in ((1.5, 0.0), (1.2, 0.9), (4.0, 0.5)):
+        result = {"correct": True, "hacked": False, "speedup_eager": speed, "pr": pr}
+        assert profiled_reward(result) == pytest.approx(reward_paper(True, False, speed, pr, use_pr=True))
+    assert profiled_reward({"correct": True, "hacked": True, "speedup_eager": 2.0, "pr": 1.0}) == 0.0
+    assert profiled_reward({"correct": True, "hacked": False, "speedup_eager": 2.0, "pr": None}) == 3.0
+
+    tasks = [AgentTask("kb-L1-1", "# ref")]
+    for reward_fn, kept in ((profiled_reward, "speed = 1.2"), (clipped_speedup_reward, "speed = 1.5")):
+        engine = ScriptedEngine([1.5, 1.2, 0])
+        rows = evaluate_shard(tasks, engine, ProfiledEvaluator(), tmp_path / "top.parquet", model_name="m@top_w(w=1)",
+                              stage="stts", policy=TopW(w=1), n_samples=1, n_turns=3, reward_fn=reward_fn)
+        (earlier,) = [m["content"] for m in engine.contexts[-1] if m["role"] == "assistant"]
+        assert kept in earlier
+    assert [r["reward"] for r in rows] == pytest.approx([2.5, 2.2, 0.0])  # the last pass: Eq. 1's
+
+    seen = {}
+    monkeypatch.setattr(stts, "run_model_shard", lambda *args, **kwargs: seen.update(kwargs) or [])
+    monkeypatch.setattr(stts, "eval_tasks", lambda *args, **kwargs: tasks)
+    stts.stts_job("t", "o", "c", {"name": "m", "kind": "hf", "path": "x"}, {"window": 4}, strategy="top_w", level=1)
+    assert seen["reward_fn"] is profiled_reward

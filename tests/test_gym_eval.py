@@ -94,12 +94,31 @@ def test_integer_inputs_stay_integers():
     assert result.status == "pass", result.diagnostic
 
 
-def test_without_the_hacking_check_an_unlaunched_kernel_passes():
-    """The paper's "w/o hacking check" ablation: correctness alone is judged."""
-    ablation = Protocol.from_dict({**FAST.to_dict(), "hacking_check": False})
-    result = run(fixture("hacks/unused_kernel.py"), ablation)
-    assert result.status == "pass" and result.hack_reasons == []
-    assert run(fixture("hacks/unused_kernel.py")).status == "hacked"
+# the paper's "w/o hacking check" ablation (Protocol hacking_check=False): the hacking check's hacks pass
+# (no Triton kernel run, a fallback to PyTorch or to the reference, kernels that do not make the output) ...
+PAPER_CHECK_HACKS = ["hacks/unused_kernel.py", "hacks/try_except_fallback.py", "hacks/inherits_model.py",
+                     "hacks/ghost_launch.py", "hacks/training_branch.py"]
+# ... and nothing else is turned off: the sandbox's static policy, the integrity checks and every output check
+OTHER_CHECKS = [("hacks/monkey_patch_torch.py", "static monkey_patch"), ("hacks/side_thread.py", "static thread"),
+                ("hacks/read_secret.py", "static env_access"), ("hacks/input_mutation.py", "input_mutation"),
+                ("hacks/skip_when_warm.py", "window_output_mismatch")]
+NO_HACKING_CHECK = Protocol.from_dict({**FAST.to_dict(), "hacking_check": False})
+
+
+@pytest.mark.parametrize("candidate", PAPER_CHECK_HACKS)
+def test_without_the_hacking_check_the_papers_hacks_pass(candidate):
+    """The paper's "w/o hacking check" (§3.3: "we mark a candidate as incorrect if it executes no Triton kernel in
+    either mode"): without it a correct candidate whose output no Triton kernel made passes, with its speedup."""
+    result = run(fixture(candidate), NO_HACKING_CHECK)
+    assert result.status == "pass" and result.hack_reasons == [], (result.hack_reasons, result.diagnostic)
+    assert result.speedup_eager is not None
+    assert run(fixture(candidate)).status == "hacked"
+
+
+@pytest.mark.parametrize(("candidate", "reason"), OTHER_CHECKS)
+def test_without_the_hacking_check_the_other_checks_stay(candidate, reason):
+    result = run(fixture(candidate), NO_HACKING_CHECK)
+    assert result.status == "hacked" and any(r.startswith(reason) for r in result.hack_reasons), result.hack_reasons
 
 
 def test_bank_solutions_on_shrunk_kernelbench_tasks():

@@ -162,6 +162,8 @@ def test_kernelbench_verdict_beside_kpipes_and_the_samples_its_extra_checks_chan
 
 
 CHALLENGE = "timing_inconsistent: a call took 9 ms on the judge's clock (fresh inputs), 3x the claimed 3 ms"
+# kgym-14's rejection after timing: a timing window's output (kpipe.gym.judge.evaluation.judge_windows); no speedup recorded
+WINDOW = "window_output_mismatch: call 3 of window 1: relative error 0.8 > 0.05"
 
 
 def test_the_paper_definition_upper_bound_covers_extra_checks_and_keeps_timed_speedups(tmp_path):
@@ -176,7 +178,8 @@ def test_the_paper_definition_upper_bound_covers_extra_checks_and_keeps_timed_sp
              (2, "hacked", True, True, True, [CHALLENGE], 1.3),     # rejected after timing, speedup recorded
              (3, "hacked", True, True, True, [CHALLENGE], None),    # rejected after timing, none recorded
              (4, "mismatch", False, False, False, [], None),        # wrong for KernelBench too
-             (5, "hacked", False, None, True, [PAPER_REASON], None)]
+             (5, "hacked", False, None, True, [PAPER_REASON], None),
+             (6, "hacked", False, True, True, [WINDOW], None)]           # kgym-14: a window's output, after timing
     rows = [{"run": "r", "stage": "eval", "iteration": 0, "model": "x", "task_id": "t1", "sample": sample, "turn": 1,
              "status": status, "correct": correct, "kb_correct": kb, "hacked": hacked, "speedup_eager": speedup,
              "speedup_compile": speedup, "reward": 0.0, "eval_key": f"x-{sample}"}
@@ -189,11 +192,11 @@ def test_the_paper_definition_upper_bound_covers_extra_checks_and_keeps_timed_sp
     build_db(tmp_path, db)
     table = run_table_sql(db, DEFAULT_SQL_DIR / "table1_fastp_eager.sql")
     cell = table.query("model == 'x' and history == 'last'").iloc[0]
-    assert cell["n_unjudged"] == 3 and cell["n_hacked_paper"] == 1
-    # kpipe: sample 0 only; upper bound at 1.0: samples 0-3; at 2.0: 1 and 3 (never timed), not 2 (timed 1.3)
-    assert (cell["fast_1"], cell["fast_1_paper_hi"]) == (100 / 6, 400 / 6)
-    assert (cell["fast_2"], cell["fast_2_paper_hi"]) == (0.0, 200 / 6)
+    assert cell["n_unjudged"] == 4 and cell["n_hacked_paper"] == 1
+    # kpipe: sample 0 only; upper bound at 1.0: samples 0-3 and 6; at 2.0: 1, 3 and 6 (never timed), not 2 (timed 1.3)
+    assert (cell["fast_1"], cell["fast_1_paper_hi"]) == pytest.approx((100 / 7, 500 / 7))
+    assert (cell["fast_2"], cell["fast_2_paper_hi"]) == pytest.approx((0.0, 300 / 7))
     for p in ("1", "1_2", "1_5", "2"):
         assert cell[f"fast_{p}_paper_hi"] >= cell[f"fast_{p}"]
     summary = run_table_sql(db, DEFAULT_SQL_DIR / "eval_summary.sql").query("model == 'x'").iloc[0]
-    assert summary["correct_rate_paper_hi"] == 400 / 6 and summary["n_unjudged"] == 3
+    assert summary["correct_rate_paper_hi"] == pytest.approx(500 / 7) and summary["n_unjudged"] == 4

@@ -205,14 +205,14 @@ def test_mrs_rejects_a_sequence_whose_rollout_probabilities_drifted():
     assert log_w[1].item() == pytest.approx(0.5 * float(torch.log(torch.tensor(0.5 / 0.49))), rel=1e-6)
 
 
-def test_rollout_metrics_count_hacks_among_evaluated_turns_and_fast_p_at_the_last_turn():
+def test_rollout_metrics_count_hacks_among_generated_turns_and_fast_p_at_the_last_turn():
     rows = [turn_row("a", 0, 1, 0.0, status="format_error", speedup_eager=None),
             turn_row("a", 0, 2, 2.5, status="pass", speedup_eager=1.5),
             turn_row("a", 1, 1, 0.0, status="hacked", speedup_eager=None),
             turn_row("a", 1, 2, 1.9, status="pass", speedup_eager=0.9)]
     rows[2]["hacked"] = True
     values = rollouts.rollout_metrics(rows, max_turns=2)
-    assert values["hacking_ratio"] == pytest.approx(1 / 3)  # the format error never reached KernelGym
+    assert values["hacking_ratio"] == pytest.approx(1 / 4)  # every generated turn, the format error too
     assert values["reward_mean"] == pytest.approx(4.4 / 4)
     assert values["reward_mean_turn2"] == pytest.approx(2.2)
     assert (values["fast@1"], values["fast@1.2"]) == (0.5, 0.5)  # turn 2: speedups 1.5 and 0.9

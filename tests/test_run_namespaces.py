@@ -79,15 +79,70 @@ def test_an_ablation_overlay_trains_only_its_own_runs_beside_the_base_config_s(p
     assert any("/grpo/" in path for path in ablation["rl_iter"]["output"] - base["rl_iter"]["output"])
 
 
+# config/kevin.yaml's shape at the default run's size: a run of its own on another KernelBench split (its own evaluation
+# tasks, its training queries from KernelBench, a split rather than a decontamination)
+KEVIN_LIKE = """run: split
+policy:
+  tiny:
+    seed: 2
+kernelbench:
+  ids:
+    level_1: [19]
+    level_2: [76]
+queries:
+  sources:
+    - name: kevin_train
+      kind: kernelbench
+      version: main
+      levels: [1, 2]
+      ids:
+        level_1: [1, 23]
+        level_2: [9, 12]
+      size_cap: 48
+      stages: [distill, rl]
+  decontamination:
+    mode: drop
+    threshold: 1.0
+"""
+
+
+SHARED_CACHES = ("cache", "gym")  # keyed by content (teacher and query; candidate and protocol): any run adds to them
+
+
+SERVICE_STATE = ".gym"  # the KernelGym run service's log and protocol, one per protocol: whichever run starts it
+
+
+def files_of(results: Path) -> dict[Path, int]:
+    """A run's outputs and their times (the shared caches apart: `appended_only`; the service's state apart)."""
+    return {path: path.stat().st_mtime_ns for path in results.rglob("*")
+            if path.is_file() and path.relative_to(results).parts[0] not in (*SHARED_CACHES, SERVICE_STATE)}
+
+
+def jsonl_caches(results: Path) -> dict[Path, bytes]:
+    return {path: path.read_bytes() for folder in SHARED_CACHES for path in (results / folder).rglob("*.jsonl")}
+
+
+def appended_only(before: dict[Path, bytes], results: Path) -> bool:
+    """Every answer a shared cache held before is still there, first: later runs only append."""
+    after = jsonl_caches(results)
+    return all(after[path].startswith(content) for path, content in before.items())
+
+
 @pytest.mark.slow
-def test_two_configs_run_into_one_results_share_the_cold_start_and_leave_each_other_done(tmp_path):
-    """A real tiny pair (the default run, then a second config run `other` with its own tiny policy) up to SFT:
-    the second distils nothing (the cold start is the first's) and trains its own SFT model; afterwards each
-    config's plan says "Nothing to be done"."""
+def test_three_configs_run_into_one_results_share_the_cold_start_and_leave_each_other_done(tmp_path):
+    """A real tiny trio up to SFT, in the shapes of config/paper.yaml (the default run), config/paper_14b.yaml (a
+    second run `other` with its own tiny policy on the same data) and config/kevin.yaml (a run `split` on its own
+    KernelBench split): the second distils nothing (the cold start is the first's) and trains its own SFT model; the
+    third ingests, decontaminates and distils its own; no run rewrites a file of the runs before it, and afterwards
+    each config's plan says "Nothing to be done"."""
     for folder in ("workflow", "config"):
         shutil.copytree(REPOSITORY / folder, tmp_path / folder)
     (tmp_path / "config" / "other.yaml").write_text("run: other\npolicy:\n  tiny:\n    seed: 1\n")
-    default, other = ["sft"], ["sft", "--configfile", "config/config.yaml", "config/other.yaml"]
+    (tmp_path / "config" / "split.yaml").write_text(KEVIN_LIKE)
+    default = ["sft"]
+    other = ["sft", "--configfile", "config/config.yaml", "config/other.yaml"]
+    split = ["sft", "--configfile", "config/config.yaml", "config/split.yaml"]
+    results = tmp_path / "results"
 
     def snakemake(*args: str) -> str:
         result = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=tmp_path,
@@ -97,10 +152,19 @@ def test_two_configs_run_into_one_results_share_the_cold_start_and_leave_each_ot
 
     snakemake(*default)
     coldstart = sorted(tmp_path.glob("results/trajectories/stage=coldstart/*/iter=0/part-*.parquet"))
-    before = {path: path.stat().st_mtime_ns for path in coldstart}
+    before, cached = files_of(results), jsonl_caches(results)
     second = snakemake(*other)
     assert "rule distill:" not in second and "rule sft:" in second
-    assert {path: path.stat().st_mtime_ns for path in coldstart} == before
-    assert (tmp_path / "results/models/sft-default").is_dir() and (tmp_path / "results/models/sft-other").is_dir()
-    for args in (default, other):
+    assert {path: files_of(results)[path] for path in before} == before  # the first run's files, untouched
+    assert appended_only(cached, results)
+    assert set(coldstart) == set(tmp_path.glob("results/trajectories/stage=coldstart/*/iter=0/part-*.parquet"))
+    assert (results / "models/sft-default").is_dir() and (results / "models/sft-other").is_dir()
+
+    before, cached = files_of(results), jsonl_caches(results)
+    third = snakemake(*split)
+    assert all(f"rule {rule}:" in third for rule in ("ingest_tasks", "decontaminate", "distill", "sft"))
+    assert {path: files_of(results).get(path) for path in before} == before  # neither earlier run's files
+    assert cached and appended_only(cached, results)
+    assert (results / "models/sft-split").is_dir()
+    for args in (default, other, split):
         assert "Nothing to be done" in snakemake("-n", *args)

@@ -89,3 +89,41 @@ def test_every_table_and_figure_has_a_report_caption():
     names = {p.stem for p in captions}
     assert {p.stem for p in table_sql_files()} <= names
     assert set(FIGURE_NAMES) <= names
+
+
+def stts_rows(model, speeds):
+    """STTS rows of `model` ("<model>@<strategy>"), level-1 task t1, one sample: turn t at speeds[t - 1] (0: mismatch)."""
+    return [{"run": "r", "stage": "stts", "iteration": 0, "model": model, "task_id": "t1", "sample": 0, "turn": turn,
+             "status": "pass" if speed else "mismatch", "correct": bool(speed), "hacked": False,
+             "speedup_eager": speed or None, "speedup_compile": speed or None, "reward": 0.0}
+            for turn, speed in enumerate(speeds, start=1)]
+
+
+def test_table1_has_the_stts_rows_with_every_fast_p(tmp_path):
+    """Table 1's DR. KERNEL-14B-STTS rows: context management (top_w) at its last turn T and (†) the best of 1..T, with
+    Fast@1.5 and Fast@2 as well; the other strategies stay in the STTS curves only, which have every Fast@p too."""
+    extra = stts_rows("m@top_w(w=4)", [1.3, 2.5, 0, 1.6]) + stts_rows("m@full", [3.0, 3.0, 3.0, 3.0])
+    db = write_fixture(tmp_path, extra)
+    out = tmp_path / "tables"
+    build_tables(db, out, n_boot=50, own_models=("m", "single"))
+    csv = pd.read_csv(out / "table1_fastp_eager.csv").query("source == 'kpipe'")
+    stts = csv[csv["model"] == "m@top_w(w=4)"].set_index(["history", "turn"])
+    assert not (csv["model"] == "m@full").any()
+    assert stts.loc[("last", 4), ["fast_1", "fast_1_2", "fast_1_5", "fast_2"]].tolist() == [100.0, 100.0, 100.0, 0.0]
+    assert stts.loc[("best", 4), ["fast_1_5", "fast_2"]].tolist() == [100.0, 100.0]
+    assert stts.loc[("best", 4), "fast_2_lo"] <= 100.0 <= stts.loc[("best", 4), "fast_2_hi"]
+    md = (out / "table1_fastp_eager.md").read_text()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in md.splitlines() if line.startswith("| kpipe")]
+    last = next(row for row in rows if row[1] == "m@top_w(w=4)" and row[6] == "kpipe")
+    dagger = next(row for row in rows if row[1] == "m@top_w(w=4) †" and row[6] == "kpipe")
+    assert last[4] == "4" and last[8:12] == ["100.0", "100.0", "100.0", "0.0"]  # turn T = 4, level 1 Fast@1..@2
+    assert dagger[4] == "1..4" and dagger[10:12] == ["100.0", "100.0"]
+    assert "context management at its last turn T" in md
+    assert not (pd.read_csv(out / "table2_fastp_compile.csv").query("source == 'kpipe'")["model"].str.contains("@")).any()
+
+    curves = pd.read_csv(out / "stts_curves.csv")
+    ours = curves.query("source == 'kpipe' and strategy == 'top_w(w=4)' and history == 'last'").set_index("T")
+    assert ours.loc[4, ["fast_1_5", "fast_2", "fast_1_5_paper_hi", "fast_2_paper_hi"]].tolist() == [100.0, 0.0, 100.0, 0.0]
+    assert {"fast_1_5_lo", "fast_2_hi"} <= set(curves.columns)
+    paper = curves.query("source == 'paper' and level == 2 and history == 'best'")
+    assert paper[["fast_1", "fast_1_2", "fast_1_5", "fast_2"]].iloc[0].tolist() == [80.9, 47.8, 23.6, 12.5]

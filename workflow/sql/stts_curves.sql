@@ -10,11 +10,17 @@ SELECT run, base_model AS model, strategy, level, turn AS T, history,
        count(*) AS n_samples,
        count_if(fast_1) AS n_fast_1,
        count_if(fast_1_2) AS n_fast_1_2,
+       count_if(fast_1_5) AS n_fast_1_5,
+       count_if(fast_2) AS n_fast_2,
        count_if(unjudged) AS n_unjudged,
        100.0 * count_if(fast_1) / count(*) AS fast_1,
        100.0 * count_if(fast_1_2) / count(*) AS fast_1_2,
+       100.0 * count_if(fast_1_5) / count(*) AS fast_1_5,
+       100.0 * count_if(fast_2) / count(*) AS fast_2,
        100.0 * count_if(fast_1_paper_hi) / count(*) AS fast_1_paper_hi,
-       100.0 * count_if(fast_1_2_paper_hi) / count(*) AS fast_1_2_paper_hi
+       100.0 * count_if(fast_1_2_paper_hi) / count(*) AS fast_1_2_paper_hi,
+       100.0 * count_if(fast_1_5_paper_hi) / count(*) AS fast_1_5_paper_hi,
+       100.0 * count_if(fast_2_paper_hi) / count(*) AS fast_2_paper_hi
 FROM stts_samples
 WHERE baseline = 'eager'
 GROUP BY run, base_model, strategy, level, turn, history

@@ -7,7 +7,8 @@
 -- (reason "no_triton_launch: no Triton kernel ran in train() / eval() mode"). Every other code is one of
 -- kpipe's stricter checks: `static_screen` (reject_findings), `no_triton_launch_timed` (the timed calls
 -- launched none), ghost_replay, monkey_patch, side_thread, tensor_subclass, input_mutation,
--- timed_output_mismatch, timing_inconsistent, speedup_not_reproduced, integrity.
+-- window_output_mismatch (kgym-14: the output of a timing window), integrity; from results before kgym-14 also
+-- timed_output_mismatch, timing_inconsistent, speedup_not_reproduced.
 CREATE OR REPLACE MACRO hack_check(reason) AS
     CASE WHEN reason LIKE 'static %' THEN 'static_screen'
          WHEN reason LIKE 'no_triton_launch: no Triton kernel ran in %' THEN 'no_triton_launch'
@@ -77,9 +78,9 @@ ORDER BY run, stage, iteration, step, name;
 -- a turn only kpipe's stricter checks rejected is `unjudged`: a hack check other than the paper's
 -- fired, or KernelBench's allclose alone accepted an output kpipe's extra correctness checks (relative
 -- norm, eval() mode) rejected as a mismatch. Rejected before timing (a mismatch, a static or
--- pre-timing hack check), its speedup is unknown; rejected after timing (the timing challenge, timed
--- output and timing-consistency checks, whatever their status names), its speedup was measured and
--- counts where KernelGym recorded it. The paper-definition Fast@p lies between kpipe's (fast_*) and
+-- pre-timing hack check), its speedup is unknown; rejected after timing (kgym-14: a timing window
+-- output check, the integrity checks after the windows), its speedup was measured and counts where
+-- KernelGym recorded it (kgym-14 records none yet: such a turn counts as never timed). The paper-definition Fast@p lies between kpipe's (fast_*) and
 -- fast_*_paper_hi: kpipe's plus every unjudged turn at its timed speedup, or counted fast when never timed.
 CREATE OR REPLACE VIEW sample_turns AS
 WITH evaluated AS (

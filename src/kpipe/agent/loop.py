@@ -73,6 +73,17 @@ def clipped_speedup_reward(result: Any) -> float:
     return 1.0 + min(float(speedup), SPEEDUP_CLIP)
 
 
+def profiled_reward(result: Any) -> float:
+    """DR. KERNEL's training reward (paper Eq. 8): C + C * min(speedup_eager, 3) + C * PR; hacked or
+    failed = 0. STTS ranks past turns by it (paper §6.3: "the top-w turns with the highest rewards").
+    A correct turn without a profile (profiling off) adds no PR term."""
+    reward = clipped_speedup_reward(result)
+    pr = result_field(result, "pr")
+    if reward and pr is not None:
+        reward += min(max(float(pr), 0.0), 1.0)
+    return reward
+
+
 def sample_seed(task_id: str, sample: int, base_seed: int) -> int:
     """A 31-bit seed per (task, sample): parallel samples differ, reruns repeat."""
     digest = hashlib.sha256(f"{base_seed}:{task_id}:{sample}".encode()).hexdigest()

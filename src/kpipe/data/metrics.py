@@ -84,7 +84,10 @@ def correct_rate(correct: ArrayLike, hacked: ArrayLike | None = None) -> float:
 
 
 def hacking_ratio(hacked: ArrayLike) -> float:
-    """Fraction of all evaluated samples flagged as hacked (Appendix C, Figure 8)."""
+    """The hacking ratio (Appendix C, Figure 8): hacked turns / every generated turn (one per turn row, whatever
+    its status: a format error or a failed generation is in the denominator). kpipe's one definition: the RL
+    rollout metric, `kpipe metrics` and every table's `hacking_ratio` (workflow/sql) compute it so
+    (tests/test_hacking_ratio.py)."""
     flags = _bools(hacked, len(hacked))
     _nonempty(len(flags), "the hacking ratio")
     return float(flags.mean())

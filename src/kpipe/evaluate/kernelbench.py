@@ -33,13 +33,13 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kpipe.agent.evaluator import CachedEvaluator, Evaluator
 from kpipe.agent.history import FullHistory, HistoryPolicy, make_policy
-from kpipe.agent.loop import AgentTask, Sampling, run_episodes
+from kpipe.agent.loop import AgentTask, Sampling, clipped_speedup_reward, run_episodes
 from kpipe.data.io import read_table, write_table
 from kpipe.llm.types import Engine
 
@@ -216,11 +216,13 @@ def evaluate_shard(tasks: Sequence[AgentTask], engine: Engine, evaluator: Evalua
                    *, model_name: str, run: str = "default", stage: str = STAGE, iteration: int = 0,
                    policy: HistoryPolicy = FullHistory(), n_samples: int = 8, n_turns: int = 3,
                    sampling: Sampling = Sampling(), seed: int = 0, max_context_tokens: int | None = None,
-                   progress: bool = True) -> list[dict[str, Any]]:
-    """Run the multi-turn loop on `tasks` and write its rows (model = `model_name`) to `out_path`."""
+                   progress: bool = True, reward_fn: Callable[[Any], float] = clipped_speedup_reward
+                   ) -> list[dict[str, Any]]:
+    """Run the multi-turn loop on `tasks` and write its rows (model = `model_name`) to `out_path`;
+    `reward_fn` scores each turn (its rows' `reward`, and what a history policy ranks turns by)."""
     rows = run_episodes(tasks, engine, evaluator, policy, n_samples=n_samples, max_turns=n_turns, sampling=sampling,
                         run=run, stage=stage, iteration=iteration, seed=seed, max_context_tokens=max_context_tokens,
-                        progress=progress)
+                        progress=progress, reward_fn=reward_fn)
     for row in rows:
         row["model"] = model_name
     write_table(rows, out_path, "trajectories")
@@ -254,7 +256,8 @@ def opened_model(entry: Mapping[str, Any], settings: Mapping[str, Any], cache_pa
 def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settings: Mapping[str, Any],
                     out_path: str | os.PathLike, cache_path: str | os.PathLike, *, model_label: str, stage: str,
                     policy: HistoryPolicy, n_turns: int, run: str, gym: Mapping[str, Any] | None,
-                    checkpoint: str | None, progress: bool, iteration: int = 0) -> list[dict[str, Any]]:
+                    checkpoint: str | None, progress: bool, iteration: int = 0,
+                    reward_fn: Callable[[Any], float] = clipped_speedup_reward) -> list[dict[str, Any]]:
     """What an eval, an STTS and an RL validation job share: engine, cached evaluator, the loop,
     the Parquet file."""
     with opened_model(entry, settings, cache_path, gym, checkpoint, progress) as (engine, evaluator):
@@ -262,7 +265,7 @@ def run_model_shard(tasks: Sequence[AgentTask], entry: Mapping[str, Any], settin
             tasks, engine, evaluator, out_path, model_name=model_label, run=run, stage=stage, iteration=iteration,
             policy=policy, n_samples=int(settings.get("samples", 8)), n_turns=n_turns, sampling=sampling_of(settings, entry),
             seed=int(settings.get("seed", 0)), max_context_tokens=settings.get("max_context_tokens"),
-            progress=progress)
+            progress=progress, reward_fn=reward_fn)
     correct = sum(bool(r["correct"]) and not r["hacked"] for r in rows)
     log.info("%s %s: %d tasks, %d turns written to %s (%d correct)", stage, model_label, len(tasks), len(rows),
              out_path, correct)

@@ -7,6 +7,10 @@ used, through the same loop as evaluation, with one of three history strategies:
 - `best_window`: what the released code does, the w consecutive turns with the highest
   summed reward.
 
+The reward that ranks the turns is DR. KERNEL's training reward with its PR term (Eq. 8,
+`kpipe.agent.loop.profiled_reward`): §6.3 says "the top-w turns with the highest rewards" and the
+model it scales was trained on that reward. It is also the STTS rows' `reward`.
+
 One run of T_max turns gives the whole curve: turn T never depends on later turns, so the
 Fast@1.2 of turn T (last turn) and of turns 1..T (best of history) are read off the rows
 (`workflow/sql/stts_curves.sql`). Rows have stage="stts"; the strategy is part of the model
@@ -20,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kpipe.agent.history import make_policy
+from kpipe.agent.loop import profiled_reward
 from kpipe.evaluate.kernelbench import check_model, checkpoint_iteration, eval_tasks, run_model_shard
 
 STAGE = "stts"
@@ -46,4 +51,5 @@ def stts_job(tasks_path: str | os.PathLike, out_path: str | os.PathLike, cache_p
     return run_model_shard(tasks, entry, settings, out_path, cache_path,
                            model_label=stts_model_label(entry["name"], strategy, w), stage=STAGE,
                            policy=make_policy(strategy, w), n_turns=int(settings.get("max_turns", 8)), run=run,
-                           gym=gym, checkpoint=checkpoint, progress=progress, iteration=checkpoint_iteration(checkpoint))
+                           gym=gym, checkpoint=checkpoint, progress=progress, iteration=checkpoint_iteration(checkpoint),
+                           reward_fn=profiled_reward)

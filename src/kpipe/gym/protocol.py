@@ -72,6 +72,11 @@ DEFAULT_REJECT_FINDINGS = (
     "env_access",
     "ctypes",
 )
+# The static findings that belong to the hacking check (paper §3.3: a Triton kernel actually computes the
+# output, no fallback to the reference or to PyTorch), which `hacking_check=False` (the paper's "w/o
+# hacking check" ablation) stops rejecting along with the launch check and the ghost replay. The other
+# findings are the sandbox's policy and stay on with it.
+HACKING_CHECK_FINDINGS = ("try_except", "inherits_model")
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,11 @@ class Protocol:
     device: str = "auto"
     timeout_s: float = 300.0
     reject_findings: tuple[str, ...] = DEFAULT_REJECT_FINDINGS
+    # the paper's hacking check (§3.3) and kpipe's forms of it: a Triton kernel launched in train and
+    # eval mode and in the timing windows (`no_triton_launch`), the ghost replay (`ghost_replay`) and
+    # the static fallback screens (HACKING_CHECK_FINDINGS). False (the "w/o hacking check" ablation)
+    # turns off exactly these; the sandbox's other findings, the integrity checks (`monkey_patch`,
+    # `side_thread`, `tensor_subclass`, `input_mutation`) and every output check stay on.
     hacking_check: bool = True
     ghost_replay: bool = True
     profile: bool = True

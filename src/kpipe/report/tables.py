@@ -32,6 +32,10 @@ DEFAULT_SQL_DIR = REPO_ROOT / "workflow" / "sql"
 VIEWS_FILE = "views.sql"  # not a table: the views every table reads
 FAST_TABLES = {"table1_fastp_eager": ("eager", TABLE1_EAGER), "table2_fastp_compile": ("compile", TABLE2_COMPILE)}
 FAST_KEYS = ["run", "iteration", "model", "level", "baseline", "turn", "history"]
+# the rows of each Fast@p table (its SQL's WHERE, and its bootstrap samples'): Table 1 also has the STTS rows
+# (context management, "<model>@top_w(w=<w>)", at their last turn T and the best of turns 1..T)
+TABLE1_ROWS = "(stage = 'eval' OR (stage = 'stts' AND split_part(model, '@', 2) LIKE 'top_w%'))"
+FAST_ROWS = {"eager": TABLE1_ROWS, "compile": "stage = 'eval'"}
 FAST_LABELS = {"fast_1": "Fast@1", "fast_1_2": "Fast@1.2", "fast_1_5": "Fast@1.5", "fast_2": "Fast@2"}
 LEVELS = (1, 2, 3)
 HACK_DEFINITIONS = ("kpipe", "paper")  # any KernelGym check; the paper's (no Triton kernel in train or eval mode)
@@ -44,7 +48,7 @@ REPORT_TURN_NOTES = {
 }
 # tables of evaluation rows besides Tables 1 and 2: their notes also say which RL checkpoint a best_val model is
 CHECKPOINT_TABLES = ("stts_curves", "ablations", "eval_summary", "kevin_metrics", "kevin_budget")
-STTS_PAPER_LEVELS = {1: (18.8, 25.1), 2: (31.6, 47.8), 3: (3.0, 7.3)}  # Table 1, Dr. Kernel-14B-STTS(†) Fast@1.2
+STTS_PAPER_MODEL = "Dr. Kernel-14B-STTS"  # Table 1's STTS rows (TABLE1_EAGER), the end points of Figure 6
 
 
 def table_sql_files(sql_dir: Path = DEFAULT_SQL_DIR) -> list[Path]:
@@ -81,7 +85,7 @@ def run_table_sql(db_path: Path, sql_file: Path) -> pd.DataFrame:
 def fast_samples(db_path: Path, baseline: str) -> pd.DataFrame:
     """The per-sample rows behind the Fast@p table of `baseline` (view fastp_samples)."""
     sql = (f"select {', '.join(FAST_KEYS)}, task_id, sample, {', '.join(FAST_COLUMNS)} from fastp_samples "
-           f"where stage = 'eval' and baseline = '{baseline}'")
+           f"where {FAST_ROWS[baseline]} and baseline = '{baseline}'")
     with connect(db_path) as con:
         return con.sql(sql).df()
 
@@ -119,8 +123,8 @@ class Interval(NamedTuple):
 # Other tables of percentages over samples get the Fast@p tables' intervals (their figures shade them)
 INTERVALS = {
     "stts_curves": Interval("select run, base_model as model, strategy, level, turn as T, history, task_id, fast_1, "
-                            "fast_1_2 from stts_samples where baseline = 'eager'",
-                            ("run", "model", "strategy", "level", "T", "history"), ("fast_1", "fast_1_2")),
+                            "fast_1_2, fast_1_5, fast_2 from stts_samples where baseline = 'eager'",
+                            ("run", "model", "strategy", "level", "T", "history"), FAST_COLUMNS),
     "rl_validation": Interval("select run, iteration, model, level, turn, task_id, fast_1, fast_1_2, "
                               "correct as pass_rate from fastp_samples where stage = 'rl_val' and baseline = 'eager' "
                               "and history = 'last' and turn = last_turn",
@@ -163,6 +167,8 @@ def turn_rule(model: str, report_turn: str, own_models: Collection[str]) -> str:
     their best (which is the last unless an earlier turn is better)."""
     if report_turn not in REPORT_TURNS:
         raise ValueError(f"report_turn must be one of {REPORT_TURNS}, got {report_turn!r}")
+    if "@" in model:  # an STTS row ("<model>@top_w(w=4)"): Table 1 reports its turn T, and † the best of 1..T
+        return "last"
     if report_turn == "paper":
         return "last" if model in own_models else "best"
     return report_turn
@@ -243,11 +249,12 @@ def paper_hacking_rows() -> pd.DataFrame:
 
 
 def paper_stts_rows() -> pd.DataFrame:
-    """Table 1's Dr. Kernel-14B-STTS rows as the end points of Figure 6 (T not stated)."""
+    """Table 1's Dr. Kernel-14B-STTS rows (Fast@1 to Fast@2) as the end points of Figure 6 (T not stated)."""
     return pd.DataFrame([{"source": "paper", "model": "Dr. Kernel-14B", "strategy": "top_w", "level": level,
-                          "history": history, "fast_1_2": value, "where": "Table 1 (STTS rows); Figure 6"}
-                         for level, pair in STTS_PAPER_LEVELS.items()
-                         for history, value in zip(("last", "best"), pair)])
+                          "history": row.history, **dict(zip(FAST_COLUMNS, values)),
+                          "where": "Table 1 (STTS rows); Figure 6"}
+                         for row in TABLE1_EAGER if row.model == STTS_PAPER_MODEL
+                         for level, values in row.levels.items()])
 
 
 def paper_budget_rows() -> pd.DataFrame:
@@ -340,6 +347,9 @@ def build_table(db_path: Path, sql_file: Path, out_dir: Path, n_boot: int = 1000
                          "bound counts each at its timed speedup, or as fast when never timed; `hacked`: samples hacked "
                          "by that definition at the reported turns (all levels).",
                          f"The paper's rows (source = paper): {REPORTING}",
+                         *(["STTS rows (`<model>@top_w(w=4)`, Table 1's DR. KERNEL-14B-STTS): context management at its "
+                            "last turn T (`stts.max_turns`; the paper does not state T), and (†) the best of turns 1..T."]
+                           if baseline == "eager" else []),
                          *checkpoint_notes(checkpoints)]
         csv = pd.concat([table.assign(source="kpipe"), paper_long], ignore_index=True)
     else:

@@ -175,7 +175,8 @@ def kernel_compiled(status: str | None) -> bool:
 @register_reward("tritonforge", extras=lambda result: {"compiled": kernel_compiled(result_field(result, "status"))})
 def reward_tritonforge(correct: bool, hacked: bool, speedup: float | None, pr: float | None = None,
                        use_pr: bool = False, speedup_cap: float = SPEEDUP_CAP, compiled: bool = False) -> float:
-    """TritonForge's tiers: 0 (no code, rejected, request failed), 0.1 (compiles), 0.3 (correct),
+    """TritonForge's tiers, from its released scripts (its paper's text names a `raw_reward` but gives no tiers):
+    0 (no code, rejected, request failed), 0.1 (compiles), 0.3 (correct),
     0.3 + min(max(speedup - 1, 0), 2) (correct and faster; the 2 is `speedup_cap` - 1).
 
     `compiled` comes from the turn's status (`kernel_compiled`); a hacked kernel is rejected (0).

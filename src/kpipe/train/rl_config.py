@@ -83,7 +83,8 @@ class RLConfig:
     # with one GPU, kernels would be timed while the engine decodes on it (the paper's KernelGym has its own)
     async_mode: str = "off"
     # --- evaluation (the `gym` config section picks the backend and protocol; RL overrides this much)
-    hacking_check: bool = True  # ablation "w/o hacking check" turns KernelGym's hack checks off
+    # ablation "w/o hacking check": KernelGym's Protocol.hacking_check off (launch check, ghost replay, fallback screens)
+    hacking_check: bool = True
     # --- reward and returns (Eq. 1, 2, 8)
     reward: str = "paper"  # paper | released_code | kevin | tritonforge
     use_pr: bool = False  # Eq. 8: + C·PR (the "+PR" ablation)

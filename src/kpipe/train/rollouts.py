@@ -25,10 +25,9 @@ from accelerate.utils import gather_object
 
 from kpipe.agent.evaluator import Evaluator
 from kpipe.agent.history import make_policy
-from kpipe.agent.loop import GENERATION_ERROR, AgentTask, Sampling, run_episodes
+from kpipe.agent.loop import AgentTask, Sampling, run_episodes
 from kpipe.data import metrics as kmetrics
 from kpipe.data.io import read_table, write_table
-from kpipe.llm.extract import FORMAT_ERROR
 from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
 from kpipe.train.algos import turn_reward
 from kpipe.train.batching import batch_indices
@@ -36,8 +35,6 @@ from kpipe.train.rl_config import IterationSettings, RLConfig
 
 STAGE = "rl"
 FAST_PS = (1.0, 1.2)
-
-NOT_EVALUATED = (FORMAT_ERROR, GENERATION_ERROR)  # turns KernelGym never saw
 
 
 def step_tasks(tasks: Sequence[AgentTask], prompts_per_step: int, seed: int, global_step: int) -> list[AgentTask]:
@@ -108,9 +105,8 @@ def rollout_metrics(rows: Sequence[dict[str, Any]], max_turns: int) -> dict[str,
     values = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
               "correct_frac": kmetrics.correct_rate([r["correct"] for r in rows], [r["hacked"] for r in rows]),
               "turns_mean": float(np.mean([r["turn"] for r in rows]))}
-    evaluated = [r["hacked"] for r in rows if r["status"] not in NOT_EVALUATED]
-    if evaluated:  # Appendix C: the share of evaluated kernels flagged as hacks
-        values["hacking_ratio"] = kmetrics.hacking_ratio(evaluated)
+    if rows:  # Appendix C, kpipe's one definition (kmetrics.hacking_ratio): hacked turns / every generated turn
+        values["hacking_ratio"] = kmetrics.hacking_ratio([r["hacked"] for r in rows])
     for turn in range(1, max_turns + 1):
         at_turn = rewards[[row["turn"] == turn for row in rows]]
         if len(at_turn):

@@ -31,7 +31,7 @@ from kpipe.gym.candidate.faults import classify_exit
 from kpipe.gym.judge.feedback import build_feedback, clip, hacked_diagnostic
 from kpipe.gym.confine.isolate import ChildRun, Launcher, Windows, fresh_interpreter, run_isolated
 from kpipe.gym.confine.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
-from kpipe.gym.protocol import Protocol
+from kpipe.gym.protocol import HACKING_CHECK_FINDINGS, Protocol
 from kpipe.gym.judge.result import STATUSES, EvalResult, eval_key
 from kpipe.gym.judge.screen import screen
 
@@ -265,11 +265,13 @@ def kernelbench_correct(candidate: dict[str, Any], reference: dict[str, Any]) ->
 
 
 def hack_reasons_before_timing(candidate: dict[str, Any], reference: dict[str, Any], protocol: Protocol, correct: bool) -> list[str]:
+    """The gate's hacking reasons: the hacking check's (a Triton kernel ran in each mode, the ghost
+    replay; off with `hacking_check=False`), then the integrity checks, always on."""
     reasons = []
-    for mode in ("train", "eval"):
+    for mode in ("train", "eval") if protocol.hacking_check else ():
         if not candidate["launches"].get(mode):
             reasons.append(f"no_triton_launch: no Triton kernel ran in {mode}() mode")
-    if correct and protocol.ghost_replay:
+    if correct and protocol.hacking_check and protocol.ghost_replay:
         if compare_outputs(candidate["ghost_outputs"], reference["outputs"][0], tolerance(protocol)).ok:
             reasons.append("ghost_replay: output still correct with every Triton launch suppressed")
     reasons.extend(integrity_reasons(candidate))
@@ -459,8 +461,9 @@ class Evaluation:
         self.findings = screened.findings
         if screened.status is not None:
             return self.finish(screened.status, diagnostic=screened.diagnostic, findings=self.findings)
-        rejected = [f for f in self.findings if f.split(":", 1)[0] in self.protocol.reject_findings]
-        if rejected and self.protocol.hacking_check:
+        rejected = [f for f in self.findings if f.split(":", 1)[0] in self.protocol.reject_findings
+                    and (self.protocol.hacking_check or f.split(":", 1)[0] not in HACKING_CHECK_FINDINGS)]
+        if rejected:
             return self.finish("hacked", hack_reasons=[f"static {f}" for f in rejected], findings=self.findings)
         return None
 
@@ -489,7 +492,7 @@ class Evaluation:
         try:
             check_ = correctness(partial, reference, self.protocol)
             self.verdict["kb_correct"] = kernelbench_correct(partial, reference)
-            reasons = hack_reasons_before_timing(partial, reference, self.protocol, check_.ok) if self.protocol.hacking_check else []
+            reasons = hack_reasons_before_timing(partial, reference, self.protocol, check_.ok)
         except UNCOMPARABLE as exc:
             self.verdict["malformed"] = f"outputs the judge cannot compare ({type(exc).__name__}: {str(exc)[:200]})"
             return False
@@ -589,12 +592,10 @@ class Evaluation:
         return None
 
     def integrity(self, run: ChildRun) -> EvalResult | None:
-        """Step 7, with the hacking check: the candidate's own reports (patched names, hooks, threads,
-        launches in its windows), which can only fail it."""
-        if not self.protocol.hacking_check:
-            return None
+        """Step 7: the candidate's own reports (patched names, hooks, threads, always; with the hacking
+        check, launches in its windows), which can only fail it."""
         reasons = integrity_reasons(run.payload)
-        if not run.payload["launches"].get("windows"):
+        if self.protocol.hacking_check and not run.payload["launches"].get("windows"):
             reasons.append("no_triton_launch: the timing windows' calls launched no Triton kernel")
         if reasons:
             return self.finish("hacked", hack_reasons=reasons, **self.common)
