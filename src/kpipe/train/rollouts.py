@@ -170,8 +170,9 @@ def weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dty
 
 def push_weights_to_vllm(engine: Any, model: Any, bucket_bytes: int = PUSH_BUCKET_BYTES) -> int:
     """Copy the trainer's weights (fp32 or bf16, FSDP2-sharded or not) into an in-process vLLM engine, in
-    buckets cast to the engine's dtype; returns the buckets sent. vLLM 0.26 and 0.33, V1 engine; read in
-    their source, not run: tests/test_vllm_api.py.
+    buckets cast to the engine's dtype; returns the buckets sent. vLLM 0.26 and 0.33, V1 engine (their source:
+    tests/test_vllm_api.py); run with 0.26 on one H200 for the 8B, from fp32 weights, in
+    docs/gpu-results/paper_units.md (push_switch).
 
     Needs the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set before the engine is
     built), so `collective_rpc` calls the function on the worker object directly and the tensors are
