@@ -442,17 +442,28 @@ def test_a_windows_check_covers_every_element_of_a_huge_output():
     assert "no sketch" in compare_norms([without], [expected], 0.05).detail
 
 
-def test_window_time_is_the_references_call_plus_the_difference_on_the_judges_clock():
-    from kpipe.gym.judge.evaluation import window_call_ms
+def test_window_time_is_the_window_less_the_references_fixed_cost_on_the_judges_clock():
+    from kpipe.gym.judge.evaluation import candidate_window_ms
 
     window = {"calls": 10, "calls_ms": 50.0, "wall_s": 0.070}  # 5 ms calls, 20 ms of fixed cost
-    assert window_call_ms(window, 0.070) == pytest.approx(5.0)
-    assert window_call_ms(window, 0.045) == pytest.approx(2.5)  # half the calls' time: twice as fast
-    assert window_call_ms(window, 0.120) == pytest.approx(10.0)
+    assert candidate_window_ms([window], [0.070, 0.045, 0.120]) == pytest.approx([5.0, 2.5, 10.0])
     # calls of microseconds in a window of milliseconds: the ratio of the windows, never the noise of the difference
     short = {"calls": 5, "calls_ms": 0.1, "wall_s": 0.005}
-    assert window_call_ms(short, 0.004) == pytest.approx(0.02 * 0.8)
-    assert window_call_ms(short, 0.065) == pytest.approx(0.02 * 13)
+    assert candidate_window_ms([short], [0.004, 0.065]) == pytest.approx([0.02 * 0.8, 0.02 * 13])
+
+
+def test_a_stalled_reference_window_does_not_shorten_the_candidates_time():
+    """A host that stalls the reference's second window for 48 ms: its fixed cost is read from the least
+    of its windows, so a candidate 4x slower than the reference stays 4x slower (against the stalled
+    window of the same seed, as kgym-14 read it, it came out below zero: the floor, 1000x)."""
+    from kpipe.gym.judge.evaluation import candidate_window_ms
+
+    quiet = {"calls": 4, "calls_ms": 8.0, "wall_s": 0.010}
+    stalled = {"calls": 4, "calls_ms": 8.0, "wall_s": 0.058}
+    assert candidate_window_ms([quiet, stalled], [0.034, 0.034]) == pytest.approx([8.0, 8.0])
+    short_quiet = {"calls": 4, "calls_ms": 0.4, "wall_s": 0.004}
+    short_stalled = {"calls": 4, "calls_ms": 0.4, "wall_s": 0.052}
+    assert candidate_window_ms([short_quiet, short_stalled], [0.016]) == pytest.approx([0.4])
 
 
 def _window(seed: int, calls: int, call_ms: float, wall_s: float, outputs: list | None = None) -> dict:

@@ -22,7 +22,10 @@ from kpipe.gym.confine.limits import Limits
 # secret positions and by a sketch of every element); the child's own timings, drift pairing, span
 # charging, host re-check and claim are gone; children's files are safetensors and JSON read by a
 # strict schema (kpipe.gym.exchange), no pickle.
-PROTOCOL_VERSION = "kgym-14"
+# kgym-15: a candidate's window is read against the reference's least fixed cost over its windows, not
+# the one of the same seed (kpipe.gym.judge.evaluation.candidate_window_ms): one stalled reference
+# window no longer shortens the candidate's time.
+PROTOCOL_VERSION = "kgym-15"
 
 BASELINES = ("eager", "compile", "both")
 # the fields kgym-14 removed (the candidate's own timing), which a protocol of an earlier version may hold

@@ -514,7 +514,7 @@ def run_window_calls(forward: Callable[..., Any], input_sets: list[list[Any]], c
     GPU from an event queued behind the flush to one right after the call (KernelBench's region), on
     the CPU the host clock around the call. Read from the reference's child only: the judge's clock
     covers the whole window, whose other work (the flush, gathering the outputs, the sketch) both
-    children do alike and which cancels (kpipe.gym.judge.evaluation.window_call_ms)."""
+    children do alike and which cancels (kpipe.gym.judge.evaluation.candidate_window_ms)."""
     gathered: list[WindowOutputs] = []
     events: list[tuple[Any, Any]] = []
     calls_ms = 0.0

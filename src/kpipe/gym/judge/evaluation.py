@@ -47,7 +47,7 @@ STOCK_MAX_WINDOWS = 32
 STOCK_MAX_BYTES = 256 << 20
 # a window whose reference calls took less than this on its own clock (too short for the judge's: a
 # CPU host's reference of microseconds, whose candidate runs in the interpreter and caps the calls)
-# is read as a whole (``window_call_ms``): its fixed cost then stays in both times, a speedup is
+# is read as a whole (``candidate_window_ms``): its fixed cost then stays in both times, a speedup is
 # pulled toward 1 and never rises above the ratio of the two windows, where subtracting the fixed
 # cost left a busy host's milliseconds of noise over calls of microseconds. A GPU's windows take
 # about 100 ms of calls (kpipe.gym.candidate.child.WINDOW_TARGET_MS)
@@ -301,32 +301,38 @@ def candidate_max_bytes(reference: dict[str, Any]) -> int:
     return RESULT_SIZE_FACTOR * max(int(reference["result_bytes"]), answer_bytes) + RESULT_SIZE_SLACK
 
 
-def window_call_ms(window: dict[str, Any], candidate_s: float) -> float:
-    """A candidate's mean call in a timing window, from the judge's clock: the reference's mean call
-    in the window of the same seed (its calls on its own clock, in its trusted process) plus the
-    difference between the two windows on the judge's clock, over the calls. Both draw the same
-    inputs and write outputs of the same shapes, so everything but the calls cancels. Where the
-    reference's calls were too short for the judge's clock (``WINDOW_MIN_CALLS_MS``), the reference's
-    mean call scaled by the ratio of the two windows instead."""
-    calls, calls_ms, wall_ms = int(window["calls"]), float(window["calls_ms"]), float(window["wall_s"]) * 1e3
-    if calls_ms < WINDOW_MIN_CALLS_MS:
-        return calls_ms / calls * candidate_s * 1e3 / wall_ms
-    return (calls_ms + candidate_s * 1e3 - wall_ms) / calls
+def candidate_window_ms(windows: list[dict[str, Any]], candidate_s: list[float]) -> list[float]:
+    """The candidate's mean call in each of its timing windows, from the judge's clock: the window less the
+    reference's least fixed cost (what one of its windows took on the judge's clock beyond its calls on its
+    own clock: drawing the inputs, writing the answer, polling), over the calls. Both children draw the
+    same inputs and write outputs of the same shapes, so the fixed cost is the same work; a stall only
+    lengthens a window, so the least is the one nearest the truth. (Each window against the reference's
+    window of its own seed, kgym-14, let one stalled reference window shorten the candidate's time: a
+    candidate 3x slower than the reference read 1000x on a loaded host.) Where the reference's calls were
+    too short for the judge's clock (``WINDOW_MIN_CALLS_MS``), the reference's mean call scaled by the
+    ratio of the window to the reference's least instead."""
+    calls = int(windows[0]["calls"])
+    reference_ms = [float(window["wall_s"]) * 1e3 for window in windows]
+    calls_ms = [float(window["calls_ms"]) for window in windows]
+    if min(calls_ms) < WINDOW_MIN_CALLS_MS:
+        reference_call_ms = sum(calls_ms) / len(calls_ms) / calls
+        return [reference_call_ms * seconds * 1e3 / min(reference_ms) for seconds in candidate_s]
+    fixed_ms = min(wall - own for wall, own in zip(reference_ms, calls_ms))
+    return [(seconds * 1e3 - fixed_ms) / calls for seconds in candidate_s]
 
 
 def judge_windows(run: ChildRun, reference: dict[str, Any], protocol: Protocol) -> tuple[str, str, dict[str, Any]]:
     """The candidate's timing windows: (a status other than pass, or "" when they hold, its
     diagnostic or hacking reason, and the figures). Every call's output is compared with the
     reference's for the same inputs (``compare_norms``: whole, or secret positions and a sketch of
-    every element). The candidate's time is the least of its windows' (``window_call_ms``); the
+    every element). The candidate's time is the least of its windows' (``candidate_window_ms``); the
     baselines', the least of the same windows' on the reference's clock. The fixed cost of a
     window (what the reference's window took on the judge's clock beyond its calls: drawing the
     inputs, writing the answer, both processes' polling) is in the figures."""
     windows = reference["windows"]
     if run.windows is None or run.window_s is None or len(run.windows) != len(windows):
         return "hacked", "integrity: no answer to the judge's timing windows", {}
-    estimates = []
-    for index, (data, seconds, window) in enumerate(zip(run.windows, run.window_s, windows)):
+    for index, (data, window) in enumerate(zip(run.windows, windows)):
         try:
             answer = decode(data)
             check(answer, answer_schema(int(window["calls"])), f"window {index}'s answer")
@@ -340,7 +346,7 @@ def judge_windows(run: ChildRun, reference: dict[str, Any], protocol: Protocol) 
             if not verdict.ok:
                 return "hacked", (f"window_output_mismatch: call {call} of timing window {index} (fresh secret inputs) "
                                   f"returned a wrong output ({verdict.detail})"), {}
-        estimates.append(window_call_ms(window, seconds))
+    estimates = candidate_window_ms(windows, list(run.window_s))
     eager = [float(w["calls_ms"]) / int(w["calls"]) for w in windows]
     compiled = [float(w["compile_calls_ms"]) / int(w["calls"]) for w in windows if w.get("compile_calls_ms") is not None]
     figures = {"window_calls": int(windows[0]["calls"]), "window_candidate_ms": estimates, "window_eager_ms": eager,
