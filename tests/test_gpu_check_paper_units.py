@@ -50,7 +50,9 @@ def test_the_check_runs_on_a_nano_model_on_the_cpu(tmp_path):
         assert figures["steps"] == 5 and figures["tokens_per_s"] > 0 and figures["optimizer_step_s"] > 0
         assert figures["host_peak_gib"] > 0 and len(figures["losses"]) == 5
     assert set(paper_units.figures(report)) >= {"train_tokens_per_s_64", "train_mfu_32", "optimizer_step_s"}
-    assert "vLLM is not installed here" in (tmp_path / "paper_units.md").read_text()
+    markdown = (tmp_path / "paper_units.md").read_text()
+    assert "vLLM is not installed here" in markdown and "conditions beside an engine were skipped" in markdown
+    assert report["sections"]["gym_beside_vllm"]["data"]["none"]["L1_19"]["statuses"] == ["pass", "pass"]
 
 
 def test_the_replay_keeps_the_history_and_its_batch_fits_the_kv_cache():
@@ -136,6 +138,48 @@ def test_the_vllm_sections_run_end_to_end_on_a_stand_in_for_vllm(tmp_path):
     figures = paper_units.figures({"sections": sections})
     assert {"vllm_startup_s", "kpipe_vs_standalone", "replay_tokens_per_s_turn3", "push_s", "sleep_wake_s",
             "weight_sync_bytes_per_s", "push_mrs_kept_fraction"} <= set(figures)
+
+
+def test_kernelgym_beside_a_stand_in_engine_gives_each_condition_its_figures(tmp_path):
+    """gym_beside_vllm on the CPU with tests/fixtures/fake_vllm: the bank's ReLU (shrunk, Triton's interpreter)
+    judged twice through the pool in each condition while the engine's process is driven through its states
+    (awake, decoding call after call, asleep), then the drifts and the ledger's figures."""
+    import os
+
+    fake = ROOT / "tests" / "fixtures" / "fake_vllm"
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "checks.gpu", "paper_units", "gym_beside_vllm", "--tiny", "--out",
+                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    report = json.loads((tmp_path / "paper_units.json").read_text())
+    data = report["sections"]["gym_beside_vllm"]["data"]
+    for condition in paper_units.GYM_CONDITIONS:
+        figures = data[condition]["L1_19"]
+        assert figures["statuses"] == ["pass", "pass"], condition
+        assert figures["candidate_ms"]["median"] > 0 and figures["speedup"]["min"] <= figures["speedup"]["max"]
+    assert data["engine_startup"]["kv_capacity_tokens"] == 1600 and data["engine_decoding"]["batch"] == 8
+    assert data["engine_asleep"]["decode"]["calls_beside_the_gym"] > 0  # it decoded while the gym timed
+    assert set(data["drift_pct"]) == {"vllm_awake", "vllm_decoding", "vllm_asleep"}
+    assert {"gym_drift_awake_pct", "gym_drift_decoding_pct", "gym_drift_asleep_pct", "gym_speedup_drift_decoding_pct",
+            "gym_neighbour_engine_gib"} <= set(paper_units.figures(report))
+    assert "What the run does about it" in (tmp_path / "paper_units.md").read_text()
+
+
+def test_the_gym_drifts_are_from_the_condition_without_vllm():
+    from pytest import approx
+
+    def task(ms: float, speedup: float) -> dict:
+        return {"candidate_ms": {"median": ms}, "speedup": {"median": speedup}}
+
+    conditions = {"none": {"A": task(2.0, 1.0), "B": task(1.0, 4.0)},
+                  "vllm_decoding": {"A": task(2.5, 0.9), "B": task(0.9, 4.0)}}
+    drifts = paper_units.gym_drifts(conditions)
+    assert drifts["vllm_decoding"]["A"] == {"candidate_ms": approx(25.0), "speedup": approx(-10.0)}
+    assert drifts["vllm_decoding"]["B"] == {"candidate_ms": approx(-10.0), "speedup": approx(0.0)}
+    figures = paper_units.gym_figures({"drift_pct": drifts, "engine_startup": {"engine_awake_gib": 27.5}})
+    assert figures["gym_drift_decoding_pct"] == approx(25.0)  # the task that moved most
+    assert figures["gym_speedup_drift_decoding_pct"] == approx(-10.0) and figures["gym_neighbour_engine_gib"] == 27.5
 
 
 def test_an_engine_process_past_its_step_limit_goes_with_its_children(tmp_path, monkeypatch):

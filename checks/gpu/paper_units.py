@@ -9,6 +9,7 @@ and mechanics are real, learning is not measured.
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units optimizer_numerics trainer   # one call, ~8 min
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units vllm_batch                   # one call, ~5 min
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units vllm_replay push_switch      # one call, ~8 min
+    KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units gym_beside_vllm              # one call, ~6 min
     python -m checks.gpu paper_units --tiny                         # the same code on a nano model (CPU test)
 
 Sections (each step under its own time limit, the report saved after each, so a cut-off run keeps what it
@@ -40,6 +41,14 @@ measured):
    (``kpipe.train.rollouts.feed_vllm``): seconds of each, the memory a sleeping engine leaves, and MRS's
    agreement of the engine's log-probs with the trainer's after each push (``mismatch_keep`` at RLConfig's
    thresholds; before the first push, on the dummy weights, for contrast).
+6. ``gym_beside_vllm``: KernelGym's timing beside vLLM on the same GPU. The bank's honest kernels of L2_76 (a
+   GEMM with an epilogue) and L1_88 (GELU, at the bandwidth bound) at KernelBench's main sizes, each evaluated
+   --gym-evaluations times through the run's pool (``GymPool``, the RL protocol) with no vLLM process, then
+   beside kpipe's 8B engine (dummy weights, sleep mode, --gym-gpu-memory-utilization) in a process of its own:
+   awake and idle, decoding a batch call after call, asleep at level 2. Candidate ms, speedup and eager ms
+   (median, min, max), their drift from no vLLM, the engine's memory and its decode rate beside the gym; and
+   which condition the RL run evaluates in (awake and idle: the in-process engine hands a turn's answers over
+   only once it has decoded them all).
 
 Every vLLM figure names its card; without vLLM (the CPU test) those sections say so and pass.
 """
@@ -98,6 +107,18 @@ def add_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--agreement-sequences", type=int, default=8, help="push_switch: sequences MRS compares")
     parser.add_argument("--engine-limit-s", type=int, default=330,
                       help="limit of each step that starts an engine (start-up included)")
+    parser.add_argument("--gym-evaluations", type=int, default=5,
+                        help="gym_beside_vllm: evaluations of each task's kernel a condition")
+    parser.add_argument("--gym-gpu-memory-utilization", type=float, default=0.35,
+                        help="gym_beside_vllm: the engine's share beside KernelGym (rl.vllm_gpu_memory_utilization)")
+    parser.add_argument("--gym-decode-batch", type=int, default=64,
+                        help="gym_beside_vllm: sequences the engine decodes beside the evaluations")
+    parser.add_argument("--gym-decode-tokens", type=int, default=256,
+                        help="gym_beside_vllm: tokens a sequence of each of its generate calls")
+    parser.add_argument("--gym-step-limit-s", type=int, default=90,
+                        help="gym_beside_vllm: limit of a condition's evaluations and of each engine state change")
+    parser.add_argument("--gym-engine-limit-s", type=int, default=150,
+                        help="gym_beside_vllm: limit of the engine's start-up (its compile cache cold)")
 
 
 class StepTimeout(Exception):
@@ -906,7 +927,321 @@ class FixedLengthEngine(VLLMEngine):
         return params
 
 
-CHILD_TASKS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"batch": child_batch, "replay": child_replay}
+# --------------------------------------------------------------------------- KernelGym beside vLLM (issue 63)
+GYM_TASKS = ((2, 76), (1, 88))  # a GEMM with an epilogue (~1.6 ms) and an elementwise GELU at the bandwidth bound
+GYM_TINY_TASK = (1, 19)  # the CPU test: a ReLU shrunk to 48, as the gym's own tests run it
+# the engine's states, in the order the section puts it in them; "none" is the pool alone on the GPU
+GYM_CONDITIONS = ("none", "vllm_awake", "vllm_decoding", "vllm_asleep")
+
+
+def gym_tasks(tiny: bool) -> list[tuple[str, str, str]]:
+    """(name, KernelBench reference at its main sizes, the bank's honest kernel) of each task the section times."""
+    from kpipe.data.kernelbench import select_problems, shrink_sizes
+    from kpipe.gym.bank import solutions_for
+
+    tasks = []
+    for level, problem_id in [GYM_TINY_TASK] if tiny else GYM_TASKS:
+        reference = select_problems("main", [level], {level: [problem_id]})[0].code
+        legit = next(s.source for s in solutions_for(level, problem_id) if s.variant == "legit")
+        tasks.append((f"L{level}_{problem_id}", shrink_sizes(reference, 48) if tiny else reference, legit))
+    return tasks
+
+
+def gym_run_protocol(tiny: bool) -> Any:
+    """The RL run's protocol (`kpipe.train.rl.gym_protocol`: the paper's trials, the eager baseline, PR profiled);
+    on the CPU, the gym tests' few trials."""
+    from kpipe.gym import Protocol
+    from kpipe.train.rl import gym_protocol
+    from kpipe.train.rl_config import RLConfig
+
+    protocol = gym_protocol(RLConfig(), None)
+    if not tiny:
+        return protocol
+    return Protocol.from_dict({**protocol.to_dict(), "correct_trials": 2, "perf_trials": 3, "warmup": 1,
+                               "device": "cpu", "timeout_s": 60})
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    """Median, min and max (None for none: no evaluation was timed)."""
+    import statistics
+
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def gym_condition(tasks: list[tuple[str, str, str]], protocol: Any, evaluations: int) -> dict[str, Any]:
+    """Each task's kernel `evaluations` times, one at a time, through a fresh pool of one worker (the run's
+    `GymPool`, reference runs reused): the reference is timed in this condition too, and no other evaluation
+    shares the GPU, so what changes between conditions is the engine alone."""
+    from kpipe.gym.serve.pool import GymPool
+
+    figures: dict[str, Any] = {}
+    with GymPool(protocol, workers=1, per_gpu=1, progress=False) as pool:
+        for name, reference, candidate in tasks:
+            results = [pool.evaluate(reference, candidate) for _ in range(evaluations)]
+            timed = [r for r in results if r.status == "pass" and r.candidate_ms]
+            figures[name] = {"statuses": [r.status for r in results],
+                             "candidate_ms": spread([r.candidate_ms for r in timed]),
+                             "speedup": spread([r.speedup_eager for r in timed if r.speedup_eager]),
+                             "eager_ms": spread([r.eager_ms for r in timed if r.eager_ms]),
+                             "wall_s": spread([r.wall_s for r in results])}
+    return figures
+
+
+def drift_pct(value: float | None, baseline: float | None) -> float | None:
+    """How far `value` is from `baseline`, in per cent of it (None where either is missing)."""
+    return None if value is None or not baseline else (value / baseline - 1) * 100
+
+
+def gym_drifts(conditions: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Each engine condition's drift of every task's median candidate ms and speedup from the condition without
+    vLLM."""
+    base = conditions.get("none", {})
+    return {condition: {task: {measure: drift_pct(figures[measure]["median"], base.get(task, {}).get(measure, {})
+                                                  .get("median"))
+                               for measure in ("candidate_ms", "speedup")}
+                        for task, figures in conditions[condition].items()}
+            for condition in GYM_CONDITIONS[1:] if condition in conditions}
+
+
+def gym_figures(data: dict[str, Any]) -> dict[str, Any]:
+    """gym_beside_vllm's ledger figures: each engine condition's drift of the median candidate ms and speedup
+    (the task that moved most), and the engine's memory."""
+    picked: dict[str, Any] = {}
+    for condition, tasks in data.get("drift_pct", {}).items():
+        name = condition.removeprefix("vllm_")
+        for measure, key in (("candidate_ms", f"gym_drift_{name}_pct"), ("speedup", f"gym_speedup_drift_{name}_pct")):
+            drifts = [figures[measure] for figures in tasks.values() if figures[measure] is not None]
+            picked[key] = max(drifts, key=abs, default=None)
+    picked |= {"gym_neighbour_engine_gib": data.get("engine_startup", {}).get("engine_awake_gib"),
+               "gym_neighbour_asleep_gib": data.get("engine_asleep", {}).get("engine_asleep_gib")}
+    return picked
+
+
+class NeighbourEngine:
+    """kpipe's engine at the 8B's shapes (dummy weights, RL's arguments with `rl.vllm_sleep`) in a process of its
+    own beside this one's KernelGym pool, put state by state through `ask`: awake and idle once started,
+    decoding one batch again and again (``decode``), asleep at level 2 (``sleep``). Commands go down its stdin,
+    each answered by one JSON line on a pipe of its own (vLLM writes its log to stdout and stderr)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.child: subprocess.Popen[str] | None = None
+        self.replies: Any = None
+        self.scratch = tempfile.TemporaryDirectory(prefix="kpipe-neighbour-")
+
+    def start(self, limit_s: float) -> dict[str, Any]:
+        """Start the engine's process; its first answer once the engine is awake, the batch prefilled."""
+        read_fd, write_fd = os.pipe()
+        spec_path = Path(self.scratch.name) / "spec.json"
+        spec_path.write_text(json.dumps({**self.spec, "task": "neighbour", "reply_fd": write_fd,
+                                         "result": str(Path(self.scratch.name) / "result.json"),
+                                         "cold": not _started_engines}))
+        _started_engines.append("neighbour")
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CACHE_ROOT": vllm_cache_root()}
+        self.child = subprocess.Popen([sys.executable, "-m", "checks.gpu.paper_units", str(spec_path)], cwd=ROOT,
+                                      env=env, stdin=subprocess.PIPE, text=True, pass_fds=(write_fd,))
+        os.close(write_fd)
+        self.replies = os.fdopen(read_fd)
+        return self.reply(limit_s)
+
+    def ask(self, command: str, limit_s: float) -> dict[str, Any]:
+        assert self.child is not None and self.child.stdin is not None
+        self.child.stdin.write(command + "\n")
+        self.child.stdin.flush()
+        return self.reply(limit_s)
+
+    def reply(self, limit_s: float) -> dict[str, Any]:
+        """The engine's next answer; an error if its process ends first or `limit_s` passes."""
+        import select
+
+        deadline = time.monotonic() + limit_s
+        while not select.select([self.replies], [], [], 1.0)[0]:
+            if self.child is None or self.child.poll() is not None:
+                raise RuntimeError(f"the neighbour engine's process exited {self.child and self.child.returncode} "
+                                   f"(its log is above)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the neighbour engine did not answer within {limit_s:.0f} s")
+        line = self.replies.readline()
+        if not line:
+            raise RuntimeError("the neighbour engine's process closed its answers (its log is above)")
+        return json.loads(line)
+
+    def __enter__(self) -> NeighbourEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Ask the engine to stop; kill it and whatever it started if it has not within 30 s."""
+        if self.child is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.child.stdin.write("stop\n")  # type: ignore[union-attr]
+                self.child.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.child.wait(30)
+            except subprocess.TimeoutExpired:
+                stop_process_tree(self.child.pid)
+                self.child.wait()
+        if self.replies is not None:
+            self.replies.close()
+        self.scratch.cleanup()
+
+
+def gym_beside_vllm(report: Report, args: argparse.Namespace) -> None:
+    """A fixed honest kernel of a GEMM task and of a bandwidth-bound task, each evaluated N times through the
+    run's KernelGym pool on a GPU with no vLLM, beside an 8B engine (another process) awake and idle, decoding
+    a batch, and asleep at level 2: candidate ms and speedup of each, their drift from no vLLM, the engine's
+    memory; then which of these conditions the RL run evaluates in."""
+    from kpipe.train.rl_config import RLConfig
+
+    if device().type == "cpu":  # the bank's kernels under Triton's interpreter (the pool's children inherit it)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    tasks, protocol = gym_tasks(args.tiny), gym_run_protocol(args.tiny)
+    evaluations = 2 if args.tiny else args.gym_evaluations
+    batch, prompt, tokens = (8, 16, 16) if args.tiny else (args.gym_decode_batch, args.prompt_tokens,
+                                                           args.gym_decode_tokens)
+    report.line(f"KernelGym on {card()}: the bank's honest kernel of {', '.join(name for name, _, _ in tasks)} "
+                f"({'shrunk to 48 on the CPU' if args.tiny else 'at KernelBench main sizes'}), {evaluations} "
+                f"evaluations each, one at a time, through a fresh `GymPool` of one worker a condition (its reference "
+                f"run reused, as the run's pool does, and timed in the same condition) under the RL run's protocol "
+                f"(`kpipe.train.rl.gym_protocol`: eager baseline, PR profiled). The engine: kpipe's `VLLMEngine` "
+                f"with RL's arguments and sleep mode, dummy weights of the 8B, gpu_memory_utilization "
+                f"{args.gym_gpu_memory_utilization}, in a process of its own; while decoding it generates {batch} "
+                f"sequences of {tokens} tokens (ignore_eos) from the same {prompt}-token prompts (the prefix cache "
+                f"serves them), call after call. Drift = median of the condition / median without vLLM - 1.")
+    report.table("step", "figures", "wall s")
+    conditions: dict[str, dict[str, Any]] = {}
+
+    def measure(condition: str) -> None:
+        figures = step(report, condition, args.gym_step_limit_s, lambda: gym_condition(tasks, protocol, evaluations))
+        if figures is not None:
+            conditions[condition] = figures
+
+    measure("none")
+    if vllm_version() is None:
+        report.line("", "vLLM is not installed here: the conditions beside an engine were skipped (the device "
+                        "installs it, docs/vllm-on-the-device.md).")
+    else:
+        path, _ = model_dir(args.tiny)
+        spec = {"model": str(path), "utilization": args.gym_gpu_memory_utilization,
+                "max_model_len": 2048 if args.tiny else RLConfig().max_context_tokens,
+                "batch": batch, "prompt_tokens": prompt, "decode_tokens": tokens}
+        with NeighbourEngine(spec) as engine:
+            limit = args.gym_step_limit_s
+            if step(report, "engine_startup", args.gym_engine_limit_s, lambda: engine.start(args.gym_engine_limit_s)):
+                measure("vllm_awake")
+                if step(report, "engine_decoding", limit, lambda: engine.ask("decode", limit)):
+                    measure("vllm_decoding")
+                    if step(report, "engine_asleep", limit, lambda: engine.ask("sleep", limit)):
+                        measure("vllm_asleep")
+    report.data["drift_pct"] = drifts = gym_drifts(conditions)
+    report.save()
+    gym_table(report, conditions, drifts)
+    for condition, figures in conditions.items():
+        for task, task_figures in figures.items():
+            report.expect(set(task_figures["statuses"]) == {"pass"}, f"{condition}: every evaluation of {task} passes")
+    report.line("", GYM_RUN_CONDITION)
+
+
+def gym_table(report: Report, conditions: dict[str, dict[str, Any]], drifts: dict[str, Any]) -> None:
+    """The conditions side by side: a row a condition and task."""
+    def cell(figures: dict[str, float | None], spec: str) -> str:
+        if figures["median"] is None:
+            return "-"
+        return f"{figures['median']:{spec}} ({figures['min']:{spec}}-{figures['max']:{spec}})"
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:+.1f}"
+
+    report.line("", "| condition | task | statuses | candidate ms, median (min-max) | speedup vs eager | eager ms | "
+                    "drift of candidate ms % | drift of speedup % |", "|---|---|---|---|---|---|---|---|")
+    for condition, figures in conditions.items():
+        for task, task_figures in figures.items():
+            drift = drifts.get(condition, {}).get(task, {})
+            report.line(f"| {condition} | {task} | {', '.join(task_figures['statuses'])} | "
+                        f"{cell(task_figures['candidate_ms'], '.4g')} | {cell(task_figures['speedup'], '.3f')} | "
+                        f"{cell(task_figures['eager_ms'], '.4g')} | {pct(drift.get('candidate_ms'))} | "
+                        f"{pct(drift.get('speedup'))} |")
+    engine = {**report.data.get("engine_startup", {}), **report.data.get("engine_asleep", {})}
+    if engine:
+        decode = report.data.get("engine_asleep", {}).get("decode", {})
+        report.line("", f"The engine: {engine.get('engine_awake_gib', 0):.1f} GiB of the GPU awake, "
+                        f"{engine.get('engine_asleep_gib', float('nan')):.1f} GiB asleep, KV cache "
+                        f"{engine.get('kv_capacity_tokens', 0):,} tokens, started in "
+                        f"{engine.get('startup_s', 0):.0f} s; "
+                        f"it decoded {decode.get('output_tokens_per_s', float('nan')):,.0f} tokens/s beside the "
+                        f"evaluations.")
+
+
+GYM_RUN_CONDITION = (
+    "**What the run does about it.** The paper's run (config/paper.yaml: `rl.engine: vllm` in the trainer's process, "
+    "`rl.vllm_sleep`, `rl.async: eval`) evaluates in the `vllm_awake` condition: `VLLMEngine.generate` hands a "
+    "turn's answers to the agent loop's `EvaluationStream` only once `LLM.chat` has returned them all "
+    "(`kpipe.llm.vllm_engine`), so KernelGym judges them while the engine is awake and idle, its weights and KV "
+    "cache held; it sleeps only for the update, when nothing is evaluated. It never evaluates while vLLM decodes. "
+    "Where a run's generation does overlap KernelGym on one GPU (`rl.engine: hf` with `async: eval` or "
+    "`off_policy_1`: HF hands each sequence over at its EOS), nothing pauses the decoder: the timing lease stops "
+    "KernelGym's own children only, and the least of two windows absorbs a slowdown of one window, not a "
+    "decoder's steady one; `vllm_decoding` measures what that costs (docs/kernelgym.md, \"Windows on a shared "
+    "GPU\")."
+)
+
+
+def child_neighbour(spec: dict[str, Any]) -> dict[str, Any]:
+    """`NeighbourEngine`'s process: the engine started and its batch prefilled, then each command from stdin
+    (``decode``: generate the batch call after call until the next command; ``sleep``: level 2; ``stop``)
+    answered by one JSON line on the reply pipe."""
+    import queue
+    import threading
+
+    from kpipe.train.rl_config import RLConfig
+    from kpipe.train.rollouts import vllm_engine_args
+
+    replies = os.fdopen(spec["reply_fd"], "w", buffering=1)
+    decoded: dict[str, Any] = {}
+    commands: queue.Queue[str] = queue.Queue()
+
+    def read_commands() -> None:
+        for line in sys.stdin:
+            commands.put(line.strip())
+        commands.put("stop")  # the check's process is gone
+
+    before = gpu_used_gib()
+    started = time.perf_counter()
+    cfg = RLConfig(engine="vllm", vllm_sleep=True, vllm_gpu_memory_utilization=spec["utilization"],
+                   max_context_tokens=spec["max_model_len"])
+    engine = FixedLengthEngine(spec["model"], name="paper-units", seed=0,
+                               **{**vllm_engine_args(cfg, 1), "load_format": "dummy"})
+    startup_s = time.perf_counter() - started
+    prompts = [token_prompt(spec["prompt_tokens"], 40_000 + i) for i in range(spec["batch"])]
+    generate_tokens(engine, prompts, 1, seed=0)  # the prompts' prefill, into the prefix cache
+    threading.Thread(target=read_commands, name="commands", daemon=True).start()
+    replies.write(json.dumps({"startup_s": startup_s, "compile_cache": "cold" if spec["cold"] else "warm",
+                              "engine_awake_gib": gpu_used_gib() - before, "gpu_used_gib": gpu_used_gib(),
+                              "kv_capacity_tokens": kv_capacity(engine.llm), "card": card()}) + "\n")
+    for command in iter(commands.get, "stop"):
+        if command == "decode":
+            calls, tokens, started = 0, 0, time.perf_counter()
+            while commands.empty():
+                outputs = generate_tokens(engine, prompts, spec["decode_tokens"], seed=calls + 1)
+                tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+                calls += 1
+                if calls == 1:  # decoding for sure, its first call's one-off costs behind it
+                    replies.write(json.dumps({"batch": len(prompts), "first_call_s": time.perf_counter() - started,
+                                              "gpu_used_gib": gpu_used_gib()}) + "\n")
+                    tokens, started = 0, time.perf_counter()
+            seconds = time.perf_counter() - started
+            decoded = {"calls_beside_the_gym": calls - 1, "output_tokens": tokens, "seconds": seconds,
+                       "output_tokens_per_s": tokens / seconds if seconds else None}
+        elif command == "sleep":
+            engine.sleep()
+            replies.write(json.dumps({"engine_asleep_gib": gpu_used_gib() - before, "gpu_used_gib": gpu_used_gib(),
+                                      "decode": decoded}) + "\n")
+    return {}
+
+
+CHILD_TASKS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"batch": child_batch, "replay": child_replay,
+                                                                       "neighbour": child_neighbour}
 
 
 def figures(report_json: dict[str, Any]) -> dict[str, Any]:
@@ -950,12 +1285,13 @@ def figures(report_json: dict[str, Any]) -> dict[str, Any]:
     agreements = [figures for name, figures in switch.items() if name.startswith("agreement_") and name[-1].isdigit()]
     if agreements:
         picked["push_mrs_kept_fraction"] = min(a["mrs_kept"] / a["sequences"] for a in agreements)
+    picked |= gym_figures(sections.get("gym_beside_vllm", {}).get("data", {}))
     return {key: round(value, 4) for key, value in picked.items() if isinstance(value, float) and math.isfinite(value)}
 
 
 SECTIONS = (Section("optimizer_numerics", 90, optimizer_numerics), Section("trainer", 420, trainer),
             Section("vllm_batch", 330, vllm_batch), Section("vllm_replay", 240, vllm_replay),
-            Section("push_switch", 240, push_switch))
+            Section("push_switch", 240, push_switch), Section("gym_beside_vllm", 360, gym_beside_vllm))
 
 
 def engine_child(spec_path: Path) -> None:
