@@ -1074,9 +1074,11 @@ class NeighbourEngine:
     def __exit__(self, *exc: object) -> None:
         """Ask the engine to stop; kill it and whatever it started if it has not within 30 s."""
         if self.child is not None:
-            with contextlib.suppress(OSError, ValueError):
-                self.child.stdin.write("stop\n")  # type: ignore[union-attr]
-                self.child.stdin.close()  # type: ignore[union-attr]
+            stdin = self.child.stdin
+            with contextlib.suppress(OSError, ValueError):  # its process already gone
+                if stdin is not None:
+                    stdin.write("stop\n")
+                    stdin.close()
             try:
                 self.child.wait(30)
             except subprocess.TimeoutExpired:
