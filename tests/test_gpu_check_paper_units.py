@@ -59,6 +59,29 @@ def test_the_check_runs_on_a_nano_model_on_the_cpu(tmp_path):
     assert "vLLM is not installed here" in (tmp_path / "paper_units.md").read_text()
 
 
+def test_a_run_of_some_sections_keeps_the_others_of_the_current_report(tmp_path):
+    """The trainer's figures measured on one card stay in the report when sft_long runs later (on another)."""
+    from kpipe.infra import ledger
+
+    for section in ("trainer", "sft_long"):
+        done = subprocess.run([sys.executable, "-m", "checks.gpu", "paper_units", section, "--tiny", "--out",
+                               str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    report = json.loads((tmp_path / "paper_units.json").read_text())
+    assert list(report["sections"]) == ["trainer", "sft_long"] and report["part"] == ["sft_long"]
+    trainer, sft = report["sections"]["trainer"], report["sections"]["sft_long"]
+    assert trainer["kept"] and "trainer_64" in trainer["data"] and not sft.get("kept")
+    for section in (trainer, sft):
+        assert section["facts"]["device"] == "cpu" and {"commit", "date", "gpus"} <= set(section["facts"])
+    markdown = (tmp_path / "paper_units.md").read_text()
+    assert "Kept from earlier runs (`python -m checks.gpu paper_units SECTION ...`): trainer." in markdown
+    assert markdown.count("Measured on cpu, commit ") == 2 and "(an earlier run)" in markdown
+    first, second = ledger.read_ledger(tmp_path)  # each line this run's figures alone
+    assert "train_tokens_per_s_64" in first["figures"] and "sft_tokens_per_s" not in first["figures"]
+    assert "sft_tokens_per_s" in second["figures"] and "train_tokens_per_s_64" not in second["figures"]
+    assert second["figures"]["sections"] == "sft_long"
+
+
 def test_the_sft_sample_is_a_5_turn_trajectory_with_the_loss_on_the_assistant_messages_only():
     from kpipe.train.samples import IGNORE_INDEX
     from kpipe.train.tiny_model import byte_tokenizer_for

@@ -75,6 +75,9 @@ from checks.gpu.harness import ROOT, Report, Section
 from kpipe.llm.vllm_engine import VLLMEngine  # light: vLLM itself is imported when an engine is built
 
 TITLE = "Unit costs of the paper's run at the 8B architecture: the one-GPU trainer and SFT, vLLM rollout, weight push"
+# one current report of every section, each run on the card it needs (the trainer's on an H100, vLLM's on an H200):
+# a run of some sections keeps the others (checks.gpu.harness, KEEPS_SECTIONS)
+KEEPS_SECTIONS = True
 H100_H200_BF16_DENSE_FLOPS = 989e12  # the published dense bf16 peak of both (SXM): MFU's denominator
 
 
