@@ -12,6 +12,12 @@ and mechanics are real, learning is not measured.
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units vllm_replay push_switch      # one call, ~8 min
     python -m checks.gpu paper_units --tiny                         # the same code on a nano model (CPU test)
 
+``sft_long`` runs alone: with ``optimizer_numerics trainer`` (176 s on an H100 at a9dc40a, 510 planned) its 300 planned
+seconds pass a call's 540, and its steps' limits could pass ten minutes. Back here, each call's folder is merged
+into the one current report, every section naming its card, commit and date (``KEEPS_SECTIONS``)::
+
+    python -m checks.gpu --combine CALL_DIR --out docs/gpu-results   # not `kpipe.infra.ledger add`: it refuses
+
 Sections (each step under its own time limit, the report saved after each, so a cut-off run keeps what it
 measured):
 
@@ -30,8 +36,7 @@ measured):
    4,096-token answers, 512-token feedbacks, ~23.7K tokens in all), the sample and its assistant-only labels
    built by ``kpipe.train.samples.build_samples``, the model and optimizer by ``prepare_model_and_optimizer``,
    each of 5 steps ``kpipe.train.sft.train_step`` (the chunked loss, gradient clipping, the optimizer step):
-   tokens/s, MFU, seconds a step and of its optimizer step, peak GPU and host memory. Alone in its call: with
-   the two sections before it the planned seconds pass a call's 540 (``checks.gpu.harness.plan``).
+   tokens/s, MFU, seconds a step and of its optimizer step, peak GPU and host memory.
 4. ``vllm_batch``: vLLM with ``load_format="dummy"`` standalone (``vllm.LLM``, vLLM's defaults: its engine
    core in a process of its own) against kpipe's engine (``VLLMEngine`` with RL's arguments: the core in
    process, processed log-probs, a seed a request) on the same 256 chats of 1,024 prompt tokens, each
