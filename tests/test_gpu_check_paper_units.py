@@ -49,10 +49,63 @@ def test_the_check_runs_on_a_nano_model_on_the_cpu(tmp_path):
         figures = trainer[f"trainer_{tokens}"]
         assert figures["steps"] == 5 and figures["tokens_per_s"] > 0 and figures["optimizer_step_s"] > 0
         assert figures["host_peak_gib"] > 0 and len(figures["losses"]) == 5
-    assert set(paper_units.figures(report)) >= {"train_tokens_per_s_64", "train_mfu_32", "optimizer_step_s"}
+    sft = report["sections"]["sft_long"]["data"]
+    assert sft["sft_sample"]["turns"] == 5 and sft["sft_build"]["plan"] == "fp32"
+    assert sft["sft_train"]["tokens"] == sft["sft_sample"]["tokens"] and len(sft["sft_train"]["losses"]) == 5
+    assert sft["sft_train"]["optimizer_step_s"] > 0 and sft["sft_train"]["host_peak_gib"] > 0
+    assert set(paper_units.figures(report)) >= {"train_tokens_per_s_64", "train_mfu_32", "optimizer_step_s",
+                                                 "sft_tokens_per_s", "sft_mfu", "sft_step_s", "sft_optimizer_step_s",
+                                                 "sft_host_peak_gib", "sft_gpu_peak_gib", "sft_sample_tokens"}
     markdown = (tmp_path / "paper_units.md").read_text()
     assert "vLLM is not installed here" in markdown and "conditions beside an engine were skipped" in markdown
     assert report["sections"]["gym_beside_vllm"]["data"]["none"]["L1_19"]["statuses"] == ["pass", "pass"]
+
+
+def test_a_run_of_some_sections_keeps_the_others_of_the_current_report(tmp_path):
+    """The trainer's figures measured on one card stay in the report when sft_long runs later (on another)."""
+    from kpipe.infra import ledger
+
+    for section in ("trainer", "sft_long"):
+        done = subprocess.run([sys.executable, "-m", "checks.gpu", "paper_units", section, "--tiny", "--out",
+                               str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    report = json.loads((tmp_path / "paper_units.json").read_text())
+    assert list(report["sections"]) == ["trainer", "sft_long"] and report["part"] == ["sft_long"]
+    trainer, sft = report["sections"]["trainer"], report["sections"]["sft_long"]
+    assert trainer["kept"] and "trainer_64" in trainer["data"] and not sft.get("kept")
+    for section in (trainer, sft):
+        assert section["facts"]["device"] == "cpu" and {"commit", "date", "gpus"} <= set(section["facts"])
+    markdown = (tmp_path / "paper_units.md").read_text()
+    assert "Kept from earlier runs (`python -m checks.gpu paper_units SECTION ...`): trainer." in markdown
+    assert markdown.count("Measured on cpu, commit ") == 2 and "(an earlier run)" in markdown
+    first, second = ledger.read_ledger(tmp_path)  # each line this run's figures alone
+    assert "train_tokens_per_s_64" in first["figures"] and "sft_tokens_per_s" not in first["figures"]
+    assert "sft_tokens_per_s" in second["figures"] and "train_tokens_per_s_64" not in second["figures"]
+    assert second["figures"]["sections"] == "sft_long"
+
+
+def test_the_sft_sample_is_a_5_turn_trajectory_with_the_loss_on_the_assistant_messages_only():
+    from kpipe.train.samples import IGNORE_INDEX
+    from kpipe.train.tiny_model import byte_tokenizer_for
+
+    tokenizer = byte_tokenizer_for("nano")
+    messages = paper_units.trajectory_messages(30, 40, 20, 5)
+    assert [m["role"] for m in messages] == ["user"] + ["assistant", "user"] * 4 + ["assistant"]
+    sample = paper_units.trajectory_sample(tokenizer, messages, 32768)
+    assert sample.input_ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    # the labelled tokens are runs, one an assistant message: its content and its end-of-turn token, nothing else
+    runs, run = [], []
+    for token, label in zip(sample.input_ids, sample.labels):
+        assert label in (token, IGNORE_INDEX)
+        if label != IGNORE_INDEX:
+            run.append(token)
+        elif run:
+            runs.append(run)
+            run = []
+    runs += [run] if run else []
+    answers = [m["content"] + "<|im_end|>" for m in messages if m["role"] == "assistant"]
+    assert [tokenizer.decode(run) for run in runs] == answers
+    assert sample.n_label_tokens == 5 * (40 + 1) and len(sample.input_ids) > 30 + 5 * 40 + 4 * 20
 
 
 def test_the_replay_keeps_the_history_and_its_batch_fits_the_kv_cache():

@@ -186,6 +186,47 @@ def test_reports_of_several_calls_combine_into_one_per_check(tmp_path, monkeypat
                     "figures": {"ok": True, "wall_s": 3.0}, "report": "fake.md"}
 
 
+def test_a_check_that_keeps_sections_combines_a_run_into_its_current_report(tmp_path, monkeypatch):
+    """The current report under --out keeps the sections the run did not run, each with its card; the ledger
+    line holds the run's figures; `ledger add` would replace the merged report by one run's and refuses."""
+    fake = ModuleType("checks.gpu.fake")
+    fake.TITLE, fake.KEEPS_SECTIONS = "A fake check", True
+    fake.SECTIONS = (section("one", 1), section("two", 1), section("three", 1))
+    fake.figures = lambda report: {name: 1.0 for name in report["sections"]}
+    monkeypatch.setitem(sys.modules, "checks.gpu.fake", fake)
+    monkeypatch.setattr(harness, "CHECKS", (*CHECKS, "fake"))
+
+    def call(folder: str, date: str, device: str, *names: str, fail: str = "") -> Report:
+        facts = {**FACTS, "date": f"{date} 10:00 UTC", "device": device, "gpus": 1}
+        report = Report("fake", "A fake check", facts, names, tmp_path / folder)
+        for name in names:
+            report.begin(name)
+            report.line(f"{name} from {folder}")
+            report.expect(name != fail, f"{name} failed")
+            report.current.update(done=True, wall_s=1.0)
+        report.save()
+        return report
+
+    call("h100", "2026-11-26", "NVIDIA H100 80GB HBM3", "one", "three", fail="three")
+    harness.combine([tmp_path / "h100"], tmp_path / "docs")
+    call("h200", "2026-11-27", "NVIDIA H200", "two", "three")
+    [written] = harness.combine([tmp_path / "h200"], tmp_path / "docs")
+    text = written.read_text()
+    assert text.index("## one") < text.index("## two") < text.index("## three") and "three from h100" not in text
+    assert "Measured on NVIDIA H100 80GB HBM3, commit abc1234, 2026-11-26 10:00 UTC (an earlier run)." in text
+    assert "Measured on NVIDIA H200, commit abc1234, 2026-11-27 10:00 UTC." in text and "**PASS**" in text
+    data = json.loads((tmp_path / "docs" / "fake.json").read_text())
+    assert [name for name, s in data["sections"].items() if s.get("kept")] == ["one"]
+    first, second = ledger.read_ledger(tmp_path / "docs")
+    assert (first["device"], first["figures"]) == ("H100", {"ok": False, "wall_s": 2.0, "sections": "one,three",
+                                                            "one": 1.0, "three": 1.0})
+    assert (second["device"], second["figures"]) == ("H200", {"ok": True, "wall_s": 2.0, "sections": "two,three",
+                                                             "two": 1.0, "three": 1.0})
+    (tmp_path / "h200" / "ledger.jsonl").write_text(json.dumps(second) + "\n")
+    with pytest.raises(ValueError, match="--combine"):
+        ledger.add([tmp_path / "h200"], results=tmp_path / "docs", performance_path=tmp_path / "performance.md")
+
+
 @pytest.mark.parametrize("check", CHECKS)
 def test_every_check_is_a_module_that_only_says_what_it_checks(check):
     module = harness.load(check)

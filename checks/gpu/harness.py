@@ -15,10 +15,13 @@ Here, afterwards: ``python -m checks.gpu --combine DIR ... --out docs/gpu-result
 and ledger line per check from the calls' folders. A check is a module of ``checks.gpu`` with ``TITLE``,
 ``SECTIONS`` (``Section``: a name, its expected seconds on one H100 from empty caches, the function that
 checks), where it takes options ``add_options(parser)``, and where it has key figures beyond whether it
-held ``figures(report_json) -> dict`` (for the ledger). A section function writes into the ``Report``
-it is given and fails by ``report.row(..., ok=False)``, ``report.expect(...)`` or ``raise
-CheckFailed``; the harness runs each section once, saves the report after it and exits 1 when any
-section failed, raised, or was not reached within the time budget.
+held ``figures(report_json) -> dict`` (for the ledger). A check with ``KEEPS_SECTIONS = True`` has one
+current report merged from runs of some of its sections (each on the card it needs): a run, or ``--combine``,
+starts from the report's data ``<check>.json`` in the results folder and replaces only the sections it ran;
+each section names the card, commit and date it was measured on, and the ledger line holds this run's figures
+only. A section function writes into the ``Report`` it is given and fails by ``report.row(..., ok=False)``,
+``report.expect(...)`` or ``raise CheckFailed``; the harness runs each section once, saves the report after
+it and exits 1 when any section failed, raised, or was not reached within the time budget.
 """
 
 from __future__ import annotations
@@ -100,6 +103,11 @@ def device_facts() -> dict[str, Any]:
             "commit": ledger.current_commit(), "date": ledger.utc_now()}
 
 
+def section_facts(facts: dict[str, Any]) -> dict[str, Any]:
+    """What one section was measured on and when: a report merged from several runs names it section by section."""
+    return {key: facts.get(key, 0 if key == "gpus" else "unknown") for key in ("device", "gpus", "commit", "date")}
+
+
 def facts_line(facts: dict[str, Any]) -> str:
     return (f"{facts['date']} on {facts['device']}{' x' + str(facts['gpus']) if facts.get('gpus', 0) > 1 else ''} "
             f"(driver {facts['driver']}); torch {facts['torch']} (CUDA {facts['cuda']}), triton {facts['triton']}, "
@@ -122,15 +130,19 @@ class Report:
     """A check's report, section by section: Markdown lines, structured data and failures."""
 
     def __init__(self, check: str, title: str, facts: dict[str, Any], part: tuple[str, ...] = (),
-                 out: Path | None = None, budget_s: float | None = None) -> None:
+                 out: Path | None = None, budget_s: float | None = None, merge_order: tuple[str, ...] = ()) -> None:
+        """`merge_order`: every section of a check whose report keeps the sections a run does not run
+        (``KEEPS_SECTIONS``), in the check's order; empty: the report is this run's alone."""
         self.check, self.title, self.facts, self.part, self.out = check, title, facts, part, out
+        self.merge_order = merge_order
         self.deadline = time.monotonic() + budget_s if budget_s else None
         self.sections: dict[str, dict[str, Any]] = {}
         self.current: dict[str, Any] = {}
 
     # ---- what a section writes
     def begin(self, name: str) -> None:
-        self.current = self.sections[name] = {"lines": [], "failures": [], "data": {}, "done": False, "wall_s": None}
+        self.current = self.sections[name] = {"lines": [], "failures": [], "data": {}, "done": False, "wall_s": None,
+                                              "facts": section_facts(self.facts)}
         print(f"\n## {name}", flush=True)
 
     @property
@@ -184,31 +196,63 @@ class Report:
         return self.deadline is not None and time.monotonic() > self.deadline
 
     # ---- the report
+    def keep(self, earlier: dict[str, Any] | None, running: Iterable[str] = ()) -> None:
+        """Carry the sections of the earlier current report `earlier` (its JSON) that this run does not run,
+        each with what it was measured on (the earlier report's facts where a section has none)."""
+        if earlier is None:
+            return
+        skip = set(running)
+        for name, section in earlier["sections"].items():
+            if name not in skip:
+                self.sections[name] = {**section, "facts": section.get("facts") or section_facts(earlier["facts"]),
+                                       "kept": True}
+
+    def ordered(self, fresh_only: bool = False) -> dict[str, dict[str, Any]]:
+        """The sections in the check's order (`merge_order`; else as run), only this run's with `fresh_only`."""
+        order = {name: index for index, name in enumerate(self.merge_order)}
+        chosen = [(name, s) for name, s in self.sections.items() if not (fresh_only and s.get("kept"))]
+        return dict(sorted(chosen, key=lambda item: order.get(item[0], len(order))) if order else chosen)
+
     @property
     def failures(self) -> list[str]:
-        return [f"{name}: {what}" for name, section in self.sections.items() for what in section["failures"]]
+        """This run's failures (a section kept from an earlier run fails no later one)."""
+        return _failures(self.ordered(fresh_only=True))
 
     def markdown(self) -> str:
         command = " ".join(("python -m checks.gpu", self.check, *self.part))
         lines = [f"# {self.title}", "", f"`{command}`: {facts_line(self.facts)}."]
-        for name, section in self.sections.items():
+        sections = self.ordered()
+        kept = [name for name, section in sections.items() if section.get("kept")]
+        if kept:
+            lines.append(f"Kept from earlier runs (`python -m checks.gpu {self.check} SECTION ...`): "
+                         f"{', '.join(kept)}. Each section names the card, commit and date it was measured on.")
+        for name, section in sections.items():
             wall = f", {section['wall_s']:.0f} s" if section["wall_s"] is not None else ", did not finish"
             verdict = "FAIL" if section["failures"] else "ok" if section["done"] else "incomplete"
-            lines += ["", f"## {name} ({verdict}{wall})", *section["lines"]]
+            lines += ["", f"## {name} ({verdict}{wall})"]
+            if self.merge_order:
+                where = section.get("facts") or section_facts(self.facts)
+                gpus = f" x{where['gpus']}" if where.get("gpus", 0) > 1 else ""
+                lines.append(f"Measured on {where['device']}{gpus}, commit {where['commit']}, {where['date']}"
+                             f"{' (an earlier run)' if section.get('kept') else ''}.")
+            lines += section["lines"]
             lines += [f"- FAIL: {what}" for what in section["failures"]]
-        failures = self.failures
+        failures = _failures(sections)
         lines += ["", f"**{'FAIL' if failures else 'PASS'}**: " + ("; ".join(failures) if failures else
                                                                "every section as expected") + "."]
         return "\n".join(lines) + "\n"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, fresh_only: bool = False) -> dict[str, Any]:
+        """The report's data; `fresh_only`: this run's sections alone (what its ledger line holds)."""
+        sections = self.ordered(fresh_only)
         return {"check": self.check, "title": self.title, "facts": self.facts, "part": list(self.part),
-                "sections": self.sections, "ok": not self.failures}
+                "sections": sections, "ok": not _failures(sections)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Report:
         report = cls(data["check"], data["title"], data["facts"], tuple(data.get("part", ())))
-        report.sections = data["sections"]
+        report.sections = {name: {**section, "facts": section.get("facts") or section_facts(data["facts"])}
+                           for name, section in data["sections"].items()}
         return report
 
     def save(self) -> None:
@@ -217,13 +261,35 @@ class Report:
         if self.out is None:
             return
         ledger.write_report(self.out, self.check, self.markdown())
-        (self.out / f"{self.check}.json").write_text(json.dumps(self.to_json(), indent=2, default=str))
+        self.write_json(self.out)
+
+    def write_json(self, folder: Path) -> None:
+        (folder / f"{self.check}.json").write_text(json.dumps(self.to_json(), indent=2, default=str))
 
     def record(self, results: Path) -> dict[str, Any]:
-        """The finished run: its report and a ledger line of its key figures under `results`."""
-        return ledger.record(self.check, self.markdown(), key_figures(self.to_json()),
+        """The finished run: its report and a ledger line of this run's key figures under `results`; a merged
+        report's data too (the next run of some of its sections starts from it)."""
+        line = ledger.record(self.check, self.markdown(), key_figures(self.to_json(fresh_only=True)),
                              ledger.device_label(self.facts["device"], self.facts.get("gpus", 0)),
                              results=results, commit=self.facts["commit"], date=self.facts["date"])
+        if self.merge_order:
+            self.write_json(results)
+        return line
+
+
+def _failures(sections: dict[str, dict[str, Any]]) -> list[str]:
+    return [f"{name}: {what}" for name, section in sections.items() for what in section["failures"]]
+
+
+def current_report(results: Path | None, check: str) -> dict[str, Any] | None:
+    """The data of the check's current report under `results`, where there is one."""
+    path = results / f"{check}.json" if results is not None else None
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
+def merge_order(module: ModuleType) -> tuple[str, ...]:
+    """Every section of a check whose report keeps the sections a run does not run (``KEEPS_SECTIONS``), else ()."""
+    return tuple(section.name for section in module.SECTIONS) if getattr(module, "KEEPS_SECTIONS", False) else ()
 
 
 def key_figures(report: dict[str, Any]) -> dict[str, Any]:
@@ -258,7 +324,9 @@ def run_check(check: str, names: list[str], options: argparse.Namespace, out: Pa
     chosen = [every[name] for name in names] if names else list(every.values())
     facts = {**device_facts(), "compile_caches": caches}
     part = tuple(s.name for s in chosen) if len(chosen) < len(every) else ()
-    report = Report(check, module.TITLE, facts, part, out, options.budget_s)
+    report = Report(check, module.TITLE, facts, part, out, options.budget_s, merge_order(module))
+    if report.merge_order:
+        report.keep(current_report(out, check), (s.name for s in chosen))
     print(f"# {module.TITLE}\n{facts_line(facts)}", flush=True)
     for section in chosen:
         report.begin(section.name)
@@ -341,13 +409,18 @@ def combine(folders: list[Path], out: Path) -> list[Path]:
             if not isinstance(data, dict) or {"check", "sections", "facts"} - set(data):
                 continue
             part = Report.from_json(data)
-            whole = merged.setdefault(part.check, Report(part.check, part.title, part.facts))
+            if part.check not in merged:  # a check that keeps sections starts from its current report under `out`
+                merged[part.check] = Report(part.check, part.title, part.facts, merge_order=merge_order(load(part.check)))
+                if merged[part.check].merge_order:
+                    merged[part.check].keep(current_report(out, part.check))
+            whole = merged[part.check]
             whole.facts = part.facts if part.facts["date"] >= whole.facts["date"] else whole.facts
             whole.sections.update(part.sections)
     for check, report in merged.items():
         order = [s.name for s in load(check).SECTIONS]
         report.sections = dict(sorted(report.sections.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
-        report.part = tuple(name for name in order if name in report.sections) if set(order) - set(report.sections) else ()
+        fresh = report.ordered(fresh_only=True)
+        report.part = tuple(name for name in order if name in fresh) if set(order) - set(fresh) else ()
         report.record(out)
     if out.resolve() == ledger.RESULTS.resolve():
         ledger.write_docs()

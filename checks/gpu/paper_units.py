@@ -7,10 +7,17 @@ and mechanics are real, learning is not measured.
     export PYTHONPATH=$PWD/src:/tmp/site PATH=/tmp/site/bin:$PATH VLLM_USE_FLASHINFER_SAMPLER=0 \\
         VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units optimizer_numerics trainer   # one call, ~8 min
+    KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units sft_long                     # one call alone, ~5 min
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units vllm_batch                   # one call, ~5 min
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units vllm_replay push_switch      # one call, ~8 min
     KPIPE_COMMIT=abc1234 python3 -m checks.gpu paper_units gym_beside_vllm              # one call, ~6 min
     python -m checks.gpu paper_units --tiny                         # the same code on a nano model (CPU test)
+
+``sft_long`` runs alone: with ``optimizer_numerics trainer`` (176 s on an H100 at a9dc40a, 510 planned) its 300 planned
+seconds pass a call's 540, and its steps' limits could pass ten minutes. Back here, each call's folder is merged
+into the one current report, every section naming its card, commit and date (``KEEPS_SECTIONS``)::
+
+    python -m checks.gpu --combine CALL_DIR --out docs/gpu-results   # not `kpipe.infra.ledger add`: it refuses
 
 Sections (each step under its own time limit, the report saved after each, so a cut-off run keeps what it
 measured):
@@ -25,17 +32,23 @@ measured):
    an H100). 5 steps of a 32,768-token micro-batch, then 5 of 8,192: peak GPU and host memory, tokens/s,
    MFU with causal attention counted (over 989 TFLOP/s bf16 dense), the optimizer step's seconds and copy
    GB/s.
-3. ``vllm_batch``: vLLM with ``load_format="dummy"`` standalone (``vllm.LLM``, vLLM's defaults: its engine
+3. ``sft_long``: SFT of the 8B as the ``trainer`` section builds it (its memory plan, full activation
+   checkpointing) on one sample shaped like the paper's cold-start trajectories: 5 turns (a 1,024-token prompt,
+   4,096-token answers, 512-token feedbacks, ~23.7K tokens in all), the sample and its assistant-only labels
+   built by ``kpipe.train.samples.build_samples``, the model and optimizer by ``prepare_model_and_optimizer``,
+   each of 5 steps ``kpipe.train.sft.train_step`` (the chunked loss, gradient clipping, the optimizer step):
+   tokens/s, MFU, seconds a step and of its optimizer step, peak GPU and host memory.
+4. ``vllm_batch``: vLLM with ``load_format="dummy"`` standalone (``vllm.LLM``, vLLM's defaults: its engine
    core in a process of its own) against kpipe's engine (``VLLMEngine`` with RL's arguments: the core in
    process, processed log-probs, a seed a request) on the same 256 chats of 1,024 prompt tokens, each
    decoding --batch-output-tokens with ``ignore_eos`` at the same gpu_memory_utilization: output tokens/s,
    their ratio (issue 63: within 15 %), the KV cache's capacity, each engine's start-up (the first from an
    empty vLLM compile cache). The paper's 8,192 tokens a turn are cut to fit the call.
-4. ``vllm_replay``: kpipe's engine through 3 turns that keep the history (each prompt the previous prompt,
+5. ``vllm_replay``: kpipe's engine through 3 turns that keep the history (each prompt the previous prompt,
    its answer and a feedback), at a batch the KV cache holds whole: tokens/s a turn, the prefix cache's
    share of each prompt, the HBM-bandwidth efficiency each turn implies (the cost model's
    ``decode_bandwidth_efficiency``), prefill tokens/s, and the seconds a token at batch 1 and 4.
-5. ``push_switch``: RL's colocated cycle with ``rl.vllm_sleep``, three times: sleep (level 2), the trainer
+6. ``push_switch``: RL's colocated cycle with ``rl.vllm_sleep``, three times: sleep (level 2), the trainer
    claims the freed memory, wake for the weights, the bucketed push of the trainer's own weights (fp32 on
    the GPU where they fit beside the engine, else bf16), wake for the KV cache
    (``kpipe.train.rollouts.feed_vllm``): seconds of each, the memory a sleeping engine leaves, and MRS's
@@ -75,7 +88,10 @@ from typing import Any
 from checks.gpu.harness import ROOT, Report, Section
 from kpipe.llm.vllm_engine import VLLMEngine  # light: vLLM itself is imported when an engine is built
 
-TITLE = "Unit costs of the paper's run at the 8B architecture: the one-GPU trainer, vLLM rollout, weight push"
+TITLE = "Unit costs of the paper's run at the 8B architecture: the one-GPU trainer and SFT, vLLM rollout, weight push"
+# one current report of every section, each run on the card it needs (the trainer's on an H100, vLLM's on an H200):
+# a run of some sections keeps the others (checks.gpu.harness, KEEPS_SECTIONS)
+KEEPS_SECTIONS = True
 H100_H200_BF16_DENSE_FLOPS = 989e12  # the published dense bf16 peak of both (SXM): MFU's denominator
 
 
@@ -86,6 +102,12 @@ def add_options(parser: argparse._ArgumentGroup) -> None:
     parser.add_argument("--trainer-steps", type=int, default=5, help="steps a micro-batch length (the first warms up)")
     parser.add_argument("--chunk-tokens", type=int, default=2048, help="tokens a chunk of the LM head's log-probs")
     parser.add_argument("--step-limit-s", type=int, default=150, help="hard limit of each measured step")
+    parser.add_argument("--sft-turns", type=int, default=5, help="sft_long: answers of the trajectory (the paper's 5)")
+    parser.add_argument("--sft-prompt-tokens", type=int, default=1024, help="sft_long: tokens of the first prompt")
+    parser.add_argument("--sft-answer-tokens", type=int, default=4096,
+                        help="sft_long: tokens of each answer (5 x 4,096 + 1,024 + 4 x 512: ~24K tokens in all)")
+    parser.add_argument("--sft-feedback-tokens", type=int, default=512, help="sft_long: tokens of each feedback")
+    parser.add_argument("--sft-steps", type=int, default=5, help="sft_long: steps of one sample (the first warms up)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                       help="vllm_batch's and vllm_replay's engines, each alone on the GPU (vLLM's default)")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="tokens of a first-turn prompt (issue 63: 1K)")
@@ -428,6 +450,143 @@ def optimizer_numerics(report: Report, args: argparse.Namespace) -> None:
     held.clear()
     initial.clear()
     gc.collect()
+
+
+def trajectory_messages(prompt_tokens: int, answer_tokens: int, feedback_tokens: int, turns: int,
+                        seed: int = 0) -> list[dict[str, str]]:
+    """A cold-start trajectory's conversation (the paper's "8K 5-turn trajectories" at their longest): a prompt,
+    then `turns` answers with a feedback between each two. Byte-token contents (a character a token), every
+    message different, so that each assistant message is found once in the render (kpipe.train.samples)."""
+    import random
+
+    draw = random.Random(f"sft_long:{seed}")
+
+    def content(tokens: int) -> str:
+        return "".join(draw.choices(ASCII_LETTERS, k=tokens))
+
+    messages = [{"role": "user", "content": content(prompt_tokens)}]
+    for turn in range(turns):
+        if turn:
+            messages.append({"role": "user", "content": content(feedback_tokens)})
+        messages.append({"role": "assistant", "content": content(answer_tokens)})
+    return messages
+
+
+def trajectory_sample(tokenizer: Any, messages: list[dict[str, str]], max_length: int) -> Any:
+    """The SFT sample of one trajectory as SFT builds it (kpipe.train.samples.build_samples, unit
+    ``trajectory``, the paper preset's: the last turn's context and answer, the loss on every assistant message)."""
+    from kpipe.train.samples import build_samples
+
+    row = {"run": "paper_units", "stage": "cold_start", "iteration": 0, "task_id": "sft_long", "sample": 0,
+           "turn": sum(message["role"] == "assistant" for message in messages),
+           "prompt_messages": messages[:-1], "response": messages[-1]["content"]}
+    samples, built = build_samples([row], tokenizer, max_length, unit="trajectory")
+    if not samples:
+        raise ValueError(f"the trajectory gave no SFT sample: {built.as_dict()}")
+    return samples[0]
+
+
+def sft_long(report: Report, args: argparse.Namespace) -> None:
+    """SFT of the 8B on one GPU on a 5-turn trajectory of ~24K tokens (issue 63), through SFT's own code: the
+    sample and its assistant-only labels from kpipe.train.samples, the model and optimizer prepared as
+    `train_sft` prepares them, each step `kpipe.train.sft.train_step` (the chunked loss `micro_batch_loss`,
+    gradient clipping, the optimizer and scheduler steps): tokens/s, MFU, seconds a step and of its
+    optimizer step, peak GPU and host memory."""
+    import torch
+    from accelerate import Accelerator
+
+    from kpipe.train.batching import resolve_precision
+    from kpipe.train.sft import PRESETS, predicted_tokens, train_step
+    from kpipe.train.tiny_model import byte_tokenizer_for
+    from kpipe.train.trainer_memory import MEMORY_PLANS, choose_memory_plan, prepare_model_and_optimizer, weights_dtype
+
+    paper = PRESETS["paper"]
+    config = architecture(args.tiny)
+    lengths = (16, 24, 8) if args.tiny else (args.sft_prompt_tokens, args.sft_answer_tokens, args.sft_feedback_tokens)
+    params = parameter_count(config)
+    head = config.vocab_size * config.hidden_size
+    decoder = params - head * (1 if config.tie_word_embeddings else 2)  # the embedding is a lookup
+    free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else float("inf")
+    plan = choose_memory_plan(params, 1, free, MEMORY_PLANS[1:])  # as the trainer section: 16 bytes fit no one GPU
+    attention_width = config.num_attention_heads * config.head_dim
+    held: dict[str, Any] = {}
+    report.line(f"The paper preset's SFT (kpipe.train.sft PRESETS['paper']: lr {paper.lr}, grad clip "
+                f"{paper.grad_clip}, unit `{paper.unit}`) on one trajectory of {args.sft_turns} turns: a "
+                f"{lengths[0]:,}-token prompt, {lengths[1]:,}-token answers, {lengths[2]:,}-token feedbacks (byte "
+                f"tokens, ChatML), the loss on the assistant messages only. All {config.num_hidden_layers} layers, "
+                f"{params / 1e9:.2f} B parameters, random weights, built as the trainer section builds them (full "
+                f"activation checkpointing); memory plan `{plan.name}` (free GPU memory {free / 2**30:.0f} GiB; "
+                f"choose_memory_plan), prepared by `prepare_model_and_optimizer`; each step one sample through "
+                f"`kpipe.train.sft.train_step` with log-probs in chunks of {args.chunk_tokens} tokens. The first "
+                f"step warms up. tokens/s = the sample's tokens over a step less its optimizer step (one in "
+                f"{paper.batch_size} samples at the paper's batch); MFU = (6 N_decoder t + 6 L d t^2 + 6 N_head "
+                f"t_labelled) / s / 989 TFLOP/s (the head's logits are computed at labelled positions only).")
+    report.table("step", "figures", "wall s")
+
+    def sample() -> dict[str, Any]:
+        tokenizer = byte_tokenizer_for("nano" if args.tiny else "qwen3-8b")
+        messages = trajectory_messages(*lengths, args.sft_turns)
+        held["sample"], held["pad_id"] = trajectory_sample(tokenizer, messages, paper.max_length), tokenizer.pad_token_id
+        built = held["sample"]
+        return {"turns": args.sft_turns, "messages": len(messages), "tokens": len(built.input_ids),
+                "label_tokens": built.n_label_tokens, "predicted_tokens": predicted_tokens([built])}
+
+    def build() -> dict[str, Any]:
+        reset_peak()
+        started = time.perf_counter()
+        model = build_model(config, weights_dtype(plan))
+        built = time.perf_counter()
+        accelerator = Accelerator(mixed_precision=resolve_precision(paper.mixed_precision))
+        model, optimizer = prepare_model_and_optimizer(accelerator, model, plan, paper.lr, paper.betas,
+                                                       paper.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)  # the peak lr: no schedule timed
+        held.update(accelerator=accelerator, model=model, optimizer=optimizer, scheduler=scheduler)
+        synchronize()
+        return {"plan": plan.name, "parameters": params, "mixed_precision": accelerator.mixed_precision,
+                "model_build_s": built - started, "optimizer_build_s": time.perf_counter() - built,
+                "gpu_peak_gib": peak_gib(), "host_peak_gib": host_peak_gib()}
+
+    def train() -> dict[str, Any]:
+        built, optimizer = held["sample"], held["optimizer"]
+        marks: list[float] = []
+
+        def mark(*_: Any) -> None:  # before and after each optimizer step, inside train_step
+            synchronize()
+            marks.append(time.perf_counter())
+
+        hooks = [optimizer.register_step_pre_hook(mark), optimizer.register_step_post_hook(mark)]
+        reset_peak()
+        try:
+            steps = [train_step(held["accelerator"], held["model"], optimizer, held["scheduler"], [built], [0],
+                                len(built.input_ids), paper.grad_clip, held["pad_id"], args.chunk_tokens)
+                     for _ in range(args.sft_steps)]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        optimizer_s = [end - start for start, end in zip(marks[::2], marks[1::2])]
+        timed = slice(1, None) if args.sft_steps > 1 else slice(None)  # the first step warms up
+        step_s = sum(s["step_s"] for s in steps[timed]) / len(steps[timed])
+        optimizer_step_s = sum(optimizer_s[timed]) / len(optimizer_s[timed])
+        tokens, labelled = len(built.input_ids), predicted_tokens([built])
+        flops = (training_flops(decoder, config.num_hidden_layers, attention_width, tokens)
+                 + 6.0 * head * labelled)
+        return {"tokens": tokens, "label_tokens": labelled, "steps": args.sft_steps, "step_s": step_s,
+                "optimizer_step_s": optimizer_step_s, "tokens_per_s": tokens / (step_s - optimizer_step_s),
+                "mfu": flops / (step_s - optimizer_step_s) / H100_H200_BF16_DENSE_FLOPS,
+                "tokens_per_s_with_an_optimizer_step_each": tokens / step_s,
+                "losses": [round(s["loss"], 4) for s in steps], "grad_norms": [round(s["grad_norm"], 4) for s in steps],
+                "gpu_peak_gib": peak_gib(), "host_peak_gib": host_peak_gib(), "card": card()}
+
+    if step(report, "sft_sample", args.step_limit_s, sample) is None:
+        return
+    if step(report, "sft_build", args.step_limit_s, build) is None:
+        return
+    step(report, "sft_train", args.step_limit_s, train)
+    held.clear()
+    import gc
+
+    gc.collect()
+    reset_peak()
 
 
 def save_architecture(out: Path, tiny: bool) -> Path:
@@ -1262,6 +1421,11 @@ def figures(report_json: dict[str, Any]) -> dict[str, Any]:
     picked |= {"optimizer_step_s": longest.get("optimizer_step_s"),
                "optimizer_copy_gb_per_s": longest.get("optimizer_copy_gb_per_s"),
                "train_gpu_peak_gib": longest.get("gpu_peak_gib"), "train_host_peak_gib": longest.get("host_peak_gib")}
+    sft = sections.get("sft_long", {}).get("data", {}).get("sft_train", {})
+    picked |= {"sft_sample_tokens": float(sft["tokens"]) if "tokens" in sft else None,
+               "sft_tokens_per_s": sft.get("tokens_per_s"), "sft_mfu": sft.get("mfu"), "sft_step_s": sft.get("step_s"),
+               "sft_optimizer_step_s": sft.get("optimizer_step_s"), "sft_gpu_peak_gib": sft.get("gpu_peak_gib"),
+               "sft_host_peak_gib": sft.get("host_peak_gib")}
     engines = [batch.get(name, {}) for name in ("standalone", "kpipe_engine")]
     cold = next((engine for engine in engines if engine.get("compile_cache") == "cold"), {})
     picked |= {"vllm_startup_s": cold.get("startup_s"),
@@ -1292,7 +1456,7 @@ def figures(report_json: dict[str, Any]) -> dict[str, Any]:
 
 
 SECTIONS = (Section("optimizer_numerics", 90, optimizer_numerics), Section("trainer", 420, trainer),
-            Section("vllm_batch", 330, vllm_batch), Section("vllm_replay", 240, vllm_replay),
+            Section("sft_long", 300, sft_long), Section("vllm_batch", 330, vllm_batch), Section("vllm_replay", 240, vllm_replay),
             Section("push_switch", 240, push_switch), Section("gym_beside_vllm", 360, gym_beside_vllm))
 
 

@@ -25,7 +25,10 @@ from kpipe.gym.confine.limits import Limits
 # kgym-15: a candidate's window is read against the reference's least fixed cost over its windows, not
 # the one of the same seed (kpipe.gym.judge.evaluation.candidate_window_ms): one stalled reference
 # window no longer shortens the candidate's time.
-PROTOCOL_VERSION = "kgym-15"
+# kgym-16: both children do the same work in a window (the sketch's variance pass too), a window's inputs
+# are drawn in chunks so a task of large inputs still gets its ~100 ms of calls, and each child
+# rehearses a window's work before the first (kpipe.gym.candidate.child.answer_windows).
+PROTOCOL_VERSION = "kgym-16"
 
 BASELINES = ("eager", "compile", "both")
 # the fields kgym-14 removed (the candidate's own timing), which a protocol of an earlier version may hold

@@ -4,7 +4,9 @@ Each run of a check (``checks/gpu/``) or benchmark (``benchmarks/``) overwrites 
 current report, ``<check>.md``, and appends one line to ``ledger.jsonl`` (check, commit, device, UTC
 date, key figures) in a results folder: ``$OUT`` on the device, ``docs/gpu-results`` in the repository.
 The index (``docs/gpu-results/README.md``) and ``docs/performance.md`` are generated from the ledger
-and ``tests/test_ledger.py`` fails when they differ from it; superseded reports live in git history.
+and ``tests/test_ledger.py`` fails when they differ from it; superseded reports live in git history. A check
+whose report is merged from runs of some of its sections (``KEEPS_SECTIONS`` in ``checks.gpu.harness``) keeps
+that report's data, ``<check>.json``, beside it: the next run's report starts from it.
 
     python -m kpipe.infra.ledger add DIR ...   # a device's $OUT: its reports and ledger lines into docs/gpu-results
     python -m kpipe.infra.ledger write         # regenerate the index and docs/performance.md from the ledger
@@ -136,7 +138,9 @@ its check's report and appends its line (`kpipe.infra.ledger.record`); this inde
 write`; `tests/test_ledger.py` fails when they are stale). Earlier reports, with their raw data
 (`.json`, traces, logs), are in git history: a line's `report` is the file its run wrote;
 `git log --format=%h -1 -- docs/gpu-results/FILE` names the commit that removed or last changed it,
-and `git show COMMIT^:docs/gpu-results/FILE` prints the file as it was before that commit.
+and `git show COMMIT^:docs/gpu-results/FILE` prints the file as it was before that commit. A check whose
+report is merged from runs of some of its sections (`paper_units`: each section names its card, commit and
+date) keeps that report's data, `<check>.json`, beside it; `--combine` merges a run into it.
 
 Running them on the GPU device (`checks/gpu/harness.py` says more): `. scripts/device_env.sh` installs
 the wheels carried in `.whl/` (git-ignored; `python scripts/device_ray_wheel.py` writes a Ray wheel that
@@ -187,10 +191,14 @@ def write_docs(results: Path = RESULTS, performance_path: Path = PERFORMANCE) ->
 
 
 def add(folders: Iterable[Path], results: Path = RESULTS, performance_path: Path = PERFORMANCE) -> list[dict[str, Any]]:
-    """Take each folder's ledger lines and their checks' reports into `results`, then regenerate."""
+    """Take each folder's ledger lines and their checks' reports into `results`, then regenerate. A report
+    merged from runs of some sections (its data `<check>.json` in `results`) is not replaced by one run's."""
     added = []
     for folder in folders:
         for line in read_ledger(folder):
+            if (results / f"{line['check']}.json").exists():
+                raise ValueError(f"{line['check']}'s report in {results} is merged from runs of some of its sections: "
+                                 f"python -m checks.gpu --combine {folder} --out {results} merges this run into it")
             shutil.copyfile(folder / f"{line['check']}.md", results / f"{line['check']}.md")
             with (results / LEDGER).open("a") as ledger:
                 ledger.write(json.dumps(line) + "\n")

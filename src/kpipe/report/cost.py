@@ -403,7 +403,7 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
                         f"KernelGym {gym_where}), memory plan {rl_memory.name}: decode batch "
                         f"{rl_generation.batch:.0f} ({rl_generation.decode_rate:.0f} tokens/s a GPU, KV cache "
                         f"{rl_generation.kv_capacity / 1e3:.0f}K tokens), longest answer {rl_generation.floor:.0f} s, "
-                        f"optimizer {optimizer:.1f} s, push {sync:.1f} s, sleep/wake {units['sleep_wake_s']:.0f} s",
+                        f"optimizer {optimizer:.1f} s, push {sync:.2g} s, sleep/wake {units['sleep_wake_s']:.2g} s",
                         [f"benchmarks/rl-{run}-iter{k}.tsv" for run in run_names for k in range(rl["iterations"])],
                         runs * rl["iterations"] * iteration_wall))
 

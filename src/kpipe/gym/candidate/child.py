@@ -59,8 +59,9 @@ from kpipe.gym.candidate.trial_data import (WindowOutputs, clone_inputs, digest,
 
 # the judge's timing windows (``answer_windows``): the reference picks how many calls each takes, enough
 # for about this much of its own time (so the fixed cost of a window, which both children pay and
-# the judge measures, stays a small share of it), between these bounds, with at most
-# WINDOW_MAX_INPUT_BYTES of fresh input sets on the device at once
+# the judge measures, stays a small share of it), between these bounds. Their fresh input sets are
+# drawn in chunks of at most WINDOW_MAX_INPUT_BYTES on the device (``draw_chunk``), so a task of 268 MB
+# inputs still gets its 100 ms of calls (kgym-15 drew a window's sets at once under that bound: 4 calls)
 WINDOW_TARGET_MS = {"cuda": 100.0, "cpu": 20.0}
 WINDOW_MIN_CALLS = 2
 WINDOW_MAX_CALLS = 1024
@@ -328,9 +329,8 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     if job.get("window_rounds"):
         l2 = l2_flush_buffer(protocol, device)
         calls = window_calls(model, first_inputs, device, clocks, l2, protocol)
-        tolerance = (protocol.atol, protocol.rtol)
         result["compile_windows_ms"] = answer_windows(job, workdir, model, module.get_inputs, protocol, clocks, l2, phase, calls,
-                                                      tolerance, compiled=compiled)
+                                                      reference=True, compiled=compiled)
     return result
 
 
@@ -460,7 +460,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
     if job.get("window_rounds"):
         with instrument.recording() as log:  # what the windows launched: a report, which can only fail the candidate
             answer_windows(job, workdir, model, get_inputs, protocol, clocks, l2_flush_buffer(protocol, device), phase,
-                           job["window_calls"], None)
+                           job["window_calls"], reference=False)
         result["launches"]["windows"] = sorted(set(log.names))
 
     phase("candidate integrity")
@@ -491,36 +491,52 @@ def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
 def window_calls(forward: Callable[..., Any], inputs: list[Any], device: str, clocks: Clocks, l2: torch.Tensor | None,
                  protocol: Protocol) -> int:
     """The calls of every timing window, chosen by the reference child from a few warm calls of its
-    own, back to back: about ``WINDOW_TARGET_MS`` of its time, within the bounds, with no more than
-    ``WINDOW_MAX_INPUT_BYTES`` of input sets on the device. On the CPU also at most the protocol's
-    ``perf_trials``: the reference runs torch there and the candidate the Triton interpreter, whose
-    calls take 100x as long, so a target reached by the reference's calls would take minutes."""
-    warm = [inputs] * 3
-    run_window_calls(forward, warm, clocks, l2, protocol.seed)  # caches, allocator blocks, clocks
-    _, calls_ms = run_window_calls(forward, warm, clocks, l2, protocol.seed)
-    call_ms = calls_ms / len(warm)
+    own, back to back: about ``WINDOW_TARGET_MS`` of its time, within the bounds. On the CPU also at
+    most the protocol's ``perf_trials``: the reference runs torch there and the candidate the Triton
+    interpreter, whose calls take 100x as long, so a target reached by the reference's calls would
+    take minutes."""
+    warm = 3
+    run_window_calls(forward, lambda call: inputs, warm, clocks, l2, protocol.seed)  # caches, allocator blocks, clocks
+    _, calls_ms = run_window_calls(forward, lambda call: inputs, warm, clocks, l2, protocol.seed)
+    call_ms = calls_ms / warm
     wanted = math.ceil(WINDOW_TARGET_MS["cuda" if device == "cuda" else "cpu"] / call_ms) if call_ms > 0 else WINDOW_MAX_CALLS
-    fit = WINDOW_MAX_INPUT_BYTES // max(tensor_bytes(inputs), 1)
     most = WINDOW_MAX_CALLS if device == "cuda" else min(WINDOW_MAX_CALLS, protocol.perf_trials)
-    return max(WINDOW_MIN_CALLS, min(wanted, most, fit))
+    return max(WINDOW_MIN_CALLS, min(wanted, most))
 
 
-def run_window_calls(forward: Callable[..., Any], input_sets: list[list[Any]], clocks: Clocks, l2: torch.Tensor | None, seed: int,
-                     tolerance: tuple[float, float] | None = None) -> tuple[list[list[dict[str, Any]]], float]:
-    """One window's calls, back to back as a GPU queue takes them: each behind the L2 flush, the host
-    waiting for the GPU once before the first and once after the last, then one copy to the host per
-    output position (``kpipe.gym.candidate.trial_data.WindowOutputs``, whose positions and sketch signs come
-    from `seed`). Returns each call's output digests and the calls' own milliseconds, summed: on a
-    GPU from an event queued behind the flush to one right after the call (KernelBench's region), on
-    the CPU the host clock around the call. Read from the reference's child only: the judge's clock
-    covers the whole window, whose other work (the flush, gathering the outputs, the sketch) both
-    children do alike and which cancels (kpipe.gym.judge.evaluation.candidate_window_ms)."""
+def draw_chunk(draw: Callable[[int], list[Any]], first: int, calls: int) -> list[list[Any]]:
+    """The input sets of calls `first`, `first` + 1, ... (`draw` gives a call's): as many as
+    ``WINDOW_MAX_INPUT_BYTES`` holds, at least one, none past `calls`."""
+    sets = [draw(first)]
+    room = WINDOW_MAX_INPUT_BYTES // max(tensor_bytes(sets[0]), 1)
+    sets += [draw(call) for call in range(first + 1, min(calls, first + room))]
+    return sets
+
+
+def run_window_calls(forward: Callable[..., Any], draw: Callable[[int], list[Any]], calls: int, clocks: Clocks,
+                     l2: torch.Tensor | None, seed: int, tolerance: tuple[float, float] | None = None,
+                     report_variance: bool = False) -> tuple[list[list[dict[str, Any]]], float]:
+    """One window's calls, back to back as a GPU queue takes them: their inputs drawn in chunks
+    (``draw_chunk``; `draw` gives a call's), each call behind the L2 flush, the host waiting for the
+    GPU once before the first and once after the last, then one copy to the host per output
+    position (``kpipe.gym.candidate.trial_data.WindowOutputs``, whose positions and sketch signs
+    come from `seed`; with `tolerance` every call's sketch variance bound is computed too, and kept
+    in the digests with `report_variance`). Returns each call's output digests and the calls' own
+    milliseconds, summed: on a GPU from an event queued behind the flush to one right after the
+    call (KernelBench's region), on the CPU the host clock around the call. Read from the
+    reference's child only: the judge's clock covers the whole window, whose other work (drawing the
+    inputs, the flush, gathering the outputs, the sketch and its variance) both children do alike and
+    which cancels (kpipe.gym.judge.evaluation.candidate_window_ms)."""
     gathered: list[WindowOutputs] = []
     events: list[tuple[Any, Any]] = []
     calls_ms = 0.0
+    pending: list[list[Any]] = []
     clocks.sync()
     with torch.no_grad():
-        for call, inputs in enumerate(input_sets):
+        for call in range(calls):
+            if not pending:
+                pending = draw_chunk(draw, call, calls)
+            inputs = pending.pop(0)
             flush_l2(l2)
             if clocks.cuda:
                 start, end = clocks.event(enable_timing=True), clocks.event(enable_timing=True)
@@ -533,46 +549,54 @@ def run_window_calls(forward: Callable[..., Any], input_sets: list[list[Any]], c
                 outputs = flatten_output(forward(*inputs))
                 calls_ms += (clocks.perf_counter() - started) * 1e3
             if call == 0:
-                gathered = [WindowOutputs(output, len(input_sets), seed, tolerance) for output in outputs]
+                gathered = [WindowOutputs(output, calls, seed, tolerance) for output in outputs]
             if len(outputs) != len(gathered):
                 raise ValueError(f"call {call} returned {len(outputs)} outputs, the first call {len(gathered)}")
             for position, output in zip(gathered, outputs):
                 position.put(call, output)
-            del outputs
+            del outputs, inputs
     clocks.sync()
     calls_ms += sum(float(clocks.elapsed_time(start, end)) for start, end in events)
-    columns = [position.digests() for position in gathered]
-    return [[column[call] for column in columns] for call in range(len(input_sets))], calls_ms
+    columns = [position.digests(report_variance) for position in gathered]
+    return [[column[call] for column in columns] for call in range(calls)], calls_ms
 
 
 def answer_windows(job: dict[str, Any], workdir: Path, forward: Callable[..., Any], get_inputs: Callable[[], Any], protocol: Protocol,
-                   clocks: Clocks, l2: torch.Tensor | None, phase: Phase, calls: int, tolerance: tuple[float, float] | None,
+                   clocks: Clocks, l2: torch.Tensor | None, phase: Phase, calls: int, reference: bool,
                    compiled: Callable[..., Any] | None = None) -> list[float]:
     """The judge's timing windows, until it says stop (at most ``job["window_rounds"]``): say we are
-    ready, wait for the judge's secret seed, draw one fresh input set per call from it, run the calls
+    ready, wait for the judge's secret seed, run the calls on fresh input sets drawn from it
     (``run_window_calls``) and write their outputs. The judge clocks everything from revealing the
-    seed to the answer's file appearing. The reference's child (`tolerance`: its sketches' bounds)
-    also writes its calls' time on its own clock, and then, outside the judge's clock, times the
-    ``torch.compile`` baseline (`compiled`) on the same inputs; returns those milliseconds, a window each."""
+    seed to the answer's file appearing. Both children do the same work in a window; the
+    `reference` child also writes its sketches' variance bounds and its calls' time on its own
+    clock, and then, outside the judge's clock, times the ``torch.compile`` baseline (`compiled`) on
+    the same inputs; returns those milliseconds, a window each."""
     step = f"{job['role']} timing windows"
     phase(step)  # the phase file names the windows; their steps are timed for the trace alone
     phase(f"{step}: warm-up", announce=False)
-    # before the seed, what needs none: the allocator's blocks for the inputs and the protocol's
-    # untimed calls (caches, TLB; on a GPU for at least warmup_ms: its clocks dropped while the child
-    # waited), so the two children's answers differ by their calls alone
+    # before the seed, what needs none: the allocator's blocks for the inputs, the protocol's untimed
+    # calls (caches, TLB; on a GPU for at least warmup_ms: its clocks dropped while the child
+    # waited), and one window's other work on throwaway inputs (the sketch's first matrix-vector
+    # product, the copies to the host, the answer's encoding: kgym-15's first window of a
+    # candidate took 17-32 ms longer than its second on an H200), so the two children's answers
+    # differ by their calls alone
     device = clocks.device
-    warm = [make_inputs(get_inputs, trial_seed(0, call), device) for call in range(calls)]
+    tolerance = (protocol.atol, protocol.rtol)
+    warm = draw_chunk(lambda call: make_inputs(get_inputs, trial_seed(0, call), device), 0, calls)
     warm_until = clocks.perf_counter() + (protocol.warmup_ms / 1e3 if clocks.cuda else 0.0)
     done = 0
     with torch.no_grad():
         while done < max(protocol.warmup, 1) or clocks.perf_counter() < warm_until:
             flush_l2(l2)
-            forward(*warm[done % calls])
+            forward(*warm[done % len(warm)])
             if compiled is not None:
-                compiled(*warm[done % calls])
+                compiled(*warm[done % len(warm)])
             clocks.sync()
             done += 1
-    del warm
+    rehearsal, _ = run_window_calls(forward, lambda call: warm[call % len(warm)], min(calls, 2), clocks, l2, 0,
+                                    tolerance, reference)
+    encode({"outputs": rehearsal})
+    del warm, rehearsal
     compile_ms: list[float] = []
     for index in range(job["window_rounds"]):
         with gc_paused():  # the judge's clock runs from the seed to the answer
@@ -585,19 +609,21 @@ def answer_windows(job: dict[str, Any], workdir: Path, forward: Callable[..., An
             if asked.get("stop"):
                 break
             seed = int(asked["seed"])
-            phase(f"{step}: drawing the inputs", announce=False)
-            input_sets = [make_inputs(get_inputs, trial_seed(seed, call), device) for call in range(calls)]
-            phase(f"{step}: calls, their outputs to the host", announce=False)
-            outputs, calls_ms = run_window_calls(forward, input_sets, clocks, l2, seed, tolerance)
+
+            def draw(call: int) -> list[Any]:
+                return make_inputs(get_inputs, trial_seed(seed, call), device)
+
+            phase(f"{step}: calls on fresh inputs, their outputs to the host", announce=False)
+            outputs, calls_ms = run_window_calls(forward, draw, calls, clocks, l2, seed, tolerance, reference)
             phase(f"{step}: writing the answer", announce=False)
             answer: dict[str, Any] = {"outputs": outputs}
-            if tolerance is not None:
+            if reference:
                 answer.update(calls=calls, calls_ms=calls_ms)
             write_result(str(workdir / WINDOW_ANSWER_FILE.format(round=index)), answer)
         if compiled is not None:
             phase(f"{step}: the torch.compile baseline", announce=False)
-            compile_ms.append(run_window_calls(compiled, input_sets, clocks, l2, seed)[1])
-        del input_sets, outputs
+            compile_ms.append(run_window_calls(compiled, draw, calls, clocks, l2, seed)[1])
+        del outputs
     return compile_ms
 
 

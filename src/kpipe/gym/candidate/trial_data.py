@@ -134,9 +134,10 @@ class WindowOutputs:
     """One output position of a timing window's calls, gathered on the device as the calls run and
     brought to the host in one copy at the end. Every call's output is checked: whole up to
     ``WINDOW_FULL_ELEMENTS``, else at positions drawn from the window's secret seed plus its sketch
-    over every element (``sketch``), so computing only some positions fails. `tolerance` (the
-    reference's child only): also each call's sketch variance bound. Each output is read when its
-    call returns, since a kernel may hand back a buffer its next call reuses."""
+    over every element (``sketch``), so computing only some positions fails. `tolerance`: also each
+    call's sketch variance bound, which both children compute (the same work on both sides of the
+    judge's clock) and only the reference's reports. Each output is read when its call returns,
+    since a kernel may hand back a buffer its next call reuses."""
 
     def __init__(self, first: torch.Tensor, calls: int, seed: int, tolerance: tuple[float, float] | None = None) -> None:
         self.shape, self.dtype, self.tolerance = tuple(first.shape), first.dtype, tolerance
@@ -161,13 +162,13 @@ class WindowOutputs:
         self.buffer[call].copy_(flat[self.positions])
         self.sketches[call] = sketch(flat, self.signs, *(self.tolerance or (0.0, 0.0)))
 
-    def digests(self) -> list[dict[str, Any]]:
+    def digests(self, report_variance: bool) -> list[dict[str, Any]]:
         host = self.buffer.to("cpu")
         if self.positions is None:
             return [{"full": row} for row in host.unbind(0)]
         sketches = self.sketches.to("cpu").tolist()
         return [{"sample": row, "shape": list(self.shape), "dtype": str(self.dtype), "sketch": value,
-                 **({"sketch_variance": variance} if self.tolerance is not None else {})}
+                 **({"sketch_variance": variance} if report_variance else {})}
                 for row, (value, variance) in zip(host.unbind(0), sketches)]
 
 
