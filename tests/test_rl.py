@@ -391,7 +391,7 @@ def test_a_killed_iteration_resumes_and_writes_each_output_once(nano_model, tmp_
     metrics = read_table(out["metrics_path"], "train_metrics").to_pandas()
     assert sorted(metrics.loc[metrics.name == "reward_mean", "step"]) == [1, 2]
     for name in ("entropy", "grad_norm", "rollout_ppl", "train_ppl", "kept_frac_mrs", "kept_frac_regression",
-                 "fast@1", "fast@1.2", "gen_s", "eval_s", "train_s"):
+                 "fast@1", "fast@1.2", "gen_s", "eval_s", "train_s", "optimizer_s"):
         assert (metrics.name == name).sum() == 2, name
 
 
@@ -460,7 +460,7 @@ def iteration_outputs(nano_model: Path, root: Path, async_mode: str) -> tuple[li
 
 
 TIMES = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "overlap_s", "log_probs_s", "returns_s", "filters_s",
-         "advantages_s", "update_s")
+         "advantages_s", "update_s", "optimizer_s")
 
 
 def untimed(rows: list[dict]) -> list[dict]:
