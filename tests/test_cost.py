@@ -90,8 +90,32 @@ def test_the_offloaded_optimizer_streams_its_host_state_in_and_out():
 
 def test_host_memory_and_disk_a_run_needs():
     assert cost.host_memory_needed(8e9, 12, 24e9) == pytest.approx(120e9)
-    # 3 checkpoints of 4 bytes and 2 optimizer states of 12 bytes a parameter, and 40 GB beside them
-    assert cost.disk_needed(8e9, 3, 4, 2, 12, 40e9) == pytest.approx(328e9)
+    assert cost.disk_needed(8e9, 6, 10e9) == pytest.approx(58e9)  # 6 bytes a parameter and 10 GB beside them
+
+
+SIZES = cost.DiskSizes(checkpoint=4, export=2, state=12)
+
+
+def test_sft_holds_its_base_its_export_and_its_unfinished_checkpoints():
+    assert cost.sft_disk_bytes_per_param(2, 0, SIZES) == 6  # a bf16 base and the fp32 export
+    assert cost.sft_disk_bytes_per_param(2, 2, SIZES) == 6 + 2 * (4 + 12)
+
+
+@pytest.mark.parametrize(("iterations", "steps", "final", "keep", "peak"), [
+    (1, 1, "evaluation", False, 2),  # issue 63's one step on one GPU: a bf16 model, no state
+    (1, 1, "trainer", False, 4 + 12),
+    (3, 1, "trainer", False, 8 + 12 + 16),  # the last iteration: two models, the state it reads, its own model and state
+    (3, 1, "evaluation", False, 4 + 12 + 16),  # the middle one holds the most: its last model is bf16, stateless
+    (2, 10, "trainer", False, 4 + 12 + 16 + 16),  # a scratch checkpoint beside the outputs (or two in a save)
+    (3, 1, "trainer", True, 8 + 24 + 16),  # every state kept
+])
+def test_rl_holds_every_model_and_the_states_in_flight(iterations, steps, final, keep, peak):
+    assert cost.rl_disk_bytes_per_param(iterations, steps, 1, 1, final, keep, SIZES) == peak
+
+
+def test_finished_runs_keep_their_models_and_last_state():
+    assert cost.rl_disk_bytes_per_param(1, 1, 3, 2, "trainer", False, SIZES) == 16 + 2 * 16
+    assert cost.rl_disk_bytes_per_param(1, 1, 3, 2, "evaluation", False, SIZES) == 2 + 2 * 2
 
 
 def test_job_wall_spreads_work_after_start_up():
@@ -260,6 +284,27 @@ def test_the_14b_and_the_smoke_overlays():
     assert "1 run(s) x 2 steps of 16 trajectories x 3 turns" in smoke
 
 
+@pytest.mark.parametrize("kind", ["h200", "h100"])
+def test_issue_63s_step_fits_one_lent_gpu_machine_by_the_plans_own_count(kind, tmp_path):
+    """config/paper_smoke_1gpu.yaml on the units' one-GPU machine (64 GiB of disk, 128 GiB of host): the SFT model
+    in fp32 and the RL iteration's bf16 model at once, 6 bytes a parameter, the built base gone after SFT."""
+    configs = [str(ROOT / "config" / name) for name in ("paper.yaml", "paper_smoke.yaml", "paper_smoke_1gpu.yaml")]
+    output = run_plan("--configfile", *configs, "--gpus", "1", "--gpu-kind", kind)
+    assert "1 run(s) x 1 steps of 4 trajectories x 3 turns on 1 GPUs" in output
+    machine = next(line for line in output.splitlines() if line.strip().startswith("machine:"))
+    assert "55 of 64 GiB disk (at its fullest during RL: 6 bytes a parameter" in machine
+    assert "a bf16 model and no optimizer state" in machine
+    assert " of 128 GiB host memory" in machine
+    # without the overlay's final_checkpoint, one GPU's disk does not hold the iteration's fp32 model and state
+    trainer = tmp_path / "trainer.yaml"
+    trainer.write_text("rl: {final_checkpoint: trainer}\n")
+    result = CliRunner().invoke(plan, ["--cost", "--base", str(ROOT / "config" / "config.yaml"), "--units",
+                                       str(ROOT / "config" / "cost_units.yaml"), "--configfile", *configs,
+                                       str(trainer),
+                                       "--gpus", "1", "--gpu-kind", kind])
+    assert result.exit_code != 0 and "of disk (has 64; at its fullest during RL: 20 bytes a parameter" in result.output
+
+
 def test_plan_without_cost_says_so():
     result = CliRunner().invoke(plan, ["--configfile", str(ROOT / "config" / "paper.yaml"), "--gpus", "8",
                                        "--gpu-kind", "h100"])
@@ -277,13 +322,13 @@ def test_a_finished_run_is_compared_stage_by_stage(tmp_path):
     """The small plan's sft job is 50.6 s and its RL run 2 x (3 x 17.085 + 150) = 402.5 s (by hand above)."""
     plan_ = cost.plan_cost(small_config(), ROUND_UNITS, 2, "h200")
     write_benchmark(tmp_path, "benchmarks/sft-small.tsv", 50.6)
-    write_benchmark(tmp_path, "benchmarks/rl-a-iter0.tsv", 100.0)
-    write_benchmark(tmp_path, "benchmarks/rl-a-iter1.tsv", 100.0)
+    write_benchmark(tmp_path, "benchmarks/rl-small/a-iter0.tsv", 100.0)
+    write_benchmark(tmp_path, "benchmarks/rl-small/a-iter1.tsv", 100.0)
     rows = {line.split()[0]: line.split() for line in cost.format_comparison(plan_, tmp_path).splitlines()[1:]}
     assert rows["sft"] == ["sft", "51", "51", "1.00", "yes"]
     assert rows["rl"] == ["rl", "403", "200", "2.01", "NO"]
-    (tmp_path / "benchmarks/rl-a-iter1.tsv").unlink()
-    with pytest.raises(ValueError, match="no benchmark .*rl-a-iter1.tsv"):
+    (tmp_path / "benchmarks/rl-small/a-iter1.tsv").unlink()
+    with pytest.raises(ValueError, match="no benchmark .*rl-small/a-iter1.tsv"):
         cost.format_comparison(plan_, tmp_path)
 
 
@@ -312,7 +357,7 @@ def test_the_paper_on_one_gpu_offloads_its_optimizer_and_names_what_the_machine_
 
 
 @pytest.mark.parametrize("extra, short", [
-    ((), "2,081 GiB of disk (has 64"),  # 61 fp32 checkpoints of 32.8 GB on the lent machine's 64 GiB
+    ((), "2,282 GiB of disk (has 64"),  # 61 fp32 checkpoints of 32.8 GB, states and scratch on the lent 64 GiB
     (("--disk-gib", "4000", "--host-memory-gib", "100"), "114 GiB of host memory (has 100"),
 ])
 def test_a_one_gpu_plan_that_does_not_fit_the_host_is_refused_in_one_line(extra, short):

@@ -18,6 +18,7 @@ CONFIGS = {
     "config/paper.yaml": ["config/paper.yaml"],
     "config/paper_14b.yaml": ["config/paper.yaml", "config/paper_14b.yaml"],
     "config/paper_smoke.yaml": ["config/paper.yaml", "config/paper_smoke.yaml"],
+    "config/paper_smoke_1gpu.yaml": ["config/paper.yaml", "config/paper_smoke.yaml", "config/paper_smoke_1gpu.yaml"],
     "config/kevin.yaml": ["config/paper.yaml", "config/ablations/kevin.yaml", "config/kevin.yaml"],
 }
 NOT_PIPELINE_CONFIGS = {"config/cost_units.yaml"}

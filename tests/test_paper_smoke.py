@@ -72,3 +72,25 @@ def test_the_policy_is_qwen3_8b_built_offline():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config("qwen3-8b", 259, 258, 256))
     assert 8.1e9 < model.num_parameters() < 8.3e9  # Qwen3-8B-Base: 8.19B
+
+
+ONE_GPU = ROOT / "config" / "paper_smoke_1gpu.yaml"
+
+
+def test_the_one_gpu_overlay_runs_issue_63s_step_at_the_papers_shapes():
+    """1 prompt x 4 rollouts x 3 turns x 8,192 tokens in a 32K context, the full recipe, vLLM and KernelGym in the
+    loop, on one GPU; besides GPUs, counts and `run`, it changes only what the last iteration writes."""
+    overlay = leaves(yaml.safe_load(ONE_GPU.read_text()))
+    assert set(overlay) == {"run", "sft.gpus", "rl.gpus", "rl.iterations", "rl.steps_per_iteration",
+                            "rl.prompts_per_step", "rl.rollouts_per_prompt", "rl.final_checkpoint"}
+    rl = merged_as_snakemake_does(PAPER, SMOKE, ONE_GPU)["rl"]
+    assert (rl["prompts_per_step"], rl["rollouts_per_prompt"], rl["max_turns"], rl["max_tokens"],
+            rl["max_context_tokens"]) == (1, 4, 3, 8192, 32768)
+    assert rl["iterations"] == rl["steps_per_iteration"] == rl["gpus"] == 1 and rl["final_checkpoint"] == "evaluation"
+    assert rl["runs"] == {"drkernel": {"ablation": "prs"}} and rl["engine"] == "vllm" and rl["vllm_sleep"]
+
+
+def test_the_one_gpu_overlay_plans_one_rl_iteration(workflow_copy: Path):
+    counts = job_counts(snakemake(workflow_copy, "-n", "--configfile", "config/paper.yaml", "config/paper_smoke.yaml",
+                                  "config/paper_smoke_1gpu.yaml"))
+    assert counts["tiny_model"] == counts["sft"] == counts["rl_iter"] == counts["rl_validate"] == 1

@@ -391,8 +391,32 @@ def test_a_killed_iteration_resumes_and_writes_each_output_once(nano_model, tmp_
     metrics = read_table(out["metrics_path"], "train_metrics").to_pandas()
     assert sorted(metrics.loc[metrics.name == "reward_mean", "step"]) == [1, 2]
     for name in ("entropy", "grad_norm", "rollout_ppl", "train_ppl", "kept_frac_mrs", "kept_frac_regression",
-                 "fast@1", "fast@1.2", "gen_s", "eval_s", "train_s"):
+                 "fast@1", "fast@1.2", "gen_s", "eval_s", "train_s", "optimizer_s"):
         assert (metrics.name == name).sum() == 2, name
+
+
+def test_an_evaluation_only_last_iteration_writes_bf16_and_no_state_and_no_trainer_starts_from_it(nano_model,
+                                                                                                     tmp_path):
+    """rl.final_checkpoint: evaluation (config/paper_smoke_1gpu.yaml): the last iteration's model in bf16, no optimizer
+    state; an fp32 trainer refuses to start from it (lr 1e-6 updates would not survive the round trip)."""
+    from kpipe.train.checkpoint import saved_weights_dtype
+
+    cfg = RLConfig(prompts_per_step=1, rollouts_per_prompt=2, max_turns=1, max_tokens=4, lr=1e-3,
+                   mixed_precision="no")
+
+    def iteration(init_model: Path, name: str, **kw) -> IterationSettings:
+        return IterationSettings(cfg=cfg, tasks=(AgentTask("relu", RELU),), init_model=init_model,
+                                 model_out=tmp_path / name, trajectories=tmp_path / f"{name}.parquet",
+                                 metrics=tmp_path / f"{name}-metrics.parquet", scratch=tmp_path / f"{name}-scratch",
+                                 run="t", gym={"backend": "local"}, progress=False, **kw)
+
+    assert saved_weights_dtype(nano_model) == torch.float32
+    rl.run_iteration(iteration(nano_model, "last", model_out_dtype=torch.bfloat16), evaluator=JudgeByText())
+    assert saved_weights_dtype(tmp_path / "last") == torch.bfloat16
+    assert yaml.safe_load((tmp_path / "last" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["last", "last-metrics.parquet", "last.parquet"]
+    with pytest.raises(ValueError, match="holds torch.bfloat16 weights, the trainer torch.float32: it is an evaluation"):
+        rl.run_iteration(iteration(tmp_path / "last", "next", iteration=1), evaluator=JudgeByText())
 
 
 class JudgeByText:
@@ -436,7 +460,7 @@ def iteration_outputs(nano_model: Path, root: Path, async_mode: str) -> tuple[li
 
 
 TIMES = ("gen_s", "eval_s", "rollout_s", "train_s", "step_s", "overlap_s", "log_probs_s", "returns_s", "filters_s",
-         "advantages_s", "update_s")
+         "advantages_s", "update_s", "optimizer_s")
 
 
 def untimed(rows: list[dict]) -> list[dict]:

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kpipe.train.tiny_model import build_byte_tokenizer, build_tiny_model, tiny_config
+from kpipe.train.tiny_model import build_byte_tokenizer, build_tiny_model, stored_dtype, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,18 @@ def test_same_seed_same_weights_other_seed_differs(tmp_path, nano_dir):
     first = load_file(nano_dir / "model.safetensors")
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+
+
+def test_a_real_size_preset_is_stored_in_bf16_as_its_hub_model_from_the_same_fp32_draw(tmp_path, nano_dir):
+    """The 8B base of config/paper_smoke.yaml is saved in bf16 (16.4 GB, as Qwen3-8B-Base on the hub); the CPU
+    presets stay fp32. A bf16 build is the fp32 draw of its seed, rounded: rebuilt, it is the same bytes."""
+    assert stored_dtype("qwen3-8b") == stored_dtype("qwen3-14b") == torch.bfloat16
+    assert stored_dtype("nano") == torch.float32
+    bf16 = build_tiny_model(tmp_path / "bf16", seed=3, size="nano", dtype=torch.bfloat16)
+    weights, fp32 = load_file(bf16 / "model.safetensors"), load_file(nano_dir / "model.safetensors")
+    assert all(torch.equal(weights[name], fp32[name].to(torch.bfloat16)) for name in fp32)
+    assert json.loads((bf16 / "kpipe_model.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def test_tiny_preset_has_a_few_million_parameters():

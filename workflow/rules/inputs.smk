@@ -71,7 +71,8 @@ def sft_settings(base_inputs):
 # RL iterations (rules/rl.smk)
 RL = config["rl"]
 RL_ITERATIONS = RL["iterations"]
-RL_DAG_KEYS = ("iterations", "runs", "base_run", "gpus", "keep_optimizer_states", "validation")  # not a result of rl_iter
+RL_DAG_KEYS = ("iterations", "runs", "base_run", "gpus", "keep_optimizer_states", "final_checkpoint",
+               "validation")  # not a result of rl_iter
 RL_RUNS = {**({RUN: {}} if RL["base_run"] else {}), **RL["runs"]}
 if not RL_RUNS:
     raise ValueError("config error: rl.base_run is false and rl.runs is empty: no RL run to train")
@@ -93,6 +94,12 @@ def rl_model_dir(run, iteration):
 
 def rl_state_dir(run, iteration):
     return f"{RESULTS}/work/{RL_ROOT}/{run}/iter={iteration}/state"
+
+
+def rl_export(iteration):
+    """What iteration `iteration` writes (kpipe.train.rl.rl_job's `export`): `rl.final_checkpoint` for a run's
+    last iteration, a trainer checkpoint for every other (the next iteration trains from it)."""
+    return RL["final_checkpoint"] if int(iteration) == RL_ITERATIONS - 1 else "trainer"
 
 
 def rl_init_model(wildcards):

@@ -6,7 +6,11 @@
 # config/ablations/*.yaml add the paper's. Partial work lives in results/work (not an
 # output): a killed iteration rerun by Snakemake resumes it when its restart key (settings, tasks,
 # input models and state, code, library versions) is unchanged, and nothing else reruns; a
-# finished iteration leaves no partial work, so a forced rerun trains it again.
+# finished iteration leaves no partial work, so a forced rerun trains it again. A run's last iteration
+# writes what `rl.final_checkpoint` says: `trainer` (its model as trained and its optimizer state, as
+# every other iteration) or `evaluation` (what only evaluation reads: the model in bf16, no optimizer
+# state; one GPU's 64 GiB disk, config/paper_smoke_1gpu.yaml). Which is a param of each iteration, so
+# raising rl.iterations reruns the former last one as a trainer checkpoint.
 # `rl.gpus` decides the process count: `kpipe launch` runs one process per GPU (FSDP2,
 # data-parallel rollouts); one process (a CPU, one GPU) runs in the job's own (kpipe.infra.jobs.run_job).
 import json
@@ -32,7 +36,9 @@ rule rl_iter:
         gym=json.dumps(CRITICAL_GYM, sort_keys=True),
         init_state=lambda wildcards: (rl_state_dir(wildcards.run, int(wildcards.iter) - 1)
                                       if int(wildcards.iter) else ""),
-        state=lambda wildcards: rl_state_dir(wildcards.run, wildcards.iter),
+        export=lambda wildcards: rl_export(wildcards.iter),
+        state=lambda wildcards: "" if rl_export(wildcards.iter) == "evaluation" else rl_state_dir(wildcards.run,
+                                                                                                  wildcards.iter),
         scratch=lambda wildcards: f"{RESULTS}/work/{RL_ROOT}/{wildcards.run}/iter={wildcards.iter}/scratch",
         drop_init_state=not RL["keep_optimizer_states"],
         code=job_code("rl_iter", *RL_CODE),

@@ -13,12 +13,15 @@ from kpipe.infra.provenance import SFT_CODE
 
 # the nano policy on one GPU shares it; a real model takes its GPUs whole
 SFT_SLOTS = gpu_slots(config["sft"]["gpus"], TINY_POLICY and config["sft"]["gpus"] == 1)
+# the built policy; a real-size preset's (the 8B: 16.4 GB of random bf16 weights) is temporary: Snakemake deletes it
+# once SFT, its one reader, has run, and rebuilds it from its seed (the same bytes) if SFT must run again
+TINY_MODEL_DIR = directory(f"{RESULTS}/models/tiny-{{size}}-{{tokenizer}}-seed{{seed}}")
 
 
 rule tiny_model:
     """kpipe.train.tiny_model.tiny_model_job: the random-weight tiny policy and its tokenizer."""
     output:
-        directory(f"{RESULTS}/models/tiny-{{size}}-{{tokenizer}}-seed{{seed}}"),
+        temp(TINY_MODEL_DIR) if config["policy"]["tiny"]["size"].startswith("qwen3-") else TINY_MODEL_DIR,
     params:
         # byte | bpe<vocab size>; the BPE is trained on the templates, the bank and KernelBench
         tokenizer=lambda wildcards: ({"tokenizer": "byte"} if wildcards.tokenizer == "byte"

@@ -184,12 +184,44 @@ def host_memory_needed(params: float, host_bytes_per_param: float, overhead_byte
     return params * host_bytes_per_param + overhead_bytes
 
 
-def disk_needed(params: float, checkpoints: int, checkpoint_bytes_per_param: float, optimizer_states: int,
-                state_bytes_per_param: float, overhead_bytes: float) -> float:
-    """The disk a run fills at its end: every model checkpoint it keeps, the optimizer states it holds at once
-    (the last one and the one being written), and the environment (wheels, compile caches, data)."""
-    return (params * (checkpoints * checkpoint_bytes_per_param + optimizer_states * state_bytes_per_param)
-            + overhead_bytes)
+@dataclass(frozen=True)
+class DiskSizes:
+    """Bytes a parameter of what the training jobs write: a trainer checkpoint (HF, fp32), an evaluation-only
+    export and a built base (HF, bf16), an optimizer state (accelerate's model and AdamW's moments)."""
+
+    checkpoint: float
+    export: float
+    state: float
+
+
+def sft_disk_bytes_per_param(base: float, checkpoints_in_flight: int, sizes: DiskSizes) -> float:
+    """While SFT runs: its base, its model export and its unfinished checkpoints (each a model and a state)."""
+    return base + sizes.checkpoint + checkpoints_in_flight * (sizes.checkpoint + sizes.state)
+
+
+def rl_disk_bytes_per_param(iterations: int, steps_per_iteration: int, runs: int, concurrent: int,
+                            final_checkpoint: str, keep_states: bool, sizes: DiskSizes) -> float:
+    """The most RL's iterations hold at once, beside the SFT model, as kpipe.train.rl and rules/rl.smk write them:
+    every iteration's model is kept (rl_validate and best_val read them), fp32 but the last under
+    `final_checkpoint: evaluation` (bf16); an iteration reads the state before it and writes its own (none for that
+    last one), the older dropped unless `keep_states`; with several steps an iteration keeps a scratch checkpoint
+    (a model and a state) and writes the next before pruning it. `concurrent` runs go side by side at the same
+    iteration, after the runs before them finished (keeping their models and last state)."""
+    evaluation = final_checkpoint == "evaluation"
+    models = [sizes.checkpoint] * (iterations - 1) + [sizes.export if evaluation else sizes.checkpoint]
+    states = [sizes.state] * (iterations - 1) + [0.0 if evaluation else sizes.state]
+    scratch = sizes.checkpoint + sizes.state if steps_per_iteration > 1 else 0.0
+    finished = sum(models) + (sum(states) if keep_states else states[-1])
+    peak = 0.0
+    for k in range(iterations):
+        before = sum(models[:k]) + (sum(states[:k]) if keep_states else states[k - 1] if k else 0.0)
+        peak = max(peak, before + max(2 * scratch, scratch + models[k] + states[k]))
+    return (runs - concurrent) * finished + concurrent * peak
+
+
+def disk_needed(params: float, bytes_per_param: float, overhead_bytes: float) -> float:
+    """The disk a run fills at its fullest: its checkpoints' bytes a parameter, and the environment beside them."""
+    return params * bytes_per_param + overhead_bytes
 
 
 def job_wall_seconds(gpu_seconds: float, gpus: int, startup_s: float) -> float:
@@ -269,6 +301,7 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     """GPU-hours and wall time of each stage of a validated, merged config on `gpus` GPUs of `kind`, `gym_gpus`
     of them judging kernels only (0: KernelGym shares the jobs' GPUs). Refuses a machine whose host memory or
     disk (default: the kind's figures per GPU) the run does not fit."""
+    from kpipe.train.sft import PRESETS
     from kpipe.train.trainer_memory import candidate_plans, choose_memory_plan, read_offload_setting
 
     if kind not in units.gpu_kinds:
@@ -404,7 +437,8 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
                         f"{rl_generation.batch:.0f} ({rl_generation.decode_rate:.0f} tokens/s a GPU, KV cache "
                         f"{rl_generation.kv_capacity / 1e3:.0f}K tokens), longest answer {rl_generation.floor:.0f} s, "
                         f"optimizer {optimizer:.1f} s, push {sync:.2g} s, sleep/wake {units['sleep_wake_s']:.2g} s",
-                        [f"benchmarks/rl-{run}-iter{k}.tsv" for run in run_names for k in range(rl["iterations"])],
+                        [f"benchmarks/rl-{config['run']}/{run}-iter{k}.tsv" for run in run_names
+                         for k in range(rl["iterations"])],
                         runs * rl["iterations"] * iteration_wall))
 
     validation = rl["validation"]
@@ -427,7 +461,8 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
         stages.append(Stage("rl_validate", val_gpu, val_wall, True,
                             f"{validations} validations of {val_trajectories} trajectories x "
                             f"{validation['turns']} turns, {overlap}",
-                            [f"benchmarks/rl_val-{run}-iter{k}.tsv" for run in run_names for k in validated_iterations],
+                            [f"benchmarks/rl_val-{config['run']}/{run}-iter{k}.tsv" for run in run_names
+                             for k in validated_iterations],
                             validations * val_last))
 
     policy_models = {model["name"] for model in config["models"] if model.get("kind") == "pipeline"}
@@ -463,19 +498,32 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     disk_have = disk_bytes if disk_bytes is not None else gpu["disk_bytes_per_gpu"].value * gpus
     host_bytes_per_param = max(sft_memory.host_bytes_per_param, rl_memory.host_bytes_per_param)
     host_need = host_memory_needed(params, host_bytes_per_param, units["host_memory_overhead_bytes"])
-    checkpoints = 1 + runs * rl["iterations"]  # the SFT model and every RL iteration's (best_val picks one later)
-    states = runs * rl["iterations"] if rl.get("keep_optimizer_states") else 2 * min(runs, parallel_runs)
-    disk_need = disk_needed(params, checkpoints, units["checkpoint_bytes_per_parameter"], states,
-                            units["optimizer_state_bytes_per_parameter"], units["disk_overhead_bytes"])
+    sizes = DiskSizes(units["checkpoint_bytes_per_parameter"], units["bytes_per_parameter"],
+                      units["optimizer_state_bytes_per_parameter"])
+    # the base: a hub model's bf16 copy stays; a real-size preset built here (bf16) is deleted once SFT has run
+    built_base = config["policy"]["base_model"] == "tiny"
+    sft_preset = PRESETS[sft["preset"]] if sft.get("preset") else None
+    save_every = sft.get("save_every", sft_preset.save_every if sft_preset else 0)
+    keep_last = sft.get("keep_last", sft_preset.keep_last if sft_preset else 2)
+    sft_saves = (math.ceil(sft_samples / sft_batch) - 1) // save_every if save_every else 0
+    sft_disk = sft_disk_bytes_per_param(sizes.export, min(sft_saves, keep_last + 1), sizes)
+    final_checkpoint = rl.get("final_checkpoint", "trainer")
+    rl_disk = (sizes.checkpoint + (0.0 if built_base else sizes.export)
+               + rl_disk_bytes_per_param(rl["iterations"], rl["steps_per_iteration"], runs, min(runs, parallel_runs),
+                                         final_checkpoint, bool(rl.get("keep_optimizer_states")), sizes))
+    disk_need = disk_needed(params, max(sft_disk, rl_disk), units["disk_overhead_bytes"])
+    disk_what = (f"at its fullest {'during SFT' if sft_disk > rl_disk else 'during RL'}: {max(sft_disk, rl_disk):.0f} "
+                 f"bytes a parameter; RL's last iteration keeps "
+                 f"{'a bf16 model and no optimizer state' if final_checkpoint == 'evaluation' else 'a trainer checkpoint'}")
     if host_need > host_have or disk_need > disk_have:
         raise ValueError(
             f"the run does not fit {gpus} x {kind.upper()}: it needs {host_need / 2**30:,.0f} GiB of host memory "
             f"(has {host_have / 2**30:,.0f}; {host_bytes_per_param} bytes a parameter offloaded) and "
-            f"{disk_need / 2**30:,.0f} GiB of disk (has {disk_have / 2**30:,.0f}; {checkpoints} checkpoints, "
-            f"{states} optimizer states): pass --host-memory-gib/--disk-gib for a larger machine")
+            f"{disk_need / 2**30:,.0f} GiB of disk (has {disk_have / 2**30:,.0f}; {disk_what}): pass "
+            "--host-memory-gib/--disk-gib for a larger machine")
     notes.append(f"machine: {host_need / 2**30:,.0f} of {host_have / 2**30:,.0f} GiB host memory (memory plans: sft "
                  f"{sft_memory.name}, rl {rl_memory.name}), {disk_need / 2**30:,.0f} of {disk_have / 2**30:,.0f} GiB "
-                 f"disk ({checkpoints} checkpoints, {states} optimizer states)")
+                 f"disk ({disk_what})")
 
     used = {"training_mfu", "prefill_mfu", "decode_bandwidth_efficiency", "decode_max_sequences",
             "vllm_gpu_memory_fraction", "decode_tokens_per_s_0_6b", "kernelgym_evaluations_per_min_per_gpu",

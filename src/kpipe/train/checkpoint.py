@@ -121,16 +121,52 @@ def save_checkpoint(accelerator: Any, model: Any, optimizer: Any, tokenizer: Any
     return final
 
 
-def export_hf(accelerator: Any, model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
-    """Save the (possibly FSDP-sharded) model as one HF-format directory with its tokenizer."""
+def export_hf(accelerator: Any, model: Any, tokenizer: Any, out_dir: str | Path,
+              dtype: torch.dtype | None = None) -> Path:
+    """Save the (possibly FSDP-sharded) model as one HF-format directory with its tokenizer, its floating
+    weights cast to `dtype` (None: as they are). A bf16 export is for readers that sample in bf16 anyway (vLLM,
+    evaluation): a trainer must not start from one (`check_trainer_init`)."""
     out_dir = Path(out_dir)
     state_dict = accelerator.get_state_dict(model)
+    if dtype is not None and state_dict is not None:  # None on the processes that do not save (FSDP)
+        state_dict = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+                      for name, tensor in state_dict.items()}
     accelerator.unwrap_model(model).save_pretrained(
         out_dir, state_dict=state_dict, is_main_process=accelerator.is_main_process, save_function=accelerator.save
     )
     if accelerator.is_main_process:
         tokenizer.save_pretrained(out_dir)
+        if dtype is not None:  # save_pretrained writes the model's own dtype, not the state dict's
+            config_file = out_dir / "config.json"
+            config = json.loads(config_file.read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+def saved_weights_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype of the floating weights of an HF safetensors checkpoint, read from the files' headers only."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights in {model_dir}")
+    with safe_open(str(files[0]), framework="pt") as handle:
+        dtypes = {handle.get_slice(name).get_dtype() for name in handle.keys()}
+    floating = sorted(name for name in dtypes if name.startswith(("F", "BF")))
+    if len(floating) != 1:
+        raise ValueError(f"{model_dir}: expected one floating dtype in its weights, found {floating}")
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[floating[0]]
+
+
+def check_trainer_init(model_dir: str | Path, weights_dtype: torch.dtype) -> None:
+    """Refuse to train from a checkpoint saved narrower than the trainer's weights: an fp32 trainer at lr 1e-6
+    from a bf16 round trip of the previous stage would start from weights its updates no longer show in."""
+    saved = saved_weights_dtype(model_dir)
+    if saved.itemsize < weights_dtype.itemsize:
+        raise ValueError(f"{model_dir} holds {saved} weights, the trainer {weights_dtype}: it is an evaluation-only "
+                         "export (rl.final_checkpoint: evaluation of a run's last iteration); rerun the job that "
+                         "wrote it as a trainer checkpoint (raising rl.iterations does)")
 
 
 def prune_checkpoints(root: str | Path, keep_last: int) -> None:

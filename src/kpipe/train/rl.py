@@ -79,6 +79,7 @@ from kpipe.infra.provenance import RL_CODE, code_version, key_changes, library_v
 from kpipe.train import algos
 from kpipe.train.batching import max_over_processes, resolve_precision
 from kpipe.train.checkpoint import (
+    check_trainer_init,
     export_hf,
     latest_checkpoint,
     load_training_state,
@@ -257,7 +258,7 @@ def run_iteration(settings: IterationSettings, evaluator: Evaluator | None = Non
 
     The previous iteration's optimizer state (`init_state`) carries Adam's moments over (missing: a
     fresh optimizer, with a warning after iteration 0). Writes the HF model to `model_out`, the
-    optimizer state to `state_out`, the rollouts to `trajectories` and the step metrics to `metrics`.
+    optimizer state to `state_out` (None: none), the rollouts to `trajectories` and the step metrics to `metrics`.
     `gym` is the `gym` config section (backend, workers, cache, protocol); `evaluator` replaces the
     backend it names (tests, an evaluator shared across iterations). The reference model is loaded
     only if `kl_coef` > 0.
@@ -317,6 +318,7 @@ class IterationTrainer:
         vllm_share = cfg.vllm_gpu_memory_utilization if cfg.engine == "vllm" and not cfg.vllm_sleep else 0.0
         self.memory_plan = resolve_memory_plan(cfg.optimizer_offload, settings.init_model, processes,
                                                trainer_gpu_bytes(vllm_share))
+        check_trainer_init(settings.init_model, weights_dtype(self.memory_plan))
         model, self.tokenizer = load_policy(settings.init_model, cfg, weights_dtype(self.memory_plan))
         # bf16 under bf16 autocast (what vLLM would sample from too): half the memory of an fp32 copy,
         # and no autocast cache of its casts held through the rollouts
@@ -471,7 +473,8 @@ class IterationTrainer:
         """Write the iteration's outputs (each atomically, the model and state via a rename; files by
         rank 0), drop the scratch."""
         accelerator, model_out, state_out = self.accelerator, Path(self.settings.model_out), self.settings.state_out
-        replace_dir(accelerator, model_out, lambda tmp: export_hf(accelerator, self.model, self.tokenizer, tmp))
+        replace_dir(accelerator, model_out, lambda tmp: export_hf(accelerator, self.model, self.tokenizer, tmp,
+                                                                  self.settings.model_out_dtype))
         if state_out is not None:
             replace_dir(accelerator, Path(state_out), lambda tmp: save_training_state(accelerator, self.optimizer, tmp))
         rows = []
@@ -516,6 +519,10 @@ def training_tasks(queries_path: str | os.PathLike, max_prompts: int | None = No
     return [AgentTask(r["query_id"], r["reference_src"]) for r in rows[:max_prompts]]
 
 
+# rl.final_checkpoint: what a run's last iteration writes (kpipe.report.cost counts its disk so)
+FINAL_CHECKPOINTS = ("trainer", "evaluation")
+
+
 def drop_optimizer_state(path: str | os.PathLike) -> None:
     """Delete an iteration's optimizer state once the next iteration has its own (Adam's
     moments are twice the model in fp32: one per iteration would fill any disk)."""
@@ -525,20 +532,29 @@ def drop_optimizer_state(path: str | os.PathLike) -> None:
 
 @launched
 def rl_job(*, queries: str, init_model: str, model_out: str, trajectories: str, metrics: str, scratch: str, run: str,
-           iteration: int, rl: Mapping[str, Any], gym: Mapping[str, Any], state_out: str,
-           init_state: str | None = None, drop_init_state: bool = False, reference_model: str | None = None) -> None:
+           iteration: int, rl: Mapping[str, Any], gym: Mapping[str, Any], state_out: str | None,
+           init_state: str | None = None, drop_init_state: bool = False, reference_model: str | None = None,
+           export: str = "trainer") -> None:
     """Rule `rl_iter`: one RL iteration in each of the job's processes (`kpipe.infra.jobs.run_job`), its
     settings the rule's (`rl`: the run's `rl` section; `gym`: the `gym` section); the prompts are the
     non-contaminated queries of `queries`. `drop_init_state`: delete `init_state` once done (the next
-    iteration needs only this one's)."""
+    iteration needs only this one's). `export` (`rl.final_checkpoint` of a run's last iteration): `trainer`
+    writes the model as trained and the optimizer state to `state_out`; `evaluation`, what only evaluation
+    reads: the model in bf16 and no optimizer state."""
     from accelerate import PartialState
 
+    if export not in FINAL_CHECKPOINTS:
+        raise ValueError(f"export must be one of {FINAL_CHECKPOINTS}, got {export!r}")
+    if export == "evaluation" and state_out:
+        raise ValueError("an evaluation-only export keeps no optimizer state: pass no state_out")
     cfg = RLConfig.from_dict(dict(rl))
     result = run_iteration(IterationSettings(
         cfg=cfg, tasks=tuple(training_tasks(queries, cfg.max_prompts)), init_model=Path(init_model),
         model_out=Path(model_out), trajectories=Path(trajectories), metrics=Path(metrics), scratch=Path(scratch),
-        run=run, iteration=iteration, init_state=Path(init_state) if init_state else None, state_out=Path(state_out),
-        gym=dict(gym), reference_model=Path(reference_model) if reference_model else None))
+        run=run, iteration=iteration, init_state=Path(init_state) if init_state else None,
+        state_out=Path(state_out) if state_out else None, gym=dict(gym),
+        reference_model=Path(reference_model) if reference_model else None,
+        model_out_dtype=torch.bfloat16 if export == "evaluation" else None))
     if PartialState().is_main_process:
         if drop_init_state and init_state:
             drop_optimizer_state(init_state)

@@ -37,6 +37,8 @@ from kpipe.train.batching import PRECISIONS, accepted_types
 from kpipe.train.trainer_memory import OPTIMIZER_OFFLOADS, read_offload_setting
 
 if TYPE_CHECKING:
+    import torch
+
     from kpipe.agent.loop import AgentTask
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -271,7 +273,8 @@ class IterationSettings:
     run: str = "default"
     iteration: int = 0
     init_state: Path | None = None  # the previous iteration's optimizer state; None: a fresh optimizer
-    state_out: Path | None = None  # where this iteration's optimizer state goes
+    state_out: Path | None = None  # where this iteration's optimizer state goes; None: nowhere
+    model_out_dtype: torch.dtype | None = None  # model_out's weights (None: the trainer's; bf16: evaluation only)
     gym: Mapping[str, Any] = field(default_factory=dict)  # the `gym` config section (backend, workers, protocol)
     reference_model: Path | None = None  # the KL term's reference policy (the run's SFT model; rl.kl_coef > 0)
     progress: bool = True

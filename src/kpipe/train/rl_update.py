@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -155,7 +156,7 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
     keys, mine = sorted(units), {item.key: item for item in items}
     filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1), torch.zeros(1))
     stats: dict[str, list[float]] = {}
-    skipped = 0
+    skipped, optimizer_s = 0, 0.0
     entropy = {"sum": 0.0, "tokens": 0.0}
     chunk_tokens = effective_chunk_tokens(model, cfg.logprob_chunk_tokens)
     bar = tqdm(total=cfg.ppo_epochs * min(cfg.mini_batches, len(keys)), desc="update", unit="step",
@@ -200,7 +201,11 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
                     entropy["tokens"] += float(mask.sum())
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip or float("inf"))
             if math.isfinite(float(grad_norm)):  # the global norm: every process decides alike
+                started = time.perf_counter()  # the step's own phase (issue 63): an offloaded AdamW streams its state
                 optimizer.step()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                optimizer_s += time.perf_counter() - started
             else:  # a NaN/inf gradient would make every weight NaN (seen once on an H200, bf16): drop the step
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
@@ -211,6 +216,7 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
     bar.close()
     out = {name: float(np.mean(values)) for name, values in stats.items()}
     out.update(optimizer_steps=float(len(stats.get("loss", [])) - skipped), skipped_steps=float(skipped),
+               optimizer_s=optimizer_s,
                trained_rows=float(len(keys)))
     if keys:
         entropy = summed_over_processes(accelerator, entropy)

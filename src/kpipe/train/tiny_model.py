@@ -59,6 +59,13 @@ SIZE_PRESETS: dict[str, dict[str, Any]] = {
 PRESET_HUB_MODELS = {"qwen3-0.6b": "Qwen/Qwen3-0.6B", "qwen3-8b": "Qwen/Qwen3-8B-Base", "qwen3-14b": "Qwen/Qwen3-14B-Base"}
 
 
+def stored_dtype(size: str) -> torch.dtype:
+    """The dtype a preset's weights are saved in: a real-size preset's in bf16, as the hub checkpoint whose
+    shapes it copies (half the disk: 16.4 GB at 8B, what lets config/paper_smoke_1gpu.yaml fit 64 GiB; the
+    trainer loads it into fp32 master weights as it would the hub's); the CPU presets' in fp32."""
+    return torch.bfloat16 if size in PRESET_HUB_MODELS else torch.float32
+
+
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible map from bytes to printable characters (what ByteLevel tokenizers use)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -180,10 +187,12 @@ def tiny_config(size: str, vocab_size: int, eos_token_id: int, pad_token_id: int
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny",
-                     corpus: Iterable[str] | None = None, vocab_size: int = 800) -> Path:
+                     corpus: Iterable[str] | None = None, vocab_size: int = 800,
+                     dtype: torch.dtype | None = None) -> Path:
     """Build a random-weight Qwen3 model + tokenizer and save both in HF format to `out_dir`:
     the byte tokenizer, or with `corpus` a BPE of `vocab_size` tokens trained on it (then the
-    embedding has exactly one row per token, whatever the preset).
+    embedding has exactly one row per token, whatever the preset). The weights are drawn in fp32 from
+    `seed` and saved in `dtype` (default: the preset's `stored_dtype`).
 
     Written to a temporary sibling directory and renamed into place, so a killed build never
     leaves a half-saved model that a later stage would load.
@@ -195,6 +204,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny",
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
+    dtype = dtype or stored_dtype(size)
+    model.to(dtype)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
     )
@@ -205,7 +216,8 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, size: str = "tiny",
         tokenizer.save_pretrained(tmp)
         _portable_tokenizer_class(tmp / "tokenizer_config.json")
         (tmp / "kpipe_model.json").write_text(json.dumps({"builder": "kpipe.train.tiny_model", "size": size,
-                                                          "seed": seed, "tokenizer": "byte" if corpus is None else "bpe", "parameters": model.num_parameters()}))
+                                                          "seed": seed, "tokenizer": "byte" if corpus is None else "bpe", "parameters": model.num_parameters(),
+                                                          "dtype": str(dtype).removeprefix("torch.")}))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)
