@@ -28,7 +28,10 @@ from kpipe.gym.confine.limits import Limits
 # kgym-16: both children do the same work in a window (the sketch's variance pass too), a window's inputs
 # are drawn in chunks so a task of large inputs still gets its ~100 ms of calls, and each child
 # rehearses a window's work before the first (kpipe.gym.candidate.child.answer_windows).
-PROTOCOL_VERSION = "kgym-16"
+# kgym-17: a window's calls are counted by its time on the host's clock, not the calls' own (a reference of
+# microseconds took 1024 calls, 1.5 s a window), and a candidate is read against the least fixed cost
+# over every window its reference run answered (kpipe.gym.judge.evaluation.candidate_window_ms).
+PROTOCOL_VERSION = "kgym-17"
 
 BASELINES = ("eager", "compile", "both")
 # the fields kgym-14 removed (the candidate's own timing), which a protocol of an earlier version may hold

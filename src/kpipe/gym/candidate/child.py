@@ -58,8 +58,8 @@ from kpipe.gym.candidate.trial_data import (WindowOutputs, clone_inputs, digest,
                                   tensor_bytes, trial_seed)
 
 # the judge's timing windows (``answer_windows``): the reference picks how many calls each takes, enough
-# for about this much of its own time (so the fixed cost of a window, which both children pay and
-# the judge measures, stays a small share of it), between these bounds. Their fresh input sets are
+# for about this much of a window's time on the host's clock (so a window's constant cost, the seed's
+# and the answer's hand-over, stays a small share of it), between these bounds. Their fresh input sets are
 # drawn in chunks of at most WINDOW_MAX_INPUT_BYTES on the device (``draw_chunk``), so a task of 268 MB
 # inputs still gets its 100 ms of calls (kgym-15 drew a window's sets at once under that bound: 4 calls)
 WINDOW_TARGET_MS = {"cuda": 100.0, "cpu": 20.0}
@@ -328,7 +328,7 @@ def run_reference(job: dict[str, Any], protocol: Protocol, device: str, workdir:
             raise RuntimeError("the judge stopped the reference at the gate")
     if job.get("window_rounds"):
         l2 = l2_flush_buffer(protocol, device)
-        calls = window_calls(model, first_inputs, device, clocks, l2, protocol)
+        calls = window_calls(model, module.get_inputs, device, clocks, l2, protocol)
         result["compile_windows_ms"] = answer_windows(job, workdir, model, module.get_inputs, protocol, clocks, l2, phase, calls,
                                                       reference=True, compiled=compiled)
     return result
@@ -488,17 +488,26 @@ def wait_for_gate(path: Path, timeout_s: float, parent: int) -> str:
     return wait_for_judge(path, timeout_s, parent) or "stop"
 
 
-def window_calls(forward: Callable[..., Any], inputs: list[Any], device: str, clocks: Clocks, l2: torch.Tensor | None,
-                 protocol: Protocol) -> int:
-    """The calls of every timing window, chosen by the reference child from a few warm calls of its
-    own, back to back: about ``WINDOW_TARGET_MS`` of its time, within the bounds. On the CPU also at
-    most the protocol's ``perf_trials``: the reference runs torch there and the candidate the Triton
-    interpreter, whose calls take 100x as long, so a target reached by the reference's calls would
-    take minutes."""
-    warm = 3
-    run_window_calls(forward, lambda call: inputs, warm, clocks, l2, protocol.seed)  # caches, allocator blocks, clocks
-    _, calls_ms = run_window_calls(forward, lambda call: inputs, warm, clocks, l2, protocol.seed)
-    call_ms = calls_ms / warm
+def window_calls(forward: Callable[..., Any], get_inputs: Callable[[], Any], device: str, clocks: Clocks,
+                 l2: torch.Tensor | None, protocol: Protocol) -> int:
+    """The calls of every timing window, chosen by the reference child from a few calls of its own run
+    as a window runs them (fresh inputs, the flush, the outputs gathered and sketched): about
+    ``WINDOW_TARGET_MS`` of a window on the host's clock, within the bounds. (kgym-16 counted the
+    calls' own time alone: a reference of microseconds took 1024 calls a window, 1.5 s of window on
+    an H100 for 10 ms of calls, and its stock of windows held the GPU's timing lease for 70 s.) On the
+    CPU also at most the protocol's ``perf_trials``: the reference runs torch there and the candidate
+    the Triton interpreter, whose calls take 100x as long, so a target reached by the reference's
+    calls would take minutes."""
+    sample = 3
+    tolerance = (protocol.atol, protocol.rtol)
+
+    def draw(call: int) -> list[Any]:
+        return make_inputs(get_inputs, trial_seed(protocol.seed, call), device)
+
+    run_window_calls(forward, draw, sample, clocks, l2, protocol.seed, tolerance)  # caches, allocator blocks, clocks
+    started = clocks.perf_counter()
+    _, calls_ms = run_window_calls(forward, draw, sample, clocks, l2, protocol.seed, tolerance)
+    call_ms = max(calls_ms, (clocks.perf_counter() - started) * 1e3) / sample
     wanted = math.ceil(WINDOW_TARGET_MS["cuda" if device == "cuda" else "cpu"] / call_ms) if call_ms > 0 else WINDOW_MAX_CALLS
     most = WINDOW_MAX_CALLS if device == "cuda" else min(WINDOW_MAX_CALLS, protocol.perf_trials)
     return max(WINDOW_MIN_CALLS, min(wanted, most))

@@ -192,6 +192,9 @@ def run_reference(reference_src: str, protocol: Protocol, device: str, reuse: bo
                  "compile_calls_ms": compile_ms[index] if index < len(compile_ms) else None}
                 for index, (data, seed, seconds, span) in enumerate(zip(run.windows, windows.seeds, run.window_s, run.window_spans))]
     answered = answered[:len(answered) - len(answered) % WINDOWS_PER_CANDIDATE]
+    least_fixed_ms = min(window["wall_s"] * 1e3 - float(window["calls_ms"]) for window in answered)
+    for window in answered:  # the run's undisturbed fixed cost, for every candidate its stock serves
+        window["run_fixed_ms"] = least_fixed_ms
     payload["result_bytes"] = run.result_bytes
     payload.setdefault("stats", {}).update(wall_s=run.wall_s, lease_wait_s=run.lease_wait_s, setup_s=run.setup_s,
                                            child_s=run.child_s, cleanup_s=run.cleanup_s, windows=len(answered))
@@ -304,20 +307,23 @@ def candidate_max_bytes(reference: dict[str, Any]) -> int:
 def candidate_window_ms(windows: list[dict[str, Any]], candidate_s: list[float]) -> list[float]:
     """The candidate's mean call in each of its timing windows, from the judge's clock: the window less the
     reference's least fixed cost (what one of its windows took on the judge's clock beyond its calls on its
-    own clock: drawing the inputs, writing the answer, polling), over the calls. Both children draw the
-    same inputs and write outputs of the same shapes, so the fixed cost is the same work; a stall only
-    lengthens a window, so the least is the one nearest the truth. (Each window against the reference's
-    window of its own seed, kgym-14, let one stalled reference window shorten the candidate's time: a
-    candidate 3x slower than the reference read 1000x on a loaded host.) Where the reference's calls were
-    too short for the judge's clock (``WINDOW_MIN_CALLS_MS``), the reference's mean call scaled by the
-    ratio of the window to the reference's least instead."""
+    own clock: drawing the inputs, writing the answer, polling), over the calls: the least over every
+    window its run answered (``run_fixed_ms``), where known. Both children draw the same inputs and write
+    outputs of the same shapes, so the fixed cost is the same work; a stall only lengthens a window, so the
+    least is the one nearest the truth, and a lower fixed cost only reads a candidate slower. (Each window
+    against the reference's window of its own seed, kgym-14, let one stalled reference window shorten the
+    candidate's time: a candidate 3x slower than the reference read 1000x on a loaded host; the least of the
+    candidate's own two windows, kgym-16, read the first candidate of a fresh run fast: a run's first
+    windows cost more, 16.9 ms against 12 ms later on an H100.) Where the reference's calls were too short
+    for the judge's clock (``WINDOW_MIN_CALLS_MS``), the reference's mean call scaled by the ratio of the
+    window to the reference's least instead."""
     calls = int(windows[0]["calls"])
     reference_ms = [float(window["wall_s"]) * 1e3 for window in windows]
     calls_ms = [float(window["calls_ms"]) for window in windows]
     if min(calls_ms) < WINDOW_MIN_CALLS_MS:
         reference_call_ms = sum(calls_ms) / len(calls_ms) / calls
         return [reference_call_ms * seconds * 1e3 / min(reference_ms) for seconds in candidate_s]
-    fixed_ms = min(wall - own for wall, own in zip(reference_ms, calls_ms))
+    fixed_ms = min([wall - own for wall, own in zip(reference_ms, calls_ms)] + [float(w["run_fixed_ms"]) for w in windows if "run_fixed_ms" in w])
     return [(seconds * 1e3 - fixed_ms) / calls for seconds in candidate_s]
 
 
