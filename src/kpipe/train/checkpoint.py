@@ -122,12 +122,18 @@ def save_checkpoint(accelerator: Any, model: Any, optimizer: Any, tokenizer: Any
 
 
 def export_hf(accelerator: Any, model: Any, tokenizer: Any, out_dir: str | Path,
-              dtype: torch.dtype | None = None) -> Path:
+              dtype: torch.dtype | None = None, optimizer: Any = None) -> Path:
     """Save the (possibly FSDP-sharded) model as one HF-format directory with its tokenizer, its floating
     weights cast to `dtype` (None: as they are). A bf16 export is for readers that sample in bf16 anyway (vLLM,
-    evaluation): a trainer must not start from one (`check_trainer_init`)."""
+    evaluation): a trainer must not start from one (`check_trainer_init`). Where `optimizer` keeps the fp32
+    master on the host (the ``bf16`` memory plan, one GPU), its master is what is saved, in fp32 unless
+    `dtype` says otherwise: the GPU's bf16 copy has lost the updates smaller than bf16's step (lr 1e-6)."""
     out_dir = Path(out_dir)
     state_dict = accelerator.get_state_dict(model)
+    master = host_master_by_name(accelerator, model, optimizer)
+    if master and state_dict is not None:
+        state_dict = {name: master.get(name, tensor) for name, tensor in state_dict.items()}
+        dtype = dtype or torch.float32
     if dtype is not None and state_dict is not None:  # None on the processes that do not save (FSDP)
         state_dict = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
                       for name, tensor in state_dict.items()}
@@ -142,6 +148,20 @@ def export_hf(accelerator: Any, model: Any, tokenizer: Any, out_dir: str | Path,
             config["dtype"] = str(dtype).removeprefix("torch.")
             config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir
+
+
+def host_master_by_name(accelerator: Any, model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """The fp32 host master of an OffloadedAdamW with ``master_on_host``, by parameter name (empty without
+    one). One process only: under FSDP2 each process holds the master of its own shards."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it
+    if not (is_offloaded(inner) and inner.master_on_host):
+        return {}
+    if accelerator.num_processes > 1:
+        raise ValueError("exporting the host's fp32 master under FSDP2 is not supported: use the fp32 memory plan "
+                         "(rl.optimizer_offload / sft.optimizer_offload) on several GPUs")
+    params = [param for bucket in inner.buckets for param in bucket.params]
+    by_id = {id(param): master for param, master in zip(params, inner.master_weights())}
+    return {name: by_id[id(param)] for name, param in accelerator.unwrap_model(model).named_parameters() if id(param) in by_id}
 
 
 def saved_weights_dtype(model_dir: str | Path) -> torch.dtype:

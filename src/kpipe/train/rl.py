@@ -334,7 +334,7 @@ class IterationTrainer:
             self.reference = load_policy(settings.reference_model, cfg)[0].to(self.accelerator.device,
                                                                                dtype=rollout_dtype).eval()
         self.model, self.optimizer = prepare_model_and_optimizer(self.accelerator, model, self.memory_plan, cfg.lr,
-                                                                 cfg.betas, cfg.weight_decay)
+                                                                 cfg.betas, cfg.weight_decay, settings.init_model)
         checkpoint = latest_checkpoint(scratch / "checkpoints")
         self.start_step = checkpoint.step if checkpoint is not None else 0
         if checkpoint is not None:
@@ -474,7 +474,7 @@ class IterationTrainer:
         rank 0), drop the scratch."""
         accelerator, model_out, state_out = self.accelerator, Path(self.settings.model_out), self.settings.state_out
         replace_dir(accelerator, model_out, lambda tmp: export_hf(accelerator, self.model, self.tokenizer, tmp,
-                                                                  self.settings.model_out_dtype))
+                                                                  self.settings.model_out_dtype, self.optimizer))
         if state_out is not None:
             replace_dir(accelerator, Path(state_out), lambda tmp: save_training_state(accelerator, self.optimizer, tmp))
         rows = []

@@ -397,7 +397,8 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     model = load_model(cfg, weights_dtype(plan))
     key = sft_restart_key(cfg, samples)  # after the load: a hub model's weights are then in the local cache
     # AdamW as verl's SFT trainer, over all parameters, where the memory plan keeps it
-    model, optimizer = prepare_model_and_optimizer(accelerator, model, plan, cfg.lr, cfg.betas, cfg.weight_decay)
+    model, optimizer = prepare_model_and_optimizer(accelerator, model, plan, cfg.lr, cfg.betas, cfg.weight_decay,
+                                                   cfg.base_model if Path(cfg.base_model).is_dir() else None)
     if accelerator.is_main_process:
         log.info("SFT memory plan %s (%s)", plan.name, plan.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -448,7 +449,7 @@ def train_sft(cfg: SFTConfig, rows: Sequence[dict[str, Any]], out_dir: str | Pat
     progress.close()
 
     # --- HF export, metrics, summary; then the checkpoints go: a finished run is never resumed
-    model_dir = export_hf(accelerator, model, tokenizer, out_dir / "model")
+    model_dir = export_hf(accelerator, model, tokenizer, out_dir / "model", optimizer=optimizer)
     if accelerator.is_main_process:
         metrics.flush()
         summary = {"config": asdict(cfg), "steps": n_steps, "resumed_from": resumed_from,

@@ -528,14 +528,39 @@ def build_optimizer(plan: MemoryPlan, params: Iterable[torch.Tensor], lr: float,
 
 
 def prepare_model_and_optimizer(accelerator: Any, model: Any, plan: MemoryPlan, lr: float,
-                                betas: tuple[float, float], weight_decay: float) -> tuple[Any, Any]:
+                                betas: tuple[float, float], weight_decay: float,
+                                init_dir: str | Path | None = None) -> tuple[Any, Any]:
     """The prepared model and its optimizer. AdamW goes through ``prepare`` with the model (FSDP2 rebuilds
     the parameters and the optimizer must hold the new ones); an OffloadedAdamW is built on the prepared
-    model's parameters and stays outside accelerate (no fp16 loss scaling: bf16 or fp32 only)."""
+    model's parameters and stays outside accelerate (no fp16 loss scaling: bf16 or fp32 only). With the fp32
+    master on the host, the master is read from the checkpoint `init_dir` the model was loaded from
+    (``seed_host_master``)."""
     if plan.name == "gpu":
         return accelerator.prepare(model, build_optimizer(plan, model.parameters(), lr, betas, weight_decay))
     if accelerator.mixed_precision == "fp16":
         raise ValueError(f"optimizer_offload {plan.name!r} does not support fp16 mixed precision (no loss scaler "
                          "steps an OffloadedAdamW): use bf16")
     model = accelerator.prepare(model)
-    return model, build_optimizer(plan, model.parameters(), lr, betas, weight_decay)
+    optimizer = build_optimizer(plan, model.parameters(), lr, betas, weight_decay)
+    if init_dir is not None and isinstance(optimizer, OffloadedAdamW) and optimizer.master_on_host:
+        seed_host_master(optimizer, accelerator.unwrap_model(model), init_dir)
+    return model, optimizer
+
+
+def seed_host_master(optimizer: OffloadedAdamW, model: Any, model_dir: str | Path) -> int:
+    """Copy a checkpoint's weights into the fp32 host master, by parameter name, and return how many. The
+    ``bf16`` plan loads the model in bf16 and builds its master from that, which would drop what an fp32
+    checkpoint holds below bf16's step: the updates of a previous stage at lr 1e-6."""
+    from safetensors import safe_open
+
+    params = [param for bucket in optimizer.buckets for param in bucket.params]
+    by_id = {id(param): master for param, master in zip(params, optimizer.master_weights())}
+    masters = {name: by_id[id(param)] for name, param in model.named_parameters() if id(param) in by_id}
+    seeded = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name in masters:
+                    masters[name].copy_(handle.get_tensor(name).reshape(masters[name].shape))
+                    seeded += 1
+    return seeded
