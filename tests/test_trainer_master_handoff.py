@@ -38,6 +38,9 @@ def test_an_fp32_checkpoint_reaches_the_bf16_plans_master_and_its_export(tmp_pat
     exported = fp32_weights(out)
     for name in masters:
         assert torch.equal(exported[name], written[name]), name
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)  # HF reads the sharded export
+    for name, param in reloaded.named_parameters():
+        assert torch.equal(param.detach(), written[name]), name
 
     unseeded = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
     _, plain = prepare_model_and_optimizer(accelerator, unseeded, PLANS["bf16"], 1e-6, (0.9, 0.999), 0.0)

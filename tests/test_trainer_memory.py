@@ -84,6 +84,8 @@ def test_the_chunked_update_has_the_logits_paths_loss_entropy_and_gradients(nano
     (whole_stats, whole_grads), (chunked_stats, chunked_grads) = results
     assert chunked_stats.keys() == whole_stats.keys()
     for name, value in whole_stats.items():  # loss, clip fractions, approx KL, grad norm, entropy
+        if name.endswith("_s"):  # seconds (optimizer_s): a timing, not a value of the update
+            continue
         assert chunked_stats[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
     assert whole_stats["entropy"] > 0
     for whole, chunked in zip(whole_grads, chunked_grads, strict=True):
@@ -159,7 +161,7 @@ def two_iterations(nano_model: Path, root: Path, offload: str) -> dict[str, torc
                 evaluator=JudgeByText())
             init_model = out / "model"
     assert (root / "iter=1" / "state" / "offloaded_adamw-0.pt").exists() == (offload != "off")
-    return load_file(root / "iter=1" / "model" / "model.safetensors")
+    return {name: tensor for path in sorted((root / "iter=1" / "model").glob("*.safetensors")) for name, tensor in load_file(path).items()}
 
 
 def test_rl_with_the_offloaded_optimizer_trains_as_adamw_across_iterations(nano_model, tmp_path):
@@ -176,11 +178,13 @@ def test_rl_with_the_offloaded_optimizer_trains_as_adamw_across_iterations(nano_
 
 def test_the_bf16_plan_trains_bf16_weights_and_carries_the_fp32_master_in_the_state(nano_model, tmp_path):
     weights = two_iterations(nano_model, tmp_path, "bf16")
-    assert {tensor.dtype for tensor in weights.values()} == {torch.bfloat16}
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float32}  # the host's master, not the GPU's bf16
     state = torch.load(tmp_path / "iter=1" / "state" / "offloaded_adamw-0.pt", weights_only=True)
     assert state["master_on_host"] and state["host_state"].shape[0] == 3  # moments and the fp32 master
     assert state["bucket_steps"] == [2] * len(state["bucket_steps"])  # one step an iteration, carried over
     masters = state["host_state"][2]
-    exported = torch.cat([weights[name].flatten() for name in sorted(weights)]).float()
+    assert torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])  # the nano model's tied head
+    exported = torch.cat([weights[name].flatten() for name in sorted(weights) if name != "lm_head.weight"]).float()
     assert masters.dtype == torch.float32 and masters.numel() == exported.numel()
     assert not torch.equal(masters, masters.bfloat16().float())  # bits below bf16's resolution: a real fp32 master
+    assert torch.equal(exported.sort().values, masters.sort().values)  # what the iteration exported is that master

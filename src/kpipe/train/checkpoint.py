@@ -131,9 +131,11 @@ def export_hf(accelerator: Any, model: Any, tokenizer: Any, out_dir: str | Path,
     out_dir = Path(out_dir)
     state_dict = accelerator.get_state_dict(model)
     master = host_master_by_name(accelerator, model, optimizer)
-    if master and state_dict is not None:
-        state_dict = {name: master.get(name, tensor) for name, tensor in state_dict.items()}
-        dtype = dtype or torch.float32
+    if master:
+        weights = {name: master.get(name, tensor) for name, tensor in state_dict.items()}
+        save_tensors_in_shards(accelerator.unwrap_model(model), weights, out_dir, dtype or torch.float32)
+        tokenizer.save_pretrained(out_dir)
+        return out_dir
     if dtype is not None and state_dict is not None:  # None on the processes that do not save (FSDP)
         state_dict = {name: tensor.to(dtype) if tensor.is_floating_point() else tensor
                       for name, tensor in state_dict.items()}
@@ -150,6 +152,42 @@ def export_hf(accelerator: Any, model: Any, tokenizer: Any, out_dir: str | Path,
     return out_dir
 
 
+SHARD_BYTES = 4 << 30
+
+
+def save_tensors_in_shards(model: Any, tensors: dict[str, torch.Tensor], out_dir: Path, dtype: torch.dtype) -> None:
+    """`tensors` (floating ones cast to `dtype`) as HF's sharded safetensors (``model-0000K-of-0000N`` files
+    and their index) beside the model's config, one tensor copied at a time: the host master's tensors are
+    views of one allocation, which ``save_pretrained`` takes for tied weights and drops, and a whole copy of
+    an 8B master (32 GB) would not fit beside it on a 128 GiB host."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out_dir)
+    shards: list[list[str]] = [[]]
+    sizes = [0]
+    for name, tensor in tensors.items():  # group the names into shards of at most SHARD_BYTES
+        nbytes = tensor.numel() * (dtype.itemsize if tensor.is_floating_point() else tensor.element_size())
+        if shards[-1] and sizes[-1] + nbytes > SHARD_BYTES:
+            shards.append([])
+            sizes.append(0)
+        shards[-1].append(name)
+        sizes[-1] += nbytes
+    weight_map = {}
+    for index, names in enumerate(shards, 1):
+        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file({name: (tensors[name].to(dtype) if tensors[name].is_floating_point() else tensors[name]).detach().cpu().clone()
+                   for name in names}, str(out_dir / filename), metadata={"format": "pt"})
+        weight_map |= {name: filename for name in names}
+    index_file = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=2, sort_keys=True) + "\n")
+
+
 def host_master_by_name(accelerator: Any, model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     """The fp32 host master of an OffloadedAdamW with ``master_on_host``, by parameter name (empty without
     one). One process only: under FSDP2 each process holds the master of its own shards."""
@@ -161,7 +199,9 @@ def host_master_by_name(accelerator: Any, model: Any, optimizer: Any) -> dict[st
                          "(rl.optimizer_offload / sft.optimizer_offload) on several GPUs")
     params = [param for bucket in inner.buckets for param in bucket.params]
     by_id = {id(param): master for param, master in zip(params, inner.master_weights())}
-    return {name: by_id[id(param)] for name, param in accelerator.unwrap_model(model).named_parameters() if id(param) in by_id}
+    # keep_vars: the parameters themselves, so a tied head's name finds its embedding's master too
+    return {name: by_id[id(param)] for name, param in accelerator.unwrap_model(model).state_dict(keep_vars=True).items()
+            if id(param) in by_id}
 
 
 def saved_weights_dtype(model_dir: str | Path) -> torch.dtype:
