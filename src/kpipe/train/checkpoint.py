@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kpipe.infra.provenance import key_changes
-from kpipe.train.trainer_memory import is_offloaded
+from kpipe.train.trainer_memory import is_offloaded, master_by_name
 
 STEP_PREFIX = "step-"
 TRAINER_STATE = "trainer_state.json"
@@ -197,11 +197,7 @@ def host_master_by_name(accelerator: Any, model: Any, optimizer: Any) -> dict[st
     if accelerator.num_processes > 1:
         raise ValueError("exporting the host's fp32 master under FSDP2 is not supported: use the fp32 memory plan "
                          "(rl.optimizer_offload / sft.optimizer_offload) on several GPUs")
-    params = [param for bucket in inner.buckets for param in bucket.params]
-    by_id = {id(param): master for param, master in zip(params, inner.master_weights())}
-    # keep_vars: the parameters themselves, so a tied head's name finds its embedding's master too
-    return {name: by_id[id(param)] for name, param in accelerator.unwrap_model(model).state_dict(keep_vars=True).items()
-            if id(param) in by_id}
+    return master_by_name(inner, accelerator.unwrap_model(model))
 
 
 def saved_weights_dtype(model_dir: str | Path) -> torch.dtype:

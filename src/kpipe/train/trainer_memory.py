@@ -547,15 +547,22 @@ def prepare_model_and_optimizer(accelerator: Any, model: Any, plan: MemoryPlan, 
     return model, optimizer
 
 
+def master_by_name(optimizer: OffloadedAdamW, model: Any) -> dict[str, torch.Tensor]:
+    """The fp32 weight AdamW updates for each of `model`'s parameters (``OffloadedAdamW.master_weights``),
+    by state-dict name; keep_vars gives the parameters themselves, so a tied head's name finds its
+    embedding's."""
+    params = [param for bucket in optimizer.buckets for param in bucket.params]
+    by_id = {id(param): master for param, master in zip(params, optimizer.master_weights())}
+    return {name: by_id[id(param)] for name, param in model.state_dict(keep_vars=True).items() if id(param) in by_id}
+
+
 def seed_host_master(optimizer: OffloadedAdamW, model: Any, model_dir: str | Path) -> int:
     """Copy a checkpoint's weights into the fp32 host master, by parameter name, and return how many. The
     ``bf16`` plan loads the model in bf16 and builds its master from that, which would drop what an fp32
     checkpoint holds below bf16's step: the updates of a previous stage at lr 1e-6."""
     from safetensors import safe_open
 
-    params = [param for bucket in optimizer.buckets for param in bucket.params]
-    by_id = {id(param): master for param, master in zip(params, optimizer.master_weights())}
-    masters = {name: by_id[id(param)] for name, param in model.named_parameters() if id(param) in by_id}
+    masters = master_by_name(optimizer, model)
     seeded = 0
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
