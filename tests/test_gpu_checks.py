@@ -156,25 +156,28 @@ def test_a_call_runs_each_target_in_its_own_process_and_fails_when_one_does(tmp_
     assert "FAIL: bad s exited 3" in capsys.readouterr().err
 
 
+def save_fake_run(folder: Path, date: str, device: str, *names: str, fail: str = "") -> None:
+    """A run of the fake check's sections `names` on `device`, saved in `folder`; `fail` fails its expectation."""
+    facts = {**FACTS, "date": f"{date} 10:00 UTC", "device": device, "gpus": 1}
+    report = Report("fake", "A fake check", facts, names, folder)
+    for name in names:
+        report.begin(name)
+        report.line(f"{name} from {folder.name}")
+        report.expect(name != fail, f"{name} failed")
+        report.current.update(done=True, wall_s=1.0)
+    report.save()
+
+
 def test_reports_of_several_calls_combine_into_one_per_check(tmp_path, monkeypatch):
     fake = ModuleType("checks.gpu.fake")
     fake.TITLE, fake.SECTIONS = "A fake check", (section("one", 1), section("two", 1), section("three", 1))
     monkeypatch.setitem(sys.modules, "checks.gpu.fake", fake)
     monkeypatch.setattr(harness, "CHECKS", (*CHECKS, "fake"))
 
-    def call(folder: str, date: str, *names: str, fail: str = "") -> None:
-        facts = {**FACTS, "date": f"{date} 10:00 UTC", "device": "NVIDIA H100 80GB HBM3", "gpus": 1}
-        report = Report("fake", "A fake check", facts, names, tmp_path / folder)
-        for name in names:
-            report.begin(name)
-            report.line(f"{name} from {folder}")
-            report.expect(name != fail, f"{name} failed")
-            report.current.update(done=True, wall_s=1.0)
-        report.save()
-
-    call("call1", "2026-11-26", "two", "three", fail="three")
-    call("call2", "2026-11-27", "one")
-    call("rerun", "2026-11-27", "three")
+    h100 = "NVIDIA H100 80GB HBM3"
+    save_fake_run(tmp_path / "call1", "2026-11-26", h100, "two", "three", fail="three")
+    save_fake_run(tmp_path / "call2", "2026-11-27", h100, "one")
+    save_fake_run(tmp_path / "rerun", "2026-11-27", h100, "three")
     assert (tmp_path / "call1" / "fake.md").exists()
     [written] = harness.combine([tmp_path / "call1", tmp_path / "call2", tmp_path / "rerun"], tmp_path / "docs")
     assert written == tmp_path / "docs" / "fake.md"
@@ -196,20 +199,9 @@ def test_a_check_that_keeps_sections_combines_a_run_into_its_current_report(tmp_
     monkeypatch.setitem(sys.modules, "checks.gpu.fake", fake)
     monkeypatch.setattr(harness, "CHECKS", (*CHECKS, "fake"))
 
-    def call(folder: str, date: str, device: str, *names: str, fail: str = "") -> Report:
-        facts = {**FACTS, "date": f"{date} 10:00 UTC", "device": device, "gpus": 1}
-        report = Report("fake", "A fake check", facts, names, tmp_path / folder)
-        for name in names:
-            report.begin(name)
-            report.line(f"{name} from {folder}")
-            report.expect(name != fail, f"{name} failed")
-            report.current.update(done=True, wall_s=1.0)
-        report.save()
-        return report
-
-    call("h100", "2026-11-26", "NVIDIA H100 80GB HBM3", "one", "three", fail="three")
+    save_fake_run(tmp_path / "h100", "2026-11-26", "NVIDIA H100 80GB HBM3", "one", "three", fail="three")
     harness.combine([tmp_path / "h100"], tmp_path / "docs")
-    call("h200", "2026-11-27", "NVIDIA H200", "two", "three")
+    save_fake_run(tmp_path / "h200", "2026-11-27", "NVIDIA H200", "two", "three")
     [written] = harness.combine([tmp_path / "h200"], tmp_path / "docs")
     text = written.read_text()
     assert text.index("## one") < text.index("## two") < text.index("## three") and "three from h100" not in text
