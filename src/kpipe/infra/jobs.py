@@ -67,6 +67,11 @@ class _Tee:
     def isatty(self) -> bool:
         return False
 
+    def fileno(self) -> int:
+        """The log file's descriptor: libraries that redirect at the descriptor level (vLLM's
+        ``suppress_stdout``) need one, and what native code writes belongs in the rule's log."""
+        return self.streams[0].fileno()
+
 
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
