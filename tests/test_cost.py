@@ -126,6 +126,10 @@ def test_a_later_turn_prefills_only_its_feedback():
     assert cost.trajectory_tokens(3, 8192, 0.5, 1000, 600) == (2200, 12288, 14488)
 
 
+def test_rl_trains_a_row_a_turn_with_its_whole_context():
+    assert cost.turn_row_tokens(3, 8192, 0.5, 1000, 600) == [5096, 9792, 14488]
+
+
 def figure(name: str, value: float) -> Figure:
     return Figure(name, value, "unit", "estimated", "round number for a hand computation")
 
@@ -169,7 +173,8 @@ def small_config(rl_async: str = "off") -> dict:
 # a step reads 2 GB + 2 x 1,750 x 2,000 B at 2 TB/s: 1.0035 ms, 1,993.02 tokens/s; prefill 250,000 tokens/s
 ROLLOUT = 4 * 1500 / 250_000 + 4 * 1000 / (2 / 1.0035e-3)
 FLOOR = 1000 * (2e9 + 1500 * 2000) / 2e12 + 1000 * (2e9 + 3000 * 2000) / 2e12  # turns at contexts 1,500 and 3,000
-TRAIN = 4 * 2500 * 4 * (2e9 + 2 * 10 * 100 * 2500) / 5e14  # 4 passes: the old log-probs, forward and backward
+# RL trains a row a turn (context + answer): rows of 1,500 and 1,000 + 500 + 500 + 500 = 2,500 tokens
+TRAIN = 4 * sum(row * 4 * (2e9 + 2 * 10 * 100 * row) for row in (1500, 2500)) / 5e14  # 4 passes: the old log-probs, forward and backward
 STEP = max(ROLLOUT / 2, FLOOR) + 8 * 2 / 2 + TRAIN / 2 + 0 + 2 + 5  # + KernelGym 16 GPU-s + optimizer + push + sleep/wake
 
 
@@ -180,7 +185,7 @@ def test_a_small_plan_by_hand():
     # sft: 20 samples of 1,000 + 2 x 500 prefill + 3 x 1,000 decode = 5,000 tokens, 3 x (2e9 + 2 x 10 x 100 x 5,000)
     # FLOPs each at 5e14 FLOP/s; the optimizer steps on the GPUs
     assert stages["sft"].gpu_seconds == pytest.approx(1.206) and stages["sft"].wall_s == pytest.approx(0.603 + 50)
-    assert STEP == pytest.approx(2.0045 + 8 + 0.0802 + 7)
+    assert STEP == pytest.approx(2.0045 + 8 + 0.128272 + 7)
     assert stages["rl"].wall_s == pytest.approx(2 * (3 * STEP + 150))
     assert stages["rl"].gpu_seconds == pytest.approx(2 * (3 * STEP + 150) * 2)  # both GPUs held throughout
     # eval: the pipeline model only, 2 level-1 tasks x 1 sample x 1 turn, batch 1 at context 1,250 (1.00125 ms a
@@ -319,7 +324,7 @@ def write_benchmark(logs: Path, name: str, seconds: float) -> None:
 
 
 def test_a_finished_run_is_compared_stage_by_stage(tmp_path):
-    """The small plan's sft job is 50.6 s and its RL run 2 x (3 x 17.085 + 150) = 402.5 s (by hand above)."""
+    """The small plan's sft job is 50.6 s and its RL run 2 x (3 x 17.133 + 150) = 402.8 s (by hand above)."""
     plan_ = cost.plan_cost(small_config(), ROUND_UNITS, 2, "h200")
     write_benchmark(tmp_path, "benchmarks/sft-small.tsv", 50.6)
     write_benchmark(tmp_path, "benchmarks/rl-small/a-iter0.tsv", 100.0)
@@ -330,6 +335,14 @@ def test_a_finished_run_is_compared_stage_by_stage(tmp_path):
     (tmp_path / "benchmarks/rl-small/a-iter1.tsv").unlink()
     with pytest.raises(ValueError, match="no benchmark .*rl-small/a-iter1.tsv"):
         cost.format_comparison(plan_, tmp_path)
+
+
+def test_a_stage_a_run_stopped_before_is_said_not_run(tmp_path):
+    """`snakemake --until rl_iter` leaves later stages unrun: the comparison says so instead of failing."""
+    write_benchmark(tmp_path, "benchmarks/sft-small.tsv", 50.6)
+    rows = {line.split()[0]: line.split() for line in cost.format_comparison(
+        cost.plan_cost(small_config(), ROUND_UNITS, 2, "h200"), tmp_path).splitlines()[1:]}
+    assert rows["sft"] == ["sft", "51", "51", "1.00", "yes"] and rows["rl"] == ["rl", "403", "not", "run"]
 
 
 def test_measured_without_the_runs_benchmarks_is_a_clear_error(tmp_path):

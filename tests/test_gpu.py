@@ -71,3 +71,18 @@ def test_slots_neither_a_share_nor_whole_gpus_are_refused(four_gpus):
     with pytest.raises(GPULeaseError, match="neither a share"):
         with gpu_slot_lease(6, 4, lock_dir=four_gpus):
             pass
+
+
+def test_a_jobs_log_names_the_cards_of_its_gpus(monkeypatch):
+    """nvidia-smi's index -> name, by the ids a lease holds; "unknown" where nvidia-smi cannot say."""
+    import subprocess
+
+    listing = "0, NVIDIA H100 80GB HBM3\n1, NVIDIA H200\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=listing))
+    assert gpu.gpu_names(["1", "0", "7"]) == ["NVIDIA H200", "NVIDIA H100 80GB HBM3", "unknown"]
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert gpu.gpu_names(["0"]) == ["unknown"]

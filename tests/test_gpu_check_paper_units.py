@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from checks.gpu import paper_units
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,3 +267,67 @@ def test_an_engine_process_past_its_step_limit_goes_with_its_children(tmp_path, 
             alive = False
         assert not alive, pid
     assert report.failures == ["vllm_batch: engine"]
+
+
+def fake_smoke_run(root: Path, phases: dict[str, float], card_line: str = "") -> None:
+    """A finished one-GPU smoke as Snakemake leaves it: the RL iteration's train_metrics and the jobs' benchmarks."""
+    import pandas as pd
+
+    metrics = root / "results/train_metrics/stage=rl/rl-paper-smoke-1gpu/run=drkernel/iter=0"
+    metrics.mkdir(parents=True)
+    pd.DataFrame({"step": 1, "name": list(phases), "value": list(phases.values())}).to_parquet(metrics / "part-0.parquet")
+    for name, seconds in (("sft-paper-smoke-1gpu.tsv", 100.0), ("rl-paper-smoke-1gpu/drkernel-iter0.tsv", 400.0)):
+        (root / "logs/benchmarks" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "logs/benchmarks" / name).write_text(f"s\th:m:s\n{seconds}\t0:00:00\n")
+    (root / "logs/rl.log").write_text(card_line)
+
+
+def smoke_report(tmp_path: Path, phases: dict[str, float], card_line: str = "") -> "Report":
+    import argparse
+
+    from checks.gpu.harness import Report
+
+    fake_smoke_run(tmp_path / "run", phases, card_line)
+    report = Report("paper_units", "t", dict.fromkeys(("commit", "date", "device"), "x"), out=tmp_path)
+    report.begin("rl_step")
+    paper_units.rl_step(report, argparse.Namespace(smoke_dir=str(tmp_path / "run"), tiny=False))
+    return report
+
+
+def test_the_rl_step_is_read_from_a_finished_smoke_and_held_to_the_plan(tmp_path):
+    """The plan's phases for the smoke's config (no GPU here: an H200's units) against the run's metrics: within
+    25 % passes, the forward and backward passes at twice the plan fail; row_tokens give the passes' rate."""
+    from kpipe.infra.config import load_config
+    from kpipe.report.cost import load_units, plan_cost
+
+    config = load_config(*(str(ROOT / name) for name in ("config/config.yaml", *paper_units.SMOKE_CONFIGS)))
+    predicted = next(s for s in plan_cost(config, load_units(ROOT / "config/cost_units.yaml"), 1, "h200").stages
+                     if s.name == "rl").phases
+    log_probs, optimizer = 10.0, predicted["optimizer_s"] * 1.1
+    run = {"rollout_s": predicted["rollout_s"] * 0.9, "gen_s": predicted["rollout_s"] * 0.9, "eval_s": 0.0,
+           "log_probs_s": log_probs, "update_s": predicted["forward_backward_s"] - log_probs + optimizer,
+           "optimizer_s": optimizer, "sleep_wake_s": 0.1, "step_s": predicted["step_s"] * 1.2, "rows": 12.0,
+           "row_tokens": 100_000.0, "response_tokens_mean": 4096.0, "kept_frac_mrs": 1.0, "mismatch_abs_log_w": 0.0}
+    report = smoke_report(tmp_path, run)
+    assert report.failures == [], report.failures
+    assert report.data["phases"]["forward_backward_s"] == pytest.approx(predicted["forward_backward_s"])
+    lines = "\n".join(report.current["lines"])
+    assert "| forward_backward_s |" in lines and "| push_s |" in lines and "not run" in lines
+    assert f"read at {100_000 / predicted['forward_backward_s']:,.0f} tokens/s" in lines
+    assert "rl_validate" in lines and "not run" in lines  # the job comparison of a run stopped at rl_iter
+
+    slow = {**run, "update_s": run["update_s"] + predicted["forward_backward_s"]}
+    failures = smoke_report(tmp_path / "slow", slow).failures
+    assert len(failures) == 1 and failures[0].startswith("rl_step: forward_backward_s")
+
+
+def test_the_rl_step_is_reported_only_on_the_card_its_jobs_ran_on(tmp_path):
+    from checks.gpu.harness import CheckFailed
+
+    line = "2026-12-07 15:08:24,915 kpipe INFO rule rl_iter: GPU(s) NVIDIA H100 80GB HBM3\n"
+    assert paper_units.job_cards(tmp_path) == set()
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs/rl.log").write_text(line)
+    assert paper_units.job_cards(tmp_path / "logs") == {"NVIDIA H100 80GB HBM3"}
+    with pytest.raises(CheckFailed, match="ran on NVIDIA H100 80GB HBM3, this is cpu"):
+        smoke_report(tmp_path / "x", {"rollout_s": 1.0}, line)

@@ -47,6 +47,18 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+def gpu_names(ids: list[str]) -> list[str]:
+    """The cards behind GPU ids (nvidia-smi's names; "unknown" where it cannot say), so that a run's logs
+    name the hardware its timings come from."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return ["unknown"] * len(ids)
+    names = dict(line.split(", ", 1) for line in out.splitlines() if ", " in line)
+    return [names.get(gpu.strip(), "unknown") for gpu in ids]
+
+
 @contextmanager
 def gpu_lease(count: int, lock_dir: Path = LOCK_DIR, wait: bool = True) -> Iterator[list[str]]:
     """Hold `count` GPUs for the duration of the block; CUDA_VISIBLE_DEVICES names them.

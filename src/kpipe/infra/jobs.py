@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO, TypeVar
 
-from kpipe.infra.gpu import gpu_slot_lease
+from kpipe.infra.gpu import gpu_names, gpu_slot_lease
 from kpipe.infra.launch import launch_command, launch_plan
 from kpipe.infra.process import process_age
 
@@ -240,6 +240,8 @@ def _job_process(smk: Any) -> Iterator[None]:
         slots, per_gpu = job_slots(smk)
         leased = stack.enter_context(gpu_slot_lease(slots, per_gpu))
         log.info("rule %s: %d of %d GPU slot(s) per GPU leased on %s", smk.rule, slots, per_gpu, leased)
+        if leased:
+            log.info("rule %s: GPU(s) %s", smk.rule, ", ".join(gpu_names(leased)))
         try:
             yield
         except Exception:

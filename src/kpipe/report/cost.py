@@ -238,6 +238,14 @@ def trajectory_tokens(turns: int, max_tokens: int, response_fill: float, prompt_
     return prefill, decode, prefill + decode
 
 
+def turn_row_tokens(turns: int, max_tokens: int, response_fill: float, prompt_tokens: float,
+                    feedback_tokens: float) -> list[float]:
+    """Tokens of each turn's training row: RL trains one row a turn, its whole context plus its answer
+    (kpipe.train.samples, unit "turn"), so a trajectory's later turns are trained again with every earlier one."""
+    answer = max_tokens * response_fill
+    return [prompt_tokens + turn * (answer + feedback_tokens) + answer for turn in range(turns)]
+
+
 # --- the plan -------------------------------------------------------------------------------------------
 
 @dataclass
@@ -251,6 +259,8 @@ class Stage:
     # the stages whose jobs run one after another on the GPUs they ask, where a job's time is the model's
     benchmarks: list[str] = field(default_factory=list)
     job_seconds: float = 0.0
+    # an RL step's predicted seconds by phase, named as the run's train_metrics name them (rollout_s, optimizer_s, ...)
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def gpu_hours(self) -> float:
@@ -414,9 +424,11 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     rl_generation = generation(step_trajectories, rl["max_turns"], rl["max_tokens"], rl_gpus,
                                params * rl_memory.resident_bytes_per_param / rl_gpus)
     _, _, rl_sequence = trajectory(rl["max_turns"], rl["max_tokens"])
+    rl_rows = turn_row_tokens(rl["max_turns"], rl["max_tokens"], units["response_fill"], units["prompt_tokens"],
+                              units["feedback_tokens"])
     # the update recomputes the old policy's log-probs (one forward) before its forward and backward
-    train = training_gpu_seconds(step_trajectories * rl_sequence, trainer_flops(rl_sequence, 4), peak,
-                                 units["training_mfu"])
+    train = sum(training_gpu_seconds(step_trajectories * row, trainer_flops(row, 4), peak, units["training_mfu"])
+                for row in rl_rows)
     optimizer = rl.get("mini_batches", 1) * rl.get("ppo_epochs", 1) * optimizer_step_seconds(
         params, rl_gpus, rl_memory.host_bytes_per_param, units["host_copy_bytes_per_s"])
     sync = weight_sync_seconds(params, units["bytes_per_parameter"], units["weight_sync_bytes_per_s"])
@@ -439,7 +451,10 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
                         f"optimizer {optimizer:.1f} s, push {sync:.2g} s, sleep/wake {units['sleep_wake_s']:.2g} s",
                         [f"benchmarks/rl-{config['run']}/{run}-iter{k}.tsv" for run in run_names
                          for k in range(rl["iterations"])],
-                        runs * rl["iterations"] * iteration_wall))
+                        runs * rl["iterations"] * iteration_wall,
+                        {"rollout_s": rl_generation.wall(rl_gpus, overlapped), "forward_backward_s": train / rl_gpus,
+                         "optimizer_s": optimizer, "push_s": sync, "sleep_wake_s": units["sleep_wake_s"],
+                         "step_s": step_wall}))
 
     validation = rl["validation"]
     if validation["every"]:
@@ -539,7 +554,8 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
                  f"scaled by parameters gives {scaled:.0f} (cross-check, not used)")
     notes.append(f"prefill: {prefill_rate:.0f} tokens/s per GPU estimated (compute bound)")
     notes.append(f"training: {trainer_flops(rl_sequence, 3) / 1e9:.0f} GFLOP a token at RL's {rl_sequence:.0f}-token "
-                 f"trajectories, {6 * params / 1e9:.0f} of them 6P (attention {trainer_flops(rl_sequence, 3) / (6 * params) - 1:.0%} more)")
+                 f"trajectories, {6 * params / 1e9:.0f} of them 6P (attention {trainer_flops(rl_sequence, 3) / (6 * params) - 1:.0%} more); "
+                 f"RL trains a row a turn: {sum(rl_rows):.0f} tokens a trajectory")
     notes.append("not modelled: CPU stages (ingest, tables), the teacher's API time, checkpoint writes, "
                  "preemption when the KV cache overflows")
     return CostPlan(gpus, kind, stages, assumptions, notes)
@@ -566,13 +582,20 @@ def format_plan(plan: CostPlan, configfiles: list[str]) -> str:
     return "\n".join(lines)
 
 
-def measured_job_seconds(logs: Path, benchmarks: list[str]) -> float:
-    """The sum of the jobs' wall seconds that Snakemake's `benchmark:` files recorded (column `s`)."""
+def measured_job_seconds(logs: Path, benchmarks: list[str]) -> float | None:
+    """The sum of the jobs' wall seconds that Snakemake's `benchmark:` files recorded (column `s`).
+
+    None when the stage did not run under `logs` (a run stopped with `--until`); an error when only
+    some of its jobs did, since a part of a stage's time compared with all of it would mislead.
+    """
+    paths = [logs / name for name in benchmarks]
+    missing = [path for path in paths if not path.is_file()]
+    if len(missing) == len(paths):
+        return None
+    if missing:
+        raise ValueError(f"no benchmark {missing[0]}: did the run of this config finish under {logs}?")
     total = 0.0
-    for name in benchmarks:
-        path = logs / name
-        if not path.is_file():
-            raise ValueError(f"no benchmark {path}: did the run of this config finish under {logs}?")
+    for path in paths:
         header, first = path.read_text().splitlines()[:2]
         total += float(dict(zip(header.split("\t"), first.split("\t")))["s"])
     return total
@@ -585,7 +608,14 @@ def format_comparison(plan: CostPlan, logs: Path, tolerance: float = 0.25) -> st
         if not stage.benchmarks:
             continue
         measured = measured_job_seconds(logs, stage.benchmarks)
+        if measured is None:
+            lines.append(f"{stage.name:<12} {stage.job_seconds:>12.0f} {'not run':>11}")
+            continue
         ratio = stage.job_seconds / measured
         lines.append(f"{stage.name:<12} {stage.job_seconds:>12.0f} {measured:>11.0f} {ratio:>6.2f}  "
                      f"{'yes' if abs(ratio - 1) <= tolerance else 'NO'}")
+    timed = [stage for stage in plan.stages if stage.benchmarks]
+    if timed and all(line.endswith("not run") for line in lines[1:]):
+        raise ValueError(f"no benchmark {logs / timed[0].benchmarks[0]}: did a run of this config write its logs "
+                         f"under {logs}?")
     return "\n".join(lines)

@@ -442,14 +442,17 @@ class IterationTrainer:
         collectives, so step_s is everyone's); gen_s and eval_s count whatever generation and evaluation
         ran during the step, overlap_s what running them alongside each other and the update saved
         against one after the other (the weight push and the engine's sleep and wakes, push_s and
-        sleep_wake_s, run alone)."""
+        sleep_wake_s, run alone); row_tokens the tokens of every row (context and answer), what the log-probs
+        and the update read."""
         values = rollout_metrics(all_rows, self.cfg.max_turns)
         phases = timer.metrics()
         alone = phases.get("push_s", 0.0) + phases.get("sleep_wake_s", 0.0)
         values.update(gen_s=self.engine.seconds, eval_s=timed.seconds, rollout_s=phases.pop("rollout_s"),
                       train_s=phases["train_s"], step_s=step_s,
                       overlap_s=self.engine.seconds + timed.seconds + phases.pop("train_s") + alone - step_s,
-                      policy_lag=float(self.rollouts.policy_lag(step)), lr=self.cfg.lr, rows=float(len(all_rows)))
+                      policy_lag=float(self.rollouts.policy_lag(step)), lr=self.cfg.lr, rows=float(len(all_rows)),
+                      row_tokens=float(sum((row.get("prompt_tokens") or 0) + (row.get("completion_tokens") or 0)
+                                           for row in all_rows)))
         values.update(phases)  # the train phases' own seconds, push_s and sleep_wake_s
         return values
 
