@@ -136,6 +136,7 @@ def test_the_suite_is_split_into_calls_of_at_most_ten_minutes_on_one_machine_eac
     ran = [(t.check, name) for call in calls for t in call for name in t.sections]
     assert ran == [(check, s.name) for check, s in suite]  # every section once, in suite order
     assert {check for check, _ in suite} == set(CHECKS)
+    assert ("paper_units", "rl_step") not in [(check, s.name) for check, s in suite]  # it reads the smoke's run
     assert all(t.seconds <= harness.CALL_LIMIT_S for call in calls for t in call)
     assert all(sum(t.seconds for t in call) <= harness.CALL_LIMIT_S < 600 for call in calls)
     assert all(len({t.gpus for t in call}) == 1 for call in calls)

@@ -63,6 +63,9 @@ class Section:
     seconds: int
     run: Callable[[Report, argparse.Namespace], None]
     gpus: int = 1
+    # False: the section reads what a run outside the check left (paper_units rl_step, the one-GPU smoke under
+    # Snakemake, longer than a call), so the suite and a check run without names leave it out; it runs by name
+    in_suite: bool = True
 
 
 def cold_caches(move_home: bool | None = None) -> dict[str, str]:
@@ -314,14 +317,14 @@ def sections_of(module: ModuleType) -> dict[str, Section]:
 
 
 def run_check(check: str, names: list[str], options: argparse.Namespace, out: Path | None) -> int:
-    """Run `names` (every section when empty) of one check in this process, from empty compile caches."""
+    """Run `names` (every section of the suite when empty) of one check in this process, from empty compile caches."""
     caches = cold_caches()
     src = str(ROOT / "src")  # absolute: evaluation children run in scratch directories
     if src not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
     module = load(check)
     every = sections_of(module)
-    chosen = [every[name] for name in names] if names else list(every.values())
+    chosen = [every[name] for name in names] if names else [section for section in every.values() if section.in_suite]
     facts = {**device_facts(), "compile_caches": caches}
     part = tuple(s.name for s in chosen) if len(chosen) < len(every) else ()
     report = Report(check, module.TITLE, facts, part, out, options.budget_s, merge_order(module))
@@ -365,7 +368,7 @@ class Target:
 
 
 def suite() -> list[tuple[str, Section]]:
-    return [(check, section) for check in CHECKS for section in load(check).SECTIONS]
+    return [(check, section) for check in CHECKS for section in load(check).SECTIONS if section.in_suite]
 
 
 def plan(units: list[tuple[str, Section]], limit_s: int = CALL_LIMIT_S) -> list[list[Target]]:
