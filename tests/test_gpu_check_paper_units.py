@@ -296,28 +296,36 @@ def smoke_report(tmp_path: Path, phases: dict[str, float], card_line: str = "") 
 
 def test_the_rl_step_is_read_from_a_finished_smoke_and_held_to_the_plan(tmp_path):
     """The plan's phases for the smoke's config (no GPU here: an H200's units) against the run's metrics: within
-    25 % passes, the forward and backward passes at twice the plan fail; row_tokens give the passes' rate."""
+    25 % passes. Where the run counted its rows' tokens, its forward and backward passes are held to the plan's
+    trainer at those rows (twice that fails) and read as a rate; without the count, to the plan's own rows."""
     from kpipe.infra.config import load_config
-    from kpipe.report.cost import load_units, plan_cost
+    from kpipe.report.cost import load_units, plan_cost, rl_rows_train_seconds
 
     config = load_config(*(str(ROOT / name) for name in ("config/config.yaml", *paper_units.SMOKE_CONFIGS)))
-    predicted = next(s for s in plan_cost(config, load_units(ROOT / "config/cost_units.yaml"), 1, "h200").stages
-                     if s.name == "rl").phases
-    log_probs, optimizer = 10.0, predicted["optimizer_s"] * 1.1
-    run = {"rollout_s": predicted["rollout_s"] * 0.9, "gen_s": predicted["rollout_s"] * 0.9, "eval_s": 0.0,
-           "log_probs_s": log_probs, "update_s": predicted["forward_backward_s"] - log_probs + optimizer,
-           "optimizer_s": optimizer, "sleep_wake_s": 0.1, "step_s": predicted["step_s"] * 1.2, "rows": 12.0,
-           "row_tokens": 100_000.0, "response_tokens_mean": 4096.0, "kept_frac_mrs": 1.0, "mismatch_abs_log_w": 0.0}
-    report = smoke_report(tmp_path, run)
+    units = load_units(ROOT / "config/cost_units.yaml")
+    predicted = next(s for s in plan_cost(config, units, 1, "h200").stages if s.name == "rl").phases
+    at_rows = rl_rows_train_seconds(config, units, "h200", 60_000.0, 12.0)
+    assert at_rows != pytest.approx(predicted["forward_backward_s"], rel=0.25)  # the plan's rows are others
+
+    def run(forward_backward: float, **extra: float) -> dict[str, float]:
+        log_probs, optimizer = 0.2 * forward_backward, predicted["optimizer_s"] * 1.1
+        return {"rollout_s": predicted["rollout_s"] * 0.9, "gen_s": predicted["rollout_s"] * 0.9, "eval_s": 0.0,
+                "log_probs_s": log_probs, "update_s": forward_backward - log_probs + optimizer, "optimizer_s": optimizer,
+                "sleep_wake_s": 0.1, "step_s": predicted["step_s"] * 1.2, "rows": 12.0, "response_tokens_mean": 4096.0,
+                "kept_frac_mrs": 1.0, "mismatch_abs_log_w": 0.0, **extra}
+
+    report = smoke_report(tmp_path, run(at_rows, row_tokens=60_000.0))
     assert report.failures == [], report.failures
-    assert report.data["phases"]["forward_backward_s"] == pytest.approx(predicted["forward_backward_s"])
+    assert report.data["phases"]["forward_backward_s"] == pytest.approx(at_rows)
     lines = "\n".join(report.current["lines"])
-    assert "| forward_backward_s |" in lines and "| push_s |" in lines and "not run" in lines
-    assert f"read at {100_000 / predicted['forward_backward_s']:,.0f} tokens/s" in lines
+    assert "| forward_backward_at_rows_s |" in lines and "| forward_backward_s |" in lines and "reported" in lines
+    assert f"read at {60_000 / at_rows:,.0f} tokens/s" in lines and "| push_s |" in lines
     assert "rl_validate" in lines and "not run" in lines  # the job comparison of a run stopped at rl_iter
 
-    slow = {**run, "update_s": run["update_s"] + predicted["forward_backward_s"]}
-    failures = smoke_report(tmp_path / "slow", slow).failures
+    failures = smoke_report(tmp_path / "slow", run(2 * at_rows, row_tokens=60_000.0)).failures
+    assert len(failures) == 1 and failures[0].startswith("rl_step: forward_backward_at_rows_s")
+    assert smoke_report(tmp_path / "uncounted", run(predicted["forward_backward_s"])).failures == []
+    failures = smoke_report(tmp_path / "uncounted_slow", run(2 * predicted["forward_backward_s"])).failures
     assert len(failures) == 1 and failures[0].startswith("rl_step: forward_backward_s")
 
 

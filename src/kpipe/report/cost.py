@@ -246,6 +246,19 @@ def turn_row_tokens(turns: int, max_tokens: int, response_fill: float, prompt_to
     return [prompt_tokens + turn * (answer + feedback_tokens) + answer for turn in range(turns)]
 
 
+def rl_rows_train_seconds(config: dict[str, Any], units: Units, kind: str, row_tokens: float, rows: float) -> float:
+    """The plan's forward and backward seconds (one GPU) for the rows a run did train: `row_tokens` over `rows`
+    rows at the trainer's FLOPs a token for their mean length (4 passes) and the measured MFU. The trainer's
+    units alone, without the plan's guesses of a prompt's, an answer's and a feedback's tokens; the mean
+    length counts a little less attention than the rows' own lengths would."""
+    base_model = policy_architecture(config)
+    shapes = architecture_of(base_model, units)
+    flops = flops_per_token(units.models[base_model].value, shapes.layers, shapes.attention_width,
+                            row_tokens / rows, 4)
+    return training_gpu_seconds(row_tokens, flops, units.gpu_kinds[kind]["peak_bf16_flops"].value,
+                                units["training_mfu"])
+
+
 # --- the plan -------------------------------------------------------------------------------------------
 
 @dataclass
