@@ -35,15 +35,20 @@ EXPECTED = {  # the status each attack must end with and what its diagnostic or 
     "starts_a_native_thread": ("hacked", "side_thread: started thread(s) native thread"),
 }
 WATCHED = ("allocates_past_the_memory_cap", "starts_many_processes")  # again under the judge's watchdog
+# the watchdog samples the candidate's processes and sums their resident memory, each fork's shared pages in each:
+# on a loaded host a fork storm's sum passed the memory cap (2,254 of 2,048 MiB) before a sample saw the count
+WATCHDOG_ALSO = {"starts_many_processes": f"memory: its processes passed the host memory cap of {MEMORY_CAP_MB} MiB"}
 
 
 def verdict_text(result: dict[str, object]) -> str:
     return f"{result.get('diagnostic', '')} | {reasons_of(result)}"
 
 
-def assert_judged(name: str, result: dict[str, object]) -> None:
+def assert_judged(name: str, result: dict[str, object], also: str | None = None) -> None:
     status, text = EXPECTED[name]
-    assert result["status"] == status and text in verdict_text(result), f"{name}: {json.dumps(result, default=str)[:3000]}"
+    said = verdict_text(result)
+    assert result["status"] == status and (text in said or (also is not None and also in said)), \
+        f"{name}: {json.dumps(result, default=str)[:3000]}"
 
 
 @pytest.mark.parametrize("name", sorted(ATTACKS))
@@ -53,7 +58,8 @@ def test_each_limit_holds_through_kpipe_gym_eval(tmp_path: Path, name: str) -> N
 
 @pytest.mark.parametrize("name", WATCHED)
 def test_the_judges_watchdog_holds_where_no_cgroup_is_made(tmp_path: Path, name: str) -> None:
-    assert_judged(name, evaluate_fresh(tmp_path, ATTACKS[name], PROTOCOL, env={"KPIPE_GYM_NO_CGROUP": "1"}))
+    assert_judged(name, evaluate_fresh(tmp_path, ATTACKS[name], PROTOCOL, env={"KPIPE_GYM_NO_CGROUP": "1"}),
+                  WATCHDOG_ALSO.get(name))
 
 
 def test_every_limit_holds_through_the_pool_and_each_next_honest_kernel_passes(tmp_path: Path) -> None:

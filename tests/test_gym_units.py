@@ -503,6 +503,21 @@ def test_a_stalled_reference_window_does_not_shorten_the_candidates_time():
     assert candidate_window_ms([short_quiet, short_stalled], [0.016]) == pytest.approx([0.4])
 
 
+def test_a_candidate_window_the_fixed_cost_cannot_resolve_is_read_from_the_windows_ratio():
+    """Two test suites on a 2-core host: the reference's run paid 30 ms of fixed cost a window under load, the
+    candidate's window ran in a quiet moment and took 28 ms. The difference was below zero, read as the floor
+    (1000x, a pass at the cap for an honest-speed kernel); within 5 % of the fixed cost it is no better resolved.
+    The windows' ratio reads them instead: no faster than the reference's window against the candidate's."""
+    from kpipe.gym.judge.evaluation import WINDOW_RESOLVED_FRACTION, candidate_window_ms, resolved_fixed_ms
+
+    loaded = [{"calls": 10, "calls_ms": 10.0, "wall_s": 0.040}, {"calls": 10, "calls_ms": 10.0, "wall_s": 0.041}]
+    assert resolved_fixed_ms(loaded, [0.028, 0.029]) is None
+    assert candidate_window_ms(loaded, [0.028]) == pytest.approx([1.0 * 28 / 40])  # 1.43x, not 1000x
+    edge = (30.0 + WINDOW_RESOLVED_FRACTION * 30.0) / 1e3
+    assert resolved_fixed_ms(loaded, [edge - 1e-6]) is None and resolved_fixed_ms(loaded, [edge + 1e-6]) == pytest.approx(30.0)
+    assert candidate_window_ms(loaded, [0.035]) == pytest.approx([5.0 / 10])  # resolved: the difference
+
+
 def test_the_first_candidate_of_a_fresh_reference_run_is_read_against_the_runs_least_fixed_cost():
     """On an H100 a fresh reference run's first windows cost 16.9 ms beyond their calls and its later
     ones 12 ms: the first candidate, handed the first two, read 3x too fast against their least alone."""
@@ -548,9 +563,12 @@ def test_the_judge_reads_speed_only_from_its_windows_takes_the_least_and_checks_
     short = SimpleNamespace(windows=[_answers(4), _answers(3)], window_s=[0.006, 0.009])
     status, why, _ = judge_windows(short, reference, protocol)
     assert status == "runtime_error" and "expected a list of 4 items" in why
-    instant = SimpleNamespace(windows=[_answers(4), _answers(4)], window_s=[0.0, 0.0])  # faster than the fixed cost
+    instant = SimpleNamespace(windows=[_answers(4), _answers(4)], window_s=[0.0, 0.0])  # no time at all: the floor
     _, _, figures = judge_windows(instant, reference, protocol)
-    assert figures["candidate_ms"] == pytest.approx(2.0 / 1000.0) and "fixed cost" in figures["note"]
+    assert figures["candidate_ms"] == pytest.approx(2.0 / 1000.0) and "1000x the eager baseline" in figures["note"]
+    quick = SimpleNamespace(windows=[_answers(4), _answers(4)], window_s=[0.0019, 0.0019])  # under the fixed cost
+    _, _, figures = judge_windows(quick, reference, protocol)
+    assert figures["candidate_ms"] == pytest.approx(2.25 * 1.9 / 10.0) and figures["note"] == ""  # the windows' ratio
 
 
 def test_a_reference_run_serves_each_window_to_one_candidate_and_runs_again_when_they_are_spent(monkeypatch: pytest.MonkeyPatch):

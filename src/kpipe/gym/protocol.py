@@ -31,7 +31,11 @@ from kpipe.gym.confine.limits import Limits
 # kgym-17: a window's calls are counted by its time on the host's clock, not the calls' own (a reference of
 # microseconds took 1024 calls, 1.5 s a window), and a candidate is read against the least fixed cost
 # over every window its reference run answered (kpipe.gym.judge.evaluation.candidate_window_ms).
-PROTOCOL_VERSION = "kgym-17"
+# kgym-18: a candidate whose least window is within 5 % of the reference's fixed cost (or below it) is read
+# from the windows' ratio, not their difference (kpipe.gym.judge.evaluation.resolved_fixed_ms): under a load
+# that changed between the reference's run and the candidate's, the difference read an honest-speed kernel
+# at the floor, 1000x.
+PROTOCOL_VERSION = "kgym-18"
 
 BASELINES = ("eager", "compile", "both")
 # the fields kgym-14 removed (the candidate's own timing), which a protocol of an earlier version may hold
