@@ -455,6 +455,36 @@ def test_window_outputs_gather_each_calls_own_values_whole_or_at_secret_position
     assert first["sketch"] != second["sketch"] and first["sketch_variance"] > 0 and "sketch_variance" not in second
 
 
+def test_a_forger_of_the_sampled_positions_fails_every_call_under_the_sign_patterns():
+    """Zeros beyond the 4,096 sampled positions of a 2^20-element output: under one sign pattern its sketch
+    fell within the bound on 17-22 % of calls; each of the 16 patterns must hold, so none of 40 calls passes,
+    while the honest output within tolerance passes every one."""
+    from kpipe.gym.candidate.trial_data import SKETCH_PATTERNS, WINDOW_FULL_ELEMENTS, WindowOutputs
+
+    assert SKETCH_PATTERNS == 16
+    single_pattern_misses = 0
+    for seed in range(40):
+        reference = torch.relu(torch.randn(1 << 20, generator=torch.Generator().manual_seed(seed)))
+        honest = reference + 1e-3 * torch.randn(reference.shape, generator=torch.Generator().manual_seed(seed + 100))
+
+        def window(output: torch.Tensor, reference_side: bool = False) -> dict:
+            gathered = WindowOutputs(output, 1, seed=seed, tolerance=(1e-2, 1e-2))
+            gathered.put(0, output)
+            return gathered.digests(reference_side)[0]
+
+        expected = window(reference, reference_side=True)
+        forged = torch.zeros_like(reference)
+        positions = WindowOutputs(reference, 1, seed=seed).positions
+        forged[positions] = reference[positions]
+        assert positions.numel() == WINDOW_FULL_ELEMENTS
+        assert compare_norms([window(honest)], [expected], 0.05).ok
+        forgery = window(forged)
+        assert not compare_norms([forgery], [expected], 0.05).ok
+        first_only = ({**forgery, "sketch": forgery["sketch"][:1]}, {**expected, "sketch": expected["sketch"][:1]})
+        single_pattern_misses += compare_norms([first_only[0]], [first_only[1]], 0.05).ok
+    assert 1 <= single_pattern_misses <= 20  # one pattern alone misses some: the reason for sixteen
+
+
 def test_a_windows_check_covers_every_element_of_a_huge_output():
     """Positions a candidate can predict let it compute only those: the sketch (a nonlinear
     function of every element under secret signs) fails it, while an output within tolerance passes."""

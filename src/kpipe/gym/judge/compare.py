@@ -132,16 +132,18 @@ SKETCH_DEVIATIONS = 8.0
 def compare_sketch(candidate: dict[str, Any], reference: dict[str, Any]) -> str:
     """Why a huge output's sketch departs from the reference's (empty: it does not). Without it, a
     candidate that knows which positions are sampled computes only those; with it, every element
-    counts: leaving a fraction f of a standard-normal output at zero moves the sketch by about
-    sqrt(3 f n) against a bound of about 0.3 sqrt(n) at atol = rtol = 1e-2, so f above a few
-    per cent fails."""
-    expected, variance = float(reference["sketch"]), float(reference["sketch_variance"])
-    if not (math.isfinite(expected) and math.isfinite(variance)):  # a reference with NaN/Inf: no bound to hold
-        return ""
-    bound = SKETCH_DEVIATIONS * math.sqrt(variance) + 1e-6 * abs(expected)  # float32 sums, the same order on both sides
-    got = float(candidate["sketch"])
-    if not abs(got - expected) <= bound:  # NaN fails too
-        return f"its sketch over every element is {got:.6g}, expected {expected:.6g} +- {bound:.3g}"
+    counts: leaving a fraction f of a standard-normal output at zero moves each sketch by a normal
+    variable of deviation about sqrt(3 f n) against a bound of about 0.3 sqrt(n) at atol = rtol = 1e-2;
+    each of the independent sign patterns (``SKETCH_PATTERNS``) must hold, so f above a few per cent fails
+    all but about 1e-11 of the time (one pattern alone let a full forgery through 17-22 % of its calls)."""
+    variance = float(reference["sketch_variance"])
+    for got, expected in zip(candidate["sketch"], reference["sketch"], strict=True):  # one a secret sign pattern
+        got, expected = float(got), float(expected)
+        if not (math.isfinite(expected) and math.isfinite(variance)):  # a reference with NaN/Inf: no bound to hold
+            return ""
+        bound = SKETCH_DEVIATIONS * math.sqrt(variance) + 1e-6 * abs(expected)  # float32 sums, the same order on both sides
+        if not abs(got - expected) <= bound:  # NaN fails too
+            return f"its sketch over every element is {got:.6g}, expected {expected:.6g} +- {bound:.3g}"
     return ""
 
 

@@ -28,6 +28,7 @@ from kpipe.data.source_text import source_hash
 from kpipe.gym.judge.compare import Comparison, Tolerance, compare_norms, compare_outputs
 from kpipe.gym.exchange import ANY, TENSOR, ListOf, MalformedFile, OneOf, Record, check, decode
 from kpipe.gym.candidate.faults import classify_exit
+from kpipe.gym.candidate.trial_data import SKETCH_PATTERNS
 from kpipe.gym.judge.feedback import build_feedback, clip, hacked_diagnostic
 from kpipe.gym.confine.isolate import ChildRun, Launcher, Windows, fresh_interpreter, run_isolated
 from kpipe.gym.confine.lease import LEASE_MAX_WAIT_TIMEOUTS, TimingLease, device_lease, gpu_identity
@@ -84,7 +85,8 @@ UNCOMPARABLE = (RuntimeError, TypeError, ValueError)
 # (kpipe.gym.exchange.check): what the judge reads from a child, exactly
 DIGEST = OneOf((Record({"full": TENSOR}), Record({"sample": TENSOR, "shape": ListOf(int, 16), "dtype": str})))
 WINDOW_DIGEST = OneOf((Record({"full": TENSOR}),
-                       Record({"sample": TENSOR, "shape": ListOf(int, 16), "dtype": str, "sketch": float})))
+                       Record({"sample": TENSOR, "shape": ListOf(int, 16), "dtype": str,
+                               "sketch": ListOf(float, SKETCH_PATTERNS, exactly=SKETCH_PATTERNS)})))
 NAMES = ListOf(str)
 PROFILE = Record({"kind": str, "pr": OneOf((float, type(None))), "kernels": ListOf(Record({"name": str, "ms": float, "generated": bool}))})
 ENVELOPE = {"role": str, "device": str, "device_id": str, "torch_version": str, "triton_version": str, "status": str, "stats": ANY}
