@@ -1468,11 +1468,10 @@ COMPARED_PHASES = ("rollout_s", "forward_backward_s", "optimizer_s", "step_s")
 PHASE_TOLERANCE = 0.25
 
 
-def step_phases(metrics: Any) -> dict[str, float]:
-    """An RL iteration's phases, its steps' mean (train_metrics: one row a name and step). The trainer's
-    forward and backward passes are `forward_backward_s`: the old log-probs and the update, its optimizer
-    steps apart (the plan's `training_mfu` term)."""
-    means = metrics.groupby("name")["value"].mean()
+def step_phases(means: Any) -> dict[str, float]:
+    """An RL iteration's phases from its metrics' means over its steps (train_metrics: one row a name and
+    step, grouped by name). The trainer's forward and backward passes are `forward_backward_s`: the old
+    log-probs and the update, its optimizer steps apart (the plan's `training_mfu` term)."""
     phases = {name: float(means[name]) for name in ("rollout_s", "gen_s", "eval_s", "log_probs_s", "update_s",
                                                     "optimizer_s", "push_s", "sleep_wake_s", "step_s") if name in means}
     if {"log_probs_s", "update_s", "optimizer_s"} <= set(phases):
@@ -1509,8 +1508,8 @@ def rl_step(report: Report, args: argparse.Namespace) -> None:
     units = load_units(ROOT / "config" / "cost_units.yaml")
     plan = plan_cost(config, units, 1, kind)
     predicted = dict(next(stage for stage in plan.stages if stage.name == "rl").phases)
-    measured = step_phases(pd.concat(pd.read_parquet(part) for part in parts))
     metrics = pd.concat(pd.read_parquet(part) for part in parts).groupby("name")["value"].mean()
+    measured = step_phases(metrics)
     # the trainer's units held to the rows the run trained (a random policy's answers and the byte tokenizer's
     # contexts are not the plan's guesses): issue 63's "once the units are the measured ones"
     at_rows = "row_tokens" in metrics and metrics["rows"] > 0 and "forward_backward_s" in measured
