@@ -617,18 +617,16 @@ def measured_job_seconds(logs: Path, benchmarks: list[str]) -> float | None:
 def format_comparison(plan: CostPlan, logs: Path, tolerance: float = 0.25) -> str:
     """Predicted against measured seconds of each timed stage (issue 54: within 25 %)."""
     lines = [f"{'stage':<12} {'predicted s':>12} {'measured s':>11} {'ratio':>6}  within {tolerance:.0%}"]
-    for stage in plan.stages:
-        if not stage.benchmarks:
-            continue
-        measured = measured_job_seconds(logs, stage.benchmarks)
+    timed = [stage for stage in plan.stages if stage.benchmarks]
+    seconds = [measured_job_seconds(logs, stage.benchmarks) for stage in timed]
+    if timed and all(measured is None for measured in seconds):
+        raise ValueError(f"no benchmark {logs / timed[0].benchmarks[0]}: did a run of this config write its logs "
+                         f"under {logs}?")
+    for stage, measured in zip(timed, seconds):
         if measured is None:
             lines.append(f"{stage.name:<12} {stage.job_seconds:>12.0f} {'not run':>11}")
             continue
         ratio = stage.job_seconds / measured
         lines.append(f"{stage.name:<12} {stage.job_seconds:>12.0f} {measured:>11.0f} {ratio:>6.2f}  "
                      f"{'yes' if abs(ratio - 1) <= tolerance else 'NO'}")
-    timed = [stage for stage in plan.stages if stage.benchmarks]
-    if timed and all(line.endswith("not run") for line in lines[1:]):
-        raise ValueError(f"no benchmark {logs / timed[0].benchmarks[0]}: did a run of this config write its logs "
-                         f"under {logs}?")
     return "\n".join(lines)
