@@ -113,6 +113,11 @@ def test_rl_holds_every_model_and_the_states_in_flight(iterations, steps, final,
     assert cost.rl_disk_bytes_per_param(iterations, steps, 1, 1, final, keep, SIZES) == peak
 
 
+def test_an_iteration_without_step_checkpoints_holds_no_scratch_checkpoint():
+    assert cost.rl_disk_bytes_per_param(1, 2, 1, 1, "evaluation", False, SIZES, step_checkpoints=False) == 2
+    assert cost.rl_disk_bytes_per_param(1, 2, 1, 1, "evaluation", False, SIZES) == 2 * (4 + 12)
+
+
 def test_finished_runs_keep_their_models_and_last_state():
     assert cost.rl_disk_bytes_per_param(1, 1, 3, 2, "trainer", False, SIZES) == 16 + 2 * 16
     assert cost.rl_disk_bytes_per_param(1, 1, 3, 2, "evaluation", False, SIZES) == 2 + 2 * 2
@@ -292,10 +297,11 @@ def test_the_14b_and_the_smoke_overlays():
 @pytest.mark.parametrize("kind", ["h200", "h100"])
 def test_issue_63s_step_fits_one_lent_gpu_machine_by_the_plans_own_count(kind, tmp_path):
     """config/paper_smoke_1gpu.yaml on the units' one-GPU machine (64 GiB of disk, 128 GiB of host): the SFT model
-    in fp32 and the RL iteration's bf16 model at once, 6 bytes a parameter, the built base gone after SFT."""
+    in fp32 and the RL iteration's bf16 model at once, 6 bytes a parameter, the built base gone after SFT; no scratch
+    checkpoint between the two steps (rl.step_checkpoints: false)."""
     configs = [str(ROOT / "config" / name) for name in ("paper.yaml", "paper_smoke.yaml", "paper_smoke_1gpu.yaml")]
     output = run_plan("--configfile", *configs, "--gpus", "1", "--gpu-kind", kind)
-    assert "1 run(s) x 1 steps of 4 trajectories x 3 turns on 1 GPUs" in output
+    assert "1 run(s) x 2 steps of 4 trajectories x 3 turns on 1 GPUs" in output
     machine = next(line for line in output.splitlines() if line.strip().startswith("machine:"))
     assert "55 of 64 GiB disk (at its fullest during RL: 6 bytes a parameter" in machine
     assert "a bf16 model and no optimizer state" in machine
@@ -303,11 +309,18 @@ def test_issue_63s_step_fits_one_lent_gpu_machine_by_the_plans_own_count(kind, t
     # without the overlay's final_checkpoint, one GPU's disk does not hold the iteration's fp32 model and state
     trainer = tmp_path / "trainer.yaml"
     trainer.write_text("rl: {final_checkpoint: trainer}\n")
+    scratch = tmp_path / "scratch.yaml"
+    scratch.write_text("rl: {step_checkpoints: true}\n")
     result = CliRunner().invoke(plan, ["--cost", "--base", str(ROOT / "config" / "config.yaml"), "--units",
                                        str(ROOT / "config" / "cost_units.yaml"), "--configfile", *configs,
                                        str(trainer),
                                        "--gpus", "1", "--gpu-kind", kind])
     assert result.exit_code != 0 and "of disk (has 64; at its fullest during RL: 20 bytes a parameter" in result.output
+    # nor, with step checkpoints, a scratch checkpoint (a model and its state) beside the two models
+    result = CliRunner().invoke(plan, ["--cost", "--base", str(ROOT / "config" / "config.yaml"), "--units",
+                                       str(ROOT / "config" / "cost_units.yaml"), "--configfile", *configs,
+                                       str(scratch), "--gpus", "1", "--gpu-kind", kind])
+    assert result.exit_code != 0 and "at its fullest during RL: 36 bytes a parameter" in result.output
 
 
 def test_plan_without_cost_says_so():

@@ -269,13 +269,16 @@ def test_an_engine_process_past_its_step_limit_goes_with_its_children(tmp_path, 
     assert report.failures == ["vllm_batch: engine"]
 
 
-def fake_smoke_run(root: Path, phases: dict[str, float], card_line: str = "") -> None:
-    """A finished one-GPU smoke as Snakemake leaves it: the RL iteration's train_metrics and the jobs' benchmarks."""
+def fake_smoke_run(root: Path, phases: dict[str, float] | list[dict[str, float]], card_line: str = "") -> None:
+    """A finished one-GPU smoke as Snakemake leaves it: the RL iteration's train_metrics (one step's, or a list of
+    steps') and the jobs' benchmarks."""
     import pandas as pd
 
     metrics = root / "results/train_metrics/stage=rl/rl-paper-smoke-1gpu/run=drkernel/iter=0"
     metrics.mkdir(parents=True)
-    pd.DataFrame({"step": 1, "name": list(phases), "value": list(phases.values())}).to_parquet(metrics / "part-0.parquet")
+    steps = phases if isinstance(phases, list) else [phases]
+    pd.DataFrame([{"step": number, "name": name, "value": value} for number, step in enumerate(steps, 1)
+                  for name, value in step.items()]).to_parquet(metrics / "part-0.parquet")
     for name, seconds in (("sft-paper-smoke-1gpu.tsv", 100.0), ("rl-paper-smoke-1gpu/drkernel-iter0.tsv", 400.0)):
         (root / "logs/benchmarks" / name).parent.mkdir(parents=True, exist_ok=True)
         (root / "logs/benchmarks" / name).write_text(f"s\th:m:s\n{seconds}\t0:00:00\n")
@@ -327,6 +330,20 @@ def test_the_rl_step_is_read_from_a_finished_smoke_and_held_to_the_plan(tmp_path
     assert smoke_report(tmp_path / "uncounted", run(predicted["forward_backward_s"])).failures == []
     failures = smoke_report(tmp_path / "uncounted_slow", run(2 * predicted["forward_backward_s"])).failures
     assert len(failures) == 1 and failures[0].startswith("rl_step: forward_backward_s")
+
+
+def test_each_step_reports_its_push_and_mrs_against_the_engine(tmp_path):
+    """The second step starts with the push: its row shows the push's seconds and what MRS kept after it."""
+    first = {"rollout_s": 200.0, "log_probs_s": 10.0, "update_s": 40.0, "optimizer_s": 3.0, "sleep_wake_s": 0.03,
+             "step_s": 240.0, "rows": 9.0, "row_tokens": 150_000.0, "kept_frac_mrs": 7 / 9, "mismatch_abs_log_w": 8e-4}
+    second = {**first, "push_s": 0.5, "kept_frac_mrs": 1.0, "mismatch_abs_log_w": 4e-4}
+    report = smoke_report(tmp_path, [first, second])
+    assert report.data["steps"][1] == {k: v for k, v in first.items() if k in ("sleep_wake_s", "rows", "row_tokens",
+                                                                                "kept_frac_mrs", "mismatch_abs_log_w")}
+    assert report.data["steps"][2]["push_s"] == 0.5 and report.data["steps"][2]["kept_frac_mrs"] == 1.0
+    lines = "\n".join(report.current["lines"])
+    assert "| 1 | - | 0.03 | 9 | 1.5e+05 | 78% | 0.0008 |" in lines
+    assert "| 2 | 0.5 | 0.03 | 9 | 1.5e+05 | 100% | 0.0004 |" in lines
 
 
 def test_the_rl_step_is_reported_only_on_the_card_its_jobs_ran_on(tmp_path):

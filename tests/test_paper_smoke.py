@@ -78,15 +78,18 @@ ONE_GPU = ROOT / "config" / "paper_smoke_1gpu.yaml"
 
 
 def test_the_one_gpu_overlay_runs_issue_63s_step_at_the_papers_shapes():
-    """1 prompt x 4 rollouts x 3 turns x 8,192 tokens in a 32K context, TRLOO + MRS (PRS would drop a random policy's every row), vLLM and KernelGym in the
-    loop, on one GPU; besides GPUs, counts and `run`, it changes only what the last iteration writes."""
+    """Two steps of 1 prompt x 4 rollouts x 3 turns x 8,192 tokens in a 32K context (the second pushes the weights into
+    vLLM), TRLOO + MRS (PRS would drop a random policy's every row), vLLM and KernelGym in the loop, on one GPU;
+    besides GPUs, counts and `run`, it changes only what the disk holds (the last iteration's export, no scratch
+    checkpoint)."""
     overlay = leaves(yaml.safe_load(ONE_GPU.read_text()))
-    assert set(overlay) == {"run", "sft.gpus", "rl.gpus", "rl.iterations", "rl.steps_per_iteration",
+    assert set(overlay) == {"run", "sft.gpus", "rl.gpus", "rl.iterations", "rl.steps_per_iteration", "rl.step_checkpoints",
                             "rl.prompts_per_step", "rl.rollouts_per_prompt", "rl.final_checkpoint", "rl.runs.drkernel.ablation"}
     rl = merged_as_snakemake_does(PAPER, SMOKE, ONE_GPU)["rl"]
     assert (rl["prompts_per_step"], rl["rollouts_per_prompt"], rl["max_turns"], rl["max_tokens"],
             rl["max_context_tokens"]) == (1, 4, 3, 8192, 32768)
-    assert rl["iterations"] == rl["steps_per_iteration"] == rl["gpus"] == 1 and rl["final_checkpoint"] == "evaluation"
+    assert rl["iterations"] == rl["gpus"] == 1 and rl["steps_per_iteration"] == 2 and not rl["step_checkpoints"]
+    assert rl["final_checkpoint"] == "evaluation"
     assert rl["runs"] == {"drkernel": {"ablation": "mrs"}} and rl["engine"] == "vllm" and rl["vllm_sleep"]
 
 

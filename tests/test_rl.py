@@ -395,6 +395,35 @@ def test_a_killed_iteration_resumes_and_writes_each_output_once(nano_model, tmp_
         assert (metrics.name == name).sum() == 2, name
 
 
+def test_without_step_checkpoints_a_killed_iteration_reruns_from_its_first_step_and_saves_no_checkpoint(
+        nano_model, tmp_path, monkeypatch):
+    """rl.step_checkpoints: false (config/paper_smoke_1gpu.yaml: one GPU's disk holds no 8B scratch checkpoint)."""
+    cfg = RLConfig(prompts_per_step=1, rollouts_per_prompt=2, max_turns=1, max_tokens=6, steps_per_iteration=2,
+                   lr=1e-3, step_checkpoints=False)
+    settings = IterationSettings(cfg=cfg, tasks=(AgentTask("relu", RELU),), init_model=nano_model,
+                                 model_out=tmp_path / "iter=0", trajectories=tmp_path / "traj.parquet",
+                                 metrics=tmp_path / "metrics.parquet", scratch=tmp_path / "scratch", run="t",
+                                 iteration=0, gym={"backend": "local"}, progress=False)
+    real_update = rl.update_policy
+    updates = []
+
+    def update_then_die(*args, **kw):
+        updates.append(len(updates))
+        if len(updates) == 2:
+            assert not (settings.scratch / "checkpoints").exists()  # step 0 ended without one
+            raise KeyboardInterrupt("killed during step 1's update")
+        return real_update(*args, **kw)
+
+    monkeypatch.setattr(rl, "update_policy", update_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        rl.run_iteration(settings)
+    monkeypatch.setattr(rl, "update_policy", lambda *args, **kw: updates.append(len(updates)) or real_update(*args, **kw))
+    result = rl.run_iteration(settings)
+    assert result.resumed_steps == 0 and len(updates) == 4  # both steps' updates again
+    metrics = read_table(settings.metrics, "train_metrics").to_pandas()
+    assert sorted(metrics.loc[metrics.name == "reward_mean", "step"]) == [1, 2]
+
+
 def test_an_evaluation_only_last_iteration_writes_bf16_and_no_state_and_no_trainer_starts_from_it(nano_model,
                                                                                                      tmp_path):
     """rl.final_checkpoint: evaluation (config/paper_smoke_1gpu.yaml): the last iteration's model in bf16, no optimizer

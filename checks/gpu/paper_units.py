@@ -1508,7 +1508,8 @@ def rl_step(report: Report, args: argparse.Namespace) -> None:
     units = load_units(ROOT / "config" / "cost_units.yaml")
     plan = plan_cost(config, units, 1, kind)
     predicted = dict(next(stage for stage in plan.stages if stage.name == "rl").phases)
-    metrics = pd.concat(pd.read_parquet(part) for part in parts).groupby("name")["value"].mean()
+    by_step = pd.concat(pd.read_parquet(part) for part in parts)
+    metrics = by_step.groupby("name")["value"].mean()
     measured = step_phases(metrics)
     # the trainer's units held to the rows the run trained (a random policy's answers and the byte tokenizer's
     # contexts are not the plan's guesses): issue 63's "once the units are the measured ones"
@@ -1550,8 +1551,22 @@ def rl_step(report: Report, args: argparse.Namespace) -> None:
             else "their tokens not recorded (row_tokens: runs before it was a metric)")
     report.line("", f"{report.data['rows']:.0f} rows (a row a turn: its context and answer; {read}), answers of "
                     f"{report.data['response_tokens_mean']:,.0f} tokens on average; MRS kept {report.data['kept_frac_mrs']:.0%} of rows against the engine's "
-                    f"log-probs after the SFT model's load (mean |log w| {report.data['mismatch_abs_log_w']:.2g}).",
-                "", "Each job, predicted against Snakemake's benchmark files (`kpipe plan --cost ... --measured logs`):",
+                    f"log-probs, over the steps (mean |log w| {report.data['mismatch_abs_log_w']:.2g}).",
+                "", "Each step: the first after vLLM loaded the SFT model, each later one after the trainer's push "
+                    "(`kpipe.train.rollouts.feed_vllm`); MRS holds vLLM's log-probs of its samples to the trainer's "
+                    "(Eq. 6: a sequence's mean log ratio within 1e-3, no token's ratio under 1e-4).", "")
+    report.table("step", "push s", "sleep and wakes s", "rows", "row tokens", "MRS kept", "mean |log w|")
+    steps = by_step.pivot_table(index="step", columns="name", values="value")
+    report.data["steps"] = {}
+    for step_number, values in steps.iterrows():
+        figures = {name: float(values[name]) for name in ("push_s", "sleep_wake_s", "rows", "row_tokens", "kept_frac_mrs",
+                                                          "mismatch_abs_log_w") if name in values and pd.notna(values[name])}
+        report.data["steps"][int(step_number)] = figures
+        report.row(int(step_number), *(f"{figures[name]:.3g}" if name in figures else "-" for name in
+                                       ("push_s", "sleep_wake_s", "rows", "row_tokens")),
+                   f"{figures['kept_frac_mrs']:.0%}" if "kept_frac_mrs" in figures else "-",
+                   f"{figures['mismatch_abs_log_w']:.2g}" if "mismatch_abs_log_w" in figures else "-")
+    report.line("", "Each job, predicted against Snakemake's benchmark files (`kpipe plan --cost ... --measured logs`):",
                 "", "```", format_comparison(plan, root / "logs"), "```")
 
 

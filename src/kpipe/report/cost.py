@@ -200,17 +200,18 @@ def sft_disk_bytes_per_param(base: float, checkpoints_in_flight: int, sizes: Dis
 
 
 def rl_disk_bytes_per_param(iterations: int, steps_per_iteration: int, runs: int, concurrent: int,
-                            final_checkpoint: str, keep_states: bool, sizes: DiskSizes) -> float:
+                            final_checkpoint: str, keep_states: bool, sizes: DiskSizes,
+                            step_checkpoints: bool = True) -> float:
     """The most RL's iterations hold at once, beside the SFT model, as kpipe.train.rl and rules/rl.smk write them:
     every iteration's model is kept (rl_validate and best_val read them), fp32 but the last under
     `final_checkpoint: evaluation` (bf16); an iteration reads the state before it and writes its own (none for that
-    last one), the older dropped unless `keep_states`; with several steps an iteration keeps a scratch checkpoint
-    (a model and a state) and writes the next before pruning it. `concurrent` runs go side by side at the same
+    last one), the older dropped unless `keep_states`; with several steps and `step_checkpoints` an iteration keeps a
+    scratch checkpoint (a model and a state) and writes the next before pruning it. `concurrent` runs go side by side at the same
     iteration, after the runs before them finished (keeping their models and last state)."""
     evaluation = final_checkpoint == "evaluation"
     models = [sizes.checkpoint] * (iterations - 1) + [sizes.export if evaluation else sizes.checkpoint]
     states = [sizes.state] * (iterations - 1) + [0.0 if evaluation else sizes.state]
-    scratch = sizes.checkpoint + sizes.state if steps_per_iteration > 1 else 0.0
+    scratch = sizes.checkpoint + sizes.state if steps_per_iteration > 1 and step_checkpoints else 0.0
     finished = sum(models) + (sum(states) if keep_states else states[-1])
     peak = 0.0
     for k in range(iterations):
@@ -538,7 +539,8 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     final_checkpoint = rl.get("final_checkpoint", "trainer")
     rl_disk = (sizes.checkpoint + (0.0 if built_base else sizes.export)
                + rl_disk_bytes_per_param(rl["iterations"], rl["steps_per_iteration"], runs, min(runs, parallel_runs),
-                                         final_checkpoint, bool(rl.get("keep_optimizer_states")), sizes))
+                                         final_checkpoint, bool(rl.get("keep_optimizer_states")), sizes,
+                                         rl.get("step_checkpoints", True)))
     disk_need = disk_needed(params, max(sft_disk, rl_disk), units["disk_overhead_bytes"])
     disk_what = (f"at its fullest {'during SFT' if sft_disk > rl_disk else 'during RL'}: {max(sft_disk, rl_disk):.0f} "
                  f"bytes a parameter; RL's last iteration keeps "

@@ -458,7 +458,7 @@ class IterationTrainer:
 
     def save_step(self, step: int, all_rows: list[dict[str, Any]], values: dict[str, float]) -> None:
         """The step's metrics and rows into the scratch, and a checkpoint unless it is the iteration's last
-        step (finish writes that one's model and state)."""
+        step (finish writes that one's model and state) or `step_checkpoints` is off."""
         accelerator = self.accelerator
         self.metrics.log(self.settings.global_step(step) + 1, values)
         if accelerator.is_main_process:
@@ -466,7 +466,7 @@ class IterationTrainer:
             log.info("RL %s iteration %d step %d: reward %.3f, kept %.2f, grad norm %.3g", self.settings.run,
                      self.settings.iteration, step, values["reward_mean"], values["kept_frac"],
                      values.get("grad_norm", 0.0))
-        if step + 1 < self.cfg.steps_per_iteration:
+        if step + 1 < self.cfg.steps_per_iteration and self.cfg.step_checkpoints:
             if accelerator.is_main_process:
                 self.metrics.flush()
             save_checkpoint(accelerator, self.model, self.optimizer, self.tokenizer, self.scratch / "checkpoints",
