@@ -8,7 +8,7 @@ import pytest
 from kpipe.agent.history import (
     BestWindow, FullHistory, KevinSummaries, PastTurn, TopW, best_window, make_policy, top_w_turns,
 )
-from kpipe.agent.loop import GENERATION_ERROR, AgentTask, clipped_speedup_reward, run_episodes
+from kpipe.agent.loop import GENERATION_ERROR, AgentTask, Sampling, clipped_speedup_reward, run_episodes
 from kpipe.data.io import to_table
 from kpipe.llm.types import FINISH_ERROR, ChatRequest, Completion
 
@@ -170,6 +170,36 @@ def test_context_limit_ends_episode():
     rows = run_episodes(TASKS[:1], ScriptedEngine(["bad"]), FakeEvaluator(), max_turns=3, max_context_tokens=30,
                         progress=False)
     assert [r["turn"] for r in rows] == [1]
+
+
+class CountingEngine(ScriptedEngine):
+    """A scripted engine that counts a prompt's tokens as its characters (a local model's tokenizer)."""
+
+    def prompt_tokens(self, messages):
+        return sum(len(m["content"]) for m in messages)
+
+
+def test_a_turn_whose_prompt_leaves_no_room_is_not_sent_and_answers_are_cut_to_the_room_left():
+    """A later turn's prompt re-renders the answers and adds the feedback: it may pass the context cap that the
+    turn before stayed under (vLLM refuses such a prompt: issue 63's second RL step on an H200). The turn that
+    still fits generates at most what the cap leaves."""
+    unlimited = CountingEngine(["bad", "bad", "bad"])
+    run_episodes(TASKS[:1], unlimited, FakeEvaluator(), max_turns=3, progress=False)
+    first, second, third = (unlimited.prompt_tokens(call[0].messages) for call in unlimited.calls)
+    limit = second + 100  # room for turn 2's answer, none for turn 3's prompt (the answers are 20 tokens)
+    assert third >= limit
+    engine = CountingEngine(["bad", "bad", "bad"])
+    rows = run_episodes(TASKS[:1], engine, FakeEvaluator(), max_turns=3, max_context_tokens=limit, progress=False,
+                        sampling=Sampling(max_tokens=200))
+    assert [r["turn"] for r in rows] == [1, 2]
+    assert [[request.max_tokens for request in call] for call in engine.calls] == [[200], [100]]
+
+
+def test_an_engine_that_does_not_count_its_prompts_gets_the_turns_budget():
+    engine = ScriptedEngine(["bad", "bad"])
+    run_episodes(TASKS[:1], engine, FakeEvaluator(), max_turns=2, max_context_tokens=10_000, progress=False,
+                 sampling=Sampling(max_tokens=8192))
+    assert [[request.max_tokens for request in call] for call in engine.calls] == [[8192], [8192]]
 
 
 def past(rewards):

@@ -53,6 +53,27 @@ def test_sampled_logprobs_match_a_teacher_forced_pass(engine):
         assert completion.prompt_tokens == len(prompt)
 
 
+def test_the_prompt_count_is_what_generate_encodes(engine):
+    """The agent loop's context budget (kpipe.agent.loop.answer_budget) counts prompts as generate does."""
+    for request, completion in zip(requests(0.0), engine.generate(requests(0.0)), strict=True):
+        assert engine.prompt_tokens(request.messages) == completion.prompt_tokens
+
+
+def test_the_vllm_engine_counts_a_prompt_as_llm_chat_renders_it(engine):
+    """vLLM 0.26.0's chat path: the chat template as text, then the tokenizer without special tokens."""
+    from kpipe.llm.vllm_engine import VLLMEngine
+
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=engine.tokenizer.backend_tokenizer,
+                                                     eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    vllm_engine = object.__new__(VLLMEngine)  # no vLLM here: the engine's LLM stands in with its tokenizer
+    vllm_engine.llm = type("LLM", (), {"get_tokenizer": lambda self: tokenizer})()
+    messages = [{"role": "user", "content": "class ModelNew forward"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|endoftext|><user>")
+    assert vllm_engine.prompt_tokens(messages) == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def test_sampling_is_reproducible_by_seed(engine):
     first = [c.token_ids for c in engine.generate(requests(1.0))]
     assert first == [c.token_ids for c in engine.generate(requests(1.0))]

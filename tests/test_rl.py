@@ -411,6 +411,8 @@ def test_without_step_checkpoints_a_killed_iteration_reruns_from_its_first_step_
         updates.append(len(updates))
         if len(updates) == 2:
             assert not (settings.scratch / "checkpoints").exists()  # step 0 ended without one
+            saved = read_table(settings.scratch / "metrics.parquet", "train_metrics").to_pandas()
+            assert set(saved.step) == {1}  # but its metrics are in the scratch, for whoever reads a failed job
             raise KeyboardInterrupt("killed during step 1's update")
         return real_update(*args, **kw)
 

@@ -26,7 +26,7 @@ from kpipe.agent.evaluator import EvaluationStream, Evaluator, result_field
 from kpipe.agent.history import FullHistory, HistoryPolicy, PastTurn, replay
 from kpipe.llm.extract import FORMAT_ERROR, Extracted, extract_code
 from kpipe.llm.prompts import PROMPT_VERSION, first_turn_messages
-from kpipe.llm.types import ChatRequest, Completion, Engine
+from kpipe.llm.types import ChatRequest, Completion, Engine, Message, prompt_tokens
 
 GENERATION_ERROR = "generation_error"  # the engine gave up on the request (after its retries)
 SPEEDUP_CLIP = 3.0
@@ -123,22 +123,33 @@ def run_episodes(
     """Run n_samples episodes per task for up to max_turns turns; one `trajectories` row per turn.
 
     An episode ends early when the engine fails for good (status "generation_error") or when
-    its last prompt + answer reached `max_context_tokens`. `overlap`: evaluate answers while the
-    engine generates the others (module docstring).
+    its last prompt + answer reached `max_context_tokens`, or its next prompt would leave no room
+    for an answer in it (``answer_budget``: a later turn's prompt re-renders the answers and adds
+    the feedback, so it can pass the cap the last turn stayed under). `overlap`: evaluate answers
+    while the engine generates the others (module docstring).
     """
     episodes = [Episode(task, sample) for task in tasks for sample in range(n_samples)]
     first = {task.task_id: first_turn_messages(task.reference_src, prompt_version) for task in tasks}
     rows: list[dict[str, Any]] = []
     for turn in tqdm(range(1, max_turns + 1), desc=f"{stage} turns", disable=not progress):
-        active = [e for e in episodes if not e.done]
+        waiting = [e for e in episodes if not e.done]
+        contexts, budgets, active = [], [], []
+        for episode in waiting:
+            context = replay(first[episode.task.task_id], policy, episode.turns, prompt_version)
+            budget = answer_budget(engine, context, sampling.max_tokens, max_context_tokens)
+            if budget == 0:
+                episode.done = True
+                continue
+            active.append(episode)
+            contexts.append(context)
+            budgets.append(budget)
         if not active:
             break
-        contexts = [replay(first[e.task.task_id], policy, e.turns, prompt_version) for e in active]
         requests = [
-            ChatRequest(messages=context, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+            ChatRequest(messages=context, max_tokens=budget, temperature=sampling.temperature,
                         top_p=sampling.top_p, seed=sample_seed(e.task.task_id, e.sample, seed),
                         logprobs=sampling.logprobs)
-            for e, context in zip(active, contexts, strict=True)
+            for e, context, budget in zip(active, contexts, budgets, strict=True)
         ]
         extracted: dict[int, Extracted | None] = {}
         jobs: dict[int, tuple[str, str]] = {}
@@ -190,6 +201,16 @@ def run_episodes(
         if on_turn is not None:
             on_turn(turn, records)
     return rows
+
+
+def answer_budget(engine: Engine, context: list[Message], max_tokens: int, max_context_tokens: int | None) -> int:
+    """The tokens a turn may generate: `max_tokens`, cut to what the context cap leaves after the prompt
+    where the engine counts its prompt's tokens (0: no room, the episode ends before the turn; an engine
+    such as vLLM refuses a prompt of its whole context)."""
+    if max_context_tokens is None:
+        return max_tokens
+    used = prompt_tokens(engine, context)
+    return max_tokens if used is None else max(0, min(max_tokens, max_context_tokens - used))
 
 
 def trajectory_row(episode: Episode, turn: int, context: list[dict[str, str]], completion: Completion,

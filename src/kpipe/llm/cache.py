@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
+from kpipe.llm.types import ChatRequest, Completion, Engine, Message, ResultCallback, prompt_tokens
 
 
 class ResponseCache:
@@ -55,6 +55,9 @@ class CachedEngine:
         self.model = engine.model
         self.sent = 0  # requests passed to the wrapped engine
         self.hits = 0
+
+    def prompt_tokens(self, messages: list[Message]) -> int | None:
+        return prompt_tokens(self.engine, messages)
 
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
         keys = [r.request_hash(self.model) for r in requests]

@@ -129,6 +129,10 @@ class HFEngine:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return plain_chat_prompt(messages)
 
+    def prompt_tokens(self, messages: list[Message]) -> int:
+        """The prompt's tokens as `_generate_batch` encodes it."""
+        return len(self.tokenizer(self.prompt_text(messages), add_special_tokens=False)["input_ids"])
+
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
         with tqdm(total=len(requests), desc=f"generate {self.model}", disable=not self.progress, leave=False) as bar:

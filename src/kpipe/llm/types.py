@@ -80,6 +80,19 @@ class Engine(Protocol):
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]: ...
 
 
+class CountsPromptTokens(Protocol):
+    """An engine that knows the tokens its rendered prompt of `messages` takes (a local model's tokenizer and
+    chat template, as its `generate` renders them); None where it cannot tell (a wrapped engine that cannot)."""
+
+    def prompt_tokens(self, messages: list[Message]) -> int | None: ...
+
+
+def prompt_tokens(engine: Engine, messages: list[Message]) -> int | None:
+    """`messages`' prompt tokens as `engine` renders them, or None where it does not count (an API model)."""
+    count = getattr(engine, "prompt_tokens", None)
+    return count(messages) if count is not None else None
+
+
 @dataclass
 class Usage:
     """Running token, cost and reliability totals of an engine (what a run spent)."""

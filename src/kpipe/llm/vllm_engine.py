@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from kpipe.llm.types import ChatRequest, Completion, ResultCallback, Usage
+from kpipe.llm.types import ChatRequest, Completion, Message, ResultCallback, Usage
 
 
 def _require_vllm() -> Any:
@@ -65,6 +65,13 @@ class VLLMEngine:
             seed=request.seed,
             logprobs=0 if request.logprobs else None,
         )
+
+    def prompt_tokens(self, messages: list[Message]) -> int:
+        """The prompt's tokens as `LLM.chat` renders them: the model's chat template, then its tokenizer without
+        special tokens (vLLM 0.26.0's default for chat); a prompt of `max_model_len` tokens or more it refuses."""
+        tokenizer = self.llm.get_tokenizer()
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
         import torch

@@ -457,18 +457,18 @@ class IterationTrainer:
         return values
 
     def save_step(self, step: int, all_rows: list[dict[str, Any]], values: dict[str, float]) -> None:
-        """The step's metrics and rows into the scratch, and a checkpoint unless it is the iteration's last
-        step (finish writes that one's model and state) or `step_checkpoints` is off."""
+        """The step's metrics and rows into the scratch (a failed job keeps them to read, whether or not it resumes
+        from them), and a checkpoint unless it is the iteration's last step (finish writes that one's model and
+        state) or `step_checkpoints` is off."""
         accelerator = self.accelerator
         self.metrics.log(self.settings.global_step(step) + 1, values)
         if accelerator.is_main_process:
+            self.metrics.flush()
             write_table(all_rows, self.scratch / f"step-{step:04d}.parquet", "trajectories")
             log.info("RL %s iteration %d step %d: reward %.3f, kept %.2f, grad norm %.3g", self.settings.run,
                      self.settings.iteration, step, values["reward_mean"], values["kept_frac"],
                      values.get("grad_norm", 0.0))
         if step + 1 < self.cfg.steps_per_iteration and self.cfg.step_checkpoints:
-            if accelerator.is_main_process:
-                self.metrics.flush()
             save_checkpoint(accelerator, self.model, self.optimizer, self.tokenizer, self.scratch / "checkpoints",
                             step + 1, self.key, keep_last=1)
 

@@ -28,7 +28,7 @@ from kpipe.agent.history import make_policy
 from kpipe.agent.loop import AgentTask, Sampling, run_episodes
 from kpipe.data import metrics as kmetrics
 from kpipe.data.io import read_table, write_table
-from kpipe.llm.types import ChatRequest, Completion, Engine, ResultCallback
+from kpipe.llm.types import ChatRequest, Completion, Engine, Message, ResultCallback, prompt_tokens
 from kpipe.train.algos import turn_reward
 from kpipe.train.batching import batch_indices
 from kpipe.train.rl_config import IterationSettings, RLConfig
@@ -60,6 +60,9 @@ class TimedEngine:
         self.engine = engine
         self.model = engine.model
         self.seconds = 0.0
+
+    def prompt_tokens(self, messages: list[Message]) -> int | None:
+        return prompt_tokens(self.engine, messages)
 
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
         started = time.perf_counter()
