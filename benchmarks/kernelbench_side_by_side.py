@@ -88,9 +88,26 @@ def kb_evaluate(package_root: str, reference: str, candidate: str, build_dir: st
             "metadata": {k: str(v)[:200] for k, v in (result.metadata or {}).items()}}
 
 
-def bank_pairs(tasks: list[str], shrink: int = 0) -> list[dict[str, str]]:
+# the reference as its own candidate (--self-candidates): the screen wants a Triton kernel, which never runs
+SELF_CANDIDATE_TAIL = """
+
+import triton
+
+
+@triton.jit
+def _never_launched(x_ptr):
+    pass
+
+
+class ModelNew(Model):
+    pass
+"""
+
+
+def bank_pairs(tasks: list[str], shrink: int = 0, self_candidates: bool = False) -> list[dict[str, str]]:
     """The bank's legit kernel and its KernelBench reference per task (`shrink`: sizes divided
-    down for a smoke run on the CPU)."""
+    down for a smoke run on the CPU); with `self_candidates`, the reference itself as the candidate
+    (``ModelNew(Model)``): a speedup of 1 by construction, so what a harness reads beyond it is its own bias."""
     from kpipe.data.kernelbench import select_problems, shrink_sizes
     from kpipe.gym.bank import list_solutions
 
@@ -100,8 +117,10 @@ def bank_pairs(tasks: list[str], shrink: int = 0) -> list[dict[str, str]]:
     for task in tasks:
         solution = legit[task]
         problem = problems[(solution.level, solution.problem_id)]
-        pairs.append({"task": task, "file": f"{problem.name}.py", "level": solution.level,
-                      "reference": shrink_sizes(problem.code, shrink) if shrink else problem.code, "candidate": solution.source})
+        reference = shrink_sizes(problem.code, shrink) if shrink else problem.code
+        candidate = reference + SELF_CANDIDATE_TAIL if self_candidates else solution.source
+        pairs.append({"task": task, "file": f"{problem.name}.py", "level": solution.level, "reference": reference,
+                      "candidate": candidate})
     return pairs
 
 
@@ -411,6 +430,9 @@ def main() -> None:
     parser.add_argument("--probe-timeout-s", type=float, default=75, help="the first probe's limit (the second gets 0.6 of it)")
     parser.add_argument("--probe-trials", type=int, default=40)
     parser.add_argument("--shrink", type=int, default=0, help="divide sizes down (a CPU smoke run of the kpipe part)")
+    parser.add_argument("--self-candidates", action="store_true",
+                        help="each reference as its own candidate (a speedup of 1 by construction: each harness's bias); "
+                             "kpipe's hacking check off, since the reference launches no Triton kernel")
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-json", help=argparse.SUPPRESS)
     parser.add_argument("--probe-out", help=argparse.SUPPRESS)
@@ -424,7 +446,8 @@ def main() -> None:
     deadline = run_started + args.budget_s
     out_dir = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="kb-side-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    pairs = bank_pairs(args.tasks.split(","), args.shrink)
+    pairs = bank_pairs(args.tasks.split(","), args.shrink, args.self_candidates)
+    kpipe_protocol = {**json.loads(args.kpipe_protocol), **({"hacking_check": False} if args.self_candidates else {})}
     package_root = kernelbench_package(args.anchors)
     harnesses = args.harnesses.split(",")
     published = json.loads(PUBLISHED.read_text())
@@ -433,7 +456,7 @@ def main() -> None:
     extra: dict[str, Any] = {}
     rates: dict[str, float] = {}  # the ledger's figures: each harness's first rate
     lines = [f"# KernelGym vs KernelBench's harness — {time.strftime('%Y-%m-%d')}, {gpu}", "",
-             f"{len(pairs)} tasks (bank legit kernels, {'sizes capped at ' + str(args.shrink) if args.shrink else 'full KernelBench main sizes'}), 5 correctness + 100 timed trials, eager baseline.", "",
+             f"{len(pairs)} tasks ({'each reference as its own candidate (a speedup of 1 by construction)' if args.self_candidates else 'bank legit kernels'}, {'sizes capped at ' + str(args.shrink) if args.shrink else 'full KernelBench main sizes'}), 5 correctness + 100 timed trials, eager baseline.", "",
              "| harness | evaluations | seconds | evaluations/min/GPU |", "|---|---|---|---|"]
 
     def save() -> None:  # what is measured so far survives a cut-off run
@@ -465,9 +488,9 @@ def main() -> None:
     kpipe: dict[str, Any] = {}
     if "kpipe" in harnesses:
         trace_path.unlink(missing_ok=True)
-        kpipe = run_kpipe(pairs, args.kpipe_repeats, deadline, trace_path, save, json.loads(args.kpipe_protocol))
-        if args.kpipe_protocol != "{}":
-            lines.insert(3, f"kpipe's protocol settings beyond the defaults: {args.kpipe_protocol}")
+        kpipe = run_kpipe(pairs, args.kpipe_repeats, deadline, trace_path, save, kpipe_protocol)
+        if kpipe_protocol:
+            lines.insert(3, f"kpipe's protocol settings beyond the defaults: {json.dumps(kpipe_protocol)}")
         extra["kpipe"] = kpipe
         for r, rows in enumerate(kpipe["repeats"]):
             results[f"kpipe rep {r + 1}"] = rows

@@ -38,3 +38,13 @@ def test_agreement_compares_kernelbench_with_the_median_of_kpipes_repeats_and_sk
     assert [row["task"] for row in rows] == ["a", "b"]  # c: KernelBench failed it
     assert rows[0]["kpipe"] == pytest.approx(2.1) and rows[0]["gap_pct"] == pytest.approx(5.0)
     assert rows[1]["kpipe"] == pytest.approx(2.0) and rows[1]["gap_pct"] == pytest.approx(0.0)  # median of 1.9 and 2.1
+
+
+def test_a_self_candidate_is_its_reference_under_the_candidates_name_and_passes_the_screen():
+    """--self-candidates: each reference as its own candidate, a speedup of 1 by construction (each harness's bias)."""
+    from kpipe.gym.judge.screen import screen
+
+    pair = side_by_side.bank_pairs(["L2_76"], shrink=64, self_candidates=True)[0]
+    assert pair["candidate"].startswith(pair["reference"]) and "class ModelNew(Model):" in pair["candidate"]
+    assert screen(pair["candidate"]).status is None
+    assert side_by_side.bank_pairs(["L2_76"], shrink=64)[0]["candidate"] != pair["candidate"]  # the bank's kernel
