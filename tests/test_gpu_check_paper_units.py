@@ -356,3 +356,21 @@ def test_the_rl_step_is_reported_only_on_the_card_its_jobs_ran_on(tmp_path):
     assert paper_units.job_cards(tmp_path / "logs") == {"NVIDIA H100 80GB HBM3"}
     with pytest.raises(CheckFailed, match="ran on NVIDIA H100 80GB HBM3, this is cpu"):
         smoke_report(tmp_path / "x", {"rollout_s": 1.0}, line)
+
+
+def test_the_batch_section_runs_the_engines_it_is_given(tmp_path):
+    """vllm_batch --batch-engines standalone: the paper's 8,192-token batch in one engine's time (on the stand-in)."""
+    import os
+
+    fake = ROOT / "tests" / "fixtures" / "fake_vllm"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(fake), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "checks.gpu", "paper_units", "vllm_batch", "--tiny", "--batch-engines",
+                           "standalone", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    batch = json.loads((tmp_path / "paper_units.json").read_text())["sections"]["vllm_batch"]["data"]
+    assert "standalone" in batch and "kpipe_engine" not in batch and "comparison" not in batch
+    wrong = subprocess.run([sys.executable, "-m", "checks.gpu", "paper_units", "vllm_batch", "--tiny", "--batch-engines",
+                            "standalone,sglang", "--out", str(tmp_path / "wrong")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, env=env)
+    assert wrong.returncode != 0 and "unknown engine(s) sglang" in (tmp_path / "wrong" / "paper_units.md").read_text()
