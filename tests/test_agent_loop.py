@@ -175,8 +175,8 @@ def test_context_limit_ends_episode():
 class CountingEngine(ScriptedEngine):
     """A scripted engine that counts a prompt's tokens as its characters (a local model's tokenizer)."""
 
-    def prompt_tokens(self, messages):
-        return sum(len(m["content"]) for m in messages)
+    def prompt_tokens(self, chats):
+        return [sum(len(m["content"]) for m in messages) for messages in chats]
 
 
 def test_a_turn_whose_prompt_leaves_no_room_is_not_sent_and_answers_are_cut_to_the_room_left():
@@ -185,7 +185,7 @@ def test_a_turn_whose_prompt_leaves_no_room_is_not_sent_and_answers_are_cut_to_t
     still fits generates at most what the cap leaves."""
     unlimited = CountingEngine(["bad", "bad", "bad"])
     run_episodes(TASKS[:1], unlimited, FakeEvaluator(), max_turns=3, progress=False)
-    first, second, third = (unlimited.prompt_tokens(call[0].messages) for call in unlimited.calls)
+    first, second, third = unlimited.prompt_tokens([call[0].messages for call in unlimited.calls])
     limit = second + 100  # room for turn 2's answer, none for turn 3's prompt (the answers are 20 tokens)
     assert third >= limit
     engine = CountingEngine(["bad", "bad", "bad"])

@@ -54,9 +54,9 @@ def test_sampled_logprobs_match_a_teacher_forced_pass(engine):
 
 
 def test_the_prompt_count_is_what_generate_encodes(engine):
-    """The agent loop's context budget (kpipe.agent.loop.answer_budget) counts prompts as generate does."""
-    for request, completion in zip(requests(0.0), engine.generate(requests(0.0)), strict=True):
-        assert engine.prompt_tokens(request.messages) == completion.prompt_tokens
+    """The agent loop's context budget (kpipe.agent.loop.answer_budgets) counts prompts as generate does."""
+    counts = engine.prompt_tokens([request.messages for request in requests(0.0)])
+    assert counts == [completion.prompt_tokens for completion in engine.generate(requests(0.0))]
 
 
 def test_the_vllm_engine_counts_a_prompt_as_llm_chat_renders_it(engine):
@@ -71,7 +71,8 @@ def test_the_vllm_engine_counts_a_prompt_as_llm_chat_renders_it(engine):
     messages = [{"role": "user", "content": "class ModelNew forward"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|endoftext|><user>")
-    assert vllm_engine.prompt_tokens(messages) == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert vllm_engine.prompt_tokens([messages, messages[:0] + [{"role": "user", "content": "x"}]])[0] == len(
+        tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def test_sampling_is_reproducible_by_seed(engine):

@@ -570,7 +570,7 @@ def test_a_sleeping_vllm_engine_frees_the_update_and_wakes_around_the_next_push(
             events.append("generate")
             return hf.generate(requests, on_result)
 
-        engine.generate = generate
+        engine.generate, engine.prompt_tokens = generate, hf.prompt_tokens
         return engine
 
     monkeypatch.setattr(rl, "make_engine", colocated)

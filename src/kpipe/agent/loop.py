@@ -124,7 +124,7 @@ def run_episodes(
 
     An episode ends early when the engine fails for good (status "generation_error") or when
     its last prompt + answer reached `max_context_tokens`, or its next prompt would leave no room
-    for an answer in it (``answer_budget``: a later turn's prompt re-renders the answers and adds
+    for an answer in it (``answer_budgets``: a later turn's prompt re-renders the answers and adds
     the feedback, so it can pass the cap the last turn stayed under). `overlap`: evaluate answers
     while the engine generates the others (module docstring).
     """
@@ -133,16 +133,13 @@ def run_episodes(
     rows: list[dict[str, Any]] = []
     for turn in tqdm(range(1, max_turns + 1), desc=f"{stage} turns", disable=not progress):
         waiting = [e for e in episodes if not e.done]
-        contexts, budgets, active = [], [], []
-        for episode in waiting:
-            context = replay(first[episode.task.task_id], policy, episode.turns, prompt_version)
-            budget = answer_budget(engine, context, sampling.max_tokens, max_context_tokens)
-            if budget == 0:
-                episode.done = True
-                continue
-            active.append(episode)
-            contexts.append(context)
-            budgets.append(budget)
+        replayed = [replay(first[e.task.task_id], policy, e.turns, prompt_version) for e in waiting]
+        room = answer_budgets(engine, replayed, sampling.max_tokens, max_context_tokens)
+        for episode, budget in zip(waiting, room, strict=True):
+            episode.done = budget == 0
+        active = [e for e, budget in zip(waiting, room, strict=True) if budget]
+        contexts = [context for context, budget in zip(replayed, room, strict=True) if budget]
+        budgets = [budget for budget in room if budget]
         if not active:
             break
         requests = [
@@ -203,14 +200,15 @@ def run_episodes(
     return rows
 
 
-def answer_budget(engine: Engine, context: list[Message], max_tokens: int, max_context_tokens: int | None) -> int:
-    """The tokens a turn may generate: `max_tokens`, cut to what the context cap leaves after the prompt
-    where the engine counts its prompt's tokens (0: no room, the episode ends before the turn; an engine
+def answer_budgets(engine: Engine, contexts: list[list[Message]], max_tokens: int,
+                   max_context_tokens: int | None) -> list[int]:
+    """The tokens each turn may generate: `max_tokens`, cut to what the context cap leaves after its prompt
+    where the engine counts its prompts' tokens (0: no room, the episode ends before the turn; an engine
     such as vLLM refuses a prompt of its whole context)."""
-    if max_context_tokens is None:
-        return max_tokens
-    used = prompt_tokens(engine, context)
-    return max_tokens if used is None else max(0, min(max_tokens, max_context_tokens - used))
+    used = prompt_tokens(engine, contexts) if max_context_tokens is not None and contexts else None
+    if used is None:
+        return [max_tokens] * len(contexts)
+    return [max(0, min(max_tokens, max_context_tokens - count)) for count in used]
 
 
 def trajectory_row(episode: Episode, turn: int, context: list[dict[str, str]], completion: Completion,

@@ -56,8 +56,8 @@ class CachedEngine:
         self.sent = 0  # requests passed to the wrapped engine
         self.hits = 0
 
-    def prompt_tokens(self, messages: list[Message]) -> int | None:
-        return prompt_tokens(self.engine, messages)
+    def prompt_tokens(self, chats: list[list[Message]]) -> list[int] | None:
+        return prompt_tokens(self.engine, chats)
 
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
         keys = [r.request_hash(self.model) for r in requests]

@@ -129,9 +129,10 @@ class HFEngine:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return plain_chat_prompt(messages)
 
-    def prompt_tokens(self, messages: list[Message]) -> int:
-        """The prompt's tokens as `_generate_batch` encodes it."""
-        return len(self.tokenizer(self.prompt_text(messages), add_special_tokens=False)["input_ids"])
+    def prompt_tokens(self, chats: list[list[Message]]) -> list[int]:
+        """Each prompt's tokens as `_generate_batch` encodes it."""
+        encoded = self.tokenizer([self.prompt_text(messages) for messages in chats], add_special_tokens=False)
+        return [len(ids) for ids in encoded["input_ids"]]
 
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)

@@ -81,16 +81,17 @@ class Engine(Protocol):
 
 
 class CountsPromptTokens(Protocol):
-    """An engine that knows the tokens its rendered prompt of `messages` takes (a local model's tokenizer and
-    chat template, as its `generate` renders them); None where it cannot tell (a wrapped engine that cannot)."""
+    """An engine that knows the tokens its rendered prompt of each chat takes (a local model's tokenizer and chat
+    template, as its `generate` renders them), counted in one batch (the tokenizer's threads); None where it cannot
+    tell (a wrapped engine that cannot)."""
 
-    def prompt_tokens(self, messages: list[Message]) -> int | None: ...
+    def prompt_tokens(self, chats: list[list[Message]]) -> list[int] | None: ...
 
 
-def prompt_tokens(engine: Engine, messages: list[Message]) -> int | None:
-    """`messages`' prompt tokens as `engine` renders them, or None where it does not count (an API model)."""
+def prompt_tokens(engine: Engine, chats: list[list[Message]]) -> list[int] | None:
+    """Each chat's prompt tokens as `engine` renders it, or None where it does not count (an API model)."""
     count = getattr(engine, "prompt_tokens", None)
-    return count(messages) if count is not None else None
+    return count(chats) if count is not None else None
 
 
 @dataclass

@@ -66,12 +66,12 @@ class VLLMEngine:
             logprobs=0 if request.logprobs else None,
         )
 
-    def prompt_tokens(self, messages: list[Message]) -> int:
-        """The prompt's tokens as `LLM.chat` renders them: the model's chat template, then its tokenizer without
+    def prompt_tokens(self, chats: list[list[Message]]) -> list[int]:
+        """Each prompt's tokens as `LLM.chat` renders it: the model's chat template, then its tokenizer without
         special tokens (vLLM 0.26.0's default for chat); a prompt of `max_model_len` tokens or more it refuses."""
         tokenizer = self.llm.get_tokenizer()
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        texts = [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) for messages in chats]
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
         import torch

@@ -61,8 +61,8 @@ class TimedEngine:
         self.model = engine.model
         self.seconds = 0.0
 
-    def prompt_tokens(self, messages: list[Message]) -> int | None:
-        return prompt_tokens(self.engine, messages)
+    def prompt_tokens(self, chats: list[list[Message]]) -> list[int] | None:
+        return prompt_tokens(self.engine, chats)
 
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]:
         started = time.perf_counter()
