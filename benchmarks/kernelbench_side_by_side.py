@@ -216,6 +216,25 @@ def grouped_phases(stats: dict[str, Any] | None, child_s: float | None) -> dict[
     return groups
 
 
+def window_table(pairs: list[dict[str, str]], kpipe: dict[str, Any], trace: dict[str, dict[str, Any]]) -> list[str]:
+    """Each candidate's timing windows beside the reference windows it was handed, per task in the order of the
+    repeats: the n-th candidate a reference run serves gets the stock's windows 2n-1 and 2n, so a fixed cost that
+    drifts along the stock shows here, and so does its effect on the candidate's time (its calls: its least
+    window less the reference's least fixed cost, ``kpipe.gym.judge.evaluation.candidate_window_ms``)."""
+    lines = ["| task | repeat | calls | reference windows' fixed ms | candidate windows ms | candidate ms | eager ms |",
+             "|---|---|---|---|---|---|---|"]
+    for index, pair in enumerate(pairs):
+        for repeat, rows in enumerate(kpipe["repeats"]):
+            record = trace.get(rows[index]["key"], {}) if index < len(rows) else {}
+            if "window_fixed_ms" not in record:
+                continue
+            fixed = ", ".join(f"{ms:.1f}" for ms in record["window_fixed_ms"])
+            windows = ", ".join(f"{seconds * 1e3:.1f}" for seconds in record["window_candidate_s"])
+            lines.append(f"| {pair['task']} | {repeat + 1} | {record['window_calls']} | {fixed} | {windows} | "
+                         f"{fmt(record.get('candidate_ms'), '.4g')} | {fmt(record.get('eager_ms'), '.4g')} |")
+    return lines
+
+
 def phase_table(pairs: list[dict[str, str]], kpipe: dict[str, Any], trace: dict[str, dict[str, Any]]) -> list[str]:
     """Per evaluation: where the seconds went (parent and children) and GPU memory."""
     cols = ("start (device init)", "prepare", "load", "build", "correctness", "eval mode", "ghost replay", "waiting at the gate", "timing",
@@ -538,6 +557,8 @@ def main() -> None:
         trace = read_trace(trace_path)
         lines += ["", "## kpipe: seconds by phase per evaluation (candidate child phases; parent = total − ref − cand child)", ""]
         lines += phase_table(pairs, kpipe, trace)
+        lines += ["", "## kpipe: the timing windows (the judge's clock)", ""]
+        lines += window_table(pairs, kpipe, trace)
         lines += ["", "Reference children (run once per task, reused after): seconds by phase", ""]
         for pair, row in zip(pairs, kpipe["repeats"][0] if kpipe["repeats"] else []):
             record = trace.get(row["key"], {})

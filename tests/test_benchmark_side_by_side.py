@@ -48,3 +48,18 @@ def test_a_self_candidate_is_its_reference_under_the_candidates_name_and_passes_
     assert pair["candidate"].startswith(pair["reference"]) and "class ModelNew(Model):" in pair["candidate"]
     assert screen(pair["candidate"]).status is None
     assert side_by_side.bank_pairs(["L2_76"], shrink=64)[0]["candidate"] != pair["candidate"]  # the bank's kernel
+
+
+def test_the_window_table_shows_each_candidates_windows_beside_the_reference_windows_it_was_handed():
+    """The reading of the H200 run at kgym-18 (docs/kernelgym.md, Known limits): the fixed cost of the
+    reference's windows falls along its stock, and later candidates read slower."""
+    pairs = [{"task": "L2_86"}, {"task": "L1_40"}]
+    kpipe = {"repeats": [[{"key": "a1"}, {"key": "b1"}], [{"key": "a2"}, {"key": "b2"}]]}
+    trace = {"a1": {"window_calls": 24, "window_fixed_ms": [26.0, 24.0], "window_candidate_s": [0.0655, 0.0656],
+                    "candidate_ms": 1.973, "eager_ms": 2.7315},
+             "a2": {"window_calls": 24, "window_fixed_ms": [18.2, 18.3], "window_candidate_s": [0.0702, 0.0695],
+                    "candidate_ms": 2.138, "eager_ms": 2.7308},
+             "b1": {"status": "compilation_error"}}  # no windows: no row
+    lines = side_by_side.window_table(pairs, kpipe, trace)
+    assert lines[2:] == ["| L2_86 | 1 | 24 | 26.0, 24.0 | 65.5, 65.6 | 1.973 | 2.732 |",
+                         "| L2_86 | 2 | 24 | 18.2, 18.3 | 70.2, 69.5 | 2.138 | 2.731 |"]
