@@ -170,14 +170,17 @@ class ModelNew(nn.Module):
 ''',
 }
 # what the judge's clock and comparisons make of each: (status, a phrase of its reasons or
-# diagnostic, the highest speedup it may read). Each passed at 2.5-734x against kgym-13's judge.
+# diagnostic, the highest speedup it may read). Each passed at 2.5-734x against kgym-13's judge. The bound is
+# twice the speed the attack really has (a third of the reference's, or the reference's own): on a loaded
+# 2-core host (`make test` beside `.ci/run`) the windows' ratio read the forger, which runs the reference's
+# sleeping forward, at 1.78x; a forgery that worked would read 3x (the challenge's old bound) to 734x.
 EXPECTED = {
-    "rewrites_its_timings_in_memory": ("pass", "", 0.5),
-    "forges_the_exchange_from_memory": ("pass", "", 1.5),  # the reference's speed, computed on the judge's clock
-    "memoises_outputs_by_input_content": ("pass", "", 0.5),  # every window's inputs are fresh: no hit
+    "rewrites_its_timings_in_memory": ("pass", "", 2 / 3),
+    "forges_the_exchange_from_memory": ("pass", "", 2.0),  # the reference's speed, computed on the judge's clock
+    "memoises_outputs_by_input_content": ("pass", "", 2 / 3),  # every window's inputs are fresh: no hit
     "computes_only_the_checked_calls": ("hacked", "window_output_mismatch: call 1 of timing window 0", None),
     "computes_only_the_sampled_positions": ("hacked", "its sketch over every element", None),
-    "claims_a_third_of_the_references_speed": ("pass", "", 1.5),
+    "claims_a_third_of_the_references_speed": ("pass", "", 2.0),
 }
 
 
