@@ -10,7 +10,7 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -80,6 +80,7 @@ class Engine(Protocol):
     def generate(self, requests: list[ChatRequest], on_result: ResultCallback | None = None) -> list[Completion]: ...
 
 
+@runtime_checkable
 class CountsPromptTokens(Protocol):
     """An engine that knows the tokens its rendered prompt of each chat takes (a local model's tokenizer and chat
     template, as its `generate` renders them), counted in one batch (the tokenizer's threads); None where it cannot
@@ -90,8 +91,7 @@ class CountsPromptTokens(Protocol):
 
 def prompt_tokens(engine: Engine, chats: list[list[Message]]) -> list[int] | None:
     """Each chat's prompt tokens as `engine` renders it, or None where it does not count (an API model)."""
-    count = getattr(engine, "prompt_tokens", None)
-    return count(chats) if count is not None else None
+    return engine.prompt_tokens(chats) if isinstance(engine, CountsPromptTokens) else None
 
 
 @dataclass

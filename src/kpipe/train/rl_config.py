@@ -74,7 +74,7 @@ class RLConfig:
     steps_per_iteration: int = 1
     # a scratch checkpoint (the model and its optimizer state) after each step of an iteration but its last, which a
     # failed job resumes from; off, a failed job reruns its iteration from the first step and the disk never holds
-    # one (an 8B's is 13 bytes a parameter beside the models: one GPU's 64 GiB, config/paper_smoke_1gpu.yaml)
+    # one (16 bytes a parameter beside the models, 131 GB for the 8B: one GPU's 64 GiB, config/paper_smoke_1gpu.yaml)
     step_checkpoints: bool = True
     max_prompts: int | None = None  # use only the first N training queries (offline runs)
     engine: str = "hf"  # hf | vllm (rollouts); the trainer is always torch + transformers
