@@ -1,7 +1,8 @@
 """The RL step's deterministic outputs, recorded once at main 73f9be3 (before the loop became one batch
 object) so that a reshaped loop can be checked to train alike (tests/test_rl_golden.py). The recorder
 below is kept as it ran there (`python tests/rl_golden.py DIR` at 73f9be3; run_iteration's signature of
-then): rerecord only on a change meant to alter training, and say so.
+then): rerecord only on a change meant to alter training, and say so. Since recorded: `trained_row_tokens`, a
+new metric, added to each fixture with every recorded value checked unchanged.
 
 Deterministic here: every KernelGym result comes from `JudgeByText` (a function of the answer's text;
 on a CPU real rewards depend on the interpreter's timings), one torch thread, fp32, a seeded nano policy.

@@ -29,9 +29,21 @@ def test_training_flops_count_the_weights_and_causal_attention():
 
 def test_the_kv_cache_of_a_token_and_what_the_engine_holds():
     assert cost.kv_bytes_per_token(36, 1024) == 147_456  # Qwen3-8B: 2 x 36 layers x 8 heads x 128 x 2 bytes
-    # half of 100 GB, less 10 GB of weights and 20 GB the trainer keeps, at 2,000 bytes a token
-    assert cost.kv_capacity_tokens(100e9, 0.5, 10e9, 20e9, 2000) == pytest.approx(1e7)
-    assert cost.kv_capacity_tokens(10e9, 0.5, 10e9, 0, 2000) == 0  # nothing left: no cache, never negative
+    # half of 100 GB, less 10 GB of weights, at 2,000 bytes a token: the share is the engine's own budget
+    assert cost.kv_capacity_tokens(100e9, 0.5, 10e9, 2000) == pytest.approx(2e7)
+    assert cost.kv_capacity_tokens(10e9, 0.5, 10e9, 2000) == 0  # nothing left: no cache, never negative
+    # the one-GPU smoke on an H100 (85.0e9 bytes as vLLM reads them) at 0.35: 91K tokens; vLLM reported 79,280,
+    # its 1.5 GiB of peak activations out of the share
+    assert cost.kv_capacity_tokens(85.02e9, 0.35, 16.4e9, 147_456) == pytest.approx(90_584, rel=1e-3)
+
+
+def test_a_colocated_engine_must_fit_beside_the_trainer():
+    cost.check_engine_beside_trainer(80e9, 0.5, 40e9)  # exactly the GPU
+    with pytest.raises(ValueError, match="rl.vllm_gpu_memory_utilization 0.6 asks 45 GiB of a 75 GiB GPU"):
+        cost.check_engine_beside_trainer(80e9, 0.6, 40e9)
+    assert cost.rl_engine_memory_fraction({"engine": "hf"}) is None
+    assert cost.rl_engine_memory_fraction({"engine": "vllm"}) == 0.35  # RLConfig's default
+    assert cost.rl_engine_memory_fraction({"engine": "vllm", "vllm_gpu_memory_utilization": 0.6}) == 0.6
 
 
 def test_a_decoded_token_attends_to_the_history_of_its_turn():
@@ -217,15 +229,20 @@ def test_kernelgym_on_gpus_of_its_own_overlaps_rollouts_under_async_eval():
 
 def test_the_trainer_offloads_its_optimizer_where_the_gpu_is_too_small():
     """On one GPU of 55 GB the 'gpu' plan (16 GB + 40 GiB) does not fit, 'fp32' (8 GB + 40 GiB) does: every step
-    streams 8 GB of moments in and out at 1 GB/s (16 s), and the trainer's 4 GB of fp32 weights shrink the cache."""
+    streams 8 GB of moments in and out at 1 GB/s (16 s); a colocated vLLM engine takes its share beside the
+    trainer's 4 GB of fp32 weights, and one that does not fit beside them is refused."""
     small = Units(ROUND_UNITS.figures, {"h200": {**ROUND_UNITS.gpu_kinds["h200"], "memory_bytes": figure("m", 55e9)}},
                   ROUND_UNITS.models, ROUND_UNITS.architectures)
     config = small_config()
-    config["rl"].update(gpus=1, optimizer_offload="auto")
+    config["rl"].update(gpus=1, optimizer_offload="auto", engine="vllm", vllm_gpu_memory_utilization=0.6)
     config["sft"]["optimizer_offload"] = "auto"
     rl = next(s for s in cost.plan_cost(config, small, 1, "h200").stages if s.name == "rl")
     assert "memory plan fp32" in rl.note and "optimizer 16.0 s" in rl.note
-    assert "KV cache 10750K tokens" in rl.note  # (55 GB x 0.5 - 2 GB - 4 GB) / 2,000 bytes
+    assert "KV cache 15500K tokens" in rl.note  # (55 GB x 0.6 - 2 GB of bf16 weights) / 2,000 bytes
+    config["rl"]["vllm_gpu_memory_utilization"] = 0.95  # 52 GB beside the trainer's 4 GB: vLLM would not start
+    with pytest.raises(ValueError, match="rl.vllm_gpu_memory_utilization 0.95 asks 49 GiB of a 51 GiB GPU beside"):
+        cost.plan_cost(config, small, 1, "h200")
+    config["rl"]["vllm_gpu_memory_utilization"] = 0.6
     config["rl"]["optimizer_offload"] = False  # YAML's bare `off`: AdamW on the GPU, as the run would, refused
     with pytest.raises(ValueError, match=r"do not fit 1 GPU\(s\) of 51 GiB under any memory plan \(gpu\)"):
         cost.plan_cost(config, small, 1, "h200")

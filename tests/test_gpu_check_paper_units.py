@@ -335,15 +335,42 @@ def test_the_rl_step_is_read_from_a_finished_smoke_and_held_to_the_plan(tmp_path
 def test_each_step_reports_its_push_and_mrs_against_the_engine(tmp_path):
     """The second step starts with the push: its row shows the push's seconds and what MRS kept after it."""
     first = {"rollout_s": 200.0, "log_probs_s": 10.0, "update_s": 40.0, "optimizer_s": 3.0, "sleep_wake_s": 0.03,
-             "step_s": 240.0, "rows": 9.0, "row_tokens": 150_000.0, "kept_frac_mrs": 7 / 9, "mismatch_abs_log_w": 8e-4}
-    second = {**first, "push_s": 0.5, "kept_frac_mrs": 1.0, "mismatch_abs_log_w": 4e-4}
+             "step_s": 240.0, "rows": 9.0, "row_tokens": 150_000.0, "trained_rows": 7.0, "kept_frac_mrs": 7 / 9,
+             "mismatch_abs_log_w": 8e-4}
+    second = {**first, "push_s": 0.5, "trained_rows": 9.0, "kept_frac_mrs": 1.0, "mismatch_abs_log_w": 4e-4}
     report = smoke_report(tmp_path, [first, second])
     assert report.data["steps"][1] == {k: v for k, v in first.items() if k in ("sleep_wake_s", "rows", "row_tokens",
-                                                                                "kept_frac_mrs", "mismatch_abs_log_w")}
+                                                                                "trained_rows", "kept_frac_mrs",
+                                                                                "mismatch_abs_log_w")}
     assert report.data["steps"][2]["push_s"] == 0.5 and report.data["steps"][2]["kept_frac_mrs"] == 1.0
     lines = "\n".join(report.current["lines"])
-    assert "| 1 | - | 0.03 | 9 | 1.5e+05 | 78% | 0.0008 |" in lines
-    assert "| 2 | 0.5 | 0.03 | 9 | 1.5e+05 | 100% | 0.0004 |" in lines
+    assert "| 1 | - | 0.03 | 9 | 1.5e+05 | 7 | 78% | 0.0008 |" in lines
+    assert "| 2 | 0.5 | 0.03 | 9 | 1.5e+05 | 9 | 100% | 0.0004 |" in lines
+    assert "the update trained 8.0 of them a step, 133,333 tokens (estimated at the mean row's length)" in lines
+
+
+def test_the_update_is_held_to_the_rows_it_trained_and_the_log_probs_to_every_row():
+    """MRS and PRS drop rows after the log-prob forward: every row is read once, the trained ones three times
+    more (forward and backward) a PPO epoch; by hand at one row length, seconds are tokens x FLOPs a token over
+    the peak x MFU."""
+    from kpipe.infra.config import load_config
+    from kpipe.report.cost import architecture_of, load_units, policy_architecture, rl_rows_train_seconds
+
+    config = load_config(*(str(ROOT / name) for name in ("config/config.yaml", *paper_units.SMOKE_CONFIGS)))
+    units = load_units(ROOT / "config/cost_units.yaml")
+    model = policy_architecture(config)
+    shapes, params = architecture_of(model, units), units.models[model].value
+    per_pass = 2 * params + 2 * shapes.layers * shapes.attention_width * 20_000  # a 20,000-token row
+    rate = units.gpu_kinds["h100"]["peak_bf16_flops"].value * units["training_mfu"]
+    every_row = rl_rows_train_seconds(config, units, "h100", 200_000.0, 10.0)
+    assert every_row == pytest.approx(200_000 * 4 * per_pass / rate)  # ppo_epochs 1: 1 + 3 passes
+    two_trained = rl_rows_train_seconds(config, units, "h100", 200_000.0, 10.0, 40_000.0, 2.0)
+    assert two_trained == pytest.approx((200_000 * per_pass + 40_000 * 3 * per_pass) / rate)
+    assert rl_rows_train_seconds(config, units, "h100", 200_000.0, 10.0, 0.0, 0.0) == pytest.approx(200_000 * per_pass / rate)
+    assert paper_units.trained_rows_read({"rows": 10.0, "row_tokens": 200_000.0, "trained_rows": 2.0}) == (40_000.0, 2.0)
+    assert paper_units.trained_rows_read({"rows": 10.0, "row_tokens": 200_000.0, "trained_rows": 2.0,
+                                          "trained_row_tokens": 50_000.0}) == (50_000.0, 2.0)
+    assert paper_units.trained_rows_read({"rows": 10.0, "row_tokens": 200_000.0}) == ()
 
 
 def test_the_rl_step_is_reported_only_on_the_card_its_jobs_ran_on(tmp_path):

@@ -1504,6 +1504,18 @@ def step_phases(means: Any) -> dict[str, float]:
     return phases
 
 
+def trained_rows_read(means: Any) -> tuple[float, float] | tuple[()]:
+    """(tokens, rows) the update trained, from an RL iteration's metric means: `trained_row_tokens` where the run
+    counted it, else its trained rows at the mean row's length (runs before the metric); () where neither
+    is known (the plan then holds every row to the update's passes)."""
+    if "trained_rows" not in means or "rows" not in means or "row_tokens" not in means:
+        return ()
+    rows = float(means["trained_rows"])
+    if "trained_row_tokens" in means:
+        return float(means["trained_row_tokens"]), rows
+    return rows * float(means["row_tokens"]) / float(means["rows"]), rows
+
+
 def job_cards(logs: Path) -> set[str]:
     """The cards a run's GPU jobs name in their logs (kpipe.infra.jobs logs them as each job starts)."""
     marker = ": GPU(s) "
@@ -1539,9 +1551,10 @@ def rl_step(report: Report, args: argparse.Namespace) -> None:
     # the trainer's units held to the rows the run trained (a random policy's answers and the byte tokenizer's
     # contexts are not the plan's guesses): issue 63's "once the units are the measured ones"
     at_rows = "row_tokens" in metrics and metrics["rows"] > 0 and "forward_backward_s" in measured
+    trained = trained_rows_read(metrics)
     if at_rows:
-        predicted["forward_backward_at_rows_s"] = rl_rows_train_seconds(config, units, kind, float(metrics["row_tokens"]),
-                                                                       float(metrics["rows"]))
+        predicted["forward_backward_at_rows_s"] = rl_rows_train_seconds(
+            config, units, kind, float(metrics["row_tokens"]), float(metrics["rows"]), *trained)
         measured["forward_backward_at_rows_s"] = measured["forward_backward_s"]
     compared = tuple(phase for phase in COMPARED_PHASES if not (at_rows and phase == "forward_backward_s"))
     compared += ("forward_backward_at_rows_s",) if at_rows else ()
@@ -1574,21 +1587,27 @@ def rl_step(report: Report, args: argparse.Namespace) -> None:
     read = (f"{tokens:,.0f} tokens in all, read at {tokens / measured['forward_backward_s']:,.0f} tokens/s by the "
             f"forward and backward passes" if math.isfinite(tokens) and measured.get("forward_backward_s")
             else "their tokens not recorded (row_tokens: runs before it was a metric)")
+    if trained:
+        counted = "counted" if "trained_row_tokens" in metrics else "estimated at the mean row's length"
+        read += (f"; the update trained {trained[1]:.1f} of them a step, {trained[0]:,.0f} tokens ({counted}): MRS and "
+                 f"PRS drop the others after the log-prob pass, so the plan holds every row to one forward and the "
+                 f"trained ones to the update's forward and backward")
     report.line("", f"{report.data['rows']:.0f} rows (a row a turn: its context and answer; {read}), answers of "
                     f"{report.data['response_tokens_mean']:,.0f} tokens on average; MRS kept {report.data['kept_frac_mrs']:.0%} of rows against the engine's "
                     f"log-probs, over the steps (mean |log w| {report.data['mismatch_abs_log_w']:.2g}).",
                 "", "Each step: the first after vLLM loaded the SFT model, each later one after the trainer's push "
                     "(`kpipe.train.rollouts.feed_vllm`); MRS holds vLLM's log-probs of its samples to the trainer's "
                     "(Eq. 6: a sequence's mean log ratio within 1e-3, no token's ratio under 1e-4).", "")
-    report.table("step", "push s", "sleep and wakes s", "rows", "row tokens", "MRS kept", "mean |log w|")
+    report.table("step", "push s", "sleep and wakes s", "rows", "row tokens", "trained rows", "MRS kept", "mean |log w|")
     steps = by_step.pivot_table(index="step", columns="name", values="value")
     report.data["steps"] = {}
     for step_number, values in steps.iterrows():
-        figures = {name: float(values[name]) for name in ("push_s", "sleep_wake_s", "rows", "row_tokens", "kept_frac_mrs",
-                                                          "mismatch_abs_log_w") if name in values and pd.notna(values[name])}
+        figures = {name: float(values[name]) for name in ("push_s", "sleep_wake_s", "rows", "row_tokens", "trained_rows",
+                                                          "kept_frac_mrs", "mismatch_abs_log_w")
+                   if name in values and pd.notna(values[name])}
         report.data["steps"][int(step_number)] = figures
         report.row(int(step_number), *(f"{figures[name]:.3g}" if name in figures else "-" for name in
-                                       ("push_s", "sleep_wake_s", "rows", "row_tokens")),
+                                       ("push_s", "sleep_wake_s", "rows", "row_tokens", "trained_rows")),
                    f"{figures['kept_frac_mrs']:.0%}" if "kept_frac_mrs" in figures else "-",
                    f"{figures['mismatch_abs_log_w']:.2g}" if "mismatch_abs_log_w" in figures else "-")
     report.line("", "Each job, predicted against Snakemake's benchmark files (`kpipe plan --cost ... --measured logs`):",

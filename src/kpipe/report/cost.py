@@ -109,10 +109,32 @@ def kv_bytes_per_token(layers: int, kv_width: int, bytes_per_value: float = 2) -
 
 
 def kv_capacity_tokens(gpu_memory_bytes: float, engine_memory_fraction: float, engine_weight_bytes: float,
-                       trainer_resident_bytes: float, kv_bytes: float) -> float:
-    """Tokens the engine's KV cache holds: its share of the GPU, less its weights and what the colocated
-    trainer keeps on the GPU while it sleeps."""
-    return max(0.0, gpu_memory_bytes * engine_memory_fraction - engine_weight_bytes - trainer_resident_bytes) / kv_bytes
+                       kv_bytes: float) -> float:
+    """Tokens the engine's KV cache holds: its share of the GPU (vLLM's gpu_memory_utilization, a budget for
+    its own memory whatever else the GPU holds), less its weights. vLLM also keeps its peak activations out
+    of the share (1.5 GiB for the 8B at 16,384 batched tokens on an H100, the one-GPU smoke's log): left out."""
+    return max(0.0, gpu_memory_bytes * engine_memory_fraction - engine_weight_bytes) / kv_bytes
+
+
+def rl_engine_memory_fraction(rl: dict[str, Any]) -> float | None:
+    """The share of its GPU RL's colocated vLLM engine takes (`rl.vllm_gpu_memory_utilization`, RLConfig's default
+    where unset); None for the HF engine."""
+    if rl.get("engine") != "vllm":
+        return None
+    from kpipe.train.rl_config import RLConfig  # torch comes with it: only for a vLLM run's plan
+
+    return float(rl.get("vllm_gpu_memory_utilization", RLConfig.vllm_gpu_memory_utilization))
+
+
+def check_engine_beside_trainer(gpu_memory_bytes: float, engine_memory_fraction: float,
+                                trainer_resident_bytes: float) -> None:
+    """Refuse a colocated engine whose share does not fit beside what the trainer keeps on the GPU while the
+    engine decodes: vLLM 0.26.0 refuses to start unless that much of the GPU is free."""
+    if gpu_memory_bytes * engine_memory_fraction + trainer_resident_bytes > gpu_memory_bytes:
+        raise ValueError(f"rl.vllm_gpu_memory_utilization {engine_memory_fraction} asks "
+                         f"{gpu_memory_bytes * engine_memory_fraction / 2**30:.0f} GiB of a "
+                         f"{gpu_memory_bytes / 2**30:.0f} GiB GPU beside the trainer's "
+                         f"{trainer_resident_bytes / 2**30:.0f} GiB: lower it, or give RL more GPUs")
 
 
 def mean_decode_context(turns: int, answer_tokens: float, prompt_tokens: float, feedback_tokens: float) -> float:
@@ -247,17 +269,34 @@ def turn_row_tokens(turns: int, max_tokens: int, response_fill: float, prompt_to
     return [prompt_tokens + turn * (answer + feedback_tokens) + answer for turn in range(turns)]
 
 
-def rl_rows_train_seconds(config: dict[str, Any], units: Units, kind: str, row_tokens: float, rows: float) -> float:
-    """The plan's forward and backward seconds (one GPU) for the rows a run did train: `row_tokens` over `rows`
-    rows at the trainer's FLOPs a token for their mean length (4 passes) and the measured MFU. The trainer's
-    units alone, without the plan's guesses of a prompt's, an answer's and a feedback's tokens; the mean
-    length counts a little less attention than the rows' own lengths would."""
+def rl_update_passes(rl: dict[str, Any]) -> int:
+    """Passes of the trainer over a trained row in an RL step: one forward for the old policy's log-probs
+    (every row, before MRS and PRS drop any), then a forward and backward (3 passes) each PPO epoch."""
+    return 1 + 3 * rl.get("ppo_epochs", 1)
+
+
+def rl_rows_train_seconds(config: dict[str, Any], units: Units, kind: str, row_tokens: float, rows: float,
+                          trained_row_tokens: float | None = None, trained_rows: float | None = None) -> float:
+    """The plan's forward and backward seconds (one GPU) for the rows a run did read: the log-prob forward
+    over every row (`row_tokens` over `rows`), the update's forward and backward over the rows it trained
+    (`trained_row_tokens` over `trained_rows`, every row where not given; MRS and PRS drop the others before
+    the update), each at the trainer's FLOPs a token for its mean length and the measured MFU. The trainer's
+    units alone, without the plan's guesses of a prompt's, an answer's and a feedback's tokens; a mean length
+    counts a little less attention than the rows' own lengths would."""
     base_model = policy_architecture(config)
     shapes = architecture_of(base_model, units)
-    flops = flops_per_token(units.models[base_model].value, shapes.layers, shapes.attention_width,
-                            row_tokens / rows, 4)
-    return training_gpu_seconds(row_tokens, flops, units.gpu_kinds[kind]["peak_bf16_flops"].value,
-                                units["training_mfu"])
+    peak = units.gpu_kinds[kind]["peak_bf16_flops"].value
+
+    def seconds(tokens: float, count: float, passes: int) -> float:
+        if tokens <= 0 or count <= 0:
+            return 0.0
+        flops = flops_per_token(units.models[base_model].value, shapes.layers, shapes.attention_width,
+                                tokens / count, passes)
+        return training_gpu_seconds(tokens, flops, peak, units["training_mfu"])
+
+    if trained_row_tokens is None or trained_rows is None:
+        trained_row_tokens, trained_rows = row_tokens, rows
+    return seconds(row_tokens, rows, 1) + seconds(trained_row_tokens, trained_rows, rl_update_passes(config["rl"]) - 1)
 
 
 # --- the plan -------------------------------------------------------------------------------------------
@@ -383,13 +422,14 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
             return max(rollout_wall, gym_wall) if overlapped and gym_gpus else rollout_wall + gym_wall
 
     def generation(n_trajectories: float, turns: int, max_tokens: int, replicas: int,
-                   trainer_resident_bytes: float = 0.0) -> Generation:
-        """n trajectories on `replicas` one-GPU engines beside a colocated trainer's resident bytes a GPU."""
+                   engine_fraction: float | None = None) -> Generation:
+        """n trajectories on `replicas` one-GPU engines, each with `engine_fraction` of its GPU (a standalone
+        engine's, `vllm_gpu_memory_fraction`, where not given)."""
         prefill, decode, _ = trajectory(turns, max_tokens)
         context = mean_decode_context(turns, max_tokens * units["response_fill"], units["prompt_tokens"],
                                       units["feedback_tokens"])
-        capacity = kv_capacity_tokens(gpu_memory, units["vllm_gpu_memory_fraction"], weight_bytes,
-                                      trainer_resident_bytes, kv_bytes)
+        share = units["vllm_gpu_memory_fraction"] if engine_fraction is None else engine_fraction
+        capacity = kv_capacity_tokens(gpu_memory, share, weight_bytes, kv_bytes)
         batch = decode_batch(n_trajectories / replicas, units["decode_max_sequences"], capacity, context)
         rate = decode_tokens_per_s(batch, step_seconds(batch, context))
         floor = longest_answer_floor_seconds(turns, max_tokens, units["prompt_tokens"], units["feedback_tokens"],
@@ -435,14 +475,17 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     rl_memory = choose_memory_plan(params, rl_gpus, gpu_memory, candidate_plans(
         read_offload_setting(rl).get("optimizer_offload", "off")))
     step_trajectories = rl["prompts_per_step"] * rl["rollouts_per_prompt"]
-    rl_generation = generation(step_trajectories, rl["max_turns"], rl["max_tokens"], rl_gpus,
-                               params * rl_memory.resident_bytes_per_param / rl_gpus)
+    # the colocated engine's share is the run's own setting, beside what the trainer keeps while it decodes
+    rl_engine_fraction = rl_engine_memory_fraction(rl)
+    if rl_engine_fraction is not None:
+        check_engine_beside_trainer(gpu_memory, rl_engine_fraction, params * rl_memory.resident_bytes_per_param / rl_gpus)
+    rl_generation = generation(step_trajectories, rl["max_turns"], rl["max_tokens"], rl_gpus, rl_engine_fraction)
     _, _, rl_sequence = trajectory(rl["max_turns"], rl["max_tokens"])
     rl_rows = turn_row_tokens(rl["max_turns"], rl["max_tokens"], units["response_fill"], units["prompt_tokens"],
                               units["feedback_tokens"])
     # the update recomputes the old policy's log-probs (one forward) before its forward and backward
-    train = sum(training_gpu_seconds(step_trajectories * row, trainer_flops(row, 4), peak, units["training_mfu"])
-                for row in rl_rows)
+    train = sum(training_gpu_seconds(step_trajectories * row, trainer_flops(row, rl_update_passes(rl)), peak,
+                                     units["training_mfu"]) for row in rl_rows)
     optimizer = rl.get("mini_batches", 1) * rl.get("ppo_epochs", 1) * optimizer_step_seconds(
         params, rl_gpus, rl_memory.host_bytes_per_param, units["host_copy_bytes_per_s"])
     sync = weight_sync_seconds(params, units["bytes_per_parameter"], units["weight_sync_bytes_per_s"])

@@ -149,10 +149,12 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
     mean). Returns the means over optimizer steps of loss, grad_norm, clip fractions, approx KL (and the KL to the
     reference policy with `kl_coef`), the
     token-mean entropy of the policy on the trained tokens during the first epoch, and the number
-    of trained rows (all over every process).
+    of trained rows and their tokens, context and answer (all over every process: what the update's passes read).
     """
     device, world = accelerator.device, accelerator.num_processes
-    units = dict(gather_object([(item.key, len(item.sample.response_ids)) for item in items]))
+    gathered = gather_object([(item.key, len(item.sample.response_ids), item.sample.length) for item in items])
+    units = {key: response for key, response, _ in gathered}
+    row_tokens = {key: length for key, _, length in gathered}
     keys, mine = sorted(units), {item.key: item for item in items}
     filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1), torch.zeros(1))
     stats: dict[str, list[float]] = {}
@@ -217,7 +219,7 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
     out = {name: float(np.mean(values)) for name, values in stats.items()}
     out.update(optimizer_steps=float(len(stats.get("loss", [])) - skipped), skipped_steps=float(skipped),
                optimizer_s=optimizer_s,
-               trained_rows=float(len(keys)))
+               trained_rows=float(len(keys)), trained_row_tokens=float(sum(row_tokens.values())))
     if keys:
         entropy = summed_over_processes(accelerator, entropy)
         out["entropy"] = entropy["sum"] / max(1.0, entropy["tokens"])

@@ -39,6 +39,7 @@ the module's last section reads RL's and SFT's `optimizer_offload` setting into 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import weakref
@@ -192,23 +193,39 @@ def model_token_logprobs_and_entropy(model: Any, inputs: dict[str, torch.Tensor]
     return token_logprobs_and_entropy(hidden, weight, targets, chunk_tokens, temperature, matmul_dtype)
 
 
-DEFAULT_BUCKET_NUMEL = 1 << 26  # 64 M parameters: 256 MB a state a bucket; two staging slots on the GPU
-
-
-@dataclass
-class _Bucket:
-    """Parameters updated together, and their columns [start, end) of the host state."""
-
-    params: list[torch.Tensor]
-    start: int
-    end: int
-    group_index: int  # of `param_groups`, looked up at each step: a scheduler or a loaded state replaces values
-    steps: int = 0
+# 64 M elements: 256 MB a state row a bucket, the width of the two staging slots on the GPU. A parameter larger
+# than the room left in a bucket is cut across buckets: whole, the 8B's embedding and untied LM head (151,936 x
+# 4096 = 622 M each) would set the slots' width, 2 x 3 x 622 M x 4 B = 14.9 GB of GPU memory under the bf16 plan.
+DEFAULT_BUCKET_NUMEL = 1 << 26
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This process's shard of an FSDP2 (DTensor) parameter or gradient; a plain tensor as it is."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@dataclass(frozen=True, eq=False)
+class _Span:
+    """Elements [offset, offset + numel) of one parameter's flattened local tensor: a bucket's share of it."""
+
+    param: torch.Tensor
+    offset: int
+    numel: int
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The same elements of `tensor`, the parameter or its gradient (a view: both are contiguous)."""
+        return _local(tensor).view(-1)[self.offset:self.offset + self.numel]
+
+
+@dataclass
+class _Bucket:
+    """Slices of parameters updated together, and their columns [start, end) of the host state."""
+
+    spans: list[_Span]
+    start: int
+    end: int
+    group_index: int  # of `param_groups`, looked up at each step: a scheduler or a loaded state replaces values
+    steps: int = 0  # every slice of a parameter has a gradient at a step or none has: each bucket counts its own
 
 
 def _pin(tensor: torch.Tensor, owner: object) -> None:
@@ -229,9 +246,12 @@ class OffloadedAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW`` (decoupled weight decay, no amsgrad) with its state in host memory.
 
     The parameters stay where they are (the GPU); their gradients must be there too. Under FSDP2 each process
-    keeps and steps the state of its own shards (the DTensors' local tensors). Every parameter that
-    requires a gradient is updated at each step: a bucket whose parameters have no gradient at all is
-    skipped, one where only some have is refused (its moments are stepped together)."""
+    keeps and steps the state of its own shards (the DTensors' local tensors). Buckets hold at most
+    `bucket_numel` elements, filled in parameter order: a larger parameter is cut into slices of its
+    flattened (contiguous) tensor, so the 8B's embedding and head (622 M each) do not set the width of
+    the GPU's staging slots. Every parameter that requires a gradient is updated at each step: a bucket
+    whose slices have no gradient at all is skipped, one where only some have is refused (its moments
+    are stepped together)."""
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
@@ -242,58 +262,61 @@ class OffloadedAdamW(torch.optim.Optimizer):
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be at least 1, not {bucket_numel}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        trained = [param for group in self.param_groups for param in group["params"] if param.requires_grad]
-        if not trained:
+        # the parameters it updates, in order; each one's columns of the host state start at `_starts`
+        self.params = [param for group in self.param_groups for param in group["params"] if param.requires_grad]
+        if not self.params:
             raise ValueError("OffloadedAdamW got no parameter that requires a gradient")
-        self.device = trained[0].device
-        if any(param.device != self.device for param in trained):
+        self.device = self.params[0].device
+        if any(param.device != self.device for param in self.params):
             raise ValueError("OffloadedAdamW's parameters must all be on one device")
+        strided = [tuple(_local(param).shape) for param in self.params if not _local(param).is_contiguous()]
+        if strided:
+            raise ValueError(f"OffloadedAdamW steps slices of each parameter's flattened tensor: parameters of "
+                             f"shapes {strided} are not contiguous")
         self.master_on_host = master_on_host
+        self._starts = list(itertools.accumulate((_local(param).numel() for param in self.params), initial=0))
         self.buckets = self._make_buckets(bucket_numel)
-        total = self.buckets[-1].end
         # rows: exp_avg, exp_avg_sq[, fp32 master]; one allocation, page-locked once where there is a GPU
-        self.host_state = torch.zeros(3 if master_on_host else 2, total, dtype=torch.float32)
+        self.host_state = torch.zeros(3 if master_on_host else 2, self._starts[-1], dtype=torch.float32)
         if master_on_host:
-            for bucket in self.buckets:
-                torch.cat([_local(param).detach().reshape(-1).float().cpu() for param in bucket.params],
-                          out=self.host_state[2, bucket.start:bucket.end])
+            for param, master in zip(self.params, self.master_weights(), strict=True):
+                master.copy_(_local(param).detach())
         self.streamed = self.device.type == "cuda"
         if self.streamed:
             _pin(self.host_state, self)
             self._copy_in, self._copy_out = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-        widest = max(bucket.end - bucket.start for bucket in self.buckets)
+        widest = max((bucket.end - bucket.start for bucket in self.buckets), default=0)
         self._slots = [torch.empty(self.host_state.shape[0], widest, dtype=torch.float32, device=self.device)
                        for _ in range(2)]
         self.last_step_bytes = 0  # host<->device bytes the last step copied (both directions)
 
     def _make_buckets(self, bucket_numel: int) -> list[_Bucket]:
+        """Buckets of at most `bucket_numel` elements over the host state's columns in parameter order, each
+        filled before the next begins (a parameter cut where the room ends), and none across two groups."""
         buckets: list[_Bucket] = []
         start = 0
         for group_index, group in enumerate(self.param_groups):
-            current: list[torch.Tensor] = []
+            spans: list[_Span] = []
             size = 0
             for param in (p for p in group["params"] if p.requires_grad):
-                numel = _local(param).numel()
-                if current and size + numel > bucket_numel:
-                    buckets.append(_Bucket(current, start, start + size, group_index))
-                    start, current, size = start + size, [], 0
-                current.append(param)
-                size += numel
-            if current:
-                buckets.append(_Bucket(current, start, start + size, group_index))
+                numel, offset = _local(param).numel(), 0
+                while offset < numel:
+                    length = min(numel - offset, bucket_numel - size)
+                    spans.append(_Span(param, offset, length))
+                    offset += length
+                    size += length
+                    if size == bucket_numel:
+                        buckets.append(_Bucket(spans, start, start + size, group_index))
+                        start, spans, size = start + size, [], 0
+            if spans:
+                buckets.append(_Bucket(spans, start, start + size, group_index))
                 start += size
         return buckets
 
-    def _views(self, rows: torch.Tensor, bucket: _Bucket) -> list[list[torch.Tensor]]:
-        """Each state row of a staged bucket cut into tensors shaped like its parameters."""
-        views: list[list[torch.Tensor]] = []
-        for row in rows:
-            offset, per_param = 0, []
-            for param in map(_local, bucket.params):
-                per_param.append(row[offset:offset + param.numel()].view(param.shape))
-                offset += param.numel()
-            views.append(per_param)
-        return views
+    @staticmethod
+    def _views(rows: torch.Tensor, bucket: _Bucket) -> list[list[torch.Tensor]]:
+        """Each state row of a staged bucket cut into its spans' slices (flat: AdamW is elementwise)."""
+        return [list(row.split([span.numel for span in bucket.spans])) for row in rows]
 
     def _stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(stream) if self.streamed else contextlib.nullcontext()
@@ -308,7 +331,7 @@ class OffloadedAdamW(torch.optim.Optimizer):
         slot_free: list[Any] = [None, None]
         moved = 0
         for index, bucket in enumerate(self.buckets):
-            grads = [None if param.grad is None else _local(param.grad) for param in bucket.params]
+            grads = [None if span.param.grad is None else span.of(span.param.grad) for span in bucket.spans]
             if all(grad is None for grad in grads):
                 continue
             if any(grad is None for grad in grads):
@@ -330,10 +353,10 @@ class OffloadedAdamW(torch.optim.Optimizer):
                 targets = views[2]
                 grads = [grad.float() for grad in grads]
             else:
-                targets = [_local(param) for param in bucket.params]
+                targets = [span.of(span.param) for span in bucket.spans]
             self._adamw(targets, grads, exp_avgs, exp_avg_sqs, bucket.steps, self.param_groups[bucket.group_index])
             if self.master_on_host:
-                torch._foreach_copy_([_local(param) for param in bucket.params], targets)
+                torch._foreach_copy_([span.of(span.param) for span in bucket.spans], targets)
             with self._stream(self._copy_out if self.streamed else None):
                 if self.streamed:
                     self._copy_out.wait_stream(compute)
@@ -373,7 +396,8 @@ class OffloadedAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore what `state_dict` saved, into the page-locked host state (a memory-mapped load's pages
-        are copied once); with `master_on_host` the parameters become the restored master's cast."""
+        are copied once); with `master_on_host` the parameters become the restored master's cast. A state of
+        other buckets is refused: one saved before buckets cut parameters (whole parameters a bucket) too."""
         if "host_state" not in state_dict:
             raise ValueError("OffloadedAdamW.load_state_dict: not an OffloadedAdamW state (no host_state); "
                              "a torch.optim.AdamW state cannot be loaded into it")
@@ -390,18 +414,17 @@ class OffloadedAdamW(torch.optim.Optimizer):
             bucket.steps = int(steps)
         if self.master_on_host:
             with torch.no_grad():
-                for bucket in self.buckets:
-                    masters = self._views(self.host_state[2:, bucket.start:bucket.end], bucket)[0]
-                    for param, master in zip(bucket.params, masters, strict=True):
-                        _local(param).copy_(master)
+                for param, master in zip(self.params, self.master_weights(), strict=True):
+                    _local(param).copy_(master)
 
     def master_weights(self) -> list[torch.Tensor]:
-        """The fp32 weights AdamW updates, in parameter order: the host master's views with
-        `master_on_host`, else the parameters themselves."""
+        """The fp32 weights AdamW updates, in parameter order: with `master_on_host`, views of the host master
+        shaped like each (local) parameter (a parameter's columns are adjacent even where buckets cut it),
+        else the parameters themselves."""
         if not self.master_on_host:
-            return [param for bucket in self.buckets for param in bucket.params]
-        return [view for bucket in self.buckets
-                for view in self._views(self.host_state[2:, bucket.start:bucket.end], bucket)[0]]
+            return list(self.params)
+        return [self.host_state[2, start:start + _local(param).numel()].view(_local(param).shape)
+                for param, start in zip(self.params, self._starts)]
 
 
 @dataclass(frozen=True)
@@ -551,8 +574,7 @@ def master_by_name(optimizer: OffloadedAdamW, model: Any) -> dict[str, torch.Ten
     """The fp32 weight AdamW updates for each of `model`'s parameters (``OffloadedAdamW.master_weights``),
     by state-dict name; keep_vars gives the parameters themselves, so a tied head's name finds its
     embedding's."""
-    params = [param for bucket in optimizer.buckets for param in bucket.params]
-    by_id = {id(param): master for param, master in zip(params, optimizer.master_weights())}
+    by_id = {id(param): master for param, master in zip(optimizer.params, optimizer.master_weights())}
     return {name: by_id[id(param)] for name, param in model.state_dict(keep_vars=True).items() if id(param) in by_id}
 
 
