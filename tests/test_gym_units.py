@@ -455,6 +455,29 @@ def test_window_outputs_gather_each_calls_own_values_whole_or_at_secret_position
     assert first["sketch"] != second["sketch"] and first["sketch_variance"] > 0 and "sketch_variance" not in second
 
 
+@pytest.mark.parametrize("numel", [5_000, (1 << 20) * 3 + 12_345])
+def test_the_sketch_is_its_formula_elementwise_in_float64(numel):
+    """S_p = sum_i s_p(i mod period) x_i |x_i| and V = sum_i ((2|x_i| + t_i) t_i)^2, t_i = atol + rtol |x_i|, as written
+    in the docstring, against the power-sum form the device computes (a tail shorter than the period included);
+    NaN counts as 0 and infinities as +-3e38 (a reference with them has no finite bound)."""
+    from kpipe.gym.candidate.trial_data import SKETCH_PERIOD, sketch, sketch_signs
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3 + 0.5
+    signs = sketch_signs(min(numel, SKETCH_PERIOD), 11, "cpu")
+    got = sketch(x, signs, 1e-2, 2e-2)
+    xd = x.double()
+    pattern = signs.double()[:, torch.arange(numel) % signs.shape[1]]
+    expected_s = pattern @ (xd * xd.abs())
+    t = 1e-2 + 2e-2 * xd.abs()
+    expected_v = (((2 * xd.abs() + t) * t) ** 2).sum()
+    assert torch.allclose(got[:-1].double(), expected_s, rtol=1e-5, atol=1e-3 * float(expected_v.sqrt()))
+    assert float(got[-1]) == pytest.approx(float(expected_v), rel=3e-3)  # a CPU BLAS dot sums in float32
+    assert float(sketch(x, signs)[-1]) == 0.0  # no tolerance, no bound asked
+    x[7], x[8] = float("nan"), float("inf")
+    with_nonfinite = sketch(x, signs, 1e-2, 2e-2)
+    assert not torch.isfinite(with_nonfinite[-1]) and not torch.isfinite(with_nonfinite[:-1]).all()
+
+
 def test_a_forger_of_the_sampled_positions_fails_every_call_under_the_sign_patterns():
     """Zeros beyond the 4,096 sampled positions of a 2^20-element output: under one sign pattern its sketch
     fell within the bound on 17-22 % of calls; each of the 16 patterns must hold, so none of 40 calls passes,

@@ -121,17 +121,28 @@ def sketch(flat: torch.Tensor, signs: torch.Tensor, atol: float = 0.0, rtol: flo
     element of `flat`, s_p the p-th of the secret sign patterns `signs` repeated; V = sum_i ((2|x_i| + t_i) t_i)^2,
     t_i = atol + rtol |x_i|, the variance of each S_p's difference for outputs within the elementwise tolerance
     of x (what the reference reports: the judge's bound, kpipe.gym.judge.compare.compare_sketch). g is not
-    linear: a linear sketch of a product can be had without the product (Freivalds). As rows of the patterns'
-    length, their column sums and a matrix-vector product: three passes over the output."""
-    x = torch.nan_to_num(flat.float(), nan=0.0, posinf=3e38, neginf=-3e38)
+    linear: a linear sketch of a product can be had without the product (Freivalds).
+
+    Both children pay it inside every timed call, so it is the bulk of a window's fixed cost on a large output
+    (about 3 ms a call of 67 M elements on an H100 at kgym-18, ten times a fast candidate's kernel): about 13
+    passes over the output, not 25. The patterns share g's column sums (rows of the patterns' length); V
+    comes from the power sums of u = |x|, V = A^2 S4 + 2AB S3 + (B^2 + 2AC) S2 + 2BC S1 + n C^2 with
+    A = (2 + rtol) rtol, B = 2 atol (1 + rtol), C = atol^2: every term non-negative, so nothing cancels
+    (within 2e-7 of the elementwise formula in float64 at 6.7e7 normal elements on the CPU, and 2e-3 where
+    the CPU's BLAS dot accumulates in float32), and S2, S3, S4 are dot products of x and g (u^2 = x x,
+    u^3 = g x, u^4 = g g) that write nothing."""
+    x = torch.nan_to_num(flat.float(), nan=0.0, posinf=3e38, neginf=-3e38).reshape(-1)
     patterns, period = signs.shape
-    whole = x.numel() // period * period
-    rows, rest = x[:whole].view(-1, period), x[whole:]
+    u = x.abs()
+    g = x * u
+    whole = g.numel() // period * period
     total = torch.zeros(patterns + 1, dtype=torch.float32, device=flat.device)
-    total[:patterns] = signs @ (rows * rows.abs()).sum(0) + signs[:, :rest.numel()] @ (rest * rest.abs())
+    total[:patterns] = signs @ g[:whole].view(-1, period).sum(0) + signs[:, :g.numel() - whole] @ g[whole:]
     if atol or rtol:
-        t = atol + rtol * x.abs()
-        total[patterns] = (((2 * x.abs() + t) * t) ** 2).sum()
+        a, r = float(atol), float(rtol)
+        A, B, C = (2 + r) * r, 2 * a * (1 + r), a * a
+        total[patterns] = (A * A * torch.dot(g, g) + 2 * A * B * torch.dot(g, x) + (B * B + 2 * A * C) * torch.dot(x, x)
+                           + 2 * B * C * u.sum() + x.numel() * C * C)
     return total
 
 
