@@ -270,9 +270,9 @@ def turn_row_tokens(turns: int, max_tokens: int, response_fill: float, prompt_to
 
 
 def rl_update_passes(rl: dict[str, Any]) -> int:
-    """Passes of the trainer over a trained row in an RL step: one forward for the old policy's log-probs
-    (every row, before MRS and PRS drop any), then a forward and backward (3 passes) each PPO epoch."""
-    return 1 + 3 * rl.get("ppo_epochs", 1)
+    """The update's passes over a row it trains: a forward and backward (3 passes) each PPO epoch. Every row
+    is read once more before, by the old policy's log-prob forward (MRS and PRS then drop some)."""
+    return 3 * rl.get("ppo_epochs", 1)
 
 
 def rl_rows_train_seconds(config: dict[str, Any], units: Units, kind: str, row_tokens: float, rows: float,
@@ -296,7 +296,7 @@ def rl_rows_train_seconds(config: dict[str, Any], units: Units, kind: str, row_t
 
     if trained_row_tokens is None or trained_rows is None:
         trained_row_tokens, trained_rows = row_tokens, rows
-    return seconds(row_tokens, rows, 1) + seconds(trained_row_tokens, trained_rows, rl_update_passes(config["rl"]) - 1)
+    return seconds(row_tokens, rows, 1) + seconds(trained_row_tokens, trained_rows, rl_update_passes(config["rl"]))
 
 
 # --- the plan -------------------------------------------------------------------------------------------
@@ -484,7 +484,7 @@ def plan_cost(config: dict[str, Any], units: Units, gpus: int, kind: str, gym_gp
     rl_rows = turn_row_tokens(rl["max_turns"], rl["max_tokens"], units["response_fill"], units["prompt_tokens"],
                               units["feedback_tokens"])
     # the update recomputes the old policy's log-probs (one forward) before its forward and backward
-    train = sum(training_gpu_seconds(step_trajectories * row, trainer_flops(row, rl_update_passes(rl)), peak,
+    train = sum(training_gpu_seconds(step_trajectories * row, trainer_flops(row, 1 + rl_update_passes(rl)), peak,
                                      units["training_mfu"]) for row in rl_rows)
     optimizer = rl.get("mini_batches", 1) * rl.get("ppo_epochs", 1) * optimizer_step_seconds(
         params, rl_gpus, rl_memory.host_bytes_per_param, units["host_copy_bytes_per_s"])

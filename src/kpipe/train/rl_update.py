@@ -154,7 +154,6 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
     device, world = accelerator.device, accelerator.num_processes
     gathered = gather_object([(item.key, len(item.sample.response_ids), item.sample.length) for item in items])
     units = {key: response for key, response, _ in gathered}
-    row_tokens = {key: length for key, _, length in gathered}
     keys, mine = sorted(units), {item.key: item for item in items}
     filler = TrainItem(("", -1, -1), filler_sample(pad_id), 0.0, torch.zeros(1), torch.zeros(1))
     stats: dict[str, list[float]] = {}
@@ -219,7 +218,7 @@ def ppo_clip_steps(accelerator: Any, model: Any, optimizer: Any, items: Sequence
     out = {name: float(np.mean(values)) for name, values in stats.items()}
     out.update(optimizer_steps=float(len(stats.get("loss", [])) - skipped), skipped_steps=float(skipped),
                optimizer_s=optimizer_s,
-               trained_rows=float(len(keys)), trained_row_tokens=float(sum(row_tokens.values())))
+               trained_rows=float(len(keys)), trained_row_tokens=float(sum(length for _, _, length in gathered)))
     if keys:
         entropy = summed_over_processes(accelerator, entropy)
         out["entropy"] = entropy["sum"] / max(1.0, entropy["tokens"])
