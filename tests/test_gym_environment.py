@@ -171,9 +171,18 @@ def test_a_candidates_private_cache_is_a_copy_of_the_verified_trusted_one(tmp_pa
     (trusted_triton / "runtime" / "cuda_utils.so").write_bytes(b"\x7fELF trusted")
     (trusted_triton / "a_baseline_kernel").mkdir()
     (trusted_triton / "a_baseline_kernel" / "kernel.cubin").write_bytes(b"compiled kernel")
+    sketch_entry = trusted_triton / "sketch_key"  # the judge's own kernel, as Triton lays it out
+    sketch_entry.mkdir()
+    (sketch_entry / "kgym_output_sketch.cubin").write_bytes(b"the sketch")
+    (sketch_entry / "__grp__kgym_output_sketch.json").write_text(
+        json.dumps({"child_paths": {"kgym_output_sketch.cubin": str(sketch_entry / "kgym_output_sketch.cubin")}}))
     caches.seal()
     private = caches.for_candidate(tmp_path / "scratch")
-    assert not (Path(private["TRITON_CACHE_DIR"]) / "a_baseline_kernel").exists()  # only host-code entries
+    assert not (Path(private["TRITON_CACHE_DIR"]) / "a_baseline_kernel").exists()  # host code and the judge's kernels only
+    private_sketch = Path(private["TRITON_CACHE_DIR"]) / "sketch_key"
+    group = json.loads((private_sketch / "__grp__kgym_output_sketch.json").read_text())
+    assert group["child_paths"] == {"kgym_output_sketch.cubin": str(private_sketch / "kgym_output_sketch.cubin")}
+    assert (private_sketch / "kgym_output_sketch.cubin").read_bytes() == b"the sketch"  # the copy's own files
     copied = Path(private["TRITON_CACHE_DIR"]) / "runtime" / "cuda_utils.so"
     assert copied.read_bytes() == b"\x7fELF trusted" and not copied.is_symlink()
     copied.write_bytes(b"planted")  # the candidate writes into its copy: the original is untouched

@@ -29,7 +29,7 @@ from kpipe.gym.judge.result import STATUSES, EvalResult
 
 def test_every_candidate_has_limits_by_default_and_bad_values_are_refused() -> None:
     protocol = Protocol()
-    assert PROTOCOL_VERSION == "kgym-19"
+    assert PROTOCOL_VERSION == "kgym-20"
     assert protocol.limits() == Limits(memory_mb=16384, file_size_mb=1024, tasks=1024, disk_mb=4096)
     assert Protocol(memory_limit_mb=None, file_size_limit_mb=None, task_limit=None, disk_limit_mb=None).limits().any() is False
     for name, bad in (("memory_limit_mb", 255), ("file_size_limit_mb", 0), ("task_limit", 15), ("task_limit", 64.0),

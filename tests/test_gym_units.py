@@ -455,13 +455,17 @@ def test_window_outputs_gather_each_calls_own_values_whole_or_at_secret_position
     assert first["sketch"] != second["sketch"] and first["sketch_variance"] > 0 and "sketch_variance" not in second
 
 
+@pytest.mark.parametrize("form", ["torch", "kernel"])
 @pytest.mark.parametrize("numel", [5_000, (1 << 20) * 3 + 12_345])
-def test_the_sketch_is_its_formula_elementwise_in_float64(numel):
+def test_the_sketch_is_its_formula_elementwise_in_float64(numel, form):
     """S_p = sum_i s_p(i mod period) x_i |x_i| and V = sum_i ((2|x_i| + t_i) t_i)^2, t_i = atol + rtol |x_i|, as written
-    in the docstring, against the power-sum form the device computes (a tail shorter than the period included);
-    NaN counts as 0 and infinities as +-3e38 (a reference with them has no finite bound)."""
-    from kpipe.gym.candidate.trial_data import SKETCH_PERIOD, sketch, sketch_signs
+    in the docstring, against the power-sum form the CPU computes and the Triton kernel a GPU runs (here under the
+    interpreter), a tail shorter than the period included; NaN counts as 0 and infinities as +-3e38 (a reference with
+    them has no finite bound)."""
+    from kpipe.gym.candidate.sketch_kernel import sketch_by_kernel
+    from kpipe.gym.candidate.trial_data import SKETCH_PERIOD, sketch_by_torch, sketch_signs
 
+    sketch = {"torch": sketch_by_torch, "kernel": sketch_by_kernel}[form]
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3 + 0.5
     signs = sketch_signs(min(numel, SKETCH_PERIOD), 11, "cpu")
     got = sketch(x, signs, 1e-2, 2e-2)
@@ -476,6 +480,21 @@ def test_the_sketch_is_its_formula_elementwise_in_float64(numel):
     x[7], x[8] = float("nan"), float("inf")
     with_nonfinite = sketch(x, signs, 1e-2, 2e-2)
     assert not torch.isfinite(with_nonfinite[-1]) and not torch.isfinite(with_nonfinite[:-1]).all()
+
+
+def test_the_sketch_kernel_reads_half_precision_and_strided_outputs_as_the_torch_form_reads_them():
+    """The kernel reads an output as float32, as the torch form does, whatever its layout; its launches and its
+    compiled files carry the name that the windows' launch report and the candidates' seeded compile caches know."""
+    from kpipe.gym.candidate.sketch_kernel import KERNEL_NAME, kgym_output_sketch, sketch_by_kernel
+    from kpipe.gym.candidate.trial_data import sketch_by_torch, sketch_signs
+    from kpipe.gym.confine.compile_caches import JUDGE_KERNEL_NAMES
+
+    assert kgym_output_sketch.fn.__name__ == KERNEL_NAME and KERNEL_NAME in JUDGE_KERNEL_NAMES
+    signs = sketch_signs(5_000, 3, "cpu")
+    wide = torch.randn(5_000, 2, generator=torch.Generator().manual_seed(3))
+    for output in (wide[:, 0], wide[:, 1].to(torch.bfloat16)):  # strided, and half precision
+        got, expected = sketch_by_kernel(output, signs, 1e-2, 1e-2), sketch_by_torch(output.contiguous(), signs, 1e-2, 1e-2)
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-3)
 
 
 def test_a_forger_of_the_sampled_positions_fails_every_call_under_the_sign_patterns():

@@ -40,7 +40,9 @@ from kpipe.gym.confine.limits import Limits
 # kgym-19: the sketch in about 13 passes over a large output instead of 25 (its variance from power sums of |x|,
 # kpipe.gym.candidate.trial_data.sketch): the bulk of a window's fixed cost, which read fast candidates of 67 M-element
 # outputs 21-29 % slower than KernelBench's harness on an H100 (docs/kernelgym.md, Known limits).
-PROTOCOL_VERSION = "kgym-19"
+# kgym-20: on a GPU the sketch is one Triton kernel that reads the output once (kpipe.gym.candidate.sketch_kernel;
+# its variance bound summed elementwise), and a candidate's compile cache starts with the reference child's build of it.
+PROTOCOL_VERSION = "kgym-20"
 
 BASELINES = ("eager", "compile", "both")
 # the fields kgym-14 removed (the candidate's own timing), which a protocol of an earlier version may hold

@@ -52,6 +52,7 @@ from kpipe.gym.exchange import (JOB_FILE, PARTIAL_FILE, PREPARATION_FILE, WINDOW
                                 encode, gc_paused)
 from kpipe.gym.confine.limits import apply_rlimits
 from kpipe.gym.candidate.profiling import profile_cpu, profile_cuda
+from kpipe.gym.candidate.sketch_kernel import KERNEL_NAME as SKETCH_KERNEL_NAME
 from kpipe.gym.protocol import Protocol
 from kpipe.gym.candidate.timing import Clocks, flush_l2, l2_flush_buffer
 from kpipe.gym.candidate.trial_data import (WindowOutputs, clone_inputs, digest, fingerprint, flatten_output, make_inputs, subclass_outputs,
@@ -461,7 +462,7 @@ def run_candidate(job: dict[str, Any], protocol: Protocol, device: str, workdir:
         with instrument.recording() as log:  # what the windows launched: a report, which can only fail the candidate
             answer_windows(job, workdir, model, get_inputs, protocol, clocks, l2_flush_buffer(protocol, device), phase,
                            job["window_calls"], reference=False)
-        result["launches"]["windows"] = sorted(set(log.names))
+        result["launches"]["windows"] = sorted(set(log.names) - {SKETCH_KERNEL_NAME})  # the sketch's launches are the judge's
 
     phase("candidate integrity")
     result.update(integrity())

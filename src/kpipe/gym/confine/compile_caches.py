@@ -9,7 +9,9 @@ shared cache, and a planted entry could make another candidate fail or slow the
 - **candidate children** compile into a private directory inside their scratch directory,
   deleted with it: nothing a candidate writes is ever read by another evaluation. It is seeded
   with a copy (never a link) of the trusted Triton cache's host-code entries, so Triton's
-  runtime helpers (``cuda_utils``, kernel launchers: built by gcc) are not rebuilt per candidate;
+  runtime helpers (``cuda_utils``, kernel launchers: built by gcc) are not rebuilt per candidate,
+  and of the judge's own kernels (the timing windows' sketch, ``JUDGE_KERNEL_NAMES``), which the
+  reference child of the same task built, so no candidate pays their compilation;
 - **reference children** (outputs, eager and ``torch.compile`` baselines) share one trusted
   directory per launching process (a pool worker, or the ``kpipe gym eval`` process). That
   process never runs candidate code and keeps, in its own memory, the digest of every file the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -82,12 +85,35 @@ def snapshot(directory: Path) -> Manifest:
     return manifest
 
 
-def runtime_entries(triton_cache: Path) -> list[Path]:
-    """The Triton cache entries that hold compiled host code (``cuda_utils``, kernel launchers:
-    the ``.so`` files gcc builds), which any kernel may need; compiled kernels are left out."""
+# Triton kernels that the judge's code runs inside every child (kpipe.gym.candidate.sketch_kernel.KERNEL_NAME):
+# a trusted child's build of them is handed to candidates. Triton names a kernel's files after it
+JUDGE_KERNEL_NAMES = frozenset({"kgym_output_sketch"})
+
+
+def seeded_entries(triton_cache: Path) -> list[Path]:
+    """The Triton cache entries a candidate's private cache starts with: those that hold compiled host
+    code (``cuda_utils``, kernel launchers: the ``.so`` files gcc builds), which any kernel may need,
+    and the judge's own kernels; other compiled kernels (the baselines') are left out."""
     if not triton_cache.is_dir():
         return []
-    return sorted(entry for entry in triton_cache.iterdir() if entry.is_dir() and any(f.suffix == ".so" for f in entry.iterdir()))
+
+    def wanted(entry: Path) -> bool:
+        return any(f.suffix == ".so" or f.name.split(".")[0].removeprefix("__grp__") in JUDGE_KERNEL_NAMES
+                   for f in entry.iterdir())
+
+    return sorted(entry for entry in triton_cache.iterdir() if entry.is_dir() and wanted(entry))
+
+
+def copy_entry(entry: Path, destination: Path) -> None:
+    """A copy of a Triton cache entry whose group files (``__grp__*.json``: the absolute paths of the
+    entry's files, which Triton opens as they are) name the copy's files, not the trusted ones, which a
+    candidate's child cannot read."""
+    shutil.copytree(entry, destination, symlinks=True)
+    for group in destination.glob("__grp__*.json"):
+        data = json.loads(group.read_text())
+        if isinstance(data.get("child_paths"), dict):
+            data["child_paths"] = {name: str(destination / Path(path).name) for name, path in data["child_paths"].items()}
+            group.write_text(json.dumps(data))
 
 
 def foreign_entries(before: Manifest, now: Manifest) -> list[str]:
@@ -135,10 +161,10 @@ class CompileCaches:
 
     def for_candidate(self, private: Path) -> dict[str, str]:
         """Cache variables of a candidate child: `private` (inside its scratch directory),
-        seeded with a copy of the verified trusted Triton cache's runtime helpers."""
+        seeded with a copy of the verified trusted Triton cache's runtime helpers and judge's kernels."""
         self.verify()
-        for entry in runtime_entries(self.trusted / "triton"):
-            shutil.copytree(entry, private / "triton" / entry.name, symlinks=True)
+        for entry in seeded_entries(self.trusted / "triton"):
+            copy_entry(entry, private / "triton" / entry.name)
         return cache_variables(private)
 
 
