@@ -495,6 +495,9 @@ def test_the_sketch_kernel_reads_half_precision_and_strided_outputs_as_the_torch
     for output in (wide[:, 0], wide[:, 1].to(torch.bfloat16)):  # strided, and half precision
         got, expected = sketch_by_kernel(output, signs, 1e-2, 1e-2), sketch_by_torch(output.contiguous(), signs, 1e-2, 1e-2)
         assert torch.allclose(got, expected, rtol=1e-4, atol=1e-3)
+    rows = torch.zeros(2, signs.shape[0] + 1)  # a window's rows, written in place
+    assert sketch_by_kernel(wide[:, 0], signs, 1e-2, 1e-2, out=rows[1]).data_ptr() == rows[1].data_ptr()
+    assert torch.equal(rows[1], sketch_by_kernel(wide[:, 0], signs, 1e-2, 1e-2)) and not rows[0].any()
 
 
 def test_a_forger_of_the_sampled_positions_fails_every_call_under_the_sign_patterns():

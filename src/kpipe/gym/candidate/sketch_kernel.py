@@ -51,9 +51,10 @@ def kgym_output_sketch(x_ptr, columns_ptr, partial_variance_ptr, numel, period, 
     tl.store(partial_variance_ptr + program, tl.sum(variance, axis=0))
 
 
-def sketch_by_kernel(flat: torch.Tensor, signs: torch.Tensor, atol: float = 0.0, rtol: float = 0.0) -> torch.Tensor:
+def sketch_by_kernel(flat: torch.Tensor, signs: torch.Tensor, atol: float = 0.0, rtol: float = 0.0,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """``trial_data.sketch``'s [S_1 .. S_k, V] from one read of `flat` (a floating-point tensor of
-    ``KERNEL_DTYPES``, on a GPU or under the Triton interpreter)."""
+    ``KERNEL_DTYPES``, on a GPU or under the Triton interpreter), in `out` where given."""
     flat = flat.reshape(-1).contiguous()
     patterns, period = signs.shape
     programs = triton.cdiv(period, BLOCK)
@@ -61,7 +62,7 @@ def sketch_by_kernel(flat: torch.Tensor, signs: torch.Tensor, atol: float = 0.0,
     partial_variance = torch.empty(programs, dtype=torch.float32, device=flat.device)
     kgym_output_sketch[(programs,)](flat, column_sums, partial_variance, flat.numel(), period,
                                      triton.cdiv(flat.numel(), period), float(atol), float(rtol), BLOCK=BLOCK)
-    total = torch.empty(patterns + 1, dtype=torch.float32, device=flat.device)
+    total = torch.empty(patterns + 1, dtype=torch.float32, device=flat.device) if out is None else out
     torch.mv(signs, column_sums, out=total[:patterns])
     torch.sum(partial_variance, 0, out=total[patterns])
     return total
