@@ -50,6 +50,9 @@ def test_protocol_json_round_trip_and_unknown_keys():
         Protocol.from_dict({"correct_trials": 3, "trials": 4})
     with pytest.raises(ValueError, match="baseline"):
         Protocol(baseline="jit")
+    with pytest.raises(ValueError, match="window_sketch"):
+        Protocol(window_sketch="triton")
+    assert Protocol.from_json(Protocol(window_sketch="kernel").to_json()).window_sketch == "kernel"
 
 
 def test_eval_key_depends_on_every_part():

@@ -40,8 +40,10 @@ from kpipe.gym.confine.limits import Limits
 # kgym-19: the sketch in about 13 passes over a large output instead of 25 (its variance from power sums of |x|,
 # kpipe.gym.candidate.trial_data.sketch): the bulk of a window's fixed cost, which read fast candidates of 67 M-element
 # outputs 21-29 % slower than KernelBench's harness on an H100 (docs/kernelgym.md, Known limits).
-# kgym-20: on a GPU the sketch is one Triton kernel that reads the output once (kpipe.gym.candidate.sketch_kernel;
-# its variance bound summed elementwise), and a candidate's compile cache starts with the reference child's build of it.
+# kgym-20: the judge's work between a window's calls in fewer launches (the sampled positions by index_select, the
+# sketch written into the window's row), and `window_sketch`: "kernel" runs the sketch on a GPU as one Triton kernel
+# that reads the output once (kpipe.gym.candidate.sketch_kernel). Not the default: on an H100 it read the fast
+# candidates of 67 M-element outputs further from KernelBench's harness than kgym-18 did (docs/kernelgym.md, Known limits).
 PROTOCOL_VERSION = "kgym-20"
 
 BASELINES = ("eager", "compile", "both")
@@ -56,6 +58,8 @@ EARLIER_DEFAULTS["kgym-2"].update(cublas_workspace_config=":4096:8", warmup_ms=0
 for _version in (*EARLIER_DEFAULTS, "kgym-12", "kgym-13"):
     EARLIER_DEFAULTS.setdefault(_version, {})["disk_limit_mb"] = None
 DEVICES = ("auto", "cuda", "cpu")
+# how a timing window's output is sketched on a GPU (kpipe.gym.candidate.trial_data.sketch): torch ops, or one Triton kernel
+WINDOW_SKETCHES = ("torch", "kernel")
 # the least value of each limit (kpipe.gym.confine.limits): below them an honest child cannot start
 LIMIT_MINIMUMS = {"memory_limit_mb": 256, "file_size_limit_mb": 1, "task_limit": 16, "disk_limit_mb": 16}
 
@@ -156,6 +160,10 @@ class Protocol:
     # KernelBench and its published timings run; ":4096:8" made cuBLAS GEMMs 3-11 % slower
     # on the H100); an inherited setting wins
     cublas_workspace_config: str = ""
+    # how a GPU sketches a timing window's large outputs (WINDOW_SKETCHES): "torch", about 13 passes over the
+    # output (1.26 ms a call of 67 M elements on an H100), or "kernel", one Triton kernel (0.14 ms); the CPU
+    # always takes the torch form (docs/kernelgym.md, "Known limits")
+    window_sketch: str = "torch"
     version: str = field(default=PROTOCOL_VERSION)
 
     def __post_init__(self) -> None:
@@ -163,6 +171,8 @@ class Protocol:
             raise ValueError(f"baseline must be one of {BASELINES}, got {self.baseline!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.window_sketch not in WINDOW_SKETCHES:
+            raise ValueError(f"window_sketch must be one of {WINDOW_SKETCHES}, got {self.window_sketch!r}")
         if self.correct_trials < 1 or self.perf_trials < 1 or self.warmup < 0 or self.warmup_ms < 0:
             raise ValueError("correct_trials and perf_trials must be >= 1, warmup and warmup_ms >= 0")
         for name, least in LIMIT_MINIMUMS.items():

@@ -505,9 +505,10 @@ def window_calls(forward: Callable[..., Any], get_inputs: Callable[[], Any], dev
     def draw(call: int) -> list[Any]:
         return make_inputs(get_inputs, trial_seed(protocol.seed, call), device)
 
-    run_window_calls(forward, draw, sample, clocks, l2, protocol.seed, tolerance)  # caches, allocator blocks, clocks
+    run_window_calls(forward, draw, sample, clocks, l2, protocol.seed, tolerance,  # caches, allocator blocks, clocks
+                     sketch_form=protocol.window_sketch)
     started = clocks.perf_counter()
-    _, calls_ms = run_window_calls(forward, draw, sample, clocks, l2, protocol.seed, tolerance)
+    _, calls_ms = run_window_calls(forward, draw, sample, clocks, l2, protocol.seed, tolerance, sketch_form=protocol.window_sketch)
     call_ms = max(calls_ms, (clocks.perf_counter() - started) * 1e3) / sample
     wanted = math.ceil(WINDOW_TARGET_MS["cuda" if device == "cuda" else "cpu"] / call_ms) if call_ms > 0 else WINDOW_MAX_CALLS
     most = WINDOW_MAX_CALLS if device == "cuda" else min(WINDOW_MAX_CALLS, protocol.perf_trials)
@@ -525,13 +526,13 @@ def draw_chunk(draw: Callable[[int], list[Any]], first: int, calls: int) -> list
 
 def run_window_calls(forward: Callable[..., Any], draw: Callable[[int], list[Any]], calls: int, clocks: Clocks,
                      l2: torch.Tensor | None, seed: int, tolerance: tuple[float, float] | None = None,
-                     report_variance: bool = False) -> tuple[list[list[dict[str, Any]]], float]:
+                     report_variance: bool = False, sketch_form: str = "torch") -> tuple[list[list[dict[str, Any]]], float]:
     """One window's calls, back to back as a GPU queue takes them: their inputs drawn in chunks
     (``draw_chunk``; `draw` gives a call's), each call behind the L2 flush, the host waiting for the
     GPU once before the first and once after the last, then one copy to the host per output
     position (``kpipe.gym.candidate.trial_data.WindowOutputs``, whose positions and sketch signs
     come from `seed`; with `tolerance` every call's sketch variance bound is computed too, and kept
-    in the digests with `report_variance`). Returns each call's output digests and the calls' own
+    in the digests with `report_variance`; `sketch_form`: the protocol's ``window_sketch``). Returns each call's output digests and the calls' own
     milliseconds, summed: on a GPU from an event queued behind the flush to one right after the
     call (KernelBench's region), on the CPU the host clock around the call. Read from the
     reference's child only: the judge's clock covers the whole window, whose other work (drawing the
@@ -559,7 +560,7 @@ def run_window_calls(forward: Callable[..., Any], draw: Callable[[int], list[Any
                 outputs = flatten_output(forward(*inputs))
                 calls_ms += (clocks.perf_counter() - started) * 1e3
             if call == 0:
-                gathered = [WindowOutputs(output, calls, seed, tolerance) for output in outputs]
+                gathered = [WindowOutputs(output, calls, seed, tolerance, sketch_form) for output in outputs]
             if len(outputs) != len(gathered):
                 raise ValueError(f"call {call} returned {len(outputs)} outputs, the first call {len(gathered)}")
             for position, output in zip(gathered, outputs):
@@ -604,7 +605,7 @@ def answer_windows(job: dict[str, Any], workdir: Path, forward: Callable[..., An
             clocks.sync()
             done += 1
     rehearsal, _ = run_window_calls(forward, lambda call: warm[call % len(warm)], min(calls, 2), clocks, l2, 0,
-                                    tolerance, reference)
+                                    tolerance, reference, protocol.window_sketch)
     encode({"outputs": rehearsal})
     del warm, rehearsal
     compile_ms: list[float] = []
@@ -624,7 +625,7 @@ def answer_windows(job: dict[str, Any], workdir: Path, forward: Callable[..., An
                 return make_inputs(get_inputs, trial_seed(seed, call), device)
 
             phase(f"{step}: calls on fresh inputs, their outputs to the host", announce=False)
-            outputs, calls_ms = run_window_calls(forward, draw, calls, clocks, l2, seed, tolerance, reference)
+            outputs, calls_ms = run_window_calls(forward, draw, calls, clocks, l2, seed, tolerance, reference, protocol.window_sketch)
             phase(f"{step}: writing the answer", announce=False)
             answer: dict[str, Any] = {"outputs": outputs}
             if reference:
@@ -632,7 +633,7 @@ def answer_windows(job: dict[str, Any], workdir: Path, forward: Callable[..., An
             write_result(str(workdir / WINDOW_ANSWER_FILE.format(round=index)), answer)
         if compiled is not None:
             phase(f"{step}: the torch.compile baseline", announce=False)
-            compile_ms.append(run_window_calls(compiled, draw, calls, clocks, l2, seed)[1])
+            compile_ms.append(run_window_calls(compiled, draw, calls, clocks, l2, seed, sketch_form=protocol.window_sketch)[1])
         del outputs
     return compile_ms
 

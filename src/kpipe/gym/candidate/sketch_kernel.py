@@ -2,13 +2,15 @@
 
 Both children pay the sketch inside every timed call, so it is the bulk of a window's fixed cost on
 a large output, and that cost's noise is read as the candidate's time (kgym-19's torch form, about 13
-passes and 25 launches, still read fast candidates of 67 M-element outputs 21-29 % slower than
-KernelBench's harness on an H100). The kernel reads each element once: each program sums g(x) = x|x|
+passes and 25 launches; kgym-18's 25 passes read fast candidates of 67 M-element outputs 21-29 % slower
+than KernelBench's harness on an H100). The kernel reads each element once: each program sums g(x) = x|x|
 down its columns of the secret patterns' period and accumulates the variance bound
 ((2|x| + t) t)^2, t = atol + rtol |x|, elementwise (the formula itself, not its power sums); the
 patterns' matrix-vector product and the programs' partial bounds follow in two torch ops.
 
-Its launches are the judge's, not the candidate's: ``kpipe.gym.candidate.child`` leaves
+It runs where the protocol's ``window_sketch`` is "kernel" (not the default: on an H100 the windows it left
+short read fast candidates of 67 M-element outputs further from KernelBench's harness, docs/kernelgym.md,
+Known limits). Its launches are the judge's, not the candidate's: ``kpipe.gym.candidate.child`` leaves
 ``KERNEL_NAME`` out of what a candidate's windows launched, and
 ``kpipe.gym.confine.compile_caches`` seeds a candidate's private compile cache with the trusted
 children's build of it, so no candidate pays its compilation.

@@ -117,7 +117,7 @@ def sketch_signs(count: int, seed: int, device: torch.device | str) -> torch.Ten
 
 
 def sketch(flat: torch.Tensor, signs: torch.Tensor, atol: float = 0.0, rtol: float = 0.0,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, form: str = "torch") -> torch.Tensor:
     """[S_1 .. S_k, V] (float32, on the output's device): S_p = sum_i s_pi g(x_i), g(x) = x|x|, over every
     element of `flat`, s_p the p-th of the secret sign patterns `signs` repeated; V = sum_i ((2|x_i| + t_i) t_i)^2,
     t_i = atol + rtol |x_i|, the variance of each S_p's difference for outputs within the elementwise tolerance
@@ -126,10 +126,11 @@ def sketch(flat: torch.Tensor, signs: torch.Tensor, atol: float = 0.0, rtol: flo
     product (Freivalds).
 
     Both children pay it inside every timed call, so it is the bulk of a window's fixed cost on a large output,
-    and that cost's noise is read as the candidate's time. On a GPU one Triton kernel reads a floating-point
-    output once (kpipe.gym.candidate.sketch_kernel, kgym-20); elsewhere ``sketch_by_torch``. With `out`, written
-    there (a window's row: no allocation or copy between its calls)."""
-    if flat.is_cuda:
+    and that cost's noise is read as the candidate's time. With `form` "kernel" (the protocol's
+    ``window_sketch``) a GPU reads a floating-point output once in one Triton kernel
+    (kpipe.gym.candidate.sketch_kernel); otherwise ``sketch_by_torch``. With `out`, written there (a window's
+    row: no allocation or copy between its calls)."""
+    if form == "kernel" and flat.is_cuda:
         from kpipe.gym.candidate.sketch_kernel import KERNEL_DTYPES, sketch_by_kernel
 
         if flat.dtype in KERNEL_DTYPES:
@@ -170,8 +171,9 @@ class WindowOutputs:
     judge's clock) and only the reference's reports. Each output is read when its call returns,
     since a kernel may hand back a buffer its next call reuses."""
 
-    def __init__(self, first: torch.Tensor, calls: int, seed: int, tolerance: tuple[float, float] | None = None) -> None:
-        self.shape, self.dtype, self.tolerance = tuple(first.shape), first.dtype, tolerance
+    def __init__(self, first: torch.Tensor, calls: int, seed: int, tolerance: tuple[float, float] | None = None,
+                 sketch_form: str = "torch") -> None:
+        self.shape, self.dtype, self.tolerance, self.sketch_form = tuple(first.shape), first.dtype, tolerance, sketch_form
         numel = first.numel()
         self.positions = None
         if numel > WINDOW_FULL_ELEMENTS:
@@ -191,7 +193,7 @@ class WindowOutputs:
             return
         flat = output.reshape(-1)  # the judge's work between two calls: as few launches as it can be
         torch.index_select(flat, 0, self.positions, out=self.buffer[call])
-        sketch(flat, self.signs, *(self.tolerance or (0.0, 0.0)), out=self.sketches[call])
+        sketch(flat, self.signs, *(self.tolerance or (0.0, 0.0)), out=self.sketches[call], form=self.sketch_form)
 
     def digests(self, report_variance: bool) -> list[dict[str, Any]]:
         host = self.buffer.to("cpu")
