@@ -401,3 +401,26 @@ def test_the_batch_section_runs_the_engines_it_is_given(tmp_path):
                             "standalone,sglang", "--out", str(tmp_path / "wrong")], cwd=ROOT, capture_output=True,
                            text=True, timeout=300, env=env)
     assert wrong.returncode != 0 and "unknown engine(s) sglang" in (tmp_path / "wrong" / "paper_units.md").read_text()
+
+
+def test_a_batch_split_over_two_calls_compares_with_the_earlier_engine_of_the_same_batch(tmp_path):
+    """The paper's 8,192-token batch takes an engine's whole call: a kpipe-only run reads standalone's figures from the
+    current report where an earlier call measured them at the same batch, vLLM and card, and nowhere else."""
+    spec = {"model": "/tmp/m", "tiny": False, "utilization": 0.9, "max_model_len": 32768, "batch": 256,
+            "content_tokens": 1000, "output_tokens": 8192}
+    key = paper_units.batch_key(spec, "0.26.0", "NVIDIA H200")
+    assert "model" not in key and key["card"] == "NVIDIA H200"
+    assert paper_units.batch_key({**spec, "model": "/elsewhere"}, "0.26.0", "NVIDIA H200") == key
+    results = tmp_path / "paper_units.json"
+    assert paper_units.earlier_batch_engine(results, "standalone", key) is None  # no report yet
+    standalone = {"output_tokens_per_s": 3100.0, "kv_capacity_tokens": 791824}
+    results.write_text(json.dumps({"sections": {"vllm_batch": {
+        "data": {"batch_key": key, "engines": {"standalone": standalone}},
+        "facts": {"commit": "abc1234", "date": "2026-12-08 02:00 UTC", "device": "NVIDIA H200"}}}}))
+    found = paper_units.earlier_batch_engine(results, "standalone", key)
+    assert found == {**standalone, "measured": "commit abc1234, 2026-12-08 02:00 UTC"}
+    assert paper_units.earlier_batch_engine(results, "kpipe", key) is None  # not measured then
+    for changed in ({"output_tokens": 1024}, {"utilization": 0.5}):
+        assert paper_units.earlier_batch_engine(results, "standalone", paper_units.batch_key({**spec, **changed}, "0.26.0",
+                                                                                             "NVIDIA H200")) is None
+    assert paper_units.earlier_batch_engine(results, "standalone", paper_units.batch_key(spec, "0.26.0", "NVIDIA H100 80GB HBM3")) is None
