@@ -173,7 +173,9 @@ class ModelNew(nn.Module):
 # diagnostic, the highest speedup it may read). Each passed at 2.5-734x against kgym-13's judge. The bound is
 # twice the speed the attack really has (a third of the reference's, or the reference's own): on a loaded
 # 2-core host (`make test` beside `.ci/run`) the windows' ratio read the forger, which runs the reference's
-# sleeping forward, at 1.78x; a forgery that worked would read 3x (the challenge's old bound) to 734x.
+# sleeping forward, at 1.78x, and beside another `make test` once through the pool at 2.02x, failing this bound: its
+# kept reference run had been timed under a heavier load (docs/kernelgym.md, Known limits, "A reference run timed
+# under another load than its candidates"); a forgery that worked would read 3x (the challenge's old bound) to 734x.
 EXPECTED = {
     "rewrites_its_timings_in_memory": ("pass", "", 2 / 3),
     "forges_the_exchange_from_memory": ("pass", "", 2.0),  # the reference's speed, computed on the judge's clock
