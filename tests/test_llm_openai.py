@@ -120,3 +120,44 @@ def test_fault_spec_parsing():
         FaultConfig.parse("503=0.1")
     with pytest.raises(ValueError, match="sum"):
         FaultConfig.parse("429=0.8,500=0.5")
+
+
+def test_a_jobs_server_dies_with_the_job_even_when_the_job_is_killed(tmp_path):
+    """`serving_in_subprocess` (the offline teacher of distillation and evaluation): a job killed where it cannot clean
+    up (SIGKILL; Ctrl-C under load left one) takes its server with it, so no orphan holds the run's output pipe."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from kpipe.infra.process import process_start
+
+    job = subprocess.Popen([sys.executable, "-c", (
+        "import time\nfrom kpipe.llm.server import served_in_subprocess\n"
+        "with served_in_subprocess(['teacher']) as url:\n    print(url, flush=True)\n    time.sleep(600)\n")],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert job.stdout.readline().startswith("http://")
+
+        def children() -> list[int]:
+            found = []
+            for entry in os.scandir("/proc"):
+                try:
+                    if entry.name.isdigit() and open(f"/proc/{entry.name}/stat").read().rsplit(")", 1)[1].split()[1] == str(job.pid):
+                        found.append(int(entry.name))
+                except (OSError, IndexError):
+                    pass
+            return found
+
+        (server,) = children()
+        assert b"serve" in open(f"/proc/{server}/cmdline", "rb").read()
+        os.kill(job.pid, signal.SIGKILL)
+        job.wait()
+        deadline = time.monotonic() + 30
+        while process_start(server) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process_start(server) is None, "the job's server outlived the job"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
+from kpipe.infra.process import tied_to_this_process
 from kpipe.llm.types import ChatRequest, Completion
 
 FAULT_KINDS = ("429", "500", "delay", "truncate", "codeless")
@@ -239,7 +240,9 @@ def serving_in_subprocess(serve_args: list[str], startup_timeout_s: float = 120.
     with tempfile.TemporaryDirectory(prefix="kpipe-serve-") as scratch:
         ready = Path(scratch) / "url"
         command = [sys.executable, "-m", "kpipe.cli", "serve", *serve_args, "--port", "0", "--ready-file", str(ready)]
-        child = subprocess.Popen(command, start_new_session=True)
+        # dies with this job, also when the job cannot clean up (Ctrl-C under load left one holding the run's
+        # output pipe, and Snakemake's caller waited on it)
+        child = subprocess.Popen(tied_to_this_process(command), start_new_session=True)
         deadline = time.monotonic() + startup_timeout_s
 
         def base_url() -> str:
